@@ -1,0 +1,207 @@
+"""The frontend's ASGI application.
+
+Routes: every (method, path) a registered codec declares goes to the shared
+handler; a registered path with another method gets 405 in that format's
+shape. Control routes: ``GET /health`` (200 once a worker is up, else 503),
+``GET /v1/models`` (models, formats and workers with their state) and
+``GET /stats`` (counters). Anything else is 404.
+
+The ASGI lifespan starts the embedded simulators (when no worker is
+configured), probes the workers and runs the health watcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import AsyncExitStack
+from typing import Any
+
+import anyio
+import orjson
+
+from .accounting import RequestState
+from .codec import Codec
+from .config import Settings
+from .embedded import embedded_workers
+from .framing import Receive, Send, send_unary
+from .handler import handle_generate, reject_method
+from .registry import LoadedCodec, load_codecs
+from .workers.http import WorkerError
+from .workers.router import Router, Worker
+
+log = logging.getLogger("asgi_generate")
+NOT_FOUND = orjson.dumps({"detail": "Not Found"})
+ABORT_TRIES = 3
+
+
+class App:
+    """The asgi-generate ASGI app.
+
+    Args:
+        settings: the configuration.
+        codecs: the codecs to serve; by default every installed one
+            (:func:`asgi_generate.registry.load_codecs`).
+
+    Raises:
+        CodecLoadError: installed codecs cannot be served together.
+    """
+
+    def __init__(self, settings: Settings, codecs: list[LoadedCodec] | None = None) -> None:
+        self.settings = settings
+        self.codecs = load_codecs(settings.skip_broken_codecs) if codecs is None else codecs
+        self.routes: dict[tuple[str, str], Codec] = {}
+        self.paths: dict[str, list[str]] = {}
+        for item in self.codecs:
+            for route in item.codec.routes:
+                self.routes[(route.method, route.path)] = item.codec
+                self.paths.setdefault(route.path, []).append(route.method)
+        self.router = Router([])
+        self.started_unix_ms = int(time.time() * 1000)
+        self.counters: dict[str, int] = {
+            "requests": 0,
+            "aborts_sent": 0,
+            "aborts_unacknowledged": 0,
+        }
+        self.by_status: dict[str, int] = {}
+
+    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            method, path = scope["method"], scope["path"]
+            codec = self.routes.get((method, path))
+            if codec is not None:
+                await handle_generate(self, codec, scope, receive, send)
+            elif path in self.paths:
+                codec = self.routes[(self.paths[path][0], path)]
+                await reject_method(self, codec, scope, self.paths[path], send)
+            elif method == "GET" and path == "/health":
+                ok = self.router.healthy_count > 0
+                body = {"status": "ok" if ok else "unavailable", "healthy_workers": self.router.healthy_count}
+                await send_unary(send, 200 if ok else 503, orjson.dumps(body))
+            elif method == "GET" and path == "/v1/models":
+                await send_unary(send, 200, orjson.dumps(self.models()))
+            elif method == "GET" and path == "/stats":
+                await send_unary(send, 200, orjson.dumps(self.stats()))
+            else:
+                await send_unary(send, 404, NOT_FOUND)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    # -- lifespan ----------------------------------------------------------
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        message = await receive()
+        if message["type"] != "lifespan.startup":
+            return
+        started = False
+        try:
+            async with AsyncExitStack() as stack:
+                specs = self.settings.workers
+                if not specs:
+                    specs = await stack.enter_async_context(
+                        embedded_workers(
+                            self.settings.embedded_workers,
+                            "sglang",
+                            self.settings.embedded_ttft_ms,
+                            self.settings.embedded_itl_ms,
+                        )
+                    )
+                self.router = Router(
+                    specs,
+                    connect_timeout=self.settings.connect_timeout,
+                    read_timeout=self.settings.read_timeout,
+                )
+                stack.push_async_callback(self.router.aclose)
+                async with anyio.create_task_group() as probes:
+                    for worker in self.router.workers:
+                        probes.start_soon(self.router.probe, worker)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self.router.watch, self.settings.health_interval)
+                    await send({"type": "lifespan.startup.complete"})
+                    started = True
+                    while (await receive())["type"] != "lifespan.shutdown":
+                        pass
+                    tg.cancel_scope.cancel()
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("startup failed")
+            await send({"type": "lifespan.startup.failed", "message": repr(exc)})
+            return
+        await send({"type": "lifespan.shutdown.complete"})
+
+    # -- used by the handler -------------------------------------------------
+
+    async def abort_engine_request(self, worker: Worker, engine_id: str) -> bool:
+        """Ask ``worker``'s engine to abort ``engine_id``; retry with backoff.
+
+        Returns whether the engine acknowledged (HTTP 200). An unacknowledged
+        abort is logged and counted.
+        """
+        proto = worker.protocol
+        body = proto.abort_body(engine_id)
+        self.counters["aborts_sent"] += 1
+        delay = 0.05
+        for _ in range(ABORT_TRIES):
+            try:
+                with anyio.fail_after(self.settings.abort_timeout):
+                    async with worker.pool.request(
+                        b"POST", proto.abort_path, body, [(b"content-type", b"application/json")]
+                    ) as resp:
+                        await resp.read()
+                        if resp.status == 200:
+                            return True
+            except (WorkerError, TimeoutError):
+                pass
+            await anyio.sleep(delay)
+            delay *= 4
+        self.counters["aborts_unacknowledged"] += 1
+        log.warning("worker %s did not acknowledge the abort of %s", worker.id, engine_id)
+        return False
+
+    def request_finished(self, st: RequestState) -> None:
+        """Called once per request on the handler's way out."""
+        self.counters["requests"] += 1
+        self.by_status[st.status or "unknown"] = self.by_status.get(st.status or "unknown", 0) + 1
+
+    # -- control routes ----------------------------------------------------------
+
+    def models(self) -> dict[str, Any]:
+        """The ``/v1/models`` body: served models, formats and workers."""
+        names = sorted({w.info.get("served_model_name") or w.info.get("model_path") or "unknown"
+                        for w in self.router.workers})
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": self.started_unix_ms // 1000, "owned_by": "asgi-generate"}
+                for name in names
+            ],
+            "formats": [
+                {
+                    "name": item.codec.name,
+                    "routes": [f"{r.method} {r.path}" for r in item.codec.routes],
+                    "worker_protocol": item.codec.worker_protocol,
+                    "distribution": item.distribution,
+                    "version": item.version,
+                }
+                for item in self.codecs
+            ],
+            "workers": [w.describe() for w in self.router.workers],
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """The ``/stats`` body: request and abort counters, pool figures."""
+        return {
+            **self.counters,
+            "by_status": dict(self.by_status),
+            "workers": {
+                w.id: {
+                    "outstanding": w.outstanding,
+                    "idle_connections": w.pool.idle,
+                    "connections_opened": w.pool.opened,
+                    "connections_retired": w.pool.retired,
+                }
+                for w in self.router.workers
+            },
+        }

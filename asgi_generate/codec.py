@@ -1,0 +1,213 @@
+"""The codec API: what a wire format plugs into the shared /generate handler.
+
+A codec is a sans-IO object, in the spirit of h11: it turns bytes into
+normalized values and normalized values into bytes, with no sockets, awaits or
+clocks. The handler owns every await, timeout, retry, abort and trace record,
+and derives all of them from the normalized :class:`Event` stream that every
+codec must produce anyway. Codecs register through the entry point group
+``asgi_generate.codecs`` (see :mod:`asgi_generate.registry`); an entry point
+names a :class:`Codec` subclass or a zero-argument factory returning one.
+
+Per request the handler calls, in order::
+
+    request  = codec.decode(body, headers)          # or RequestError
+    exchange = codec.exchange(request, request_id)
+    for each attempt on a worker:
+        wreq  = exchange.worker_request(attempt)    # bytes for the worker
+        event = exchange.feed(attempt, payload)     # per worker SSE payload
+        data  = exchange.client_event(event)        # SSE mode: bytes to send
+    status, body = exchange.unary_body()             # unary mode, at the end
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """An HTTP method and path a codec serves, e.g. ``Route("POST", "/generate")``."""
+
+    method: str
+    path: str
+
+
+class RequestError(Exception):
+    """A request the frontend refuses, rendered in the format's error shape.
+
+    Args:
+        status: HTTP status (400, 404, 405, 413, 415, 503, ...).
+        message: what was wrong, for a human.
+        kind: a short machine name (``invalid_json``, ``invalid_request``,
+            ``too_large``, ``unavailable``, ``engine``, ``internal``); codecs
+            may pick their error shape from it.
+    """
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """The normalized request: what the handler may know about a request.
+
+    Attributes:
+        stream: the client asked for SSE.
+        public_id: the client's own request id (``rid``, ``request_id``,
+            ``X-Request-Id``), echoed back to it; ``None`` if it gave none.
+        input_ids: prompt token ids when the input is token-only, else ``None``.
+        max_new_tokens: the output cap in tokens, ``None`` if uncapped.
+        model: the model named by the request, if any.
+        replay_excluded: why the input cannot be replayed from token ids
+            (``"text"``, ``"multimodal"``, ``"embeddings"``), else ``None``.
+        native: codec-private parsed payload; the handler never reads it.
+    """
+
+    stream: bool
+    public_id: str | None = None
+    input_ids: list[int] | None = None
+    max_new_tokens: int | None = None
+    model: str | None = None
+    replay_excluded: str | None = None
+    native: Any = None
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One engine leg of a request on one worker.
+
+    Attributes:
+        engine_id: the id minted for the engine, unique per attempt, fixed
+            width (so no minted id is a prefix of another: SGLang aborts by
+            prefix).
+        role: ``aggregated``, ``prefill`` or ``decode``.
+        worker_id: the worker's id in the router.
+        worker_info: the worker's server info (e.g. SGLang ``/get_server_info``).
+        live: the engine may be running this leg (set by the handler).
+        outcome: how the leg ended (set by the handler): ``finished``,
+            ``aborted``, ``error``, ``connect_failed``, ``worker_lost``.
+        abort_acked: the engine acknowledged an abort of this leg.
+        worker: the router's worker object (the handler's; codecs ignore it).
+    """
+
+    engine_id: str
+    role: str = "aggregated"
+    worker_id: str = ""
+    worker_info: Mapping[str, Any] = field(default_factory=dict)
+    worker: Any = None
+    live: bool = False
+    outcome: str | None = None
+    abort_acked: bool | None = None
+
+
+@dataclass(slots=True)
+class WorkerRequest:
+    """What to POST to a worker: path, body and extra headers."""
+
+    path: bytes
+    body: bytes
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineError:
+    """An error the engine reported, with the HTTP status it implies."""
+
+    status: int
+    message: str
+
+
+@dataclass(slots=True)
+class Event:
+    """One normalized worker event.
+
+    Attributes:
+        token_ids: output tokens new in this event (a delta, never cumulative).
+        finish_reason: ``None`` while running, else the engine's reason as a
+            string (``stop``, ``length``, ``abort``, ...).
+        error: set when the engine reported an error instead of output.
+        prompt_tokens, completion_tokens, cached_tokens: usage the engine
+            reported, when it did.
+    """
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    error: EngineError | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+class Exchange:
+    """Codec state for one request: builds worker bodies, reads worker
+    events, renders the client's answer. Subclass per codec."""
+
+    def worker_request(self, attempt: Attempt) -> WorkerRequest:
+        """The worker request body for ``attempt``; always a streaming request."""
+        raise NotImplementedError
+
+    def feed(self, attempt: Attempt, payload: bytes) -> Event:
+        """Parse one worker SSE ``data`` payload (never ``[DONE]``).
+
+        Raises:
+            RequestError: the payload is not what the worker protocol allows
+                (kind ``engine``).
+        """
+        raise NotImplementedError
+
+    def client_event(self, event: Event) -> bytes | None:
+        """SSE mode: the ``data`` payload to send the client for ``event``
+        (the one last fed), or ``None`` to send nothing."""
+        raise NotImplementedError
+
+    def unary_body(self) -> tuple[int, bytes]:
+        """Unary mode, after the last event: status and body."""
+        raise NotImplementedError
+
+    def worker_error(self, status: int, body: bytes) -> tuple[int, bytes]:
+        """A worker answered ``status`` (not 200) with ``body`` before
+        streaming: the status and body for the client."""
+        raise NotImplementedError
+
+
+class Codec:
+    """A wire format. Subclasses set the class attributes and methods.
+
+    Attributes:
+        name: the format's name (``sglang``, ``vllm``, ...), unique.
+        routes: the (method, path) pairs it serves.
+        worker_protocol: the worker protocol it rides on (``sglang``, ``vllm``).
+        content_type: the unary response media type.
+        sse_terminal: the bytes that end an SSE response.
+    """
+
+    name: str = ""
+    routes: tuple[Route, ...] = ()
+    worker_protocol: str = ""
+    content_type: bytes = b"application/json"
+    sse_terminal: bytes = b"data: [DONE]\n\n"
+
+    def decode(self, body: bytes, headers: Mapping[bytes, bytes]) -> GenerateRequest:
+        """Parse and check a request body; ``headers`` has lower-case names.
+
+        Raises:
+            RequestError: the input is bad; nothing reaches an engine.
+        """
+        raise NotImplementedError
+
+    def exchange(self, request: GenerateRequest, request_id: str) -> Exchange:
+        """Per-request state; ``request_id`` is the frontend's internal id,
+        shown to the client where the format shows a server-made id."""
+        raise NotImplementedError
+
+    def error_body(self, error: RequestError) -> bytes:
+        """The unary body for ``error`` in the format's error shape."""
+        raise NotImplementedError
+
+    def in_band_error(self, error: RequestError) -> bytes:
+        """The SSE ``data`` payload carrying ``error`` after the 200 was sent."""
+        raise NotImplementedError

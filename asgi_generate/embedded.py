@@ -1,0 +1,106 @@
+"""Embedded simulated workers: what ``asgi-generate serve`` runs when no
+worker is given.
+
+Each simulator is its own process (``python -m asgi_generate sim``) serving a
+loopback socket that this process bound to a free port and hands over by file
+descriptor, so there is no port race. The children watch this process and
+exit with it; on a clean exit they are terminated, then killed if they linger.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import anyio
+
+from .workers.http import ConnectionPool, WorkerError
+
+log = logging.getLogger("asgi_generate.embedded")
+
+
+@asynccontextmanager
+async def embedded_workers(
+    count: int,
+    protocol: str = "sglang",
+    ttft_ms: float = 0.0,
+    itl_ms: float = 0.0,
+    ready_timeout: float = 60.0,
+) -> AsyncIterator[list[tuple[str, str]]]:
+    """Start ``count`` simulators speaking ``protocol``; yield their
+    ``(protocol, url)`` specs once each answers ``/health``; stop them on exit.
+
+    Raises:
+        RuntimeError: a simulator exited or did not become healthy in time.
+    """
+    procs: list[anyio.abc.Process] = []
+    specs: list[tuple[str, str]] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(1024)
+            sock.set_inheritable(True)
+            port = sock.getsockname()[1]
+            cmd = [
+                sys.executable, "-m", "asgi_generate", "sim",
+                "--protocol", protocol,
+                "--fd", str(sock.fileno()),
+                "--parent-pid", str(os.getpid()),
+                "--ttft-ms", str(ttft_ms),
+                "--itl-ms", str(itl_ms),
+            ]
+            try:
+                proc = await anyio.open_process(
+                    cmd, pass_fds=[sock.fileno()], stdin=subprocess.DEVNULL, stdout=None, stderr=None
+                )
+            finally:
+                sock.close()
+            procs.append(proc)
+            specs.append((protocol, f"http://127.0.0.1:{port}"))
+        for proc, (_, url) in zip(procs, specs):
+            await _wait_ready(proc, url, ready_timeout)
+        log.info("embedded %s workers: %s", protocol, ", ".join(u for _, u in specs))
+        yield specs
+    finally:
+        with anyio.CancelScope(shield=True):
+            for proc in procs:
+                await _stop(proc)
+
+
+async def _wait_ready(proc: anyio.abc.Process, url: str, timeout: float) -> None:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    pool = ConnectionPool(host, int(port), connect_timeout=1.0, read_timeout=5.0)
+    try:
+        with anyio.fail_after(timeout):
+            while True:
+                if proc.returncode is not None:
+                    raise RuntimeError(f"embedded worker {url} exited with {proc.returncode}")
+                try:
+                    async with pool.request(b"GET", b"/health") as resp:
+                        await resp.read()
+                        if resp.status == 200:
+                            return
+                except WorkerError:
+                    pass
+                await anyio.sleep(0.05)
+    except TimeoutError:
+        raise RuntimeError(f"embedded worker {url} not healthy after {timeout:g} s") from None
+    finally:
+        await pool.aclose()
+
+
+async def _stop(proc: anyio.abc.Process) -> None:
+    if proc.returncode is None:
+        proc.terminate()
+        with anyio.move_on_after(5):
+            await proc.wait()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

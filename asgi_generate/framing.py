@@ -1,0 +1,149 @@
+"""HTTP framing on both sides of the frontend, over raw ASGI and raw bytes.
+
+Client side: a size-capped body reader, a unary responder and an SSE writer
+(``text/event-stream``, one ``data:`` line per event ending ``\\n\\n``, the
+format's terminal marker, ``:`` comments as keep-alives), following the
+WHATWG HTML "Server-sent events" section.
+
+Worker side: an incremental SSE decoder that turns response body bytes into
+the payload of each ``data:`` event.
+"""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable, Iterable
+
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+Headers = Iterable[tuple[bytes, bytes]]
+
+JSON = b"application/json"
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+class ClientDisconnected(Exception):
+    """The client sent ``http.disconnect`` before the request body was whole."""
+
+
+class BodyTooLarge(Exception):
+    """The request body exceeds the cap; ``limit`` is the cap in bytes."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body exceeds the limit of {limit} bytes")
+        self.limit = limit
+
+
+async def read_body(receive: Receive, limit: int, content_length: int | None) -> bytes:
+    """Read the whole request body, at most ``limit`` bytes.
+
+    A declared ``content_length`` over the limit fails before reading; a
+    chunked body fails as soon as the bytes received pass the limit.
+
+    Raises:
+        BodyTooLarge: the body is larger than ``limit``.
+        ClientDisconnected: the client went away mid-body.
+    """
+    if content_length is not None and content_length > limit:
+        raise BodyTooLarge(limit)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected()
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(limit)
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def send_unary(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes = JSON,
+    headers: Headers = (),
+) -> None:
+    """Send one complete response: status, ``content-length``, body."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", content_type),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def sse_event(data: bytes) -> bytes:
+    """Frame one payload as an SSE event: ``data: <payload>\\n\\n``.
+
+    The payload must not contain a newline (JSON from orjson never does).
+    """
+    return b"data: " + data + b"\n\n"
+
+
+KEEPALIVE = b": keep-alive\n\n"
+
+
+class SSEDecoder:
+    """Incremental SSE parser: body bytes in, ``data`` payloads out.
+
+    Lines may end ``\\n``, ``\\r\\n`` or ``\\r``; several ``data:`` lines in one
+    event are joined with ``\\n``; comments and other fields are ignored.
+    """
+
+    __slots__ = ("_buf", "_data")
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._data: list[bytes] = []
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """Consume ``chunk``; return the payloads of the events it completed."""
+        buf = self._buf + chunk if self._buf else chunk
+        tail = b""
+        if b"\r" in buf:
+            if buf.endswith(b"\r"):  # may be the first half of a CRLF
+                buf, tail = buf[:-1], b"\r"
+            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        out: list[bytes] = []
+        start = 0
+        while True:
+            end = buf.find(b"\n", start)
+            if end < 0:
+                break
+            line = buf[start:end]
+            start = end + 1
+            if not line:
+                if self._data:
+                    out.append(self._data[0] if len(self._data) == 1 else b"\n".join(self._data))
+                    self._data = []
+            elif line.startswith(b"data:"):
+                value = line[5:]
+                self._data.append(value[1:] if value.startswith(b" ") else value)
+        self._buf = buf[start:] + tail
+        return out
+
+    def close(self) -> list[bytes]:
+        """End of body: return an event left without its blank line, if any."""
+        if self._buf.startswith(b"data:"):
+            value = self._buf[5:]
+            self._data.append(value[1:] if value.startswith(b" ") else value)
+        self._buf = b""
+        out = [b"\n".join(self._data)] if self._data else []
+        self._data = []
+        return out

@@ -1,0 +1,347 @@
+"""The shared /generate handler: one anyio task group per request.
+
+For every registered format::
+
+    read body (size-capped) -> codec.decode -> GenerateRequest
+    pick a worker -> attempt -> stream worker events -> codec -> client
+    watch receive() for http.disconnect the whole time
+    finally (shielded): abort every live engine leg, await its ack,
+                        hand the finished RequestState to the trace sink
+
+The handler owns framing: unary answers carry ``content-length``; SSE answers
+are ``text/event-stream`` events ending with the format's terminal marker,
+with ``:`` keep-alive comments while the engine is silent. The 200 of an SSE
+answer goes out with the first event (or the first keep-alive), so errors
+before it keep their real status; errors after it travel in-band.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+
+from . import ids
+from .accounting import RequestState
+from .codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError
+from .framing import (
+    KEEPALIVE,
+    SSE_HEADERS,
+    BodyTooLarge,
+    ClientDisconnected,
+    Receive,
+    Send,
+    SSEDecoder,
+    read_body,
+    send_unary,
+    sse_event,
+)
+from .workers.http import ConnectFailed, WorkerError
+from .workers.router import Worker
+
+if TYPE_CHECKING:
+    from .app import App
+
+log = logging.getLogger("asgi_generate.handler")
+DONE = b"[DONE]"
+
+
+async def handle_generate(app: "App", codec: Codec, scope: dict, receive: Receive, send: Send) -> None:
+    """Serve one request on a codec's route; always leaves one RequestState."""
+    st = RequestState(ids.mint(), codec.name, scope["path"], scope["method"])
+    try:
+        await _serve(app, codec, scope, receive, send, st)
+    except Exception as exc:  # a bug: answer 500 rather than drop the client
+        log.exception("request %s failed", st.request_id)
+        st.fail("engine_error", 500, "internal", repr(exc))
+        if not st.response_started:
+            with anyio.CancelScope(shield=True):
+                await _send_error(codec, send, st, RequestError(500, "internal error", "internal"))
+    finally:
+        with anyio.CancelScope(shield=True):
+            await abort_live_legs(app, st)
+        st.t_done = time.monotonic()
+        if st.status is None:  # cancelled from outside, e.g. server shutdown
+            st.status = "shutdown"
+        app.request_finished(st)
+
+
+async def reject_method(app: "App", codec: Codec, scope: dict, allowed: list[str], send: Send) -> None:
+    """405 on a registered path with the wrong method, in the format's shape."""
+    st = RequestState(ids.mint(), codec.name, scope["path"], scope["method"])
+    err = RequestError(405, "Method Not Allowed", "method_not_allowed")
+    await _send_error(codec, send, st, err, [(b"allow", ", ".join(allowed).encode())])
+    st.t_done = time.monotonic()
+    app.request_finished(st)
+
+
+async def _send_error(
+    codec: Codec, send: Send, st: RequestState, err: RequestError, headers: list | None = None
+) -> None:
+    st.fail("unavailable" if err.status == 503 else "rejected", err.status, err.kind, err.message)
+    st.response_started = True
+    st.response_complete = True
+    await send_unary(send, err.status, codec.error_body(err), headers=headers or ())
+
+
+async def _serve(app: "App", codec: Codec, scope: dict, receive: Receive, send: Send, st: RequestState) -> None:
+    headers = dict(scope["headers"])
+    st.headers = headers
+    try:
+        declared = headers.get(b"content-length")
+        length = int(declared) if declared is not None else None
+    except ValueError:
+        await _send_error(codec, send, st, RequestError(400, "invalid content-length header"))
+        return
+    try:
+        body = await read_body(receive, app.settings.max_body_bytes, length)
+    except BodyTooLarge as exc:
+        await _send_error(codec, send, st, RequestError(413, str(exc), "too_large"))
+        return
+    except ClientDisconnected:
+        st.status = "client_disconnect"
+        return
+    try:
+        request = codec.decode(body, headers)
+    except RequestError as exc:
+        await _send_error(codec, send, st, exc)
+        return
+    st.public_id = request.public_id
+    st.stream = request.stream
+    st.input_ids = request.input_ids
+    st.input_length = len(request.input_ids) if request.input_ids is not None else None
+    st.replay_excluded = request.replay_excluded
+    st.model = request.model
+    gen = _Generation(app, codec, codec.exchange(request, st.request_id), request, st, send)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, st)
+        if request.stream and app.settings.sse_keepalive > 0:
+            tg.start_soon(gen.keepalive, app.settings.sse_keepalive)
+        await gen.run()
+        tg.cancel_scope.cancel()
+
+
+async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope, st: RequestState) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not st.response_complete:
+                st.status = "client_disconnect"
+                scope.cancel()
+            return
+
+
+class _Generation:
+    """Drives one request's attempts and writes its response."""
+
+    __slots__ = (
+        "app", "codec", "ex", "req", "st", "send", "finished", "pending", "in_send", "last_send",
+    )
+
+    def __init__(
+        self, app: "App", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
+    ) -> None:
+        self.app = app
+        self.codec = codec
+        self.ex = ex
+        self.req = req
+        self.st = st
+        self.send = send
+        self.finished = False
+        self.pending = 0
+        self.in_send = False
+        self.last_send = time.monotonic()
+
+    async def run(self) -> None:
+        router = self.app.router
+        tried: list[Worker] = []
+        protocol = self.codec.worker_protocol
+        while True:
+            worker = router.pick(protocol, tried)
+            if worker is None:
+                why = "no healthy worker" if router.has_protocol(protocol) else "no worker configured"
+                await self._fail(
+                    RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"), "unavailable"
+                )
+                return
+            attempt = Attempt(ids.mint(), "aggregated", worker.id, worker.info, worker)
+            self.st.attempts.append(attempt)
+            worker.outstanding += 1
+            try:
+                retry = await self._attempt(worker, attempt)
+            finally:
+                worker.outstanding -= 1
+            if not retry:
+                return
+            tried.append(worker)
+
+    async def _attempt(self, worker: Worker, attempt: Attempt) -> bool:
+        """Run one attempt; return whether to try another worker."""
+        st, ex = self.st, self.ex
+        wreq = ex.worker_request(attempt)
+        if st.t_dispatched is None:
+            st.t_dispatched = time.monotonic()
+        attempt.live = True
+        try:
+            async with worker.pool.request(b"POST", wreq.path, wreq.body, wreq.headers) as resp:
+                if resp.status != 200:
+                    body = await resp.read()
+                    attempt.live = False
+                    attempt.outcome = "error"
+                    status, body = ex.worker_error(resp.status, body)
+                    st.fail(
+                        "engine_error" if status >= 500 else "rejected",
+                        status,
+                        "engine",
+                        body[:512].decode("utf-8", "replace"),
+                    )
+                    await self._unary(status, body)
+                    return False
+                decoder = SSEDecoder()
+                async for chunk in resp.chunks():
+                    for payload in decoder.feed(chunk):
+                        if self.finished or payload == DONE:
+                            continue
+                        event = ex.feed(attempt, payload)
+                        if event.error is not None or event.finish_reason is not None:
+                            attempt.live = False
+                            attempt.outcome = "finished" if event.error is None else "error"
+                        await self._deliver(event)
+                if not self.finished:
+                    raise WorkerError("worker ended the response without a finish reason")
+                return False
+        except ConnectFailed as exc:
+            attempt.live = False
+            attempt.outcome = "connect_failed"
+            self.app.router.mark_down(worker, str(exc))
+            return True
+        except WorkerError as exc:
+            if self.finished:  # only the drain after the answer failed
+                return False
+            attempt.outcome = "worker_lost"
+            self.app.router.mark_down(worker, str(exc))
+            if not self.st.response_started and self.pending == 0:
+                return True
+            await self._fail(RequestError(502, f"worker {worker.id} failed: {exc}", "engine"), "engine_error")
+            return False
+        except RequestError as exc:  # the worker broke its protocol
+            attempt.outcome = "error"
+            await self._fail(exc, "engine_error")
+            return False
+
+    async def _send(self, body: bytes, more: bool) -> None:
+        self.in_send = True
+        try:
+            await self.send({"type": "http.response.body", "body": body, "more_body": more})
+        finally:
+            self.in_send = False
+            self.last_send = time.monotonic()
+
+    async def _start_stream(self) -> None:
+        if not self.st.response_started:
+            self.st.response_started = True
+            self.st.http_status = 200
+            self.in_send = True
+            try:
+                await self.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            finally:
+                self.in_send = False
+
+    async def _unary(self, status: int, body: bytes) -> None:
+        st = self.st
+        self.finished = True
+        st.response_started = True
+        st.http_status = status
+        st.response_complete = True
+        await send_unary(self.send, status, body, self.codec.content_type)
+
+    async def _deliver(self, event: Event) -> None:
+        st, ex = self.st, self.ex
+        now = time.monotonic()
+        n = len(event.token_ids)
+        if n:
+            if st.t_first_token is None:
+                st.t_first_token = now
+            st.t_last_token = now
+        if event.completion_tokens is not None:
+            st.engine_completion_tokens = event.completion_tokens
+        if event.prompt_tokens is not None:
+            st.prompt_tokens = event.prompt_tokens
+        if event.cached_tokens is not None:
+            st.cached_tokens = event.cached_tokens
+        done = event.error is not None or event.finish_reason is not None
+        if event.error is not None:
+            st.fail("engine_error", None, "engine", event.error.message)
+        elif done:
+            st.finish_reason = event.finish_reason
+        if self.req.stream:
+            await self._start_stream()
+            data = ex.client_event(event)
+            if done:
+                self.finished = True
+                tail = self.codec.sse_terminal
+                # Complete once the last bytes are handed over: a client that
+                # hangs up as they arrive has not disconnected early.
+                st.response_complete = True
+                await self._send(sse_event(data) + tail if data is not None else tail, False)
+            elif data is not None:
+                await self._send(sse_event(data), True)
+            st.output_tokens += n
+        else:
+            self.pending += n
+            if done:
+                self.finished = True
+                status, body = ex.unary_body()
+                if st.http_status is None:
+                    st.http_status = status
+                await self._unary(status, body)
+                st.output_tokens = self.pending
+        if done and st.status is None:
+            st.status = "ok"
+
+    async def _fail(self, err: RequestError, status: str) -> None:
+        """End the response with ``err``: its own status before the 200,
+        in-band after it."""
+        st = self.st
+        self.finished = True
+        st.response_complete = True
+        if not st.response_started:
+            st.fail(status, err.status, err.kind, err.message)
+            st.response_started = True
+            await send_unary(self.send, err.status, self.codec.error_body(err))
+        else:
+            st.fail(status, st.http_status, err.kind, err.message)
+            await self._send(sse_event(self.codec.in_band_error(err)) + self.codec.sse_terminal, False)
+
+    async def keepalive(self, interval: float) -> None:
+        """Send an SSE comment whenever the response has been silent for
+        ``interval`` seconds (committing to 200 if nothing was sent yet)."""
+        st = self.st
+        while True:
+            await anyio.sleep(max(0.0, self.last_send + interval - time.monotonic()))
+            if st.response_complete or self.finished:
+                return
+            if not self.in_send and time.monotonic() - self.last_send >= interval:
+                await self._start_stream()
+                await self._send(KEEPALIVE, True)
+
+
+async def abort_live_legs(app: "App", st: RequestState) -> None:
+    """Abort every engine leg of ``st`` that may still run, concurrently,
+    recording on each attempt whether the engine acknowledged."""
+    live = [a for a in st.attempts if a.live]
+    if not live:
+        return
+    async with anyio.create_task_group() as tg:
+        for attempt in live:
+            tg.start_soon(_abort_leg, app, attempt)
+
+
+async def _abort_leg(app: "App", attempt: Attempt) -> None:
+    worker: Worker = attempt.worker
+    attempt.abort_acked = await app.abort_engine_request(worker, attempt.engine_id)
+    attempt.live = False
+    if attempt.outcome is None:
+        attempt.outcome = "aborted"

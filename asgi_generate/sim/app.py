@@ -1,0 +1,131 @@
+"""The simulator's ASGI application: one engine behind one native protocol.
+
+Routes (SGLang mode): ``POST|PUT /generate``, ``POST /abort_request``,
+``GET /health``, ``/health_generate``, ``/get_server_info`` (``/server_info``),
+``/get_model_info`` (``/model_info``), ``/v1/models``, ``POST /flush_cache``,
+and ``GET /sim/stats`` for tests.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import anyio
+import orjson
+
+from ..assets import ASSETS_DIR
+from ..framing import BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
+from .engine import SimEngine
+from .model import Model
+from .sglang import SGLangProtocol
+from .tokenizer import SimTokenizer
+
+NOT_FOUND = orjson.dumps({"detail": "Not Found"})
+MAX_BODY = 1 << 30
+
+
+class SimApp:
+    """ASGI app of one simulated engine worker.
+
+    Args:
+        protocol: ``"sglang"``.
+        ttft_ms, itl_ms: time to first token and inter-token latency.
+        incremental_streaming_output: SGLang deltas instead of cumulative chunks.
+        parent_pid: exit when this process is gone (embedded workers).
+    """
+
+    def __init__(
+        self,
+        protocol: str = "sglang",
+        ttft_ms: float = 0.0,
+        itl_ms: float = 0.0,
+        incremental_streaming_output: bool = False,
+        model_name: str = "sim",
+        parent_pid: int | None = None,
+    ) -> None:
+        if protocol != "sglang":
+            raise ValueError(f"unknown simulator protocol {protocol!r}")
+        self.tokenizer = SimTokenizer()
+        model = Model(self.tokenizer.vocab_size, self.tokenizer.eos_id, self.tokenizer.num_special)
+        self.engine = SimEngine(model, ttft_ms / 1000.0, itl_ms / 1000.0)
+        self.protocol = SGLangProtocol(
+            self.engine, self.tokenizer, incremental_streaming_output, model_name
+        )
+        self.model_name = model_name
+        self.model_path = str(ASSETS_DIR)
+        self.parent_pid = parent_pid
+
+    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        method, path = scope["method"], scope["path"]
+        p = self.protocol
+        if path == "/generate" and method in ("POST", "PUT"):
+            body = await self._body(receive, send)
+            if body is not None:
+                await p.generate(body, receive, send)
+        elif path == "/abort_request" and method == "POST":
+            body = await self._body(receive, send)
+            if body is not None:
+                await p.abort_request(body, send)
+        elif path in ("/health", "/health_generate") and method == "GET":
+            await send_unary(send, 200, b"")
+        elif path in ("/get_server_info", "/server_info") and method == "GET":
+            await send_unary(send, 200, orjson.dumps(p.server_info(self.model_path)))
+        elif path in ("/get_model_info", "/model_info") and method == "GET":
+            await send_unary(send, 200, orjson.dumps(p.model_info(self.model_path)))
+        elif path == "/v1/models" and method == "GET":
+            await send_unary(send, 200, orjson.dumps(self._models()))
+        elif path == "/flush_cache" and method == "POST":
+            await send_unary(send, 200, b"Cache flushed.\n", b"text/plain")
+        elif path == "/sim/stats" and method == "GET":
+            await send_unary(send, 200, orjson.dumps(self.engine.stats()))
+        else:
+            await send_unary(send, 404, NOT_FOUND)
+
+    async def _body(self, receive: Receive, send: Send) -> bytes | None:
+        try:
+            return await read_body(receive, MAX_BODY, None)
+        except ClientDisconnected:
+            return None
+        except BodyTooLarge:
+            await send_unary(send, 413, orjson.dumps({"detail": "Request Entity Too Large"}))
+            return None
+
+    def _models(self) -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "sglang",
+                    "root": self.model_path,
+                    "max_model_len": 32768,
+                }
+            ],
+        }
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as tg:
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    if self.parent_pid is not None:
+                        tg.start_soon(self._watch_parent)
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    tg.cancel_scope.cancel()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+
+    async def _watch_parent(self) -> None:
+        # An embedded worker must not outlive the frontend that started it.
+        while os.getppid() == self.parent_pid:
+            await anyio.sleep(0.5)
+        os._exit(0)

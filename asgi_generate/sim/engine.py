@@ -1,0 +1,148 @@
+"""The simulator's engine: running requests, aborts, timing and counters.
+
+Protocol front-ends (``sim/sglang.py``, ...) turn HTTP requests into
+:class:`Job` objects and drive :meth:`SimEngine.tokens`; the engine decides
+the tokens (through :class:`~asgi_generate.sim.model.Model`), when they come
+(TTFT, ITL) and whether a request was aborted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import anyio
+
+from .model import Model, Step
+
+
+class DuplicateRequestId(Exception):
+    """A request id that is already running was submitted again."""
+
+
+@dataclass(slots=True)
+class Job:
+    """One generation request inside the engine.
+
+    ``max_new_tokens`` is the cap on generated tokens; a token in
+    ``stop_token_ids`` (or the model's EOS unless ``ignore_eos``) ends the
+    request with ``stop``.
+    """
+
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    aborted: bool = False
+    abort_event: anyio.Event = field(default_factory=anyio.Event)
+
+
+@dataclass(slots=True)
+class Token:
+    """One generated token: its id, the step it was drawn from, and how the
+    request finishes with it (``None``, ``("stop", matched)`` or
+    ``("length", n)``)."""
+
+    token_id: int
+    step: Step
+    finish: tuple[str, object] | None
+
+
+class SimEngine:
+    """Holds the running jobs and the counters ``/sim/stats`` reports.
+
+    Args:
+        model: the deterministic model.
+        ttft_s: seconds before the first token.
+        itl_s: seconds between tokens.
+    """
+
+    def __init__(self, model: Model, ttft_s: float = 0.0, itl_s: float = 0.0) -> None:
+        self.model = model
+        self.ttft_s = ttft_s
+        self.itl_s = itl_s
+        self.running: dict[str, Job] = {}
+        self.received = 0
+        self.completed = 0
+        self.aborted_rids: list[str] = []
+        self.disconnects = 0
+        self.seen_rids: list[str] = []
+
+    def submit(self, job: Job) -> None:
+        """Register ``job`` as running.
+
+        Raises:
+            DuplicateRequestId: a job with the same rid is running.
+        """
+        if job.rid in self.running:
+            raise DuplicateRequestId(job.rid)
+        self.received += 1
+        self.seen_rids.append(job.rid)
+        self.running[job.rid] = job
+
+    def finish(self, job: Job) -> None:
+        """Remove ``job`` from the running set and count it completed."""
+        if self.running.get(job.rid) is job:
+            del self.running[job.rid]
+            self.completed += 1
+
+    def abort(self, rid: str | None, abort_all: bool = False) -> list[str]:
+        """Abort every running job whose rid starts with ``rid`` (SGLang's
+        scheduler matches by prefix), or all of them; return the rids hit.
+
+        An unknown or empty rid aborts nothing, silently, as SGLang does.
+        """
+        hit = [
+            r for r in self.running if abort_all or (rid and r.startswith(rid))
+        ]
+        for r in hit:
+            job = self.running[r]
+            job.aborted = True
+            job.abort_event.set()
+        self.aborted_rids.extend(hit)
+        return hit
+
+    async def _pause(self, job: Job, seconds: float) -> None:
+        if seconds > 0:
+            with anyio.move_on_after(seconds):
+                await job.abort_event.wait()
+
+    async def tokens(self, job: Job) -> AsyncIterator[Token]:
+        """Generate ``job``'s tokens, honouring TTFT, ITL and aborts.
+
+        Stops after the finishing token; stops early (yielding nothing more)
+        when the job is aborted, leaving ``job.aborted`` set.
+        """
+        model = self.model
+        state = model.fold(job.input_ids)
+        await self._pause(job, self.ttft_s)
+        eos = model.eos_id
+        for i in range(job.max_new_tokens):
+            if job.aborted:
+                return
+            step = model.step(state)
+            tok = step.token
+            state = model.advance(state, tok)
+            if tok in job.stop_token_ids or (tok == eos and not job.ignore_eos):
+                finish: tuple[str, object] | None = ("stop", tok)
+            elif i + 1 == job.max_new_tokens:
+                finish = ("length", job.max_new_tokens)
+            else:
+                finish = None
+            yield Token(tok, step, finish)
+            if finish is not None:
+                return
+            await self._pause(job, self.itl_s)
+
+    def stats(self) -> dict:
+        """The ``/sim/stats`` body."""
+        return {
+            "running": len(self.running),
+            "running_rids": sorted(self.running),
+            "received": self.received,
+            "completed": self.completed,
+            "aborted_rids": list(self.aborted_rids),
+            "disconnects": self.disconnects,
+            "seen_rids": list(self.seen_rids),
+        }

@@ -1,0 +1,177 @@
+"""The simulator's deterministic language model.
+
+Every output of the model is a pure function of the token prefix before it:
+the next token, its logprob, the top-k alternatives and the routed-expert rows.
+A request resumed with ``prompt + generated`` therefore continues exactly where
+an uninterrupted run would, which is what makes migration and P/D testable
+value for value.
+
+The prefix state is a 64-bit fold over the tokens (a SplitMix64-style mixer),
+computed incrementally, so a resumed prefix reaches the same state as the
+original run token by token.
+"""
+
+from __future__ import annotations
+
+import array
+import base64
+import sys
+from dataclasses import dataclass
+
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+#: Candidates the model ranks at each step (the largest top-k it can return).
+NUM_CANDIDATES = 20
+
+
+def _mix(h: int, x: int) -> int:
+    """Mix the 64-bit state ``h`` with the integer ``x`` (SplitMix64 finaliser)."""
+    z = (h ^ (x * _GOLDEN)) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """The model's distribution at one prefix.
+
+    ``candidates`` are ``(token_id, logprob)`` pairs, best first; the greedy
+    next token is ``candidates[0][0]``.
+    """
+
+    state: int
+    candidates: tuple[tuple[int, float], ...]
+
+    @property
+    def token(self) -> int:
+        """The greedy next token id."""
+        return self.candidates[0][0]
+
+
+class Model:
+    """A deterministic next-token model over a vocabulary.
+
+    Args:
+        vocab_size: number of token ids; ids ``>= num_special`` are ordinary.
+        eos_id: the end-of-sequence token the model emits now and then.
+        num_special: ids below this are special tokens, never sampled except
+            ``eos_id``.
+        eos_period: on average one step in this many picks ``eos_id``.
+        num_layers, num_experts, experts_topk: the shape of routed-expert rows.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_id: int,
+        num_special: int,
+        *,
+        eos_period: int = 50,
+        num_layers: int = 4,
+        num_experts: int = 16,
+        experts_topk: int = 2,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.eos_id = eos_id
+        self.num_special = num_special
+        self.eos_period = eos_period
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.experts_topk = experts_topk
+        self._cache: dict[int, Step] = {}
+
+    @staticmethod
+    def initial_state() -> int:
+        """The state of the empty prefix."""
+        return 0x243F6A8885A308D3
+
+    @staticmethod
+    def advance(state: int, token_id: int) -> int:
+        """The state after appending ``token_id`` to the prefix of ``state``."""
+        return _mix(state, token_id + 1)
+
+    def fold(self, token_ids: list[int], state: int | None = None) -> int:
+        """The state after the whole of ``token_ids`` (from ``state`` or empty)."""
+        h = self.initial_state() if state is None else state
+        for t in token_ids:
+            h = _mix(h, t + 1)
+        return h
+
+    def step(self, state: int) -> Step:
+        """The ranked candidates at ``state`` (cached: hot prefixes repeat)."""
+        cached = self._cache.get(state)
+        if cached is not None:
+            return cached
+        ordinary = self.vocab_size - self.num_special
+        seen: set[int] = set()
+        cands: list[tuple[int, float]] = []
+        # The leading logprob lies in (-1, 0]; each next candidate is lower.
+        lp = -((state >> 11) & 0xFFFF) / 65536.0
+        i = 0
+        if state % self.eos_period == 0:
+            cands.append((self.eos_id, lp))
+            seen.add(self.eos_id)
+        while len(cands) < NUM_CANDIDATES:
+            i += 1
+            r = _mix(state, i)
+            tok = self.num_special + r % ordinary
+            if tok in seen:
+                continue
+            seen.add(tok)
+            if cands:
+                lp -= 0.25 + ((r >> 17) & 0xFFFF) / 65536.0
+            cands.append((tok, lp))
+        step = Step(state, tuple(cands))
+        if len(self._cache) > 200_000:
+            self._cache.clear()
+        self._cache[state] = step
+        return step
+
+    def logprob(self, state: int, token_id: int) -> float:
+        """The logprob of ``token_id`` following the prefix of ``state``."""
+        step = self.step(state)
+        for tok, lp in step.candidates:
+            if tok == token_id:
+                return lp
+        r = _mix(state, 0x5EED0000 + token_id)
+        return step.candidates[-1][1] - 1.0 - ((r >> 13) & 0xFFFF) / 8192.0
+
+    def rank(self, state: int, token_id: int) -> int:
+        """1-based rank of ``token_id`` at ``state`` (vLLM's ``rank``)."""
+        for i, (tok, _) in enumerate(self.step(state).candidates):
+            if tok == token_id:
+                return i + 1
+        r = _mix(state, 0x7A4C0000 + token_id)
+        return NUM_CANDIDATES + 1 + r % (self.vocab_size - NUM_CANDIDATES)
+
+    def expert_row(self, state: int) -> list[int]:
+        """Routed experts for the token whose prefix (inclusive) is ``state``.
+
+        Returns ``num_layers * experts_topk`` expert ids, layer-major, each
+        layer's ``experts_topk`` ids distinct.
+        """
+        row: list[int] = []
+        for layer in range(self.num_layers):
+            picked: list[int] = []
+            j = 0
+            while len(picked) < self.experts_topk:
+                j += 1
+                e = _mix(state, 0xE0000 + layer * 64 + j) % self.num_experts
+                if e not in picked:
+                    picked.append(e)
+            row.extend(picked)
+        return row
+
+
+def experts_base64(rows: list[list[int]]) -> str:
+    """Encode routed-expert rows as SGLang does: base64 of little-endian int32.
+
+    ``rows`` has shape ``[positions][num_layers * topk]``; the flat layout is
+    ``[positions, num_layers, topk]`` (reference/engine-protocols.md, section 1).
+    """
+    flat = array.array("i", (e for row in rows for e in row))
+    if sys.byteorder == "big":
+        flat.byteswap()
+    return base64.b64encode(flat.tobytes()).decode("ascii")

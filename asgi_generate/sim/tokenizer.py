@@ -1,0 +1,50 @@
+"""The simulator's view of a Hugging Face ``tokenizer.json``."""
+
+from __future__ import annotations
+
+import pathlib
+
+from tokenizers import Tokenizer
+
+from ..assets import TOKENIZER_PATH
+
+EOS_TOKEN = "<|im_end|>"
+
+
+class SimTokenizer:
+    """Encode prompts and decode output with a ``tokenizers`` tokenizer.
+
+    Args:
+        path: a ``tokenizer.json``; the bundled one by default. It must define
+            ``<|im_end|>``, which the simulator uses as EOS.
+
+    Raises:
+        ValueError: the tokenizer has no ``<|im_end|>`` token.
+    """
+
+    def __init__(self, path: str | pathlib.Path = TOKENIZER_PATH) -> None:
+        self.path = pathlib.Path(path)
+        self._tok = Tokenizer.from_file(str(self.path))
+        self.vocab_size = self._tok.get_vocab_size()
+        eos = self._tok.token_to_id(EOS_TOKEN)
+        if eos is None:
+            raise ValueError(f"{self.path} has no {EOS_TOKEN} token")
+        self.eos_id = eos
+        specials = [
+            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
+        ]
+        # The model never samples specials except EOS; they sit at the start.
+        self.num_special = max(specials) + 1 if specials else 0
+        self._pieces = [self._tok.decode([i], skip_special_tokens=False) for i in range(self.vocab_size)]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        """The text of ``ids``."""
+        return self._tok.decode(ids, skip_special_tokens=skip_special)
+
+    def piece(self, token_id: int) -> str:
+        """The text of one token, special tokens included (logprob labels)."""
+        return self._pieces[token_id]

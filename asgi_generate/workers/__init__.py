@@ -1,0 +1,1 @@
+"""Engine workers: their HTTP client, their protocols and the router."""

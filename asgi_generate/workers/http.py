@@ -1,0 +1,254 @@
+"""HTTP/1.1 client for engine workers: h11 over anyio streams, pooled.
+
+One :class:`ConnectionPool` per worker keeps idle keep-alive connections.
+A connection goes back to the pool only when both sides finished their
+message cleanly (h11 ``DONE``/``DONE``); any response not read to its end,
+any error and any cancellation retires the connection instead, so a later
+request never reads a stale tail. Wire format: RFC 9112 (via h11).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Iterable
+
+import anyio
+import h11
+
+RECEIVE_SIZE = 65536
+
+
+class WorkerError(Exception):
+    """A transport failure talking to a worker (the worker may be gone)."""
+
+
+class ConnectFailed(WorkerError):
+    """No TCP connection could be opened within the connect timeout."""
+
+
+class WorkerDisconnected(WorkerError):
+    """The connection broke or the worker broke HTTP before the response ended."""
+
+
+class ReadTimedOut(WorkerError):
+    """No byte arrived from the worker within the read timeout."""
+
+
+class _Connection:
+    __slots__ = ("stream", "h11", "idle_since")
+
+    def __init__(self, stream: anyio.abc.ByteStream) -> None:
+        self.stream = stream
+        self.h11 = h11.Connection(h11.CLIENT)
+        self.idle_since = 0.0
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.stream.aclose()
+            except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+
+
+class Response:
+    """A worker's response head plus an iterator over its body.
+
+    Attributes:
+        status: HTTP status code.
+        headers: ``(name, value)`` byte pairs, names lower-case.
+    """
+
+    __slots__ = ("status", "headers", "_conn", "_read_timeout", "complete")
+
+    def __init__(self, conn: _Connection, head: h11.Response, read_timeout: float) -> None:
+        self.status = head.status_code
+        self.headers = list(head.headers)
+        self._conn = conn
+        self._read_timeout = read_timeout
+        self.complete = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Yield body bytes as they arrive, until the end of the message.
+
+        Raises:
+            WorkerDisconnected, ReadTimedOut: as for :meth:`ConnectionPool.request`.
+        """
+        conn = self._conn
+        while True:
+            event = await _next_event(conn, self._read_timeout)
+            if type(event) is h11.Data:
+                yield bytes(event.data)
+            elif type(event) is h11.EndOfMessage:
+                self.complete = True
+                return
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        return b"".join([c async for c in self.chunks()])
+
+
+async def _next_event(conn: _Connection, read_timeout: float) -> h11.Event:
+    while True:
+        try:
+            event = conn.h11.next_event()
+        except h11.RemoteProtocolError as exc:
+            raise WorkerDisconnected(f"worker broke HTTP/1.1: {exc}") from None
+        if event is not h11.NEED_DATA:
+            if type(event) is h11.ConnectionClosed:
+                raise WorkerDisconnected("worker closed the connection mid-response")
+            return event
+        try:
+            with anyio.fail_after(read_timeout):
+                data = await conn.stream.receive(RECEIVE_SIZE)
+        except anyio.EndOfStream:
+            data = b""
+        except TimeoutError:
+            raise ReadTimedOut(f"no data from worker for {read_timeout:g} s") from None
+        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            raise WorkerDisconnected(f"connection to worker lost: {exc!r}") from None
+        conn.h11.receive_data(data)
+
+
+class ConnectionPool:
+    """Keep-alive HTTP/1.1 connections to one worker at ``host:port``.
+
+    Args:
+        host, port: the worker's address.
+        connect_timeout: seconds to open a TCP connection.
+        read_timeout: seconds to wait for any next byte of a response.
+        max_idle: idle connections kept; more are closed on release.
+        idle_timeout: seconds an idle connection is trusted; older ones are
+            closed rather than reused (servers close idle keep-alives, 5 s for
+            uvicorn and hypercorn by default).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 300.0,
+        max_idle: int = 256,
+        idle_timeout: float = 4.0,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.max_idle = max_idle
+        self.idle_timeout = idle_timeout
+        self._idle: list[_Connection] = []
+        self._host_header = f"{host}:{port}".encode()
+        self.opened = 0
+        self.retired = 0
+
+    @property
+    def idle(self) -> int:
+        """Idle connections in the pool."""
+        return len(self._idle)
+
+    async def _connect(self) -> _Connection:
+        try:
+            with anyio.fail_after(self.connect_timeout):
+                stream = await anyio.connect_tcp(self.host, self.port)
+        except TimeoutError:
+            raise ConnectFailed(f"connect to {self.host}:{self.port} timed out") from None
+        except OSError as exc:
+            raise ConnectFailed(f"connect to {self.host}:{self.port} failed: {exc.strerror or exc}") from None
+        self.opened += 1
+        return _Connection(stream)
+
+    async def _take_idle(self) -> _Connection | None:
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if now - conn.idle_since < self.idle_timeout:
+                return conn
+            self.retired += 1
+            await conn.aclose()
+        return None
+
+    async def _send(self, conn: _Connection, method: bytes, path: bytes, headers: list, body: bytes) -> None:
+        data = conn.h11.send(h11.Request(method=method, target=path, headers=headers))
+        if body:
+            data += conn.h11.send(h11.Data(data=body))
+        data += conn.h11.send(h11.EndOfMessage())
+        try:
+            await conn.stream.send(data)
+        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            raise WorkerDisconnected(f"connection to worker lost: {exc!r}") from None
+
+    @asynccontextmanager
+    async def request(
+        self,
+        method: bytes,
+        path: bytes,
+        body: bytes = b"",
+        headers: Iterable[tuple[bytes, bytes]] = (),
+        read_timeout: float | None = None,
+    ) -> AsyncIterator[Response]:
+        """Send one request and yield its :class:`Response` once the head is in.
+
+        The connection returns to the pool only if the caller read the body to
+        its end; otherwise (error, cancellation, early exit) it is closed.
+
+        Raises:
+            ConnectFailed: the worker could not be reached.
+            WorkerDisconnected: the connection broke before the response ended.
+            ReadTimedOut: the worker went silent for ``read_timeout`` seconds.
+        """
+        timeout = self.read_timeout if read_timeout is None else read_timeout
+        all_headers = [
+            (b"host", self._host_header),
+            (b"content-length", str(len(body)).encode()),
+            *headers,
+        ]
+        conn = await self._take_idle()
+        reused = conn is not None
+        if conn is None:
+            conn = await self._connect()
+        ok = False
+        try:
+            try:
+                await self._send(conn, method, path, all_headers, body)
+                head = await _next_response(conn, timeout)
+            except WorkerDisconnected:
+                if not reused:
+                    raise
+                # A kept-alive connection the worker closed while idle: retry
+                # once, fresh; the worker never saw this request.
+                await conn.aclose()
+                self.retired += 1
+                conn = await self._connect()
+                await self._send(conn, method, path, all_headers, body)
+                head = await _next_response(conn, timeout)
+            response = Response(conn, head, timeout)
+            yield response
+            ok = response.complete
+        finally:
+            if ok and conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
+                conn.h11.start_next_cycle()
+                if len(self._idle) < self.max_idle:
+                    conn.idle_since = time.monotonic()
+                    self._idle.append(conn)
+                else:
+                    await conn.aclose()
+            else:
+                self.retired += 1
+                await conn.aclose()
+
+    async def aclose(self) -> None:
+        """Close every idle connection."""
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await conn.aclose()
+
+
+async def _next_response(conn: _Connection, timeout: float) -> h11.Response:
+    while True:
+        event = await _next_event(conn, timeout)
+        if type(event) is h11.Response:
+            return event
+

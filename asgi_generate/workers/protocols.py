@@ -1,0 +1,43 @@
+"""Worker protocols: how the frontend talks to an engine besides generating.
+
+Each engine's native API has its own health, info and abort routes
+(reference/engine-protocols.md sections 1 and 2). Codecs name the protocol
+they ride on; the handler uses this table to abort and the router to probe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerProtocol:
+    """One engine protocol's control routes.
+
+    Attributes:
+        name: ``sglang`` or ``vllm``.
+        health_path: GET, 200 when the engine serves.
+        info_path: GET, JSON server info (``None`` if the engine has none).
+        abort_path: POST route that aborts requests by id.
+        engine_id_prefix: what the engine puts before the id it was given
+            (vLLM's ``generate-tokens-``).
+    """
+
+    name: str
+    health_path: bytes
+    info_path: bytes | None
+    abort_path: bytes
+    engine_id_prefix: str = ""
+
+    def abort_body(self, engine_id: str) -> bytes:
+        """The abort request body for ``engine_id`` (the id as minted)."""
+        if self.name == "vllm":
+            return orjson.dumps({"request_ids": [self.engine_id_prefix + engine_id]})
+        return orjson.dumps({"rid": engine_id})
+
+
+SGLANG = WorkerProtocol("sglang", b"/health", b"/get_server_info", b"/abort_request")
+VLLM = WorkerProtocol("vllm", b"/health", None, b"/abort_requests", "generate-tokens-")
+PROTOCOLS = {p.name: p for p in (SGLANG, VLLM)}

@@ -1,0 +1,5 @@
+"""SGLang's native ``/generate`` format as an asgi-generate codec."""
+
+from .codec import SGLangCodec
+
+__all__ = ["SGLangCodec"]
