@@ -53,6 +53,7 @@ class App:
         self.routes: dict[tuple[str, str], Codec] = {}
         self.paths: dict[str, list[str]] = {}
         for item in self.codecs:
+            item.codec.max_body_bytes = settings.max_body_bytes
             for route in item.codec.routes:
                 self.routes[(route.method, route.path)] = item.codec
                 self.paths.setdefault(route.path, []).append(route.method)

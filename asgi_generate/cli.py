@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "with none, simulated workers are started")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
+    serve.add_argument("--fd", type=int, default=None,
+                       help="serve an inherited listening socket instead of --host/--port")
     serve.add_argument("--worker-class", choices=WORKER_CLASSES, default="trio",
                        help="hypercorn worker class (default %(default)s)")
     serve.add_argument("--workers", type=int, default=1,
@@ -102,7 +104,9 @@ def _serve(args: argparse.Namespace) -> int:
     from .registry import CodecLoadError
 
     settings = _settings(args)
-    config = hypercorn_config(host=args.host, port=args.port, graceful_timeout=args.graceful_timeout)
+    config = hypercorn_config(
+        host=args.host, port=args.port, fd=args.fd, graceful_timeout=args.graceful_timeout
+    )
     if args.workers > 1:
         # Separate processes rebuild the app from the environment.
         from hypercorn.run import run as hypercorn_run

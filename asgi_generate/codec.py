@@ -190,6 +190,9 @@ class Codec:
     worker_protocol: str = ""
     content_type: bytes = b"application/json"
     sse_terminal: bytes = b"data: [DONE]\n\n"
+    #: The frontend's body cap in bytes, set by the app before serving; a
+    #: codec that expands bodies (decompression) must not exceed it.
+    max_body_bytes: int = 32 * 1024 * 1024
 
     def decode(self, body: bytes, headers: Mapping[bytes, bytes]) -> GenerateRequest:
         """Parse and check a request body; ``headers`` has lower-case names.

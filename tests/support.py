@@ -1,0 +1,146 @@
+"""Process and HTTP helpers for the end-to-end tests.
+
+Every server runs as its own process on a loopback socket bound here and
+passed by file descriptor (no port races), with its output in a log file, and
+is stopped by the fixture that started it.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import orjson
+
+LOG_DIR = pathlib.Path(tempfile.mkdtemp(prefix="asgi-generate-tests-"))
+
+
+def listening_socket(port: int = 0) -> socket.socket:
+    """A listening loopback TCP socket (``port`` 0 = any free port)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+class Proc:
+    """A server process on ``url``; :meth:`stop` ends it."""
+
+    def __init__(self, name: str, args: list[str], sock: socket.socket, health: str) -> None:
+        self.name = name
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = LOG_DIR / f"{name}-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "asgi_generate", *args, "--fd", str(sock.fileno())],
+            pass_fds=[sock.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        sock.close()
+        self.wait_ready(health)
+
+    def wait_ready(self, path: str, timeout: float = 30.0) -> None:
+        """Poll ``path`` until it answers 200 (bounded by ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}: {self.log()}")
+            try:
+                if httpx.get(self.url + path, timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name} not ready after {timeout} s: {self.log()}")
+
+    def log(self) -> str:
+        """What the process printed so far."""
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the process."""
+        self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        """Terminate (then kill after 10 s) and reap the process."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+def start_sim(
+    protocol: str = "sglang",
+    *,
+    ttft_ms: float = 0,
+    itl_ms: float = 0,
+    incremental: bool = False,
+    port: int = 0,
+    extra: list[str] = (),
+) -> Proc:
+    """Start a simulator process and wait for its ``/health``."""
+    args = ["sim", "--protocol", protocol, "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms), *extra]
+    if incremental:
+        args.append("--incremental-streaming-output")
+    return Proc(f"sim-{protocol}", args, listening_socket(port), "/health")
+
+
+def start_frontend(
+    workers: list[str], *, worker_class: str = "trio", extra: list[str] = (), health: str = "/health"
+) -> Proc:
+    """Start ``asgi-generate serve`` in front of ``workers`` (``PROTOCOL=URL``)."""
+    args = ["serve", "--worker-class", worker_class, "--health-interval", "0.2", "--log-level", "warning"]
+    for w in workers:
+        args += ["--worker", w]
+    return Proc(f"frontend-{worker_class}", [*args, *extra], listening_socket(), health)
+
+
+def stats(sim: Proc) -> dict:
+    """The simulator's ``/sim/stats``."""
+    return httpx.get(sim.url + "/sim/stats", timeout=5).json()
+
+
+def post(url: str, body: dict | bytes, path: str = "/generate", **kw) -> httpx.Response:
+    """POST a JSON object (or raw bytes) and return the whole response."""
+    content = body if isinstance(body, bytes) else orjson.dumps(body)
+    return httpx.post(url + path, content=content, timeout=kw.pop("timeout", 30), **kw)
+
+
+def sse(url: str, body: dict, path: str = "/generate", **kw) -> tuple[int, list[bytes]]:
+    """POST ``body`` and return the status and every SSE ``data`` payload."""
+    with httpx.stream("POST", url + path, content=orjson.dumps(body), timeout=30, **kw) as resp:
+        raw = b"".join(resp.iter_bytes())
+        status = resp.status_code
+    events = []
+    for block in raw.split(b"\n\n"):
+        data = [line[6:] for line in block.split(b"\n") if line.startswith(b"data: ")]
+        if data:
+            events.append(b"\n".join(data))
+    return status, events
+
+
+def without_timing(obj):
+    """``obj`` with SGLang's timing fields removed, for value comparison."""
+    if isinstance(obj, dict):
+        return {k: without_timing(v) for k, v in obj.items() if k != "e2e_latency"}
+    if isinstance(obj, list):
+        return [without_timing(v) for v in obj]
+    return obj
