@@ -84,12 +84,12 @@ class SGLangProtocol:
 
     # -- request parsing -------------------------------------------------
 
-    def parse(self, body: bytes) -> tuple[Job, dict]:
-        """Parse a ``/generate`` body into a job and the options that shape
-        the answer.
+    @staticmethod
+    def load(body: bytes) -> dict:
+        """The request object.
 
         Raises:
-            SGLangError: SGLang's status and body for the bad input.
+            SGLangError: not JSON, or not an object (FastAPI's 400).
         """
         try:
             obj = orjson.loads(body)
@@ -97,6 +97,15 @@ class SGLangProtocol:
             raise schema_error(f"JSON decode error: {exc}") from None
         if not isinstance(obj, dict):
             raise schema_error("Input should be a valid dictionary")
+        return obj
+
+    def parse(self, obj: dict) -> tuple[Job, dict]:
+        """Turn a ``/generate`` object into a job and the options that shape
+        the answer.
+
+        Raises:
+            SGLangError: SGLang's status and body for the bad input.
+        """
         text = obj.get("text")
         input_ids = obj.get("input_ids")
         if (text is None) == (input_ids is None):
@@ -230,16 +239,22 @@ class SGLangProtocol:
 
     async def generate(self, body: bytes, receive: Receive, send: Send) -> None:
         """Serve one ``POST|PUT /generate``."""
+        obj: dict = {}
         try:
-            job, opts = self.parse(body)
+            obj = self.load(body)
+            job, opts = self.parse(obj)
             self.engine.submit(job)
-        except SGLangError as exc:
-            await send_unary(send, exc.status, orjson.dumps(exc.body))
-            return
-        except DuplicateRequestId as exc:
-            await send_unary(
-                send, 400, orjson.dumps({"error": {"message": f"Duplicate request ID: {exc}"}})
-            )
+        except (SGLangError, DuplicateRequestId) as exc:
+            if isinstance(exc, DuplicateRequestId):
+                exc = value_error(f"Duplicate request ID: {exc}")
+            if "error" in exc.body and obj.get("stream") is True:
+                # SGLang validates inside the streaming generator: the 200 is
+                # already out, so value errors travel in-band.
+                await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+                data = sse_event(orjson.dumps(exc.body)) + DONE
+                await send({"type": "http.response.body", "body": data, "more_body": False})
+            else:
+                await send_unary(send, exc.status, orjson.dumps(exc.body))
             return
         try:
             async with anyio.create_task_group() as tg:

@@ -1,0 +1,129 @@
+"""Bad input on the SGLang route: the exact status and SGLang-shaped body,
+and the engine never called."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+import pytest
+
+from support import post, sse, start_frontend, start_sim, stats
+
+
+def _received(sims) -> int:
+    return sum(stats(s)["received"] for s in sims)
+
+
+def _schema(message: str, status: int = 400, kind: str = "Bad Request") -> dict:
+    return {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+
+
+BAD = [
+    ("truncated-json", b'{"input_ids": [1, 2', 400,
+     _schema("JSON decode error: unexpected end of data: line 1 column 20 (char 19)")),
+    ("json-array", b"[1, 2, 3]", 400,
+     _schema("Input should be a valid dictionary or object to extract fields from")),
+    ("string-max-new-tokens", b'{"input_ids": [1], "sampling_params": {"max_new_tokens": "10"}}', 400,
+     _schema('sampling_params.max_new_tokens: Input should be a valid integer, got str "10"')),
+    ("bool-stream-as-int", b'{"input_ids": [1], "stream": 1}', 400,
+     _schema("stream: Input should be a valid boolean, got int 1")),
+    ("ids-not-ints", b'{"input_ids": [1, "2"]}', 400,
+     _schema("input_ids: Input should be a valid list of integers")),
+    ("empty-input-ids", b'{"input_ids": []}', 400,
+     {"error": {"message": "input_ids is empty: at least one token id is required."}}),
+    ("negative-id", b'{"input_ids": [3, -1]}', 400,
+     {"error": {"message": "input_ids: token id -1 is negative."}}),
+    ("no-input", b'{"sampling_params": {}}', 400,
+     {"error": {"message": "Either text, input_ids or input_embeds should be provided."}}),
+    ("text-and-ids", b'{"text": "a", "input_ids": [1]}', 400,
+     {"error": {"message": "Either text, input_ids or input_embeds should be provided."}}),
+    ("batch", b'{"input_ids": [[1], [2]]}', 400,
+     {"error": {"message": "Batch requests (a list of input_ids lists) are not supported."}}),
+    ("n-2", b'{"input_ids": [1], "sampling_params": {"n": 2}}', 400,
+     {"error": {"message": "n > 1 is not supported by asgi-generate yet; send n separate requests."}}),
+    ("bootstrap", b'{"input_ids": [1], "bootstrap_room": 7}', 400,
+     {"error": {"message": "bootstrap_room is set by the frontend for prefill/decode routing; do not send it."}}),
+    ("negative-max", b'{"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}', 400,
+     {"error": {"message": "max_new_tokens must be at least 0."}}),
+]
+
+
+@pytest.mark.parametrize("name,body,status,expected", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_never_reaches_the_engine(frontend, sims, name, body, status, expected):
+    before = _received(sims)
+    resp = post(frontend.url, body)
+    assert resp.status_code == status
+    assert resp.json() == expected
+    assert _received(sims) == before
+
+
+def test_unknown_path_is_404(frontend):
+    resp = post(frontend.url, {"input_ids": [1]}, path="/generat")
+    assert resp.status_code == 404
+    assert resp.json() == {"detail": "Not Found"}
+
+
+def test_wrong_method_is_405_with_allow(frontend, sims):
+    before = _received(sims)
+    resp = httpx.get(frontend.url + "/generate", timeout=10)
+    assert resp.status_code == 405
+    assert resp.headers["allow"] == "POST, PUT"
+    assert resp.json() == _schema("Method Not Allowed", 405, "Method Not Allowed")
+    assert _received(sims) == before
+
+
+def test_engine_value_error_is_passed_through(frontend, sims):
+    """An id the engine refuses: the engine's own status and body (unary),
+    SGLang's in-band error after the 200 (stream)."""
+    body = {"input_ids": [5000], "rid": "oov"}
+    direct = post(sims[0].url, body)
+    through = post(frontend.url, body)
+    assert through.status_code == direct.status_code == 400
+    assert through.json() == direct.json() == {"error": {"message": "Token id out of range [0, 4096)."}}
+    status, events = sse(frontend.url, {**body, "stream": True})
+    assert status == 200
+    assert events == [b'{"error":{"message":"Token id out of range [0, 4096)."}}', b"[DONE]"]
+
+
+@pytest.fixture(scope="module")
+def capped():
+    sim = start_sim("sglang")
+    fe = start_frontend([f"sglang={sim.url}"], extra=["--max-body-bytes", "1024"])
+    yield fe, sim
+    fe.stop()
+    sim.stop()
+
+
+def test_body_over_cap_is_413(capped):
+    fe, sim = capped
+    big = orjson.dumps({"input_ids": list(range(1, 400))})
+    assert len(big) > 1024
+    resp = post(fe.url, big)
+    assert resp.status_code == 413
+    assert resp.json() == _schema("request body exceeds the limit of 1024 bytes", 413, "Request Entity Too Large")
+    assert stats(sim)["received"] == 0
+
+
+def test_chunked_body_over_cap_is_413(capped):
+    fe, sim = capped
+
+    def chunks():
+        yield b'{"input_ids": ['
+        for _ in range(200):
+            yield b"1000, "
+        yield b"1]}"
+
+    resp = httpx.post(fe.url + "/generate", content=chunks(), timeout=10)
+    assert resp.status_code == 413
+    assert resp.json()["message"] == "request body exceeds the limit of 1024 bytes"
+    assert stats(sim)["received"] == 0
+
+
+def test_body_at_cap_is_served(capped):
+    fe, sim = capped
+    body = orjson.dumps({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+    body = body[:-1] + b" " * (1024 - len(body)) + b"}"
+    assert len(body) == 1024
+    resp = post(fe.url, body)
+    assert resp.status_code == 200
+    assert len(resp.json()["output_ids"]) == 2
