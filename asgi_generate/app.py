@@ -45,6 +45,7 @@ class App:
 
     Raises:
         CodecLoadError: installed codecs cannot be served together.
+        TraceSetupError: the trace settings are unusable.
     """
 
     def __init__(self, settings: Settings, codecs: list[LoadedCodec] | None = None) -> None:
@@ -58,6 +59,9 @@ class App:
                 self.routes[(route.method, route.path)] = item.codec
                 self.paths.setdefault(route.path, []).append(route.method)
         self.router = Router([])
+        self.inflight: dict[str, Any] = {}
+        self.shutting_down = False
+        self._shutdown_requested: anyio.Event | None = None
         self.started_unix_ms = int(time.time() * 1000)
         self.counters: dict[str, int] = {
             "requests": 0,
@@ -65,6 +69,14 @@ class App:
             "aborts_unacknowledged": 0,
         }
         self.by_status: dict[str, int] = {}
+        # Tracing off: no tracer at all, so finishing a request only counts.
+        self.tracer = None
+        if settings.trace_file or settings.trace_stderr:
+            from .tracing import Tracer
+
+            self.tracer = Tracer(settings)
+        #: The handler keeps delivered output ids only for a trace parser.
+        self.trace_output_ids = self.tracer is not None and self.tracer.wants_output_ids
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -100,14 +112,19 @@ class App:
             async with AsyncExitStack() as stack:
                 specs = self.settings.workers
                 if not specs:
-                    specs = await stack.enter_async_context(
-                        embedded_workers(
-                            self.settings.embedded_workers,
-                            "sglang",
-                            self.settings.embedded_ttft_ms,
-                            self.settings.embedded_itl_ms,
-                        )
-                    )
+                    # Simulators for each protocol a served codec rides on
+                    # and the simulator speaks, so every route answers.
+                    served = {item.codec.worker_protocol for item in self.codecs}
+                    for protocol in ("sglang", "vllm"):
+                        if protocol in served:
+                            specs = specs + await stack.enter_async_context(
+                                embedded_workers(
+                                    self.settings.embedded_workers,
+                                    protocol,
+                                    self.settings.embedded_ttft_ms,
+                                    self.settings.embedded_itl_ms,
+                                )
+                            )
                 self.router = Router(
                     specs,
                     connect_timeout=self.settings.connect_timeout,
@@ -119,10 +136,16 @@ class App:
                         probes.start_soon(self.router.probe, worker)
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self.router.watch, self.settings.health_interval)
+                    if self.tracer is not None:
+                        await tg.start(self.tracer.run)
+                    self._shutdown_requested = anyio.Event()
+                    tg.start_soon(self._drain_on_shutdown)
                     await send({"type": "lifespan.startup.complete"})
                     started = True
                     while (await receive())["type"] != "lifespan.shutdown":
                         pass
+                    if self.tracer is not None:
+                        await self.tracer.close()  # flushes every queued record
                     tg.cancel_scope.cancel()
         except Exception as exc:
             if started:
@@ -131,6 +154,26 @@ class App:
             await send({"type": "lifespan.startup.failed", "message": repr(exc)})
             return
         await send({"type": "lifespan.shutdown.complete"})
+
+    # -- graceful shutdown ---------------------------------------------------------
+
+    def begin_shutdown(self) -> None:
+        """Stop taking requests (new ones get 503); in-flight ones get
+        ``shutdown_grace`` seconds, then are aborted and ended cleanly.
+        Called by ``asgi-generate serve`` on SIGTERM/SIGINT."""
+        self.shutting_down = True
+        if self._shutdown_requested is not None:
+            self._shutdown_requested.set()
+
+    async def _drain_on_shutdown(self) -> None:
+        await self._shutdown_requested.wait()
+        with anyio.move_on_after(self.settings.shutdown_grace):
+            while self.inflight:
+                await anyio.sleep(0.05)
+        if self.inflight:
+            log.warning("shutdown: aborting %d requests still in flight", len(self.inflight))
+        for gen in list(self.inflight.values()):
+            gen.cancel_for_shutdown()
 
     # -- used by the handler -------------------------------------------------
 
@@ -165,6 +208,8 @@ class App:
         """Called once per request on the handler's way out."""
         self.counters["requests"] += 1
         self.by_status[st.status or "unknown"] = self.by_status.get(st.status or "unknown", 0) + 1
+        if self.tracer is not None:
+            self.tracer.submit(st)
 
     # -- control routes ----------------------------------------------------------
 
@@ -196,6 +241,7 @@ class App:
         return {
             **self.counters,
             "by_status": dict(self.by_status),
+            "trace": self.tracer.stats() if self.tracer is not None else {"enabled": False},
             "workers": {
                 w.id: {
                     "outstanding": w.outstanding,

@@ -40,8 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hypercorn worker class (default %(default)s)")
     serve.add_argument("--workers", type=int, default=1,
                        help="hypercorn worker processes sharing the port (default %(default)s)")
-    serve.add_argument("--graceful-timeout", type=float, default=30.0,
-                       help="seconds in-flight requests get to finish on SIGTERM/SIGINT (default %(default)s)")
+    serve.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace,
+                       help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are "
+                            "aborted and ended cleanly (default %(default)s)")
+    serve.add_argument("--slow-client-timeout", type=float, default=d.slow_client_timeout,
+                       help="seconds a client may leave a write untaken before it is cut off and the "
+                            "engine aborted (default %(default)s)")
     serve.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                        help="request body cap in bytes; larger bodies get 413 (default %(default)s)")
     serve.add_argument("--connect-timeout", type=float, default=d.connect_timeout,
@@ -62,10 +66,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="simulated workers' inter-token latency in ms (default %(default)s)")
     serve.add_argument("--skip-broken-codecs", action="store_true",
                        help="start even if an installed codec fails to load (it is logged and skipped)")
+    serve.add_argument("--trace-file", default=d.trace_file, metavar="PATH",
+                       help="write one JSONL request-end record per request to PATH.<pid>.<start>.<n>.jsonl "
+                            "(tracing is off unless this or --trace-stderr is given)")
+    serve.add_argument("--trace-stderr", action="store_true", help="write the trace records to stderr too")
+    serve.add_argument("--trace-queue-size", type=int, default=d.trace_queue_size,
+                       help="records that may wait for the trace writer; more are dropped and counted "
+                            "(default %(default)s)")
+    serve.add_argument("--trace-rotate-bytes", type=int, default=d.trace_rotate_bytes,
+                       help="start a new trace file past this many bytes; 0 = never (default %(default)s)")
+    serve.add_argument("--trace-block-size", type=int, default=d.trace_block_size,
+                       help="tokens per replay block hash in trace records (default %(default)s)")
+    serve.add_argument("--tokenizer", default=d.tokenizer, metavar="PATH",
+                       help="a Hugging Face tokenizer.json the trace writer decodes output with")
+    serve.add_argument("--reasoning-parser", default=d.reasoning_parser, metavar="NAME",
+                       help="count reasoning tokens in traces: qwen3, deepseek_r1 or an installed parser")
+    serve.add_argument("--tool-call-parser", default=d.tool_call_parser, metavar="NAME",
+                       help="record tool-call names and the tool_calls finish reason in traces: hermes or "
+                            "an installed parser")
     serve.add_argument("--log-level", default="info", help="logging level (default %(default)s)")
 
     sim = sub.add_parser("sim", help="run a simulated engine worker")
-    sim.add_argument("--protocol", choices=("sglang",), default="sglang", help="native protocol to speak")
+    sim.add_argument("--protocol", choices=("sglang", "vllm"), default="sglang", help="native protocol to speak")
     sim.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     sim.add_argument("--port", type=int, default=30000, help="port to listen on (default %(default)s)")
     sim.add_argument("--fd", type=int, default=None, help="serve an inherited listening socket instead")
@@ -92,20 +114,39 @@ def _settings(args: argparse.Namespace) -> Settings:
         health_interval=args.health_interval,
         sse_keepalive=args.sse_keepalive,
         abort_timeout=args.abort_timeout,
+        slow_client_timeout=args.slow_client_timeout,
+        shutdown_grace=args.shutdown_grace,
         embedded_workers=args.embedded_workers,
         embedded_ttft_ms=args.embedded_ttft_ms,
         embedded_itl_ms=args.embedded_itl_ms,
         skip_broken_codecs=args.skip_broken_codecs,
+        trace_file=args.trace_file,
+        trace_stderr=args.trace_stderr,
+        trace_queue_size=args.trace_queue_size,
+        trace_rotate_bytes=args.trace_rotate_bytes,
+        trace_block_size=args.trace_block_size,
+        tokenizer=args.tokenizer,
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
     )
 
 
 def _serve(args: argparse.Namespace) -> int:
     from .app import App
-    from .registry import CodecLoadError
+    from .registry import CodecLoadError, load_codecs
+    from .tracing import TraceSetupError
 
     settings = _settings(args)
+    # Checked here, before any worker process starts, so a broken or
+    # colliding codec stops `serve` with its message whatever --workers is.
+    try:
+        codecs = load_codecs(settings.skip_broken_codecs)
+    except CodecLoadError as exc:
+        _report_problems(str(exc).splitlines())
+        return 2
+    # hypercorn's own deadline only backs up the app's: grace, then aborts.
     config = hypercorn_config(
-        host=args.host, port=args.port, fd=args.fd, graceful_timeout=args.graceful_timeout
+        host=args.host, port=args.port, fd=args.fd, graceful_timeout=args.shutdown_grace + 15.0
     )
     if args.workers > 1:
         # Separate processes rebuild the app from the environment.
@@ -117,8 +158,8 @@ def _serve(args: argparse.Namespace) -> int:
         config.worker_class = args.worker_class
         return hypercorn_run(config)
     try:
-        app = App(settings)
-    except CodecLoadError as exc:
+        app = App(settings, codecs)
+    except (CodecLoadError, TraceSetupError) as exc:
         print(f"asgi-generate: {exc}", file=sys.stderr)
         return 2
     run(app, config, args.worker_class)
@@ -142,22 +183,27 @@ def _sim(args: argparse.Namespace) -> int:
     return 0
 
 
-def _codecs() -> int:
-    from .registry import CodecLoadError, load_codecs
+def _report_problems(lines: list[str]) -> None:
+    for line in lines:
+        print(f"asgi-generate: {line}", file=sys.stderr)
 
-    try:
-        loaded = load_codecs()
-    except CodecLoadError as exc:
-        print(f"asgi-generate: {exc}", file=sys.stderr)
-        return 2
+
+def _codecs() -> int:
+    """List every codec that loads; name each that does not, and each
+    collision, on stderr and exit 2 (``serve`` would refuse to start)."""
+    from .registry import discover
+
+    found = discover()
     rows = [("NAME", "ROUTES", "WORKER PROTOCOL", "DISTRIBUTION", "VERSION")]
-    for item in loaded:
+    for item in found.loaded:
         routes = ", ".join(f"{r.method} {r.path}" for r in item.codec.routes)
         rows.append((item.codec.name, routes, item.codec.worker_protocol, item.distribution, item.version))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-    return 0
+    problems = [*map(str, found.failures), *found.collisions]
+    _report_problems(problems)
+    return 2 if problems else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,9 +62,15 @@ async def handle_generate(app: "App", codec: Codec, scope: dict, receive: Receiv
     finally:
         with anyio.CancelScope(shield=True):
             await abort_live_legs(app, st)
-        st.t_done = time.monotonic()
         if st.status is None:  # cancelled from outside, e.g. server shutdown
             st.status = "shutdown"
+        finish_record(app, st)
+
+
+def finish_record(app: "App", st: RequestState) -> None:
+    """Hand ``st`` to the app exactly once per request."""
+    if st.t_done is None:
+        st.t_done = time.monotonic()
         app.request_finished(st)
 
 
@@ -73,8 +79,7 @@ async def reject_method(app: "App", codec: Codec, scope: dict, allowed: list[str
     st = RequestState(ids.mint(), codec.name, scope["path"], scope["method"])
     err = RequestError(405, "Method Not Allowed", "method_not_allowed")
     await _send_error(codec, send, st, err, [(b"allow", ", ".join(allowed).encode())])
-    st.t_done = time.monotonic()
-    app.request_finished(st)
+    finish_record(app, st)
 
 
 async def _send_error(
@@ -103,6 +108,10 @@ async def _serve(app: "App", codec: Codec, scope: dict, receive: Receive, send: 
     except ClientDisconnected:
         st.status = "client_disconnect"
         return
+    if app.shutting_down:
+        await _send_error(codec, send, st, RequestError(503, "server is shutting down", "shutdown"))
+        st.status = "shutdown"
+        return
     try:
         request = codec.decode(body, headers)
     except RequestError as exc:
@@ -116,11 +125,19 @@ async def _serve(app: "App", codec: Codec, scope: dict, receive: Receive, send: 
     st.model = request.model
     gen = _Generation(app, codec, codec.exchange(request, st.request_id), request, st, send)
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, st)
-        if request.stream and app.settings.sse_keepalive > 0:
-            tg.start_soon(gen.keepalive, app.settings.sse_keepalive)
-        await gen.run()
-        tg.cancel_scope.cancel()
+        gen.scope = tg.cancel_scope
+        app.inflight[st.request_id] = gen
+        try:
+            tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, st)
+            tg.start_soon(gen.watchdog, app.settings.sse_keepalive if request.stream else 0.0)
+            await gen.run()
+            tg.cancel_scope.cancel()
+        finally:
+            del app.inflight[st.request_id]
+    if gen.shutdown and not st.response_complete:
+        # The grace period ran out: end the answer cleanly, in-band if begun.
+        st.status = None
+        await gen.fail(RequestError(503, "server is shutting down", "shutdown"), "shutdown")
 
 
 async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope, st: RequestState) -> None:
@@ -138,6 +155,7 @@ class _Generation:
 
     __slots__ = (
         "app", "codec", "ex", "req", "st", "send", "finished", "pending", "in_send", "last_send",
+        "scope", "shutdown", "write_timeout", "send_started",
     )
 
     def __init__(
@@ -152,7 +170,17 @@ class _Generation:
         self.finished = False
         self.pending = 0
         self.in_send = False
-        self.last_send = time.monotonic()
+        self.last_send = self.send_started = time.monotonic()
+        self.scope: anyio.CancelScope | None = None
+        self.shutdown = False
+        self.write_timeout = app.settings.slow_client_timeout
+
+    def cancel_for_shutdown(self) -> None:
+        """Stop this request because the server is shutting down; the
+        handler then ends the answer cleanly and aborts the engine."""
+        self.shutdown = True
+        if self.scope is not None:
+            self.scope.cancel()
 
     async def run(self) -> None:
         router = self.app.router
@@ -162,7 +190,7 @@ class _Generation:
             worker = router.pick(protocol, tried)
             if worker is None:
                 why = "no healthy worker" if router.has_protocol(protocol) else "no worker configured"
-                await self._fail(
+                await self.fail(
                     RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"), "unavailable"
                 )
                 return
@@ -224,30 +252,33 @@ class _Generation:
             self.app.router.mark_down(worker, str(exc))
             if not self.st.response_started and self.pending == 0:
                 return True
-            await self._fail(RequestError(502, f"worker {worker.id} failed: {exc}", "engine"), "engine_error")
+            await self.fail(RequestError(502, f"worker {worker.id} failed: {exc}", "engine"), "engine_error")
             return False
         except RequestError as exc:  # the worker broke its protocol
             attempt.outcome = "error"
-            await self._fail(exc, "engine_error")
+            await self.fail(exc, "engine_error")
             return False
 
-    async def _send(self, body: bytes, more: bool) -> None:
+    async def _write(self, message: dict) -> None:
+        """Hand ``message`` to the server. Only this one message is ever held
+        for a client; :meth:`watchdog` cuts off a client that leaves it
+        untaken too long."""
         self.in_send = True
+        self.send_started = time.monotonic()
         try:
-            await self.send({"type": "http.response.body", "body": body, "more_body": more})
+            await self.send(message)
         finally:
             self.in_send = False
             self.last_send = time.monotonic()
+
+    async def _send(self, body: bytes, more: bool) -> None:
+        await self._write({"type": "http.response.body", "body": body, "more_body": more})
 
     async def _start_stream(self) -> None:
         if not self.st.response_started:
             self.st.response_started = True
             self.st.http_status = 200
-            self.in_send = True
-            try:
-                await self.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-            finally:
-                self.in_send = False
+            await self._write({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
 
     async def _unary(self, status: int, body: bytes) -> None:
         st = self.st
@@ -255,7 +286,15 @@ class _Generation:
         st.response_started = True
         st.http_status = status
         st.response_complete = True
-        await send_unary(self.send, status, body, self.codec.content_type)
+        await self._write_unary(status, body, self.codec.content_type)
+
+    async def _write_unary(self, status: int, body: bytes, content_type: bytes) -> None:
+        await self._write({
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode())],
+        })
+        await self._write({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _deliver(self, event: Event) -> None:
         st, ex = self.st, self.ex
@@ -265,6 +304,10 @@ class _Generation:
             if st.t_first_token is None:
                 st.t_first_token = now
             st.t_last_token = now
+            if self.app.trace_output_ids:  # only for a trace parser; default path skips it
+                if st.output_ids is None:
+                    st.output_ids = []
+                st.output_ids.extend(event.token_ids)
         if event.completion_tokens is not None:
             st.engine_completion_tokens = event.completion_tokens
         if event.prompt_tokens is not None:
@@ -301,7 +344,7 @@ class _Generation:
         if done and st.status is None:
             st.status = "ok"
 
-    async def _fail(self, err: RequestError, status: str) -> None:
+    async def fail(self, err: RequestError, status: str) -> None:
         """End the response with ``err``: its own status before the 200,
         in-band after it."""
         st = self.st
@@ -310,22 +353,49 @@ class _Generation:
         if not st.response_started:
             st.fail(status, err.status, err.kind, err.message)
             st.response_started = True
-            await send_unary(self.send, err.status, self.codec.error_body(err))
+            await self._write_unary(err.status, self.codec.error_body(err), b"application/json")
         else:
             st.fail(status, st.http_status, err.kind, err.message)
             await self._send(sse_event(self.codec.in_band_error(err)) + self.codec.sse_terminal, False)
 
-    async def keepalive(self, interval: float) -> None:
-        """Send an SSE comment whenever the response has been silent for
-        ``interval`` seconds (committing to 200 if nothing was sent yet)."""
+    async def watchdog(self, keepalive: float) -> None:
+        """Guard the client side while the request runs.
+
+        A write the client has left untaken for ``slow_client_timeout``
+        seconds makes it a ``slow_client``: the engine legs are aborted and
+        the record handed over at once, then the request is cancelled.
+        (hypercorn's trio worker shields its socket writes, so the stuck
+        write itself may only end when the client reads or hangs up.)
+        With ``keepalive`` > 0, an SSE comment goes out after that many
+        seconds of silence, committing to the 200 if nothing was sent yet.
+        """
         st = self.st
-        while True:
-            await anyio.sleep(max(0.0, self.last_send + interval - time.monotonic()))
-            if st.response_complete or self.finished:
-                return
-            if not self.in_send and time.monotonic() - self.last_send >= interval:
-                await self._start_stream()
-                await self._send(KEEPALIVE, True)
+        timeout = self.write_timeout
+        while not st.response_complete or self.in_send:
+            now = time.monotonic()
+            if self.in_send:
+                wake = self.send_started + timeout
+                if now >= wake:
+                    await self._cut_off_slow_client()
+                    return
+            else:
+                wake = self.last_send + keepalive if keepalive > 0 else now + timeout
+                if keepalive > 0 and now >= wake and not self.finished:
+                    await self._start_stream()
+                    await self._send(KEEPALIVE, True)
+                    continue
+            await anyio.sleep(max(0.01, min(wake - now, timeout)))
+
+    async def _cut_off_slow_client(self) -> None:
+        st = self.st
+        st.status = None
+        st.fail("slow_client", st.http_status, "slow_client",
+                f"client left a write untaken for {self.write_timeout:g} s")
+        with anyio.CancelScope(shield=True):
+            await abort_live_legs(self.app, st)
+        finish_record(self.app, st)
+        if self.scope is not None:
+            self.scope.cancel()
 
 
 async def abort_live_legs(app: "App", st: RequestState) -> None:

@@ -1,85 +1,196 @@
 """Codec discovery through the ``asgi_generate.codecs`` entry point group.
 
-Each entry point names a :class:`~asgi_generate.codec.Codec` subclass (or a
-zero-argument factory). Loading refuses two codecs with the same name or the
-same (method, path), naming both, and a codec that fails to import, naming it
-with its error, unless asked to skip broken codecs.
+Each entry point, named after its codec, names a
+:class:`~asgi_generate.codec.Codec` subclass or a zero-argument factory
+returning one::
+
+    [options.entry_points]
+    asgi_generate.codecs =
+        zstd = asgi_generate_zstd.codec:ZstdCodec
+
+At startup every entry point in the group is loaded and checked. A codec that
+fails to import or to build, or declares itself wrongly, is reported by name
+with its error, and the server refuses to start unless asked to skip broken
+codecs. Two codecs claiming the same name or the same method and path are
+never served together, skip or not: the message names both.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from importlib.metadata import entry_points
+import re
+from dataclasses import dataclass, field
+from importlib.metadata import EntryPoint, entry_points
 
-from .codec import Codec
+from .codec import Codec, Route
+from .workers.protocols import PROTOCOLS
 
 GROUP = "asgi_generate.codecs"
+#: Paths :class:`asgi_generate.app.App` serves itself; a codec route there
+#: would shadow them (the app matches codec paths first).
+RESERVED_PATHS = ("/health", "/v1/models", "/stats")
+SKIP_HINT = "start with --skip-broken-codecs to serve without the codecs that failed to load"
+_METHOD = re.compile(r"[A-Z]+")
 log = logging.getLogger("asgi_generate.registry")
 
 
 class CodecLoadError(Exception):
-    """The installed codecs cannot be served together, or one failed to load."""
+    """The installed codecs cannot be served together, or some failed to
+    load; the message has one line per problem."""
 
 
 @dataclass(frozen=True, slots=True)
 class LoadedCodec:
-    """A codec with where it came from."""
+    """A codec with where it came from.
+
+    Attributes:
+        codec: the instance the app serves.
+        entry_point: the entry point's name (the codec's name).
+        distribution, version: the installed distribution that declared it.
+        target: the entry point's ``module:attribute``.
+    """
 
     codec: Codec
     entry_point: str
     distribution: str
     version: str
+    target: str = ""
+
+    def describe(self) -> str:
+        """``'name' (distribution version, module:attr)``, for messages."""
+        return f"{self.entry_point!r} ({self.distribution} {self.version}, {self.target})"
 
 
-def load_codecs(skip_broken: bool = False) -> list[LoadedCodec]:
-    """Instantiate every installed codec, in entry point name order.
+@dataclass(frozen=True, slots=True)
+class CodecFailure:
+    """An entry point that did not give a servable codec.
 
-    Raises:
-        CodecLoadError: a codec failed to load (unless ``skip_broken``), or
-            two codecs claim the same name or the same method and path.
+    Attributes:
+        entry_point, distribution, version, target: as in :class:`LoadedCodec`.
+        error: ``ExceptionType: message`` of what went wrong.
     """
-    loaded: list[LoadedCodec] = []
-    for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
+
+    entry_point: str
+    distribution: str
+    version: str
+    target: str
+    error: str
+
+    def __str__(self) -> str:
+        return (
+            f"codec {self.entry_point!r} ({self.distribution} {self.version}, {self.target}) "
+            f"failed to load: {self.error}"
+        )
+
+
+@dataclass(slots=True)
+class Discovery:
+    """Everything found in the entry point group.
+
+    Attributes:
+        loaded: the codecs that loaded, in entry point name order.
+        failures: the entry points that did not.
+        collisions: one message per name or route claimed twice among
+            ``loaded``.
+    """
+
+    loaded: list[LoadedCodec] = field(default_factory=list)
+    failures: list[CodecFailure] = field(default_factory=list)
+    collisions: list[str] = field(default_factory=list)
+
+
+def _check(codec: object, ep: EntryPoint) -> Codec:
+    """``codec`` if it can be served, else raise saying why."""
+    if not isinstance(codec, Codec):
+        raise TypeError(f"{ep.value} gave a {type(codec).__name__}, not an asgi_generate.codec.Codec")
+    if codec.name != ep.name:
+        raise ValueError(f"the codec is named {codec.name!r}; its entry point must carry the same name")
+    if codec.worker_protocol not in PROTOCOLS:
+        known = ", ".join(sorted(PROTOCOLS))
+        raise ValueError(f"unknown worker protocol {codec.worker_protocol!r} (known: {known})")
+    if not codec.routes:
+        raise ValueError("the codec declares no routes")
+    seen: set[Route] = set()
+    for route in codec.routes:
+        if not isinstance(route, Route):
+            raise TypeError(f"route {route!r} is not an asgi_generate.codec.Route")
+        if not _METHOD.fullmatch(route.method):
+            raise ValueError(f"route {route.method} {route.path}: the method must be upper-case letters")
+        if not route.path.startswith("/"):
+            raise ValueError(f"route {route.method} {route.path}: the path must start with '/'")
+        if route.path in RESERVED_PATHS:
+            raise ValueError(f"route {route.method} {route.path}: the frontend serves {route.path} itself")
+        if route in seen:
+            raise ValueError(f"route {route.method} {route.path} is declared twice")
+        seen.add(route)
+    return codec
+
+
+def discover() -> Discovery:
+    """Load and check every entry point in :data:`GROUP`; never raises.
+
+    Entry points are taken in (name, distribution) order, so results and
+    messages do not depend on the order of ``sys.path``.
+    """
+    found = Discovery()
+    eps = sorted(entry_points(group=GROUP), key=lambda e: (e.name, e.dist.name if e.dist else ""))
+    for ep in eps:
         dist = ep.dist.name if ep.dist else "?"
         version = ep.dist.version if ep.dist else "?"
         try:
-            codec = ep.load()()
-            if not isinstance(codec, Codec):
-                raise TypeError(f"{ep.value} did not produce a Codec")
-        except Exception as exc:
-            message = f"codec {ep.name!r} ({dist} {version}, {ep.value}) failed to load: {exc!r}"
-            if not skip_broken:
-                raise CodecLoadError(message) from exc
-            log.error("%s; skipped", message)
+            # A plugin that calls sys.exit at import must not end the server unnamed.
+            codec = _check(ep.load()(), ep)
+        except (Exception, SystemExit) as exc:
+            found.failures.append(CodecFailure(ep.name, dist, version, ep.value, f"{type(exc).__name__}: {exc}"))
             continue
-        loaded.append(LoadedCodec(codec, ep.name, dist, version))
-    check_collisions(loaded)
-    for item in loaded:
-        routes = ", ".join(f"{r.method} {r.path}" for r in item.codec.routes)
-        log.info("codec %s from %s %s: %s on %s workers", item.codec.name, item.distribution,
-                 item.version, routes, item.codec.worker_protocol)
-    return loaded
+        found.loaded.append(LoadedCodec(codec, ep.name, dist, version, ep.value))
+    found.collisions = collisions(found.loaded)
+    return found
 
 
-def check_collisions(loaded: list[LoadedCodec]) -> None:
-    """Raise :class:`CodecLoadError` if two codecs share a name or a route."""
+def collisions(loaded: list[LoadedCodec]) -> list[str]:
+    """One message per name or (method, path) that two of ``loaded`` claim,
+    naming both codecs; empty when they can be served together."""
+    problems: list[str] = []
     names: dict[str, LoadedCodec] = {}
-    routes: dict[tuple[str, str], LoadedCodec] = {}
+    routes: dict[Route, LoadedCodec] = {}
     for item in loaded:
-        other = names.get(item.codec.name)
-        if other is not None:
-            raise CodecLoadError(
-                f"codecs {other.entry_point!r} ({other.distribution}) and {item.entry_point!r} "
-                f"({item.distribution}) both use the name {item.codec.name!r}"
+        other = names.setdefault(item.codec.name, item)
+        if other is not item:
+            problems.append(
+                f"codecs {other.describe()} and {item.describe()} both use the name {item.codec.name!r}"
             )
-        names[item.codec.name] = item
+            continue
         for route in item.codec.routes:
-            key = (route.method, route.path)
-            other = routes.get(key)
-            if other is not None:
-                raise CodecLoadError(
-                    f"codecs {other.codec.name!r} ({other.distribution}) and {item.codec.name!r} "
-                    f"({item.distribution}) both serve {route.method} {route.path}"
+            other = routes.setdefault(route, item)
+            if other is not item:
+                problems.append(
+                    f"codecs {other.describe()} and {item.describe()} both serve {route.method} {route.path}"
                 )
-            routes[key] = item
+    return problems
+
+
+def load_codecs(skip_broken: bool = False) -> list[LoadedCodec]:
+    """Every installed codec, ready to serve, each logged with its
+    distribution and version.
+
+    Args:
+        skip_broken: log codecs that fail to load and serve the others.
+
+    Raises:
+        CodecLoadError: a codec failed to load (unless ``skip_broken``; the
+            message then ends with a hint naming the flag), or two loaded
+            codecs claim the same name or the same method and path.
+    """
+    found = discover()
+    if found.failures and not skip_broken:
+        raise CodecLoadError("\n".join([*map(str, found.failures), SKIP_HINT]))
+    for failure in found.failures:
+        log.error("%s; skipped (--skip-broken-codecs)", failure)
+    if found.collisions:
+        raise CodecLoadError("\n".join(found.collisions))
+    for item in found.loaded:
+        routes = ", ".join(f"{r.method} {r.path}" for r in item.codec.routes)
+        log.info("codec %s from %s %s: %s, on %s workers", item.codec.name, item.distribution,
+                 item.version, routes, item.codec.worker_protocol)
+    return found.loaded

@@ -30,7 +30,9 @@ def hypercorn_config(
 
 
 def run(app: Any, config: Config, worker_class: str = "trio") -> None:
-    """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully.
+    """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully:
+    hypercorn stops accepting, and ``app.begin_shutdown()`` (when the app has
+    one) lets the app end its in-flight requests itself.
 
     Raises:
         ValueError: ``worker_class`` is neither ``trio`` nor ``asyncio``.
@@ -41,6 +43,9 @@ def run(app: Any, config: Config, worker_class: str = "trio") -> None:
     async def until_signal() -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
+                begin = getattr(app, "begin_shutdown", None)
+                if begin is not None:
+                    begin()
                 return
 
     async def main() -> None:

@@ -144,3 +144,79 @@ def without_timing(obj):
     if isinstance(obj, list):
         return [without_timing(v) for v in obj]
     return obj
+
+
+class RawClient:
+    """A blocking HTTP/1.1 client on a plain socket (h11), for tests that
+    must hang up at an exact point or read slowly."""
+
+    def __init__(self, url: str, rcvbuf: int | None = None) -> None:
+        import h11
+
+        self._h11 = h11
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if rcvbuf is not None:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.settimeout(30)
+        self.sock.connect((host, int(port)))
+        self.conn = h11.Connection(h11.CLIENT)
+        self.status: int | None = None
+        self._buf = b""
+
+    def send(self, body: bytes, *, upto: int | None = None, path: str = "/generate") -> None:
+        """Send a POST with ``body``; with ``upto``, only that many body bytes."""
+        h11 = self._h11
+        head = h11.Request(method="POST", target=path, headers=[
+            ("host", "127.0.0.1"), ("content-type", "application/json"), ("content-length", str(len(body)))])
+        data = self.conn.send(head)
+        if upto is None:
+            data += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
+        else:
+            data += body[:upto]
+        self.sock.sendall(data)
+
+    def _next(self):
+        h11 = self._h11
+        while True:
+            event = self.conn.next_event()
+            if event is h11.NEED_DATA:
+                self.conn.receive_data(self.sock.recv(65536))
+                continue
+            return event
+
+    def events(self, count: int) -> list[bytes]:
+        """Read until ``count`` more SSE ``data`` payloads arrived (or the end)."""
+        h11 = self._h11
+        out: list[bytes] = []
+        while len(out) < count:
+            while b"\n\n" in self._buf and len(out) < count:
+                block, self._buf = self._buf.split(b"\n\n", 1)
+                if block.startswith(b"data: "):
+                    out.append(block[6:])
+            if len(out) >= count:
+                break
+            event = self._next()
+            if isinstance(event, h11.Response):
+                self.status = event.status_code
+            elif isinstance(event, h11.Data):
+                self._buf += bytes(event.data)
+            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                break
+        return out
+
+    def close(self) -> None:
+        """Hang up."""
+        self.sock.close()
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02):
+    """Poll ``predicate`` until it returns a truthy value (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)

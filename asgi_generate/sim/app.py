@@ -4,6 +4,9 @@ Routes (SGLang mode): ``POST|PUT /generate``, ``POST /abort_request``,
 ``GET /health``, ``/health_generate``, ``/get_server_info`` (``/server_info``),
 ``/get_model_info`` (``/model_info``), ``/v1/models``, ``POST /flush_cache``,
 and ``GET /sim/stats`` for tests.
+
+Routes (vLLM mode): ``POST /inference/v1/generate``, ``POST /abort_requests``,
+``GET /health``, ``/v1/models`` and ``GET /sim/stats``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from .engine import SimEngine
 from .model import Model
 from .sglang import SGLangProtocol
 from .tokenizer import SimTokenizer
+from .vllm import VLLMProtocol
 
 NOT_FOUND = orjson.dumps({"detail": "Not Found"})
 MAX_BODY = 1 << 30
@@ -29,7 +33,7 @@ class SimApp:
     """ASGI app of one simulated engine worker.
 
     Args:
-        protocol: ``"sglang"``.
+        protocol: ``"sglang"`` or ``"vllm"``.
         ttft_ms, itl_ms: time to first token and inter-token latency.
         incremental_streaming_output: SGLang deltas instead of cumulative chunks.
         parent_pid: exit when this process is gone (embedded workers).
@@ -44,13 +48,15 @@ class SimApp:
         model_name: str = "sim",
         parent_pid: int | None = None,
     ) -> None:
-        if protocol != "sglang":
+        if protocol not in ("sglang", "vllm"):
             raise ValueError(f"unknown simulator protocol {protocol!r}")
         self.tokenizer = SimTokenizer()
         model = Model(self.tokenizer.vocab_size, self.tokenizer.eos_id, self.tokenizer.num_special)
         self.engine = SimEngine(model, ttft_ms / 1000.0, itl_ms / 1000.0)
-        self.protocol = SGLangProtocol(
-            self.engine, self.tokenizer, incremental_streaming_output, model_name
+        self.protocol: SGLangProtocol | VLLMProtocol = (
+            VLLMProtocol(self.engine, self.tokenizer.vocab_size, model_name)
+            if protocol == "vllm"
+            else SGLangProtocol(self.engine, self.tokenizer, incremental_streaming_output, model_name)
         )
         self.model_name = model_name
         self.model_path = str(ASSETS_DIR)
@@ -64,7 +70,9 @@ class SimApp:
             return
         method, path = scope["method"], scope["path"]
         p = self.protocol
-        if path == "/generate" and method in ("POST", "PUT"):
+        if isinstance(p, VLLMProtocol):
+            await self._vllm(p, scope, receive, send)
+        elif path == "/generate" and method in ("POST", "PUT"):
             body = await self._body(receive, send)
             if body is not None:
                 await p.generate(body, receive, send)
@@ -82,6 +90,25 @@ class SimApp:
             await send_unary(send, 200, orjson.dumps(self._models()))
         elif path == "/flush_cache" and method == "POST":
             await send_unary(send, 200, b"Cache flushed.\n", b"text/plain")
+        elif path == "/sim/stats" and method == "GET":
+            await send_unary(send, 200, orjson.dumps(self.engine.stats()))
+        else:
+            await send_unary(send, 404, NOT_FOUND)
+
+    async def _vllm(self, p: VLLMProtocol, scope: dict, receive: Receive, send: Send) -> None:
+        method, path = scope["method"], scope["path"]
+        if path == "/inference/v1/generate" and method == "POST":
+            body = await self._body(receive, send)
+            if body is not None:
+                await p.generate(body, dict(scope["headers"]), receive, send)
+        elif path == "/abort_requests" and method == "POST":
+            body = await self._body(receive, send)
+            if body is not None:
+                await p.abort_requests(body, send)
+        elif path == "/health" and method == "GET":
+            await send_unary(send, 200, b"")
+        elif path == "/v1/models" and method == "GET":
+            await send_unary(send, 200, orjson.dumps(p.models(self.model_path)))
         elif path == "/sim/stats" and method == "GET":
             await send_unary(send, 200, orjson.dumps(self.engine.stats()))
         else:

@@ -66,6 +66,7 @@ class SimEngine:
         self.received = 0
         self.completed = 0
         self.aborted_rids: list[str] = []
+        self.abort_requests = 0
         self.disconnects = 0
         self.seen_rids: list[str] = []
 
@@ -90,14 +91,26 @@ class SimEngine:
     def abort(self, rid: str | None, abort_all: bool = False) -> list[str]:
         """Abort every running job whose rid starts with ``rid`` (SGLang's
         scheduler matches by prefix), or all of them; return the rids hit.
+        Aborted jobs leave the running set (and count as completed) at once.
 
         An unknown or empty rid aborts nothing, silently, as SGLang does.
         """
-        hit = [
-            r for r in self.running if abort_all or (rid and r.startswith(rid))
-        ]
+        self.abort_requests += 1
+        return self._stop([r for r in self.running if abort_all or (rid and r.startswith(rid))])
+
+    def abort_ids(self, rids: list[str]) -> list[str]:
+        """Abort the running jobs whose rid is exactly one of ``rids`` (vLLM
+        matches whole ids), as :meth:`abort` does; unknown ids are ignored.
+        Returns the rids hit."""
+        self.abort_requests += 1
+        return self._stop([r for r in dict.fromkeys(rids) if r in self.running])
+
+    def _stop(self, hit: list[str]) -> list[str]:
         for r in hit:
-            job = self.running[r]
+            # The engine frees an aborted request at once, even while its
+            # HTTP response is still blocked on a slow reader.
+            job = self.running.pop(r)
+            self.completed += 1
             job.aborted = True
             job.abort_event.set()
         self.aborted_rids.extend(hit)
@@ -143,6 +156,7 @@ class SimEngine:
             "received": self.received,
             "completed": self.completed,
             "aborted_rids": list(self.aborted_rids),
+            "abort_requests": self.abort_requests,
             "disconnects": self.disconnects,
             "seen_rids": list(self.seen_rids),
         }

@@ -256,24 +256,27 @@ class SGLangProtocol:
             else:
                 await send_unary(send, exc.status, orjson.dumps(exc.body))
             return
+        done = [False]
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch_disconnect, receive, job)
-                await self._run(job, opts, send)
+                tg.start_soon(self._watch_disconnect, receive, job, done)
+                await self._run(job, opts, send, done)
                 tg.cancel_scope.cancel()
         finally:
             self.engine.finish(job)
 
-    async def _watch_disconnect(self, receive: Receive, job: Job) -> None:
+    async def _watch_disconnect(self, receive: Receive, job: Job, done: list[bool]) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
+        if done[0]:  # hypercorn also reports the end of a finished exchange
+            return
         self.engine.disconnects += 1
         # SGLang aborts a vanished client's request after a short delay.
         await anyio.sleep(self.disconnect_abort_s)
         job.aborted = True
         job.abort_event.set()
 
-    async def _run(self, job: Job, opts: dict, send: Send) -> None:
+    async def _run(self, job: Job, opts: dict, send: Send, done: list[bool]) -> None:
         t0 = time.monotonic()
         model = self.engine.model
         stream = opts["stream"]
@@ -354,6 +357,7 @@ class SGLangProtocol:
         if finish is None and not job.aborted:
             finish = ("length", job.max_new_tokens)  # max_new_tokens == 0
         final = orjson.dumps(chunk(True))
+        done[0] = True
         if stream:
             await send({"type": "http.response.body", "body": sse_event(final) + DONE, "more_body": False})
         else:

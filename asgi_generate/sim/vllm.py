@@ -1,0 +1,504 @@
+"""vLLM's native tokens-in/tokens-out protocol, as the simulator speaks it.
+
+Follows vLLM ``vllm/entrypoints/serve/disagg/`` (``protocol.py``,
+``serving.py``, ``api_router.py``) for a server run with ``--tokens-only``
+(reference/engine-protocols.md section 2):
+
+- ``POST /inference/v1/generate``: the engine id is ``generate-tokens-`` plus
+  the ``X-Request-Id`` header, else the body ``request_id``, else a random
+  uuid. Unary answers are ``GenerateResponse`` objects (``model_dump``, nulls
+  included, ``request_id`` a fresh uuid); SSE answers are delta chunks
+  carrying the engine id, one token each, then the usage chunk if
+  ``stream_options.include_usage`` (``exclude_none``), then ``[DONE]``. An
+  aborted request's finish-only chunk is dropped, as vLLM drops chunks
+  without tokens. Prompt logprobs appear only in unary answers.
+- Logprobs: ``"token_id:N"`` labels; ``top_logprobs`` is the sampled token,
+  then the top-k without it, cut to ``max(k, 1)`` entries; prompt logprobs
+  map each prompt token, then the top-k, to ``{logprob, rank, decoded_token}``
+  (``decoded_token`` null: tokens-only mode does not detokenize).
+- ``POST /abort_requests`` ``{"request_ids": [...]}``: exact (prefixed) ids,
+  200 with an empty body; missing ids or bad JSON are 400.
+- A client disconnect aborts its request at once (vLLM's
+  ``with_cancellation``).
+
+Errors are vLLM's nested ``{"error": {"message", "type", "param", "code"}}``:
+schema errors in the shape of vLLM's ``RequestValidationError`` handler, bad
+values as ``BadRequestError``, an unknown model as 404 ``NotFoundError``.
+
+Generation is the shared deterministic :class:`~asgi_generate.sim.model.Model`,
+greedy, so a prefix gives the same tokens here as in SGLang mode. Sampling
+knobs other than ``max_tokens``, ``stop_token_ids``, ``ignore_eos``,
+``logprobs`` and ``prompt_logprobs`` are accepted and ignored (string
+``stop`` too: tokens-only mode has no text); multimodal ``features`` are
+checked and the answer depends on the token ids alone; ``routed_experts`` and
+``kv_transfer_params`` are always null (no flags for them are simulated).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import anyio
+import orjson
+
+from ..framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
+from .engine import DuplicateRequestId, Job, SimEngine, Token
+from .model import NUM_CANDIDATES
+
+DONE = b"data: [DONE]\n\n"
+ENGINE_PREFIX = "generate-tokens-"
+MAX_MODEL_LEN = 32768
+#: vLLM's default ``--max-logprobs``; the model ranks exactly this many.
+MAX_LOGPROBS = NUM_CANDIDATES
+LOGPROB_FLOOR = -9999.0
+
+
+class VLLMError(Exception):
+    """An error vLLM answers before generating: ``status`` and JSON body."""
+
+    def __init__(self, status: int, body: dict) -> None:
+        super().__init__(body)
+        self.status = status
+        self.body = body
+
+
+def error(message: str, err_type: str = "BadRequestError", status: int = 400, param: str | None = None) -> VLLMError:
+    """vLLM's ``create_error_response`` shape."""
+    return VLLMError(status, {"error": {"message": message, "type": err_type, "param": param, "code": status}})
+
+
+def _summarize(value: Any) -> Any:
+    if isinstance(value, (list, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = value if isinstance(value, str) else str(value)
+    return text[:200] + "...[truncated]" if len(text) > 200 else text
+
+
+def invalid(kind: str, loc: tuple, msg: str, value: Any, ctx: dict | None = None) -> VLLMError:
+    """vLLM's rendering of one pydantic error at ``loc`` under ``body``."""
+    where = ".".join(str(p) for p in ("body", *loc))
+    err: dict[str, Any] = {"type": kind, "loc": where, "msg": msg, "input": _summarize(value)}
+    if ctx is not None:
+        err["ctx"] = ctx
+    return error(f"1 validation error:\n  {err}", "Bad Request", 400, where)
+
+
+# Schema nodes as in asgi_generate_vllm.schema (the frontend's copy of the
+# same vLLM models): ("int",), ("str",), ("bool",), ("any",), ("nullable", n),
+# ("list", n), ("dict", n), ("model", {field: n}, required).
+_SCALARS = {
+    "int": ("int_type", "Input should be a valid integer", lambda v: type(v) is int),
+    "str": ("string_type", "Input should be a valid string", lambda v: type(v) is str),
+    "bool": ("bool_type", "Input should be a valid boolean", lambda v: type(v) is bool),
+}
+INT, STR, BOOL, ANY = ("int",), ("str",), ("bool",), ("any",)
+_PLACEHOLDER = ("model", {"offset": INT, "length": INT}, ("offset", "length"))
+_FEATURES = (
+    "model",
+    {
+        "mm_hashes": ("dict", ("list", STR)),
+        "mm_placeholders": ("dict", ("list", _PLACEHOLDER)),
+        "kwargs_data": ("nullable", ("dict", ("list", ("nullable", STR)))),
+    },
+    ("mm_hashes", "mm_placeholders"),
+)
+_REQUEST = (
+    "model",
+    {
+        "request_id": STR,
+        "token_ids": ("list", INT),
+        "features": ("nullable", _FEATURES),
+        "sampling_params": (
+            "model",
+            {
+                "n": INT,
+                "max_tokens": ("nullable", INT),
+                "logprobs": ("nullable", INT),
+                "prompt_logprobs": ("nullable", INT),
+                "stop_token_ids": ("nullable", ("list", INT)),
+                "ignore_eos": BOOL,
+            },
+            (),
+        ),
+        "model": ("nullable", STR),
+        "stream": ("nullable", BOOL),
+        "stream_options": (
+            "nullable",
+            ("model", {"include_usage": ("nullable", BOOL), "continuous_usage_stats": ("nullable", BOOL)}, ()),
+        ),
+        "cache_salt": ("nullable", STR),
+        "priority": INT,
+        "kv_transfer_params": ("nullable", ("dict", ANY)),
+        "ec_transfer_params": ("nullable", ("dict", ANY)),
+    },
+    ("token_ids", "sampling_params"),
+)
+
+
+def _check(value: Any, node: tuple, loc: tuple = ()) -> None:
+    kind = node[0]
+    if kind == "any" or (kind == "nullable" and value is None):
+        return
+    if kind == "nullable":
+        _check(value, node[1], loc)
+    elif kind in _SCALARS:
+        err, msg, ok = _SCALARS[kind]
+        if not ok(value):
+            raise invalid(err, loc, msg, value)
+    elif kind == "list":
+        if type(value) is not list:
+            raise invalid("list_type", loc, "Input should be a valid list", value)
+        for i, v in enumerate(value):
+            _check(v, node[1], (*loc, i))
+    elif kind == "dict":
+        if type(value) is not dict:
+            raise invalid("dict_type", loc, "Input should be a valid dictionary", value)
+        for key, v in value.items():
+            _check(v, node[1], (*loc, key))
+    else:
+        if type(value) is not dict:
+            raise invalid(
+                "model_attributes_type", loc,
+                "Input should be a valid dictionary or object to extract fields from", value,
+            )
+        for key, sub in node[1].items():
+            if key in value:
+                _check(value[key], sub, (*loc, key))
+            elif key in node[2]:
+                raise invalid("missing", (*loc, key), "Field required", value)
+
+
+def _check_features(features: dict, num_tokens: int) -> None:
+    # The engine needs one hash and one in-prompt range per item.
+    hashes, places = features["mm_hashes"], features["mm_placeholders"]
+    data = features.get("kwargs_data") or {}
+    if set(hashes) != set(places) or not set(data) <= set(hashes):
+        raise error("features: mm_hashes, mm_placeholders and kwargs_data name different modalities.", param="features")
+    for modality, items in hashes.items():
+        ranges = places[modality]
+        if len(ranges) != len(items) or (modality in data and len(data[modality]) != len(items)):
+            raise error(f"features: {modality!r} items do not match their hashes one to one.", param="features")
+        for p in ranges:
+            if p["offset"] < 0 or p["length"] < 1 or p["offset"] + p["length"] > num_tokens:
+                raise error(f"features: a {modality!r} placeholder lies outside the prompt.", param="features")
+
+
+@dataclass(slots=True)
+class Options:
+    """What shapes one answer besides the tokens.
+
+    ``logprobs``/``prompt_logprobs`` are the requested k (``None`` = off).
+    """
+
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    logprobs: int | None
+    prompt_logprobs: int | None
+
+
+class VLLMProtocol:
+    """Answers vLLM ``/inference/v1/generate`` and ``/abort_requests`` for a
+    sim engine.
+
+    Args:
+        engine: the shared simulator engine.
+        vocab_size: token ids at or above this are out of vocabulary.
+        model_name: the served model name (``model`` in answers).
+    """
+
+    def __init__(self, engine: SimEngine, vocab_size: int, model_name: str = "sim") -> None:
+        self.engine = engine
+        self.vocab_size = vocab_size
+        self.model_name = model_name
+
+    # -- request parsing -------------------------------------------------
+
+    def parse(self, body: bytes, headers: Mapping[bytes, bytes]) -> tuple[Job, Options]:
+        """Check a request and build its job; ``headers`` has lower-case names.
+
+        Raises:
+            VLLMError: vLLM's status and body for the bad input.
+        """
+        media = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+        if media != b"application/json":
+            raise error(
+                "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+                "Bad Request",
+            )
+        if not body:
+            raise invalid("missing", (), "Field required", None)
+        try:
+            obj = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise invalid("json_invalid", (exc.pos,), "JSON decode error", {}, {"error": exc.msg}) from None
+        _check(obj, _REQUEST)
+        ids = obj["token_ids"]
+        if not ids:
+            raise invalid(
+                "too_short", ("token_ids",), "List should have at least 1 item after validation, not 0", ids,
+                {"field_type": "List", "min_length": 1, "actual_length": 0},
+            )
+        if min(ids) < 0:
+            why = "token_ids must not contain negative values"
+            raise invalid("value_error", ("token_ids",), f"Value error, {why}", ids, {"error": ValueError(why)})
+        model = obj.get("model")
+        if model is not None and model != self.model_name:
+            raise error(f"The model `{model}` does not exist.", "NotFoundError", 404, "model")
+        sp = obj["sampling_params"]
+        n = sp.get("n", 1)
+        if n < 1:
+            raise error(f"n must be at least 1, got {n}.")
+        if n > 1:
+            raise error("The simulator does not serve n > 1.", param="n")
+        max_tokens = sp.get("max_tokens")
+        if max_tokens is not None and max_tokens < 1:
+            raise error(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+        ks = {}
+        for key, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            k = sp.get(key)
+            if k is not None and k < -1:
+                raise error(f"{key} must be non-negative or -1, got {k}.", param=key)
+            if k == -1:
+                k = self.vocab_size
+            if k is not None and k > MAX_LOGPROBS:
+                raise error(
+                    f"Requested {what} logprobs of {k}, which is greater than max allowed: {MAX_LOGPROBS}",
+                    param=key,
+                )
+            ks[key] = k
+        if obj.get("features") is not None:
+            _check_features(obj["features"], len(ids))
+        if max(ids) >= self.vocab_size:
+            raise error(f"Token id {max(ids)} is out of vocabulary")
+        if len(ids) >= MAX_MODEL_LEN:
+            raise error(
+                f"The decoder prompt (length {len(ids)}) is longer than the maximum model length "
+                f"of {MAX_MODEL_LEN}. Make sure that `max_model_len` is no smaller than the number "
+                "of text tokens."
+            )
+        # vLLM stops at the context length; an omitted max_tokens means all of it.
+        room = MAX_MODEL_LEN - len(ids)
+        header_id = headers.get(b"x-request-id")
+        base = header_id.decode("latin-1") if header_id is not None else obj.get("request_id", uuid.uuid4().hex)
+        so = obj.get("stream_options")
+        include = so is not None and bool(so.get("include_usage", True))
+        job = Job(
+            rid=ENGINE_PREFIX + base,
+            input_ids=ids,
+            max_new_tokens=room if max_tokens is None else min(max_tokens, room),
+            stop_token_ids=frozenset(sp.get("stop_token_ids") or ()),
+            ignore_eos=sp.get("ignore_eos", False),
+        )
+        opts = Options(
+            stream=bool(obj.get("stream")),
+            include_usage=include,
+            continuous_usage=include and bool(so.get("continuous_usage_stats")),
+            logprobs=ks["logprobs"],
+            prompt_logprobs=ks["prompt_logprobs"],
+        )
+        return job, opts
+
+    # -- answer building -------------------------------------------------
+
+    def _logprobs(self, token: Token, k: int) -> dict:
+        """One ``logprobs.content`` entry (vLLM ``_create_tokens_logprobs``)."""
+        tok = token.token_id
+        cands = token.step.candidates
+        lp = self.engine.model.logprob(token.step.state, tok)
+        ranked = [(tok, lp), *((t, v) for t, v in cands[:k] if t != tok)]
+        return {
+            "token": f"token_id:{tok}",
+            "logprob": max(lp, LOGPROB_FLOOR),
+            "bytes": None,
+            "top_logprobs": [
+                {"token": f"token_id:{t}", "logprob": max(v, LOGPROB_FLOOR), "bytes": None}
+                for t, v in ranked[: max(k, 1)]
+            ],
+        }
+
+    def _prompt_logprobs(self, ids: list[int], k: int) -> list[dict | None]:
+        """``prompt_logprobs``: null, then per position the prompt token and
+        the top-k (a top-k entry for the prompt token keeps its place)."""
+        model = self.engine.model
+        out: list[dict | None] = [None]
+        state = model.fold(ids[:1])
+        for tok in ids[1:]:
+            entry = {
+                str(tok): {
+                    "logprob": max(model.logprob(state, tok), LOGPROB_FLOOR),
+                    "rank": model.rank(state, tok),
+                    "decoded_token": None,
+                }
+            }
+            for i, (t, v) in enumerate(model.step(state).candidates[:k]):
+                entry[str(t)] = {"logprob": max(v, LOGPROB_FLOOR), "rank": i + 1, "decoded_token": None}
+            out.append(entry)
+            state = model.advance(state, tok)
+        return out
+
+    # -- HTTP ------------------------------------------------------------
+
+    async def generate(self, body: bytes, headers: Mapping[bytes, bytes], receive: Receive, send: Send) -> None:
+        """Serve one ``POST /inference/v1/generate``."""
+        try:
+            job, opts = self.parse(body, headers)
+            self.engine.submit(job)
+        except VLLMError as exc:
+            await send_unary(send, exc.status, orjson.dumps(exc.body))
+            return
+        except DuplicateRequestId as exc:
+            await send_unary(send, 400, orjson.dumps(error(f"Request id {exc} already running.").body))
+            return
+        last = None
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_disconnect, receive, job, tg.cancel_scope)
+                last = await self._run(job, opts, send)
+                tg.cancel_scope.cancel()
+        finally:
+            self.engine.finish(job)
+        # Sent once the watcher is gone: the server reports the end of every
+        # answered request as a disconnect, which is not the client's doing.
+        if last is not None:
+            for message in last:
+                await send(message)
+
+    async def _watch_disconnect(self, receive: Receive, job: Job, scope: anyio.CancelScope) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.engine.disconnects += 1
+        job.aborted = True
+        job.abort_event.set()
+        scope.cancel()
+
+    async def _run(self, job: Job, opts: Options, send: Send) -> list[dict]:
+        """Generate, sending all but the answer's last messages, which it returns."""
+        prompt = len(job.input_ids)
+        out: list[int] = []
+        content: list[dict] = []
+        finish: str | None = None
+        k = opts.logprobs
+        if opts.stream:
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        async for token in self.engine.tokens(job):
+            out.append(token.token_id)
+            finish = token.finish[0] if token.finish is not None else None
+            entry = self._logprobs(token, k) if k is not None else None
+            if not opts.stream:
+                if entry is not None:
+                    content.append(entry)
+                continue
+            chunk = {
+                "request_id": job.rid,
+                "choices": [
+                    {
+                        "index": 0,
+                        "logprobs": {"content": [entry]} if entry is not None else None,
+                        "finish_reason": finish,
+                        "token_ids": [token.token_id],
+                        "routed_experts": None,
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": prompt,
+                    "total_tokens": prompt + len(out),
+                    "completion_tokens": len(out),
+                    "prompt_tokens_details": None,
+                } if opts.continuous_usage else None,
+            }
+            await send({"type": "http.response.body", "body": sse_event(orjson.dumps(chunk)), "more_body": True})
+        if job.aborted and finish is None:
+            finish = "abort"
+        if opts.stream:
+            tail = b""
+            if opts.include_usage:
+                usage = {"prompt_tokens": prompt, "total_tokens": prompt + len(out), "completion_tokens": len(out)}
+                tail = sse_event(orjson.dumps({"request_id": job.rid, "choices": [], "usage": usage}))
+            return [{"type": "http.response.body", "body": tail + DONE, "more_body": False}]
+        pk = opts.prompt_logprobs
+        answer = {
+            "request_id": uuid.uuid4().hex,
+            "model": self.model_name,
+            "created": int(time.time()),
+            "choices": [
+                {
+                    "index": 0,
+                    "logprobs": {"content": content} if k is not None else None,
+                    "finish_reason": finish or "stop",
+                    "token_ids": out,
+                    "routed_experts": None,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt,
+                "total_tokens": prompt + len(out),
+                "completion_tokens": len(out),
+                "prompt_tokens_details": None,
+            },
+            "prompt_logprobs": self._prompt_logprobs(job.input_ids, pk) if pk is not None else None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+        }
+        body = orjson.dumps(answer)
+        return [
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            },
+            {"type": "http.response.body", "body": body, "more_body": False},
+        ]
+
+    async def abort_requests(self, body: bytes, send: Send) -> None:
+        """Serve ``POST /abort_requests``: abort the named (prefixed) ids."""
+        try:
+            obj = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            await send_unary(send, 400, orjson.dumps(error(f"JSON decode error: {exc}", "Bad Request").body))
+            return
+        ids = obj.get("request_ids") if isinstance(obj, dict) else None
+        if ids is None:
+            await send_unary(send, 400, orjson.dumps(error("Missing 'request_ids' in request body", "Bad Request").body))
+            return
+        # vLLM's engine client takes one id or a list of them.
+        ids = [ids] if isinstance(ids, str) else ids if isinstance(ids, list) else []
+        self.engine.abort_ids([r for r in ids if isinstance(r, str)])
+        await send_unary(send, 200, b"")
+
+    def models(self, model_path: str) -> dict:
+        """The ``/v1/models`` body, with ``max_model_len``."""
+        now = int(time.time())
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": now,
+                    "owned_by": "vllm",
+                    "root": model_path,
+                    "parent": None,
+                    "max_model_len": MAX_MODEL_LEN,
+                    "permission": [
+                        {
+                            "id": f"modelperm-{uuid.uuid4().hex}",
+                            "object": "model_permission",
+                            "created": now,
+                            "allow_create_engine": False,
+                            "allow_sampling": True,
+                            "allow_logprobs": True,
+                            "allow_search_indices": False,
+                            "allow_view": True,
+                            "allow_fine_tuning": False,
+                            "organization": "*",
+                            "group": None,
+                            "is_blocking": False,
+                        }
+                    ],
+                }
+            ],
+        }

@@ -1,0 +1,67 @@
+"""Replay block hashes: chained XXH3-64 over fixed-size blocks of token ids.
+
+The scheme is NVIDIA Dynamo's KV-router hashing (``dynamo_kv_router::protocols``
+``compute_block_hash_for_seq`` and ``compute_seq_hash_for_block``), so full
+blocks hash to the values Dynamo's router and replay tools use:
+
+- block hash: XXH3-64, seed 1337, over the block's token ids as little-endian
+  ``u32``;
+- sequence hash: the first block's is its block hash; each later one is
+  XXH3-64, seed 1337, over ``parent_sequence_hash || block_hash`` as two
+  little-endian ``u64``.
+
+Unlike the router, a partial last block is hashed too (over its shorter
+bytes), so an input of ``n`` tokens gives ``ceil(n / block_size)`` hashes and
+two prompts share a leading hash exactly when they share that whole prefix.
+"""
+
+from __future__ import annotations
+
+import array
+import struct
+import sys
+from typing import Sequence
+
+import xxhash
+
+SEED = 1337
+_PAIR = struct.Struct("<QQ")
+_h = xxhash.xxh3_64_intdigest
+
+
+class TokenIdOutOfRange(ValueError):
+    """A token id does not fit an unsigned 32-bit integer."""
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chained sequence hashes of ``token_ids`` in blocks of ``block_size``.
+
+    Args:
+        token_ids: the input token ids, each in ``[0, 2**32)``.
+        block_size: tokens per block, at least 1.
+
+    Returns:
+        ``ceil(len(token_ids) / block_size)`` unsigned 64-bit integers; ``[]``
+        for an empty input.
+
+    Raises:
+        TokenIdOutOfRange: a token id is negative or at least ``2**32``.
+        ValueError: ``block_size`` is less than 1.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, not {block_size}")
+    try:
+        packed = array.array("I", token_ids)  # 32-bit on every CPython platform
+    except OverflowError:
+        raise TokenIdOutOfRange("a token id is outside [0, 2**32)") from None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    data = memoryview(packed).cast("B")
+    step = block_size * 4
+    out: list[int] = []
+    parent = None
+    for start in range(0, len(data), step):
+        h = _h(data[start : start + step], SEED)
+        parent = h if parent is None else _h(_PAIR.pack(parent, h), SEED)
+        out.append(parent)
+    return out

@@ -1,0 +1,146 @@
+"""Build one request-end record (a JSON-ready dict) from a finished
+:class:`~asgi_generate.accounting.RequestState`.
+
+The layout is :data:`asgi_generate.tracing.schema.SCHEMA`. Optional fields
+are left out, never written empty or null. Runs in the trace writer, after
+the response is over.
+"""
+
+from __future__ import annotations
+
+from ..accounting import RequestState
+from .analysis import OutputAnalyzer, final_finish_reason
+from .hashing import TokenIdOutOfRange, block_hashes
+from .schema import EVENT_TYPE, SCHEMA_ID
+
+#: Client-chosen ids (body or header) are cut to this many characters, so a
+#: client cannot bloat every record it causes.
+MAX_ID_CHARS = 256
+MAX_ERROR_CHARS = 1024
+_TRUE = ("1", "true", "yes")
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+def _header(headers: dict[bytes, bytes], name: bytes) -> str | None:
+    value = headers.get(name)
+    if value is None:
+        return None
+    return value.decode("utf-8", "replace")[:MAX_ID_CHARS]
+
+
+def session_fields(headers: dict[bytes, bytes]) -> dict | None:
+    """The ``session`` object from ``x-session-id``, ``x-parent-session-id``
+    and ``x-session-final`` (lower-case names, as ASGI gives them); ``None``
+    when none of them was sent."""
+    session: dict = {}
+    sid = _header(headers, b"x-session-id")
+    if sid is not None:
+        session["session_id"] = sid
+    parent = _header(headers, b"x-parent-session-id")
+    if parent is not None:
+        session["parent_session_id"] = parent
+    final = _header(headers, b"x-session-final")
+    if final is not None:
+        session["session_final"] = final.strip().lower() in _TRUE
+    return session or None
+
+
+def replay_fields(st: RequestState, block_size: int) -> dict:
+    """The ``replay`` object: block hashes of ``st.input_ids``, or why not."""
+    if st.input_ids is None:
+        return {"excluded": st.replay_excluded or "not_decoded"}
+    try:
+        hashes = block_hashes(st.input_ids, block_size)
+    except TokenIdOutOfRange:
+        return {"excluded": "token_id_out_of_range"}
+    return {"block_size": block_size, "input_length": len(st.input_ids), "block_hashes": hashes}
+
+
+def build_record(st: RequestState, block_size: int, analyzer: OutputAnalyzer | None = None) -> dict:
+    """The request-end record of ``st``.
+
+    Args:
+        st: a finished request (``t_done`` and ``status`` set by the handler).
+        block_size: tokens per replay block, at least 1.
+        analyzer: tokenizer and parsers; without one, no output analysis.
+
+    Returns:
+        A dict that matches the v1 schema and serializes with orjson.
+    """
+    total_s = st.t_done - st.t_received
+    rec: dict = {
+        "schema": SCHEMA_ID,
+        "event_type": EVENT_TYPE,
+        "event_time_unix_ms": st.received_unix_ms + round(total_s * 1000.0),
+        "request_id": st.request_id,
+    }
+    if st.public_id is not None:
+        rec["public_id"] = st.public_id[:MAX_ID_CHARS]
+    x_request_id = _header(st.headers, b"x-request-id")
+    if x_request_id is not None:
+        rec["x_request_id"] = x_request_id
+    rec["format"] = st.format
+    rec["route"] = st.route
+    rec["method"] = st.method
+    if st.model is not None:
+        rec["model"] = st.model
+    if st.stream is not None:
+        rec["stream"] = st.stream
+    rec["status"] = st.status
+    if st.http_status is not None:
+        rec["http_status"] = st.http_status
+    if st.error_type is not None:
+        rec["error"] = {"type": st.error_type, "message": (st.error_message or "")[:MAX_ERROR_CHARS]}
+
+    input_tokens = st.input_length if st.input_length is not None else st.prompt_tokens
+    if input_tokens is not None:
+        rec["input_tokens"] = input_tokens
+    rec["output_tokens"] = st.output_tokens
+    if st.engine_completion_tokens is not None and st.engine_completion_tokens != st.output_tokens:
+        rec["engine_completion_tokens"] = st.engine_completion_tokens
+    if st.cached_tokens is not None:
+        rec["cached_tokens"] = st.cached_tokens
+    analysis = None
+    if analyzer is not None:
+        # Only what the client was sent: a unary answer cut short sent nothing.
+        delivered = (st.output_ids or [])[: st.output_tokens]
+        analysis = analyzer.analyze(delivered, st.finish_reason is not None)
+        if analysis.reasoning_tokens is not None:
+            rec["reasoning_tokens"] = analysis.reasoning_tokens
+
+    rec["received_unix_ms"] = st.received_unix_ms
+    if st.t_dispatched is not None:
+        rec["dispatch_wait_ms"] = _ms(st.t_dispatched - st.t_received)
+    if st.t_first_token is not None:
+        rec["ttft_ms"] = _ms(st.t_first_token - st.t_received)
+    rec["total_ms"] = _ms(total_s)
+    if st.output_tokens > 1 and st.t_first_token is not None and st.t_last_token is not None:
+        rec["mean_itl_ms"] = _ms((st.t_last_token - st.t_first_token) / (st.output_tokens - 1))
+
+    attempts = []
+    for a in st.attempts:
+        row = {"engine_id": a.engine_id, "worker_id": a.worker_id, "role": a.role}
+        if a.outcome is not None:
+            row["outcome"] = a.outcome
+        if a.abort_acked is not None:
+            row["abort_acked"] = a.abort_acked
+        attempts.append(row)
+    rec["attempts"] = attempts
+
+    if st.finish_reason is not None:
+        names = analysis.tool_calls if analysis is not None else None
+        finish = {
+            "finish_reason": final_finish_reason(st.finish_reason, names),
+            "backend_finish_reason": st.finish_reason,
+        }
+        if names is not None:
+            finish["tool_calls"] = [{"index": i, "name": n} for i, n in enumerate(names)]
+        rec["finish"] = finish
+    session = session_fields(st.headers)
+    if session is not None:
+        rec["session"] = session
+    rec["replay"] = replay_fields(st, block_size)
+    return rec

@@ -1,0 +1,194 @@
+"""The request-end record's JSON Schema, version 1.
+
+This module is the schema's source; ``trace/request_trace.v1.schema.json`` in
+the repository is its published copy, regenerated with
+``asgi-generate-trace schema > trace/request_trace.v1.schema.json``
+(a test checks the two agree). A change that would reject a record an older
+writer produced needs a new version (``...request_trace.v2``), never an edit.
+
+Field meanings are in each property's ``description``; the layout follows
+NVIDIA Dynamo's ``dynamo.request.trace.v1`` ``request_end`` record
+(reference/prior-art-dynamo.md, section 2), flattened: scalars at top level,
+objects only for attempts, error, finish, session and replay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+SCHEMA_ID = "asgi_generate.request_trace.v1"
+EVENT_TYPE = "request_end"
+STATUSES = (
+    "ok", "client_disconnect", "rejected", "engine_error", "unavailable", "timeout", "shutdown", "slow_client",
+)
+ATTEMPT_OUTCOMES = ("finished", "aborted", "error", "connect_failed", "worker_lost")
+ROLES = ("aggregated", "prefill", "decode")
+
+_COUNT = {"type": "integer", "minimum": 0}
+_MS = {"type": "number", "minimum": 0}
+_ID = {"type": "string", "maxLength": 256, "description": "Client-chosen; cut to 256 characters."}
+_U64 = {"type": "integer", "minimum": 0, "maximum": 2**64 - 1}
+
+
+def _d(schema: dict, description: str) -> dict:
+    return {**schema, "description": description}
+
+
+SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": SCHEMA_ID,
+    "description": "One request-end record per request that reached a registered /generate route, "
+    "whatever its outcome. Absent optional fields mean 'not known' or 'not applicable', never empty.",
+    "type": "object",
+    "additionalProperties": False,
+    "required": [
+        "schema", "event_type", "event_time_unix_ms", "request_id", "format", "route", "method",
+        "status", "output_tokens", "received_unix_ms", "total_ms", "attempts", "replay",
+    ],
+    "properties": {
+        "schema": {"const": SCHEMA_ID},
+        "event_type": {"const": EVENT_TYPE},
+        "event_time_unix_ms": _d(_COUNT, "When the request ended: received_unix_ms + round(total_ms)."),
+        "request_id": _d(
+            {"type": "string", "pattern": "^[0-9a-f]{32}$"},
+            "The frontend's internal id, unique per request across processes.",
+        ),
+        "public_id": _d(_ID, "The client's own id (SGLang rid, vLLM request_id)."),
+        "x_request_id": _d(_ID, "The client's X-Request-Id header."),
+        "format": _d({"type": "string", "minLength": 1}, "The codec's name: sglang, vllm, ..."),
+        "route": _d({"type": "string"}, "The request path."),
+        "method": _d({"type": "string"}, "The HTTP method."),
+        "model": _d({"type": "string"}, "The model the request named."),
+        "stream": _d({"type": "boolean"}, "SSE was asked for; absent when the body was never parsed."),
+        "status": _d({"enum": list(STATUSES)}, "How the request ended."),
+        "http_status": _d(
+            {"type": "integer", "minimum": 100, "maximum": 599},
+            "The HTTP status sent; absent when the client left before any was sent.",
+        ),
+        "error": {
+            "description": "Why the request failed, for statuses other than ok and client_disconnect.",
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["type", "message"],
+            "properties": {
+                "type": _d({"type": "string"}, "A short machine name: invalid_json, too_large, engine, ..."),
+                "message": _d({"type": "string", "maxLength": 1024}, "For a human; cut to 1024 characters."),
+            },
+        },
+        "input_tokens": _d(
+            _COUNT, "Prompt tokens: the request's input_ids, else the engine's prompt_tokens."
+        ),
+        "output_tokens": _d(
+            _COUNT, "Output tokens the client was sent, counted by the frontend across every attempt."
+        ),
+        "engine_completion_tokens": _d(
+            _COUNT, "The engine's completion_tokens; present only when it differs from output_tokens."
+        ),
+        "cached_tokens": _d(_COUNT, "Prompt tokens served from the engine's prefix cache, as it reported."),
+        "reasoning_tokens": _d(
+            _COUNT,
+            "Leading output tokens the reasoning parser counted as reasoning, markers included; "
+            "present when one is configured.",
+        ),
+        "received_unix_ms": _d(_COUNT, "When the request arrived (Unix time, ms)."),
+        "dispatch_wait_ms": _d(_MS, "From arrival to the first engine dispatch (body read, checks, routing)."),
+        "ttft_ms": _d(_MS, "From arrival to the first output token from the engine."),
+        "total_ms": _d(_MS, "From arrival to the end of the handler (abort acknowledged, if any)."),
+        "mean_itl_ms": _d(
+            _MS, "Mean inter-token latency: (last token - first token) / (output_tokens - 1)."
+        ),
+        "attempts": {
+            "description": "Every engine leg, in order: aggregated, or prefill and decode, plus retries "
+            "and migrations.",
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["engine_id", "worker_id", "role"],
+                "properties": {
+                    "engine_id": _d({"type": "string"}, "The id the engine saw (minted per attempt)."),
+                    "worker_id": _d({"type": "string"}, "The worker's id in the router (w0, w1, ...)."),
+                    "role": {"enum": list(ROLES)},
+                    "outcome": _d({"enum": list(ATTEMPT_OUTCOMES)}, "How the leg ended."),
+                    "abort_acked": _d(
+                        {"type": "boolean"}, "An abort was sent for this leg; whether the engine acknowledged it."
+                    ),
+                },
+            },
+        },
+        "finish": {
+            "description": "Present when the engine sent a finish reason.",
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["finish_reason", "backend_finish_reason"],
+            "properties": {
+                "finish_reason": _d(
+                    {"type": "string"},
+                    "After parsing: tool_calls when backend_finish_reason is stop and the output parsed "
+                    "into tool calls; otherwise backend_finish_reason.",
+                ),
+                "backend_finish_reason": _d({"type": "string"}, "The engine's raw reason: stop, length, abort, ..."),
+                "tool_calls": {
+                    "description": "The tool calls the tool-call parser found (names only, never ids or "
+                    "arguments); present when one is configured.",
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["index", "name"],
+                        "properties": {"index": _COUNT, "name": {"type": "string"}},
+                    },
+                },
+            },
+        },
+        "session": {
+            "description": "Agent session context from the x-session-id, x-parent-session-id and "
+            "x-session-final headers; each field only when its header was sent.",
+            "type": "object",
+            "additionalProperties": False,
+            "minProperties": 1,
+            "properties": {
+                "session_id": _ID,
+                "parent_session_id": _ID,
+                "session_final": _d({"type": "boolean"}, "Header value 1, true or yes (any case)."),
+            },
+        },
+        "replay": {
+            "description": "Replay context: chained XXH3-64 block hashes of the input token ids "
+            "(Dynamo's KV-router scheme, partial last block included), or why there are none.",
+            "oneOf": [
+                {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["block_size", "input_length", "block_hashes"],
+                    "properties": {
+                        "block_size": {"type": "integer", "minimum": 1},
+                        "input_length": _COUNT,
+                        "block_hashes": {"type": "array", "items": _U64},
+                    },
+                },
+                {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["excluded"],
+                    "properties": {
+                        "excluded": _d(
+                            {"type": "string", "minLength": 1},
+                            "text, multimodal or embeddings (the input was not token ids; codecs may "
+                            "name others), not_decoded (the body was never parsed: rejected or "
+                            "abandoned) or token_id_out_of_range (an input id is not a u32).",
+                        )
+                    },
+                },
+            ],
+        },
+    },
+}
+
+
+def schema_json() -> bytes:
+    """The published form of :data:`SCHEMA`: orjson, two-space indent, one
+    trailing newline."""
+    return orjson.dumps(SCHEMA, option=orjson.OPT_INDENT_2) + b"\n"

@@ -1,0 +1,172 @@
+"""``asgi-generate-trace``: offline tools for request-end trace files.
+
+Subcommands (each takes one or more JSONL files, e.g. every
+``trace.<pid>.<start>.<n>.jsonl`` of a run):
+
+- ``validate FILE...``: the v1 schema plus the accounting laws of
+  :mod:`.validate`, and request ids unique across all files. Prints each
+  violation and a verdict; exits 1 on any violation, 2 if a file cannot be
+  read.
+- ``summarize FILE...``: a table of requests by status, format and finish
+  reason, token totals, and TTFT / total latency percentiles.
+- ``schema``: print the v1 JSON Schema (the source of
+  ``trace/request_trace.v1.schema.json``).
+- ``export-mooncake FILE...``: the Mooncake replay trace (FAST'25 Mooncake
+  traces, as Dynamo's and AIPerf's replay read them): one JSON object per
+  line, ``{"timestamp", "input_length", "output_length", "hash_ids"}``, in
+  arrival order. ``timestamp`` is ms since the first exported request;
+  ``hash_ids`` renumber the records' block hashes from 0 in order of first
+  appearance, so equal ids mean an equal prefix. Only records with block
+  hashes that reached an engine are exported; all must share one block
+  size, which is reported on stderr with the counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections import Counter
+from typing import Iterable, Sequence
+
+import orjson
+
+from .schema import schema_json
+from .validate import check_records, read_jsonl
+
+
+def _records(paths: Sequence[str]) -> Iterable[tuple[str, object]]:
+    for path in paths:
+        yield from read_jsonl(path)
+
+
+def _valid(paths: Sequence[str]) -> list[dict]:
+    return [rec for _, rec in _records(paths) if isinstance(rec, dict)]
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """The nearest-rank ``p``-th percentile (0 < p <= 100) of non-empty
+    ``values``."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100.0 * len(ordered)) - 1)]
+
+
+def cmd_validate(paths: Sequence[str]) -> int:
+    """Print violations and a verdict; 0 if all valid, else 1."""
+    count, problems = check_records(_records(paths))
+    for p in problems:
+        print(p)
+    if problems:
+        print(f"INVALID: {len(problems)} violations in {count} records")
+        return 1
+    print(f"VALID: {count} records")
+    return 0
+
+
+def _counts_table(title: str, counter: Counter) -> list[str]:
+    rows = [f"{title}:"]
+    for key, n in sorted(counter.items(), key=lambda kv: (-kv[1], kv[0])):
+        rows.append(f"  {key:<24} {n:>8}")
+    return rows
+
+
+def summarize(records: Sequence[dict]) -> str:
+    """The ``summarize`` table for ``records``, as text."""
+    lines = [f"requests: {len(records)}"]
+    lines += _counts_table("by status", Counter(r.get("status", "?") for r in records))
+    lines += _counts_table("by format", Counter(r.get("format", "?") for r in records))
+    lines += _counts_table(
+        "by finish reason", Counter(r.get("finish", {}).get("finish_reason", "(none)") for r in records)
+    )
+    lines.append("tokens:")
+    for key in ("input_tokens", "output_tokens", "cached_tokens", "reasoning_tokens"):
+        lines.append(f"  {key:<24} {sum(r.get(key, 0) for r in records):>8}")
+    lines.append(f"latency ms {'n':>13} {'p50':>10} {'p90':>10} {'p99':>10} {'max':>10}")
+    for key in ("ttft_ms", "total_ms"):
+        values = [r[key] for r in records if key in r]
+        if values:
+            cells = "".join(f" {percentile(values, p):>10.1f}" for p in (50, 90, 99, 100))
+            lines.append(f"  {key:<12} {len(values):>9}{cells}")
+        else:
+            lines.append(f"  {key:<12} {0:>9}")
+    return "\n".join(lines)
+
+
+def mooncake_rows(records: Iterable[dict]) -> tuple[list[dict], int, int | None]:
+    """Mooncake rows from ``records`` (see the module docstring).
+
+    Returns:
+        The rows, the number of records skipped, and the block size.
+
+    Raises:
+        ValueError: the exportable records use more than one block size.
+    """
+    usable, skipped = [], 0
+    for rec in records:
+        replay = rec.get("replay", {})
+        if "block_hashes" in replay and rec.get("attempts"):
+            usable.append(rec)
+        else:
+            skipped += 1
+    sizes = {r["replay"]["block_size"] for r in usable}
+    if len(sizes) > 1:
+        raise ValueError(f"records use several block sizes {sorted(sizes)}; export them separately")
+    usable.sort(key=lambda r: (r["received_unix_ms"], r["request_id"]))
+    ids: dict[int, int] = {}
+    rows = []
+    start = usable[0]["received_unix_ms"] if usable else 0
+    for rec in usable:
+        rows.append({
+            "timestamp": rec["received_unix_ms"] - start,
+            "input_length": rec["replay"]["input_length"],
+            "output_length": rec["output_tokens"],
+            "hash_ids": [ids.setdefault(h, len(ids)) for h in rec["replay"]["block_hashes"]],
+        })
+    return rows, skipped, sizes.pop() if sizes else None
+
+
+def cmd_export_mooncake(paths: Sequence[str]) -> int:
+    """Write Mooncake rows to stdout; 0, or 1 on mixed block sizes."""
+    try:
+        rows, skipped, block_size = mooncake_rows(_valid(paths))
+    except ValueError as exc:
+        print(f"asgi-generate-trace: {exc}", file=sys.stderr)
+        return 1
+    out = sys.stdout.buffer
+    for row in rows:
+        out.write(orjson.dumps(row) + b"\n")
+    out.flush()
+    print(f"exported {len(rows)} requests (block_size {block_size}), skipped {skipped} "
+          f"without block hashes or engine attempts", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``asgi-generate-trace`` console script."""
+    parser = argparse.ArgumentParser(prog="asgi-generate-trace", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_ in (
+        ("validate", "check records against the schema and the accounting laws"),
+        ("summarize", "print a summary table"),
+        ("export-mooncake", "write the Mooncake replay trace to stdout"),
+    ):
+        sub.add_parser(name, help=help_).add_argument("files", nargs="+", metavar="FILE")
+    sub.add_parser("schema", help="print the record JSON Schema")
+    args = parser.parse_args(argv)
+    if args.command == "schema":
+        sys.stdout.buffer.write(schema_json())
+        return 0
+    try:
+        if args.command == "validate":
+            return cmd_validate(args.files)
+        if args.command == "summarize":
+            print(summarize(_valid(args.files)))
+            return 0
+        return cmd_export_mooncake(args.files)
+    except OSError as exc:
+        print(f"asgi-generate-trace: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,185 @@
+"""The trace writer: a bounded queue in front of one task that builds,
+serializes and writes request-end records, off the response path.
+
+The handler's only trace work is :meth:`Tracer.submit`, a non-blocking put of
+the finished :class:`~asgi_generate.accounting.RequestState`. The writer task
+(run in the app's lifespan task group) takes whatever is queued, and in a
+worker thread builds the records (hashing, decoding, parsing), serializes
+them with orjson and hands each sink the batch as one write. Losses are
+counted by cause and shown in ``/stats`` and a log line at shutdown:
+
+- ``queue_full``: the queue held ``--trace-queue-size`` records;
+- ``sink_error``: a sink failed to write (counted per sink and record);
+- ``build_error``: building the record raised (a bug; logged);
+- ``closed``: the request ended after the writer was closed or cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+import orjson
+
+from ..accounting import RequestState
+from ..config import Settings
+from .analysis import OutputAnalyzer
+from .parsers import ParserError
+from .record import build_record
+from .sinks import JsonlFileSink, Sink, StderrSink
+
+log = logging.getLogger("asgi_generate.tracing")
+#: Records per writer-thread hop, at most.
+BATCH = 256
+
+
+class TraceSetupError(ValueError):
+    """The trace settings are inconsistent, or the tokenizer or a parser
+    cannot be loaded."""
+
+
+class Tracer:
+    """Request-end tracing for one server process.
+
+    Args:
+        settings: uses ``trace_file``, ``trace_stderr``, ``trace_queue_size``,
+            ``trace_rotate_bytes``, ``trace_block_size``, ``tokenizer``,
+            ``reasoning_parser`` and ``tool_call_parser``.
+
+    Raises:
+        TraceSetupError: no sink is configured; a size is below 1; a parser
+            is named without ``tokenizer``; the tokenizer or a parser fails
+            to load.
+
+    Attributes:
+        wants_output_ids: the handler must keep the delivered output ids
+            (a parser will read them).
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        if not (settings.trace_file or settings.trace_stderr):
+            raise TraceSetupError("tracing needs --trace-file or --trace-stderr")
+        if settings.trace_queue_size < 1 or settings.trace_block_size < 1 or settings.trace_rotate_bytes < 0:
+            raise TraceSetupError(
+                "--trace-queue-size and --trace-block-size must be at least 1, --trace-rotate-bytes at least 0"
+            )
+        parsers = settings.reasoning_parser or settings.tool_call_parser
+        if parsers and not settings.tokenizer:
+            raise TraceSetupError("--reasoning-parser and --tool-call-parser need --tokenizer")
+        self.analyzer: OutputAnalyzer | None = None
+        if parsers:
+            try:
+                self.analyzer = OutputAnalyzer(
+                    settings.tokenizer, settings.reasoning_parser, settings.tool_call_parser
+                )
+            except ParserError as exc:
+                raise TraceSetupError(str(exc)) from None
+        self.wants_output_ids = self.analyzer is not None
+        self.block_size = settings.trace_block_size
+        self.sinks: list[Sink] = []
+        if settings.trace_file:
+            self.sinks.append(JsonlFileSink(settings.trace_file, settings.trace_rotate_bytes))
+        if settings.trace_stderr:
+            self.sinks.append(StderrSink())
+        self._send, self._receive = anyio.create_memory_object_stream[RequestState](settings.trace_queue_size)
+        self.submitted = 0
+        self.records = 0
+        self.dropped = {"queue_full": 0, "sink_error": 0, "build_error": 0, "closed": 0}
+        self._running = False
+        self._done: anyio.Event | None = None  # made in run(): events need a running loop
+
+    def submit(self, st: RequestState) -> None:
+        """Queue a finished request without waiting; count it if dropped."""
+        self.submitted += 1
+        try:
+            self._send.send_nowait(st)
+        except anyio.WouldBlock:
+            self.dropped["queue_full"] += 1
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self.dropped["closed"] += 1
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """Open the sinks, report started, then write until :meth:`close`.
+
+        Raises:
+            OSError: a sink cannot be opened (before ``started``).
+        """
+        self._running = True
+        self._done = anyio.Event()
+        try:
+            for sink in self.sinks:
+                await anyio.to_thread.run_sync(sink.open)
+            task_status.started()
+            async for first in self._receive:
+                batch = [first]
+                while len(batch) < BATCH:
+                    try:
+                        batch.append(self._receive.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                # Not cancellable: a batch taken off the queue gets written.
+                await anyio.to_thread.run_sync(self._write_batch, batch)
+        finally:
+            self._drop_queued()
+            self._done.set()
+
+    async def close(self) -> None:
+        """Stop taking records, let the writer flush every queued one, close
+        the sinks and log the totals (a warning if any record was lost)."""
+        self._send.close()
+        if self._running:
+            await self._done.wait()
+        else:
+            self._drop_queued()
+        for sink in self.sinks:
+            sink.close()
+        lost = sum(self.dropped.values())
+        log.log(
+            logging.WARNING if lost else logging.INFO,
+            "trace: %d requests, %d records, dropped %s, sinks %s",
+            self.submitted, self.records, self.dropped, {s.name: s.describe() for s in self.sinks},
+        )
+
+    def _drop_queued(self) -> None:
+        # Still queued when the writer stops (cancelled, or never started):
+        # lost, so counted; later submits fail and are counted the same way.
+        while True:
+            try:
+                self._receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                break
+            self.dropped["closed"] += 1
+        self._receive.close()
+
+    def _write_batch(self, batch: list[RequestState]) -> None:
+        lines = []
+        for st in batch:
+            try:
+                lines.append(orjson.dumps(build_record(st, self.block_size, self.analyzer)))
+            except Exception:
+                self.dropped["build_error"] += 1
+                log.exception("trace: cannot build the record of request %s", st.request_id)
+        if not lines:
+            return
+        self.records += len(lines)
+        data = b"\n".join(lines) + b"\n"
+        for sink in self.sinks:
+            try:
+                sink.write(data)
+                sink.written += len(lines)
+            except OSError as exc:
+                if not sink.failed:
+                    log.error("trace: the %s sink failed: %r; its records are dropped and counted", sink.name, exc)
+                sink.failed += len(lines)
+                self.dropped["sink_error"] += len(lines)
+
+    def stats(self) -> dict:
+        """The ``trace`` block of ``/stats``."""
+        return {
+            "enabled": True,
+            "submitted": self.submitted,
+            "records": self.records,
+            "queued": self._receive.statistics().current_buffer_used,
+            "dropped": dict(self.dropped),
+            "sinks": {s.name: s.describe() for s in self.sinks},
+        }

@@ -1,0 +1,406 @@
+"""Side-by-side benchmark: the simulator directly, through asgi-generate
+(hypercorn trio and asyncio worker classes) and through sglang-router.
+
+One run starts one simulated SGLang worker (zero TTFT and ITL) and, for each
+hop in turn, measures with wrk:
+
+- unary requests/s: 128-token ``input_ids``, 16 output tokens;
+- SSE events/s: the same input, 256 output tokens, one event per token;
+
+(``ignore_eos`` so every answer has exactly that many tokens) at
+``--concurrency`` keep-alive connections, then latency per request at one
+connection, and the CPU seconds each process used. Every response under load
+is checked by the wrk script (status, event count and order, final
+``output_ids``); a sample sent concurrently through each hop is compared,
+event for event, with the simulator's direct answer. It prints Markdown
+tables and ratios: through/direct, ours/router, added latency ours/router,
+and the frontend's CPU per request.
+
+Usage: ``python bench/bench_frontend.py [--seconds 10] [--concurrency 32]``
+(see ``--help``). sglang-router is installed on first use into
+``bench/.venv-router``; wrk is installed with apt-get when missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import pathlib
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from typing import Callable
+
+import orjson
+
+from _check import answer, check_direct, compare
+from _loadgen import LoadResult, install_wrk, run_wrk, write_script, wrk_path
+from _procs import Child, free_port, listening_socket, wait_ready
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROUTER_REQUIREMENT = "sglang-router>=0.3,<0.4"
+HOPS = {
+    "trio": "asgi-generate (trio)",
+    "asyncio": "asgi-generate (asyncio)",
+    "router": "sglang-router",
+}
+DIRECT = "direct (simulator)"
+# Token ids well inside the bundled tokenizer's 4096-entry vocabulary.
+ID_LOW, ID_SPAN = 100, 3900
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One request shape: unary or SSE, with a fixed output length."""
+
+    name: str
+    stream: bool
+    tokens: int
+
+
+@dataclass
+class HopResult:
+    """Everything measured for one hop (or for the simulator directly)."""
+
+    label: str
+    load: dict[str, LoadResult] = field(default_factory=dict)
+    latency: dict[str, LoadResult] = field(default_factory=dict)
+    sample_problems: list[str] = field(default_factory=list)
+    samples: int = 0
+
+
+def request_body(input_len: int, tokens: int, stream: bool, variant: int) -> bytes:
+    """An SGLang ``/generate`` body: ``input_len`` ids (a different prompt
+    per ``variant``), exactly ``tokens`` output tokens."""
+    ids = [ID_LOW + (11 + 977 * variant + 7 * i) % ID_SPAN for i in range(input_len)]
+    return orjson.dumps(
+        {"input_ids": ids, "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True}, "stream": stream}
+    )
+
+
+def ensure_router(venv: pathlib.Path) -> tuple[str, str]:
+    """The router venv's python and sglang-router's version, creating the
+    venv and installing sglang-router on first use."""
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", "import sglang_router"]
+    if not python.exists() or subprocess.run(probe, capture_output=True).returncode != 0:
+        print(f"installing {ROUTER_REQUIREMENT} into {venv} ...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", ROUTER_REQUIREMENT], check=True)
+    out = subprocess.run(
+        [str(python), "-c", "from importlib.metadata import version; print(version('sglang-router'))"],
+        capture_output=True, text=True, check=True,
+    )
+    return str(python), out.stdout.strip()
+
+
+def start_sim(stack: contextlib.ExitStack, cpus: set[int] | None, log_dir: pathlib.Path) -> tuple[int, Child]:
+    """Start the simulator with zero TTFT/ITL; return its port and process."""
+    sock = listening_socket()
+    port = sock.getsockname()[1]
+    argv = [sys.executable, "-m", "asgi_generate", "sim", "--protocol", "sglang",
+            "--fd", str(sock.fileno()), "--ttft-ms", "0", "--itl-ms", "0"]
+    sim = Child("sim", argv, cpus, log_dir, pass_fds=(sock.fileno(),))
+    sock.close()
+    stack.callback(sim.stop)
+    wait_ready(sim, port, "GET", "/health")
+    return port, sim
+
+
+def start_hop(
+    stack: contextlib.ExitStack,
+    hop: str,
+    sim_port: int,
+    cpus: set[int] | None,
+    log_dir: pathlib.Path,
+    router_python: str | None,
+    probe_body: bytes,
+) -> tuple[Child, int]:
+    """Start ``hop`` (``trio``, ``asyncio`` or ``router``) in front of the
+    simulator; return it and its port once it serves."""
+    worker = f"http://127.0.0.1:{sim_port}"
+    if hop == "router":
+        port = free_port()
+        argv = [router_python, "-m", "sglang_router.launch_router",
+                "--host", "127.0.0.1", "--port", str(port), "--worker-urls", worker,
+                "--policy", "round_robin", "--log-level", "warn",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        child = Child("sglang-router", argv, cpus, log_dir)
+        stack.callback(child.stop)
+        # The router registers its worker in the background: wait for a generate.
+        wait_ready(child, port, "POST", "/generate", probe_body)
+        return child, port
+    sock = listening_socket()
+    port = sock.getsockname()[1]
+    argv = [sys.executable, "-m", "asgi_generate", "serve", "--worker", f"sglang={worker}",
+            "--fd", str(sock.fileno()), "--worker-class", hop, "--log-level", "warning"]
+    child = Child(f"asgi-generate-{hop}", argv, cpus, log_dir, pass_fds=(sock.fileno(),))
+    sock.close()
+    stack.callback(child.stop)
+    wait_ready(child, port, "GET", "/health")
+    return child, port
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    if value is None:
+        return "n/a"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}f}"
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den <= 0:
+        return None
+    return num / den
+
+
+def print_report(results: list[HopResult], args: argparse.Namespace, context: list[str]) -> None:
+    """Print the Markdown tables and ratios."""
+    direct = results[0]
+    hops = results[1:]
+    router = next((r for r in hops if r.label == HOPS["router"]), None)
+    ours = [r for r in hops if r is not router]
+
+    print("\n".join(context))
+    print()
+    print(f"Throughput at {args.concurrency} connections, {args.seconds} s per cell "
+          "(busy = fraction of one core used during the run):")
+    print()
+    print("| path | unary req/s | SSE events/s | SSE req/s | hop CPU ms/req unary / SSE "
+          "| hop busy unary / SSE | sim busy unary / SSE | wrk busy unary / SSE |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        u, s = r.load["unary"], r.load["sse"]
+        hop_cpu = "-" if r is direct else f"{_fmt(u.cpu_ms_per_request('hop'), 3)} / {_fmt(s.cpu_ms_per_request('hop'))}"
+        hop_busy = "-" if r is direct else f"{u.busy('hop'):.2f} / {s.busy('hop'):.2f}"
+        print(f"| {r.label} | {_fmt(u.rps)} | {_fmt(s.eps)} | {_fmt(s.rps)} | {hop_cpu} | {hop_busy} "
+              f"| {u.busy('sim'):.2f} / {s.busy('sim'):.2f} | {u.busy('wrk'):.2f} / {s.busy('wrk'):.2f} |")
+    print()
+    print(f"Latency per request at 1 connection, {args.latency_seconds} s per cell, ms "
+          "(added = minus the direct figure):")
+    print()
+    print("| path | unary p50 | unary p99 | SSE p50 | SSE p99 | added unary p50 / p99 | added SSE p50 / p99 |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        u, s = r.latency["unary"], r.latency["sse"]
+        du, ds = direct.latency["unary"], direct.latency["sse"]
+        added_u = "-" if r is direct else f"{u.p50_ms - du.p50_ms:+.3f} / {u.p99_ms - du.p99_ms:+.3f}"
+        added_s = "-" if r is direct else f"{s.p50_ms - ds.p50_ms:+.2f} / {s.p99_ms - ds.p99_ms:+.2f}"
+        print(f"| {r.label} | {u.p50_ms:.3f} | {u.p99_ms:.3f} | {s.p50_ms:.2f} | {s.p99_ms:.2f} "
+              f"| {added_u} | {added_s} |")
+    print()
+    print("Ratios:")
+    print()
+    print("| path | through/direct unary | through/direct SSE | ours/router unary | ours/router SSE "
+          "| added latency ours/router unary p50 / p99 | SSE p50 / p99 | CPU per request ours/router unary / SSE |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+
+    def added(r: HopResult, wl: str, pct: str) -> float:
+        return getattr(r.latency[wl], pct) - getattr(direct.latency[wl], pct)
+
+    for r in hops:
+        cells = [_fmt(_ratio(r.load[wl].rps if wl == "unary" else r.load[wl].eps,
+                             direct.load[wl].rps if wl == "unary" else direct.load[wl].eps))
+                 for wl in ("unary", "sse")]
+        if router is None or r is router:
+            cells += ["-"] * 5
+        else:
+            cells.append(_fmt(_ratio(r.load["unary"].rps, router.load["unary"].rps)))
+            cells.append(_fmt(_ratio(r.load["sse"].eps, router.load["sse"].eps)))
+            for wl in ("unary", "sse"):
+                cells.append(" / ".join(_fmt(_ratio(added(r, wl, p), added(router, wl, p)))
+                                        for p in ("p50_ms", "p99_ms")))
+            cells.append(" / ".join(
+                _fmt(_ratio(r.load[wl].cpu_ms_per_request("hop"), router.load[wl].cpu_ms_per_request("hop")))
+                for wl in ("unary", "sse")))
+        print(f"| {r.label} | " + " | ".join(cells) + " |")
+    print()
+
+    checked = sum(lr.ok + lr.bad for r in results for lr in [*r.load.values(), *r.latency.values()])
+    bad = [(r.label, name, lr) for r in results for name, lr in [*r.load.items(), *r.latency.items()]
+           if lr.bad or lr.errors]
+    samples = sum(r.samples for r in results)
+    problems = [(r.label, p) for r in results for p in r.sample_problems]
+    through = [_ratio(r.load["unary"].rps, direct.load["unary"].rps) for r in ours]
+    through += [_ratio(r.load["sse"].eps, direct.load["sse"].eps) for r in ours]
+    print("Goals:")
+    print()
+    if through:
+        print(f"- through/direct above 0.5 on one core each: lowest {_fmt(min(through))} "
+              f"-> {'met' if min(through) > 0.5 else 'NOT met'}")
+    if router is not None and ours:
+        worst = min(min(r.load["unary"].rps / router.load["unary"].rps,
+                        r.load["sse"].eps / router.load["sse"].eps) for r in ours)
+        print(f"- throughput within 2x of sglang-router: lowest ours/router {_fmt(worst)} "
+              f"-> {'met' if worst >= 0.5 else 'NOT met'}")
+    print(f"- never loses or reorders an event: {checked:,} responses checked under load "
+          f"(count, order, final output_ids), {samples} sampled answers compared event for event "
+          f"with the direct answer -> {'met' if not bad and not problems else 'NOT met'}")
+    for label, name, lr in bad:
+        print(f"  - {label} {name}: {lr.bad} bad responses ({lr.first_bad or 'n/a'}), {lr.errors} wrk errors")
+    for label, problem in problems:
+        print(f"  - {label}: {problem}")
+
+
+def measure(
+    label: str,
+    port: int,
+    meters: dict,
+    args: argparse.Namespace,
+    wrk: str,
+    scripts: dict[str, pathlib.Path],
+    log_dir: pathlib.Path,
+    samples: tuple[list[bytes], list[list]],
+) -> HopResult:
+    """Check a sample, then run every workload's load and latency cells
+    against ``port``."""
+    result = HopResult(label)
+    bodies, expected = samples
+    result.samples = len(bodies)
+    result.sample_problems = compare(port, bodies, expected, min(len(bodies), args.concurrency))
+    loadgen = {args.loadgen_cpu} if args.loadgen_cpu is not None else None
+
+    def cell(script: pathlib.Path, connections: int, seconds: int) -> LoadResult:
+        result = run_wrk(wrk, script, port, connections, seconds, loadgen, log_dir, meters)
+        settle(meters)
+        return result
+
+    for name, script in scripts.items():
+        print(f"  {label}: {name} warm-up, then {args.seconds} s at {args.concurrency} connections",
+              file=sys.stderr)
+        cell(script, args.concurrency, args.warmup)
+        result.load[name] = cell(script, args.concurrency, args.seconds)
+    for name, script in scripts.items():
+        print(f"  {label}: {name} latency, {args.latency_seconds} s at 1 connection", file=sys.stderr)
+        result.latency[name] = cell(script, 1, args.latency_seconds)
+    return result
+
+
+def settle(meters: dict[str, Callable[[], float]], timeout: float = 30.0) -> None:
+    """Wait until every metered process is idle (under 10% of a core over
+    0.2 s): requests wrk abandoned at the end of a run are still being
+    generated, and must not spill into the next cell."""
+    deadline = time.monotonic() + timeout
+    last = {label: meter() for label, meter in meters.items()}
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = {label: meter() for label, meter in meters.items()}
+        if all(now[label] - last[label] < 0.02 for label in now):
+            return
+        last = now
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line flags."""
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = len(cpus) >= 2
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--seconds", type=int, default=10, help="measured seconds per throughput cell")
+    p.add_argument("--latency-seconds", type=int, default=5, help="measured seconds per latency cell")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured seconds before each throughput cell")
+    p.add_argument("--concurrency", type=int, default=32, help="wrk keep-alive connections for throughput")
+    p.add_argument("--hops", default="trio,asyncio,router",
+                   help="comma-separated hops to measure besides direct: trio, asyncio, router")
+    p.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
+    p.add_argument("--unary-tokens", type=int, default=16, help="output tokens of a unary request")
+    p.add_argument("--sse-tokens", type=int, default=256, help="output tokens (= events) of an SSE request")
+    p.add_argument("--samples", type=int, default=8,
+                   help="prompts per workload compared event for event with the direct answer, per hop")
+    p.add_argument("--sim-cpu", type=int, default=cpus[0] if pinned else None, help="CPU for the simulator")
+    p.add_argument("--hop-cpu", type=int, default=cpus[1] if pinned else None,
+                   help="CPU for the frontend or router")
+    p.add_argument("--loadgen-cpu", type=int, default=cpus[1] if pinned else None,
+                   help="CPU for wrk (default: the hop's, so the hop pays for the load generator, "
+                        "and the direct run does not)")
+    p.add_argument("--router-venv", type=pathlib.Path, default=HERE / ".venv-router",
+                   help="virtual environment for sglang-router (created on first use)")
+    return p
+
+
+def _context(args: argparse.Namespace, wrk: str, router_version: str | None) -> list[str]:
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                  if line.startswith("model name")), platform.machine())
+    wrk_version = subprocess.run([wrk, "-v"], capture_output=True, text=True).stdout.split("\n")[0]
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return [
+        f"bench_frontend.py, {datetime.datetime.now().isoformat(timespec='seconds')}: "
+        f"{os.cpu_count()} x {model}; load average at the end {load}",
+        f"Pinning: simulator on CPU {args.sim_cpu}, frontend/router on CPU {args.hop_cpu}, "
+        f"wrk on CPU {args.loadgen_cpu} (one thread, keep-alive).",
+        f"Requests: {args.input_len}-token input_ids, ignore_eos; unary {args.unary_tokens} output tokens, "
+        f"SSE {args.sse_tokens} output tokens (= events, cumulative chunks); simulator TTFT = ITL = 0.",
+        f"Versions: Python {platform.python_version()}, asgi-generate {version('asgi-generate')}, "
+        f"hypercorn {version('hypercorn')}, sglang-router {router_version or 'not run'} "
+        f"(--policy round_robin --log-level warn), {wrk_version.strip()}.",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; 0 when every answer checked out, 1 otherwise."""
+    args = build_parser().parse_args(argv)
+    hops = [h.strip() for h in args.hops.split(",") if h.strip()]
+    unknown = [h for h in hops if h not in HOPS]
+    if unknown:
+        print(f"unknown hop(s) {unknown}; choose from {list(HOPS)}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    wrk = wrk_path() or install_wrk()
+    router_python, router_version = ensure_router(args.router_venv) if "router" in hops else (None, None)
+    sim_cpus = {args.sim_cpu} if args.sim_cpu is not None else None
+    hop_cpus = {args.hop_cpu} if args.hop_cpu is not None else None
+    log_dir = pathlib.Path(tempfile.mkdtemp(prefix="asgi-generate-bench-"))
+    workloads = [Workload("unary", False, args.unary_tokens), Workload("sse", True, args.sse_tokens)]
+    results: list[HopResult] = []
+    ok = False
+    try:
+        with contextlib.ExitStack() as stack:
+            sim_port, sim = start_sim(stack, sim_cpus, log_dir)
+            scripts: dict[str, pathlib.Path] = {}
+            bodies: list[bytes] = []
+            expected: list[list] = []
+            for wl in workloads:
+                events = answer(sim_port, request_body(args.input_len, wl.tokens, wl.stream, 0))
+                check_direct(events, wl.tokens, wl.stream)
+                final = events[0] if not wl.stream else events[-2]
+                scripts[wl.name] = log_dir / f"{wl.name}.lua"
+                write_script(scripts[wl.name], request_body(args.input_len, wl.tokens, wl.stream, 0),
+                             wl.stream, wl.tokens, final["output_ids"])
+                for k in range(1, args.samples + 1):
+                    body = request_body(args.input_len, wl.tokens, wl.stream, k)
+                    bodies.append(body)
+                    expected.append(answer(sim_port, body))
+            samples = (bodies, expected)
+            probe = request_body(4, 1, False, 0)
+            print(f"{DIRECT}:", file=sys.stderr)
+            results.append(measure(DIRECT, sim_port, {"sim": sim.cpu_seconds}, args, wrk, scripts,
+                                   log_dir, samples))
+            for hop in hops:
+                print(f"{HOPS[hop]}:", file=sys.stderr)
+                with contextlib.ExitStack() as hop_stack:
+                    child, port = start_hop(hop_stack, hop, sim_port, hop_cpus, log_dir, router_python, probe)
+                    meters = {"sim": sim.cpu_seconds, "hop": child.cpu_seconds}
+                    results.append(measure(HOPS[hop], port, meters, args, wrk, scripts, log_dir, samples))
+        print_report(results, args, _context(args, wrk, router_version))
+        ok = all(not r.sample_problems and all(lr.bad == 0 and lr.errors == 0
+                                              for lr in [*r.load.values(), *r.latency.values()])
+                 for r in results)
+    finally:
+        if ok:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        else:
+            print(f"logs kept in {log_dir}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""vLLM's ``/inference/v1/generate`` request schema, checked as vLLM checks it.
+
+Wire sources (vLLM, read through the code index):
+
+- ``vllm/entrypoints/serve/disagg/protocol.py``: ``GenerateRequest``
+  (``token_ids`` at least one id, none negative; ``request_id`` a string;
+  ``sampling_params`` required), ``MultiModalFeatures`` and
+  ``PlaceholderRangeInfo``.
+- ``vllm/sampling_params.py`` ``SamplingParams._verify_args``: the value
+  messages for ``n``, ``max_tokens``, ``logprobs``, ``prompt_logprobs`` and
+  ``stop_token_ids``.
+- ``vllm/entrypoints/serve/exception_handling/handlers/validation.py``: a
+  pydantic error becomes HTTP 400 ``{"error": {"message": "1 validation
+  error:\\n  {'type': ..., 'loc': 'body.token_ids', 'msg': ..., 'input': ...}",
+  "type": "Bad Request", "param": "body.token_ids", "code": 400}}``, with
+  containers in ``input`` summarised as ``<list of N items>``.
+- ``create_error_response``: other bad values are HTTP 400
+  ``{"error": {"message", "type": "BadRequestError", "param", "code": 400}}``.
+
+Type checks are strict where pydantic is lax (a string ``"7"`` is not an
+integer here): the frontend forwards the client's JSON as it came, so only
+values every vLLM build reads the same way may pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asgi_generate.codec import RequestError
+
+
+class VLLMRequestError(RequestError):
+    """A :class:`RequestError` carrying vLLM's error ``type`` and ``param``.
+
+    Args:
+        status: HTTP status.
+        message: the error message.
+        kind: the handler's machine name (``invalid_json`` for schema errors).
+        err_type: vLLM's ``error.type`` (``Bad Request``, ``BadRequestError``).
+        param: vLLM's ``error.param``, e.g. ``body.token_ids`` or ``max_tokens``.
+    """
+
+    def __init__(
+        self, status: int, message: str, kind: str, err_type: str, param: str | None = None
+    ) -> None:
+        super().__init__(status, message, kind)
+        self.err_type = err_type
+        self.param = param
+
+
+def _summarize(value: Any) -> Any:
+    # vLLM bounds the echoed input: containers by size, text to 200 chars.
+    if isinstance(value, (list, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = value if isinstance(value, str) else str(value)
+    return text[:200] + "...[truncated]" if len(text) > 200 else text
+
+
+def validation_error(
+    kind: str, loc: tuple, msg: str, value: Any, ctx: dict | None = None
+) -> VLLMRequestError:
+    """vLLM's rendering of one pydantic error at ``loc`` (a path under ``body``)."""
+    where = ".".join(str(p) for p in ("body", *loc))
+    err: dict[str, Any] = {"type": kind, "loc": where, "msg": msg, "input": _summarize(value)}
+    if ctx is not None:
+        err["ctx"] = ctx
+    return VLLMRequestError(400, f"1 validation error:\n  {err}", "invalid_json", "Bad Request", where)
+
+
+def bad_request(message: str, param: str | None = None) -> VLLMRequestError:
+    """vLLM's ``BadRequestError`` (HTTP 400) for a bad value."""
+    return VLLMRequestError(400, message, "invalid_request", "BadRequestError", param)
+
+
+# Schema nodes: ("int",), ("str",), ("bool",), ("any",), ("token_ids",),
+# ("nullable", node), ("list", node), ("dict", node),
+# ("model", {field: node}, required_fields).
+INT, STR, BOOL, ANY, TOKEN_IDS = ("int",), ("str",), ("bool",), ("any",), ("token_ids",)
+_SCALARS = {
+    "int": ("int_type", "Input should be a valid integer", lambda v: type(v) is int),
+    "str": ("string_type", "Input should be a valid string", lambda v: type(v) is str),
+    "bool": ("bool_type", "Input should be a valid boolean", lambda v: type(v) is bool),
+}
+_MODEL_MSG = "Input should be a valid dictionary or object to extract fields from"
+
+PLACEHOLDER = ("model", {"offset": INT, "length": INT}, ("offset", "length"))
+FEATURES = (
+    "model",
+    {
+        "mm_hashes": ("dict", ("list", STR)),
+        "mm_placeholders": ("dict", ("list", PLACEHOLDER)),
+        "kwargs_data": ("nullable", ("dict", ("list", ("nullable", STR)))),
+    },
+    ("mm_hashes", "mm_placeholders"),
+)
+STREAM_OPTIONS = (
+    "model",
+    {"include_usage": ("nullable", BOOL), "continuous_usage_stats": ("nullable", BOOL)},
+    (),
+)
+# Only the sampling fields the frontend reads; vLLM checks the rest.
+SAMPLING_PARAMS = (
+    "model",
+    {
+        "n": INT,
+        "max_tokens": ("nullable", INT),
+        "logprobs": ("nullable", INT),
+        "prompt_logprobs": ("nullable", INT),
+        "stop_token_ids": ("nullable", ("list", INT)),
+        "ignore_eos": BOOL,
+    },
+    (),
+)
+# GenerateRequest in vLLM's field order, so the first error is vLLM's first.
+GENERATE_REQUEST = (
+    "model",
+    {
+        "request_id": STR,
+        "token_ids": TOKEN_IDS,
+        "features": ("nullable", FEATURES),
+        "sampling_params": SAMPLING_PARAMS,
+        "model": ("nullable", STR),
+        "stream": ("nullable", BOOL),
+        "stream_options": ("nullable", STREAM_OPTIONS),
+        "cache_salt": ("nullable", STR),
+        "priority": INT,
+        "kv_transfer_params": ("nullable", ("dict", ANY)),
+        "ec_transfer_params": ("nullable", ("dict", ANY)),
+    },
+    ("token_ids", "sampling_params"),
+)
+
+
+def check(value: Any, node: tuple, loc: tuple = ()) -> None:
+    """Check ``value`` against schema ``node``; ``loc`` is its path under ``body``.
+
+    Raises:
+        VLLMRequestError: 400, vLLM's validation shape, for the first mismatch
+            in field order.
+    """
+    kind = node[0]
+    if kind == "any":
+        return
+    if kind == "token_ids":
+        check(value, ("list", INT), loc)
+        if not value:
+            raise validation_error(
+                "too_short", loc, "List should have at least 1 item after validation, not 0", value,
+                {"field_type": "List", "min_length": 1, "actual_length": 0},
+            )
+        if min(value) < 0:
+            why = "token_ids must not contain negative values"
+            raise validation_error("value_error", loc, f"Value error, {why}", value, {"error": ValueError(why)})
+        return
+    if kind == "nullable":
+        if value is not None:
+            check(value, node[1], loc)
+        return
+    if kind in _SCALARS:
+        err, msg, ok = _SCALARS[kind]
+        if not ok(value):
+            raise validation_error(err, loc, msg, value)
+        return
+    if kind == "list":
+        if type(value) is not list:
+            raise validation_error("list_type", loc, "Input should be a valid list", value)
+        item = node[1]
+        if item[0] in _SCALARS:  # fast path: long token id lists
+            ok = _SCALARS[item[0]][2]
+            if all(ok(v) for v in value):
+                return
+        for i, v in enumerate(value):
+            check(v, item, (*loc, i))
+        return
+    if kind == "dict":
+        if type(value) is not dict:
+            raise validation_error("dict_type", loc, "Input should be a valid dictionary", value)
+        for key, v in value.items():
+            check(v, node[1], (*loc, key))
+        return
+    fields, required = node[1], node[2]
+    if type(value) is not dict:
+        raise validation_error("model_attributes_type", loc, _MODEL_MSG, value)
+    for key, sub in fields.items():
+        if key in value:
+            check(value[key], sub, (*loc, key))
+        elif key in required:
+            raise validation_error("missing", (*loc, key), "Field required", value)
+
+
+def check_features(features: dict, num_tokens: int) -> None:
+    """Check that schema-valid ``features`` describe items the prompt can hold:
+    one hash and one placeholder range per item, ranges inside the prompt,
+    ``kwargs_data`` parallel to ``mm_hashes``.
+
+    Raises:
+        VLLMRequestError: 400 ``BadRequestError`` naming the first bad item.
+    """
+    hashes, places = features["mm_hashes"], features["mm_placeholders"]
+    data = features.get("kwargs_data")
+    if set(hashes) != set(places):
+        raise bad_request(
+            f"features.mm_hashes has modalities {sorted(hashes)} but features.mm_placeholders "
+            f"has {sorted(places)}; every modality needs both.",
+            "features",
+        )
+    for modality, items in hashes.items():
+        if len(places[modality]) != len(items):
+            raise bad_request(
+                f"features.mm_placeholders[{modality!r}] has {len(places[modality])} ranges for "
+                f"{len(items)} hashes in features.mm_hashes[{modality!r}].",
+                "features",
+            )
+        for i, p in enumerate(places[modality]):
+            if p["offset"] < 0 or p["length"] < 1 or p["offset"] + p["length"] > num_tokens:
+                raise bad_request(
+                    f"features.mm_placeholders[{modality!r}][{i}] (offset {p['offset']}, length "
+                    f"{p['length']}) is not inside the {num_tokens} prompt tokens.",
+                    "features",
+                )
+        if data is not None and modality in data and len(data[modality]) != len(items):
+            raise bad_request(
+                f"features.kwargs_data[{modality!r}] has {len(data[modality])} items for "
+                f"{len(items)} hashes in features.mm_hashes[{modality!r}].",
+                "features",
+            )
+    if data is not None and not set(data) <= set(hashes):
+        raise bad_request(
+            f"features.kwargs_data has modalities {sorted(set(data) - set(hashes))} "
+            "that features.mm_hashes does not.",
+            "features",
+        )

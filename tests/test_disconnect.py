@@ -1,0 +1,158 @@
+"""A client that goes away is an engine abort, at every point of a request,
+on both hypercorn worker classes."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import orjson
+import pytest
+
+from support import RawClient, start_frontend, start_sim, stats, wait_until
+
+
+@pytest.fixture(scope="module")
+def slow_sim():
+    sim = start_sim(ttft_ms=400, itl_ms=40)
+    yield sim
+    sim.stop()
+
+
+@pytest.fixture(scope="module", params=["trio", "asyncio"])
+def fe(request, slow_sim):
+    proc = start_frontend([f"sglang={slow_sim.url}"], worker_class=request.param)
+    yield proc
+    proc.stop()
+
+
+def _by_status(fe) -> dict:
+    return httpx.get(fe.url + "/stats", timeout=5).json()["by_status"]
+
+
+def _body(stream: bool, n: int = 30, rid: str = "a") -> bytes:
+    return orjson.dumps({"input_ids": [3, 4, 5], "rid": rid, "stream": stream,
+                         "sampling_params": {"max_new_tokens": n, "ignore_eos": True}})
+
+
+def _running_rid(sim) -> str:
+    rids = wait_until(lambda: stats(sim)["running_rids"])
+    assert len(rids) == 1
+    return rids[0]
+
+
+def _assert_aborted(sim, rid: str) -> None:
+    wait_until(lambda: stats(sim)["running"] == 0, timeout=1.5)
+    assert rid in stats(sim)["aborted_rids"]
+
+
+def test_disconnect_before_the_body_is_whole(fe, slow_sim):
+    before, status = stats(slow_sim)["received"], _by_status(fe)
+    c = RawClient(fe.url)
+    c.send(_body(True), upto=10)
+    time.sleep(0.1)
+    c.close()
+    wait_until(lambda: _by_status(fe).get("client_disconnect", 0) == status.get("client_disconnect", 0) + 1)
+    assert stats(slow_sim)["received"] == before
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
+def test_disconnect_while_waiting_for_the_first_token(fe, slow_sim, stream):
+    status = _by_status(fe)
+    c = RawClient(fe.url)
+    c.send(_body(stream))
+    rid = _running_rid(slow_sim)
+    assert rid != "a" and len(rid) == 32
+    c.close()
+    _assert_aborted(slow_sim, rid)
+    assert _by_status(fe).get("client_disconnect", 0) == status.get("client_disconnect", 0) + 1
+
+
+@pytest.mark.parametrize("k", [1, 4, 9])
+def test_disconnect_after_k_events(fe, slow_sim, k):
+    c = RawClient(fe.url)
+    c.send(_body(True))
+    got = c.events(k)
+    rid = _running_rid(slow_sim)
+    assert [len(orjson.loads(e)["output_ids"]) for e in got] == list(range(1, k + 1))
+    assert c.status == 200
+    c.close()
+    _assert_aborted(slow_sim, rid)
+
+
+def test_unary_disconnect_while_generating(fe, slow_sim):
+    c = RawClient(fe.url)
+    c.send(_body(False, n=40))
+    rid = _running_rid(slow_sim)
+    time.sleep(0.6)  # past TTFT: tokens are flowing to the frontend
+    c.close()
+    _assert_aborted(slow_sim, rid)
+
+
+def test_hanging_up_after_the_last_token_is_not_an_abort(fe, slow_sim):
+    status = _by_status(fe)
+    aborted = len(stats(slow_sim)["aborted_rids"])
+    c = RawClient(fe.url)
+    c.send(_body(True, n=3))
+    got = c.events(3)
+    assert orjson.loads(got[-1])["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    c.close()
+    wait_until(lambda: stats(slow_sim)["running"] == 0)
+    wait_until(lambda: _by_status(fe).get("ok", 0) == status.get("ok", 0) + 1)
+    assert len(stats(slow_sim)["aborted_rids"]) == aborted
+
+
+def test_prefix_sharing_and_duplicate_rids_abort_only_the_disconnected(fe, slow_sim):
+    """Clients ``a`` (twice) and ``ab`` run together; ``a``'s first copy
+    hangs up: only its engine request is aborted."""
+    clients = {}
+    for name, rid in (("a1", "a"), ("a2", "a"), ("ab", "ab")):
+        c = RawClient(fe.url)
+        c.send(_body(True, n=12, rid=rid))
+        clients[name] = c
+    first = clients["a1"].events(1)
+    assert orjson.loads(first[0])["meta_info"]["id"] == "a"
+    wait_until(lambda: stats(slow_sim)["running"] == 3)
+    running_before = set(stats(slow_sim)["running_rids"])
+    aborted_before = set(stats(slow_sim)["aborted_rids"])
+    clients["a1"].close()
+    wait_until(lambda: stats(slow_sim)["running"] <= 2, timeout=1.5)
+    newly = set(stats(slow_sim)["aborted_rids"]) - aborted_before
+    assert len(newly) == 1 and newly < running_before
+    for name in ("a2", "ab"):
+        events = clients[name].events(100)
+        assert events[-1] == b"[DONE]"
+        final = orjson.loads(events[-2])
+        assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+        assert final["meta_info"]["id"] == ("a" if name == "a2" else "ab")
+        clients[name].close()
+    assert set(stats(slow_sim)["aborted_rids"]) - aborted_before == newly
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_slow_reader_is_cut_off_and_the_engine_aborted(worker_class):
+    sim = start_sim()
+    fe = start_frontend([f"sglang={sim.url}"], worker_class=worker_class, extra=["--slow-client-timeout", "1"])
+    try:
+        c = RawClient(fe.url, rcvbuf=4096)
+        c.send(_body(True, n=20000))
+        rid = wait_until(lambda: stats(sim)["seen_rids"])[0]
+        t0 = time.monotonic()
+        # Read one byte per second: far slower than the stream.
+        while time.monotonic() - t0 < 8:
+            try:
+                if not c.sock.recv(1):
+                    break
+            except OSError:
+                break
+            if stats(sim)["running"] == 0:
+                break
+            time.sleep(1)
+        assert time.monotonic() - t0 < 8
+        wait_until(lambda: stats(sim)["running"] == 0)
+        assert stats(sim)["aborted_rids"] == [rid]
+        assert httpx.get(fe.url + "/stats").json()["by_status"] == {"slow_client": 1}
+        c.close()
+    finally:
+        fe.stop()
+        sim.stop()

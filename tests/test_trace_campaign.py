@@ -1,0 +1,203 @@
+"""The mixed campaign: 500 requests through a real hypercorn frontend and two
+simulator processes (unary and SSE, logprobs and sessions on and off, client
+disconnects at every stage, bad inputs, one worker killed mid-run). The trace
+must then validate, hold exactly one record per request, and each record's
+output_tokens must equal what that client received."""
+
+from __future__ import annotations
+
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+import httpx
+import orjson
+import pytest
+
+from asgi_generate.assets import TOKENIZER_PATH
+from support import start_frontend, start_sim
+
+N = 500
+_EVENT = re.compile(rb"data: (.*?)\n\n", re.DOTALL)
+SYSTEM_PROMPTS = [list(range(100 + 200 * i, 228 + 200 * i)) for i in range(3)]
+
+
+def tokens_in(raw: bytes) -> int:
+    """Tokens in the complete SGLang SSE events of ``raw`` (cumulative chunks)."""
+    best = 0
+    for payload in _EVENT.findall(raw):
+        if payload != b"[DONE]":
+            best = max(best, len(orjson.loads(payload).get("output_ids", [])))
+    return best
+
+
+def raw_request(url: str, payload: bytes, key: str) -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    head = (f"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            f"x-request-id: {key}\r\ncontent-length: {len(payload)}\r\n\r\n").encode()
+    sock.sendall(head + payload)
+    return sock
+
+
+def sse_then_hang_up(url: str, payload: bytes, key: str, k: int) -> int:
+    """Read until ``k`` SSE events arrived (or the answer ended), hang up,
+    and return the tokens received."""
+    sock = raw_request(url, payload, key)
+    raw = b""
+    try:
+        while k and len(_EVENT.findall(raw)) < k and b"[DONE]" not in raw:
+            if raw.startswith(b"HTTP/1.1 ") and not raw.startswith(b"HTTP/1.1 200") and b"\r\n\r\n" in raw:
+                break
+            data = sock.recv(65536)
+            if not data:
+                break
+            raw += data
+    finally:
+        sock.close()
+    return tokens_in(raw)
+
+
+def unary_then_hang_up(url: str, payload: bytes, key: str, delay: float) -> int:
+    sock = raw_request(url, payload, key)
+    time.sleep(delay)
+    sock.close()
+    return 0
+
+
+def plan(i: int, rng: random.Random) -> dict:
+    """Request ``i`` of the campaign: what to send and how to behave."""
+    key = f"c{i:04d}"
+    kind = rng.choices(["ok", "bad", "sse_cut", "unary_cut"], [80, 10, 7, 3])[0]
+    ids = rng.choice(SYSTEM_PROMPTS) + [rng.randrange(300, 4000) for _ in range(rng.randrange(0, 200))]
+    body = {"rid": key, "input_ids": ids, "stream": rng.random() < 0.5,
+            "sampling_params": {"max_new_tokens": rng.randrange(1, 9), "ignore_eos": rng.random() < 0.7}}
+    if rng.random() < 0.5:
+        body["return_logprob"] = True
+        body["top_logprobs_num"] = rng.randrange(0, 3)
+    headers = {"x-request-id": key}
+    if rng.random() < 0.5:
+        headers["x-session-id"] = f"sess-{i % 37}"
+        if rng.random() < 0.5:
+            headers["x-session-final"] = "1"
+    p = {"key": key, "kind": kind, "headers": headers, "body": body}
+    if kind == "bad":
+        p["bad"] = rng.choice(["json", "empty", "method", "too_large", "n"])
+    elif kind == "sse_cut":
+        p["k"] = rng.randrange(0, 4)
+        body["stream"] = True
+        body["sampling_params"] = {"max_new_tokens": 40, "ignore_eos": True}
+    elif kind == "unary_cut":
+        body["stream"] = False
+        body["sampling_params"] = {"max_new_tokens": 60, "ignore_eos": True}
+    return p
+
+
+def run(url: str, p: dict) -> dict:
+    """Send request ``p``; return what the client saw."""
+    body, headers, kind = p["body"], p["headers"], p["kind"]
+    if kind == "sse_cut":
+        return {"tokens": sse_then_hang_up(url, orjson.dumps(body), p["key"], p["k"])}
+    if kind == "unary_cut":
+        return {"tokens": unary_then_hang_up(url, orjson.dumps(body), p["key"], 0.2)}
+    if kind == "bad":
+        bad = p["bad"]
+        if bad == "method":
+            r = httpx.get(url + "/generate", headers=headers, timeout=30)
+        else:
+            content = {
+                "json": b'{"input_ids": [1, 2',
+                "empty": orjson.dumps({**body, "input_ids": []}),
+                "too_large": orjson.dumps({**body, "input_ids": [7] * 40000}),
+                "n": orjson.dumps({**body, "sampling_params": {"n": 2}}),
+            }[bad]
+            r = httpx.post(url + "/generate", content=content, headers=headers, timeout=30)
+        return {"status": r.status_code, "tokens": 0}
+    if body["stream"]:
+        with httpx.stream("POST", url + "/generate", content=orjson.dumps(body), headers=headers,
+                          timeout=30) as r:
+            raw = b"".join(r.iter_bytes())
+        return {"status": r.status_code, "tokens": tokens_in(raw) if r.status_code == 200 else 0}
+    r = httpx.post(url + "/generate", content=orjson.dumps(body), headers=headers, timeout=30)
+    return {"status": r.status_code, "tokens": len(r.json().get("output_ids", [])) if r.status_code == 200 else 0}
+
+
+BAD_STATUS = {"json": 400, "empty": 400, "method": 405, "too_large": 413, "n": 400}
+
+
+@pytest.mark.timeout(240)
+def test_mixed_campaign(tmp_path):
+    sims = [start_sim(ttft_ms=100, itl_ms=60), start_sim(ttft_ms=100, itl_ms=60)]
+    base = str(tmp_path / "campaign")
+    fe = start_frontend(
+        [f"sglang={s.url}" for s in sims],
+        extra=["--trace-file", base + ".jsonl", "--max-body-bytes", "65536", "--tokenizer", str(TOKENIZER_PATH),
+               "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes"],
+    )
+    rng = random.Random(20240603)
+    plans = [plan(i, rng) for i in range(N)]
+    seen: dict[str, dict] = {}
+    try:
+        with ThreadPoolExecutor(max_workers=24) as pool:
+            futures = {pool.submit(run, fe.url, p): p["key"] for p in plans}
+            for done, future in enumerate(as_completed(futures), 1):
+                seen[futures[future]] = future.result()
+                if done == N // 2:
+                    sims[1].proc.kill()  # one worker dies mid-run
+        trace_stats = httpx.get(fe.url + "/stats", timeout=10).json()["trace"]
+    finally:
+        fe.stop()
+        for s in sims:
+            s.stop()
+
+    files = sorted(tmp_path.glob("campaign.*.jsonl"))
+    check = subprocess.run([sys.executable, "-m", "asgi_generate.tracing.tools", "validate", *map(str, files)],
+                           capture_output=True, text=True, timeout=60)
+    assert (check.returncode, check.stdout) == (0, f"VALID: {N} records\n")
+    assert trace_stats["dropped"] == {"queue_full": 0, "sink_error": 0, "build_error": 0, "closed": 0}
+
+    records = [orjson.loads(line) for f in files for line in f.read_bytes().splitlines()]
+    by_key: dict[str, list[dict]] = {}
+    keyless = []
+    for rec in records:
+        key = rec.get("public_id") or rec.get("x_request_id")
+        if key is None:
+            keyless.append(rec)
+        else:
+            by_key.setdefault(key, []).append(rec)
+    # The handler's 405 path keeps no request headers, so those records carry
+    # no x_request_id: they are matched by count.
+    wrong_method = [p for p in plans if p.get("bad") == "method"]
+    assert [(r["method"], r["status"], r["http_status"]) for r in keyless] == [("GET", "rejected", 405)] * len(
+        wrong_method)
+    assert sorted(by_key) == sorted(p["key"] for p in plans if p not in wrong_method)
+    assert all(len(v) == 1 for v in by_key.values())
+
+    statuses: dict[str, int] = {}
+    for p in plans:
+        if p in wrong_method:
+            continue
+        rec, got = by_key[p["key"]][0], seen[p["key"]]
+        statuses[rec["status"]] = statuses.get(rec["status"], 0) + 1
+        assert rec["output_tokens"] == got["tokens"], (p, rec, got)
+        if p["kind"] == "bad":
+            assert (rec["status"], rec["http_status"]) == ("rejected", BAD_STATUS[p["bad"]])
+            continue
+        assert rec.get("stream", p["body"]["stream"]) == p["body"]["stream"]  # absent if cut before the body
+        assert ("session" in rec) == ("x-session-id" in p["headers"])
+        if p["kind"] == "ok":
+            assert rec["http_status"] == got["status"]
+            if rec["status"] == "ok":
+                assert rec["reasoning_tokens"] == 0
+                assert rec["finish"]["tool_calls"] == []
+            else:  # on the worker that was killed
+                assert rec["status"] == "engine_error"
+                assert "worker_lost" in [a["outcome"] for a in rec["attempts"]]
+        else:
+            assert rec["status"] in ("client_disconnect", "engine_error")
+    assert statuses["ok"] > N // 2
+    assert statuses["client_disconnect"] > 20

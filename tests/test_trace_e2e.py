@@ -1,0 +1,291 @@
+"""Request-end records through real hypercorn and simulator processes: one
+record per request, for every outcome, whose output_tokens is exactly what
+the client received.
+
+Two traced frontends run for the module: ``fast`` (trio, instant simulator,
+tokenizer with the deepseek_r1 and hermes parsers) and ``slow`` (asyncio,
+simulator with TTFT and ITL, no parsers). Each test reads the records its
+requests added; at the end every file is validated and counted.
+"""
+
+from __future__ import annotations
+
+import glob
+import signal
+import threading
+import time
+
+import httpx
+import orjson
+import pytest
+
+from asgi_generate.assets import TOKENIZER_PATH
+from asgi_generate.tracing.hashing import block_hashes
+from asgi_generate.tracing.validate import check_records, read_jsonl
+from support import RawClient, post, sse, start_frontend, start_sim, stats, wait_until
+
+PARSERS = ["--tokenizer", str(TOKENIZER_PATH), "--reasoning-parser", "deepseek_r1", "--tool-call-parser", "hermes"]
+
+
+class Traced:
+    """A frontend with ``--trace-file``: counts the requests that must leave
+    a record and hands out the records as they arrive."""
+
+    def __init__(self, proc, base: str) -> None:
+        self.proc = proc
+        self.url = proc.url
+        self.base = base
+        self.expected = 0
+        self.taken = 0
+
+    def files(self) -> list[str]:
+        return sorted(glob.glob(f"{self.base}.*.jsonl"))
+
+    def records(self) -> list[dict]:
+        return [orjson.loads(line) for f in self.files() for line in open(f, "rb").read().splitlines()]
+
+    def take(self, n: int = 1) -> list[dict]:
+        """The next ``n`` records (waits for them); counts them as expected."""
+        self.expected += n
+        recs = wait_until(lambda: (r := self.records()) and len(r) >= self.taken + n and r)
+        new = recs[self.taken : self.taken + n]
+        self.taken += n
+        return new
+
+    def finish(self) -> None:
+        """Stop the frontend (its shutdown flushes the queue); then every
+        record is valid and there is exactly one per request."""
+        self.proc.stop()
+        count, problems = check_records(rec for f in self.files() for rec in read_jsonl(f))
+        assert problems == []
+        assert count == self.expected == self.taken
+
+
+def traced(tmp_path_factory, name: str, sim_url: str, worker_class: str, extra: list[str] = ()) -> Traced:
+    base = str(tmp_path_factory.mktemp(name) / "trace")
+    proc = start_frontend([f"sglang={sim_url}"], worker_class=worker_class,
+                          extra=["--trace-file", base + ".jsonl", *extra])
+    return Traced(proc, base)
+
+
+@pytest.fixture(scope="module")
+def fast(tmp_path_factory):
+    sim = start_sim()
+    fe = traced(tmp_path_factory, "fast", sim.url, "trio", ["--max-body-bytes", "65536", *PARSERS])
+    yield fe
+    fe.finish()
+    sim.stop()
+
+
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory):
+    sim = start_sim(ttft_ms=1000, itl_ms=200)
+    fe = traced(tmp_path_factory, "slow", sim.url, "asyncio")
+    fe.sim = sim
+    yield fe
+    fe.finish()
+    sim.stop()
+
+
+def body(n: int, *, stream: bool, rid: str | None = None, ids=(11, 12, 13), **extra) -> dict:
+    obj = {"input_ids": list(ids), "stream": stream,
+           "sampling_params": {"max_new_tokens": n, "ignore_eos": True}, **extra}
+    if rid is not None:
+        obj["rid"] = rid
+    return obj
+
+
+def sse_tokens(events: list[bytes]) -> int:
+    """Tokens an SGLang SSE client received (chunks are cumulative)."""
+    return max((len(orjson.loads(e).get("output_ids", [])) for e in events if e != b"[DONE]"), default=0)
+
+
+def test_unary_counts_and_replay_hashes(fast):
+    ids = list(range(20, 20 + 150))
+    r = post(fast.url, body(17, stream=False, rid="u1", ids=ids), headers={"x-request-id": "hdr-u1"})
+    assert r.status_code == 200
+    got = len(r.json()["output_ids"])
+    (rec,) = fast.take()
+    assert got == rec["output_tokens"] == 17
+    assert rec["reasoning_tokens"] == 17  # deepseek_r1: never closed </think>
+    assert (rec["public_id"], rec["x_request_id"], rec["status"], rec["http_status"]) == ("u1", "hdr-u1", "ok", 200)
+    assert (rec["stream"], rec["input_tokens"], rec["cached_tokens"]) == (False, 150, 0)
+    assert rec["finish"] == {"finish_reason": "length", "backend_finish_reason": "length", "tool_calls": []}
+    assert rec["replay"] == {"block_size": 64, "input_length": 150, "block_hashes": block_hashes(ids, 64)}
+    assert [(a["worker_id"], a["role"], a["outcome"]) for a in rec["attempts"]] == [("w0", "aggregated", "finished")]
+    assert "session" not in rec
+    assert 0 <= rec["dispatch_wait_ms"] <= rec["ttft_ms"] <= rec["total_ms"]
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_sse_counts(fast, logprobs):
+    extra = {"return_logprob": True, "top_logprobs_num": 2} if logprobs else {}
+    status, events = sse(fast.url, body(9, stream=True, rid="s1", **extra))
+    assert (status, events[-1]) == (200, b"[DONE]")
+    (rec,) = fast.take()
+    assert sse_tokens(events) == rec["output_tokens"] == 9
+    assert (rec["stream"], rec["status"], rec["finish"]["finish_reason"]) == (True, "ok", "length")
+
+
+def test_natural_stop_counts(fast):
+    r = post(fast.url, {"input_ids": [7, 8, 9], "sampling_params": {"max_new_tokens": 2000}})
+    got = r.json()
+    (rec,) = fast.take()
+    assert rec["output_tokens"] == len(got["output_ids"])
+    assert rec["finish"]["backend_finish_reason"] == got["meta_info"]["finish_reason"]["type"]
+
+
+def test_session_headers(fast):
+    headers = {"x-session-id": "run7:worker", "x-parent-session-id": "run7", "x-session-final": "true"}
+    post(fast.url, body(2, stream=False), headers=headers)
+    (rec,) = fast.take()
+    assert rec["session"] == {"session_id": "run7:worker", "parent_session_id": "run7", "session_final": True}
+
+
+def test_text_input_is_excluded_from_replay(fast):
+    r = post(fast.url, {"text": "Hello there", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+    (rec,) = fast.take()
+    assert rec["replay"] == {"excluded": "text"}
+    assert rec["input_tokens"] == r.json()["meta_info"]["prompt_tokens"]
+    assert rec["output_tokens"] == 3
+
+
+def test_rejections_leave_one_record_each(fast):
+    assert post(fast.url, b"{not json").status_code == 400
+    assert post(fast.url, {"input_ids": []}).status_code == 400
+    assert httpx.get(fast.url + "/generate", timeout=10).status_code == 405
+    assert post(fast.url, body(1, stream=False, ids=[5] * 40000)).status_code == 413
+    assert post(fast.url, b"{}", path="/no/such/route").status_code == 404  # not a route: no record
+    recs = fast.take(4)
+    assert [(r["status"], r["http_status"], r["error"]["type"], r["output_tokens"], r["attempts"], r["replay"])
+            for r in recs] == [
+        ("rejected", 400, "invalid_json", 0, [], {"excluded": "not_decoded"}),
+        ("rejected", 400, "invalid_request", 0, [], {"excluded": "not_decoded"}),
+        ("rejected", 405, "method_not_allowed", 0, [], {"excluded": "not_decoded"}),
+        ("rejected", 413, "too_large", 0, [], {"excluded": "not_decoded"}),
+    ]
+
+
+def test_stats_show_the_trace_counters(fast):
+    trace = httpx.get(fast.url + "/stats", timeout=10).json()["trace"]
+    assert trace["enabled"] is True
+    assert trace["submitted"] == trace["records"] == fast.taken
+    assert trace["dropped"] == {"queue_full": 0, "sink_error": 0, "build_error": 0, "closed": 0}
+    assert trace["sinks"]["file"]["written"] == fast.taken
+
+
+# -- disconnects (slow simulator: TTFT 1 s, ITL 200 ms) --------------------------
+
+
+def test_disconnect_before_the_body_is_read(slow):
+    c = RawClient(slow.url)
+    c.send(orjson.dumps(body(5, stream=True)), upto=10)
+    time.sleep(0.1)
+    c.close()
+    (rec,) = slow.take()
+    assert (rec["status"], rec["output_tokens"], rec["attempts"]) == ("client_disconnect", 0, [])
+    assert "http_status" not in rec and "stream" not in rec
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_during_the_first_token_wait(slow, stream):
+    c = RawClient(slow.url)
+    c.send(orjson.dumps(body(5, stream=stream)))
+    wait_until(lambda: stats(slow.sim)["running"] == 1)
+    c.close()
+    (rec,) = slow.take()
+    assert (rec["status"], rec["output_tokens"], rec["stream"]) == ("client_disconnect", 0, stream)
+    assert "ttft_ms" not in rec and "http_status" not in rec
+    assert [(a["outcome"], a["abort_acked"]) for a in rec["attempts"]] == [("aborted", True)]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_sse_disconnect_mid_stream(slow, k):
+    c = RawClient(slow.url)
+    c.send(orjson.dumps(body(30, stream=True)))
+    got = c.events(k)
+    c.close()
+    (rec,) = slow.take()
+    assert sse_tokens(got) == rec["output_tokens"] == k
+    assert (rec["status"], rec["http_status"]) == ("client_disconnect", 200)
+    assert [(a["outcome"], a["abort_acked"]) for a in rec["attempts"]] == [("aborted", True)]
+    assert "finish" not in rec
+
+
+def test_unary_disconnect_mid_generation(slow):
+    c = RawClient(slow.url)
+    c.send(orjson.dumps(body(30, stream=False)))
+    wait_until(lambda: stats(slow.sim)["running"] == 1)
+    time.sleep(1.5)  # past TTFT: tokens reach the frontend, none the client
+    c.close()
+    (rec,) = slow.take()
+    assert (rec["status"], rec["output_tokens"]) == ("client_disconnect", 0)
+    assert rec["engine_completion_tokens"] >= 1
+    assert rec["ttft_ms"] >= 1000
+
+
+# -- engine death and shutdown (own processes) ------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_dies_mid_request(tmp_path_factory, stream):
+    sim = start_sim(ttft_ms=0, itl_ms=100)
+    fe = traced(tmp_path_factory, "dies", sim.url, "trio")
+    try:
+        results: dict = {}
+
+        def client() -> None:
+            if stream:
+                results["sse"] = sse(fe.url, body(200, stream=True))
+            else:
+                results["unary"] = post(fe.url, body(200, stream=False))
+
+        t = threading.Thread(target=client)
+        t.start()
+        wait_until(lambda: stats(sim)["running"] == 1)
+        time.sleep(0.35)  # a few tokens out
+        sim.proc.kill()
+        t.join(30)
+        (rec,) = fe.take()
+        assert rec["status"] == "engine_error"
+        assert rec["error"]["type"] == "engine"
+        assert [a["outcome"] for a in rec["attempts"]] == ["worker_lost"]
+        if stream:
+            status, events = results["sse"]
+            assert (status, events[-1]) == (200, b"[DONE]")
+            assert b"error" in events[-2]
+            assert rec["http_status"] == 200
+            assert rec["output_tokens"] == sse_tokens(events) >= 2
+        else:
+            assert results["unary"].status_code == 502
+            assert (rec["http_status"], rec["output_tokens"]) == (502, 0)
+            assert rec["engine_completion_tokens"] >= 2
+    finally:
+        fe.finish()
+        sim.stop()
+
+
+def test_shutdown_with_requests_in_flight(tmp_path_factory):
+    sim = start_sim(ttft_ms=0, itl_ms=100)
+    fe = traced(tmp_path_factory, "shutdown", sim.url, "trio", ["--shutdown-grace", "0.5"])
+    try:
+        results: dict = {}
+
+        def stream() -> None:
+            results["sse"] = sse(fe.url, body(500, stream=True))
+
+        t = threading.Thread(target=stream)
+        t.start()
+        wait_until(lambda: stats(sim)["running"] == 1)
+        time.sleep(0.3)
+        fe.proc.signal(signal.SIGTERM)
+        t.join(30)
+        fe.proc.proc.wait(30)
+        (rec,) = fe.take()
+        status, events = results["sse"]
+        assert rec["status"] == "shutdown"
+        assert rec["output_tokens"] == sse_tokens(events) >= 1
+        assert [(a["outcome"], a["abort_acked"]) for a in rec["attempts"]] == [("aborted", True)]
+    finally:
+        fe.finish()
+        sim.stop()

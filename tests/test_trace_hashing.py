@@ -1,0 +1,97 @@
+"""The replay block hash chain (Dynamo's KV-router scheme, partial last
+block included)."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asgi_generate.tracing.hashing import SEED, TokenIdOutOfRange, block_hashes
+
+token_ids = st.lists(st.integers(0, 2**32 - 1), max_size=300)
+block_sizes = st.integers(1, 70)
+
+
+def by_hand(ids: list[int], bs: int) -> list[int]:
+    """The chain written out from its definition."""
+    out = []
+    for i in range(0, len(ids), bs):
+        chunk = ids[i : i + bs]
+        h = xxhash.xxh3_64_intdigest(struct.pack(f"<{len(chunk)}I", *chunk), seed=SEED)
+        out.append(h if not out else xxhash.xxh3_64_intdigest(struct.pack("<QQ", out[-1], h), seed=SEED))
+    return out
+
+
+def test_known_values():
+    assert block_hashes([1, 2, 3], 2) == [10773075109927122010, 17466410656762125515]
+    assert block_hashes([1, 2, 3], 2) == by_hand([1, 2, 3], 2)
+    # The first block's hash is its plain XXH3-64 with seed 1337, as in Dynamo.
+    assert block_hashes([1, 2], 2) == [xxhash.xxh3_64_intdigest(struct.pack("<2I", 1, 2), seed=1337)]
+
+
+def test_empty_input():
+    assert block_hashes([], 64) == []
+
+
+def test_shared_prefix_gives_equal_leading_hashes():
+    common = list(range(100, 228))  # two full blocks of 64
+    a = block_hashes(common + [1, 2, 3], 64)
+    b = block_hashes(common + [1, 2, 4], 64)
+    assert len(a) == len(b) == 3
+    assert a[:2] == b[:2]
+    assert a[2] != b[2]
+
+
+def test_divergence_propagates_down_the_chain():
+    a = block_hashes([5] * 64 + [6] * 64 + [7] * 64, 64)
+    b = block_hashes([5] * 63 + [0] + [6] * 64 + [7] * 64, 64)
+    assert [x != y for x, y in zip(a, b)] == [True, True, True]
+
+
+def test_same_block_at_another_position_hashes_differently():
+    block = list(range(7, 71))
+    twice = block_hashes(block + block, 64)
+    assert twice[0] != twice[1]
+    shifted = block_hashes(list(range(500, 564)) + block, 64)
+    assert shifted[1] != twice[0]
+    assert shifted[1] != twice[1]
+
+
+def test_partial_last_block_is_counted():
+    assert len(block_hashes(list(range(64)), 64)) == 1
+    full = block_hashes(list(range(65)), 64)
+    assert len(full) == 2
+    changed = block_hashes(list(range(64)) + [999], 64)
+    assert full[0] == changed[0]
+    assert full[1] != changed[1]
+    assert len(block_hashes([1], 64)) == 1
+
+
+def test_out_of_range_ids_and_bad_block_size():
+    with pytest.raises(TokenIdOutOfRange):
+        block_hashes([1, 2**32], 4)
+    with pytest.raises(TokenIdOutOfRange):
+        block_hashes([-1], 4)
+    with pytest.raises(ValueError, match="block_size must be at least 1, not 0"):
+        block_hashes([1], 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(token_ids, block_sizes)
+def test_matches_the_definition_and_counts_ceil(ids, bs):
+    hashes = block_hashes(ids, bs)
+    assert hashes == by_hand(ids, bs)
+    assert len(hashes) == math.ceil(len(ids) / bs)
+    assert all(0 <= h < 2**64 for h in hashes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(token_ids, token_ids, block_sizes)
+def test_full_blocks_of_a_shared_prefix_hash_equal(prefix, tail, bs):
+    full = len(prefix) // bs
+    assert block_hashes(prefix + tail, bs)[:full] == block_hashes(prefix, bs)[:full]

@@ -1,0 +1,118 @@
+"""``asgi-generate-trace``: validate, summarize, export-mooncake, schema."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import orjson
+
+from asgi_generate.tracing.schema import schema_json
+from asgi_generate.tracing.tools import main, percentile
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "trace" / "examples" / "request_trace.v1.jsonl"
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_validate_passes_the_examples(capsys):
+    assert run(capsys, "validate", str(EXAMPLES)) == (0, "VALID: 7 records\n", "")
+
+
+def test_validate_reports_violations_and_fails(capsys, tmp_path):
+    recs = [orjson.loads(x) for x in EXAMPLES.read_bytes().splitlines()]
+    recs[1]["request_id"] = recs[0]["request_id"]
+    recs[2]["output_tokens"] = -1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"\n".join(orjson.dumps(r) for r in recs[:3]) + b"\n{oops\n")
+    code, out, _ = run(capsys, "validate", str(bad))
+    assert code == 1
+    rid = recs[0]["request_id"]
+    printed = out.splitlines()
+    assert printed[:2] + printed[3:] == [
+        f"{bad}:2: request_id {rid} already used at {bad}:1",
+        f"{bad}:3: schema: output_tokens: -1 is less than the minimum of 0",
+        "INVALID: 3 violations in 4 records",
+    ]
+    assert printed[2].startswith(f"{bad}:4: not JSON: unexpected character")  # orjson's wording
+
+
+def test_ids_must_be_unique_across_files(capsys, tmp_path):
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(EXAMPLES.read_bytes()[: EXAMPLES.read_bytes().index(b"\n") + 1])
+    code, out, _ = run(capsys, "validate", str(EXAMPLES), str(copy))
+    assert code == 1
+    assert out.splitlines()[-1] == "INVALID: 1 violations in 8 records"
+
+
+def test_unreadable_file(capsys, tmp_path):
+    code, _, err = run(capsys, "validate", str(tmp_path / "none.jsonl"))
+    assert code == 2
+    assert "No such file or directory" in err
+
+
+def test_summarize(capsys):
+    code, out, _ = run(capsys, "summarize", str(EXAMPLES))
+    assert code == 0
+    assert out == """\
+requests: 7
+by status:
+  ok                              4
+  client_disconnect               1
+  engine_error                    1
+  rejected                        1
+by format:
+  sglang                          7
+by finish reason:
+  (none)                          3
+  stop                            2
+  length                          1
+  tool_calls                      1
+tokens:
+  input_tokens                  595
+  output_tokens                 119
+  cached_tokens                 512
+  reasoning_tokens               40
+latency ms             n        p50        p90        p99        max
+  ttft_ms              6       12.0       30.1       30.1       30.1
+  total_ms             7       31.0      128.1      128.1      128.1
+"""
+
+
+def test_percentile_is_nearest_rank():
+    values = [5, 1, 4, 2, 3]
+    assert [percentile(values, p) for p in (1, 20, 21, 50, 90, 100)] == [1, 1, 2, 3, 5, 5]
+
+
+def test_export_mooncake(capsys):
+    code, out, err = run(capsys, "export-mooncake", str(EXAMPLES))
+    assert code == 0
+    assert [orjson.loads(x) for x in out.splitlines()] == [
+        {"timestamp": 0, "input_length": 131, "output_length": 49, "hash_ids": [0, 1, 2]},
+        {"timestamp": 1500, "input_length": 191, "output_length": 40, "hash_ids": [0, 1, 3]},
+        {"timestamp": 2000, "input_length": 128, "output_length": 16, "hash_ids": [0, 1]},
+        {"timestamp": 2500, "input_length": 130, "output_length": 7, "hash_ids": [0, 1, 4]},
+        {"timestamp": 4000, "input_length": 3, "output_length": 4, "hash_ids": [5]},
+    ]
+    assert err == "exported 5 requests (block_size 64), skipped 2 without block hashes or engine attempts\n"
+
+
+def test_export_refuses_mixed_block_sizes(capsys, tmp_path):
+    recs = [orjson.loads(x) for x in EXAMPLES.read_bytes().splitlines()]
+    recs[0]["replay"]["block_size"] = 16
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_bytes(b"\n".join(orjson.dumps(r) for r in recs))
+    code, out, err = run(capsys, "export-mooncake", str(mixed))
+    assert (code, out) == (1, "")
+    assert err == "asgi-generate-trace: records use several block sizes [16, 64]; export them separately\n"
+
+
+def test_console_script_prints_the_schema():
+    out = subprocess.run([sys.executable, "-m", "asgi_generate.tracing.tools", "schema"],
+                         capture_output=True, check=True, timeout=30).stdout
+    assert out == schema_json()

@@ -1,0 +1,316 @@
+"""The trace writer in process: queue, batches, sinks, rotation, drop
+counters, shutdown flush, setup errors, and the app's wiring (tracing off
+costs nothing; rejections on a matched route leave a record)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import anyio
+import orjson
+import pytest
+
+from asgi_generate.accounting import RequestState
+from asgi_generate.app import App
+from asgi_generate.assets import TOKENIZER_PATH
+from asgi_generate.codec import Codec, RequestError, Route
+from asgi_generate.config import Settings
+from asgi_generate.registry import LoadedCodec
+from asgi_generate.tracing import Tracer, TraceSetupError
+from asgi_generate.tracing.sinks import Sink
+from asgi_generate.tracing.validate import check_records, read_jsonl
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request):
+    return request.param
+
+
+def done(i: int) -> RequestState:
+    st = RequestState(f"{i:032x}", "sglang", "/generate", "POST", received_unix_ms=1_700_000_000_000,
+                      t_received=10.0, status="ok", http_status=200, finish_reason="stop",
+                      input_ids=[1, 2, 3], input_length=3, stream=False)
+    st.t_done = 10.5
+    return st
+
+
+def lines(paths) -> list[dict]:
+    out = []
+    for p in sorted(paths):
+        count, problems = check_records(read_jsonl(str(p)))
+        assert problems == []
+        out += [orjson.loads(line) for line in p.read_bytes().splitlines()]
+    return out
+
+
+class MemorySink(Sink):
+    name = "memory"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data = b""
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+
+class FailingSink(Sink):
+    name = "failing"
+
+    def write(self, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+
+class GatedSink(MemorySink):
+    """Blocks each write until released: a slow disk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def write(self, data: bytes) -> None:
+        self.entered.set()
+        assert self.release.wait(10)
+        super().write(data)
+
+
+async def wait_for(predicate) -> None:
+    with anyio.fail_after(5):
+        while not predicate():
+            await anyio.sleep(0.005)
+
+
+async def test_every_record_reaches_one_file_per_process(tmp_path):
+    tracer = Tracer(Settings(trace_file=str(tmp_path / "trace.jsonl")))
+    async with anyio.create_task_group() as tg:
+        await tg.start(tracer.run)
+        for i in range(1, 11):
+            tracer.submit(done(i))
+        await tracer.close()
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1
+    name = files[0].name.split(".")
+    assert (name[0], name[1], name[3], name[4]) == ("trace", str(os.getpid()), "0000", "jsonl")
+    assert [r["request_id"] for r in lines(files)] == [f"{i:032x}" for i in range(1, 11)]
+    stats = tracer.stats()
+    assert stats["submitted"] == stats["records"] == 10
+    assert stats["dropped"] == {"queue_full": 0, "sink_error": 0, "build_error": 0, "closed": 0}
+    assert stats["sinks"]["file"] == {"written": 10, "failed": 0, "path": str(files[0]), "rotations": 0}
+
+
+async def test_a_full_queue_drops_and_counts(tmp_path):
+    tracer = Tracer(Settings(trace_file=str(tmp_path / "t"), trace_queue_size=2))
+    for i in range(1, 6):
+        tracer.submit(done(i))
+    assert tracer.stats()["queued"] == 2
+    async with anyio.create_task_group() as tg:
+        await tg.start(tracer.run)
+        await tracer.close()
+    assert [r["request_id"] for r in lines(tmp_path.iterdir())] == [f"{i:032x}" for i in (1, 2)]
+    assert tracer.dropped == {"queue_full": 3, "sink_error": 0, "build_error": 0, "closed": 0}
+
+
+async def test_a_failing_sink_drops_and_counts_while_others_write(caplog):
+    tracer = Tracer(Settings(trace_stderr=True))
+    failing, memory = FailingSink(), MemorySink()
+    tracer.sinks = [failing, memory]
+    async with anyio.create_task_group() as tg:
+        await tg.start(tracer.run)
+        for i in range(1, 4):
+            tracer.submit(done(i))
+        await wait_for(lambda: tracer.records == 3)
+        tracer.submit(done(4))
+        with caplog.at_level(logging.INFO, logger="asgi_generate.tracing"):
+            await tracer.close()
+    assert len(memory.data.splitlines()) == memory.written == 4
+    assert (failing.written, failing.failed) == (0, 4)
+    assert tracer.dropped["sink_error"] == 4
+    assert tracer.stats()["sinks"] == {"failing": {"written": 0, "failed": 4}, "memory": {"written": 4, "failed": 0}}
+    last = caplog.records[-1]
+    assert last.levelno == logging.WARNING
+    assert last.getMessage().startswith(
+        "trace: 4 requests, 4 records, dropped {'queue_full': 0, 'sink_error': 4, 'build_error': 0, 'closed': 0}"
+    )
+
+
+async def test_rotation_by_size_never_splits_a_batch(tmp_path):
+    tracer = Tracer(Settings(trace_file=str(tmp_path / "t.jsonl"), trace_rotate_bytes=1))
+    async with anyio.create_task_group() as tg:
+        await tg.start(tracer.run)
+        for i in range(1, 4):
+            tracer.submit(done(i))
+            await wait_for(lambda: tracer.records == i)
+        await tracer.close()
+    files = sorted(tmp_path.iterdir())
+    assert [f.name.rsplit(".", 2)[1] for f in files] == ["0000", "0001", "0002"]
+    assert [len(f.read_bytes().splitlines()) for f in files] == [1, 1, 1]
+    assert len(lines(files)) == 3
+    assert tracer.stats()["sinks"]["file"]["rotations"] == 3
+
+
+async def test_stderr_sink(capfd):
+    tracer = Tracer(Settings(trace_stderr=True))
+    async with anyio.create_task_group() as tg:
+        await tg.start(tracer.run)
+        tracer.submit(done(7))
+        await tracer.close()
+    err = capfd.readouterr().err
+    rec = orjson.loads(err.splitlines()[0])
+    assert (rec["request_id"], rec["status"]) == (f"{7:032x}", "ok")
+
+
+async def test_build_errors_are_counted_and_the_rest_written():
+    tracer = Tracer(Settings(trace_stderr=True))
+    memory = MemorySink()
+    tracer.sinks = [memory]
+    broken = done(2)
+    broken.t_done = None  # a handler bug: never finished
+    async with anyio.create_task_group() as tg:
+        await tg.start(tracer.run)
+        for st in (done(1), broken, done(3)):
+            tracer.submit(st)
+        await tracer.close()
+    assert [orjson.loads(x)["request_id"] for x in memory.data.splitlines()] == [f"{1:032x}", f"{3:032x}"]
+    assert tracer.dropped["build_error"] == 1
+
+
+async def test_records_the_writer_never_took_are_counted():
+    tracer = Tracer(Settings(trace_stderr=True))
+    tracer.submit(done(1))
+    tracer.submit(done(2))
+    await tracer.close()  # the writer never ran
+    tracer.submit(done(3))  # too late
+    assert tracer.dropped == {"queue_full": 0, "sink_error": 0, "build_error": 0, "closed": 3}
+
+
+async def test_a_cancelled_writer_finishes_its_batch_and_counts_the_rest():
+    tracer = Tracer(Settings(trace_stderr=True))
+    gated = GatedSink()
+    tracer.sinks = [gated]
+    async with anyio.create_task_group() as tg:
+        await tg.start(tracer.run)
+        tracer.submit(done(1))
+        await anyio.to_thread.run_sync(gated.entered.wait, 5)
+        tracer.submit(done(2))
+        tracer.submit(done(3))
+        tg.cancel_scope.cancel()
+        gated.release.set()
+    assert gated.written == 1
+    assert tracer.dropped["closed"] == 2
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({}, "tracing needs --trace-file or --trace-stderr"),
+    ({"trace_stderr": True, "trace_queue_size": 0}, "--trace-queue-size and --trace-block-size must be at least 1"),
+    ({"trace_stderr": True, "trace_block_size": 0}, "--trace-queue-size and --trace-block-size must be at least 1"),
+    ({"trace_stderr": True, "reasoning_parser": "qwen3"}, "--reasoning-parser and --tool-call-parser need --tokenizer"),
+    ({"trace_stderr": True, "tokenizer": str(TOKENIZER_PATH), "tool_call_parser": "nope"},
+     "unknown tool_call parser 'nope' (known: hermes)"),
+    ({"trace_stderr": True, "tokenizer": "/nonexistent.json", "reasoning_parser": "qwen3"},
+     "cannot load tokenizer '/nonexistent.json'"),
+])
+def test_setup_errors(kw, message):
+    with pytest.raises(TraceSetupError) as info:
+        Tracer(Settings(**kw))
+    assert str(info.value).startswith(message)
+
+
+# -- the app's wiring -----------------------------------------------------------
+
+
+class StubCodec(Codec):
+    """Rejects everything, the way a format with models and media types does."""
+
+    name = "stub"
+    routes = (Route("POST", "/stub/generate"),)
+    worker_protocol = "sglang"
+
+    def decode(self, body, headers):
+        if headers.get(b"content-type") != b"application/json":
+            raise RequestError(415, "content-type must be application/json", "unsupported_media_type")
+        model = orjson.loads(body).get("model")
+        if model != "known":
+            raise RequestError(404, f"model {model!r} not found", "not_found")
+        raise RequestError(400, "nothing else is accepted", "invalid_request")
+
+    def error_body(self, error):
+        return orjson.dumps({"error": {"message": error.message}})
+
+
+def stub_app(**settings) -> App:
+    return App(Settings(embedded_workers=0, **settings), codecs=[LoadedCodec(StubCodec(), "stub", "tests", "0")])
+
+
+def test_tracing_off_builds_nothing():
+    app = stub_app()
+    assert app.tracer is None
+    assert app.trace_output_ids is False
+    assert app.stats()["trace"] == {"enabled": False}
+
+
+def test_output_ids_are_kept_only_for_a_parser():
+    assert stub_app(trace_stderr=True).trace_output_ids is False
+    assert stub_app(trace_stderr=True, tokenizer=str(TOKENIZER_PATH)).trace_output_ids is False
+    assert stub_app(trace_stderr=True, tokenizer=str(TOKENIZER_PATH), reasoning_parser="qwen3").trace_output_ids
+
+
+async def request(app: App, method: str, path: str, body: bytes, headers: list) -> int:
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive():
+        if pending:
+            return pending.pop()
+        await anyio.sleep_forever()
+
+    async def send(message):
+        sent.append(message)
+
+    await app({"type": "http", "method": method, "path": path, "headers": headers}, receive, send)
+    return sent[0]["status"]
+
+
+async def test_rejections_on_a_matched_route_leave_one_record_each(tmp_path):
+    app = stub_app(trace_file=str(tmp_path / "t.jsonl"))
+    to_app, app_in = anyio.create_memory_object_stream(4)
+    app_out, from_app = anyio.create_memory_object_stream(4)
+    json_ct = [(b"content-type", b"application/json")]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(app, {"type": "lifespan"}, app_in.receive, app_out.send)
+        await to_app.send({"type": "lifespan.startup"})
+        assert (await from_app.receive())["type"] == "lifespan.startup.complete"
+        assert await request(app, "POST", "/stub/generate", b"{}", []) == 415
+        assert await request(app, "POST", "/stub/generate", b'{"model": "m"}', json_ct) == 404
+        assert await request(app, "POST", "/stub/generate", b'{"model": "known"}',
+                             json_ct + [(b"x-session-id", b"s1")]) == 400
+        assert await request(app, "GET", "/stub/generate", b"", []) == 405
+        assert await request(app, "POST", "/nowhere", b"{}", []) == 404  # no route: no record
+        await to_app.send({"type": "lifespan.shutdown"})
+        assert (await from_app.receive())["type"] == "lifespan.shutdown.complete"
+    recs = lines(tmp_path.iterdir())
+    assert [(r["method"], r["route"], r["status"], r["http_status"], r["error"]["type"]) for r in recs] == [
+        ("POST", "/stub/generate", "rejected", 415, "unsupported_media_type"),
+        ("POST", "/stub/generate", "rejected", 404, "not_found"),
+        ("POST", "/stub/generate", "rejected", 400, "invalid_request"),
+        ("GET", "/stub/generate", "rejected", 405, "method_not_allowed"),
+    ]
+    assert [r.get("session") for r in recs] == [None, None, {"session_id": "s1"}, None]
+    assert {r["format"] for r in recs} == {"stub"}
+    assert app.stats()["trace"]["records"] == 4
+
+
+async def test_an_unwritable_trace_file_fails_startup(tmp_path):
+    app = stub_app(trace_file=str(tmp_path / "missing-dir" / "t.jsonl"))
+    to_app, app_in = anyio.create_memory_object_stream(4)
+    app_out, from_app = anyio.create_memory_object_stream(4)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(app, {"type": "lifespan"}, app_in.receive, app_out.send)
+        await to_app.send({"type": "lifespan.startup"})
+        message = await from_app.receive()
+    assert message["type"] == "lifespan.startup.failed"
+    assert "No such file or directory" in message["message"]

@@ -1,0 +1,606 @@
+"""End to end: the vLLM-native format through the frontend, against the
+simulator in ``--protocol vllm`` mode asked directly.
+
+Every comparison is value for value (floats within two ULP). What may differ
+is only what vLLM itself makes up per request: a unary answer's random
+``request_id`` and its ``created`` second.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import httpx
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from support import RawClient, start_frontend, start_sim, wait_until
+
+GEN = "/inference/v1/generate"
+JSON = {"content-type": "application/json"}
+PROMPT = [1, 2, 3, 400]
+# The model's greedy continuation of PROMPT, ending with EOS (id 2).
+CONTINUATION = [
+    2358, 1262, 978, 1133, 1311, 3699, 2777, 1804, 1587, 3968, 428, 1520,
+    1419, 1010, 3152, 3984, 3773, 1871, 2821, 3886, 2498, 1623, 1414, 2,
+]
+HEX32 = re.compile(r"[0-9a-f]{32}")
+# One keep-alive client: a fresh httpx client per call costs ~25 ms.
+HTTP = httpx.Client(timeout=30)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_http():
+    yield
+    HTTP.close()
+
+
+def post(url: str, body: dict | bytes, path: str, **kw) -> httpx.Response:
+    """POST a JSON object (or raw bytes), return the whole response."""
+    return HTTP.post(url + path, content=body if isinstance(body, bytes) else orjson.dumps(body), **kw)
+
+
+def sse(url: str, body: dict, path: str, **kw) -> tuple[int, list[bytes]]:
+    """POST ``body``; the status and every SSE ``data`` payload."""
+    with HTTP.stream("POST", url + path, content=orjson.dumps(body), **kw) as resp:
+        raw = b"".join(resp.iter_bytes())
+    blocks = [b.split(b"\n") for b in raw.split(b"\n\n")]
+    return resp.status_code, [line[6:] for block in blocks for line in block if line.startswith(b"data: ")]
+
+
+def stats(sim) -> dict:
+    return HTTP.get(sim.url + "/sim/stats").json()
+
+
+@pytest.fixture(scope="session")
+def vsim():
+    """One vLLM simulator without delays: the only vLLM worker behind ``vfront``."""
+    proc = start_sim("vllm")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def ssim():
+    """One SGLang simulator, configured beside ``vsim``."""
+    proc = start_sim("sglang")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session", params=["trio", "asyncio"])
+def vfront(request, vsim, ssim):
+    """The frontend in front of both simulators, once per worker class."""
+    proc = start_frontend([f"vllm={vsim.url}", f"sglang={ssim.url}"], worker_class=request.param)
+    yield proc
+    proc.stop()
+
+
+def direct(sim, body: dict, **headers) -> httpx.Response:
+    """The simulator's own unary answer (vLLM requires a JSON content type)."""
+    return post(sim.url, body, GEN, headers={**JSON, **headers})
+
+
+def direct_sse(sim, body: dict, **headers) -> tuple[int, list[bytes]]:
+    return sse(sim.url, body, GEN, headers={**JSON, **headers})
+
+
+def same(a, b, where: str = "$") -> None:
+    """Assert ``a == b`` with floats within two ULP."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert isinstance(a, (int, float)) and isinstance(b, (int, float)), where
+        assert abs(a - b) <= 2 * math.ulp(max(abs(a), abs(b))), f"{where}: {a} != {b}"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
+        for key in a:
+            same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), f"{where}: {a} != {b}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def made_up(answer: dict) -> dict:
+    """A unary answer without vLLM's per-request random id and clock."""
+    assert HEX32.fullmatch(answer["request_id"]), answer["request_id"]
+    assert isinstance(answer["created"], int)
+    return {k: v for k, v in answer.items() if k not in ("request_id", "created")}
+
+
+def events(payloads: list[bytes]) -> list:
+    assert payloads[-1] == b"[DONE]"
+    return [orjson.loads(p) for p in payloads[:-1]]
+
+
+def check_parity(front, sim, body: dict) -> None:
+    if body.get("stream"):
+        body = {"request_id": "parity", **body}  # both answers then show one id
+        status, got = sse(front.url, body, GEN)
+        want_status, want = direct_sse(sim, body)
+        assert (status, want_status) == (200, 200)
+        same(events(got), events(want))
+    else:
+        got, want = post(front.url, body, GEN), direct(sim, body)
+        assert (got.status_code, want.status_code) == (200, 200)
+        same(made_up(got.json()), made_up(want.json()))
+
+
+# -- answers -----------------------------------------------------------------
+
+
+def test_unary_answer_exact(vfront):
+    r = post(vfront.url, {"token_ids": PROMPT, "model": "sim", "sampling_params": {"max_tokens": 2, "logprobs": 1}}, GEN)
+    assert r.status_code == 200
+    assert r.headers["content-type"] == "application/json"
+    assert made_up(r.json()) == {
+        "model": "sim",
+        "choices": [
+            {
+                "index": 0,
+                "logprobs": {
+                    "content": [
+                        {
+                            "token": "token_id:2358", "logprob": -0.2015838623046875, "bytes": None,
+                            "top_logprobs": [{"token": "token_id:2358", "logprob": -0.2015838623046875, "bytes": None}],
+                        },
+                        {
+                            "token": "token_id:1262", "logprob": -0.74224853515625, "bytes": None,
+                            "top_logprobs": [{"token": "token_id:1262", "logprob": -0.74224853515625, "bytes": None}],
+                        },
+                    ]
+                },
+                "finish_reason": "length",
+                "token_ids": [2358, 1262],
+                "routed_experts": None,
+            }
+        ],
+        "usage": {"prompt_tokens": 4, "total_tokens": 6, "completion_tokens": 2, "prompt_tokens_details": None},
+        "prompt_logprobs": None,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+    }
+
+
+def test_stream_answer_exact(vfront):
+    body = {"token_ids": PROMPT, "request_id": "r1", "stream": True,
+            "stream_options": {"include_usage": True}, "sampling_params": {"max_tokens": 2}}
+    status, payloads = sse(vfront.url, body, GEN)
+    assert status == 200
+    assert payloads == [
+        b'{"request_id":"generate-tokens-r1","choices":[{"index":0,"logprobs":null,"finish_reason":null,'
+        b'"token_ids":[2358],"routed_experts":null}],"usage":null}',
+        b'{"request_id":"generate-tokens-r1","choices":[{"index":0,"logprobs":null,"finish_reason":"length",'
+        b'"token_ids":[1262],"routed_experts":null}],"usage":null}',
+        b'{"request_id":"generate-tokens-r1","choices":[],"usage":{"prompt_tokens":4,"total_tokens":6,'
+        b'"completion_tokens":2}}',
+        b"[DONE]",
+    ]
+
+
+def test_default_max_tokens_runs_to_eos(vfront):
+    r = post(vfront.url, {"token_ids": PROMPT, "model": "sim", "sampling_params": {}}, GEN)
+    choice = r.json()["choices"][0]
+    assert (choice["token_ids"], choice["finish_reason"]) == (CONTINUATION, "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_token(vfront, vsim, stream):
+    body = {"token_ids": PROMPT, "model": "sim", "stream": stream,
+            "sampling_params": {"max_tokens": 10, "stop_token_ids": [978]}}
+    if stream:
+        _, payloads = sse(vfront.url, body, GEN)
+        chunks = events(payloads)
+        assert [c["choices"][0]["token_ids"] for c in chunks] == [[2358], [1262], [978]]
+        assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "stop"]
+    else:
+        choice = post(vfront.url, body, GEN).json()["choices"][0]
+        assert (choice["token_ids"], choice["finish_reason"]) == ([2358, 1262, 978], "stop")
+    check_parity(vfront, vsim, body)
+
+
+def test_ignore_eos_runs_past_eos(vfront, vsim):
+    body = {"token_ids": PROMPT, "model": "sim", "sampling_params": {"max_tokens": 26, "ignore_eos": True}}
+    choice = post(vfront.url, body, GEN).json()["choices"][0]
+    assert choice["token_ids"][:24] == CONTINUATION and len(choice["token_ids"]) == 26
+    assert choice["finish_reason"] == "length"
+    check_parity(vfront, vsim, body)
+
+
+UNARY_CASES = {
+    "plain": {"max_tokens": 5},
+    "logprobs0": {"max_tokens": 5, "logprobs": 0},
+    "logprobs1": {"max_tokens": 5, "logprobs": 1},
+    "logprobs5": {"max_tokens": 5, "logprobs": 5},
+    "max_tokens1": {"max_tokens": 1, "logprobs": 5},
+    "eos": {"logprobs": 2},
+}
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, [7]], ids=["prompt4", "prompt1"])
+@pytest.mark.parametrize("case", list(UNARY_CASES))
+def test_unary_parity(vfront, vsim, case, prompt):
+    check_parity(vfront, vsim, {"token_ids": prompt, "model": "sim", "sampling_params": UNARY_CASES[case]})
+
+
+STREAM_CASES = {
+    "no_options": ({"max_tokens": 5}, None),
+    "usage": ({"max_tokens": 5}, {"include_usage": True}),
+    "usage_default_true": ({"max_tokens": 5}, {}),
+    "usage_off": ({"max_tokens": 5}, {"include_usage": False}),
+    "continuous": ({"max_tokens": 5}, {"include_usage": True, "continuous_usage_stats": True}),
+    "continuous_without_usage": ({"max_tokens": 5}, {"include_usage": False, "continuous_usage_stats": True}),
+    "logprobs0": ({"max_tokens": 4, "logprobs": 0}, {"include_usage": True}),
+    "logprobs1": ({"max_tokens": 4, "logprobs": 1}, None),
+    "logprobs5": ({"max_tokens": 4, "logprobs": 5}, {"include_usage": True}),
+    "prompt_logprobs1": ({"max_tokens": 3, "prompt_logprobs": 1}, {"include_usage": True}),
+    "prompt_logprobs3": ({"max_tokens": 3, "prompt_logprobs": 3, "logprobs": 3}, None),
+    "max_tokens1": ({"max_tokens": 1}, {"include_usage": True}),
+    "eos": ({}, {"include_usage": True, "continuous_usage_stats": True}),
+}
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, [7]], ids=["prompt4", "prompt1"])
+@pytest.mark.parametrize("case", list(STREAM_CASES))
+def test_stream_parity(vfront, vsim, case, prompt):
+    sp, so = STREAM_CASES[case]
+    body = {"token_ids": prompt, "request_id": f"s-{case}", "stream": True, "sampling_params": sp}
+    if so is not None:
+        body["stream_options"] = so
+    check_parity(vfront, vsim, body)
+
+
+def test_stream_usage_chunk_only_when_asked(vfront):
+    base = {"token_ids": PROMPT, "request_id": "u", "stream": True, "sampling_params": {"max_tokens": 3}}
+    _, without = sse(vfront.url, base, GEN)
+    _, with_usage = sse(vfront.url, {**base, "stream_options": {"include_usage": True}}, GEN)
+    assert len(events(without)) == 3 and all(e["choices"] for e in events(without))
+    assert events(with_usage)[:3] == events(without)
+    assert events(with_usage)[3] == {
+        "request_id": "generate-tokens-u", "choices": [],
+        "usage": {"prompt_tokens": 4, "total_tokens": 7, "completion_tokens": 3},
+    }
+
+
+def test_same_prefix_same_tokens_as_sglang(vfront):
+    v = post(vfront.url, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 30}}, GEN).json()
+    s = post(vfront.url, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 30}}, "/generate").json()
+    assert v["choices"][0]["token_ids"] == s["output_ids"] == CONTINUATION
+
+
+def test_multimodal_features_are_forwarded_and_answered(vfront, vsim):
+    features = {
+        "mm_hashes": {"image": ["h0", "h1"]},
+        "mm_placeholders": {"image": [{"offset": 1, "length": 2}, {"offset": 3, "length": 1}]},
+        "kwargs_data": {"image": [None, "bXNncGFjaw=="]},
+    }
+    body = {"token_ids": PROMPT, "model": "sim", "features": features, "sampling_params": {"max_tokens": 3}}
+    before = stats(vsim)["received"]
+    r = post(vfront.url, body, GEN)
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["token_ids"] == CONTINUATION[:3]
+    assert stats(vsim)["received"] == before + 1
+    check_parity(vfront, vsim, body)
+
+
+# -- request ids -------------------------------------------------------------
+
+
+def minted_rid(sim, before: list[str]) -> str:
+    new = stats(sim)["seen_rids"][len(before):]
+    assert len(new) == 1
+    assert re.fullmatch(r"generate-tokens-[0-9a-f]{32}", new[0]), new[0]
+    return new[0]
+
+
+@pytest.mark.parametrize(
+    "body_id, header_id, shown",
+    [("body-id", "hdr-id", "generate-tokens-hdr-id"), ("body-id", None, "generate-tokens-body-id"), (None, None, None)],
+)
+def test_stream_shows_the_callers_id(vfront, vsim, body_id, header_id, shown):
+    body = {"token_ids": PROMPT, "stream": True, "sampling_params": {"max_tokens": 2}}
+    if body_id is not None:
+        body["request_id"] = body_id
+    headers = {"x-request-id": header_id} if header_id is not None else {}
+    before = stats(vsim)["seen_rids"]
+    _, payloads = sse(vfront.url, body, GEN, headers=headers)
+    ids = {e["request_id"] for e in events(payloads)}
+    assert len(ids) == 1
+    (got,) = ids
+    engine_rid = minted_rid(vsim, before)
+    if shown is None:
+        assert re.fullmatch(r"generate-tokens-[0-9a-f]{32}", got) and got != engine_rid
+    else:
+        assert got == shown
+        _, want = direct_sse(vsim, body, **headers)
+        same(events(payloads), events(want))
+    assert engine_rid not in (f"generate-tokens-{body_id}", f"generate-tokens-{header_id}")
+
+
+def test_unary_shows_a_server_id(vfront, vsim):
+    before = stats(vsim)["seen_rids"]
+    r = post(vfront.url, {"token_ids": PROMPT, "request_id": "mine", "sampling_params": {"max_tokens": 1}}, GEN,
+             headers={"x-request-id": "hdr"})
+    rid = r.json()["request_id"]
+    assert HEX32.fullmatch(rid)
+    assert rid not in ("mine", "hdr") and f"generate-tokens-{rid}" != minted_rid(vsim, before)
+
+
+# -- bad input -----------------------------------------------------------------
+
+
+def schema_error(loc: str, detail: str) -> dict:
+    return {"error": {"message": f"1 validation error:\n  {detail}", "type": "Bad Request", "param": loc, "code": 400}}
+
+
+def value_error(message: str, param: str | None) -> dict:
+    return {"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}
+
+
+OK_FEATURES = {"mm_hashes": {"image": ["h"]}, "mm_placeholders": {"image": [{"offset": 0, "length": 2}]}}
+BAD_INPUT = {
+    "empty_token_ids": (
+        {"token_ids": [], "sampling_params": {}},
+        schema_error("body.token_ids", "{'type': 'too_short', 'loc': 'body.token_ids', 'msg': 'List should have at "
+                     "least 1 item after validation, not 0', 'input': '<list of 0 items>', 'ctx': {'field_type': "
+                     "'List', 'min_length': 1, 'actual_length': 0}}"),
+    ),
+    "negative_token_id": (
+        {"token_ids": [5, -1, 7], "sampling_params": {}},
+        schema_error("body.token_ids", "{'type': 'value_error', 'loc': 'body.token_ids', 'msg': 'Value error, "
+                     "token_ids must not contain negative values', 'input': '<list of 3 items>', 'ctx': {'error': "
+                     "ValueError('token_ids must not contain negative values')}}"),
+    ),
+    "token_ids_not_a_list": (
+        {"token_ids": "1 2 3", "sampling_params": {}},
+        schema_error("body.token_ids", "{'type': 'list_type', 'loc': 'body.token_ids', 'msg': 'Input should be a "
+                     "valid list', 'input': '1 2 3'}"),
+    ),
+    "token_id_not_an_int": (
+        {"token_ids": [1, 2.5], "sampling_params": {}},
+        schema_error("body.token_ids.1", "{'type': 'int_type', 'loc': 'body.token_ids.1', 'msg': 'Input should be "
+                     "a valid integer', 'input': '2.5'}"),
+    ),
+    "no_token_ids": (
+        {"sampling_params": {}},
+        schema_error("body.token_ids", "{'type': 'missing', 'loc': 'body.token_ids', 'msg': 'Field required', "
+                     "'input': '<dict of 1 items>'}"),
+    ),
+    "no_sampling_params": (
+        {"token_ids": [1]},
+        schema_error("body.sampling_params", "{'type': 'missing', 'loc': 'body.sampling_params', 'msg': 'Field "
+                     "required', 'input': '<dict of 1 items>'}"),
+    ),
+    "request_id_not_a_string": (
+        {"token_ids": [1], "request_id": 7, "sampling_params": {}},
+        schema_error("body.request_id", "{'type': 'string_type', 'loc': 'body.request_id', 'msg': 'Input should "
+                     "be a valid string', 'input': '7'}"),
+    ),
+    "n2": (
+        {"token_ids": [1], "sampling_params": {"n": 2}},
+        value_error("n > 1 is not supported by asgi-generate yet; send n separate requests.", "n"),
+    ),
+    "n0": ({"token_ids": [1], "sampling_params": {"n": 0}}, value_error("n must be at least 1, got 0.", None)),
+    "max_tokens0": (
+        {"token_ids": [1], "sampling_params": {"max_tokens": 0}},
+        value_error("max_tokens must be at least 1, got 0.", "max_tokens"),
+    ),
+    "logprobs_negative": (
+        {"token_ids": [1], "sampling_params": {"logprobs": -2}},
+        value_error("logprobs must be non-negative or -1, got -2.", "logprobs"),
+    ),
+    "features_not_an_object": (
+        {"token_ids": [1, 2], "features": ["h"], "sampling_params": {}},
+        schema_error("body.features", "{'type': 'model_attributes_type', 'loc': 'body.features', 'msg': 'Input "
+                     "should be a valid dictionary or object to extract fields from', 'input': '<list of 1 items>'}"),
+    ),
+    "features_without_placeholders": (
+        {"token_ids": [1, 2], "features": {"mm_hashes": {"image": ["h"]}}, "sampling_params": {}},
+        schema_error("body.features.mm_placeholders", "{'type': 'missing', 'loc': 'body.features.mm_placeholders', "
+                     "'msg': 'Field required', 'input': '<dict of 1 items>'}"),
+    ),
+    "features_hash_not_a_string": (
+        {"token_ids": [1, 2], "features": {**OK_FEATURES, "mm_hashes": {"image": [3]}}, "sampling_params": {}},
+        schema_error("body.features.mm_hashes.image.0", "{'type': 'string_type', 'loc': "
+                     "'body.features.mm_hashes.image.0', 'msg': 'Input should be a valid string', 'input': '3'}"),
+    ),
+    "features_placeholder_outside_prompt": (
+        {"token_ids": [1], "features": OK_FEATURES, "sampling_params": {}},
+        value_error("features.mm_placeholders['image'][0] (offset 0, length 2) is not inside the 1 prompt tokens.",
+                    "features"),
+    ),
+    "features_counts_differ": (
+        {"token_ids": [1, 2], "features": {**OK_FEATURES, "mm_hashes": {"image": ["a", "b"]}}, "sampling_params": {}},
+        value_error("features.mm_placeholders['image'] has 1 ranges for 2 hashes in features.mm_hashes['image'].",
+                    "features"),
+    ),
+    "unary_prompt_logprobs": (
+        {"token_ids": [1, 2], "sampling_params": {"prompt_logprobs": 1}},
+        value_error(
+            "asgi-generate streams every engine leg, and vLLM sends prompt_logprobs only in non-streaming answers; "
+            "send this request with \"stream\": true (vLLM then omits prompt_logprobs too) until unary engine legs "
+            "land.", "prompt_logprobs"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_never_reaches_the_engine(vfront, vsim, case):
+    body, want = BAD_INPUT[case]
+    before = stats(vsim)
+    r = post(vfront.url, body, GEN)
+    assert (r.status_code, r.json()) == (400, want)
+    after = stats(vsim)
+    assert (after["received"], after["seen_rids"]) == (before["received"], before["seen_rids"])
+
+
+def test_bad_json_never_reaches_the_engine(vfront, vsim):
+    before = stats(vsim)["received"]
+    r = post(vfront.url, b'{"token_ids": [1,', GEN)
+    assert r.status_code == 400
+    assert r.json() == schema_error(
+        "body.17", "{'type': 'json_invalid', 'loc': 'body.17', 'msg': 'JSON decode error', 'input': "
+        "'<dict of 0 items>', 'ctx': {'error': 'unexpected end of data'}}"
+    )
+    assert stats(vsim)["received"] == before
+
+
+@pytest.mark.parametrize(
+    "body, status",
+    [
+        ({"token_ids": [1], "sampling_params": {"logprobs": 21}}, 400),
+        ({"token_ids": [1], "model": "other", "sampling_params": {}}, 404),
+        ({"token_ids": [4096], "sampling_params": {}}, 400),
+    ],
+    ids=["too_many_logprobs", "unknown_model", "out_of_vocabulary"],
+)
+def test_engine_errors_pass_through(vfront, vsim, body, status):
+    got, want = post(vfront.url, body, GEN), direct(vsim, body)
+    assert got.status_code == want.status_code == status
+    assert got.json() == want.json()
+    assert got.json()["error"]["message"] in (
+        "Requested sample logprobs of 21, which is greater than max allowed: 20",
+        "The model `other` does not exist.",
+        "Token id 4096 is out of vocabulary",
+    )
+
+
+# -- routing -------------------------------------------------------------------
+
+
+def test_each_format_reaches_only_its_protocol(vfront, vsim, ssim):
+    v0, s0 = stats(vsim)["received"], stats(ssim)["received"]
+    for _ in range(3):
+        assert post(vfront.url, {"token_ids": [5], "sampling_params": {"max_tokens": 1}}, GEN).status_code == 200
+    assert (stats(vsim)["received"], stats(ssim)["received"]) == (v0 + 3, s0)
+    for _ in range(2):
+        assert post(vfront.url, {"input_ids": [5], "sampling_params": {"max_new_tokens": 1}}, "/generate").status_code == 200
+    assert (stats(vsim)["received"], stats(ssim)["received"]) == (v0 + 3, s0 + 2)
+
+
+# -- property --------------------------------------------------------------------
+
+sampling = st.fixed_dictionaries(
+    {},
+    optional={
+        "max_tokens": st.integers(1, 12),
+        "logprobs": st.none() | st.integers(0, 5),
+        "stop_token_ids": st.lists(st.sampled_from([2, 978, 1262, 100, 3574]), max_size=2),
+        "ignore_eos": st.booleans(),
+        "temperature": st.floats(0, 2),
+    },
+).map(lambda sp: {"max_tokens": 12, **sp})
+requests = st.fixed_dictionaries(
+    {"token_ids": st.lists(st.integers(0, 4095), min_size=1, max_size=24), "sampling_params": sampling},
+    optional={
+        "stream": st.booleans(),
+        "stream_options": st.fixed_dictionaries(
+            {}, optional={"include_usage": st.none() | st.booleans(), "continuous_usage_stats": st.booleans()}
+        ),
+        "request_id": st.text("abcxyz-0123456789", min_size=1, max_size=12),
+        "cache_salt": st.text(max_size=8),
+        "priority": st.integers(-5, 5),
+    },
+)
+
+
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=requests)
+def test_property_frontend_equals_direct(vfront, vsim, body):
+    check_parity(vfront, vsim, {**body, "model": "sim"})
+
+
+# -- aborts ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slow_sim():
+    """A vLLM simulator at 20 ms per token."""
+    proc = start_sim("vllm", itl_ms=20)
+    yield proc
+    proc.stop()
+
+
+LONG = {"token_ids": PROMPT, "stream": True, "stream_options": {"include_usage": True},
+        "sampling_params": {"max_tokens": 500, "ignore_eos": True}}
+
+
+def test_sim_abort_requests_ends_stream_without_finish(slow_sim):
+    client = RawClient(slow_sim.url)
+    try:
+        client.send(orjson.dumps({**LONG, "request_id": "ab1"}), path=GEN)
+        first = client.events(2)
+        assert [orjson.loads(p)["choices"][0]["token_ids"] for p in first] == [[2358], [1262]]
+        r = post(slow_sim.url, {"request_ids": ["generate-tokens-ab1"]}, "/abort_requests")
+        assert (r.status_code, r.content) == (200, b"")
+        rest = client.events(1000)
+    finally:
+        client.close()
+    assert rest[-1] == b"[DONE]"
+    chunks = [orjson.loads(p) for p in rest[:-1]]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    n = 2 + len(chunks) - 1
+    assert chunks[-1] == {"request_id": "generate-tokens-ab1", "choices": [],
+                          "usage": {"prompt_tokens": 4, "total_tokens": 4 + n, "completion_tokens": n}}
+    assert "generate-tokens-ab1" in stats(slow_sim)["aborted_rids"]
+
+
+def test_sim_abort_of_unary_finishes_abort(slow_sim):
+    import threading
+
+    result = {}
+
+    def call():
+        body = {"token_ids": PROMPT, "request_id": "ab2", "sampling_params": {"max_tokens": 500, "ignore_eos": True}}
+        result["r"] = httpx.post(slow_sim.url + GEN, content=orjson.dumps(body), headers=JSON, timeout=30)
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    wait_until(lambda: "generate-tokens-ab2" in stats(slow_sim)["running_rids"])
+    assert post(slow_sim.url, {"request_ids": "generate-tokens-ab2"}, "/abort_requests").status_code == 200
+    worker.join(10)
+    choice = result["r"].json()["choices"][0]
+    assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 500
+
+
+def test_sim_abort_requests_rejects_bad_bodies(slow_sim):
+    r = post(slow_sim.url, {"ids": []}, "/abort_requests")
+    assert (r.status_code, r.json()) == (400, {"error": {
+        "message": "Missing 'request_ids' in request body", "type": "Bad Request", "param": None, "code": 400}})
+    assert post(slow_sim.url, b"{", "/abort_requests").status_code == 400
+
+
+def test_client_disconnect_ends_the_engine_request(slow_sim):
+    front = start_frontend([f"vllm={slow_sim.url}"])
+    try:
+        before = stats(slow_sim)["seen_rids"]
+        client = RawClient(front.url)
+        client.send(orjson.dumps(LONG), path=GEN)
+        assert len(client.events(2)) == 2
+        rid = minted_rid(slow_sim, before)
+        client.close()
+        wait_until(lambda: rid not in stats(slow_sim)["running_rids"])
+        counters = wait_until(lambda: (s := HTTP.get(front.url + "/stats").json())["aborts_sent"] and s)
+        assert (counters["aborts_sent"], counters["aborts_unacknowledged"]) == (1, 0)
+    finally:
+        front.stop()
+
+
+# -- out of the box ----------------------------------------------------------------
+
+
+def test_embedded_default_serves_both_formats():
+    front = start_frontend([], extra=["--embedded-workers", "1"])
+    try:
+        v = post(front.url, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 3}}, GEN)
+        s = post(front.url, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}}, "/generate")
+        assert v.json()["choices"][0]["token_ids"] == s.json()["output_ids"] == CONTINUATION[:3]
+        workers = HTTP.get(front.url + "/v1/models").json()["workers"]
+        assert sorted(w["protocol"] for w in workers) == ["sglang", "vllm"]
+        assert all(w["state"] == "up" for w in workers)
+    finally:
+        front.stop()
