@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
+import socket
 import sys
 
 from .config import Settings
@@ -149,14 +149,10 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, fd=args.fd, graceful_timeout=args.shutdown_grace + 15.0
     )
     if args.workers > 1:
-        # Separate processes rebuild the app from the environment.
-        from hypercorn.run import run as hypercorn_run
+        from .supervisor import listening_socket, supervise
 
-        os.environ.update(settings.to_env())
-        config.application_path = "asgi_generate.asgi:app"
-        config.workers = args.workers
-        config.worker_class = args.worker_class
-        return hypercorn_run(config)
+        sock = socket.socket(fileno=args.fd) if args.fd is not None else listening_socket(args.host, args.port)
+        return supervise(settings, sock, args.workers, args.worker_class, args.shutdown_grace)
     try:
         app = App(settings, codecs)
     except (CodecLoadError, TraceSetupError) as exc:

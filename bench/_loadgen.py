@@ -138,6 +138,12 @@ class LoadResult:
         """Fraction of one core that process ``label`` used."""
         return self.cpu[label] / self.seconds
 
+    def others_busy(self) -> float:
+        """Cores' worth of CPU that other processes took from the pinned
+        cores during the run (the ``"cores"`` meter less ours)."""
+        ours = sum(v for k, v in self.cpu.items() if k != "cores")
+        return max(0.0, self.cpu["cores"] - ours) / self.seconds
+
     def cpu_ms_per_request(self, label: str) -> float:
         """CPU milliseconds process ``label`` spent per completed request."""
         return 1000.0 * self.cpu[label] / max(self.requests, 1)

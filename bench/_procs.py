@@ -141,6 +141,18 @@ def tree_cpu_seconds(pid: int) -> float:
     return total / _CLK_TCK
 
 
+def cpus_busy_seconds(cpus: set[int]) -> float:
+    """Non-idle CPU seconds (user, nice, system, irq, softirq, steal) of
+    ``cpus`` since boot, whoever used them."""
+    total = 0
+    for line in pathlib.Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
+            total += user + nice + system + irq + softirq + steal
+    return total / _CLK_TCK
+
+
 def http_request(
     port: int, method: str, path: str, body: bytes = b"", timeout: float = 30.0
 ) -> tuple[int, bytes]:

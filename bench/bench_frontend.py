@@ -43,7 +43,7 @@ import orjson
 
 from _check import answer, check_direct, compare
 from _loadgen import LoadResult, install_wrk, run_wrk, write_script, wrk_path
-from _procs import Child, free_port, listening_socket, wait_ready
+from _procs import Child, cpus_busy_seconds, free_port, listening_socket, wait_ready
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROUTER_REQUIREMENT = "sglang-router>=0.3,<0.4"
@@ -55,6 +55,11 @@ HOPS = {
 DIRECT = "direct (simulator)"
 # Token ids well inside the bundled tokenizer's 4096-entry vocabulary.
 ID_LOW, ID_SPAN = 100, 3900
+# A 1-minute load average above this before the run means other work shares the cores.
+BUSY_LOAD = 0.5
+# Cores' worth of CPU that others may take from the pinned cores in a cell
+# before the run is called noisy.
+NOISE_CORES = 0.05
 
 
 @dataclass(frozen=True)
@@ -173,17 +178,19 @@ def print_report(results: list[HopResult], args: argparse.Namespace, context: li
     print("\n".join(context))
     print()
     print(f"Throughput at {args.concurrency} connections, {args.seconds} s per cell "
-          "(busy = fraction of one core used during the run):")
+          "(busy = cores' worth of CPU used during the run; others = CPU that processes "
+          "not started by the benchmark took from the pinned cores):")
     print()
     print("| path | unary req/s | SSE events/s | SSE req/s | hop CPU ms/req unary / SSE "
-          "| hop busy unary / SSE | sim busy unary / SSE | wrk busy unary / SSE |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| hop busy unary / SSE | sim busy unary / SSE | wrk busy unary / SSE | others unary / SSE |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         u, s = r.load["unary"], r.load["sse"]
         hop_cpu = "-" if r is direct else f"{_fmt(u.cpu_ms_per_request('hop'), 3)} / {_fmt(s.cpu_ms_per_request('hop'))}"
         hop_busy = "-" if r is direct else f"{u.busy('hop'):.2f} / {s.busy('hop'):.2f}"
         print(f"| {r.label} | {_fmt(u.rps)} | {_fmt(s.eps)} | {_fmt(s.rps)} | {hop_cpu} | {hop_busy} "
-              f"| {u.busy('sim'):.2f} / {s.busy('sim'):.2f} | {u.busy('wrk'):.2f} / {s.busy('wrk'):.2f} |")
+              f"| {u.busy('sim'):.2f} / {s.busy('sim'):.2f} | {u.busy('wrk'):.2f} / {s.busy('wrk'):.2f} "
+              f"| {u.others_busy():.2f} / {s.others_busy():.2f} |")
     print()
     print(f"Latency per request at 1 connection, {args.latency_seconds} s per cell, ms "
           "(added = minus the direct figure):")
@@ -234,6 +241,10 @@ def print_report(results: list[HopResult], args: argparse.Namespace, context: li
     through += [_ratio(r.load["sse"].eps, direct.load["sse"].eps) for r in ours]
     print("Goals:")
     print()
+    noise = max(lr.others_busy() for r in results for lr in [*r.load.values(), *r.latency.values()])
+    if noise > NOISE_CORES:
+        print(f"- NOISY RUN: other processes took up to {noise:.2f} cores' worth of the pinned cores "
+              "in a cell; rerun on a quiet machine before trusting these figures")
     if through:
         print(f"- through/direct above 0.5 on one core each: lowest {_fmt(min(through))} "
               f"-> {'met' if min(through) > 0.5 else 'NOT met'}")
@@ -268,9 +279,11 @@ def measure(
     result.samples = len(bodies)
     result.sample_problems = compare(port, bodies, expected, min(len(bodies), args.concurrency))
     loadgen = {args.loadgen_cpu} if args.loadgen_cpu is not None else None
+    cores = {c for c in (args.sim_cpu, args.hop_cpu, args.loadgen_cpu) if c is not None} or os.sched_getaffinity(0)
+    cell_meters = {**meters, "cores": lambda: cpus_busy_seconds(cores)}
 
     def cell(script: pathlib.Path, connections: int, seconds: int) -> LoadResult:
-        result = run_wrk(wrk, script, port, connections, seconds, loadgen, log_dir, meters)
+        result = run_wrk(wrk, script, port, connections, seconds, loadgen, log_dir, cell_meters)
         settle(meters)
         return result
 
@@ -327,14 +340,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _context(args: argparse.Namespace, wrk: str, router_version: str | None) -> list[str]:
+def _context(args: argparse.Namespace, wrk: str, router_version: str | None, load_before: float) -> list[str]:
     model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                   if line.startswith("model name")), platform.machine())
     wrk_version = subprocess.run([wrk, "-v"], capture_output=True, text=True).stdout.split("\n")[0]
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return [
+    lines = [
         f"bench_frontend.py, {datetime.datetime.now().isoformat(timespec='seconds')}: "
-        f"{os.cpu_count()} x {model}; load average at the end {load}",
+        f"{os.cpu_count()} x {model}; 1-min load average {load_before:.2f} before the run "
+        f"(nothing of ours running), {os.getloadavg()[0]:.2f} at the end.",
         f"Pinning: simulator on CPU {args.sim_cpu}, frontend/router on CPU {args.hop_cpu}, "
         f"wrk on CPU {args.loadgen_cpu} (one thread, keep-alive).",
         f"Requests: {args.input_len}-token input_ids, ignore_eos; unary {args.unary_tokens} output tokens, "
@@ -343,6 +356,10 @@ def _context(args: argparse.Namespace, wrk: str, router_version: str | None) -> 
         f"hypercorn {version('hypercorn')}, sglang-router {router_version or 'not run'} "
         f"(--policy round_robin --log-level warn), {wrk_version.strip()}.",
     ]
+    if load_before > BUSY_LOAD:
+        lines.append(f"WARNING: the machine was busy before the run (load {load_before:.2f}): "
+                     "other processes shared the pinned cores, so these figures are noisy.")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown hop(s) {unknown}; choose from {list(HOPS)}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    load_before = os.getloadavg()[0]
     wrk = wrk_path() or install_wrk()
     router_python, router_version = ensure_router(args.router_venv) if "router" in hops else (None, None)
     sim_cpus = {args.sim_cpu} if args.sim_cpu is not None else None
@@ -390,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                     child, port = start_hop(hop_stack, hop, sim_port, hop_cpus, log_dir, router_python, probe)
                     meters = {"sim": sim.cpu_seconds, "hop": child.cpu_seconds}
                     results.append(measure(HOPS[hop], port, meters, args, wrk, scripts, log_dir, samples))
-        print_report(results, args, _context(args, wrk, router_version))
+        print_report(results, args, _context(args, wrk, router_version, load_before))
         ok = all(not r.sample_problems and all(lr.bad == 0 and lr.errors == 0
                                               for lr in [*r.load.values(), *r.latency.values()])
                  for r in results)

@@ -57,6 +57,11 @@ def sse_then_hang_up(url: str, payload: bytes, key: str, k: int) -> int:
             if not data:
                 break
             raw += data
+        # Hang up our side, then read what the server had already sent
+        # until it closes: what was sent is what was received.
+        sock.shutdown(socket.SHUT_WR)
+        while data := sock.recv(65536):
+            raw += data
     finally:
         sock.close()
     return tokens_in(raw)

@@ -134,7 +134,8 @@ def check_parity(front, sim, body: dict) -> None:
 
 
 def test_unary_answer_exact(vfront):
-    r = post(vfront.url, {"token_ids": PROMPT, "model": "sim", "sampling_params": {"max_tokens": 2, "logprobs": 1}}, GEN)
+    body = {"token_ids": PROMPT, "model": "sim", "sampling_params": {"max_tokens": 2, "logprobs": 1}}
+    r = post(vfront.url, body, GEN)
     assert r.status_code == 200
     assert r.headers["content-type"] == "application/json"
     assert made_up(r.json()) == {
@@ -252,6 +253,41 @@ def test_stream_parity(vfront, vsim, case, prompt):
     if so is not None:
         body["stream_options"] = so
     check_parity(vfront, vsim, body)
+
+
+def test_sim_prompt_logprobs_exact(vsim):
+    r = direct(vsim, {"token_ids": [7, 9, 11], "sampling_params": {"max_tokens": 2, "prompt_logprobs": 2}})
+    assert r.json()["prompt_logprobs"] == [
+        None,
+        {"9": {"logprob": -20.6217041015625, "rank": 534, "decoded_token": None},
+         "100": {"logprob": -0.5819854736328125, "rank": 1, "decoded_token": None},
+         "1312": {"logprob": -0.9393768310546875, "rank": 2, "decoded_token": None}},
+        {"11": {"logprob": -19.022506713867188, "rank": 2537, "decoded_token": None},
+         "3336": {"logprob": -0.9548187255859375, "rank": 1, "decoded_token": None},
+         "1995": {"logprob": -1.2940521240234375, "rank": 2, "decoded_token": None}},
+    ]
+
+
+def test_sim_prompt_token_in_top_k_keeps_its_place(vsim):
+    # After PROMPT the model's top two are 2358, then 2690: a prompt that
+    # continues with 2358 lists it once, first, with rank 1.
+    r = direct(vsim, {"token_ids": [*PROMPT, 2358], "sampling_params": {"max_tokens": 1, "prompt_logprobs": 2}})
+    last = r.json()["prompt_logprobs"][-1]
+    assert last == {"2358": {"logprob": -0.2015838623046875, "rank": 1, "decoded_token": None},
+                    "2690": {"logprob": -0.8335723876953125, "rank": 2, "decoded_token": None}}
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_unary_prompt_logprobs_direct_and_through_the_frontend(vfront, vsim, k):
+    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 1, "prompt_logprobs": k}}
+    plp = direct(vsim, body).json()["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(PROMPT)
+    assert [list(e)[0] for e in plp[1:]] == [str(t) for t in PROMPT[1:]]
+    assert [len(e) for e in plp[1:]] == [k + 1] * 3  # no prompt token is in these top-k
+    before = stats(vsim)["received"]
+    r = post(vfront.url, body, GEN)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "prompt_logprobs")
+    assert stats(vsim)["received"] == before
 
 
 def test_stream_usage_chunk_only_when_asked(vfront):
@@ -478,7 +514,8 @@ def test_each_format_reaches_only_its_protocol(vfront, vsim, ssim):
         assert post(vfront.url, {"token_ids": [5], "sampling_params": {"max_tokens": 1}}, GEN).status_code == 200
     assert (stats(vsim)["received"], stats(ssim)["received"]) == (v0 + 3, s0)
     for _ in range(2):
-        assert post(vfront.url, {"input_ids": [5], "sampling_params": {"max_new_tokens": 1}}, "/generate").status_code == 200
+        sglang = {"input_ids": [5], "sampling_params": {"max_new_tokens": 1}}
+        assert post(vfront.url, sglang, "/generate").status_code == 200
     assert (stats(vsim)["received"], stats(ssim)["received"]) == (v0 + 3, s0 + 2)
 
 
@@ -604,3 +641,39 @@ def test_embedded_default_serves_both_formats():
         assert all(w["state"] == "up" for w in workers)
     finally:
         front.stop()
+
+
+# -- traces ------------------------------------------------------------------------
+
+
+def test_one_trace_record_per_vllm_request(tmp_path, vsim):
+    base = str(tmp_path / "t")
+    front = start_frontend([f"vllm={vsim.url}"], extra=["--trace-file", base + ".jsonl"])
+    try:
+        assert post(front.url, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 3}}, GEN).status_code == 200
+        body = {"token_ids": PROMPT, "stream": True, "sampling_params": {"max_tokens": 2}}
+        assert sse(front.url, body, GEN, headers={"x-request-id": "t-hdr"})[0] == 200
+        features = {"mm_hashes": {"image": ["h"]}, "mm_placeholders": {"image": [{"offset": 1, "length": 2}]}}
+        mm = {"token_ids": PROMPT, "features": features, "sampling_params": {"max_tokens": 1}}
+        assert post(front.url, mm, GEN).status_code == 200
+        assert post(front.url, {"token_ids": [], "sampling_params": {}}, GEN).status_code == 400
+
+        def records():
+            lines = b"".join(p.read_bytes() for p in sorted(tmp_path.glob("t.*.jsonl"))).splitlines()
+            return [orjson.loads(line) for line in lines] if len(lines) >= 4 else None
+
+        recs = wait_until(records)
+    finally:
+        front.stop()
+    assert len(records()) == 4
+    fields = ("format", "route", "stream", "status", "http_status", "input_tokens", "output_tokens", "public_id")
+    assert [tuple(r.get(f) for f in fields) for r in recs] == [
+        ("vllm", GEN, False, "ok", 200, 4, 3, None),
+        ("vllm", GEN, True, "ok", 200, 4, 2, "t-hdr"),
+        ("vllm", GEN, False, "ok", 200, 4, 1, None),
+        ("vllm", GEN, None, "rejected", 400, None, 0, None),
+    ]
+    assert [r.get("finish", {}).get("backend_finish_reason") for r in recs] == ["length", "length", "length", None]
+    assert recs[0]["replay"]["input_length"] == 4 and recs[2]["replay"] == {"excluded": "multimodal"}
+    assert recs[1]["x_request_id"] == "t-hdr"
+    assert [len(r["attempts"]) for r in recs] == [1, 1, 1, 0]

@@ -462,7 +462,8 @@ class VLLMProtocol:
             return
         ids = obj.get("request_ids") if isinstance(obj, dict) else None
         if ids is None:
-            await send_unary(send, 400, orjson.dumps(error("Missing 'request_ids' in request body", "Bad Request").body))
+            missing = error("Missing 'request_ids' in request body", "Bad Request")
+            await send_unary(send, 400, orjson.dumps(missing.body))
             return
         # vLLM's engine client takes one id or a list of them.
         ids = [ids] if isinstance(ids, str) else ids if isinstance(ids, list) else []

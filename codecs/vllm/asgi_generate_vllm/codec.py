@@ -151,10 +151,10 @@ class VLLMCodec(Codec):
 
     def error_body(self, error: RequestError) -> bytes:
         """vLLM's nested ``{"error": {"message", "type", "param", "code"}}``."""
-        err_type = getattr(error, "err_type", None) or _ERROR_TYPES.get(error.status) or HTTPStatus(error.status).phrase
-        return orjson.dumps(
-            {"error": {"message": error.message, "type": err_type, "param": getattr(error, "param", None), "code": error.status}}
-        )
+        status = error.status
+        err_type = getattr(error, "err_type", None) or _ERROR_TYPES.get(status) or HTTPStatus(status).phrase
+        param = getattr(error, "param", None)
+        return orjson.dumps({"error": {"message": error.message, "type": err_type, "param": param, "code": status}})
 
     def in_band_error(self, error: RequestError) -> bytes:
         """The same object as an SSE payload, as vLLM streams errors."""

@@ -1,0 +1,94 @@
+"""``asgi-generate serve --workers N``: N frontend processes on one socket.
+
+The supervisor binds the listening socket once, starts the embedded
+simulators once (when no worker is configured), then starts N children that
+serve the inherited socket with settings passed through ``ASGI_GENERATE_*``
+variables. SIGINT and SIGTERM are forwarded to every child, so each runs its
+own graceful shutdown; the supervisor exits when all children have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+from contextlib import AsyncExitStack
+
+import anyio
+
+from .config import Settings
+from .embedded import embedded_workers
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` that children can inherit."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def supervise(
+    settings: Settings, sock: socket.socket, processes: int, worker_class: str, shutdown_grace: float
+) -> int:
+    """Run ``processes`` frontend children on ``sock`` until they exit;
+    returns the first non-zero exit code, else 0."""
+
+    async def main() -> int:
+        async with AsyncExitStack() as stack:
+            specs = settings.workers
+            if not specs:
+                specs = []
+                for protocol in ("sglang", "vllm"):
+                    specs += await stack.enter_async_context(
+                        embedded_workers(settings.embedded_workers, protocol,
+                                         settings.embedded_ttft_ms, settings.embedded_itl_ms)
+                    )
+            env = {**os.environ, **dataclasses.replace(settings, workers=specs).to_env()}
+            cmd = [sys.executable, "-m", "asgi_generate.supervisor", "--fd", str(sock.fileno()),
+                   "--worker-class", worker_class, "--shutdown-grace", str(shutdown_grace)]
+            children = [
+                await anyio.open_process(cmd, pass_fds=[sock.fileno()], env=env,
+                                         stdin=subprocess.DEVNULL, stdout=None, stderr=None)
+                for _ in range(processes)
+            ]
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_forward_signals, children)
+                codes = [await child.wait() for child in children]
+                tg.cancel_scope.cancel()
+        return next((c for c in codes if c), 0)
+
+    return anyio.run(main)
+
+
+async def _forward_signals(children: list) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            for child in children:
+                if child.returncode is None:
+                    child.send_signal(signum)
+
+
+def _child() -> int:
+    from .app import App
+    from .serving import hypercorn_config, run
+
+    parser = argparse.ArgumentParser(prog="asgi_generate.supervisor")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--worker-class", required=True)
+    parser.add_argument("--shutdown-grace", type=float, required=True)
+    args = parser.parse_args()
+    app = App(Settings.from_env())
+    run(app, hypercorn_config(fd=args.fd, graceful_timeout=args.shutdown_grace + 15.0), args.worker_class)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child())

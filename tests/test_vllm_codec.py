@@ -1,0 +1,307 @@
+"""The vLLM codec, sans IO: request checks, worker bodies, chunk handling,
+unary answers rebuilt from deltas, error shapes."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asgi_generate.codec import Attempt, EngineError, Event, RequestError
+from asgi_generate.workers.protocols import PROTOCOLS
+from asgi_generate_vllm import VLLMCodec
+
+CODEC = VLLMCodec()
+ENGINE_ID = "0123456789abcdef0000000000000001"
+ATTEMPT = Attempt(ENGINE_ID)
+
+
+def decode(obj, **headers):
+    raw = obj if isinstance(obj, bytes) else orjson.dumps(obj)
+    return CODEC.decode(raw, {k.replace("_", "-").encode(): v.encode() for k, v in headers.items()})
+
+
+def exchange(obj, request_id="f" * 32, **headers):
+    return CODEC.exchange(decode(obj, **headers), request_id)
+
+
+def chunk(ids, finish=None, rid=f"generate-tokens-{ENGINE_ID}", logprobs=None) -> bytes:
+    return orjson.dumps({
+        "request_id": rid,
+        "choices": [
+            {"index": 0, "logprobs": logprobs, "finish_reason": finish, "token_ids": ids, "routed_experts": None}
+        ],
+        "usage": None,
+    })
+
+
+def usage_chunk(prompt, completion) -> bytes:
+    return orjson.dumps({
+        "request_id": f"generate-tokens-{ENGINE_ID}",
+        "choices": [],
+        "usage": {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion},
+    })
+
+
+def entry(tok, lp):
+    return {"token": f"token_id:{tok}", "logprob": lp, "bytes": None,
+            "top_logprobs": [{"token": f"token_id:{tok}", "logprob": lp, "bytes": None}]}
+
+
+def test_codec_identity():
+    assert (CODEC.name, CODEC.worker_protocol) == ("vllm", "vllm")
+    assert [(r.method, r.path) for r in CODEC.routes] == [("POST", "/inference/v1/generate")]
+
+
+def test_decode_normalizes():
+    req = decode({"token_ids": [5, 6], "request_id": "b", "model": "m", "stream": True,
+                  "sampling_params": {"max_tokens": 7}})
+    assert (req.stream, req.public_id, req.input_ids, req.max_new_tokens, req.model, req.replay_excluded) == (
+        True, "b", [5, 6], 7, "m", None)
+
+
+@pytest.mark.parametrize(
+    "body_id, header, public",
+    [("b", "h", "h"), ("b", None, "b"), (None, "h", "h"), (None, None, None), ("b", "", "")],
+)
+def test_x_request_id_overrides_body_id(body_id, header, public):
+    body = {"token_ids": [1], "sampling_params": {}}
+    if body_id is not None:
+        body["request_id"] = body_id
+    headers = {"x_request_id": header} if header is not None else {}
+    assert decode(body, **headers).public_id == public
+    ex = exchange({**body, "stream": True}, "9" * 32, **headers)
+    ex.feed(ATTEMPT, chunk([3]))
+    shown = public if public is not None else "9" * 32
+    assert orjson.loads(ex.client_event(None))["request_id"] == f"generate-tokens-{shown}"
+
+
+def test_multimodal_is_excluded_from_replay():
+    features = {"mm_hashes": {"image": ["h"]}, "mm_placeholders": {"image": [{"offset": 1, "length": 2}]},
+                "kwargs_data": None}
+    req = decode({"token_ids": [1, 9, 9, 4], "features": features, "sampling_params": {}})
+    assert (req.input_ids, req.replay_excluded) == (None, "multimodal")
+
+
+def test_worker_request_mints_the_engine_id_and_streams_with_usage():
+    body = {"token_ids": [1, 2], "request_id": "client", "model": "m", "stream": False, "cache_salt": "s",
+            "priority": 3, "kv_transfer_params": {"do_remote_prefill": True}, "custom": [1],
+            "features": {"mm_hashes": {}, "mm_placeholders": {}},
+            "stream_options": {"include_usage": False, "continuous_usage_stats": True, "extra": 1},
+            "sampling_params": {"max_tokens": 3, "temperature": 0.5, "seed": 1}}
+    wreq = exchange(body).worker_request(ATTEMPT)
+    assert wreq.path == b"/inference/v1/generate"
+    assert wreq.headers == [(b"content-type", b"application/json"), (b"x-request-id", ENGINE_ID.encode())]
+    assert orjson.loads(wreq.body) == {
+        **body, "request_id": ENGINE_ID, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": False, "extra": 1},
+    }
+    # The engine runs it as generate-tokens-<id>, which is what the abort names.
+    assert orjson.loads(PROTOCOLS["vllm"].abort_body(ENGINE_ID)) == {"request_ids": [f"generate-tokens-{ENGINE_ID}"]}
+
+
+@pytest.mark.parametrize(
+    "options, continuous",
+    [(None, False), ({}, False), ({"include_usage": True, "continuous_usage_stats": True}, True),
+     ({"include_usage": None, "continuous_usage_stats": True}, False)],
+)
+def test_worker_continuous_usage_only_as_vllm_would(options, continuous):
+    body = {"token_ids": [1], "stream": True, "sampling_params": {}}
+    if options is not None:
+        body["stream_options"] = options
+    sent = orjson.loads(exchange(body).worker_request(ATTEMPT).body)["stream_options"]
+    assert sent["include_usage"] is True and sent["continuous_usage_stats"] is continuous
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_stream_holds_finish_until_the_usage_chunk(include_usage):
+    ex = exchange({"token_ids": [1, 2], "request_id": "c", "stream": True,
+                   "stream_options": {"include_usage": include_usage}, "sampling_params": {}})
+    assert ex.feed(ATTEMPT, chunk([7])) == Event([7])
+    assert orjson.loads(ex.client_event(None)) == orjson.loads(chunk([7], rid="generate-tokens-c"))
+    event = ex.feed(ATTEMPT, chunk([8], "stop"))
+    assert (event.token_ids, event.finish_reason) == ([8], None)
+    assert orjson.loads(ex.client_event(event))["choices"][0]["finish_reason"] == "stop"
+    last = ex.feed(ATTEMPT, usage_chunk(2, 2))
+    assert (last.token_ids, last.finish_reason, last.prompt_tokens, last.completion_tokens, last.cached_tokens) == (
+        [], "stop", 2, 2, None)
+    if include_usage:
+        assert ex.client_event(last) == (
+            b'{"request_id":"generate-tokens-c","choices":[],'
+            b'"usage":{"prompt_tokens":2,"total_tokens":4,"completion_tokens":2}}'
+        )
+    else:
+        assert ex.client_event(last) is None
+
+
+def test_unary_answer_rebuilt_from_deltas():
+    t0 = int(time.time())
+    ex = exchange({"token_ids": [1, 2], "model": "sim", "sampling_params": {"logprobs": 0}}, "a" * 32)
+    ex.feed(ATTEMPT, chunk([7], logprobs={"content": [entry(7, -0.5)]}))
+    ex.feed(ATTEMPT, chunk([8, 9], "length", logprobs={"content": [entry(8, -0.25), entry(9, -1e-300)]}))
+    ex.feed(ATTEMPT, orjson.dumps({"request_id": "x", "choices": [], "usage": {
+        "prompt_tokens": 2, "total_tokens": 5, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 1}}}))
+    status, body = ex.unary_body()
+    answer = orjson.loads(body)
+    assert status == 200 and t0 <= answer.pop("created") <= int(time.time())
+    assert answer == {
+        "request_id": "a" * 32,
+        "model": "sim",
+        "choices": [{"index": 0, "logprobs": {"content": [entry(7, -0.5), entry(8, -0.25), entry(9, -1e-300)]},
+                     "finish_reason": "length", "token_ids": [7, 8, 9], "routed_experts": None}],
+        "usage": {"prompt_tokens": 2, "total_tokens": 5, "completion_tokens": 3,
+                  "prompt_tokens_details": {"cached_tokens": 1}},
+        "prompt_logprobs": None,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+    }
+    assert list(orjson.loads(body)) == ["request_id", "model", "created", "choices", "usage", "prompt_logprobs",
+                                        "kv_transfer_params", "ec_transfer_params"]
+
+
+def test_stream_without_finish_reason_ended_by_abort():
+    ex = exchange({"token_ids": [1], "sampling_params": {}})
+    ex.feed(ATTEMPT, chunk([4]))
+    assert ex.feed(ATTEMPT, usage_chunk(1, 1)).finish_reason == "abort"
+    answer = orjson.loads(ex.unary_body()[1])
+    assert (answer["choices"][0]["finish_reason"], answer["choices"][0]["token_ids"], answer["model"]) == (
+        "abort", [4], None)
+
+
+def test_engine_error_chunk():
+    ex = exchange({"token_ids": [1], "stream": True, "sampling_params": {}})
+    payload = b'{"error":{"message":"engine died","type":"InternalServerError","param":null,"code":500}}'
+    event = ex.feed(ATTEMPT, payload)
+    assert (event.token_ids, event.error) == ([], EngineError(500, "engine died"))
+    assert ex.client_event(event) == payload
+    assert ex.unary_body() == (500, payload)
+
+
+@pytest.mark.parametrize(
+    "payload, why",
+    [(b"{", "is not JSON"), (b"[1]", "is not an object"), (b'{"request_id":"x"}', "has no choices list"),
+     (b'{"choices":[]}', "has neither choices nor usage"),
+     (b'{"choices":[{"index":0,"token_ids":["a"]}]}', "has no token_ids list")],
+)
+def test_worker_protocol_breaks_are_502(payload, why):
+    with pytest.raises(RequestError) as err:
+        exchange({"token_ids": [1], "sampling_params": {}}).feed(ATTEMPT, payload)
+    assert (err.value.status, err.value.kind, err.value.message) == (502, "engine", f"worker sent a chunk that {why}")
+
+
+def test_worker_errors_pass_through():
+    body = b'{"error":{"message":"m","type":"NotFoundError","param":"model","code":404}}'
+    assert exchange({"token_ids": [1], "sampling_params": {}}).worker_error(404, body) == (404, body)
+
+
+@pytest.mark.parametrize(
+    "error, shape",
+    [
+        (RequestError(413, "too big", "too_large"), ("Request Entity Too Large", 413)),
+        (RequestError(503, "no healthy worker", "unavailable"), ("Service Unavailable", 503)),
+        (RequestError(500, "internal error", "internal"), ("InternalServerError", 500)),
+        (RequestError(502, "worker w0 failed", "engine"), ("Bad Gateway", 502)),
+        (RequestError(405, "Method Not Allowed", "method_not_allowed"), ("Method Not Allowed", 405)),
+        (RequestError(400, "invalid content-length header"), ("BadRequestError", 400)),
+    ],
+)
+def test_frontend_errors_in_vllm_shape(error, shape):
+    want = {"error": {"message": error.message, "type": shape[0], "param": None, "code": shape[1]}}
+    assert orjson.loads(CODEC.error_body(error)) == want
+    assert orjson.loads(CODEC.in_band_error(error)) == want
+
+
+@pytest.mark.parametrize(
+    "body, message, param",
+    [
+        (b"", "{'type': 'missing', 'loc': 'body', 'msg': 'Field required', 'input': 'None'}", "body"),
+        (b"[1]", "{'type': 'model_attributes_type', 'loc': 'body', 'msg': 'Input should be a valid dictionary or "
+                 "object to extract fields from', 'input': '<list of 1 items>'}", "body"),
+        ({"token_ids": [1], "sampling_params": []}, "{'type': 'model_attributes_type', 'loc': 'body.sampling_params', "
+         "'msg': 'Input should be a valid dictionary or object to extract fields from', 'input': '<list of 0 items>'}",
+         "body.sampling_params"),
+        ({"token_ids": [1], "sampling_params": {"max_tokens": "8"}}, "{'type': 'int_type', 'loc': "
+         "'body.sampling_params.max_tokens', 'msg': 'Input should be a valid integer', 'input': '8'}",
+         "body.sampling_params.max_tokens"),
+        ({"token_ids": [1], "stream": "yes", "sampling_params": {}}, "{'type': 'bool_type', 'loc': 'body.stream', "
+         "'msg': 'Input should be a valid boolean', 'input': 'yes'}", "body.stream"),
+        ({"token_ids": [1], "priority": None, "sampling_params": {}}, "{'type': 'int_type', 'loc': 'body.priority', "
+         "'msg': 'Input should be a valid integer', 'input': 'None'}", "body.priority"),
+        ({"token_ids": [1], "sampling_params": {}, "features": {"mm_hashes": {}, "mm_placeholders": {},
+          "kwargs_data": {"image": [1]}}}, "{'type': 'string_type', 'loc': 'body.features.kwargs_data.image.0', "
+         "'msg': 'Input should be a valid string', 'input': '1'}", "body.features.kwargs_data.image.0"),
+        ({"token_ids": ["x" * 300], "sampling_params": {}}, "{'type': 'int_type', 'loc': 'body.token_ids.0', 'msg': "
+         f"'Input should be a valid integer', 'input': '{'x' * 200}...[truncated]'}}", "body.token_ids.0"),
+    ],
+)
+def test_schema_errors_in_vllm_validation_shape(body, message, param):
+    with pytest.raises(RequestError) as err:
+        decode(body)
+    assert err.value.status == 400
+    assert orjson.loads(CODEC.error_body(err.value)) == {
+        "error": {"message": f"1 validation error:\n  {message}", "type": "Bad Request", "param": param, "code": 400}}
+
+
+@pytest.mark.parametrize(
+    "features, message",
+    [
+        ({"mm_hashes": {"image": ["h"]}, "mm_placeholders": {"audio": [{"offset": 0, "length": 1}]}},
+         "features.mm_hashes has modalities ['image'] but features.mm_placeholders has ['audio']; every modality "
+         "needs both."),
+        ({"mm_hashes": {"image": ["h"]}, "mm_placeholders": {"image": [{"offset": -1, "length": 1}]}},
+         "features.mm_placeholders['image'][0] (offset -1, length 1) is not inside the 3 prompt tokens."),
+        ({"mm_hashes": {"image": ["h"]}, "mm_placeholders": {"image": [{"offset": 0, "length": 0}]}},
+         "features.mm_placeholders['image'][0] (offset 0, length 0) is not inside the 3 prompt tokens."),
+        ({"mm_hashes": {"image": ["h"]}, "mm_placeholders": {"image": [{"offset": 0, "length": 1}]},
+          "kwargs_data": {"image": []}},
+         "features.kwargs_data['image'] has 0 items for 1 hashes in features.mm_hashes['image']."),
+        ({"mm_hashes": {"image": ["h"]}, "mm_placeholders": {"image": [{"offset": 0, "length": 1}]},
+          "kwargs_data": {"video": ["d"]}},
+         "features.kwargs_data has modalities ['video'] that features.mm_hashes does not."),
+    ],
+)
+def test_features_that_do_not_fit_the_prompt(features, message):
+    with pytest.raises(RequestError) as err:
+        decode({"token_ids": [1, 2, 3], "features": features, "sampling_params": {}})
+    assert orjson.loads(CODEC.error_body(err.value)) == {
+        "error": {"message": message, "type": "BadRequestError", "param": "features", "code": 400}}
+
+
+def test_unary_prefill_leg_needs_a_unary_engine_leg():
+    body = {"token_ids": [1], "kv_transfer_params": {"do_remote_decode": True}, "sampling_params": {}}
+    with pytest.raises(RequestError) as err:
+        decode(body)
+    assert orjson.loads(CODEC.error_body(err.value))["error"]["param"] == "kv_transfer_params"
+    assert decode({**body, "stream": True}).stream is True
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    max_leaves=12,
+)
+fields = st.sampled_from(["token_ids", "sampling_params", "features", "stream", "stream_options", "request_id",
+                          "model", "priority", "kv_transfer_params", "cache_salt"])
+nearly_valid = st.fixed_dictionaries(
+    {"token_ids": st.lists(st.integers(-3, 9), max_size=4),
+     "sampling_params": st.dictionaries(st.sampled_from(["n", "max_tokens", "logprobs", "prompt_logprobs",
+                                                         "stop_token_ids", "ignore_eos"]), json_values, max_size=3)},
+).flatmap(lambda base: st.dictionaries(fields, json_values, max_size=3).map(lambda extra: {**base, **extra}))
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(body=json_values | nearly_valid, header=st.none() | st.text("abc", max_size=3))
+def test_decode_only_ever_rejects_with_a_vllm_error(body, header):
+    headers = {"x_request_id": header} if header is not None else {}
+    try:
+        req = decode(body, **headers)
+    except RequestError as err:
+        assert err.status == 400
+        assert set(orjson.loads(CODEC.error_body(err))["error"]) == {"message", "type", "param", "code"}
+        return
+    assert req.input_ids is None or (req.input_ids and min(req.input_ids) >= 0)
+    orjson.loads(exchange(body, **headers).worker_request(ATTEMPT).body)
