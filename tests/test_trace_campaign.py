@@ -35,19 +35,20 @@ def tokens_in(raw: bytes) -> int:
     return best
 
 
-def raw_request(url: str, payload: bytes, key: str) -> socket.socket:
+def raw_request(url: str, payload: bytes, headers: dict) -> socket.socket:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=10)
-    head = (f"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-            f"x-request-id: {key}\r\ncontent-length: {len(payload)}\r\n\r\n").encode()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    head = (f"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n{extra}"
+            f"content-length: {len(payload)}\r\n\r\n").encode()
     sock.sendall(head + payload)
     return sock
 
 
-def sse_then_hang_up(url: str, payload: bytes, key: str, k: int) -> int:
+def sse_then_hang_up(url: str, payload: bytes, headers: dict, k: int) -> int:
     """Read until ``k`` SSE events arrived (or the answer ended), hang up,
     and return the tokens received."""
-    sock = raw_request(url, payload, key)
+    sock = raw_request(url, payload, headers)
     raw = b""
     try:
         while k and len(_EVENT.findall(raw)) < k and b"[DONE]" not in raw:
@@ -67,8 +68,8 @@ def sse_then_hang_up(url: str, payload: bytes, key: str, k: int) -> int:
     return tokens_in(raw)
 
 
-def unary_then_hang_up(url: str, payload: bytes, key: str, delay: float) -> int:
-    sock = raw_request(url, payload, key)
+def unary_then_hang_up(url: str, payload: bytes, headers: dict, delay: float) -> int:
+    sock = raw_request(url, payload, headers)
     time.sleep(delay)
     sock.close()
     return 0
@@ -106,9 +107,9 @@ def run(url: str, p: dict) -> dict:
     """Send request ``p``; return what the client saw."""
     body, headers, kind = p["body"], p["headers"], p["kind"]
     if kind == "sse_cut":
-        return {"tokens": sse_then_hang_up(url, orjson.dumps(body), p["key"], p["k"])}
+        return {"tokens": sse_then_hang_up(url, orjson.dumps(body), headers, p["k"])}
     if kind == "unary_cut":
-        return {"tokens": unary_then_hang_up(url, orjson.dumps(body), p["key"], 0.2)}
+        return {"tokens": unary_then_hang_up(url, orjson.dumps(body), headers, 0.2)}
     if kind == "bad":
         bad = p["bad"]
         if bad == "method":

@@ -562,6 +562,14 @@ def slow_sim():
     proc.stop()
 
 
+@pytest.fixture(scope="module")
+def slow_front(slow_sim):
+    """The frontend (trio) in front of ``slow_sim`` alone."""
+    proc = start_frontend([f"vllm={slow_sim.url}"])
+    yield proc
+    proc.stop()
+
+
 LONG = {"token_ids": PROMPT, "stream": True, "stream_options": {"include_usage": True},
         "sampling_params": {"max_tokens": 500, "ignore_eos": True}}
 
@@ -611,20 +619,40 @@ def test_sim_abort_requests_rejects_bad_bodies(slow_sim):
     assert post(slow_sim.url, b"{", "/abort_requests").status_code == 400
 
 
-def test_client_disconnect_ends_the_engine_request(slow_sim):
-    front = start_frontend([f"vllm={slow_sim.url}"])
+def test_client_disconnect_ends_the_engine_request(slow_sim, slow_front):
+    before = stats(slow_sim)["seen_rids"]
+    sent = HTTP.get(slow_front.url + "/stats").json()["aborts_sent"]
+    client = RawClient(slow_front.url)
     try:
-        before = stats(slow_sim)["seen_rids"]
-        client = RawClient(front.url)
         client.send(orjson.dumps(LONG), path=GEN)
         assert len(client.events(2)) == 2
         rid = minted_rid(slow_sim, before)
-        client.close()
-        wait_until(lambda: rid not in stats(slow_sim)["running_rids"])
-        counters = wait_until(lambda: (s := HTTP.get(front.url + "/stats").json())["aborts_sent"] and s)
-        assert (counters["aborts_sent"], counters["aborts_unacknowledged"]) == (1, 0)
     finally:
-        front.stop()
+        client.close()
+    wait_until(lambda: rid not in stats(slow_sim)["running_rids"])
+    counters = wait_until(lambda: (c := HTTP.get(slow_front.url + "/stats").json())["aborts_sent"] > sent and c)
+    assert (counters["aborts_sent"], counters["aborts_unacknowledged"]) == (sent + 1, 0)
+
+
+def test_concurrent_duplicate_ids_do_not_collide(slow_sim, slow_front):
+    # Sent straight to the simulator (or an older vLLM), the second would be
+    # refused as already running; the frontend mints each engine id.
+    body = {"token_ids": PROMPT, "request_id": "dup", "stream": True, "sampling_params": {"max_tokens": 5}}
+    before = len(stats(slow_sim)["seen_rids"])
+    clients = [RawClient(slow_front.url) for _ in range(2)]
+    try:
+        for c in clients:
+            c.send(orjson.dumps(body), path=GEN)
+        answers = [c.events(100) for c in clients]
+    finally:
+        for c in clients:
+            c.close()
+    for payloads in answers:
+        chunks = events(payloads)
+        assert [c["request_id"] for c in chunks] == ["generate-tokens-dup"] * 5
+        assert [c["choices"][0]["token_ids"][0] for c in chunks] == CONTINUATION[:5]
+    minted = stats(slow_sim)["seen_rids"][before:]
+    assert len(set(minted)) == 2 and all(re.fullmatch(r"generate-tokens-[0-9a-f]{32}", r) for r in minted)
 
 
 # -- out of the box ----------------------------------------------------------------

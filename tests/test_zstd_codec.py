@@ -118,7 +118,10 @@ def test_well_formed_hand_built_frame():
             b'{"input_ids": [1]}',
             "the request body is not a zstd frame: it starts with 7b 22 69 6e, not the magic number 28 b5 2f fd",
         ),
-        (b"\x50\x2a\x4d\x18\x04\x00\x00\x00abcd", "the request body starts with a skippable frame; expected one zstd frame"),
+        (
+            b"\x50\x2a\x4d\x18\x04\x00\x00\x00abcd",
+            "the request body starts with a skippable frame; expected one zstd frame",
+        ),
         (MAGIC + b"\x28\x0a", "corrupt zstd frame header: Unsupported frame parameter"),
         (
             MAGIC + b"\x20\x0a" + (1 | 3 << 1 | 2 << 3).to_bytes(3, "little") + b"\xff\xff",
@@ -163,7 +166,9 @@ def test_body_cap_is_exact_for_declared_and_undeclared_sizes():
     undeclared = cobj.compress(data) + cobj.flush()
     for frame in (declared, undeclared):
         assert decompress_frame(frame, 5120) == data
-    assert rejected(declared, 5119) == (413, "the request body decompresses to 5120 bytes, over the limit of 5119 bytes")
+    assert rejected(declared, 5119) == (
+        413, "the request body decompresses to 5120 bytes, over the limit of 5119 bytes"
+    )
     assert rejected(undeclared, 5119) == (413, "the request body decompresses to more than the limit of 5119 bytes")
 
 
@@ -218,7 +223,10 @@ LIMIT = 32 * MiB  # the frontend's default body cap
         # The cap plus one 1 MiB read chunk.
         ("undeclared", 413, f"the request body decompresses to more than the limit of {LIMIT} bytes", LIMIT + 2 * MiB),
         # Refused from the header: nothing is decompressed.
-        ("declared", 413, f"the request body decompresses to {1024 * MiB} bytes, over the limit of {LIMIT} bytes", 64 * 1024),
+        (
+            "declared", 413, f"the request body decompresses to {1024 * MiB} bytes, over the limit of {LIMIT} bytes",
+            64 * 1024,
+        ),
         # zstd stops at the declared size: one read chunk.
         ("lying", 400, "corrupt zstd frame: it decompresses to more than the 1000 bytes its header declares", 2 * MiB),
     ],
@@ -270,7 +278,13 @@ def test_bomb_peak_rss_including_zstd_own_buffers(bombs, tmp_path: pathlib.Path)
 # -- laws --------------------------------------------------------------------------
 
 token_ids = st.lists(st.integers(0, 300_000), min_size=1, max_size=40)
-json_scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12)
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+)
 json_values = st.recursive(
     json_scalars,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
@@ -389,7 +403,8 @@ def worker_streams(draw) -> tuple[bool, list[bytes]]:
     incremental = draw(st.booleans())
     ids = draw(st.lists(st.integers(0, 50_000), min_size=0, max_size=12))
     steps = sorted(set(draw(st.lists(st.integers(1, max(1, len(ids))), max_size=4))) | {len(ids)})
-    extra = draw(st.dictionaries(st.sampled_from(["output_token_logprobs", "weight_version", "e2e_latency"]), json_values, max_size=2))
+    extra_keys = st.sampled_from(["output_token_logprobs", "weight_version", "e2e_latency"])
+    extra = draw(st.dictionaries(extra_keys, json_values, max_size=2))
     prompt = draw(st.integers(1, 100))
     end = draw(
         st.sampled_from(

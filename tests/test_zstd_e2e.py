@@ -73,13 +73,13 @@ def test_sse_events_are_the_sglang_events_compressed(frontend, name):
 
 
 def test_frontend_errors_are_plain_sglang_json(frontend):
-    wrong_type = post(frontend.url, encode_request({"input_ids": [1]}), PATH, headers={"content-type": "application/json"})
+    frame = encode_request({"input_ids": [1]})
+    wrong_type = post(frontend.url, frame, PATH, headers={"content-type": "application/json"})
     assert (wrong_type.status_code, wrong_type.headers["content-type"]) == (415, "application/json")
     assert wrong_type.content == (
         b'{"object":"error","message":"Content-Type must be application/zstd, not \'application/json\'",'
         b'"type":"Unsupported Media Type","param":null,"code":415}'
     )
-    frame = encode_request({"input_ids": [1]})
     truncated = post(frontend.url, frame[:-3], PATH, headers=ZSTD)
     assert (truncated.status_code, truncated.headers["content-type"]) == (400, "application/json")
     assert truncated.json() == {

@@ -210,7 +210,10 @@ class SGLangCodec(Codec):
 class SGLangExchange(Exchange):
     """One SGLang request's state across worker attempts."""
 
-    __slots__ = ("request", "public_id", "seen", "last", "merged", "incremental")
+    __slots__ = (
+        "request", "public_id", "seen", "last", "merged", "incremental", "payload", "engine_tag",
+        "public_tag",
+    )
 
     def __init__(self, request: GenerateRequest, public_id: str) -> None:
         self.request = request
@@ -219,6 +222,9 @@ class SGLangExchange(Exchange):
         self.last: dict | None = None
         self.merged: dict | None = None
         self.incremental = False
+        self.payload = b""
+        self.engine_tag = b""
+        self.public_tag = orjson.dumps(public_id)
 
     def worker_request(self, attempt: Attempt) -> WorkerRequest:
         """The client's body with ``rid`` minted and ``stream`` on."""
@@ -226,6 +232,7 @@ class SGLangExchange(Exchange):
         body["rid"] = attempt.engine_id
         body["stream"] = True
         self.incremental = bool(attempt.worker_info.get("incremental_streaming_output"))
+        self.engine_tag = orjson.dumps(attempt.engine_id)
         return WorkerRequest(b"/generate", orjson.dumps(body))
 
     def feed(self, attempt: Attempt, payload: bytes) -> Event:
@@ -244,6 +251,7 @@ class SGLangExchange(Exchange):
             self.last = chunk
             return Event([], error=EngineError(code if type(code) is int else 400, message))
         meta["id"] = self.public_id
+        self.payload = payload
         ids = chunk.get("output_ids") or []
         if self.incremental:
             new = ids
@@ -283,7 +291,14 @@ class SGLangExchange(Exchange):
                 meta[key] = value
 
     def client_event(self, event: Event) -> bytes | None:
-        """The worker's chunk, ``meta_info.id`` restored."""
+        """The worker's chunk, ``meta_info.id`` restored.
+
+        The minted engine id is a unique 32-hex string, so swapping it in the
+        worker's own bytes restores the client's id without re-serialising:
+        the client gets the engine's bytes, not a re-encoding of them.
+        """
+        if event.error is None and self.engine_tag in self.payload:
+            return self.payload.replace(self.engine_tag, self.public_tag, 1)
         return orjson.dumps(self.last)
 
     def unary_body(self) -> tuple[int, bytes]:
