@@ -7,8 +7,6 @@ output_tokens must equal what that client received."""
 from __future__ import annotations
 
 import random
-import re
-import socket
 import subprocess
 import sys
 import time
@@ -20,55 +18,16 @@ import pytest
 
 from asgi_generate.assets import TOKENIZER_PATH
 from support import start_frontend, start_sim
+from test_trace_e2e import raw_request, sse_then_hang_up, tokens_in
 
 N = 500
-_EVENT = re.compile(rb"data: (.*?)\n\n", re.DOTALL)
 SYSTEM_PROMPTS = [list(range(100 + 200 * i, 228 + 200 * i)) for i in range(3)]
-
-
-def tokens_in(raw: bytes) -> int:
-    """Tokens in the complete SGLang SSE events of ``raw`` (cumulative chunks)."""
-    best = 0
-    for payload in _EVENT.findall(raw):
-        if payload != b"[DONE]":
-            best = max(best, len(orjson.loads(payload).get("output_ids", [])))
-    return best
-
-
-def raw_request(url: str, payload: bytes, headers: dict) -> socket.socket:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=10)
-    extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    head = (f"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n{extra}"
-            f"content-length: {len(payload)}\r\n\r\n").encode()
-    sock.sendall(head + payload)
-    return sock
-
-
-def sse_then_hang_up(url: str, payload: bytes, headers: dict, k: int) -> int:
-    """Read until ``k`` SSE events arrived (or the answer ended), hang up,
-    and return the tokens received."""
-    sock = raw_request(url, payload, headers)
-    raw = b""
-    try:
-        while k and len(_EVENT.findall(raw)) < k and b"[DONE]" not in raw:
-            if raw.startswith(b"HTTP/1.1 ") and not raw.startswith(b"HTTP/1.1 200") and b"\r\n\r\n" in raw:
-                break
-            data = sock.recv(65536)
-            if not data:
-                break
-            raw += data
-        # Hang up our side, then read what the server had already sent
-        # until it closes: what was sent is what was received.
-        sock.shutdown(socket.SHUT_WR)
-        while data := sock.recv(65536):
-            raw += data
-    finally:
-        sock.close()
-    return tokens_in(raw)
+BAD_STATUS = {"json": 400, "empty": 400, "method": 405, "too_large": 413, "n": 400}
 
 
 def unary_then_hang_up(url: str, payload: bytes, headers: dict, delay: float) -> int:
+    """Hang up ``delay`` seconds into a unary request (before its answer):
+    the client received no tokens."""
     sock = raw_request(url, payload, headers)
     time.sleep(delay)
     sock.close()
@@ -130,9 +89,6 @@ def run(url: str, p: dict) -> dict:
         return {"status": r.status_code, "tokens": tokens_in(raw) if r.status_code == 200 else 0}
     r = httpx.post(url + "/generate", content=orjson.dumps(body), headers=headers, timeout=30)
     return {"status": r.status_code, "tokens": len(r.json().get("output_ids", [])) if r.status_code == 200 else 0}
-
-
-BAD_STATUS = {"json": 400, "empty": 400, "method": 405, "too_large": 413, "n": 400}
 
 
 @pytest.mark.timeout(240)

@@ -323,6 +323,19 @@ def test_multimodal_features_are_forwarded_and_answered(vfront, vsim):
     check_parity(vfront, vsim, body)
 
 
+def test_sim_control_routes(vsim):
+    health = HTTP.get(vsim.url + "/health")
+    assert (health.status_code, health.content) == (200, b"")
+    (card,) = HTTP.get(vsim.url + "/v1/models").json()["data"]
+    assert (card["id"], card["object"], card["owned_by"], card["max_model_len"]) == ("sim", "model", "vllm", 32768)
+    assert HTTP.get(vsim.url + "/generate").status_code == 404
+    # vLLM's route takes JSON only; the frontend sends the header for its clients.
+    r = post(vsim.url, {"token_ids": [1], "sampling_params": {}}, GEN)
+    assert (r.status_code, r.json()) == (400, {"error": {
+        "message": "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+        "type": "Bad Request", "param": None, "code": 400}})
+
+
 # -- request ids -------------------------------------------------------------
 
 

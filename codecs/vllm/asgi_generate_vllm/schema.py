@@ -7,8 +7,7 @@ Wire sources (vLLM, read through the code index):
   ``sampling_params`` required), ``MultiModalFeatures`` and
   ``PlaceholderRangeInfo``.
 - ``vllm/sampling_params.py`` ``SamplingParams._verify_args``: the value
-  messages for ``n``, ``max_tokens``, ``logprobs``, ``prompt_logprobs`` and
-  ``stop_token_ids``.
+  messages for ``n``, ``max_tokens``, ``logprobs`` and ``prompt_logprobs``.
 - ``vllm/entrypoints/serve/exception_handling/handlers/validation.py``: a
   pydantic error becomes HTTP 400 ``{"error": {"message": "1 validation
   error:\\n  {'type': ..., 'loc': 'body.token_ids', 'msg': ..., 'input': ...}",
@@ -98,7 +97,7 @@ STREAM_OPTIONS = (
     {"include_usage": ("nullable", BOOL), "continuous_usage_stats": ("nullable", BOOL)},
     (),
 )
-# Only the sampling fields the frontend reads; vLLM checks the rest.
+# Only the sampling fields the frontend reads; the engine checks the rest.
 SAMPLING_PARAMS = (
     "model",
     {
@@ -106,8 +105,6 @@ SAMPLING_PARAMS = (
         "max_tokens": ("nullable", INT),
         "logprobs": ("nullable", INT),
         "prompt_logprobs": ("nullable", INT),
-        "stop_token_ids": ("nullable", ("list", INT)),
-        "ignore_eos": BOOL,
     },
     (),
 )

@@ -11,8 +11,8 @@ so a truncated frame or bytes after it are told apart from corruption (the
 ``zstandard`` binding does not expose ``ZSTD_findFrameCompressedSize``, and
 its streaming reader ends a truncated frame silently). Decompression then
 streams in chunks and stops as soon as the output passes ``limit``: a
-decompression bomb costs at most ``limit`` bytes of output plus one zstd
-block (128 KiB) of decoder state.
+decompression bomb costs at most ``limit + 1`` bytes of output plus the
+decoder's window buffer, which is touched only as far as it decoded.
 """
 
 from __future__ import annotations
