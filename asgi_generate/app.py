@@ -23,7 +23,7 @@ import orjson
 from .accounting import RequestState
 from .codec import Codec
 from .config import Settings
-from .embedded import embedded_workers
+from .embedded import embedded_fleet
 from .framing import Receive, Send, send_unary
 from .handler import handle_generate, reject_method
 from .registry import LoadedCodec, load_codecs
@@ -112,19 +112,16 @@ class App:
             async with AsyncExitStack() as stack:
                 specs = self.settings.workers
                 if not specs:
-                    # Simulators for each protocol a served codec rides on
-                    # and the simulator speaks, so every route answers.
-                    served = {item.codec.worker_protocol for item in self.codecs}
-                    for protocol in ("sglang", "vllm"):
-                        if protocol in served:
-                            specs = specs + await stack.enter_async_context(
-                                embedded_workers(
-                                    self.settings.embedded_workers,
-                                    protocol,
-                                    self.settings.embedded_ttft_ms,
-                                    self.settings.embedded_itl_ms,
-                                )
-                            )
+                    # Simulators for each protocol a served codec rides on,
+                    # so every route answers.
+                    specs = await stack.enter_async_context(
+                        embedded_fleet(
+                            {item.codec.worker_protocol for item in self.codecs},
+                            self.settings.embedded_workers,
+                            self.settings.embedded_ttft_ms,
+                            self.settings.embedded_itl_ms,
+                        )
+                    )
                 self.router = Router(
                     specs,
                     connect_timeout=self.settings.connect_timeout,

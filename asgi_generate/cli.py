@@ -152,7 +152,8 @@ def _serve(args: argparse.Namespace) -> int:
         from .supervisor import listening_socket, supervise
 
         sock = socket.socket(fileno=args.fd) if args.fd is not None else listening_socket(args.host, args.port)
-        return supervise(settings, sock, args.workers, args.worker_class, args.shutdown_grace)
+        protocols = {item.codec.worker_protocol for item in codecs}
+        return supervise(settings, sock, args.workers, args.worker_class, args.shutdown_grace, protocols)
     try:
         app = App(settings, codecs)
     except (CodecLoadError, TraceSetupError) as exc:

@@ -16,6 +16,7 @@ Per request the handler calls, in order::
         wreq  = exchange.worker_request(attempt)    # bytes for the worker
         event = exchange.feed(attempt, payload)     # per worker SSE payload
         data  = exchange.client_event(event)        # SSE mode: bytes to send
+        event = exchange.end_of_stream(attempt)     # stream ended unfinished
     status, body = exchange.unary_body()             # unary mode, at the end
 """
 
@@ -106,11 +107,18 @@ class Attempt:
 
 @dataclass(slots=True)
 class WorkerRequest:
-    """What to POST to a worker: path, body and extra headers."""
+    """What to POST to a worker: path, body and extra headers.
+
+    ``stream`` says how the worker answers: SSE events, each fed to
+    :meth:`Exchange.feed` as it comes (the default, which lets the handler
+    time the first token and count tokens as they go), or one unary body fed
+    whole, for what an engine only puts in unary answers.
+    """
 
     path: bytes
     body: bytes
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    stream: bool = True
 
 
 @dataclass(slots=True)
@@ -147,17 +155,24 @@ class Exchange:
     events, renders the client's answer. Subclass per codec."""
 
     def worker_request(self, attempt: Attempt) -> WorkerRequest:
-        """The worker request body for ``attempt``; always a streaming request."""
+        """The worker request for ``attempt``."""
         raise NotImplementedError
 
     def feed(self, attempt: Attempt, payload: bytes) -> Event:
-        """Parse one worker SSE ``data`` payload (never ``[DONE]``).
+        """Parse one worker SSE ``data`` payload (never ``[DONE]``), or the
+        whole body of a non-streaming worker answer.
 
         Raises:
             RequestError: the payload is not what the worker protocol allows
                 (kind ``engine``).
         """
         raise NotImplementedError
+
+    def end_of_stream(self, attempt: Attempt) -> Event | None:
+        """The worker's stream ended before any event finished the request:
+        the finishing event the codec can still make (e.g. from a held finish
+        reason), or ``None`` when the answer is truly cut short."""
+        return None
 
     def client_event(self, event: Event) -> bytes | None:
         """SSE mode: the ``data`` payload to send the client for ``event``

@@ -14,8 +14,8 @@ import os
 import socket
 import subprocess
 import sys
-from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import AsyncIterator, Iterable
 
 import anyio
 
@@ -104,3 +104,22 @@ async def _stop(proc: anyio.abc.Process) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+#: The protocols the simulator speaks, in the order embedded workers start.
+SIM_PROTOCOLS = ("sglang", "vllm")
+
+
+@asynccontextmanager
+async def embedded_fleet(
+    protocols: Iterable[str], count: int, ttft_ms: float = 0.0, itl_ms: float = 0.0
+) -> AsyncIterator[list[tuple[str, str]]]:
+    """:func:`embedded_workers` for each of ``protocols`` the simulator
+    speaks (in :data:`SIM_PROTOCOLS` order); yields all their specs."""
+    wanted = set(protocols)
+    async with AsyncExitStack() as stack:
+        specs: list[tuple[str, str]] = []
+        for protocol in SIM_PROTOCOLS:
+            if protocol in wanted:
+                specs += await stack.enter_async_context(embedded_workers(count, protocol, ttft_ms, itl_ms))
+        yield specs

@@ -155,7 +155,7 @@ class _Generation:
 
     __slots__ = (
         "app", "codec", "ex", "req", "st", "send", "finished", "pending", "in_send", "last_send",
-        "scope", "shutdown", "write_timeout", "send_started",
+        "scope", "shutdown", "write_timeout", "send_started", "timed",
     )
 
     def __init__(
@@ -171,6 +171,7 @@ class _Generation:
         self.pending = 0
         self.in_send = False
         self.last_send = self.send_started = time.monotonic()
+        self.timed = True
         self.scope: anyio.CancelScope | None = None
         self.shutdown = False
         self.write_timeout = app.settings.slow_client_timeout
@@ -227,18 +228,19 @@ class _Generation:
                     )
                     await self._unary(status, body)
                     return False
-                decoder = SSEDecoder()
-                async for chunk in resp.chunks():
-                    for payload in decoder.feed(chunk):
-                        if self.finished or payload == DONE:
-                            continue
-                        event = ex.feed(attempt, payload)
-                        if event.error is not None or event.finish_reason is not None:
-                            attempt.live = False
-                            attempt.outcome = "finished" if event.error is None else "error"
-                        await self._deliver(event)
+                if not wreq.stream:
+                    await self._feed_whole(attempt, await resp.read())
+                else:
+                    decoder = SSEDecoder()
+                    async for chunk in resp.chunks():
+                        for payload in decoder.feed(chunk):
+                            if not self.finished and payload != DONE:
+                                await self._feed(attempt, payload)
                 if not self.finished:
-                    raise WorkerError("worker ended the response without a finish reason")
+                    event = ex.end_of_stream(attempt)
+                    if event is None or (event.error is None and event.finish_reason is None):
+                        raise WorkerError("worker ended the response without a finish reason")
+                    await self._settle(attempt, event)
                 return False
         except ConnectFailed as exc:
             attempt.live = False
@@ -271,6 +273,21 @@ class _Generation:
             self.in_send = False
             self.last_send = time.monotonic()
 
+    async def _feed(self, attempt: Attempt, payload: bytes) -> None:
+        await self._settle(attempt, self.ex.feed(attempt, payload))
+
+    async def _feed_whole(self, attempt: Attempt, body: bytes) -> None:
+        # One unary worker answer carries no token timing: TTFT and ITL
+        # stay unknown rather than equal to the total.
+        self.timed = False
+        await self._feed(attempt, body)
+
+    async def _settle(self, attempt: Attempt, event: Event) -> None:
+        if event.error is not None or event.finish_reason is not None:
+            attempt.live = False
+            attempt.outcome = "finished" if event.error is None else "error"
+        await self._deliver(event)
+
     async def _send(self, body: bytes, more: bool) -> None:
         await self._write({"type": "http.response.body", "body": body, "more_body": more})
 
@@ -300,7 +317,7 @@ class _Generation:
         st, ex = self.st, self.ex
         now = time.monotonic()
         n = len(event.token_ids)
-        if n:
+        if n and self.timed:
             if st.t_first_token is None:
                 st.t_first_token = now
             st.t_last_token = now

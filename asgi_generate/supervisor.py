@@ -21,7 +21,7 @@ from contextlib import AsyncExitStack
 import anyio
 
 from .config import Settings
-from .embedded import embedded_workers
+from .embedded import embedded_fleet
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -36,21 +36,25 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def supervise(
-    settings: Settings, sock: socket.socket, processes: int, worker_class: str, shutdown_grace: float
+    settings: Settings,
+    sock: socket.socket,
+    processes: int,
+    worker_class: str,
+    shutdown_grace: float,
+    protocols: set[str],
 ) -> int:
-    """Run ``processes`` frontend children on ``sock`` until they exit;
+    """Run ``processes`` frontend children on ``sock`` until they exit
+    (embedded simulators for ``protocols`` when no worker is configured);
     returns the first non-zero exit code, else 0."""
 
     async def main() -> int:
         async with AsyncExitStack() as stack:
             specs = settings.workers
             if not specs:
-                specs = []
-                for protocol in ("sglang", "vllm"):
-                    specs += await stack.enter_async_context(
-                        embedded_workers(settings.embedded_workers, protocol,
-                                         settings.embedded_ttft_ms, settings.embedded_itl_ms)
-                    )
+                specs = await stack.enter_async_context(
+                    embedded_fleet(protocols, settings.embedded_workers,
+                                   settings.embedded_ttft_ms, settings.embedded_itl_ms)
+                )
             env = {**os.environ, **dataclasses.replace(settings, workers=specs).to_env()}
             cmd = [sys.executable, "-m", "asgi_generate.supervisor", "--fd", str(sock.fileno()),
                    "--worker-class", worker_class, "--shutdown-grace", str(shutdown_grace)]

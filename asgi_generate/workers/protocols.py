@@ -19,7 +19,7 @@ class WorkerProtocol:
     Attributes:
         name: ``sglang`` or ``vllm``.
         health_path: GET, 200 when the engine serves.
-        info_path: GET, JSON server info (``None`` if the engine has none).
+        info_path: GET, JSON server info (see :meth:`read_info`).
         abort_path: POST route that aborts requests by id.
         engine_id_prefix: what the engine puts before the id it was given
             (vLLM's ``generate-tokens-``).
@@ -31,6 +31,19 @@ class WorkerProtocol:
     abort_path: bytes
     engine_id_prefix: str = ""
 
+    def read_info(self, obj: object) -> dict:
+        """Normalise the info route's JSON: SGLang's ``/get_server_info`` as
+        is; vLLM's ``/v1/models`` as ``{"served_model_name", "max_model_len"}``
+        of its first model. Anything unexpected gives ``{}``."""
+        if not isinstance(obj, dict):
+            return {}
+        if self.name != "vllm":
+            return obj
+        data = obj.get("data")
+        if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+            return {}
+        return {"served_model_name": data[0].get("id"), "max_model_len": data[0].get("max_model_len")}
+
     def abort_body(self, engine_id: str) -> bytes:
         """The abort request body for ``engine_id`` (the id as minted)."""
         if self.name == "vllm":
@@ -39,5 +52,5 @@ class WorkerProtocol:
 
 
 SGLANG = WorkerProtocol("sglang", b"/health", b"/get_server_info", b"/abort_request")
-VLLM = WorkerProtocol("vllm", b"/health", None, b"/abort_requests", "generate-tokens-")
+VLLM = WorkerProtocol("vllm", b"/health", b"/v1/models", b"/abort_requests", "generate-tokens-")
 PROTOCOLS = {p.name: p for p in (SGLANG, VLLM)}

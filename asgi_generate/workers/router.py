@@ -149,8 +149,7 @@ class Router:
                         body = await resp.read()
                         if resp.status != 200:
                             raise WorkerError(f"server info answered {resp.status}")
-                    info = orjson.loads(body)
-                    worker.info = info if isinstance(info, dict) else {}
+                    worker.info = proto.read_info(orjson.loads(body))
         except (WorkerError, TimeoutError, orjson.JSONDecodeError) as exc:
             self.mark_down(worker, str(exc) or type(exc).__name__)
             return False

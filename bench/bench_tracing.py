@@ -1,0 +1,188 @@
+"""What request-end tracing costs: the frontend with tracing off vs on.
+
+One simulated SGLang worker (zero TTFT and ITL) serves two asgi-generate
+frontends (hypercorn, trio) side by side:
+
+- ``off``: no tracing (the default);
+- ``on``: ``--trace-file`` (JSONL) with ``--tokenizer`` (the bundled
+  tokenizer.json), ``--reasoning-parser qwen3`` and ``--tool-call-parser
+  hermes``, so every record is hashed, decoded and parsed.
+
+For each input size (128 and 16384 token ids; 32 output tokens with
+``ignore_eos``, unary, with an ``x-session-id`` header) it runs three
+repetitions, alternating ``off`` and ``on`` within each (the order flips
+every repetition), each a closed loop of ``--seconds`` at ``--concurrency``
+keep-alive connections from an asyncio client in this process. Measured per
+cell: completed requests/s, and the frontend process's CPU seconds (user +
+system, all threads, from ``/proc/<pid>/stat``) per request. It prints a
+table per size and the on/off ratios, and checks that the ``on`` frontend
+wrote one record per request and dropped none.
+
+Usage: ``python bench/bench_tracing.py [--seconds 5] [--concurrency 8]``.
+Linux only (``/proc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import orjson
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from support import listening_socket, start_sim  # noqa: E402
+
+from asgi_generate.assets import TOKENIZER_PATH  # noqa: E402
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+OUTPUT_TOKENS = 32
+SIZES = (128, 16384)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all threads)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+class Frontend:
+    """``asgi-generate serve`` in front of ``sim_url``, with extra flags."""
+
+    def __init__(self, sim_url: str, extra: list[str], log: pathlib.Path) -> None:
+        sock = listening_socket()
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(log, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "asgi_generate", "serve", "--worker", f"sglang={sim_url}",
+             "--worker-class", "trio", "--log-level", "warning", "--fd", str(sock.fileno()), *extra],
+            pass_fds=[sock.fileno()], stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+        )
+        sock.close()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"frontend did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+def request_bytes(input_len: int) -> bytes:
+    body = orjson.dumps({
+        "input_ids": [100 + (i * 7919) % 3900 for i in range(input_len)],
+        "sampling_params": {"max_new_tokens": OUTPUT_TOKENS, "ignore_eos": True},
+    })
+    return (b"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            b"x-session-id: bench\r\ncontent-length: %d\r\n\r\n" % len(body)) + body
+
+
+async def connection(port: int, request: bytes, stop_at: float, done: list[int]) -> None:
+    """One keep-alive connection sending ``request`` until ``stop_at``."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        while time.monotonic() < stop_at:
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"bad answer: {head[:200]!r}")
+            length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+            await reader.readexactly(length)
+            done[0] += 1
+    finally:
+        writer.close()
+
+
+def measure(fe: Frontend, request: bytes, seconds: float, concurrency: int) -> tuple[float, float]:
+    """Run one cell; return (requests/s, frontend CPU ms per request)."""
+    done = [0]
+
+    async def main() -> None:
+        stop_at = time.monotonic() + seconds
+        await asyncio.gather(*(connection(fe.port, request, stop_at, done) for _ in range(concurrency)))
+
+    cpu0, t0 = cpu_seconds(fe.proc.pid), time.monotonic()
+    asyncio.run(main())
+    cpu1, t1 = cpu_seconds(fe.proc.pid), time.monotonic()
+    return done[0] / (t1 - t0), (cpu1 - cpu0) * 1000.0 / done[0]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=5.0, help="seconds per cell (default %(default)s)")
+    parser.add_argument("--concurrency", type=int, default=8, help="connections (default %(default)s)")
+    args = parser.parse_args()
+
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-tracing-"))
+    sim = start_sim()
+    fronts: dict[str, Frontend] = {}
+    try:
+        fronts["off"] = Frontend(sim.url, [], tmp / "off.log")
+        fronts["on"] = Frontend(sim.url, [
+            "--trace-file", str(tmp / "trace.jsonl"), "--tokenizer", str(TOKENIZER_PATH),
+            "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
+        ], tmp / "on.log")
+        results: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        for size in SIZES:
+            request = request_bytes(size)
+            for fe in fronts.values():  # warm up: connections, caches
+                measure(fe, request, min(1.0, args.seconds), args.concurrency)
+            for rep in range(3):
+                order = ("off", "on") if rep % 2 == 0 else ("on", "off")
+                for mode in order:
+                    results.setdefault((size, mode), []).append(
+                        measure(fronts[mode], request, args.seconds, args.concurrency))
+        trace = httpx.get(fronts["on"].url + "/stats", timeout=10).json()["trace"]
+    finally:
+        for fe in fronts.values():
+            fe.stop()
+        sim.stop()
+
+    print(f"# tracing off vs on: {OUTPUT_TOKENS} output tokens, unary, concurrency {args.concurrency}, "
+          f"{args.seconds:g} s per cell, 3 interleaved repetitions, {os.cpu_count()} CPUs\n")
+    print("| input tokens | mode | req/s (per rep) | frontend CPU ms/req (per rep) |")
+    print("|---|---|---|---|")
+    for size in SIZES:
+        for mode in ("off", "on"):
+            cells = results[(size, mode)]
+            rps = " ".join(f"{r:.1f}" for r, _ in cells)
+            cpu = " ".join(f"{c:.3f}" for _, c in cells)
+            print(f"| {size} | {mode} | {statistics.median(r for r, _ in cells):.1f} ({rps}) | "
+                  f"{statistics.median(c for _, c in cells):.3f} ({cpu}) |")
+    print("\n| input tokens | CPU/request on/off | throughput on/off |")
+    print("|---|---|---|")
+    for size in SIZES:
+        off, on = results[(size, "off")], results[(size, "on")]
+        cpu_ratio = statistics.median(c for _, c in on) / statistics.median(c for _, c in off)
+        tput_ratio = statistics.median(r for r, _ in on) / statistics.median(r for r, _ in off)
+        print(f"| {size} | {cpu_ratio:.3f} ({(cpu_ratio - 1) * 100:+.1f}%) | "
+              f"{tput_ratio:.3f} ({(tput_ratio - 1) * 100:+.1f}%) |")
+    records = sum(len(p.read_bytes().splitlines()) for p in tmp.glob("trace.*.jsonl"))
+    print(f"\ntrace (on): {trace['submitted']} requests, {records} records in files, dropped {trace['dropped']}")
+    return 0 if records == trace["submitted"] and not any(trace["dropped"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
