@@ -42,6 +42,7 @@ class RequestState:
     error_type: str | None = None
     error_message: str | None = None
     finish_reason: str | None = None
+    finish_matched: int | str | None = None
     output_tokens: int = 0
     prompt_tokens: int | None = None
     engine_completion_tokens: int | None = None

@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--skip-broken-codecs", action="store_true",
                        help="start even if an installed codec fails to load (it is logged and skipped)")
     serve.add_argument("--trace-file", default=d.trace_file, metavar="PATH",
-                       help="write one JSONL request-end record per request to PATH.<pid>.<start>.<n>.jsonl "
-                            "(tracing is off unless this or --trace-stderr is given)")
+                       help="write one JSONL request-end record per request to files named "
+                            "PATH.<pid>.<start>.<n>.jsonl (PATH less any .jsonl suffix); tracing is off "
+                            "unless this or --trace-stderr is given")
     serve.add_argument("--trace-stderr", action="store_true", help="write the trace records to stderr too")
     serve.add_argument("--trace-queue-size", type=int, default=d.trace_queue_size,
                        help="records that may wait for the trace writer; more are dropped and counted "
@@ -95,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--itl-ms", type=float, default=0.0, help="inter-token latency in ms")
     sim.add_argument("--incremental-streaming-output", action="store_true",
                      help="SGLang: stream deltas instead of cumulative chunks")
+    sim.add_argument("--no-usage-chunk", action="store_true",
+                     help="vLLM: never end a stream with the usage chunk, even when asked (as a build "
+                          "that ignores stream_options.include_usage)")
     sim.add_argument("--model-name", default="sim", help="served model name (default %(default)s)")
     sim.add_argument("--parent-pid", type=int, default=None, help="exit when this process exits")
     sim.add_argument("--worker-class", choices=WORKER_CLASSES, default="asyncio",
@@ -173,6 +177,7 @@ def _sim(args: argparse.Namespace) -> int:
         incremental_streaming_output=args.incremental_streaming_output,
         model_name=args.model_name,
         parent_pid=args.parent_pid,
+        usage_chunk=not args.no_usage_chunk,
     )
     config = hypercorn_config(host=args.host, port=args.port, fd=args.fd, graceful_timeout=1.0)
     config.loglevel = args.log_level.upper()

@@ -41,7 +41,8 @@ class RequestError(Exception):
         status: HTTP status (400, 404, 405, 413, 415, 503, ...).
         message: what was wrong, for a human.
         kind: a short machine name (``invalid_json``, ``invalid_request``,
-            ``too_large``, ``unavailable``, ``engine``, ``internal``); codecs
+            ``too_large``, ``unsupported_media_type``, ``method_not_allowed``,
+            ``unavailable``, ``shutdown``, ``engine``, ``internal``); codecs
             may pick their error shape from it.
     """
 
@@ -140,6 +141,8 @@ class Event:
         error: set when the engine reported an error instead of output.
         prompt_tokens, completion_tokens, cached_tokens: usage the engine
             reported, when it did.
+        matched: with ``stop``, the stop token id or string that matched,
+            when the engine says (SGLang ``matched``, vLLM ``stop_reason``).
     """
 
     token_ids: list[int]
@@ -148,6 +151,7 @@ class Event:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    matched: int | str | None = None
 
 
 class Exchange:

@@ -321,10 +321,10 @@ class _Generation:
             if st.t_first_token is None:
                 st.t_first_token = now
             st.t_last_token = now
-            if self.app.trace_output_ids:  # only for a trace parser; default path skips it
-                if st.output_ids is None:
-                    st.output_ids = []
-                st.output_ids.extend(event.token_ids)
+        if n and self.app.trace_output_ids:  # only for a trace parser; default path skips it
+            if st.output_ids is None:
+                st.output_ids = []
+            st.output_ids.extend(event.token_ids)
         if event.completion_tokens is not None:
             st.engine_completion_tokens = event.completion_tokens
         if event.prompt_tokens is not None:
@@ -336,6 +336,7 @@ class _Generation:
             st.fail("engine_error", None, "engine", event.error.message)
         elif done:
             st.finish_reason = event.finish_reason
+            st.finish_matched = event.matched
         if self.req.stream:
             await self._start_stream()
             data = ex.client_event(event)

@@ -370,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown hop(s) {unknown}; choose from {list(HOPS)}", file=sys.stderr)
         return 2
+    # Unwind (stopping every child) on Ctrl-C or SIGTERM, even when started
+    # in the background with SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load_before = os.getloadavg()[0]
     wrk = wrk_path() or install_wrk()
@@ -421,4 +424,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted; every process the benchmark started was stopped", file=sys.stderr)
+        sys.exit(130)

@@ -14,6 +14,8 @@ import glob
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -107,17 +109,16 @@ class Traced:
         assert count == self.expected == self.taken
 
 
-def traced(tmp_path_factory, name: str, sim_url: str, worker_class: str, extra: list[str] = ()) -> Traced:
+def traced(tmp_path_factory, name: str, worker: str, worker_class: str, extra: list[str] = ()) -> Traced:
     base = str(tmp_path_factory.mktemp(name) / "trace")
-    proc = start_frontend([f"sglang={sim_url}"], worker_class=worker_class,
-                          extra=["--trace-file", base + ".jsonl", *extra])
+    proc = start_frontend([worker], worker_class=worker_class, extra=["--trace-file", base + ".jsonl", *extra])
     return Traced(proc, base)
 
 
 @pytest.fixture(scope="module")
 def fast(tmp_path_factory):
     sim = start_sim()
-    fe = traced(tmp_path_factory, "fast", sim.url, "trio", ["--max-body-bytes", "65536", *PARSERS])
+    fe = traced(tmp_path_factory, "fast", f"sglang={sim.url}", "trio", ["--max-body-bytes", "65536", *PARSERS])
     yield fe
     fe.finish()
     sim.stop()
@@ -126,7 +127,7 @@ def fast(tmp_path_factory):
 @pytest.fixture(scope="module")
 def slow(tmp_path_factory):
     sim = start_sim(ttft_ms=1000, itl_ms=200)
-    fe = traced(tmp_path_factory, "slow", sim.url, "asyncio")
+    fe = traced(tmp_path_factory, "slow", f"sglang={sim.url}", "asyncio")
     fe.sim = sim
     yield fe
     fe.finish()
@@ -178,7 +179,9 @@ def test_natural_stop_counts(fast):
     got = r.json()
     (rec,) = fast.take()
     assert rec["output_tokens"] == len(got["output_ids"])
-    assert rec["finish"]["backend_finish_reason"] == got["meta_info"]["finish_reason"]["type"]
+    finish = got["meta_info"]["finish_reason"]
+    assert rec["finish"]["backend_finish_reason"] == finish["type"]
+    assert rec["finish"].get("matched") == finish.get("matched")
 
 
 def test_session_headers(fast):
@@ -274,7 +277,7 @@ def test_unary_disconnect_mid_generation(slow):
 @pytest.mark.parametrize("stream", [False, True])
 def test_engine_dies_mid_request(tmp_path_factory, stream):
     sim = start_sim(ttft_ms=0, itl_ms=100)
-    fe = traced(tmp_path_factory, "dies", sim.url, "trio")
+    fe = traced(tmp_path_factory, "dies", f"sglang={sim.url}", "trio")
     try:
         results: dict = {}
 
@@ -311,7 +314,7 @@ def test_engine_dies_mid_request(tmp_path_factory, stream):
 
 def test_shutdown_with_requests_in_flight(tmp_path_factory):
     sim = start_sim(ttft_ms=0, itl_ms=100)
-    fe = traced(tmp_path_factory, "shutdown", sim.url, "trio", ["--shutdown-grace", "0.5"])
+    fe = traced(tmp_path_factory, "shutdown", f"sglang={sim.url}", "trio", ["--shutdown-grace", "0.5"])
     try:
         results: dict = {}
 
@@ -333,3 +336,71 @@ def test_shutdown_with_requests_in_flight(tmp_path_factory):
     finally:
         fe.finish()
         sim.stop()
+
+
+def test_worker_processes_write_their_own_files(tmp_path):
+    sim = start_sim()
+    fe = start_frontend([f"sglang={sim.url}"], extra=["--workers", "2", "--trace-file", str(tmp_path / "t.jsonl")])
+    try:
+        for i in range(30):  # a new connection each: the kernel spreads them over the processes
+            assert post(fe.url, body(2, stream=False, rid=f"mw{i}")).status_code == 200
+    finally:
+        fe.stop()
+        sim.stop()
+    files = sorted(tmp_path.glob("t.*.jsonl"))
+    pids = {f.name.split(".")[1] for f in files}
+    assert len(pids) == len(files) >= 1
+    assert str(fe.proc.pid) not in pids  # written by the worker processes, not the parent
+    count, problems = check_records(rec for f in files for rec in read_jsonl(str(f)))
+    assert (count, problems) == (30, [])
+
+
+def test_bad_trace_settings_stop_the_server_at_once():
+    out = subprocess.run(
+        [sys.executable, "-m", "asgi_generate", "serve", "--worker", "sglang=http://127.0.0.1:9",
+         "--trace-stderr", "--reasoning-parser", "qwen3"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert (out.returncode, out.stderr.splitlines()[-1]) == (
+        2, "asgi-generate: --reasoning-parser and --tool-call-parser need --tokenizer")
+
+
+# -- the vLLM format: the same records without a line of tracing in its codec --
+
+
+@pytest.fixture(scope="module")
+def vllm_front(tmp_path_factory):
+    sim = start_sim("vllm")
+    fe = traced(tmp_path_factory, "vllm", f"vllm={sim.url}", "trio", PARSERS)
+    yield fe
+    fe.finish()
+    sim.stop()
+
+
+VLLM = "/inference/v1/generate"
+
+
+def test_vllm_unary_and_stream_counts(vllm_front):
+    body = {"token_ids": [1, 2, 3, 400], "model": "sim", "request_id": "v1", "sampling_params": {"max_tokens": 5}}
+    r = httpx.post(vllm_front.url + VLLM, content=orjson.dumps(body), timeout=30)
+    assert r.status_code == 200
+    (rec,) = vllm_front.take()
+    assert rec["output_tokens"] == len(r.json()["choices"][0]["token_ids"]) == 5
+    assert (rec["format"], rec["route"], rec["model"], rec["public_id"]) == ("vllm", VLLM, "sim", "v1")
+    assert rec["reasoning_tokens"] == 5  # the unary worker leg's ids reached the parser too
+    assert rec["finish"] == {"finish_reason": "length", "backend_finish_reason": "length", "tool_calls": []}
+    assert rec["replay"]["input_length"] == 4
+
+    status, payloads = sse(vllm_front.url, {**body, "stream": True}, path=VLLM)
+    (rec,) = vllm_front.take()
+    got = sum(len(c["token_ids"]) for p in payloads if p != b"[DONE]" for c in orjson.loads(p)["choices"])
+    assert (status, rec["stream"], rec["output_tokens"], got) == (200, True, 5, 5)
+
+
+def test_vllm_rejections(vllm_front):
+    bad = {"token_ids": [1, 2], "model": "no-such-model", "sampling_params": {"max_tokens": 2}}
+    r = httpx.post(vllm_front.url + VLLM, content=orjson.dumps(bad), timeout=30)
+    r2 = httpx.post(vllm_front.url + VLLM, content=b"[1, 2]", timeout=30)
+    recs = vllm_front.take(2)
+    assert [(x["status"], x["http_status"]) for x in recs] == [("rejected", r.status_code), ("rejected", r2.status_code)]
+    assert (r.status_code, r2.status_code) == (404, 400)

@@ -103,6 +103,16 @@ def test_minimal_record_has_no_empty_fields():
     valid(build_record(s, 64))
 
 
+def test_matched_stop_is_kept_and_a_long_stop_string_cut():
+    s = finished_ok()
+    s.finish_matched = 2
+    assert build_record(s, 64)["finish"] == {"finish_reason": "stop", "backend_finish_reason": "stop", "matched": 2}
+    s.finish_matched = "x" * 300
+    rec = build_record(s, 64)
+    assert rec["finish"]["matched"] == "x" * 256
+    valid(rec)
+
+
 def test_engine_completion_tokens_only_when_they_differ():
     s = finished_ok()
     s.engine_completion_tokens = 7

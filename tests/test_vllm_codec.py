@@ -1,9 +1,7 @@
 """The vLLM codec, sans IO: request checks, worker bodies, chunk handling,
-unary answers rebuilt from deltas, error shapes."""
+unary answers passed through, streams without a usage chunk, error shapes."""
 
 from __future__ import annotations
-
-import time
 
 import orjson
 import pytest
@@ -86,21 +84,41 @@ def test_multimodal_is_excluded_from_replay():
     assert (req.input_ids, req.replay_excluded) == (None, "multimodal")
 
 
-def test_worker_request_mints_the_engine_id_and_streams_with_usage():
-    body = {"token_ids": [1, 2], "request_id": "client", "model": "m", "stream": False, "cache_salt": "s",
-            "priority": 3, "kv_transfer_params": {"do_remote_prefill": True}, "custom": [1],
-            "features": {"mm_hashes": {}, "mm_placeholders": {}},
-            "stream_options": {"include_usage": False, "continuous_usage_stats": True, "extra": 1},
-            "sampling_params": {"max_tokens": 3, "temperature": 0.5, "seed": 1}}
+WIDE_BODY = {
+    "token_ids": [1, 2], "request_id": "client", "model": "m", "cache_salt": "s", "priority": 3,
+    "kv_transfer_params": {"do_remote_prefill": True}, "custom": [1],
+    "features": {"mm_hashes": {}, "mm_placeholders": {}},
+    "stream_options": {"include_usage": False, "continuous_usage_stats": True, "extra": 1},
+    "sampling_params": {"max_tokens": 3, "temperature": 0.5, "seed": 1, "prompt_logprobs": 2},
+}
+
+
+@pytest.mark.parametrize("stream", [False, None, "absent"])
+def test_unary_worker_request_is_the_clients_body_with_the_minted_id(stream):
+    body = dict(WIDE_BODY) if stream == "absent" else {**WIDE_BODY, "stream": stream}
     wreq = exchange(body).worker_request(ATTEMPT)
-    assert wreq.path == b"/inference/v1/generate"
+    assert (wreq.path, wreq.stream) == (b"/inference/v1/generate", False)
     assert wreq.headers == [(b"content-type", b"application/json"), (b"x-request-id", ENGINE_ID.encode())]
-    assert orjson.loads(wreq.body) == {
-        **body, "request_id": ENGINE_ID, "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": False, "extra": 1},
-    }
+    sent = orjson.loads(wreq.body)
+    assert sent == {**body, "request_id": ENGINE_ID} and list(sent) == list(body)
     # The engine runs it as generate-tokens-<id>, which is what the abort names.
     assert orjson.loads(PROTOCOLS["vllm"].abort_body(ENGINE_ID)) == {"request_ids": [f"generate-tokens-{ENGINE_ID}"]}
+
+
+def test_unary_worker_request_adds_a_missing_request_id():
+    wreq = exchange({"token_ids": [1], "sampling_params": {}}).worker_request(ATTEMPT)
+    assert wreq.body == b'{"token_ids":[1],"sampling_params":{},"request_id":"' + ENGINE_ID.encode() + b'"}'
+
+
+def test_stream_worker_request_mints_the_engine_id_and_asks_for_usage():
+    body = {**WIDE_BODY, "stream": True}
+    wreq = exchange(body).worker_request(ATTEMPT)
+    assert (wreq.path, wreq.stream) == (b"/inference/v1/generate", True)
+    assert wreq.headers == [(b"content-type", b"application/json"), (b"x-request-id", ENGINE_ID.encode())]
+    assert orjson.loads(wreq.body) == {
+        **body, "request_id": ENGINE_ID,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": False, "extra": 1},
+    }
 
 
 @pytest.mark.parametrize(
@@ -137,59 +155,123 @@ def test_stream_holds_finish_until_the_usage_chunk(include_usage):
         assert ex.client_event(last) is None
 
 
-def test_unary_answer_rebuilt_from_deltas():
-    t0 = int(time.time())
-    ex = exchange({"token_ids": [1, 2], "model": "sim", "sampling_params": {"logprobs": 0}}, "a" * 32)
-    ex.feed(ATTEMPT, chunk([7], logprobs={"content": [entry(7, -0.5)]}))
-    ex.feed(ATTEMPT, chunk([8, 9], "length", logprobs={"content": [entry(8, -0.25), entry(9, -1e-300)]}))
-    ex.feed(ATTEMPT, orjson.dumps({"request_id": "x", "choices": [], "usage": {
-        "prompt_tokens": 2, "total_tokens": 5, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 1}}}))
-    status, body = ex.unary_body()
-    answer = orjson.loads(body)
-    assert status == 200 and t0 <= answer.pop("created") <= int(time.time())
-    assert answer == {
-        "request_id": "a" * 32,
-        "model": "sim",
-        "choices": [{"index": 0, "logprobs": {"content": [entry(7, -0.5), entry(8, -0.25), entry(9, -1e-300)]},
-                     "finish_reason": "length", "token_ids": [7, 8, 9], "routed_experts": None}],
-        "usage": {"prompt_tokens": 2, "total_tokens": 5, "completion_tokens": 3,
-                  "prompt_tokens_details": {"cached_tokens": 1}},
-        "prompt_logprobs": None,
-        "kv_transfer_params": None,
-        "ec_transfer_params": None,
-    }
-    assert list(orjson.loads(body)) == ["request_id", "model", "created", "choices", "usage", "prompt_logprobs",
-                                        "kv_transfer_params", "ec_transfer_params"]
+def unary_answer(ids, finish, usage, **extra) -> bytes:
+    return orjson.dumps({
+        "request_id": "9f2c0000000000000000000000000000", "model": "sim", "created": 1767000000,
+        "choices": [{"index": 0, "finish_reason": finish, "token_ids": ids, "routed_experts": "k05VTVBZ",
+                     "logprobs": {"content": [entry(t, -0.5) for t in ids]}}],
+        "usage": usage,
+        "prompt_logprobs": [None, {"2": {"logprob": -3.25, "rank": 4, "decoded_token": None}}],
+        "kv_transfer_params": None, "ec_transfer_params": None, **extra,
+    })
 
 
-def test_stream_without_finish_reason_ended_by_abort():
-    ex = exchange({"token_ids": [1], "sampling_params": {}})
-    ex.feed(ATTEMPT, chunk([4]))
-    assert ex.feed(ATTEMPT, usage_chunk(1, 1)).finish_reason == "abort"
-    answer = orjson.loads(ex.unary_body()[1])
-    assert (answer["choices"][0]["finish_reason"], answer["choices"][0]["token_ids"], answer["model"]) == (
-        "abort", [4], None)
-
-
-def test_engine_error_chunk():
-    ex = exchange({"token_ids": [1], "stream": True, "sampling_params": {}})
-    payload = b'{"error":{"message":"engine died","type":"InternalServerError","param":null,"code":500}}'
-    event = ex.feed(ATTEMPT, payload)
-    assert (event.token_ids, event.error) == ([], EngineError(500, "engine died"))
-    assert ex.client_event(event) == payload
-    assert ex.unary_body() == (500, payload)
+def test_unary_answer_is_the_workers_own():
+    ex = exchange({"token_ids": [1, 2], "model": "sim", "sampling_params": {"logprobs": 0, "prompt_logprobs": 0}})
+    answer = unary_answer([7, 8, 9], "length", {"prompt_tokens": 2, "total_tokens": 5, "completion_tokens": 3,
+                                                "prompt_tokens_details": {"cached_tokens": 1}})
+    assert ex.feed(ATTEMPT, answer) == Event([7, 8, 9], "length", prompt_tokens=2, completion_tokens=3, cached_tokens=1)
+    assert ex.unary_body() == (200, answer)
 
 
 @pytest.mark.parametrize(
-    "payload, why",
-    [(b"{", "is not JSON"), (b"[1]", "is not an object"), (b'{"request_id":"x"}', "has no choices list"),
-     (b'{"choices":[]}', "has neither choices nor usage"),
-     (b'{"choices":[{"index":0,"token_ids":["a"]}]}', "has no token_ids list")],
+    "usage, counts",
+    [(None, (None, None, None)),
+     ({"prompt_tokens": 2, "total_tokens": 3, "completion_tokens": 1, "prompt_tokens_details": None}, (2, 1, None)),
+     ({"prompt_tokens": "2", "completion_tokens": 1.0, "prompt_tokens_details": {"cached_tokens": None}},
+      (None, None, None))],
+    ids=["no_usage", "no_details", "not_counts"],
 )
-def test_worker_protocol_breaks_are_502(payload, why):
+def test_unary_answer_usage_only_where_it_is_counted(usage, counts):
+    ex = exchange({"token_ids": [1, 2], "sampling_params": {}})
+    answer = unary_answer([2], "stop", usage)
+    prompt, completion, cached = counts
+    assert ex.feed(ATTEMPT, answer) == Event(
+        [2], "stop", prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+    assert ex.unary_body() == (200, answer)
+
+
+def test_unary_prefill_leg_passes_through():
+    body = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 1, "prompt_logprobs": 1},
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                   "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+    ex = exchange(body)
+    wreq = ex.worker_request(ATTEMPT)
+    assert (wreq.stream, orjson.loads(wreq.body)) == (False, {**body, "request_id": ENGINE_ID})
+    kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [3, 4], "remote_engine_id": "e-1",
+          "remote_request_id": f"generate-tokens-{ENGINE_ID}", "remote_host": "10.0.0.5", "remote_port": 5600,
+          "tp_size": 2}
+    answer = unary_answer([5], "length", {"prompt_tokens": 2, "total_tokens": 3, "completion_tokens": 1},
+                          kv_transfer_params=kv)
+    assert ex.feed(ATTEMPT, answer) == Event([5], "length", prompt_tokens=2, completion_tokens=1)
+    assert ex.unary_body() == (200, answer)
+
+
+def test_stream_without_finish_reason_ended_by_abort():
+    ex = exchange({"token_ids": [1], "stream": True, "sampling_params": {}})
+    assert ex.feed(ATTEMPT, chunk([4])) == Event([4])
+    assert ex.feed(ATTEMPT, usage_chunk(1, 1)) == Event([], "abort", prompt_tokens=1, completion_tokens=1)
+    assert ex.client_event(None) is None
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_stream_without_usage_chunk_finishes_with_the_held_reason(include_usage):
+    ex = exchange({"token_ids": [1], "stream": True, "request_id": "c",
+                   "stream_options": {"include_usage": include_usage}, "sampling_params": {}})
+    ex.feed(ATTEMPT, chunk([4]))
+    assert ex.end_of_stream(ATTEMPT) is None  # no finish reason yet: cut short
+    assert ex.feed(ATTEMPT, chunk([5], "length")) == Event([5])
+    assert ex.client_event(None) == (
+        b'{"request_id":"generate-tokens-c","choices":[{"index":0,"logprobs":null,"finish_reason":"length",'
+        b'"token_ids":[5],"routed_experts":null}],"usage":null}'
+    )
+    assert ex.end_of_stream(ATTEMPT) == Event([], "length")
+    assert ex.client_event(None) is None
+
+
+def test_unary_end_of_stream_is_never_a_finish():
+    ex = exchange({"token_ids": [1], "sampling_params": {}})
+    assert ex.end_of_stream(ATTEMPT) is None
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(
+    "error, status",
+    [({"message": "engine died", "type": "InternalServerError", "param": None, "code": 500}, 500),
+     ({"message": "bad", "type": "BadRequestError", "param": "x", "code": 400}, 400),
+     ({"message": "odd", "code": 200}, 500), ({"message": "odd", "code": "400"}, 500), ("flat text", 500)],
+    ids=["500", "400", "code_200", "code_not_int", "not_an_object"],
+)
+def test_engine_error_payload(stream, error, status):
+    ex = exchange({"token_ids": [1], "stream": stream, "sampling_params": {}})
+    payload = orjson.dumps({"error": error})
+    event = ex.feed(ATTEMPT, payload)
+    message = error if type(error) is str else error["message"]
+    assert event == Event([], error=EngineError(status, message))
+    if stream:
+        assert ex.client_event(event) == payload
+    else:
+        assert ex.unary_body() == (status, payload)
+
+
+@pytest.mark.parametrize(
+    "stream, payload, why",
+    [(True, b"{", "a chunk that is not JSON"), (True, b"[1]", "a chunk that is not an object"),
+     (True, b'{"request_id":"x"}', "a chunk that has no choices list"),
+     (True, b'{"choices":[]}', "a chunk that has neither choices nor usage"),
+     (True, b'{"choices":[{"index":0,"token_ids":["a"]}]}', "a chunk that has no token_ids list"),
+     (True, b'{"choices":[{"index":0,"token_ids":[1],"finish_reason":1}]}',
+      "a chunk that has a finish_reason that is not a string"),
+     (False, b"", "an answer that is not JSON"), (False, b'"x"', "an answer that is not an object"),
+     (False, b'{"choices":null}', "an answer that has no choices list"),
+     (False, b'{"choices":[]}', "an answer that has no choice"),
+     (False, b'{"choices":[{"token_ids":null,"finish_reason":"stop"}]}', "an answer that has no token_ids list"),
+     (False, b'{"choices":[{"token_ids":[1],"finish_reason":null}]}', "an answer that has no finish_reason")],
+)
+def test_worker_protocol_breaks_are_502(stream, payload, why):
     with pytest.raises(RequestError) as err:
-        exchange({"token_ids": [1], "sampling_params": {}}).feed(ATTEMPT, payload)
-    assert (err.value.status, err.value.kind, err.value.message) == (502, "engine", f"worker sent a chunk that {why}")
+        exchange({"token_ids": [1], "stream": stream, "sampling_params": {}}).feed(ATTEMPT, payload)
+    assert (err.value.status, err.value.kind, err.value.message) == (502, "engine", f"worker sent {why}")
 
 
 def test_worker_errors_pass_through():
@@ -270,14 +352,6 @@ def test_features_that_do_not_fit_the_prompt(features, message):
         "error": {"message": message, "type": "BadRequestError", "param": "features", "code": 400}}
 
 
-def test_unary_prefill_leg_needs_a_unary_engine_leg():
-    body = {"token_ids": [1], "kv_transfer_params": {"do_remote_decode": True}, "sampling_params": {}}
-    with pytest.raises(RequestError) as err:
-        decode(body)
-    assert orjson.loads(CODEC.error_body(err.value))["error"]["param"] == "kv_transfer_params"
-    assert decode({**body, "stream": True}).stream is True
-
-
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=5),
@@ -304,4 +378,8 @@ def test_decode_only_ever_rejects_with_a_vllm_error(body, header):
         assert set(orjson.loads(CODEC.error_body(err))["error"]) == {"message", "type", "param", "code"}
         return
     assert req.input_ids is None or (req.input_ids and min(req.input_ids) >= 0)
-    orjson.loads(exchange(body, **headers).worker_request(ATTEMPT).body)
+    wreq = exchange(body, **headers).worker_request(ATTEMPT)
+    sent = orjson.loads(wreq.body)
+    assert wreq.stream is req.stream
+    if not req.stream:  # a unary leg is the client's body with the minted id
+        assert sent == {**body, "request_id": ENGINE_ID}

@@ -3,13 +3,16 @@ simulator in ``--protocol vllm`` mode asked directly.
 
 Every comparison is value for value (floats within two ULP). What may differ
 is only what vLLM itself makes up per request: a unary answer's random
-``request_id`` and its ``created`` second.
+``request_id`` and its ``created`` second. Unary answers are the worker's own
+(``prompt_logprobs`` and ``kv_transfer_params`` included); streams also end
+right for a worker that sends no usage chunk (``sim --no-usage-chunk``).
 """
 
 from __future__ import annotations
 
 import math
 import re
+import time
 
 import httpx
 import orjson
@@ -135,9 +138,11 @@ def check_parity(front, sim, body: dict) -> None:
 
 def test_unary_answer_exact(vfront):
     body = {"token_ids": PROMPT, "model": "sim", "sampling_params": {"max_tokens": 2, "logprobs": 1}}
+    t0 = int(time.time())
     r = post(vfront.url, body, GEN)
     assert r.status_code == 200
     assert r.headers["content-type"] == "application/json"
+    assert t0 <= r.json()["created"] <= int(time.time())  # the engine's clock
     assert made_up(r.json()) == {
         "model": "sim",
         "choices": [
@@ -277,17 +282,52 @@ def test_sim_prompt_token_in_top_k_keeps_its_place(vsim):
                     "2690": {"logprob": -0.8335723876953125, "rank": 2, "decoded_token": None}}
 
 
-@pytest.mark.parametrize("k", [0, 1, 3])
-def test_unary_prompt_logprobs_direct_and_through_the_frontend(vfront, vsim, k):
+# The simulator's prompt logprobs of PROMPT at k=3: per position the prompt
+# token, then the top 3 (no prompt token is among them).
+PROMPT_LOGPROBS3 = [
+    None,
+    {"2": {"logprob": -20.224594116210938, "rank": 79, "decoded_token": None},
+     "2671": {"logprob": -0.2759552001953125, "rank": 1, "decoded_token": None},
+     "128": {"logprob": -0.76568603515625, "rank": 2, "decoded_token": None},
+     "2159": {"logprob": -1.9376373291015625, "rank": 3, "decoded_token": None}},
+    {"3": {"logprob": -17.729248046875, "rank": 428, "decoded_token": None},
+     "1487": {"logprob": -0.005584716796875, "rank": 1, "decoded_token": None},
+     "2006": {"logprob": -0.7931365966796875, "rank": 2, "decoded_token": None},
+     "247": {"logprob": -1.1013031005859375, "rank": 3, "decoded_token": None}},
+    {"400": {"logprob": -20.221405029296875, "rank": 1621, "decoded_token": None},
+     "1437": {"logprob": -0.2828521728515625, "rank": 1, "decoded_token": None},
+     "1763": {"logprob": -1.004119873046875, "rank": 2, "decoded_token": None},
+     "889": {"logprob": -1.406280517578125, "rank": 3, "decoded_token": None}},
+]
+
+
+@pytest.mark.parametrize("k", [None, 0, 1, 3])
+def test_unary_prompt_logprobs_through_the_frontend(vfront, vsim, k):
     body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 1, "prompt_logprobs": k}}
-    plp = direct(vsim, body).json()["prompt_logprobs"]
-    assert plp[0] is None and len(plp) == len(PROMPT)
-    assert [list(e)[0] for e in plp[1:]] == [str(t) for t in PROMPT[1:]]
-    assert [len(e) for e in plp[1:]] == [k + 1] * 3  # no prompt token is in these top-k
+    want = None if k is None else [None, *(dict(list(e.items())[: k + 1]) for e in PROMPT_LOGPROBS3[1:])]
     before = stats(vsim)["received"]
-    r = post(vfront.url, body, GEN)
-    assert (r.status_code, r.json()["error"]["param"]) == (400, "prompt_logprobs")
-    assert stats(vsim)["received"] == before
+    got = post(vfront.url, body, GEN)
+    assert stats(vsim)["received"] == before + 1
+    assert got.status_code == 200
+    assert got.json()["prompt_logprobs"] == want
+    assert got.json()["choices"][0]["token_ids"] == CONTINUATION[:1]
+    check_parity(vfront, vsim, body)
+
+
+def test_unary_prefill_leg_kv_transfer_params_pass_through(vfront, vsim):
+    # A P/D proxy's prefill leg (reference section 4); the simulator has no
+    # KV connector, so it answers kv_transfer_params null, as vLLM would.
+    kv = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+          "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    body = {"token_ids": PROMPT, "kv_transfer_params": kv, "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0}}
+    before = stats(vsim)["received"]
+    got = post(vfront.url, body, GEN)
+    assert stats(vsim)["received"] == before + 1
+    assert got.status_code == 200
+    answer = made_up(got.json())
+    assert (answer["choices"][0]["token_ids"], answer["choices"][0]["finish_reason"]) == ([2358], "length")
+    assert (answer["kv_transfer_params"], answer["usage"]["completion_tokens"]) == (None, 1)
+    check_parity(vfront, vsim, body)
 
 
 def test_stream_usage_chunk_only_when_asked(vfront):
@@ -370,7 +410,9 @@ def test_stream_shows_the_callers_id(vfront, vsim, body_id, header_id, shown):
     assert engine_rid not in (f"generate-tokens-{body_id}", f"generate-tokens-{header_id}")
 
 
-def test_unary_shows_a_server_id(vfront, vsim):
+def test_unary_shows_the_engines_own_id(vfront, vsim):
+    # vLLM answers a unary request with a fresh uuid whatever it was sent,
+    # and the frontend passes the answer through.
     before = stats(vsim)["seen_rids"]
     r = post(vfront.url, {"token_ids": PROMPT, "request_id": "mine", "sampling_params": {"max_tokens": 1}}, GEN,
              headers={"x-request-id": "hdr"})
@@ -466,13 +508,6 @@ BAD_INPUT = {
         {"token_ids": [1, 2], "features": {**OK_FEATURES, "mm_hashes": {"image": ["a", "b"]}}, "sampling_params": {}},
         value_error("features.mm_placeholders['image'] has 1 ranges for 2 hashes in features.mm_hashes['image'].",
                     "features"),
-    ),
-    "unary_prompt_logprobs": (
-        {"token_ids": [1, 2], "sampling_params": {"prompt_logprobs": 1}},
-        value_error(
-            "asgi-generate streams every engine leg, and vLLM sends prompt_logprobs only in non-streaming answers; "
-            "send this request with \"stream\": true (vLLM then omits prompt_logprobs too) until unary engine legs "
-            "land.", "prompt_logprobs"),
     ),
 }
 
@@ -666,6 +701,58 @@ def test_concurrent_duplicate_ids_do_not_collide(slow_sim, slow_front):
         assert [c["choices"][0]["token_ids"][0] for c in chunks] == CONTINUATION[:5]
     minted = stats(slow_sim)["seen_rids"][before:]
     assert len(set(minted)) == 2 and all(re.fullmatch(r"generate-tokens-[0-9a-f]{32}", r) for r in minted)
+
+
+# -- workers that send no usage chunk -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quiet_sim():
+    """A vLLM simulator that never sends the closing usage chunk."""
+    proc = start_sim("vllm", extra=["--no-usage-chunk"])
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module", params=["trio", "asyncio"])
+def quiet_front(request, quiet_sim):
+    """The frontend in front of ``quiet_sim`` alone, once per worker class."""
+    proc = start_frontend([f"vllm={quiet_sim.url}"], worker_class=request.param)
+    yield proc
+    proc.stop()
+
+
+def test_sim_no_usage_chunk_ends_after_the_finishing_chunk(quiet_sim):
+    body = {"token_ids": PROMPT, "request_id": "q", "stream": True, "stream_options": {"include_usage": True},
+            "sampling_params": {"max_tokens": 2}}
+    assert direct_sse(quiet_sim, body) == (200, [
+        b'{"request_id":"generate-tokens-q","choices":[{"index":0,"logprobs":null,"finish_reason":null,'
+        b'"token_ids":[2358],"routed_experts":null}],"usage":null}',
+        b'{"request_id":"generate-tokens-q","choices":[{"index":0,"logprobs":null,"finish_reason":"length",'
+        b'"token_ids":[1262],"routed_experts":null}],"usage":null}',
+        b"[DONE]",
+    ])
+
+
+@pytest.mark.parametrize("case", ["no_options", "usage", "usage_off", "continuous", "logprobs5", "eos"])
+def test_stream_without_usage_chunk_finishes_with_the_held_reason(quiet_front, quiet_sim, case):
+    sp, so = STREAM_CASES[case]
+    body = {"token_ids": PROMPT, "request_id": f"q-{case}", "stream": True, "sampling_params": sp}
+    if so is not None:
+        body["stream_options"] = so
+    before = HTTP.get(quiet_front.url + "/stats").json()["by_status"]
+    status, payloads = sse(quiet_front.url, body, GEN)
+    chunks = events(payloads)
+    want_ids = CONTINUATION if case == "eos" else CONTINUATION[: sp["max_tokens"]]
+    assert (status, [c["choices"][0]["token_ids"][0] for c in chunks]) == (200, want_ids)
+    assert chunks[-1]["choices"][0]["finish_reason"] == ("stop" if case == "eos" else "length")
+    after = wait_until(lambda: (b := HTTP.get(quiet_front.url + "/stats").json()["by_status"]) != before and b)
+    assert after == {**before, "ok": before.get("ok", 0) + 1}
+    check_parity(quiet_front, quiet_sim, body)
+
+
+def test_unary_unaffected_by_a_worker_without_usage_chunk(quiet_front, quiet_sim):
+    check_parity(quiet_front, quiet_sim, {"token_ids": PROMPT, "model": "sim", "sampling_params": {"max_tokens": 3}})
 
 
 # -- out of the box ----------------------------------------------------------------

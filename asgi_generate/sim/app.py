@@ -36,6 +36,8 @@ class SimApp:
         protocol: ``"sglang"`` or ``"vllm"``.
         ttft_ms, itl_ms: time to first token and inter-token latency.
         incremental_streaming_output: SGLang deltas instead of cumulative chunks.
+        usage_chunk: vLLM: end streams with the usage chunk when asked (off:
+            like a build that never sends it).
         parent_pid: exit when this process is gone (embedded workers).
     """
 
@@ -47,6 +49,7 @@ class SimApp:
         incremental_streaming_output: bool = False,
         model_name: str = "sim",
         parent_pid: int | None = None,
+        usage_chunk: bool = True,
     ) -> None:
         if protocol not in ("sglang", "vllm"):
             raise ValueError(f"unknown simulator protocol {protocol!r}")
@@ -54,7 +57,7 @@ class SimApp:
         model = Model(self.tokenizer.vocab_size, self.tokenizer.eos_id, self.tokenizer.num_special)
         self.engine = SimEngine(model, ttft_ms / 1000.0, itl_ms / 1000.0)
         self.protocol: SGLangProtocol | VLLMProtocol = (
-            VLLMProtocol(self.engine, self.tokenizer.vocab_size, model_name)
+            VLLMProtocol(self.engine, self.tokenizer.vocab_size, model_name, usage_chunk)
             if protocol == "vllm"
             else SGLangProtocol(self.engine, self.tokenizer, incremental_streaming_output, model_name)
         )

@@ -9,9 +9,11 @@ Follows vLLM ``vllm/entrypoints/serve/disagg/`` (``protocol.py``,
   uuid. Unary answers are ``GenerateResponse`` objects (``model_dump``, nulls
   included, ``request_id`` a fresh uuid); SSE answers are delta chunks
   carrying the engine id, one token each, then the usage chunk if
-  ``stream_options.include_usage`` (``exclude_none``), then ``[DONE]``. An
-  aborted request's finish-only chunk is dropped, as vLLM drops chunks
-  without tokens. Prompt logprobs appear only in unary answers.
+  ``stream_options.include_usage`` (``exclude_none``; never with
+  ``usage_chunk`` off, ``sim --no-usage-chunk``, like a build that sends
+  none), then ``[DONE]``. An aborted request's finish-only chunk is dropped,
+  as vLLM drops chunks without tokens. Prompt logprobs appear only in unary
+  answers.
 - Logprobs: ``"token_id:N"`` labels; ``top_logprobs`` is the sampled token,
   then the top-k without it, cut to ``max(k, 1)`` entries; prompt logprobs
   map each prompt token, then the top-k, to ``{logprob, rank, decoded_token}``
@@ -208,12 +210,18 @@ class VLLMProtocol:
         engine: the shared simulator engine.
         vocab_size: token ids at or above this are out of vocabulary.
         model_name: the served model name (``model`` in answers).
+        usage_chunk: end a stream with the usage chunk when it asks for one;
+            off, act as a vLLM build that never sends it (the stream ends
+            after its finishing chunk).
     """
 
-    def __init__(self, engine: SimEngine, vocab_size: int, model_name: str = "sim") -> None:
+    def __init__(
+        self, engine: SimEngine, vocab_size: int, model_name: str = "sim", usage_chunk: bool = True
+    ) -> None:
         self.engine = engine
         self.vocab_size = vocab_size
         self.model_name = model_name
+        self.usage_chunk = usage_chunk
 
     # -- request parsing -------------------------------------------------
 
@@ -415,7 +423,7 @@ class VLLMProtocol:
             finish = "abort"
         if opts.stream:
             tail = b""
-            if opts.include_usage:
+            if opts.include_usage and self.usage_chunk:
                 usage = {"prompt_tokens": prompt, "total_tokens": prompt + len(out), "completion_tokens": len(out)}
                 tail = sse_event(orjson.dumps({"request_id": job.rid, "choices": [], "usage": usage}))
             return [{"type": "http.response.body", "body": tail + DONE, "more_body": False}]

@@ -136,6 +136,9 @@ def build_record(st: RequestState, block_size: int, analyzer: OutputAnalyzer | N
             "finish_reason": final_finish_reason(st.finish_reason, names),
             "backend_finish_reason": st.finish_reason,
         }
+        matched = st.finish_matched
+        if matched is not None:
+            finish["matched"] = matched[:MAX_ID_CHARS] if isinstance(matched, str) else matched
         if names is not None:
             finish["tool_calls"] = [{"index": i, "name": n} for i, n in enumerate(names)]
         rec["finish"] = finish

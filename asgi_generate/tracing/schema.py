@@ -94,10 +94,14 @@ SCHEMA: dict[str, Any] = {
         ),
         "received_unix_ms": _d(_COUNT, "When the request arrived (Unix time, ms)."),
         "dispatch_wait_ms": _d(_MS, "From arrival to the first engine dispatch (body read, checks, routing)."),
-        "ttft_ms": _d(_MS, "From arrival to the first output token from the engine."),
+        "ttft_ms": _d(
+            _MS, "From arrival to the first output token from the engine; absent when none came, or "
+            "when the engine answered in one piece (no token timing).",
+        ),
         "total_ms": _d(_MS, "From arrival to the end of the handler (abort acknowledged, if any)."),
         "mean_itl_ms": _d(
-            _MS, "Mean inter-token latency: (last token - first token) / (output_tokens - 1)."
+            _MS, "Mean inter-token latency: (last token - first token) / (output_tokens - 1); "
+            "absent without token timing.",
         ),
         "attempts": {
             "description": "Every engine leg, in order: aggregated, or prefill and decode, plus retries "
@@ -130,6 +134,11 @@ SCHEMA: dict[str, Any] = {
                     "into tool calls; otherwise backend_finish_reason.",
                 ),
                 "backend_finish_reason": _d({"type": "string"}, "The engine's raw reason: stop, length, abort, ..."),
+                "matched": _d(
+                    {"type": ["integer", "string"], "maxLength": 256},
+                    "With stop: the stop token id or stop string that matched, when the engine said "
+                    "(SGLang matched, vLLM stop_reason); a string is cut to 256 characters.",
+                ),
                 "tool_calls": {
                     "description": "The tool calls the tool-call parser found (names only, never ids or "
                     "arguments); present when one is configured.",

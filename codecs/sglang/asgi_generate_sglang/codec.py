@@ -261,9 +261,11 @@ class SGLangExchange(Exchange):
         self.seen += len(new)
         self.last = chunk
         finish = meta.get("finish_reason")
+        is_dict = type(finish) is dict
         return Event(
             new,
-            finish.get("type") if type(finish) is dict else None,
+            finish.get("type") if is_dict else None,
+            matched=finish.get("matched") if is_dict else None,
             prompt_tokens=meta.get("prompt_tokens"),
             completion_tokens=meta.get("completion_tokens"),
             cached_tokens=meta.get("cached_tokens"),

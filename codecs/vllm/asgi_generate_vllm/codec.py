@@ -4,29 +4,38 @@ Wire format: vLLM ``vllm/entrypoints/serve/disagg/`` (``protocol.py``,
 ``serving.py``, ``api_router.py``), summarised in
 reference/engine-protocols.md section 2. Requests are checked as vLLM checks
 them (:mod:`asgi_generate_vllm.schema`); every field passes to the engine
-untouched except ``request_id``, ``stream`` and ``stream_options``.
+untouched except ``request_id`` and, on streaming legs, ``stream_options``.
 
 Engine ids. The worker gets the attempt's minted id as both the
 ``X-Request-Id`` header and the body ``request_id``, so the engine runs it as
 ``generate-tokens-<minted id>`` (what ``POST /abort_requests`` names). The
 client sees ``generate-tokens-<its id>`` in stream chunks (its
 ``X-Request-Id`` header, else its body ``request_id``, else the frontend's
-request id standing in for vLLM's random uuid), and in a unary answer a
-server-made id, as vLLM gives a fresh uuid there.
+request id standing in for vLLM's random uuid), and in a unary answer the
+worker's own fresh uuid, as vLLM gives one there whatever it was sent.
 
-Every worker leg streams, with usage on. vLLM ends a stream with the usage
-chunk *after* the chunk that carries ``finish_reason`` (and drops finish-only
-chunks), so the request ends at the usage chunk: a ``finish_reason`` is held
-until then, and the usage chunk reaches the client only if it asked. A unary
-answer is rebuilt from the deltas into vLLM's ``GenerateResponse``.
+Unary requests (``stream`` false or absent) run a unary worker leg
+(``WorkerRequest.stream`` false): the client's body with only the id
+replaced. vLLM's ``GenerateResponse`` is the client's answer byte for byte,
+so what vLLM puts only in unary answers arrives as vLLM sent it
+(``prompt_logprobs``, a prefill leg's ``kv_transfer_params``,
+``routed_experts``, ``model``, ``created``); the codec reads it once for the
+handler's event (all token ids, finish reason, usage).
+
+Streaming requests ask the worker for usage. vLLM ends a stream with the
+usage chunk *after* the chunk that carries ``finish_reason`` (and drops
+finish-only chunks), so the request ends at the usage chunk: a
+``finish_reason`` is held until then, and the usage chunk reaches the client
+only if it asked. A build that sends no usage chunk ends the stream after the
+finishing chunk; :meth:`VLLMExchange.end_of_stream` then finishes with the
+held reason.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Mapping
+from typing import Any, Mapping
 
 import orjson
 
@@ -48,11 +57,7 @@ PATH = "/inference/v1/generate"
 #: What vLLM puts before a request id to make the engine id.
 ENGINE_PREFIX = "generate-tokens-"
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
-_UNARY_LEG = (
-    "asgi-generate streams every engine leg, and vLLM sends {what} only in non-streaming "
-    "answers; send this request with \"stream\": true (vLLM then omits {what} too) until "
-    "unary engine legs land."
-)
+_JSON = (b"content-type", b"application/json")
 
 
 @dataclass(slots=True)
@@ -64,14 +69,12 @@ class VLLMRequest:
         public_id: ``X-Request-Id``, else the body ``request_id``, else ``None``.
         include_usage: the client asked for the closing usage chunk.
         continuous_usage: the client asked for usage on every chunk.
-        logprobs: ``sampling_params.logprobs`` was set (0 included).
     """
 
     body: dict
     public_id: str | None
     include_usage: bool
     continuous_usage: bool
-    logprobs: bool
 
 
 class VLLMCodec(Codec):
@@ -83,9 +86,7 @@ class VLLMCodec(Codec):
 
     def decode(self, body: bytes, headers: Mapping[bytes, bytes]) -> GenerateRequest:
         """Check a vLLM ``GenerateRequest`` body; ``X-Request-Id`` overrides
-        ``request_id``. ``n`` must be 1, and a unary request may not ask for
-        what vLLM sends only in unary answers (``prompt_logprobs``,
-        ``kv_transfer_params`` of a prefill leg).
+        ``request_id``. ``n`` must be 1.
 
         Raises:
             RequestError: 400 in vLLM's validation shape (schema) or
@@ -115,13 +116,6 @@ class VLLMCodec(Codec):
         features = obj.get("features")
         if features is not None:
             check_features(features, len(token_ids))
-        stream = bool(obj.get("stream"))
-        if not stream:
-            if sp.get("prompt_logprobs") is not None:
-                raise bad_request(_UNARY_LEG.format(what="prompt_logprobs"), "prompt_logprobs")
-            kv = obj.get("kv_transfer_params")
-            if kv is not None and kv.get("do_remote_decode") is True:
-                raise bad_request(_UNARY_LEG.format(what="kv_transfer_params"), "kv_transfer_params")
         header_id = headers.get(b"x-request-id")
         public_id = header_id.decode("latin-1") if header_id is not None else obj.get("request_id")
         # vLLM's should_include_usage: include_usage defaults to true once
@@ -133,10 +127,9 @@ class VLLMCodec(Codec):
             public_id=public_id,
             include_usage=include,
             continuous_usage=include and bool(so.get("continuous_usage_stats")),
-            logprobs=sp.get("logprobs") is not None,
         )
         return GenerateRequest(
-            stream=stream,
+            stream=bool(obj.get("stream")),
             public_id=public_id,
             input_ids=token_ids if features is None else None,
             max_new_tokens=max_tokens,
@@ -146,7 +139,8 @@ class VLLMCodec(Codec):
         )
 
     def exchange(self, request: GenerateRequest, request_id: str) -> "VLLMExchange":
-        """Per-request state; ``request_id`` stands in for vLLM's random uuids."""
+        """Per-request state; ``request_id`` stands in for vLLM's random uuid
+        in stream chunks when the client named no id."""
         return VLLMExchange(request, request_id)
 
     def error_body(self, error: RequestError) -> bytes:
@@ -161,8 +155,45 @@ class VLLMCodec(Codec):
         return self.error_body(error)
 
 
-def _bad_chunk(why: str) -> RequestError:
-    return RequestError(502, f"worker sent a chunk that {why}", "engine")
+def _bad(what: str, why: str) -> RequestError:
+    return RequestError(502, f"worker sent {what} that {why}", "engine")
+
+
+def _object(payload: bytes, what: str) -> dict:
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        raise _bad(what, "is not JSON") from None
+    if type(obj) is not dict:
+        raise _bad(what, "is not an object")
+    return obj
+
+
+def _token_ids(choice: Any, what: str) -> list[int]:
+    ids = choice.get("token_ids") if type(choice) is dict else None
+    if type(ids) is not list or not all(type(t) is int for t in ids):
+        raise _bad(what, "has no token_ids list")
+    return ids
+
+
+def _int(value: Any) -> int | None:
+    return value if type(value) is int else None
+
+
+def _usage_event(token_ids: list[int], finish: str, usage: Any) -> Event:
+    """The finishing event, with vLLM's ``usage`` (``prompt_tokens``,
+    ``completion_tokens``, ``prompt_tokens_details.cached_tokens``; counts of
+    tokens) where it carries them."""
+    if type(usage) is not dict:
+        return Event(token_ids, finish)
+    details = usage.get("prompt_tokens_details")
+    return Event(
+        token_ids,
+        finish,
+        prompt_tokens=_int(usage.get("prompt_tokens")),
+        completion_tokens=_int(usage.get("completion_tokens")),
+        cached_tokens=_int(details.get("cached_tokens")) if type(details) is dict else None,
+    )
 
 
 class VLLMExchange(Exchange):
@@ -170,134 +201,111 @@ class VLLMExchange(Exchange):
 
     Args:
         request: the decoded request.
-        request_id: the frontend's id: the stream id when the client gave
-            none, and the unary answer's ``request_id``.
+        request_id: the frontend's id, the stream chunks' id when the client
+            gave none.
     """
 
-    __slots__ = (
-        "req", "native", "stream_id", "server_id", "created",
-        "token_ids", "content", "finish", "usage", "error", "out",
-    )
+    __slots__ = ("native", "stream", "stream_id", "finish", "out", "status")
 
     def __init__(self, request: GenerateRequest, request_id: str) -> None:
-        self.req = request
         self.native: VLLMRequest = request.native
+        self.stream = request.stream
         public = self.native.public_id
         self.stream_id = ENGINE_PREFIX + (public if public is not None else request_id)
-        self.server_id = request_id
-        # The one clock read: vLLM stamps unary answers with the time it
-        # accepted the request, and the codec API carries no request time.
-        self.created = int(time.time())
-        self.token_ids: list[int] = []
-        self.content: list[dict] = []
+        #: A stream's finish reason, held until the usage chunk.
         self.finish: str | None = None
-        self.usage: dict | None = None
-        self.error: dict | None = None
+        #: What the last fed payload gives the client: an SSE payload (or
+        #: ``None`` for nothing), or the whole unary body, sent with ``status``.
         self.out: bytes | None = None
+        self.status = 200
 
     def worker_request(self, attempt: Attempt) -> WorkerRequest:
-        """The client's body with the minted id, ``stream`` on and usage on
-        (continuous usage only if the client asked for it)."""
+        """The client's body with the minted id as ``request_id`` (and
+        ``X-Request-Id``). A unary request's leg is unary and otherwise
+        unchanged; a streaming leg asks for the closing usage chunk (and for
+        continuous usage only if the client did)."""
         body = dict(self.native.body)
         body["request_id"] = attempt.engine_id
-        body["stream"] = True
+        headers = [_JSON, (b"x-request-id", attempt.engine_id.encode())]
+        if not self.stream:
+            return WorkerRequest(PATH.encode(), orjson.dumps(body), headers, stream=False)
         body["stream_options"] = {
             **(body.get("stream_options") or {}),
             "include_usage": True,
             "continuous_usage_stats": self.native.continuous_usage,
         }
-        headers = [(b"content-type", b"application/json"), (b"x-request-id", attempt.engine_id.encode())]
         return WorkerRequest(PATH.encode(), orjson.dumps(body), headers)
 
     def feed(self, attempt: Attempt, payload: bytes) -> Event:
-        """One vLLM stream chunk: new token ids; the held finish reason and
-        usage once the closing usage chunk arrives; or an engine error.
+        """A streaming leg: one vLLM stream chunk, giving its new token ids;
+        the held finish reason and usage once the closing usage chunk
+        arrives. A unary leg: vLLM's whole ``GenerateResponse``, giving all
+        token ids, the finish reason and usage. Either way ``{"error": ...}``
+        gives an engine error whose status is ``error.code`` (500 unless that
+        is a 4xx or 5xx integer).
 
         Raises:
-            RequestError: 502, the chunk is not a vLLM stream chunk.
+            RequestError: 502, the payload is not what vLLM sends.
         """
-        try:
-            chunk = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            raise _bad_chunk("is not JSON") from None
-        if type(chunk) is not dict:
-            raise _bad_chunk("is not an object")
-        err = chunk.get("error")
+        what = "a chunk" if self.stream else "an answer"
+        obj = _object(payload, what)
+        err = obj.get("error")
         if err is not None:
-            self.error = err if type(err) is dict else {"message": str(err)}
+            if type(err) is not dict:
+                err = {"message": str(err)}
+            code = err.get("code")
+            self.status = code if type(code) is int and 400 <= code <= 599 else 500
             self.out = payload
-            code = self.error.get("code")
-            return Event([], error=EngineError(code if type(code) is int else 500, str(self.error.get("message", ""))))
-        choices = chunk.get("choices")
+            return Event([], error=EngineError(self.status, str(err.get("message", ""))))
+        choices = obj.get("choices")
         if type(choices) is not list:
-            raise _bad_chunk("has no choices list")
-        chunk["request_id"] = self.stream_id
+            raise _bad(what, "has no choices list")
+        if not self.stream:
+            if not choices:
+                raise _bad(what, "has no choice")
+            ids = _token_ids(choices[0], what)
+            finish = choices[0].get("finish_reason")
+            if type(finish) is not str:  # vLLM reports a null reason as "stop"
+                raise _bad(what, "has no finish_reason")
+            self.out = payload
+            return _usage_event(ids, finish, obj.get("usage"))
+        obj["request_id"] = self.stream_id
         if not choices:  # the closing usage chunk
-            usage = chunk.get("usage")
+            usage = obj.get("usage")
             if type(usage) is not dict:
-                raise _bad_chunk("has neither choices nor usage")
-            self.usage = usage
-            self.out = orjson.dumps(chunk) if self.native.include_usage else None
-            details = usage.get("prompt_tokens_details")
-            return Event(
-                [],
-                # vLLM drops the finish-only chunk of an aborted request.
-                self.finish or "abort",
-                prompt_tokens=usage.get("prompt_tokens"),
-                completion_tokens=usage.get("completion_tokens"),
-                cached_tokens=details.get("cached_tokens") if type(details) is dict else None,
-            )
-        choice = choices[0]
-        ids = choice.get("token_ids") if type(choice) is dict else None
-        if type(ids) is not list or not all(type(t) is int for t in ids):
-            raise _bad_chunk("has no token_ids list")
-        self.token_ids.extend(ids)
-        if choice.get("finish_reason") is not None:
-            self.finish = choice["finish_reason"]
-        logprobs = choice.get("logprobs")
-        if type(logprobs) is dict and type(logprobs.get("content")) is list:
-            self.content.extend(logprobs["content"])
-        self.out = orjson.dumps(chunk)
+                raise _bad(what, "has neither choices nor usage")
+            self.out = orjson.dumps(obj) if self.native.include_usage else None
+            # vLLM drops the finish-only chunk of an aborted request.
+            return _usage_event([], self.finish or "abort", usage)
+        ids = _token_ids(choices[0], what)
+        finish = choices[0].get("finish_reason")
+        if finish is not None:
+            if type(finish) is not str:
+                raise _bad(what, "has a finish_reason that is not a string")
+            self.finish = finish
+        self.out = orjson.dumps(obj)
         return Event(ids)
+
+    def end_of_stream(self, attempt: Attempt) -> Event | None:
+        """A stream that ended after its finishing chunk without the usage
+        chunk (a vLLM build that sends none): finish with the held reason,
+        sending the client nothing more. ``None`` when no finish reason came
+        (the answer was cut short)."""
+        if self.finish is None:
+            return None
+        self.out = None
+        return Event([], self.finish)
 
     def client_event(self, event: Event) -> bytes | None:
         """The worker's chunk with the client's id, or nothing for a usage
-        chunk the client did not ask for."""
+        chunk the client did not ask for (or a stream's end)."""
         return self.out
 
     def unary_body(self) -> tuple[int, bytes]:
-        """vLLM's ``GenerateResponse`` rebuilt from the deltas (``routed_experts``,
-        ``prompt_logprobs`` and the transfer params null, as streams carry
-        none), or the engine error with its status."""
-        if self.error is not None:
-            code = self.error.get("code")
-            return (code if type(code) is int else 500), orjson.dumps({"error": self.error})
-        usage = self.usage  # set: only the usage chunk ends a stream without error
-        return 200, orjson.dumps(
-            {
-                "request_id": self.server_id,
-                "model": self.req.model,
-                "created": self.created,
-                "choices": [
-                    {
-                        "index": 0,
-                        "logprobs": {"content": self.content} if self.native.logprobs else None,
-                        "finish_reason": self.finish or "abort",
-                        "token_ids": self.token_ids,
-                        "routed_experts": None,
-                    }
-                ],
-                "usage": {
-                    "prompt_tokens": usage.get("prompt_tokens"),
-                    "total_tokens": usage.get("total_tokens"),
-                    "completion_tokens": usage.get("completion_tokens"),
-                    "prompt_tokens_details": usage.get("prompt_tokens_details"),
-                },
-                "prompt_logprobs": None,
-                "kv_transfer_params": None,
-                "ec_transfer_params": None,
-            }
-        )
+        """The worker's answer as it sent it: vLLM's ``GenerateResponse``
+        with status 200, or its ``{"error": ...}`` with the error's status
+        (see :meth:`feed`)."""
+        return self.status, self.out
 
     def worker_error(self, status: int, body: bytes) -> tuple[int, bytes]:
         """vLLM workers already answer in this format's shapes: pass through."""
