@@ -155,7 +155,7 @@ class _Generation:
 
     __slots__ = (
         "app", "codec", "ex", "req", "st", "send", "finished", "pending", "in_send", "last_send",
-        "scope", "shutdown", "write_timeout", "send_started", "timed",
+        "scope", "shutdown", "write_timeout", "send_started", "timed", "outbox", "outbox_tokens",
     )
 
     def __init__(
@@ -172,6 +172,8 @@ class _Generation:
         self.in_send = False
         self.last_send = self.send_started = time.monotonic()
         self.timed = True
+        self.outbox: list[bytes] = []
+        self.outbox_tokens = 0
         self.scope: anyio.CancelScope | None = None
         self.shutdown = False
         self.write_timeout = app.settings.slow_client_timeout
@@ -232,10 +234,12 @@ class _Generation:
                     await self._feed_whole(attempt, await resp.read())
                 else:
                     decoder = SSEDecoder()
-                    async for chunk in resp.chunks():
-                        for payload in decoder.feed(chunk):
+                    while (data := await resp.read_some()) is not None:
+                        for payload in decoder.feed(data):
                             if not self.finished and payload != DONE:
                                 await self._feed(attempt, payload)
+                        if self.outbox:
+                            await self._flush()
                 if not self.finished:
                     event = ex.end_of_stream(attempt)
                     if event is None or (event.error is None and event.finish_reason is None):
@@ -262,9 +266,10 @@ class _Generation:
             return False
 
     async def _write(self, message: dict) -> None:
-        """Hand ``message`` to the server. Only this one message is ever held
-        for a client; :meth:`watchdog` cuts off a client that leaves it
-        untaken too long."""
+        """Hand ``message`` to the server. A client is only ever owed the
+        events of one worker read (at most 64 KiB of worker bytes);
+        :meth:`watchdog` cuts off a client that leaves a write untaken too
+        long."""
         self.in_send = True
         self.send_started = time.monotonic()
         try:
@@ -340,16 +345,16 @@ class _Generation:
         if self.req.stream:
             await self._start_stream()
             data = ex.client_event(event)
+            if data is not None:
+                self.outbox.append(sse_event(data))
+            self.outbox_tokens += n
             if done:
                 self.finished = True
-                tail = self.codec.sse_terminal
+                self.outbox.append(self.codec.sse_terminal)
                 # Complete once the last bytes are handed over: a client that
                 # hangs up as they arrive has not disconnected early.
                 st.response_complete = True
-                await self._send(sse_event(data) + tail if data is not None else tail, False)
-            elif data is not None:
-                await self._send(sse_event(data), True)
-            st.output_tokens += n
+                await self._flush(more=False)
         else:
             self.pending += n
             if done:
@@ -361,6 +366,16 @@ class _Generation:
                 st.output_tokens = self.pending
         if done and st.status is None:
             st.status = "ok"
+
+    async def _flush(self, more: bool = True) -> None:
+        """Send every event decoded from one worker read in one write; count
+        their tokens as delivered once the server took them."""
+        body = b"".join(self.outbox) if len(self.outbox) > 1 else self.outbox[0]
+        tokens = self.outbox_tokens
+        self.outbox.clear()
+        self.outbox_tokens = 0
+        await self._send(body, more)
+        self.st.output_tokens += tokens
 
     async def fail(self, err: RequestError, status: str) -> None:
         """End the response with ``err``: its own status before the 200,
@@ -374,7 +389,8 @@ class _Generation:
             await self._write_unary(err.status, self.codec.error_body(err), b"application/json")
         else:
             st.fail(status, st.http_status, err.kind, err.message)
-            await self._send(sse_event(self.codec.in_band_error(err)) + self.codec.sse_terminal, False)
+            self.outbox.append(sse_event(self.codec.in_band_error(err)) + self.codec.sse_terminal)
+            await self._flush(more=False)
 
     async def watchdog(self, keepalive: float) -> None:
         """Guard the client side while the request runs.

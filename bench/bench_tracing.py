@@ -18,6 +18,13 @@ system, all threads, from ``/proc/<pid>/stat``) per request. It prints a
 table per size and the on/off ratios, and checks that the ``on`` frontend
 wrote one record per request and dropped none.
 
+Side by side on a shared machine, CPU per request moves by several percent
+between repetitions. So the run also times, in this process, the work the
+writer adds per record (build: hash, decode, parse; serialize; write, in
+batches of 16 as under load) with ``time.process_time``, and prints it as a
+share of the ``off`` frontend's CPU per request: a figure that other load on
+the machine barely moves.
+
 Usage: ``python bench/bench_tracing.py [--seconds 5] [--concurrency 8]``.
 Linux only (``/proc``).
 """
@@ -42,7 +49,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from support import listening_socket, start_sim  # noqa: E402
 
+from asgi_generate.accounting import RequestState  # noqa: E402
 from asgi_generate.assets import TOKENIZER_PATH  # noqa: E402
+from asgi_generate.codec import Attempt  # noqa: E402
+from asgi_generate.tracing.analysis import OutputAnalyzer  # noqa: E402
+from asgi_generate.tracing.record import build_record  # noqa: E402
+from asgi_generate.tracing.sinks import JsonlFileSink  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 OUTPUT_TOKENS = 32
@@ -90,9 +102,13 @@ class Frontend:
         self._log.close()
 
 
+def input_ids(input_len: int) -> list[int]:
+    return [100 + (i * 7919) % 3900 for i in range(input_len)]
+
+
 def request_bytes(input_len: int) -> bytes:
     body = orjson.dumps({
-        "input_ids": [100 + (i * 7919) % 3900 for i in range(input_len)],
+        "input_ids": input_ids(input_len),
         "sampling_params": {"max_new_tokens": OUTPUT_TOKENS, "ignore_eos": True},
     })
     return (b"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
@@ -127,6 +143,30 @@ def measure(fe: Frontend, request: bytes, seconds: float, concurrency: int) -> t
     asyncio.run(main())
     cpu1, t1 = cpu_seconds(fe.proc.pid), time.monotonic()
     return done[0] / (t1 - t0), (cpu1 - cpu0) * 1000.0 / done[0]
+
+
+def writer_cpu_us(input_len: int, tmp: pathlib.Path, records: int = 2000) -> float:
+    """CPU microseconds the trace writer spends per record of this shape:
+    build (hash, decode, parse), serialize, write, in batches of 16."""
+    analyzer = OutputAnalyzer(str(TOKENIZER_PATH), "qwen3", "hermes")
+    sink = JsonlFileSink(str(tmp / f"direct-{input_len}.jsonl"), 0)
+    sink.open()
+    states = []
+    for i in range(16):
+        st = RequestState(f"{i:032x}", "sglang", "/generate", "POST", t_received=1.0, stream=False,
+                          input_ids=input_ids(input_len), input_length=input_len, status="ok", http_status=200,
+                          finish_reason="length", output_tokens=OUTPUT_TOKENS,
+                          output_ids=list(range(500, 500 + OUTPUT_TOKENS)), engine_completion_tokens=OUTPUT_TOKENS,
+                          prompt_tokens=input_len, cached_tokens=0, headers={b"x-session-id": b"bench"},
+                          t_dispatched=1.001, t_first_token=1.01, t_last_token=1.05, t_done=1.06)
+        st.attempts.append(Attempt(f"{i + 100:032x}", "aggregated", "w0", outcome="finished"))
+        states.append(st)
+    t0 = time.process_time()
+    for _ in range(records // len(states)):
+        sink.write(b"\n".join(orjson.dumps(build_record(st, 64, analyzer)) for st in states) + b"\n")
+    spent = time.process_time() - t0
+    sink.close()
+    return spent * 1e6 / (records // len(states) * len(states))
 
 
 def main() -> int:
@@ -179,6 +219,12 @@ def main() -> int:
         tput_ratio = statistics.median(r for r, _ in on) / statistics.median(r for r, _ in off)
         print(f"| {size} | {cpu_ratio:.3f} ({(cpu_ratio - 1) * 100:+.1f}%) | "
               f"{tput_ratio:.3f} ({(tput_ratio - 1) * 100:+.1f}%) |")
+    print("\n| input tokens | writer CPU µs/record (in process) | share of the off frontend's CPU/request |")
+    print("|---|---|---|")
+    for size in SIZES:
+        us = writer_cpu_us(size, tmp)
+        off_ms = statistics.median(c for _, c in results[(size, "off")])
+        print(f"| {size} | {us:.1f} | {us / 10 / off_ms:+.1f}% |")
     records = sum(len(p.read_bytes().splitlines()) for p in tmp.glob("trace.*.jsonl"))
     print(f"\ntrace (on): {trace['submitted']} requests, {records} records in files, dropped {trace['dropped']}")
     return 0 if records == trace["submitted"] and not any(trace["dropped"].values()) else 1

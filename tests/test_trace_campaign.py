@@ -93,17 +93,18 @@ def run(url: str, p: dict) -> dict:
 
 @pytest.mark.timeout(240)
 def test_mixed_campaign(tmp_path):
-    sims = [start_sim(ttft_ms=100, itl_ms=60), start_sim(ttft_ms=100, itl_ms=60)]
-    base = str(tmp_path / "campaign")
-    fe = start_frontend(
-        [f"sglang={s.url}" for s in sims],
-        extra=["--trace-file", base + ".jsonl", "--max-body-bytes", "65536", "--tokenizer", str(TOKENIZER_PATH),
-               "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes"],
-    )
     rng = random.Random(20240603)
     plans = [plan(i, rng) for i in range(N)]
     seen: dict[str, dict] = {}
+    sims = [start_sim(ttft_ms=100, itl_ms=60)]
+    fe = None
     try:
+        sims.append(start_sim(ttft_ms=100, itl_ms=60))
+        fe = start_frontend(
+            [f"sglang={s.url}" for s in sims],
+            extra=["--trace-file", str(tmp_path / "campaign.jsonl"), "--max-body-bytes", "65536",
+                   "--tokenizer", str(TOKENIZER_PATH), "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes"],
+        )
         with ThreadPoolExecutor(max_workers=24) as pool:
             futures = {pool.submit(run, fe.url, p): p["key"] for p in plans}
             for done, future in enumerate(as_completed(futures), 1):
@@ -112,7 +113,8 @@ def test_mixed_campaign(tmp_path):
                     sims[1].proc.kill()  # one worker dies mid-run
         trace_stats = httpx.get(fe.url + "/stats", timeout=10).json()["trace"]
     finally:
-        fe.stop()
+        if fe is not None:
+            fe.stop()
         for s in sims:
             s.stop()
 
@@ -157,8 +159,8 @@ def test_mixed_campaign(tmp_path):
                 assert rec["reasoning_tokens"] == 0
                 assert rec["finish"]["tool_calls"] == []
             else:  # on the worker that was killed
-                assert rec["status"] == "engine_error"
-                assert "worker_lost" in [a["outcome"] for a in rec["attempts"]]
+                assert rec["status"] in ("engine_error", "unavailable")
+                assert {"worker_lost", "connect_failed"} & {a["outcome"] for a in rec["attempts"]}
         else:
             assert rec["status"] in ("client_disconnect", "engine_error")
     assert statuses["ok"] > N // 2

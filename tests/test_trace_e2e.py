@@ -2,15 +2,18 @@
 record per request, for every outcome, whose output_tokens is exactly what
 the client received.
 
-Two traced frontends run for the module: ``fast`` (trio, instant simulator,
-tokenizer with the deepseek_r1 and hermes parsers) and ``slow`` (asyncio,
-simulator with TTFT and ITL, no parsers). Each test reads the records its
-requests added; at the end every file is validated and counted.
+Traced frontends shared by tests: ``fast`` (trio, instant SGLang simulator,
+tokenizer with the deepseek_r1 and hermes parsers), ``slow`` (asyncio, SGLang
+simulator with TTFT and ITL, no parsers) and ``vllm_front`` (the vLLM format,
+with parsers); engine death, shutdown and worker processes get their own.
+Each test takes the records its requests added; at the end every file is
+validated and its records counted against the requests sent.
 """
 
 from __future__ import annotations
 
 import glob
+import pathlib
 import re
 import signal
 import socket
@@ -90,7 +93,7 @@ class Traced:
         return sorted(glob.glob(f"{self.base}.*.jsonl"))
 
     def records(self) -> list[dict]:
-        return [orjson.loads(line) for f in self.files() for line in open(f, "rb").read().splitlines()]
+        return [orjson.loads(line) for f in self.files() for line in pathlib.Path(f).read_bytes().splitlines()]
 
     def take(self, n: int = 1) -> list[dict]:
         """The next ``n`` records (waits for them); counts them as expected."""
@@ -118,20 +121,24 @@ def traced(tmp_path_factory, name: str, worker: str, worker_class: str, extra: l
 @pytest.fixture(scope="module")
 def fast(tmp_path_factory):
     sim = start_sim()
-    fe = traced(tmp_path_factory, "fast", f"sglang={sim.url}", "trio", ["--max-body-bytes", "65536", *PARSERS])
-    yield fe
-    fe.finish()
-    sim.stop()
+    try:
+        fe = traced(tmp_path_factory, "fast", f"sglang={sim.url}", "trio", ["--max-body-bytes", "65536", *PARSERS])
+        yield fe
+        fe.finish()
+    finally:
+        sim.stop()
 
 
 @pytest.fixture(scope="module")
 def slow(tmp_path_factory):
     sim = start_sim(ttft_ms=1000, itl_ms=200)
-    fe = traced(tmp_path_factory, "slow", f"sglang={sim.url}", "asyncio")
-    fe.sim = sim
-    yield fe
-    fe.finish()
-    sim.stop()
+    try:
+        fe = traced(tmp_path_factory, "slow", f"sglang={sim.url}", "asyncio")
+        fe.sim = sim
+        yield fe
+        fe.finish()
+    finally:
+        sim.stop()
 
 
 def body(n: int, *, stream: bool, rid: str | None = None, ids=(11, 12, 13), **extra) -> dict:
@@ -161,7 +168,7 @@ def test_unary_counts_and_replay_hashes(fast):
     assert rec["replay"] == {"block_size": 64, "input_length": 150, "block_hashes": block_hashes(ids, 64)}
     assert [(a["worker_id"], a["role"], a["outcome"]) for a in rec["attempts"]] == [("w0", "aggregated", "finished")]
     assert "session" not in rec
-    assert 0 <= rec["dispatch_wait_ms"] <= rec["ttft_ms"] <= rec["total_ms"]
+    assert 0 <= rec["dispatch_wait_ms"] <= rec["total_ms"]
 
 
 @pytest.mark.parametrize("logprobs", [False, True])
@@ -172,6 +179,7 @@ def test_sse_counts(fast, logprobs):
     (rec,) = fast.take()
     assert sse_tokens(events) == rec["output_tokens"] == 9
     assert (rec["stream"], rec["status"], rec["finish"]["finish_reason"]) == (True, "ok", "length")
+    assert 0 <= rec["dispatch_wait_ms"] <= rec["ttft_ms"] <= rec["total_ms"]
 
 
 def test_natural_stop_counts(fast):
@@ -263,12 +271,11 @@ def test_unary_disconnect_mid_generation(slow):
     c = RawClient(slow.url)
     c.send(orjson.dumps(body(30, stream=False)))
     wait_until(lambda: stats(slow.sim)["running"] == 1)
-    time.sleep(1.5)  # past TTFT: tokens reach the frontend, none the client
+    time.sleep(1.5)  # past TTFT: the engine is generating, the client has nothing
     c.close()
     (rec,) = slow.take()
-    assert (rec["status"], rec["output_tokens"]) == ("client_disconnect", 0)
-    assert rec["engine_completion_tokens"] >= 1
-    assert rec["ttft_ms"] >= 1000
+    assert (rec["status"], rec["output_tokens"], rec["stream"]) == ("client_disconnect", 0, False)
+    assert [(a["outcome"], a["abort_acked"]) for a in rec["attempts"]] == [("aborted", True)]
 
 
 # -- engine death and shutdown (own processes) ------------------------------------
@@ -277,8 +284,9 @@ def test_unary_disconnect_mid_generation(slow):
 @pytest.mark.parametrize("stream", [False, True])
 def test_engine_dies_mid_request(tmp_path_factory, stream):
     sim = start_sim(ttft_ms=0, itl_ms=100)
-    fe = traced(tmp_path_factory, "dies", f"sglang={sim.url}", "trio")
+    fe = None
     try:
+        fe = traced(tmp_path_factory, "dies", f"sglang={sim.url}", "trio")
         results: dict = {}
 
         def client() -> None:
@@ -294,28 +302,33 @@ def test_engine_dies_mid_request(tmp_path_factory, stream):
         sim.proc.kill()
         t.join(30)
         (rec,) = fe.take()
-        assert rec["status"] == "engine_error"
-        assert rec["error"]["type"] == "engine"
-        assert [a["outcome"] for a in rec["attempts"]] == ["worker_lost"]
         if stream:
+            assert [a["outcome"] for a in rec["attempts"]] == ["worker_lost"]
             status, events = results["sse"]
             assert (status, events[-1]) == (200, b"[DONE]")
             assert b"error" in events[-2]
-            assert rec["http_status"] == 200
+            assert (rec["status"], rec["http_status"], rec["error"]["type"]) == ("engine_error", 200, "engine")
             assert rec["output_tokens"] == sse_tokens(events) >= 2
         else:
-            assert results["unary"].status_code == 502
-            assert (rec["http_status"], rec["output_tokens"]) == (502, 0)
-            assert rec["engine_completion_tokens"] >= 2
+            # Nothing sent yet: the handler may try another worker (there is none).
+            status = results["unary"].status_code
+            expected = {502: "engine_error", 503: "unavailable"}[status]
+            assert (rec["status"], rec["http_status"], rec["output_tokens"]) == (expected, status, 0)
+            assert len(rec["attempts"]) == 1
+            assert rec["attempts"][0]["outcome"] in ("worker_lost", "connect_failed")
     finally:
-        fe.finish()
-        sim.stop()
+        try:
+            if fe is not None:
+                fe.finish()
+        finally:
+            sim.stop()
 
 
 def test_shutdown_with_requests_in_flight(tmp_path_factory):
     sim = start_sim(ttft_ms=0, itl_ms=100)
-    fe = traced(tmp_path_factory, "shutdown", f"sglang={sim.url}", "trio", ["--shutdown-grace", "0.5"])
+    fe = None
     try:
+        fe = traced(tmp_path_factory, "shutdown", f"sglang={sim.url}", "trio", ["--shutdown-grace", "0.5"])
         results: dict = {}
 
         def stream() -> None:
@@ -334,18 +347,23 @@ def test_shutdown_with_requests_in_flight(tmp_path_factory):
         assert rec["output_tokens"] == sse_tokens(events) >= 1
         assert [(a["outcome"], a["abort_acked"]) for a in rec["attempts"]] == [("aborted", True)]
     finally:
-        fe.finish()
-        sim.stop()
+        try:
+            if fe is not None:
+                fe.finish()
+        finally:
+            sim.stop()
 
 
 def test_worker_processes_write_their_own_files(tmp_path):
     sim = start_sim()
-    fe = start_frontend([f"sglang={sim.url}"], extra=["--workers", "2", "--trace-file", str(tmp_path / "t.jsonl")])
+    fe = None
     try:
+        fe = start_frontend([f"sglang={sim.url}"], extra=["--workers", "2", "--trace-file", str(tmp_path / "t.jsonl")])
         for i in range(30):  # a new connection each: the kernel spreads them over the processes
             assert post(fe.url, body(2, stream=False, rid=f"mw{i}")).status_code == 200
     finally:
-        fe.stop()
+        if fe is not None:
+            fe.stop()
         sim.stop()
     files = sorted(tmp_path.glob("t.*.jsonl"))
     pids = {f.name.split(".")[1] for f in files}
@@ -371,10 +389,12 @@ def test_bad_trace_settings_stop_the_server_at_once():
 @pytest.fixture(scope="module")
 def vllm_front(tmp_path_factory):
     sim = start_sim("vllm")
-    fe = traced(tmp_path_factory, "vllm", f"vllm={sim.url}", "trio", PARSERS)
-    yield fe
-    fe.finish()
-    sim.stop()
+    try:
+        fe = traced(tmp_path_factory, "vllm", f"vllm={sim.url}", "trio", PARSERS)
+        yield fe
+        fe.finish()
+    finally:
+        sim.stop()
 
 
 VLLM = "/inference/v1/generate"

@@ -153,6 +153,43 @@ async def test_rotation_by_size_never_splits_a_batch(tmp_path):
     assert tracer.stats()["sinks"]["file"]["rotations"] == 3
 
 
+class HalfWritingFile:
+    """A file whose write stores half the data, then fails: a full disk."""
+
+    def __init__(self, f) -> None:
+        self.f = f
+
+    def write(self, data: bytes) -> None:
+        self.f.write(data[: len(data) // 2])
+        self.f.flush()
+        raise OSError(28, "No space left on device")
+
+    def close(self) -> None:
+        self.f.close()
+
+
+async def test_records_after_a_failed_write_stay_whole(tmp_path):
+    tracer = Tracer(Settings(trace_file=str(tmp_path / "t.jsonl")))
+    async with anyio.create_task_group() as tg:
+        await tg.start(tracer.run)
+        sink = tracer.sinks[0]
+        tracer.submit(done(1))
+        await wait_for(lambda: tracer.records == 1)
+        sink._file = HalfWritingFile(sink._file)
+        tracer.submit(done(2))
+        await wait_for(lambda: tracer.records == 2)
+        tracer.submit(done(3))
+        await tracer.close()
+    (path,) = tmp_path.iterdir()
+    raw = path.read_bytes().splitlines()
+    assert len(raw) == 3
+    assert [orjson.loads(raw[i])["request_id"] for i in (0, 2)] == [f"{1:032x}", f"{3:032x}"]
+    count, problems = check_records(read_jsonl(str(path)))
+    assert count == 3 and len(problems) == 1 and problems[0].startswith(f"{path}:2: not JSON")
+    assert tracer.dropped["sink_error"] == 1
+    assert tracer.stats()["sinks"]["file"]["written"] == 2
+
+
 async def test_stderr_sink(capfd):
     tracer = Tracer(Settings(trace_stderr=True))
     async with anyio.create_task_group() as tg:

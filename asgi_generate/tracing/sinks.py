@@ -85,13 +85,19 @@ class JsonlFileSink(Sink):
 
     def _open(self) -> None:
         self.path = pathlib.Path(f"{self._stem}.{self.index:04d}.jsonl")
-        self._file = open(self.path, "ab")
-        self.size = self._file.tell()
+        self._file = open(self.path, "ab+")
+        self.size = self._file.seek(0, os.SEEK_END)
+        if self.size:
+            self._file.seek(-1, os.SEEK_END)
+            if self._file.read(1) != b"\n":  # a failed write left half a line: end it
+                self._file.write(b"\n")
+                self.size += 1
 
     def write(self, data: bytes) -> None:
         """Append ``data`` and flush it; once the file is full, the next
         batch starts the next file. After a failure the next batch reopens
-        the file."""
+        the file, first ending any half-written line so later records stay
+        whole."""
         if self._file is None:
             self._open()
         try:

@@ -9,6 +9,7 @@ request never reads a stale tail. Wire format: RFC 9112 (via h11).
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Iterable
@@ -52,11 +53,12 @@ class _Connection:
 
 
 class Response:
-    """A worker's response head plus an iterator over its body.
+    """A worker's response head plus reads of its body.
 
     Attributes:
         status: HTTP status code.
         headers: ``(name, value)`` byte pairs, names lower-case.
+        complete: the body was read to its end.
     """
 
     __slots__ = ("status", "headers", "_conn", "_read_timeout", "complete")
@@ -68,46 +70,71 @@ class Response:
         self._read_timeout = read_timeout
         self.complete = False
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """Yield body bytes as they arrive, until the end of the message.
+    async def read_some(self) -> bytes | None:
+        """Every body byte that has arrived, waiting for at least one; ``None``
+        once the body has ended.
+
+        Returning all that one socket read brought (not one h11 event at a
+        time) lets the caller handle a burst of events with one client write.
 
         Raises:
             WorkerDisconnected, ReadTimedOut: as for :meth:`ConnectionPool.request`.
         """
+        if self.complete:
+            return None
         conn = self._conn
+        parts: list[bytes] = []
         while True:
-            event = await _next_event(conn, self._read_timeout)
-            if type(event) is h11.Data:
-                yield bytes(event.data)
-            elif type(event) is h11.EndOfMessage:
+            try:
+                event = conn.h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise WorkerDisconnected(f"worker broke HTTP/1.1: {exc}") from None
+            kind = type(event)
+            if kind is h11.Data:
+                parts.append(event.data)
+            elif kind is h11.EndOfMessage:
                 self.complete = True
-                return
+                return b"".join(parts) if parts else None
+            elif event is h11.NEED_DATA:
+                if parts:
+                    return b"".join(parts)
+                await _receive(conn, self._read_timeout)
+            elif kind is h11.ConnectionClosed:
+                raise WorkerDisconnected("worker closed the connection mid-response")
 
     async def read(self) -> bytes:
         """The whole body."""
-        return b"".join([c async for c in self.chunks()])
+        parts = []
+        while (data := await self.read_some()) is not None:
+            parts.append(data)
+        return b"".join(parts)
 
 
-async def _next_event(conn: _Connection, read_timeout: float) -> h11.Event:
+async def _receive(conn: _Connection, read_timeout: float) -> None:
+    try:
+        with anyio.fail_after(read_timeout):
+            data = await conn.stream.receive(RECEIVE_SIZE)
+    except anyio.EndOfStream:
+        data = b""
+    except TimeoutError:
+        raise ReadTimedOut(f"no data from worker for {read_timeout:g} s") from None
+    except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+        raise WorkerDisconnected(f"connection to worker lost: {exc!r}") from None
+    conn.h11.receive_data(data)
+
+
+async def _next_response(conn: _Connection, timeout: float) -> h11.Response:
     while True:
         try:
             event = conn.h11.next_event()
         except h11.RemoteProtocolError as exc:
             raise WorkerDisconnected(f"worker broke HTTP/1.1: {exc}") from None
-        if event is not h11.NEED_DATA:
-            if type(event) is h11.ConnectionClosed:
-                raise WorkerDisconnected("worker closed the connection mid-response")
+        if type(event) is h11.Response:
             return event
-        try:
-            with anyio.fail_after(read_timeout):
-                data = await conn.stream.receive(RECEIVE_SIZE)
-        except anyio.EndOfStream:
-            data = b""
-        except TimeoutError:
-            raise ReadTimedOut(f"no data from worker for {read_timeout:g} s") from None
-        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-            raise WorkerDisconnected(f"connection to worker lost: {exc!r}") from None
-        conn.h11.receive_data(data)
+        if event is h11.NEED_DATA:
+            await _receive(conn, timeout)
+        elif type(event) is h11.ConnectionClosed:
+            raise WorkerDisconnected("worker closed the connection before answering")
 
 
 class ConnectionPool:
@@ -156,7 +183,7 @@ class ConnectionPool:
         except TimeoutError:
             raise ConnectFailed(f"connect to {self.host}:{self.port} timed out") from None
         except OSError as exc:
-            raise ConnectFailed(f"connect to {self.host}:{self.port} failed: {exc.strerror or exc}") from None
+            raise ConnectFailed(f"connect to {self.host}:{self.port} failed: {_os_reason(exc)}") from None
         self.opened += 1
         return _Connection(stream)
 
@@ -246,9 +273,12 @@ class ConnectionPool:
             await conn.aclose()
 
 
-async def _next_response(conn: _Connection, timeout: float) -> h11.Response:
-    while True:
-        event = await _next_event(conn, timeout)
-        if type(event) is h11.Response:
-            return event
-
+def _os_reason(exc: OSError) -> str:
+    # anyio reports a failed connect as "All connection attempts failed",
+    # with the first address's own error (or a group of them) as the cause.
+    cause = exc.__cause__
+    if isinstance(cause, BaseExceptionGroup):
+        cause = cause.exceptions[0]
+    if isinstance(cause, OSError) and cause.errno is not None:
+        return os.strerror(cause.errno)
+    return exc.strerror or str(exc)

@@ -227,22 +227,25 @@ class SGLangExchange(Exchange):
         self.public_tag = orjson.dumps(public_id)
 
     def worker_request(self, attempt: Attempt) -> WorkerRequest:
-        """The client's body with ``rid`` minted and ``stream`` on."""
+        """The client's body with ``rid`` minted. A unary client gets a unary
+        engine leg: the engine's one answer, passed through."""
         body = dict(self.request.native)
         body["rid"] = attempt.engine_id
-        body["stream"] = True
-        self.incremental = bool(attempt.worker_info.get("incremental_streaming_output"))
+        stream = self.request.stream
+        self.incremental = stream and bool(attempt.worker_info.get("incremental_streaming_output"))
         self.engine_tag = orjson.dumps(attempt.engine_id)
-        return WorkerRequest(b"/generate", orjson.dumps(body))
+        return WorkerRequest(b"/generate", orjson.dumps(body), stream=stream)
 
     def feed(self, attempt: Attempt, payload: bytes) -> Event:
-        """One SGLang chunk: the new output ids, the finish type, usage."""
+        """One SGLang chunk (or the unary answer): the new output ids, the
+        finish type and matched stop, usage."""
         try:
             chunk = orjson.loads(payload)
         except orjson.JSONDecodeError:
             raise RequestError(502, "worker sent a chunk that is not JSON", "engine") from None
         if type(chunk) is not dict:
             raise RequestError(502, "worker sent a chunk that is not an object", "engine")
+        self.payload = payload
         meta = chunk.get("meta_info")
         if type(meta) is not dict:
             err = chunk.get("error")
@@ -251,7 +254,6 @@ class SGLangExchange(Exchange):
             self.last = chunk
             return Event([], error=EngineError(code if type(code) is int else 400, message))
         meta["id"] = self.public_id
-        self.payload = payload
         ids = chunk.get("output_ids") or []
         if self.incremental:
             new = ids
@@ -293,13 +295,14 @@ class SGLangExchange(Exchange):
                 meta[key] = value
 
     def client_event(self, event: Event) -> bytes | None:
-        """The worker's chunk, ``meta_info.id`` restored.
+        """The worker's chunk, ``meta_info.id`` restored."""
+        return self._restored()
 
-        The minted engine id is a unique 32-hex string, so swapping it in the
-        worker's own bytes restores the client's id without re-serialising:
-        the client gets the engine's bytes, not a re-encoding of them.
-        """
-        if event.error is None and self.engine_tag in self.payload:
+    def _restored(self) -> bytes:
+        # The minted engine id is a unique 32-hex string, so swapping it in
+        # the worker's own bytes restores the client's id without
+        # re-serialising: the client gets the engine's bytes.
+        if self.engine_tag in self.payload:
             return self.payload.replace(self.engine_tag, self.public_tag, 1)
         return orjson.dumps(self.last)
 
@@ -323,6 +326,8 @@ class SGLangExchange(Exchange):
                 return status, orjson.dumps(
                     {"object": "error", "message": message, "type": str(status), "param": None, "code": status}
                 )
+        if final is self.last and self.payload:
+            return 200, self._restored()
         return 200, orjson.dumps(final)
 
     def worker_error(self, status: int, body: bytes) -> tuple[int, bytes]:

@@ -1,0 +1,136 @@
+"""The h11 worker client: keep-alive reuse, retirement of half-read
+connections, stale keep-alive retry, timeouts; on trio and asyncio."""
+
+from __future__ import annotations
+
+import socket
+
+import anyio
+import pytest
+
+from asgi_generate.workers.http import ConnectFailed, ConnectionPool, ReadTimedOut
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["trio", "asyncio"])
+def anyio_backend(request):
+    return request.param
+
+
+def _response(body: bytes, chunked: bool = False) -> bytes:
+    if chunked:
+        return (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                + b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in body.split(b"|")) + b"0\r\n\r\n")
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+
+
+class Server:
+    """A loopback server answering each request with the next scripted reply;
+    ``None`` in the script closes the connection instead."""
+
+    def __init__(self, script: list) -> None:
+        self.script = script
+        self.connections = 0
+
+    async def handle(self, stream) -> None:
+        self.connections += 1
+        async with stream:
+            buf = b""
+            while self.script:
+                while b"\r\n\r\n" not in buf:
+                    try:
+                        buf += await stream.receive()
+                    except (anyio.EndOfStream, anyio.BrokenResourceError):
+                        return
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                while len(buf) < length:
+                    buf += await stream.receive()
+                buf = buf[length:]
+                reply = self.script.pop(0)
+                if reply is None:
+                    return
+                if isinstance(reply, float):
+                    await anyio.sleep(reply)
+                    continue
+                await stream.send(reply)
+
+
+async def _serve(tg, script):
+    server = Server(script)
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    tg.start_soon(listener.serve, server.handle)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    return server, ConnectionPool("127.0.0.1", port, read_timeout=0.5)
+
+
+async def test_keep_alive_connection_is_reused():
+    async with anyio.create_task_group() as tg:
+        server, pool = await _serve(tg, [_response(b"one"), _response(b"t|w|o", chunked=True)])
+        for expected in (b"one", b"two"):
+            async with pool.request(b"POST", b"/x", b"{}") as resp:
+                assert (resp.status, await resp.read()) == (200, expected)
+        assert (pool.opened, pool.retired, pool.idle, server.connections) == (1, 0, 1, 1)
+        await pool.aclose()
+        tg.cancel_scope.cancel()
+
+
+async def test_body_and_end_in_one_read_then_end():
+    async with anyio.create_task_group() as tg:
+        _, pool = await _serve(tg, [_response(b"abc")])
+        async with pool.request(b"GET", b"/") as resp:
+            assert await resp.read_some() == b"abc"
+            assert await resp.read_some() is None
+            assert await resp.read_some() is None
+        assert pool.idle == 1
+        await pool.aclose()
+        tg.cancel_scope.cancel()
+
+
+async def test_half_read_response_retires_the_connection():
+    async with anyio.create_task_group() as tg:
+        server, pool = await _serve(tg, [_response(b"a|b|c", chunked=True), _response(b"next")])
+        async with pool.request(b"GET", b"/") as resp:
+            assert resp.status == 200  # body left unread
+        assert (pool.idle, pool.retired) == (0, 1)
+        async with pool.request(b"GET", b"/") as resp:
+            assert await resp.read() == b"next"
+        assert (pool.opened, server.connections) == (2, 2)
+        await pool.aclose()
+        tg.cancel_scope.cancel()
+
+
+async def test_keep_alive_closed_by_the_worker_is_retried_fresh():
+    async with anyio.create_task_group() as tg:
+        server, pool = await _serve(tg, [_response(b"first"), None, _response(b"second")])
+        async with pool.request(b"GET", b"/") as resp:
+            assert await resp.read() == b"first"
+        async with pool.request(b"GET", b"/") as resp:
+            assert await resp.read() == b"second"
+        assert (pool.opened, pool.retired, server.connections) == (2, 1, 2)
+        await pool.aclose()
+        tg.cancel_scope.cancel()
+
+
+async def test_silent_worker_times_out_and_is_retired():
+    async with anyio.create_task_group() as tg:
+        _, pool = await _serve(tg, [2.0])
+        with pytest.raises(ReadTimedOut) as exc:
+            async with pool.request(b"GET", b"/") as resp:
+                await resp.read()
+        assert str(exc.value) == "no data from worker for 0.5 s"
+        assert (pool.idle, pool.retired) == (0, 1)
+        tg.cancel_scope.cancel()
+
+
+async def test_closed_port_is_connect_failed():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    pool = ConnectionPool("127.0.0.1", port)
+    with pytest.raises(ConnectFailed) as exc:
+        async with pool.request(b"GET", b"/"):
+            pass
+    assert str(exc.value) == f"connect to 127.0.0.1:{port} failed: Connection refused"
