@@ -138,7 +138,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 def _serve(args: argparse.Namespace) -> int:
     from .app import App
     from .registry import CodecLoadError, load_codecs
-    from .tracing import TraceSetupError
+    from .tracing import Tracer, TraceSetupError
 
     settings = _settings(args)
     # Checked here, before any worker process starts, so a broken or
@@ -154,6 +154,13 @@ def _serve(args: argparse.Namespace) -> int:
     )
     if args.workers > 1:
         from .supervisor import listening_socket, supervise
+
+        if settings.trace_file or settings.trace_stderr:
+            try:  # fail here, once, rather than in every worker process
+                Tracer(settings)
+            except TraceSetupError as exc:
+                print(f"asgi-generate: {exc}", file=sys.stderr)
+                return 2
 
         sock = socket.socket(fileno=args.fd) if args.fd is not None else listening_socket(args.host, args.port)
         protocols = {item.codec.worker_protocol for item in codecs}

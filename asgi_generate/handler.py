@@ -77,6 +77,7 @@ def finish_record(app: "App", st: RequestState) -> None:
 async def reject_method(app: "App", codec: Codec, scope: dict, allowed: list[str], send: Send) -> None:
     """405 on a registered path with the wrong method, in the format's shape."""
     st = RequestState(ids.mint(), codec.name, scope["path"], scope["method"])
+    st.headers = dict(scope["headers"])
     err = RequestError(405, "Method Not Allowed", "method_not_allowed")
     await _send_error(codec, send, st, err, [(b"allow", ", ".join(allowed).encode())])
     finish_record(app, st)
@@ -375,6 +376,10 @@ class _Generation:
         self.outbox.clear()
         self.outbox_tokens = 0
         await self._send(body, more)
+        # hypercorn drops writes to a client that already hung up without
+        # an error; yielding once lets a pending disconnect cancel us first,
+        # so those tokens are not counted as delivered.
+        await anyio.lowlevel.checkpoint()
         self.st.output_tokens += tokens
 
     async def fail(self, err: RequestError, status: str) -> None:

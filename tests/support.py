@@ -50,7 +50,11 @@ class Proc:
             env=env,
         )
         sock.close()
-        self.wait_ready(health)
+        try:
+            self.wait_ready(health)
+        except BaseException:
+            self.stop()
+            raise
 
     def wait_ready(self, path: str, timeout: float = 30.0) -> None:
         """Poll ``path`` until it answers 200 (bounded by ``timeout``)."""
