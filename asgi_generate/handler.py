@@ -129,8 +129,7 @@ async def _serve(app: "App", codec: Codec, scope: dict, receive: Receive, send: 
         gen.scope = tg.cancel_scope
         app.inflight[st.request_id] = gen
         try:
-            tg.start_soon(_watch_disconnect, receive, tg.cancel_scope, st)
-            tg.start_soon(gen.watchdog, app.settings.sse_keepalive if request.stream else 0.0)
+            tg.start_soon(gen.guard, receive, app.settings.sse_keepalive if request.stream else 0.0)
             await gen.run()
             tg.cancel_scope.cancel()
         finally:
@@ -139,16 +138,6 @@ async def _serve(app: "App", codec: Codec, scope: dict, receive: Receive, send: 
         # The grace period ran out: end the answer cleanly, in-band if begun.
         st.status = None
         await gen.fail(RequestError(503, "server is shutting down", "shutdown"), "shutdown")
-
-
-async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope, st: RequestState) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            if not st.response_complete:
-                st.status = "client_disconnect"
-                scope.cancel()
-            return
 
 
 class _Generation:
@@ -269,7 +258,7 @@ class _Generation:
     async def _write(self, message: dict) -> None:
         """Hand ``message`` to the server. A client is only ever owed the
         events of one worker read (at most 64 KiB of worker bytes);
-        :meth:`watchdog` cuts off a client that leaves a write untaken too
+        :meth:`guard` cuts off a client that leaves a write untaken too
         long."""
         self.in_send = True
         self.send_started = time.monotonic()
@@ -397,33 +386,49 @@ class _Generation:
             self.outbox.append(sse_event(self.codec.in_band_error(err)) + self.codec.sse_terminal)
             await self._flush(more=False)
 
-    async def watchdog(self, keepalive: float) -> None:
-        """Guard the client side while the request runs.
+    async def guard(self, receive: Receive, keepalive: float) -> None:
+        """Watch the client for the whole request, in one task.
 
-        A write the client has left untaken for ``slow_client_timeout``
-        seconds makes it a ``slow_client``: the engine legs are aborted and
-        the record handed over at once, then the request is cancelled.
-        (hypercorn's trio worker shields its socket writes, so the stuck
-        write itself may only end when the client reads or hangs up.)
-        With ``keepalive`` > 0, an SSE comment goes out after that many
-        seconds of silence, committing to the 200 if nothing was sent yet.
+        - ``http.disconnect`` before the answer is complete makes the request
+          a ``client_disconnect`` and cancels it (the handler then aborts
+          every live engine leg).
+        - A write the client has left untaken for ``slow_client_timeout``
+          seconds makes it a ``slow_client``: the engine legs are aborted
+          and the record handed over at once, then the request is cancelled.
+          (hypercorn's trio worker shields its socket writes, so the stuck
+          write itself may only end when the client reads or hangs up.)
+        - With ``keepalive`` > 0, an SSE comment goes out after that many
+          seconds of silence, committing to the 200 if nothing was sent yet.
+
+        Waiting on ``receive()`` under a timeout loses nothing: ASGI servers
+        hand messages over through cancellation-safe queues.
         """
         st = self.st
         timeout = self.write_timeout
-        while not st.response_complete or self.in_send:
+        while True:
             now = time.monotonic()
             if self.in_send:
                 wake = self.send_started + timeout
                 if now >= wake:
                     await self._cut_off_slow_client()
                     return
-            else:
-                wake = self.last_send + keepalive if keepalive > 0 else now + timeout
-                if keepalive > 0 and now >= wake and not self.finished:
+            elif keepalive > 0 and not self.finished:
+                wake = self.last_send + keepalive
+                if now >= wake:
                     await self._start_stream()
                     await self._send(KEEPALIVE, True)
                     continue
-            await anyio.sleep(max(0.01, min(wake - now, timeout)))
+            else:
+                wake = now + timeout
+            # A write may start while we wait: look again within `timeout`.
+            with anyio.move_on_after(max(0.01, min(wake - now, timeout))):
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    if not st.response_complete:
+                        st.status = "client_disconnect"
+                        if self.scope is not None:
+                            self.scope.cancel()
+                    return
 
     async def _cut_off_slow_client(self) -> None:
         st = self.st

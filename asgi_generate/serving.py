@@ -29,7 +29,7 @@ def hypercorn_config(
     return config
 
 
-def run(app: Any, config: Config, worker_class: str = "trio") -> None:
+def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
     """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully:
     hypercorn stops accepting, and ``app.begin_shutdown()`` (when the app has
     one) lets the app end its in-flight requests itself.
