@@ -411,12 +411,7 @@ class VLLMProtocol:
                         "routed_experts": None,
                     }
                 ],
-                "usage": {
-                    "prompt_tokens": prompt,
-                    "total_tokens": prompt + len(out),
-                    "completion_tokens": len(out),
-                    "prompt_tokens_details": None,
-                } if opts.continuous_usage else None,
+                "usage": _usage(prompt, len(out)) if opts.continuous_usage else None,
             }
             await send({"type": "http.response.body", "body": sse_event(orjson.dumps(chunk)), "more_body": True})
         if job.aborted and finish is None:
@@ -424,7 +419,9 @@ class VLLMProtocol:
         if opts.stream:
             tail = b""
             if opts.include_usage and self.usage_chunk:
-                usage = {"prompt_tokens": prompt, "total_tokens": prompt + len(out), "completion_tokens": len(out)}
+                # The closing chunk leaves out null fields (vLLM's exclude_none).
+                usage = _usage(prompt, len(out))
+                del usage["prompt_tokens_details"]
                 tail = sse_event(orjson.dumps({"request_id": job.rid, "choices": [], "usage": usage}))
             return [{"type": "http.response.body", "body": tail + DONE, "more_body": False}]
         pk = opts.prompt_logprobs
@@ -441,12 +438,7 @@ class VLLMProtocol:
                     "routed_experts": None,
                 }
             ],
-            "usage": {
-                "prompt_tokens": prompt,
-                "total_tokens": prompt + len(out),
-                "completion_tokens": len(out),
-                "prompt_tokens_details": None,
-            },
+            "usage": _usage(prompt, len(out)),
             "prompt_logprobs": self._prompt_logprobs(job.input_ids, pk) if pk is not None else None,
             "kv_transfer_params": None,
             "ec_transfer_params": None,
@@ -511,3 +503,13 @@ class VLLMProtocol:
                 }
             ],
         }
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    """vLLM's ``UsageInfo`` for ``prompt`` input and ``completion`` output tokens."""
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": None,
+    }
