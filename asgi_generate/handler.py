@@ -364,11 +364,11 @@ class _Generation:
         tokens = self.outbox_tokens
         self.outbox.clear()
         self.outbox_tokens = 0
-        await self._send(body, more)
-        # hypercorn drops writes to a client that already hung up without
-        # an error; yielding once lets a pending disconnect cancel us first,
-        # so those tokens are not counted as delivered.
+        # hypercorn silently drops writes to a client that already hung up:
+        # yielding once first lets a pending disconnect cancel us before
+        # the write, so what is counted is what went out on the socket.
         await anyio.lowlevel.checkpoint()
+        await self._send(body, more)
         self.st.output_tokens += tokens
 
     async def fail(self, err: RequestError, status: str) -> None:
