@@ -179,8 +179,9 @@ def load_codecs(skip_broken: bool = False) -> list[LoadedCodec]:
 
     Raises:
         CodecLoadError: a codec failed to load (unless ``skip_broken``; the
-            message then ends with a hint naming the flag), or two loaded
-            codecs claim the same name or the same method and path.
+            message then ends with a hint naming the flag), two loaded
+            codecs claim the same name or the same method and path, or no
+            codec is left to serve.
     """
     found = discover()
     if found.failures and not skip_broken:
@@ -189,6 +190,8 @@ def load_codecs(skip_broken: bool = False) -> list[LoadedCodec]:
         log.error("%s; skipped (--skip-broken-codecs)", failure)
     if found.collisions:
         raise CodecLoadError("\n".join(found.collisions))
+    if not found.loaded:
+        raise CodecLoadError(f"no codec to serve: none is installed in the entry point group {GROUP}")
     for item in found.loaded:
         routes = ", ".join(f"{r.method} {r.path}" for r in item.codec.routes)
         log.info("codec %s from %s %s: %s, on %s workers", item.codec.name, item.distribution,

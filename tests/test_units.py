@@ -129,3 +129,12 @@ def test_settings_round_trip_through_the_environment():
     with pytest.raises(ValueError) as exc:
         Settings.from_env({"ASGI_GENERATE_READ_TIMEOUT": "soon"})
     assert str(exc.value) == "ASGI_GENERATE_READ_TIMEOUT='soon' is not a number"
+
+
+def test_no_codec_to_serve_is_refused(monkeypatch):
+    from asgi_generate import registry
+
+    monkeypatch.setattr(registry, "entry_points", lambda group: [])
+    with pytest.raises(registry.CodecLoadError) as exc:
+        registry.load_codecs()
+    assert str(exc.value) == "no codec to serve: none is installed in the entry point group asgi_generate.codecs"
