@@ -177,6 +177,10 @@ def _serve(args: argparse.Namespace) -> int:
 def _sim(args: argparse.Namespace) -> int:
     from .sim.app import SimApp
 
+    # asyncio warns on every write to a client that hung up; a simulator
+    # serving abandoned streams would flood the log with them.
+    logging.getLogger("asyncio").setLevel(logging.ERROR)
+
     app = SimApp(
         protocol=args.protocol,
         ttft_ms=args.ttft_ms,

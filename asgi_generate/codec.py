@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import orjson
+
 
 @dataclass(frozen=True, slots=True)
 class Route:
@@ -51,6 +53,31 @@ class RequestError(Exception):
         self.status = status
         self.message = message
         self.kind = kind
+
+
+def dump_body(obj: Any) -> bytes:
+    """Serialize a worker request body with orjson.
+
+    orjson reads JSON nested up to 1024 levels but writes at most 254, so a
+    client's deeply nested pass-through field is refused here, as bad input.
+
+    Raises:
+        RequestError: 400, the body nests too deeply to forward.
+    """
+    try:
+        return orjson.dumps(obj)
+    except orjson.JSONEncodeError as exc:
+        raise RequestError(400, f"the request cannot be forwarded: {exc}") from None
+
+
+def is_json(body: bytes) -> bool:
+    """Whether ``body`` parses as JSON (to tell an engine's own error body
+    from a bare status page)."""
+    try:
+        orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return True
 
 
 @dataclass(slots=True)

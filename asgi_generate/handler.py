@@ -25,7 +25,7 @@ import anyio
 
 from . import ids
 from .accounting import RequestState
-from .codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError
+from .codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError, WorkerRequest
 from .framing import (
     KEEPALIVE,
     SSE_HEADERS,
@@ -188,20 +188,24 @@ class _Generation:
                 )
                 return
             attempt = Attempt(ids.mint(), "aggregated", worker.id, worker.info, worker)
+            try:
+                wreq = self.ex.worker_request(attempt)
+            except RequestError as exc:  # nothing was sent to any engine
+                await self.fail(exc, "rejected")
+                return
             self.st.attempts.append(attempt)
             worker.outstanding += 1
             try:
-                retry = await self._attempt(worker, attempt)
+                retry = await self._attempt(worker, attempt, wreq)
             finally:
                 worker.outstanding -= 1
             if not retry:
                 return
             tried.append(worker)
 
-    async def _attempt(self, worker: Worker, attempt: Attempt) -> bool:
+    async def _attempt(self, worker: Worker, attempt: Attempt, wreq: WorkerRequest) -> bool:
         """Run one attempt; return whether to try another worker."""
         st, ex = self.st, self.ex
-        wreq = ex.worker_request(attempt)
         if st.t_dispatched is None:
             st.t_dispatched = time.monotonic()
         attempt.live = True

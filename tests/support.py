@@ -122,15 +122,21 @@ def stats(sim: Proc) -> dict:
     return httpx.get(sim.url + "/sim/stats", timeout=5).json()
 
 
+JSON_HEADERS = {"content-type": "application/json"}
+
+
 def post(url: str, body: dict | bytes, path: str = "/generate", **kw) -> httpx.Response:
-    """POST a JSON object (or raw bytes) and return the whole response."""
+    """POST a JSON object (or raw bytes) as ``application/json`` (unless
+    ``headers`` says otherwise) and return the whole response."""
     content = body if isinstance(body, bytes) else orjson.dumps(body)
-    return httpx.post(url + path, content=content, timeout=kw.pop("timeout", 30), **kw)
+    headers = {**JSON_HEADERS, **kw.pop("headers", {})}
+    return httpx.post(url + path, content=content, headers=headers, timeout=kw.pop("timeout", 30), **kw)
 
 
 def sse(url: str, body: dict, path: str = "/generate", **kw) -> tuple[int, list[bytes]]:
-    """POST ``body`` and return the status and every SSE ``data`` payload."""
-    with httpx.stream("POST", url + path, content=orjson.dumps(body), timeout=30, **kw) as resp:
+    """POST ``body`` as JSON and return the status and every SSE ``data`` payload."""
+    headers = {**JSON_HEADERS, **kw.pop("headers", {})}
+    with httpx.stream("POST", url + path, content=orjson.dumps(body), headers=headers, timeout=30, **kw) as resp:
         raw = b"".join(resp.iter_bytes())
         status = resp.status_code
     events = []

@@ -9,7 +9,7 @@ import sys
 import httpx
 import pytest
 
-from support import Proc, listening_socket, post, start_sim, wait_until
+from support import Proc, listening_socket, post, start_sim
 
 
 def _serve(args: list[str], health: str = "/health") -> Proc:

@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from support import listening_socket, post, sse, start_frontend, start_sim, stats, without_timing
+from support import post, sse, start_frontend, start_sim, stats, wait_until, without_timing
 
 BODY = {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 4}}
 
@@ -192,3 +192,24 @@ def test_incremental_streaming_worker():
     finally:
         fe.stop()
         sim.stop()
+
+
+def test_hung_worker_leaves_the_rotation_and_comes_back():
+    """A frozen worker still accepts connections but never answers: its
+    health probe times out, it is marked down, and it returns when thawed."""
+    a, b = start_sim(), start_sim()
+    fe = start_frontend([f"sglang={a.url}", f"sglang={b.url}"])
+    try:
+        a.proc.send_signal(signal.SIGSTOP)
+        state = lambda: [w["state"] for w in httpx.get(fe.url + "/v1/models").json()["workers"]]  # noqa: E731
+        wait_until(lambda: state() == ["down", "up"], timeout=10)
+        for _ in range(4):
+            assert post(fe.url, BODY, timeout=5).status_code == 200
+        assert stats(b)["received"] == 4
+        a.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: state() == ["up", "up"], timeout=10)
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+        fe.stop()
+        a.stop()
+        b.stop()

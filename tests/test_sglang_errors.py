@@ -127,3 +127,33 @@ def test_body_at_cap_is_served(capped):
     resp = post(fe.url, body)
     assert resp.status_code == 200
     assert len(resp.json()["output_ids"]) == 2
+
+
+def test_too_deeply_nested_pass_through_is_400(frontend, sims):
+    """orjson reads 1024 levels but writes 254: a field the frontend cannot
+    forward is bad input, not an internal error."""
+    before = _received(sims)
+    deep = b'{"input_ids": [1], "x": ' + b"[" * 300 + b"]" * 300 + b"}"
+    resp = post(frontend.url, deep)
+    assert resp.status_code == 400
+    assert resp.json() == {"error": {"message": "the request cannot be forwarded: Recursion limit reached"}}
+    assert _received(sims) == before
+
+
+def test_engine_error_pages_that_are_not_json_get_sglang_shape():
+    from asgi_generate.codec import GenerateRequest
+    from asgi_generate_sglang import SGLangCodec
+
+    ex = SGLangCodec().exchange(GenerateRequest(stream=False, native={}), "r")
+    assert ex.worker_error(500, b"Internal Server Error") == (500, orjson.dumps(
+        {"object": "error", "message": "worker answered 500: Internal Server Error", "type": "500",
+         "param": None, "code": 500}))
+    assert ex.worker_error(400, b'{"error": {"message": "x"}}') == (400, b'{"error": {"message": "x"}}')
+
+
+def test_bad_logprob_start_len_is_the_engines_400(frontend, sims):
+    body = {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": -5}
+    direct, through = post(sims[0].url, body), post(frontend.url, body)
+    assert through.status_code == direct.status_code == 400
+    assert through.json() == direct.json() == {
+        "error": {"message": "logprob_start_len (-5) must be -1 or at least 0."}}

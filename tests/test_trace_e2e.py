@@ -29,7 +29,7 @@ import pytest
 from asgi_generate.assets import TOKENIZER_PATH
 from asgi_generate.tracing.hashing import block_hashes
 from asgi_generate.tracing.validate import check_records, read_jsonl
-from support import RawClient, post, sse, start_frontend, start_sim, stats, wait_until
+from support import JSON_HEADERS, RawClient, post, sse, start_frontend, start_sim, stats, wait_until
 
 PARSERS = ["--tokenizer", str(TOKENIZER_PATH), "--reasoning-parser", "deepseek_r1", "--tool-call-parser", "hermes"]
 _EVENT = re.compile(rb"data: (.*?)\n\n", re.DOTALL)
@@ -402,7 +402,7 @@ VLLM = "/inference/v1/generate"
 
 def test_vllm_unary_and_stream_counts(vllm_front):
     body = {"token_ids": [1, 2, 3, 400], "model": "sim", "request_id": "v1", "sampling_params": {"max_tokens": 5}}
-    r = httpx.post(vllm_front.url + VLLM, content=orjson.dumps(body), timeout=30)
+    r = httpx.post(vllm_front.url + VLLM, content=orjson.dumps(body), headers=JSON_HEADERS, timeout=30)
     assert r.status_code == 200
     (rec,) = vllm_front.take()
     assert rec["output_tokens"] == len(r.json()["choices"][0]["token_ids"]) == 5
@@ -419,8 +419,8 @@ def test_vllm_unary_and_stream_counts(vllm_front):
 
 def test_vllm_rejections(vllm_front):
     bad = {"token_ids": [1, 2], "model": "no-such-model", "sampling_params": {"max_tokens": 2}}
-    r = httpx.post(vllm_front.url + VLLM, content=orjson.dumps(bad), timeout=30)
-    r2 = httpx.post(vllm_front.url + VLLM, content=b"[1, 2]", timeout=30)
+    r = httpx.post(vllm_front.url + VLLM, content=orjson.dumps(bad), headers=JSON_HEADERS, timeout=30)
+    r2 = httpx.post(vllm_front.url + VLLM, content=b"[1, 2]", headers=JSON_HEADERS, timeout=30)
     recs = vllm_front.take(2)
     assert [(x["status"], x["http_status"]) for x in recs] == [("rejected", r.status_code), ("rejected", r2.status_code)]
     assert (r.status_code, r2.status_code) == (404, 400)

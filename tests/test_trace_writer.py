@@ -144,7 +144,7 @@ async def test_rotation_by_size_never_splits_a_batch(tmp_path):
         await tg.start(tracer.run)
         for i in range(1, 4):
             tracer.submit(done(i))
-            await wait_for(lambda: tracer.records == i)
+            await wait_for(lambda i=i: tracer.records == i)
         await tracer.close()
     files = sorted(tmp_path.iterdir())
     assert [f.name.rsplit(".", 2)[1] for f in files] == ["0000", "0001", "0002"]

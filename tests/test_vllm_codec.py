@@ -19,6 +19,7 @@ ATTEMPT = Attempt(ENGINE_ID)
 
 def decode(obj, **headers):
     raw = obj if isinstance(obj, bytes) else orjson.dumps(obj)
+    headers = {"content_type": "application/json", **headers}
     return CODEC.decode(raw, {k.replace("_", "-").encode(): v.encode() for k, v in headers.items()})
 
 

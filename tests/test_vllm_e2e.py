@@ -42,13 +42,17 @@ def _close_http():
 
 
 def post(url: str, body: dict | bytes, path: str, **kw) -> httpx.Response:
-    """POST a JSON object (or raw bytes), return the whole response."""
-    return HTTP.post(url + path, content=body if isinstance(body, bytes) else orjson.dumps(body), **kw)
+    """POST a JSON object (or raw bytes) as ``application/json`` unless
+    ``headers`` says otherwise; return the whole response."""
+    headers = {**JSON, **kw.pop("headers", {})}
+    return HTTP.post(url + path, content=body if isinstance(body, bytes) else orjson.dumps(body),
+                     headers=headers, **kw)
 
 
 def sse(url: str, body: dict, path: str, **kw) -> tuple[int, list[bytes]]:
-    """POST ``body``; the status and every SSE ``data`` payload."""
-    with HTTP.stream("POST", url + path, content=orjson.dumps(body), **kw) as resp:
+    """POST ``body`` as JSON; the status and every SSE ``data`` payload."""
+    headers = {**JSON, **kw.pop("headers", {})}
+    with HTTP.stream("POST", url + path, content=orjson.dumps(body), headers=headers, **kw) as resp:
         raw = b"".join(resp.iter_bytes())
     blocks = [b.split(b"\n") for b in raw.split(b"\n\n")]
     return resp.status_code, [line[6:] for block in blocks for line in block if line.startswith(b"data: ")]
@@ -369,11 +373,20 @@ def test_sim_control_routes(vsim):
     (card,) = HTTP.get(vsim.url + "/v1/models").json()["data"]
     assert (card["id"], card["object"], card["owned_by"], card["max_model_len"]) == ("sim", "model", "vllm", 32768)
     assert HTTP.get(vsim.url + "/generate").status_code == 404
-    # vLLM's route takes JSON only; the frontend sends the header for its clients.
-    r = post(vsim.url, {"token_ids": [1], "sampling_params": {}}, GEN)
-    assert (r.status_code, r.json()) == (400, {"error": {
-        "message": "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
-        "type": "Bad Request", "param": None, "code": 400}})
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_only_json_is_accepted_like_vllm(vfront, vsim, content_type):
+    """vLLM's route takes JSON only; the frontend answers the same, before any engine."""
+    headers = {} if content_type is None else {"content-type": content_type}
+    content = orjson.dumps({"token_ids": [1], "sampling_params": {}})
+    want = {"error": {"message": "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+                      "type": "Bad Request", "param": None, "code": 400}}
+    before = stats(vsim)["received"]
+    for url in (vsim.url, vfront.url):
+        r = httpx.post(url + GEN, content=content, headers=headers, timeout=10)
+        assert (r.status_code, r.json()) == (400, want)
+    assert stats(vsim)["received"] == before
 
 
 # -- request ids -------------------------------------------------------------

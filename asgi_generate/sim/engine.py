@@ -146,7 +146,10 @@ class SimEngine:
             yield Token(tok, step, finish)
             if finish is not None:
                 return
-            await self._pause(job, self.itl_s)
+            if self.itl_s > 0:
+                await self._pause(job, self.itl_s)
+            else:  # a batching engine serves everyone: never hog the loop
+                await anyio.lowlevel.checkpoint()
 
     def stats(self) -> dict:
         """The ``/sim/stats`` body."""

@@ -150,6 +150,8 @@ class SGLangProtocol:
         stop_ids = _field(sp, "stop_token_ids", (list,), [])
         rid = _field(obj, "rid", (str,), None) or uuid.uuid4().hex
         start_len = _field(obj, "logprob_start_len", (int,), -1)
+        if start_len < -1:
+            raise value_error(f"logprob_start_len ({start_len}) must be -1 or at least 0.")
         return_logprob = bool(_field(obj, "return_logprob", (bool,), False))
         if not return_logprob or start_len == -1:
             start_len = len(input_ids) - 1
@@ -278,7 +280,6 @@ class SGLangProtocol:
 
     async def _run(self, job: Job, opts: dict, send: Send, done: list[bool]) -> None:
         t0 = time.monotonic()
-        model = self.engine.model
         stream = opts["stream"]
         rl = opts["return_logprob"]
         k = opts["top_logprobs_num"]
@@ -292,6 +293,9 @@ class SGLangProtocol:
         sent_ids = sent_lps = 0
         sent_text = ""
         text = ""
+        # Running text only when chunks or stop strings need it before the end.
+        step_text = self.tok.stream_decoder(opts["skip_special"]) if stream or stops else None
+        longest_stop = max((len(s) for s in stops), default=0)
         finish: tuple[str, object] | None = None
         if stream:
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
@@ -339,15 +343,20 @@ class SGLangProtocol:
                     out_tops.append(
                         [self._triple(lp, t, wt) for t, lp in token.step.candidates[:k]]
                     )
-            text = self._text(out_ids, finish, opts)
-            if stops and finish is None:
-                for s in stops:
-                    at = text.find(s)
-                    if at >= 0:
-                        finish = ("stop", s)
-                        if not opts["no_stop_trim"]:
-                            text = text[:at]
-                        break
+            if step_text is not None:
+                piece = step_text(token.token_id)
+                if not (finish is not None and finish[0] == "stop" and not opts["no_stop_trim"]):
+                    text += piece
+                if stops and finish is None:
+                    # Only the tail can hold a stop string the last piece completed.
+                    tail = max(0, len(text) - len(piece) - longest_stop)
+                    for s in stops:
+                        at = text.find(s, tail)
+                        if at >= 0:
+                            finish = ("stop", s)
+                            if not opts["no_stop_trim"]:
+                                text = text[:at]
+                            break
             if stream and (finish is None):
                 await send(
                     {"type": "http.response.body", "body": sse_event(orjson.dumps(chunk(False))), "more_body": True}
@@ -356,6 +365,8 @@ class SGLangProtocol:
                 break
         if finish is None and not job.aborted:
             finish = ("length", job.max_new_tokens)  # max_new_tokens == 0
+        if not (finish is not None and finish[0] == "stop" and isinstance(finish[1], str)):
+            text = self._text(out_ids, finish, opts)  # exact, once
         final = orjson.dumps(chunk(True))
         done[0] = True
         if stream:

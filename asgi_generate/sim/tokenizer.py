@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pathlib
+from typing import Callable
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from ..assets import TOKENIZER_PATH
 
@@ -48,3 +50,11 @@ class SimTokenizer:
     def piece(self, token_id: int) -> str:
         """The text of one token, special tokens included (logprob labels)."""
         return self._pieces[token_id]
+
+    def stream_decoder(self, skip_special: bool = True) -> Callable[[int], str]:
+        """Incremental decoding, linear in the output length: returns a
+        function that takes the next token id and returns the text it
+        completes (``""`` while a character is still incomplete)."""
+        ds = DecodeStream(skip_special_tokens=skip_special)
+        tok = self._tok
+        return lambda token_id: ds.step(tok, token_id) or ""

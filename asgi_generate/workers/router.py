@@ -1,10 +1,10 @@
 """Workers and the router that spreads requests over them.
 
 Policy: least outstanding requests among healthy workers of the protocol a
-codec rides on; ties go round-robin. A worker that cannot be reached is
-marked down and skipped until its health route answers 200 again (and, for
-protocols with server info, that info was read: SGLang's streaming mode is a
-server flag the codec needs).
+codec rides on; ties go round-robin. A worker that cannot be reached, or
+whose health probe fails or hangs, is marked down and skipped until its
+health route answers 200 again and its server info was read (SGLang's
+streaming mode is a server flag the codec needs).
 """
 
 from __future__ import annotations
@@ -160,13 +160,13 @@ class Router:
         return True
 
     async def watch(self, interval: float) -> None:
-        """Forever: probe every down worker each ``interval`` seconds."""
+        """Forever: probe every worker each ``interval`` seconds, so a down
+        worker comes back and an up one that stopped answering (hung, not
+        refusing connections) leaves the rotation."""
         while True:
-            down = [w for w in self.workers if not w.healthy]
-            if down:
-                async with anyio.create_task_group() as tg:
-                    for w in down:
-                        tg.start_soon(self.probe, w)
+            async with anyio.create_task_group() as tg:
+                for w in self.workers:
+                    tg.start_soon(self.probe, w)
             await anyio.sleep(interval)
 
     @property

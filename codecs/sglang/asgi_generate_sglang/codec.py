@@ -26,6 +26,8 @@ from asgi_generate.codec import (
     RequestError,
     Route,
     WorkerRequest,
+    dump_body,
+    is_json,
 )
 
 # Set by the frontend for P/D; a client setting them could stall a decode
@@ -189,7 +191,8 @@ class SGLangCodec(Codec):
 
     def exchange(self, request: GenerateRequest, request_id: str) -> "SGLangExchange":
         """Per-request state; the client sees ``rid``, or ``request_id`` if it sent none."""
-        return SGLangExchange(request, request.public_id or request_id)
+        public = request.public_id
+        return SGLangExchange(request, public if public is not None else request_id)
 
     def error_body(self, error: RequestError) -> bytes:
         """SGLang's error shapes: FastAPI-style for schema errors and statuses
@@ -234,7 +237,7 @@ class SGLangExchange(Exchange):
         stream = self.request.stream
         self.incremental = stream and bool(attempt.worker_info.get("incremental_streaming_output"))
         self.engine_tag = orjson.dumps(attempt.engine_id)
-        return WorkerRequest(b"/generate", orjson.dumps(body), stream=stream)
+        return WorkerRequest(b"/generate", dump_body(body), stream=stream)
 
     def feed(self, attempt: Attempt, payload: bytes) -> Event:
         """One SGLang chunk (or the unary answer): the new output ids, the
@@ -331,5 +334,9 @@ class SGLangExchange(Exchange):
         return 200, orjson.dumps(final)
 
     def worker_error(self, status: int, body: bytes) -> tuple[int, bytes]:
-        """SGLang workers already answer in this format's shapes: pass through."""
-        return status, body
+        """SGLang workers answer in this format's shapes: pass through; a
+        body that is not JSON (a bare server error page) gets SGLang's shape."""
+        if is_json(body):
+            return status, body
+        text = body[:200].decode("utf-8", "replace")
+        return status, SGLangCodec().error_body(RequestError(status, f"worker answered {status}: {text}", "engine"))

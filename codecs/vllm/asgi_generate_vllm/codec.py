@@ -49,9 +49,11 @@ from asgi_generate.codec import (
     RequestError,
     Route,
     WorkerRequest,
+    dump_body,
+    is_json,
 )
 
-from .schema import GENERATE_REQUEST, bad_request, check, check_features, validation_error
+from .schema import GENERATE_REQUEST, VLLMRequestError, bad_request, check, check_features, validation_error
 
 PATH = "/inference/v1/generate"
 #: What vLLM puts before a request id to make the engine id.
@@ -92,6 +94,14 @@ class VLLMCodec(Codec):
             RequestError: 400 in vLLM's validation shape (schema) or
                 ``BadRequestError`` shape (values).
         """
+        media = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+        if media != b"application/json":  # vLLM's api_router accepts JSON only
+            raise VLLMRequestError(
+                400,
+                "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+                "unsupported_media_type",
+                "Bad Request",
+            )
         if not body:
             raise validation_error("missing", (), "Field required", None)
         try:
@@ -228,13 +238,13 @@ class VLLMExchange(Exchange):
         body["request_id"] = attempt.engine_id
         headers = [_JSON, (b"x-request-id", attempt.engine_id.encode())]
         if not self.stream:
-            return WorkerRequest(PATH.encode(), orjson.dumps(body), headers, stream=False)
+            return WorkerRequest(PATH.encode(), dump_body(body), headers, stream=False)
         body["stream_options"] = {
             **(body.get("stream_options") or {}),
             "include_usage": True,
             "continuous_usage_stats": self.native.continuous_usage,
         }
-        return WorkerRequest(PATH.encode(), orjson.dumps(body), headers)
+        return WorkerRequest(PATH.encode(), dump_body(body), headers)
 
     def feed(self, attempt: Attempt, payload: bytes) -> Event:
         """A streaming leg: one vLLM stream chunk, giving its new token ids;
@@ -308,5 +318,9 @@ class VLLMExchange(Exchange):
         return self.status, self.out
 
     def worker_error(self, status: int, body: bytes) -> tuple[int, bytes]:
-        """vLLM workers already answer in this format's shapes: pass through."""
-        return status, body
+        """vLLM workers answer in this format's shapes: pass through; a body
+        that is not JSON (a bare server error page) gets vLLM's shape."""
+        if is_json(body):
+            return status, body
+        text = body[:200].decode("utf-8", "replace")
+        return status, VLLMCodec().error_body(RequestError(status, f"worker answered {status}: {text}", "engine"))
