@@ -9,7 +9,7 @@ import sys
 import httpx
 import pytest
 
-from support import Proc, listening_socket, post, start_sim
+from support import Proc, listening_socket, post, start_sim, wait_until
 
 
 def _serve(args: list[str], health: str = "/health") -> Proc:
@@ -60,3 +60,36 @@ def test_help_documents_every_serve_flag():
                  "--sse-keepalive", "--abort-timeout", "--slow-client-timeout", "--shutdown-grace",
                  "--embedded-workers", "--trace-file", "--skip-broken-codecs"):
         assert flag in out
+
+
+def test_hypercorn_run_directly_is_configured_from_the_environment():
+    import os
+
+    sim = start_sim()
+    sock = listening_socket()
+    port = sock.getsockname()[1]
+    env = {**os.environ, "ASGI_GENERATE_WORKERS": f"sglang={sim.url}", "ASGI_GENERATE_MAX_BODY_BYTES": "1000"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hypercorn", "-k", "trio", "-b", f"fd://{sock.fileno()}", "asgi_generate.asgi:app"],
+        pass_fds=[sock.fileno()], env=env, stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sock.close()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _get_ok(url + "/health"), timeout=30)
+        ok = post(url, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}})
+        assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 3
+        big = post(url, {"input_ids": list(range(300))})
+        assert big.status_code == 413
+        assert big.json()["message"] == "request body exceeds the limit of 1000 bytes"
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        sim.stop()
+
+
+def _get_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
