@@ -156,3 +156,30 @@ def test_slow_reader_is_cut_off_and_the_engine_aborted(worker_class):
     finally:
         fe.stop()
         sim.stop()
+
+
+def test_unacknowledged_abort_is_counted_and_recorded(tmp_path):
+    """The engine freezes mid-stream and the client leaves: the abort is
+    retried, then reported (counter, record) instead of hanging the handler."""
+    import signal
+
+    sim = start_sim(itl_ms=50)
+    trace = tmp_path / "t.jsonl"
+    fe = start_frontend([f"sglang={sim.url}"], extra=["--abort-timeout", "0.3", "--health-interval", "30",
+                                                     "--trace-file", str(trace)])
+    try:
+        c = RawClient(fe.url)
+        c.send(_body(True, n=200))
+        assert len(c.events(2)) == 2
+        sim.proc.send_signal(signal.SIGSTOP)
+        c.close()
+        wait_until(lambda: httpx.get(fe.url + "/stats").json()["aborts_unacknowledged"] == 1, timeout=10)
+        fe_stats = httpx.get(fe.url + "/stats").json()
+        assert (fe_stats["aborts_sent"], fe_stats["by_status"]) == (1, {"client_disconnect": 1})
+    finally:
+        sim.proc.send_signal(signal.SIGCONT)
+        fe.stop()
+        sim.stop()
+    (rec,) = [orjson.loads(line) for f in tmp_path.glob("t.*.jsonl") for line in f.read_bytes().splitlines()]
+    assert rec["status"] == "client_disconnect"
+    assert [(a["outcome"], a["abort_acked"]) for a in rec["attempts"]] == [("aborted", False)]
