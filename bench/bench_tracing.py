@@ -36,7 +36,6 @@ import asyncio
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +46,8 @@ import orjson
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from support import listening_socket, start_sim  # noqa: E402
+from _procs import tree_cpu_seconds  # noqa: E402
+from support import Proc, start_frontend, start_sim  # noqa: E402
 
 from asgi_generate.accounting import RequestState  # noqa: E402
 from asgi_generate.assets import TOKENIZER_PATH  # noqa: E402
@@ -56,50 +56,10 @@ from asgi_generate.tracing.analysis import OutputAnalyzer  # noqa: E402
 from asgi_generate.tracing.record import build_record  # noqa: E402
 from asgi_generate.tracing.sinks import JsonlFileSink  # noqa: E402
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 OUTPUT_TOKENS = 32
 SIZES = (128, 16384)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (all threads)."""
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-class Frontend:
-    """``asgi-generate serve`` in front of ``sim_url``, with extra flags."""
-
-    def __init__(self, sim_url: str, extra: list[str], log: pathlib.Path) -> None:
-        sock = listening_socket()
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(log, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "asgi_generate", "serve", "--worker", f"sglang={sim_url}",
-             "--worker-class", "trio", "--log-level", "warning", "--fd", str(sock.fileno()), *extra],
-            pass_fds=[sock.fileno()], stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-        )
-        sock.close()
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError(f"frontend did not start: {log.read_text()[-2000:]}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log.close()
+# Both frontends probe their worker at the serving default, not the tests' 0.2 s.
+DEFAULT_HEALTH = ["--health-interval", "2"]
 
 
 def input_ids(input_len: int) -> list[int]:
@@ -131,7 +91,7 @@ async def connection(port: int, request: bytes, stop_at: float, done: list[int])
         writer.close()
 
 
-def measure(fe: Frontend, request: bytes, seconds: float, concurrency: int) -> tuple[float, float]:
+def measure(fe: Proc, request: bytes, seconds: float, concurrency: int) -> tuple[float, float]:
     """Run one cell; return (requests/s, frontend CPU ms per request)."""
     done = [0]
 
@@ -139,9 +99,9 @@ def measure(fe: Frontend, request: bytes, seconds: float, concurrency: int) -> t
         stop_at = time.monotonic() + seconds
         await asyncio.gather(*(connection(fe.port, request, stop_at, done) for _ in range(concurrency)))
 
-    cpu0, t0 = cpu_seconds(fe.proc.pid), time.monotonic()
+    cpu0, t0 = tree_cpu_seconds(fe.proc.pid), time.monotonic()
     asyncio.run(main())
-    cpu1, t1 = cpu_seconds(fe.proc.pid), time.monotonic()
+    cpu1, t1 = tree_cpu_seconds(fe.proc.pid), time.monotonic()
     return done[0] / (t1 - t0), (cpu1 - cpu0) * 1000.0 / done[0]
 
 
@@ -177,13 +137,13 @@ def main() -> int:
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-tracing-"))
     sim = start_sim()
-    fronts: dict[str, Frontend] = {}
+    fronts: dict[str, Proc] = {}
     try:
-        fronts["off"] = Frontend(sim.url, [], tmp / "off.log")
-        fronts["on"] = Frontend(sim.url, [
-            "--trace-file", str(tmp / "trace.jsonl"), "--tokenizer", str(TOKENIZER_PATH),
+        fronts["off"] = start_frontend([f"sglang={sim.url}"], extra=DEFAULT_HEALTH)
+        fronts["on"] = start_frontend([f"sglang={sim.url}"], extra=[
+            *DEFAULT_HEALTH, "--trace-file", str(tmp / "trace.jsonl"), "--tokenizer", str(TOKENIZER_PATH),
             "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
-        ], tmp / "on.log")
+        ])
         results: dict[tuple[int, str], list[tuple[float, float]]] = {}
         for size in SIZES:
             request = request_bytes(size)
