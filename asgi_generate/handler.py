@@ -144,7 +144,7 @@ class _Generation:
     """Drives one request's attempts and writes its response."""
 
     __slots__ = (
-        "app", "codec", "ex", "req", "st", "send", "finished", "pending", "in_send", "last_send",
+        "app", "codec", "ex", "req", "st", "send", "pending", "in_send", "last_send",
         "scope", "shutdown", "write_timeout", "send_started", "timed", "outbox", "outbox_tokens",
     )
 
@@ -157,7 +157,6 @@ class _Generation:
         self.req = req
         self.st = st
         self.send = send
-        self.finished = False
         self.pending = 0
         self.in_send = False
         self.last_send = self.send_started = time.monotonic()
@@ -230,11 +229,11 @@ class _Generation:
                     decoder = SSEDecoder()
                     while (data := await resp.read_some()) is not None:
                         for payload in decoder.feed(data):
-                            if not self.finished and payload != DONE:
+                            if not st.response_complete and payload != DONE:
                                 await self._feed(attempt, payload)
                         if self.outbox:
                             await self._flush()
-                if not self.finished:
+                if not st.response_complete:
                     event = ex.end_of_stream(attempt)
                     if event is None or (event.error is None and event.finish_reason is None):
                         raise WorkerError("worker ended the response without a finish reason")
@@ -246,7 +245,7 @@ class _Generation:
             self.app.router.mark_down(worker, str(exc))
             return True
         except WorkerError as exc:
-            if self.finished:  # only the drain after the answer failed
+            if self.st.response_complete:  # only the drain after the answer failed
                 return False
             attempt.outcome = "worker_lost"
             self.app.router.mark_down(worker, str(exc))
@@ -298,19 +297,10 @@ class _Generation:
 
     async def _unary(self, status: int, body: bytes) -> None:
         st = self.st
-        self.finished = True
         st.response_started = True
         st.http_status = status
         st.response_complete = True
-        await self._write_unary(status, body, self.codec.content_type)
-
-    async def _write_unary(self, status: int, body: bytes, content_type: bytes) -> None:
-        await self._write({
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode())],
-        })
-        await self._write({"type": "http.response.body", "body": body, "more_body": False})
+        await send_unary(self._write, status, body, self.codec.content_type)
 
     async def _deliver(self, event: Event) -> None:
         st, ex = self.st, self.ex
@@ -343,7 +333,6 @@ class _Generation:
                 self.outbox.append(sse_event(data))
             self.outbox_tokens += n
             if done:
-                self.finished = True
                 self.outbox.append(self.codec.sse_terminal)
                 # Complete once the last bytes are handed over: a client that
                 # hangs up as they arrive has not disconnected early.
@@ -352,7 +341,6 @@ class _Generation:
         else:
             self.pending += n
             if done:
-                self.finished = True
                 status, body = ex.unary_body()
                 if st.http_status is None:
                     st.http_status = status
@@ -379,12 +367,11 @@ class _Generation:
         """End the response with ``err``: its own status before the 200,
         in-band after it."""
         st = self.st
-        self.finished = True
         st.response_complete = True
         if not st.response_started:
             st.fail(status, err.status, err.kind, err.message)
             st.response_started = True
-            await self._write_unary(err.status, self.codec.error_body(err), b"application/json")
+            await send_unary(self._write, err.status, self.codec.error_body(err))
         else:
             st.fail(status, st.http_status, err.kind, err.message)
             self.outbox.append(sse_event(self.codec.in_band_error(err)) + self.codec.sse_terminal)
@@ -416,7 +403,7 @@ class _Generation:
                 if now >= wake:
                     await self._cut_off_slow_client()
                     return
-            elif keepalive > 0 and not self.finished:
+            elif keepalive > 0 and not st.response_complete:
                 wake = self.last_send + keepalive
                 if now >= wake:
                     await self._start_stream()
