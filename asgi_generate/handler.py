@@ -86,7 +86,8 @@ async def reject_method(app: "App", codec: Codec, scope: dict, allowed: list[str
 async def _send_error(
     codec: Codec, send: Send, st: RequestState, err: RequestError, headers: list | None = None
 ) -> None:
-    st.fail("unavailable" if err.status == 503 else "rejected", err.status, err.kind, err.message)
+    outcome = "shutdown" if err.kind == "shutdown" else "unavailable" if err.status == 503 else "rejected"
+    st.fail(outcome, err.status, err.kind, err.message)
     st.response_started = True
     st.response_complete = True
     await send_unary(send, err.status, codec.error_body(err), headers=headers or ())
@@ -111,7 +112,6 @@ async def _serve(app: "App", codec: Codec, scope: dict, receive: Receive, send: 
         return
     if app.shutting_down:
         await _send_error(codec, send, st, RequestError(503, "server is shutting down", "shutdown"))
-        st.status = "shutdown"
         return
     try:
         request = codec.decode(body, headers)

@@ -18,6 +18,8 @@ import anyio
 import h11
 
 RECEIVE_SIZE = 65536
+#: What a socket stream raises when the connection is gone.
+_BROKEN = (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError)
 
 
 class WorkerError(Exception):
@@ -48,7 +50,7 @@ class _Connection:
         with anyio.CancelScope(shield=True):
             try:
                 await self.stream.aclose()
-            except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            except _BROKEN:
                 pass
 
 
@@ -85,10 +87,7 @@ class Response:
         conn = self._conn
         parts: list[bytes] = []
         while True:
-            try:
-                event = conn.h11.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise WorkerDisconnected(f"worker broke HTTP/1.1: {exc}") from None
+            event = _next_event(conn)
             kind = type(event)
             if kind is h11.Data:
                 parts.append(event.data)
@@ -118,17 +117,21 @@ async def _receive(conn: _Connection, read_timeout: float) -> None:
         data = b""
     except TimeoutError:
         raise ReadTimedOut(f"no data from worker for {read_timeout:g} s") from None
-    except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+    except _BROKEN as exc:
         raise WorkerDisconnected(f"connection to worker lost: {exc!r}") from None
     conn.h11.receive_data(data)
 
 
+def _next_event(conn: _Connection) -> h11.Event:
+    try:
+        return conn.h11.next_event()
+    except h11.RemoteProtocolError as exc:
+        raise WorkerDisconnected(f"worker broke HTTP/1.1: {exc}") from None
+
+
 async def _next_response(conn: _Connection, timeout: float) -> h11.Response:
     while True:
-        try:
-            event = conn.h11.next_event()
-        except h11.RemoteProtocolError as exc:
-            raise WorkerDisconnected(f"worker broke HTTP/1.1: {exc}") from None
+        event = _next_event(conn)
         if type(event) is h11.Response:
             return event
         if event is h11.NEED_DATA:
@@ -204,7 +207,7 @@ class ConnectionPool:
         data += conn.h11.send(h11.EndOfMessage())
         try:
             await conn.stream.send(data)
-        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+        except _BROKEN as exc:
             raise WorkerDisconnected(f"connection to worker lost: {exc!r}") from None
 
     @asynccontextmanager
