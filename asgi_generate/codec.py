@@ -23,7 +23,7 @@ Per request the handler calls, in order::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import orjson
 
@@ -70,14 +70,22 @@ def dump_body(obj: Any) -> bytes:
         raise RequestError(400, f"the request cannot be forwarded: {exc}") from None
 
 
-def is_json(body: bytes) -> bool:
-    """Whether ``body`` parses as JSON (to tell an engine's own error body
-    from a bare status page)."""
+def engine_error_page(
+    status: int, body: bytes, error_body: Callable[["RequestError"], bytes]
+) -> tuple[int, bytes]:
+    """A worker's non-200 answer for a JSON worker protocol (SGLang, vLLM):
+    the engine's own JSON error body passes through; anything else (a bare
+    server error page) is rendered with ``error_body``, the format's shape.
+
+    Returns:
+        ``(status, body)`` for the client.
+    """
     try:
         orjson.loads(body)
+        return status, body
     except orjson.JSONDecodeError:
-        return False
-    return True
+        text = body[:200].decode("utf-8", "replace")
+        return status, error_body(RequestError(status, f"worker answered {status}: {text}", "engine"))
 
 
 @dataclass(slots=True)

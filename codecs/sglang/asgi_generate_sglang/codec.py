@@ -27,7 +27,7 @@ from asgi_generate.codec import (
     Route,
     WorkerRequest,
     dump_body,
-    is_json,
+    engine_error_page,
 )
 
 # Set by the frontend for P/D; a client setting them could stall a decode
@@ -336,7 +336,4 @@ class SGLangExchange(Exchange):
     def worker_error(self, status: int, body: bytes) -> tuple[int, bytes]:
         """SGLang workers answer in this format's shapes: pass through; a
         body that is not JSON (a bare server error page) gets SGLang's shape."""
-        if is_json(body):
-            return status, body
-        text = body[:200].decode("utf-8", "replace")
-        return status, SGLangCodec().error_body(RequestError(status, f"worker answered {status}: {text}", "engine"))
+        return engine_error_page(status, body, SGLangCodec().error_body)

@@ -50,7 +50,7 @@ from asgi_generate.codec import (
     Route,
     WorkerRequest,
     dump_body,
-    is_json,
+    engine_error_page,
 )
 
 from .schema import GENERATE_REQUEST, VLLMRequestError, bad_request, check, check_features, validation_error
@@ -320,7 +320,4 @@ class VLLMExchange(Exchange):
     def worker_error(self, status: int, body: bytes) -> tuple[int, bytes]:
         """vLLM workers answer in this format's shapes: pass through; a body
         that is not JSON (a bare server error page) gets vLLM's shape."""
-        if is_json(body):
-            return status, body
-        text = body[:200].decode("utf-8", "replace")
-        return status, VLLMCodec().error_body(RequestError(status, f"worker answered {status}: {text}", "engine"))
+        return engine_error_page(status, body, VLLMCodec().error_body)
