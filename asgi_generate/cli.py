@@ -6,10 +6,15 @@ import argparse
 import logging
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from .config import Settings
 from .serving import WORKER_CLASSES, hypercorn_config, run
 from .workers.router import parse_worker_spec
+from .workers.versions import VLLM_VERSIONS
+
+if TYPE_CHECKING:
+    from .sim.app import SimApp
 
 
 def _worker_spec(value: str) -> tuple[str, str]:
@@ -99,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--no-usage-chunk", action="store_true",
                      help="vLLM: never end a stream with the usage chunk, even when asked (as a build "
                           "that ignores stream_options.include_usage)")
+    sim.add_argument("--engine-version", default=None, metavar="V",
+                     help="engine version to play and report: vLLM answers as that version does "
+                          f"(known: {', '.join(VLLM_VERSIONS)}; default {VLLM_VERSIONS[-1]}); SGLang reports it "
+                          "in /get_server_info (default: the simulator's own)")
     sim.add_argument("--model-name", default="sim", help="served model name (default %(default)s)")
     sim.add_argument("--parent-pid", type=int, default=None, help="exit when this process exits")
     sim.add_argument("--worker-class", choices=WORKER_CLASSES, default="asyncio",
@@ -175,13 +184,30 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from .sim.app import SimApp
-
     # asyncio warns on every write to a client that hung up; a simulator
     # serving abandoned streams would flood the log with them.
     logging.getLogger("asyncio").setLevel(logging.ERROR)
 
-    app = SimApp(
+    try:
+        app = _sim_app(args)
+    except ValueError as exc:
+        print(f"asgi-generate sim: {exc}", file=sys.stderr)
+        return 2
+    config = hypercorn_config(host=args.host, port=args.port, fd=args.fd, graceful_timeout=1.0)
+    config.loglevel = args.log_level.upper()
+    run(app, config, args.worker_class)
+    return 0
+
+
+def _sim_app(args: argparse.Namespace) -> "SimApp":
+    """The simulator app the ``sim`` flags describe.
+
+    Raises:
+        ValueError: a flag value the simulator cannot play.
+    """
+    from .sim.app import SimApp
+
+    return SimApp(
         protocol=args.protocol,
         ttft_ms=args.ttft_ms,
         itl_ms=args.itl_ms,
@@ -189,11 +215,8 @@ def _sim(args: argparse.Namespace) -> int:
         model_name=args.model_name,
         parent_pid=args.parent_pid,
         usage_chunk=not args.no_usage_chunk,
+        engine_version=args.engine_version,
     )
-    config = hypercorn_config(host=args.host, port=args.port, fd=args.fd, graceful_timeout=1.0)
-    config.loglevel = args.log_level.upper()
-    run(app, config, args.worker_class)
-    return 0
 
 
 def _report_problems(lines: list[str]) -> None:

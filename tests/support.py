@@ -7,6 +7,7 @@ is stopped by the fixture that started it.
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import socket
@@ -19,6 +20,14 @@ import httpx
 import orjson
 
 LOG_DIR = pathlib.Path(tempfile.mkdtemp(prefix="asgi-generate-tests-"))
+
+# A prompt and the simulator model's greedy continuation of it (either
+# protocol), ending with EOS (id 2).
+PROMPT = [1, 2, 3, 400]
+CONTINUATION = [
+    2358, 1262, 978, 1133, 1311, 3699, 2777, 1804, 1587, 3968, 428, 1520,
+    1419, 1010, 3152, 3984, 3773, 1871, 2821, 3886, 2498, 1623, 1414, 2,
+]
 
 
 def listening_socket(port: int = 0) -> socket.socket:
@@ -145,6 +154,24 @@ def sse(url: str, body: dict, path: str = "/generate", **kw) -> tuple[int, list[
         if data:
             events.append(b"\n".join(data))
     return status, events
+
+
+def same(a, b, where: str = "$") -> None:
+    """Assert ``a == b`` value for value: dict keys in the same order,
+    floats within two ULP."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert isinstance(a, (int, float)) and isinstance(b, (int, float)), where
+        assert abs(a - b) <= 2 * math.ulp(max(abs(a), abs(b))), f"{where}: {a} != {b}"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
+        for key in a:
+            same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), f"{where}: {a} != {b}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def without_timing(obj):

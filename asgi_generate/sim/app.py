@@ -6,7 +6,10 @@ Routes (SGLang mode): ``POST|PUT /generate``, ``POST /abort_request``,
 and ``GET /sim/stats`` for tests.
 
 Routes (vLLM mode): ``POST /inference/v1/generate``, ``POST /abort_requests``,
-``GET /health``, ``/v1/models`` and ``GET /sim/stats``.
+``GET /health``, ``/version``, ``/v1/models`` and ``GET /sim/stats``.
+
+Either mode reports the engine version it plays (``engine_version``): vLLM in
+``GET /version``, SGLang in ``/get_server_info`` ``version``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from .engine import SimEngine
 from .model import Model
 from .sglang import SGLangProtocol
 from .tokenizer import SimTokenizer
+from ..workers.versions import VLLM_VERSIONS
 from .vllm import VLLMProtocol
 
 NOT_FOUND = orjson.dumps({"detail": "Not Found"})
@@ -39,6 +43,11 @@ class SimApp:
         usage_chunk: vLLM: end streams with the usage chunk when asked (off:
             like a build that never sends it).
         parent_pid: exit when this process is gone (embedded workers).
+        engine_version: the engine version to play; ``None`` is the newest
+            the codec knows (vLLM) or the simulator's own (SGLang).
+
+    Raises:
+        ValueError: unknown protocol, or a vLLM version that is not one.
     """
 
     def __init__(
@@ -50,6 +59,7 @@ class SimApp:
         model_name: str = "sim",
         parent_pid: int | None = None,
         usage_chunk: bool = True,
+        engine_version: str | None = None,
     ) -> None:
         if protocol not in ("sglang", "vllm"):
             raise ValueError(f"unknown simulator protocol {protocol!r}")
@@ -57,10 +67,13 @@ class SimApp:
         model = Model(self.tokenizer.vocab_size, self.tokenizer.eos_id, self.tokenizer.num_special)
         self.engine = SimEngine(model, ttft_ms / 1000.0, itl_ms / 1000.0)
         self.protocol: SGLangProtocol | VLLMProtocol = (
-            VLLMProtocol(self.engine, self.tokenizer.vocab_size, model_name, usage_chunk)
+            VLLMProtocol(
+                self.engine, self.tokenizer.vocab_size, model_name, usage_chunk, engine_version or VLLM_VERSIONS[-1]
+            )
             if protocol == "vllm"
             else SGLangProtocol(self.engine, self.tokenizer, incremental_streaming_output, model_name)
         )
+        self.engine_version = engine_version
         self.model_name = model_name
         self.model_path = str(ASSETS_DIR)
         self.parent_pid = parent_pid
@@ -86,7 +99,10 @@ class SimApp:
         elif path in ("/health", "/health_generate") and method == "GET":
             await send_unary(send, 200, b"")
         elif path in ("/get_server_info", "/server_info") and method == "GET":
-            await send_unary(send, 200, orjson.dumps(p.server_info(self.model_path)))
+            info = p.server_info(self.model_path)
+            if self.engine_version is not None:
+                info["version"] = self.engine_version
+            await send_unary(send, 200, orjson.dumps(info))
         elif path in ("/get_model_info", "/model_info") and method == "GET":
             await send_unary(send, 200, orjson.dumps(p.model_info(self.model_path)))
         elif path == "/v1/models" and method == "GET":
@@ -110,6 +126,8 @@ class SimApp:
                 await p.abort_requests(body, send)
         elif path == "/health" and method == "GET":
             await send_unary(send, 200, b"")
+        elif path == "/version" and method == "GET":
+            await send_unary(send, 200, orjson.dumps({"version": p.version}))
         elif path == "/v1/models" and method == "GET":
             await send_unary(send, 200, orjson.dumps(p.models(self.model_path)))
         elif path == "/sim/stats" and method == "GET":

@@ -68,6 +68,8 @@ class SimEngine:
         self.aborted_rids: list[str] = []
         self.abort_requests = 0
         self.disconnects = 0
+        self.disconnect_aborted_rids: list[str] = []
+        self.abort_named_ids: list[str] = []
         self.seen_rids: list[str] = []
 
     def submit(self, job: Job) -> None:
@@ -101,9 +103,19 @@ class SimEngine:
     def abort_ids(self, rids: list[str]) -> list[str]:
         """Abort the running jobs whose rid is exactly one of ``rids`` (vLLM
         matches whole ids), as :meth:`abort` does; unknown ids are ignored.
-        Returns the rids hit."""
+        Returns the rids hit. Every named id is recorded, hit or not, apart
+        from the engine's own disconnect aborts (:meth:`disconnected`)."""
         self.abort_requests += 1
+        self.abort_named_ids.extend(rids)
         return self._stop([r for r in dict.fromkeys(rids) if r in self.running])
+
+    def disconnected(self, job: Job) -> None:
+        """The client of ``job`` went away: abort it, as an engine that
+        cancels on disconnect does (vLLM's ``with_cancellation``)."""
+        self.disconnects += 1
+        self.disconnect_aborted_rids.append(job.rid)
+        job.aborted = True
+        job.abort_event.set()
 
     def _stop(self, hit: list[str]) -> list[str]:
         for r in hit:
@@ -161,5 +173,7 @@ class SimEngine:
             "aborted_rids": list(self.aborted_rids),
             "abort_requests": self.abort_requests,
             "disconnects": self.disconnects,
+            "disconnect_aborted_rids": list(self.disconnect_aborted_rids),
+            "abort_named_ids": list(self.abort_named_ids),
             "seen_rids": list(self.seen_rids),
         }

@@ -1,25 +1,41 @@
 """vLLM's native tokens-in/tokens-out protocol, as the simulator speaks it.
 
-Follows vLLM ``vllm/entrypoints/serve/disagg/`` (``protocol.py``,
-``serving.py``, ``api_router.py``) for a server run with ``--tokens-only``
-(reference/engine-protocols.md section 2):
+Follows vLLM ``ServingTokens`` and its models (``vllm/entrypoints/serve/
+disagg/{protocol,serving,api_router}.py``, later ``vllm/entrypoints/
+scale_out/token_in_token_out/``) for a server run with ``--tokens-only``, as
+the vLLM version it plays answers (``sim --engine-version``, see
+:mod:`asgi_generate.workers.versions`):
 
 - ``POST /inference/v1/generate``: the engine id is ``generate-tokens-`` plus
   the ``X-Request-Id`` header, else the body ``request_id``, else a random
   uuid. Unary answers are ``GenerateResponse`` objects (``model_dump``, nulls
   included, ``request_id`` a fresh uuid); SSE answers are delta chunks
-  carrying the engine id, one token each, then the usage chunk if
-  ``stream_options.include_usage`` (``exclude_none``; never with
+  carrying the engine id, one token of one choice each, then the usage chunk
+  if ``stream_options.include_usage`` (``exclude_none``; never with
   ``usage_chunk`` off, ``sim --no-usage-chunk``, like a build that sends
   none), then ``[DONE]``. An aborted request's finish-only chunk is dropped,
   as vLLM drops chunks without tokens. Prompt logprobs appear only in unary
-  answers.
-- Logprobs: ``"token_id:N"`` labels; ``top_logprobs`` is the sampled token,
-  then the top-k without it, cut to ``max(k, 1)`` entries; prompt logprobs
-  map each prompt token, then the top-k, to ``{logprob, rank, decoded_token}``
-  (``decoded_token`` null: tokens-only mode does not detokenize).
+  answers. ``sampling_params`` may be left out (engine defaults apply).
+- ``n`` choices (``sampling_params.n``, at most the server's ``max_num_seqs``,
+  256): the model is greedy, so every choice carries the same tokens; usage
+  counts all of them.
+- Logprobs, older versions: ``"token_id:N"`` labels with ``bytes`` null;
+  newer: ``GenerateLogProb`` entries (integer ``token_id``, ``logprob``,
+  ``rank``). ``top_logprobs`` is the sampled token, then the top-k without
+  it, cut to ``max(k, 1)`` entries; prompt logprobs map each prompt token,
+  then the top-k, to ``{logprob, rank, decoded_token}`` (``decoded_token``
+  null: tokens-only mode does not detokenize). Newer versions add each
+  choice's ``stop_reason``: the matched stop token id, null for EOS or a cap.
+- Refusals in vLLM's order: the request schema (``GenerateRequest``; unknown
+  fields are ignored, as pydantic does by default), ``SamplingParams.
+  _verify_args`` (``vllm/sampling_params.py``), then ``serve_tokens``
+  (unknown model, ``n`` above ``max_num_seqs``, stop strings on a tokens-only
+  server: newer versions refuse them, older ones accept and never apply
+  them), then the input checks (logprob counts, vocabulary, prompt and
+  ``max_tokens`` against ``max_model_len``).
 - ``POST /abort_requests`` ``{"request_ids": [...]}``: exact (prefixed) ids,
   200 with an empty body; missing ids or bad JSON are 400.
+- ``GET /version``: ``{"version": V}`` (vLLM ``show_version``).
 - A client disconnect aborts its request at once (vLLM's
   ``with_cancellation``).
 
@@ -29,11 +45,11 @@ values as ``BadRequestError``, an unknown model as 404 ``NotFoundError``.
 
 Generation is the shared deterministic :class:`~asgi_generate.sim.model.Model`,
 greedy, so a prefix gives the same tokens here as in SGLang mode. Sampling
-knobs other than ``max_tokens``, ``stop_token_ids``, ``ignore_eos``,
-``logprobs`` and ``prompt_logprobs`` are accepted and ignored (string
-``stop`` too: tokens-only mode has no text); multimodal ``features`` are
-checked and the answer depends on the token ids alone; ``routed_experts`` and
-``kv_transfer_params`` are always null (no flags for them are simulated).
+knobs other than ``n``, ``max_tokens``, ``stop_token_ids``, ``ignore_eos``,
+``logprobs`` and ``prompt_logprobs`` are checked and then ignored;
+multimodal ``features`` are checked and the answer depends on the token ids
+alone; ``routed_experts`` and ``kv_transfer_params`` are always null (no
+flags for them are simulated).
 """
 
 from __future__ import annotations
@@ -47,6 +63,7 @@ import anyio
 import orjson
 
 from ..framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
+from ..workers.versions import VLLM_VERSIONS, VLLMBehaviour, vllm_behaviour
 from .engine import DuplicateRequestId, Job, SimEngine, Token
 from .model import NUM_CANDIDATES
 
@@ -55,6 +72,8 @@ ENGINE_PREFIX = "generate-tokens-"
 MAX_MODEL_LEN = 32768
 #: vLLM's default ``--max-logprobs``; the model ranks exactly this many.
 MAX_LOGPROBS = NUM_CANDIDATES
+#: vLLM's default ``--max-num-seqs``: the most choices one request may ask.
+MAX_NUM_SEQS = 256
 LOGPROB_FLOOR = -9999.0
 
 
@@ -89,14 +108,16 @@ def invalid(kind: str, loc: tuple, msg: str, value: Any, ctx: dict | None = None
 
 
 # Schema nodes as in asgi_generate_vllm.schema (the frontend's copy of the
-# same vLLM models): ("int",), ("str",), ("bool",), ("any",), ("nullable", n),
-# ("list", n), ("dict", n), ("model", {field: n}, required).
+# same vLLM models): ("int",), ("float",), ("str",), ("bool",), ("any",),
+# ("stop",), ("nullable", n), ("list", n), ("dict", n),
+# ("model", {field: n}, required).
 _SCALARS = {
     "int": ("int_type", "Input should be a valid integer", lambda v: type(v) is int),
+    "float": ("float_type", "Input should be a valid number", lambda v: type(v) in (int, float)),
     "str": ("string_type", "Input should be a valid string", lambda v: type(v) is str),
     "bool": ("bool_type", "Input should be a valid boolean", lambda v: type(v) is bool),
 }
-INT, STR, BOOL, ANY = ("int",), ("str",), ("bool",), ("any",)
+INT, FLOAT, STR, BOOL, ANY = ("int",), ("float",), ("str",), ("bool",), ("any",)
 _PLACEHOLDER = ("model", {"offset": INT, "length": INT}, ("offset", "length"))
 _FEATURES = (
     "model",
@@ -107,24 +128,37 @@ _FEATURES = (
     },
     ("mm_hashes", "mm_placeholders"),
 )
+# The SamplingParams fields the simulator reads or checks (vllm/sampling_params.py).
+_SAMPLING = (
+    "model",
+    {
+        "n": INT,
+        "presence_penalty": FLOAT,
+        "frequency_penalty": FLOAT,
+        "repetition_penalty": FLOAT,
+        "temperature": FLOAT,
+        "top_p": FLOAT,
+        "top_k": INT,
+        "min_p": FLOAT,
+        "seed": ("nullable", INT),
+        "stop": ("nullable", ("stop",)),
+        "stop_token_ids": ("nullable", ("list", INT)),
+        "ignore_eos": BOOL,
+        "max_tokens": ("nullable", INT),
+        "min_tokens": INT,
+        "logprobs": ("nullable", INT),
+        "prompt_logprobs": ("nullable", INT),
+        "detokenize": BOOL,
+    },
+    (),
+)
 _REQUEST = (
     "model",
     {
         "request_id": STR,
         "token_ids": ("list", INT),
         "features": ("nullable", _FEATURES),
-        "sampling_params": (
-            "model",
-            {
-                "n": INT,
-                "max_tokens": ("nullable", INT),
-                "logprobs": ("nullable", INT),
-                "prompt_logprobs": ("nullable", INT),
-                "stop_token_ids": ("nullable", ("list", INT)),
-                "ignore_eos": BOOL,
-            },
-            (),
-        ),
+        "sampling_params": _SAMPLING,
         "model": ("nullable", STR),
         "stream": ("nullable", BOOL),
         "stream_options": (
@@ -136,7 +170,7 @@ _REQUEST = (
         "kv_transfer_params": ("nullable", ("dict", ANY)),
         "ec_transfer_params": ("nullable", ("dict", ANY)),
     },
-    ("token_ids", "sampling_params"),
+    ("token_ids",),
 )
 
 
@@ -146,6 +180,9 @@ def _check(value: Any, node: tuple, loc: tuple = ()) -> None:
         return
     if kind == "nullable":
         _check(value, node[1], loc)
+    elif kind == "stop":  # str | list[str]
+        if type(value) is not str:
+            _check(value, ("list", STR), loc)
     elif kind in _SCALARS:
         err, msg, ok = _SCALARS[kind]
         if not ok(value):
@@ -173,6 +210,55 @@ def _check(value: Any, node: tuple, loc: tuple = ()) -> None:
                 raise invalid("missing", (*loc, key), "Field required", value)
 
 
+def _verify_sampling(sp: dict) -> None:
+    """``SamplingParams._verify_args``, in its order and words: a
+    ``VLLMValidationError`` names its parameter, a plain ``ValueError`` none."""
+    def f(key: str, default: float) -> float:
+        return float(sp.get(key, default))
+
+    n = sp.get("n", 1)
+    if n < 1:
+        raise error(f"n must be at least 1, got {n}.")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if not -2.0 <= f(key, 0.0) <= 2.0:
+            raise error(f"{key} must be in [-2, 2], got {f(key, 0.0)}.")
+    if f("repetition_penalty", 1.0) <= 0.0:
+        raise error(f"repetition_penalty must be greater than zero, got {f('repetition_penalty', 1.0)}.")
+    temperature = f("temperature", 1.0)
+    if temperature < 0.0:
+        raise error(f"temperature must be non-negative, got {temperature}.", param="temperature")
+    if temperature > 2.0:
+        raise error(f"temperature must be in [0, 2], got {temperature}.", param="temperature")
+    if not 0.0 < f("top_p", 1.0) <= 1.0:
+        raise error(f"top_p must be in (0, 1], got {f('top_p', 1.0)}.", param="top_p")
+    if sp.get("top_k", 0) < -1:
+        raise error(f"top_k must be 0 (disable), or at least 1, got {sp['top_k']}.")
+    if not 0.0 <= f("min_p", 0.0) <= 1.0:
+        raise error(f"min_p must be in [0, 1], got {f('min_p', 0.0)}.")
+    max_tokens = sp.get("max_tokens")
+    if max_tokens is not None and max_tokens < 1:
+        raise error(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+    min_tokens = sp.get("min_tokens", 0)
+    if min_tokens < 0:
+        raise error(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise error(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
+    for key in ("logprobs", "prompt_logprobs"):
+        k = sp.get(key)
+        if k is not None and k != -1 and k < 0:
+            raise error(f"{key} must be non-negative or -1, got {k}.", param=key)
+    stop = _stop_strings(sp)
+    if any(not s for s in stop):
+        raise error("stop cannot contain an empty string.")
+    if stop and not sp.get("detokenize", True):
+        raise error("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
+
+
+def _stop_strings(sp: dict) -> list[str]:
+    stop = sp.get("stop")
+    return [] if stop is None else [stop] if isinstance(stop, str) else stop
+
+
 def _check_features(features: dict, num_tokens: int) -> None:
     # The engine needs one hash and one in-prompt range per item.
     hashes, places = features["mm_hashes"], features["mm_placeholders"]
@@ -192,7 +278,8 @@ def _check_features(features: dict, num_tokens: int) -> None:
 class Options:
     """What shapes one answer besides the tokens.
 
-    ``logprobs``/``prompt_logprobs`` are the requested k (``None`` = off).
+    ``logprobs``/``prompt_logprobs`` are the requested k (``None`` = off);
+    ``n`` the number of choices.
     """
 
     stream: bool
@@ -200,11 +287,12 @@ class Options:
     continuous_usage: bool
     logprobs: int | None
     prompt_logprobs: int | None
+    n: int = 1
 
 
 class VLLMProtocol:
     """Answers vLLM ``/inference/v1/generate`` and ``/abort_requests`` for a
-    sim engine.
+    sim engine, as vLLM ``version`` does.
 
     Args:
         engine: the shared simulator engine.
@@ -213,15 +301,35 @@ class VLLMProtocol:
         usage_chunk: end a stream with the usage chunk when it asks for one;
             off, act as a vLLM build that never sends it (the stream ends
             after its finishing chunk).
+        version: the vLLM version played (``GET /version``); one of
+            :data:`~asgi_generate.workers.versions.VLLM_VERSIONS` or any
+            readable version string.
+
+    Raises:
+        ValueError: ``version`` is not a readable version string.
     """
 
     def __init__(
-        self, engine: SimEngine, vocab_size: int, model_name: str = "sim", usage_chunk: bool = True
+        self,
+        engine: SimEngine,
+        vocab_size: int,
+        model_name: str = "sim",
+        usage_chunk: bool = True,
+        version: str = VLLM_VERSIONS[-1],
     ) -> None:
+        behaviour = vllm_behaviour(version)
+        if behaviour is None:
+            raise ValueError(f"not a vLLM version: {version!r}")
         self.engine = engine
         self.vocab_size = vocab_size
         self.model_name = model_name
         self.usage_chunk = usage_chunk
+        self.behaviour: VLLMBehaviour = behaviour
+
+    @property
+    def version(self) -> str:
+        """The vLLM version played."""
+        return self.behaviour.version
 
     # -- request parsing -------------------------------------------------
 
@@ -253,23 +361,22 @@ class VLLMProtocol:
         if min(ids) < 0:
             why = "token_ids must not contain negative values"
             raise invalid("value_error", ("token_ids",), f"Value error, {why}", ids, {"error": ValueError(why)})
+        sp = obj.get("sampling_params", {})
+        _verify_sampling(sp)
         model = obj.get("model")
         if model is not None and model != self.model_name:
             raise error(f"The model `{model}` does not exist.", "NotFoundError", 404, "model")
-        sp = obj["sampling_params"]
         n = sp.get("n", 1)
-        if n < 1:
-            raise error(f"n must be at least 1, got {n}.")
-        if n > 1:
-            raise error("The simulator does not serve n > 1.", param="n")
-        max_tokens = sp.get("max_tokens")
-        if max_tokens is not None and max_tokens < 1:
-            raise error(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+        if n > MAX_NUM_SEQS:
+            raise error(f"sampling_params.n must be at most the server's max_num_seqs ({MAX_NUM_SEQS}), got {n}.")
+        if self.behaviour.refuses_stop_strings and _stop_strings(sp):
+            raise error(
+                "stop strings are not supported on a --tokens-only server because detokenization is disabled. "
+                "Check stop strings on the coordinator, or use stop_token_ids."
+            )
         ks = {}
         for key, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
             k = sp.get(key)
-            if k is not None and k < -1:
-                raise error(f"{key} must be non-negative or -1, got {k}.", param=key)
             if k == -1:
                 k = self.vocab_size
             if k is not None and k > MAX_LOGPROBS:
@@ -288,8 +395,17 @@ class VLLMProtocol:
                 f"of {MAX_MODEL_LEN}. Make sure that `max_model_len` is no smaller than the number "
                 "of text tokens."
             )
-        # vLLM stops at the context length; an omitted max_tokens means all of it.
+        # An omitted max_tokens means the rest of the context; more is refused.
         room = MAX_MODEL_LEN - len(ids)
+        max_tokens = sp.get("max_tokens")
+        if max_tokens is not None and max_tokens > room:
+            raise error(
+                f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
+                f"{max_tokens} output tokens and your prompt contains {len(ids)} input tokens, for a total of "
+                f"{len(ids) + max_tokens} tokens. Please reduce the length of the input prompt or the number of "
+                f"requested output tokens. (parameter=input_tokens, value={len(ids)})",
+                param="input_tokens",
+            )
         header_id = headers.get(b"x-request-id")
         base = header_id.decode("latin-1") if header_id is not None else obj.get("request_id", uuid.uuid4().hex)
         so = obj.get("stream_options")
@@ -297,7 +413,7 @@ class VLLMProtocol:
         job = Job(
             rid=ENGINE_PREFIX + base,
             input_ids=ids,
-            max_new_tokens=room if max_tokens is None else min(max_tokens, room),
+            max_new_tokens=room if max_tokens is None else max_tokens,
             stop_token_ids=frozenset(sp.get("stop_token_ids") or ()),
             ignore_eos=sp.get("ignore_eos", False),
         )
@@ -307,26 +423,26 @@ class VLLMProtocol:
             continuous_usage=include and bool(so.get("continuous_usage_stats")),
             logprobs=ks["logprobs"],
             prompt_logprobs=ks["prompt_logprobs"],
+            n=n,
         )
         return job, opts
 
     # -- answer building -------------------------------------------------
 
+    def _entry(self, tok: int, lp: float, rank: int) -> dict:
+        if self.behaviour.token_id_logprobs:
+            return {"token_id": tok, "logprob": max(lp, LOGPROB_FLOOR), "rank": rank}
+        return {"token": f"token_id:{tok}", "logprob": max(lp, LOGPROB_FLOOR), "bytes": None}
+
     def _logprobs(self, token: Token, k: int) -> dict:
-        """One ``logprobs.content`` entry (vLLM ``_create_tokens_logprobs``)."""
+        """One ``logprobs.content`` entry (vLLM ``_create_tokens_logprobs``;
+        newer versions ``GenerateLogProbsContent``)."""
         tok = token.token_id
-        cands = token.step.candidates
-        lp = self.engine.model.logprob(token.step.state, tok)
-        ranked = [(tok, lp), *((t, v) for t, v in cands[:k] if t != tok)]
-        return {
-            "token": f"token_id:{tok}",
-            "logprob": max(lp, LOGPROB_FLOOR),
-            "bytes": None,
-            "top_logprobs": [
-                {"token": f"token_id:{t}", "logprob": max(v, LOGPROB_FLOOR), "bytes": None}
-                for t, v in ranked[: max(k, 1)]
-            ],
-        }
+        model, state = self.engine.model, token.step.state
+        rank = model.rank(state, tok)
+        ranked = [(tok, model.logprob(state, tok), rank)]
+        ranked += [(t, v, i + 1) for i, (t, v) in enumerate(token.step.candidates[:k]) if t != tok]
+        return {**self._entry(*ranked[0]), "top_logprobs": [self._entry(*r) for r in ranked[: max(k, 1)]]}
 
     def _prompt_logprobs(self, ids: list[int], k: int) -> list[dict | None]:
         """``prompt_logprobs``: null, then per position the prompt token and
@@ -347,6 +463,14 @@ class VLLMProtocol:
             out.append(entry)
             state = model.advance(state, tok)
         return out
+
+    def _choice(self, index: int, logprobs: Any, finish: str | None, stop_reason: int | None, ids: list[int]) -> dict:
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
+        if self.behaviour.stop_reason:
+            choice["stop_reason"] = stop_reason
+        choice["token_ids"] = ids
+        choice["routed_experts"] = None
+        return choice
 
     # -- HTTP ------------------------------------------------------------
 
@@ -378,9 +502,7 @@ class VLLMProtocol:
     async def _watch_disconnect(self, receive: Receive, job: Job, scope: anyio.CancelScope) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        self.engine.disconnects += 1
-        job.aborted = True
-        job.abort_event.set()
+        self.engine.disconnected(job)
         scope.cancel()
 
     async def _run(self, job: Job, opts: Options, send: Send) -> list[dict]:
@@ -389,56 +511,50 @@ class VLLMProtocol:
         out: list[int] = []
         content: list[dict] = []
         finish: str | None = None
+        stop_reason: int | None = None
         k = opts.logprobs
         if opts.stream:
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         async for token in self.engine.tokens(job):
             out.append(token.token_id)
             finish = token.finish[0] if token.finish is not None else None
+            # vLLM names a matched stop token; EOS (checked first) and caps have none.
+            if finish == "stop" and token.token_id in job.stop_token_ids and not (
+                token.token_id == self.engine.model.eos_id and not job.ignore_eos
+            ):
+                stop_reason = token.token_id
             entry = self._logprobs(token, k) if k is not None else None
             if not opts.stream:
                 if entry is not None:
                     content.append(entry)
                 continue
-            chunk = {
-                "request_id": job.rid,
-                "choices": [
-                    {
-                        "index": 0,
-                        "logprobs": {"content": [entry]} if entry is not None else None,
-                        "finish_reason": finish,
-                        "token_ids": [token.token_id],
-                        "routed_experts": None,
-                    }
-                ],
-                "usage": _usage(prompt, len(out)) if opts.continuous_usage else None,
-            }
-            await send({"type": "http.response.body", "body": sse_event(orjson.dumps(chunk)), "more_body": True})
+            logprobs = {"content": [entry]} if entry is not None else None
+            for i in range(opts.n):  # one chunk per choice and step
+                chunk = {
+                    "request_id": job.rid,
+                    "choices": [self._choice(i, logprobs, finish, stop_reason, [token.token_id])],
+                    "usage": _usage(prompt, len(out) * (i + 1) + (len(out) - 1) * (opts.n - i - 1))
+                    if opts.continuous_usage else None,
+                }
+                await send({"type": "http.response.body", "body": sse_event(orjson.dumps(chunk)), "more_body": True})
         if job.aborted and finish is None:
             finish = "abort"
         if opts.stream:
             tail = b""
             if opts.include_usage and self.usage_chunk:
                 # The closing chunk leaves out null fields (vLLM's exclude_none).
-                usage = _usage(prompt, len(out))
+                usage = _usage(prompt, len(out) * opts.n)
                 del usage["prompt_tokens_details"]
                 tail = sse_event(orjson.dumps({"request_id": job.rid, "choices": [], "usage": usage}))
             return [{"type": "http.response.body", "body": tail + DONE, "more_body": False}]
         pk = opts.prompt_logprobs
+        logprobs = {"content": content} if k is not None else None
         answer = {
             "request_id": uuid.uuid4().hex,
             "model": self.model_name,
             "created": int(time.time()),
-            "choices": [
-                {
-                    "index": 0,
-                    "logprobs": {"content": content} if k is not None else None,
-                    "finish_reason": finish or "stop",
-                    "token_ids": out,
-                    "routed_experts": None,
-                }
-            ],
-            "usage": _usage(prompt, len(out)),
+            "choices": [self._choice(i, logprobs, finish or "stop", stop_reason, out) for i in range(opts.n)],
+            "usage": _usage(prompt, len(out) * opts.n),
             "prompt_logprobs": self._prompt_logprobs(job.input_ids, pk) if pk is not None else None,
             "kv_transfer_params": None,
             "ec_transfer_params": None,

@@ -23,6 +23,8 @@ class WorkerProtocol:
         abort_path: POST route that aborts requests by id.
         engine_id_prefix: what the engine puts before the id it was given
             (vLLM's ``generate-tokens-``).
+        version_path: GET, ``{"version": ...}``, when the info route does
+            not carry the engine version (vLLM ``show_version``).
     """
 
     name: str
@@ -30,11 +32,13 @@ class WorkerProtocol:
     info_path: bytes | None
     abort_path: bytes
     engine_id_prefix: str = ""
+    version_path: bytes | None = None
 
     def read_info(self, obj: object) -> dict:
         """Normalise the info route's JSON: SGLang's ``/get_server_info`` as
-        is; vLLM's ``/v1/models`` as ``{"served_model_name", "max_model_len"}``
-        of its first model. Anything unexpected gives ``{}``."""
+        is (its ``version`` is the engine's); vLLM's ``/v1/models`` as
+        ``{"served_model_name", "max_model_len"}`` of its first model.
+        Anything unexpected gives ``{}``."""
         if not isinstance(obj, dict):
             return {}
         if self.name != "vllm":
@@ -44,6 +48,12 @@ class WorkerProtocol:
             return {}
         return {"served_model_name": data[0].get("id"), "max_model_len": data[0].get("max_model_len")}
 
+    @staticmethod
+    def read_version(obj: object) -> str | None:
+        """The ``version`` string of a ``version_path`` answer, else ``None``."""
+        version = obj.get("version") if isinstance(obj, dict) else None
+        return version if isinstance(version, str) else None
+
     def abort_body(self, engine_id: str) -> bytes:
         """The abort request body for ``engine_id`` (the id as minted)."""
         if self.name == "vllm":
@@ -52,5 +62,5 @@ class WorkerProtocol:
 
 
 SGLANG = WorkerProtocol("sglang", b"/health", b"/get_server_info", b"/abort_request")
-VLLM = WorkerProtocol("vllm", b"/health", b"/v1/models", b"/abort_requests", "generate-tokens-")
+VLLM = WorkerProtocol("vllm", b"/health", b"/v1/models", b"/abort_requests", "generate-tokens-", b"/version")
 PROTOCOLS = {p.name: p for p in (SGLANG, VLLM)}

@@ -32,7 +32,8 @@ class Worker:
         pool: its keep-alive connection pool.
         healthy: routable now.
         outstanding: requests in flight on it.
-        info: its server info (``{}`` until read).
+        info: its server info (``{}`` until read); ``info["version"]`` is
+            its engine version when it reported one.
         last_error: why it was last marked down.
     """
 
@@ -56,6 +57,7 @@ class Worker:
             "state": "up" if self.healthy else "down",
             "outstanding": self.outstanding,
             "model": self.info.get("served_model_name") or self.info.get("model_path"),
+            "engine_version": self.info.get("version"),
             "last_error": self.last_error,
         }
 
@@ -144,12 +146,20 @@ class Router:
                     await resp.read()
                     if resp.status != 200:
                         raise WorkerError(f"health answered {resp.status}")
+                info: dict[str, Any] = {}
                 if proto.info_path is not None:
                     async with worker.pool.request(b"GET", proto.info_path) as resp:
                         body = await resp.read()
                         if resp.status != 200:
                             raise WorkerError(f"server info answered {resp.status}")
-                    worker.info = proto.read_info(orjson.loads(body))
+                    info = proto.read_info(orjson.loads(body))
+                if proto.version_path is not None:
+                    async with worker.pool.request(b"GET", proto.version_path) as resp:
+                        body = await resp.read()
+                    # An engine without the route still serves; its version
+                    # stays unknown and codecs rely on no versioned behaviour.
+                    info["version"] = proto.read_version(orjson.loads(body)) if resp.status == 200 else None
+                worker.info = info
         except (WorkerError, TimeoutError, orjson.JSONDecodeError) as exc:
             self.mark_down(worker, str(exc) or type(exc).__name__)
             return False

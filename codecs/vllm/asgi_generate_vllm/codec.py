@@ -1,10 +1,30 @@
 """The vLLM-native ``POST /inference/v1/generate`` codec: tokens in, tokens out.
 
 Wire format: vLLM ``vllm/entrypoints/serve/disagg/`` (``protocol.py``,
-``serving.py``, ``api_router.py``), summarised in
-reference/engine-protocols.md section 2. Requests are checked as vLLM checks
-them (:mod:`asgi_generate_vllm.schema`); every field passes to the engine
-untouched except ``request_id`` and, on streaming legs, ``stream_options``.
+``serving.py``, ``api_router.py``; later ``vllm/entrypoints/scale_out/
+token_in_token_out/``). Requests are checked only where the frontend relies on
+them, as vLLM checks them (:mod:`asgi_generate_vllm.schema`); every field
+passes to the engine untouched except ``request_id`` and, on streaming legs,
+``stream_options``, so values only the engine judges get the answer of the
+vLLM version behind the worker.
+
+Versions. What differs between vLLM versions
+(:mod:`asgi_generate.workers.versions`) is read from the attempt's worker
+info (the version the worker reported at registration), never guessed:
+``stop_reason`` becomes the event's ``matched`` only from a worker whose
+version sends it. Logprob entries (``"token_id:N"`` labels, or integer
+``token_id`` and ``rank``) pass through as the worker wrote them, so each
+answer has the schema of the version that produced it. A request runs on any
+healthy vLLM worker; a retry happens only before anything reached the client,
+so an answer never mixes two versions. A fleet of mixed versions therefore
+gives each request the answer of the version that served it.
+
+Choices. ``sampling_params.n > 1`` passes to the engine (every vLLM version
+serving this route accepts it, up to its ``max_num_seqs``): a unary answer
+passes through whole and counts the tokens of all its choices; a stream
+passes each chunk (one choice each) through, counts every choice's tokens,
+and finishes when the usage chunk arrives, or, without one, when every
+choice has finished.
 
 Engine ids. The worker gets the attempt's minted id as both the
 ``X-Request-Id`` header and the body ``request_id``, so the engine runs it as
@@ -53,7 +73,9 @@ from asgi_generate.codec import (
     engine_error_page,
 )
 
-from .schema import GENERATE_REQUEST, VLLMRequestError, bad_request, check, check_features, validation_error
+from asgi_generate.workers.versions import vllm_behaviour
+
+from .schema import GENERATE_REQUEST, VLLMRequestError, check, validation_error
 
 PATH = "/inference/v1/generate"
 #: What vLLM puts before a request id to make the engine id.
@@ -71,12 +93,14 @@ class VLLMRequest:
         public_id: ``X-Request-Id``, else the body ``request_id``, else ``None``.
         include_usage: the client asked for the closing usage chunk.
         continuous_usage: the client asked for usage on every chunk.
+        n: the choices asked for (``sampling_params.n``, as sent).
     """
 
     body: dict
     public_id: str | None
     include_usage: bool
     continuous_usage: bool
+    n: int = 1
 
 
 class VLLMCodec(Codec):
@@ -87,12 +111,14 @@ class VLLMCodec(Codec):
     worker_protocol = "vllm"
 
     def decode(self, body: bytes, headers: Mapping[bytes, bytes]) -> GenerateRequest:
-        """Check a vLLM ``GenerateRequest`` body; ``X-Request-Id`` overrides
-        ``request_id``. ``n`` must be 1.
+        """Check what the frontend relies on in a vLLM ``GenerateRequest``
+        body (see :mod:`asgi_generate_vllm.schema`); ``X-Request-Id``
+        overrides ``request_id``. Values only the engine judges (``n``,
+        ``max_tokens`` below 1, logprob counts, multimodal ranges, ...) pass
+        to it untouched, whatever vLLM version answers them.
 
         Raises:
-            RequestError: 400 in vLLM's validation shape (schema) or
-                ``BadRequestError`` shape (values).
+            RequestError: 400 in vLLM's validation shape.
         """
         media = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
         if media != b"application/json":  # vLLM's api_router accepts JSON only
@@ -109,23 +135,10 @@ class VLLMCodec(Codec):
         except orjson.JSONDecodeError as exc:
             raise validation_error("json_invalid", (exc.pos,), "JSON decode error", {}, {"error": exc.msg}) from None
         check(obj, GENERATE_REQUEST)
-        sp = obj["sampling_params"]
-        n = sp.get("n", 1)
-        if n < 1:
-            raise bad_request(f"n must be at least 1, got {n}.")
-        if n > 1:
-            raise bad_request("n > 1 is not supported by asgi-generate yet; send n separate requests.", "n")
+        sp = obj.get("sampling_params") or {}
         max_tokens = sp.get("max_tokens")
-        if max_tokens is not None and max_tokens < 1:
-            raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
-        for key in ("logprobs", "prompt_logprobs"):
-            k = sp.get(key)
-            if k is not None and k < -1:
-                raise bad_request(f"{key} must be non-negative or -1, got {k}.", key)
         token_ids = obj["token_ids"]
         features = obj.get("features")
-        if features is not None:
-            check_features(features, len(token_ids))
         header_id = headers.get(b"x-request-id")
         public_id = header_id.decode("latin-1") if header_id is not None else obj.get("request_id")
         # vLLM's should_include_usage: include_usage defaults to true once
@@ -137,12 +150,13 @@ class VLLMCodec(Codec):
             public_id=public_id,
             include_usage=include,
             continuous_usage=include and bool(so.get("continuous_usage_stats")),
+            n=sp.get("n", 1),
         )
         return GenerateRequest(
             stream=bool(obj.get("stream")),
             public_id=public_id,
             input_ids=token_ids if features is None else None,
-            max_new_tokens=max_tokens,
+            max_new_tokens=max_tokens if max_tokens is not None and max_tokens > 0 else None,
             model=obj.get("model"),
             replay_excluded="multimodal" if features is not None else None,
             native=native,
@@ -190,12 +204,12 @@ def _int(value: Any) -> int | None:
     return value if type(value) is int else None
 
 
-def _usage_event(token_ids: list[int], finish: str, usage: Any) -> Event:
+def _usage_event(token_ids: list[int], finish: str, usage: Any, matched: int | str | None) -> Event:
     """The finishing event, with vLLM's ``usage`` (``prompt_tokens``,
     ``completion_tokens``, ``prompt_tokens_details.cached_tokens``; counts of
     tokens) where it carries them."""
     if type(usage) is not dict:
-        return Event(token_ids, finish)
+        return Event(token_ids, finish, matched=matched)
     details = usage.get("prompt_tokens_details")
     return Event(
         token_ids,
@@ -203,7 +217,18 @@ def _usage_event(token_ids: list[int], finish: str, usage: Any) -> Event:
         prompt_tokens=_int(usage.get("prompt_tokens")),
         completion_tokens=_int(usage.get("completion_tokens")),
         cached_tokens=_int(details.get("cached_tokens")) if type(details) is dict else None,
+        matched=matched,
     )
+
+
+def _stop_reason(attempt: Attempt, choice: dict) -> int | str | None:
+    """A choice's ``stop_reason`` (the matched stop token id or string), read
+    only from a worker whose reported vLLM version sends one."""
+    behaviour = vllm_behaviour(attempt.worker_info.get("version"))
+    if behaviour is None or not behaviour.stop_reason:
+        return None
+    reason = choice.get("stop_reason")
+    return reason if type(reason) in (int, str) else None
 
 
 class VLLMExchange(Exchange):
@@ -215,15 +240,19 @@ class VLLMExchange(Exchange):
             gave none.
     """
 
-    __slots__ = ("native", "stream", "stream_id", "finish", "out", "status")
+    __slots__ = ("native", "stream", "stream_id", "finish", "matched", "finished", "out", "status")
 
     def __init__(self, request: GenerateRequest, request_id: str) -> None:
         self.native: VLLMRequest = request.native
         self.stream = request.stream
         public = self.native.public_id
         self.stream_id = ENGINE_PREFIX + (public if public is not None else request_id)
-        #: A stream's finish reason, held until the usage chunk.
+        #: A stream's finish reason (of choice 0) and its stop_reason, held
+        #: until the usage chunk.
         self.finish: str | None = None
+        self.matched: int | str | None = None
+        #: Indices of the stream's choices that finished.
+        self.finished: set[int] = set()
         #: What the last fed payload gives the client: an SSE payload (or
         #: ``None`` for nothing), or the whole unary body, sent with ``status``.
         self.out: bytes | None = None
@@ -247,12 +276,15 @@ class VLLMExchange(Exchange):
         return WorkerRequest(PATH.encode(), dump_body(body), headers)
 
     def feed(self, attempt: Attempt, payload: bytes) -> Event:
-        """A streaming leg: one vLLM stream chunk, giving its new token ids;
-        the held finish reason and usage once the closing usage chunk
-        arrives. A unary leg: vLLM's whole ``GenerateResponse``, giving all
-        token ids, the finish reason and usage. Either way ``{"error": ...}``
-        gives an engine error whose status is ``error.code`` (500 unless that
-        is a 4xx or 5xx integer).
+        """A streaming leg: one vLLM stream chunk, giving its new token ids
+        (of whichever choice it carries); the held finish reason and usage
+        once the closing usage chunk arrives. A unary leg: vLLM's whole
+        ``GenerateResponse``, giving the token ids of all its choices (so
+        ``n`` choices count as the sum of their tokens), the first choice's
+        finish reason, and usage. A worker whose version sends
+        ``stop_reason`` gives it as the event's ``matched``. Either way
+        ``{"error": ...}`` gives an engine error whose status is
+        ``error.code`` (500 unless that is a 4xx or 5xx integer).
 
         Raises:
             RequestError: 502, the payload is not what vLLM sends.
@@ -273,12 +305,12 @@ class VLLMExchange(Exchange):
         if not self.stream:
             if not choices:
                 raise _bad(what, "has no choice")
-            ids = _token_ids(choices[0], what)
+            ids = [t for choice in choices for t in _token_ids(choice, what)]
             finish = choices[0].get("finish_reason")
             if type(finish) is not str:  # vLLM reports a null reason as "stop"
                 raise _bad(what, "has no finish_reason")
             self.out = payload
-            return _usage_event(ids, finish, obj.get("usage"))
+            return _usage_event(ids, finish, obj.get("usage"), _stop_reason(attempt, choices[0]))
         obj["request_id"] = self.stream_id
         if not choices:  # the closing usage chunk
             usage = obj.get("usage")
@@ -286,25 +318,31 @@ class VLLMExchange(Exchange):
                 raise _bad(what, "has neither choices nor usage")
             self.out = orjson.dumps(obj) if self.native.include_usage else None
             # vLLM drops the finish-only chunk of an aborted request.
-            return _usage_event([], self.finish or "abort", usage)
-        ids = _token_ids(choices[0], what)
-        finish = choices[0].get("finish_reason")
-        if finish is not None:
+            return _usage_event([], self.finish or "abort", usage, self.matched)
+        ids = []
+        for choice in choices:
+            ids += _token_ids(choice, what)
+            finish = choice.get("finish_reason")
+            if finish is None:
+                continue
             if type(finish) is not str:
                 raise _bad(what, "has a finish_reason that is not a string")
-            self.finish = finish
+            index = choice.get("index", 0)
+            self.finished.add(index)
+            if index == 0:
+                self.finish, self.matched = finish, _stop_reason(attempt, choice)
         self.out = orjson.dumps(obj)
         return Event(ids)
 
     def end_of_stream(self, attempt: Attempt) -> Event | None:
-        """A stream that ended after its finishing chunk without the usage
-        chunk (a vLLM build that sends none): finish with the held reason,
-        sending the client nothing more. ``None`` when no finish reason came
-        (the answer was cut short)."""
-        if self.finish is None:
+        """A stream that ended after the finishing chunks of all its choices
+        without the usage chunk (a vLLM build that sends none): finish with
+        the held reason, sending the client nothing more. ``None`` when a
+        choice never finished (the answer was cut short)."""
+        if self.finish is None or len(self.finished) < self.native.n:
             return None
         self.out = None
-        return Event([], self.finish)
+        return Event([], self.finish, matched=self.matched)
 
     def client_event(self, event: Event) -> bytes | None:
         """The worker's chunk with the client's id, or nothing for a usage

@@ -4,10 +4,9 @@ Wire sources (vLLM, read through the code index):
 
 - ``vllm/entrypoints/serve/disagg/protocol.py``: ``GenerateRequest``
   (``token_ids`` at least one id, none negative; ``request_id`` a string;
-  ``sampling_params`` required), ``MultiModalFeatures`` and
+  ``sampling_params`` optional, engine defaults apply: vLLM's test
+  ``test_generate_without_sampling_params``), ``MultiModalFeatures`` and
   ``PlaceholderRangeInfo``.
-- ``vllm/sampling_params.py`` ``SamplingParams._verify_args``: the value
-  messages for ``n``, ``max_tokens``, ``logprobs`` and ``prompt_logprobs``.
 - ``vllm/entrypoints/serve/exception_handling/handlers/validation.py``: a
   pydantic error becomes HTTP 400 ``{"error": {"message": "1 validation
   error:\\n  {'type': ..., 'loc': 'body.token_ids', 'msg': ..., 'input': ...}",
@@ -16,9 +15,13 @@ Wire sources (vLLM, read through the code index):
 - ``create_error_response``: other bad values are HTTP 400
   ``{"error": {"message", "type": "BadRequestError", "param", "code": 400}}``.
 
-Type checks are strict where pydantic is lax (a string ``"7"`` is not an
-integer here): the frontend forwards the client's JSON as it came, so only
-values every vLLM build reads the same way may pass.
+Only what the frontend relies on is checked (the prompt, ids, stream options,
+``model``, ``features``, ``sampling_params.n`` and ``max_tokens``); every other
+field, and every value the engine judges (``n < 1``, ``max_tokens < 1``,
+logprob counts, temperatures, ...), reaches the engine untouched and its own
+answer passes back. Type checks are strict where pydantic is lax (a string
+``"7"`` is not an integer here): the frontend forwards the client's JSON as
+it came, so only values every vLLM build reads the same way may pass.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ class VLLMRequestError(RequestError):
     Args:
         status: HTTP status.
         message: the error message.
-        kind: the handler's machine name (``invalid_json`` for schema errors).
+        kind: the handler's machine name (``invalid_json`` for a body that
+            is not JSON, ``invalid_request`` for one that breaks the schema).
         err_type: vLLM's ``error.type`` (``Bad Request``, ``BadRequestError``).
         param: vLLM's ``error.param``, e.g. ``body.token_ids`` or ``max_tokens``.
     """
@@ -63,7 +67,8 @@ def validation_error(
     err: dict[str, Any] = {"type": kind, "loc": where, "msg": msg, "input": _summarize(value)}
     if ctx is not None:
         err["ctx"] = ctx
-    return VLLMRequestError(400, f"1 validation error:\n  {err}", "invalid_json", "Bad Request", where)
+    machine = "invalid_json" if kind == "json_invalid" else "invalid_request"
+    return VLLMRequestError(400, f"1 validation error:\n  {err}", machine, "Bad Request", where)
 
 
 def bad_request(message: str, param: str | None = None) -> VLLMRequestError:
@@ -97,17 +102,9 @@ STREAM_OPTIONS = (
     {"include_usage": ("nullable", BOOL), "continuous_usage_stats": ("nullable", BOOL)},
     (),
 )
-# Only the sampling fields the frontend reads; the engine checks the rest.
-SAMPLING_PARAMS = (
-    "model",
-    {
-        "n": INT,
-        "max_tokens": ("nullable", INT),
-        "logprobs": ("nullable", INT),
-        "prompt_logprobs": ("nullable", INT),
-    },
-    (),
-)
+# Only the sampling fields the frontend reads (choices, the output cap); the
+# engine checks the rest.
+SAMPLING_PARAMS = ("model", {"n": INT, "max_tokens": ("nullable", INT)}, ())
 # GenerateRequest in vLLM's field order, so the first error is vLLM's first.
 GENERATE_REQUEST = (
     "model",
@@ -124,7 +121,7 @@ GENERATE_REQUEST = (
         "kv_transfer_params": ("nullable", ("dict", ANY)),
         "ec_transfer_params": ("nullable", ("dict", ANY)),
     },
-    ("token_ids", "sampling_params"),
+    ("token_ids",),
 )
 
 
@@ -183,47 +180,3 @@ def check(value: Any, node: tuple, loc: tuple = ()) -> None:
             check(value[key], sub, (*loc, key))
         elif key in required:
             raise validation_error("missing", (*loc, key), "Field required", value)
-
-
-def check_features(features: dict, num_tokens: int) -> None:
-    """Check that schema-valid ``features`` describe items the prompt can hold:
-    one hash and one placeholder range per item, ranges inside the prompt,
-    ``kwargs_data`` parallel to ``mm_hashes``.
-
-    Raises:
-        VLLMRequestError: 400 ``BadRequestError`` naming the first bad item.
-    """
-    hashes, places = features["mm_hashes"], features["mm_placeholders"]
-    data = features.get("kwargs_data")
-    if set(hashes) != set(places):
-        raise bad_request(
-            f"features.mm_hashes has modalities {sorted(hashes)} but features.mm_placeholders "
-            f"has {sorted(places)}; every modality needs both.",
-            "features",
-        )
-    for modality, items in hashes.items():
-        if len(places[modality]) != len(items):
-            raise bad_request(
-                f"features.mm_placeholders[{modality!r}] has {len(places[modality])} ranges for "
-                f"{len(items)} hashes in features.mm_hashes[{modality!r}].",
-                "features",
-            )
-        for i, p in enumerate(places[modality]):
-            if p["offset"] < 0 or p["length"] < 1 or p["offset"] + p["length"] > num_tokens:
-                raise bad_request(
-                    f"features.mm_placeholders[{modality!r}][{i}] (offset {p['offset']}, length "
-                    f"{p['length']}) is not inside the {num_tokens} prompt tokens.",
-                    "features",
-                )
-        if data is not None and modality in data and len(data[modality]) != len(items):
-            raise bad_request(
-                f"features.kwargs_data[{modality!r}] has {len(data[modality])} items for "
-                f"{len(items)} hashes in features.mm_hashes[{modality!r}].",
-                "features",
-            )
-    if data is not None and not set(data) <= set(hashes):
-        raise bad_request(
-            f"features.kwargs_data has modalities {sorted(set(data) - set(hashes))} "
-            "that features.mm_hashes does not.",
-            "features",
-        )

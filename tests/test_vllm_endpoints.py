@@ -1,0 +1,361 @@
+"""vLLM ``/inference/v1/generate`` endpoint facts, for every vLLM version the
+simulator plays, asked of the simulator directly and through the frontend.
+
+Derived (in our own words, not copied) from the facts vLLM's tokens-in /
+tokens-out serving tests check (``tests/entrypoints/serve/disagg/`` and
+``tests/entrypoints/scale_out/token_in_token_out/``: ``test_serving_tokens``,
+``test_tokens_logprobs``, ``test_generate_stream``, ``test_stop_reason``,
+``test_return_routed_experts``): each case sends one request both ways,
+asserts both answers are the same (all but the per-request random id and
+clock of a unary answer), then asserts the fact on that answer. Facts whose
+value differs between versions (the logprob entry schema, ``stop_reason``,
+stop strings on a tokens-only server) are asserted per version.
+
+Left out, because they need a real model, a tokenizer or a GPU feature the
+simulator does not have:
+
+- text equality with ``/v1/chat/completions`` (``test_same_response_as_chat_
+  completions``, the stop-string workflow's detokenized comparison, LoRA
+  adapters ``test_generate_with_lora_adapter``);
+- sampling masks (``--return-sampling-mask``), ``output_mode="text"``,
+  ``return_token_logprobs`` and other fields of releases newer than the
+  versions played;
+- real routed-expert rows (``--enable-return-routed-experts`` on a MoE model
+  under TP/DP): the simulator serves none, so only their null placeholder is
+  checked;
+- multimodal features, kv transfer to a real decode peer and the Rust
+  frontend's refusals.
+"""
+
+from __future__ import annotations
+
+
+import httpx
+import orjson
+import pytest
+
+from asgi_generate.workers.versions import VLLM_VERSIONS, vllm_behaviour
+from support import CONTINUATION, PROMPT, same, start_frontend, start_sim
+
+GEN = "/inference/v1/generate"
+JSON = {"content-type": "application/json"}
+MAX_MODEL_LEN = 32768
+HTTP = httpx.Client(timeout=30)
+SIMS: dict[str, object] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_all():
+    yield
+    for sim in SIMS.values():
+        sim.stop()
+    HTTP.close()
+
+
+@pytest.fixture(scope="module", params=[(v, wc) for v in VLLM_VERSIONS for wc in ("trio", "asyncio")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def served(request):
+    """``(version, simulator, frontend)``: a simulator playing ``version``
+    (shared by both worker classes) and a frontend in front of it alone."""
+    version, worker_class = request.param
+    if version not in SIMS:
+        SIMS[version] = start_sim("vllm", extra=["--engine-version", version])
+    sim = SIMS[version]
+    front = start_frontend([f"vllm={sim.url}"], worker_class=worker_class)
+    yield version, sim, front
+    front.stop()
+
+
+def _unary(url: str, body: dict) -> tuple[int, dict]:
+    r = HTTP.post(url + GEN, content=orjson.dumps(body), headers=JSON)
+    obj = r.json()
+    if r.status_code == 200:  # vLLM makes these up per request
+        assert isinstance(obj.pop("request_id"), str) and isinstance(obj.pop("created"), int)
+    return r.status_code, obj
+
+
+def _stream(url: str, body: dict) -> tuple[int, list]:
+    with HTTP.stream("POST", url + GEN, content=orjson.dumps(body), headers=JSON) as r:
+        raw = b"".join(r.iter_bytes())
+    if r.status_code != 200:
+        return r.status_code, [orjson.loads(raw)]
+    payloads = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    assert payloads[-1] == b"[DONE]"
+    return 200, [orjson.loads(p) for p in payloads[:-1]]
+
+
+def ask(served, body: dict) -> tuple[int, object]:
+    """The answer to ``body``, asserted the same directly and through the
+    frontend: ``(status, unary object)`` or ``(status, stream chunks)``."""
+    _, sim, front = served
+    body = {"model": "sim", "request_id": "case", **body}  # one id shown both ways
+    call = _stream if body.get("stream") else _unary
+    direct, through = call(sim.url, body), call(front.url, body)
+    assert direct[0] == through[0]
+    same(through[1], direct[1])
+    return direct
+
+
+def sp(**params) -> dict:
+    return {"token_ids": PROMPT, "sampling_params": params}
+
+
+# -- tokens and finish -----------------------------------------------------------
+
+
+def test_answers_the_requested_tokens_with_usage(served):
+    status, answer = ask(served, sp(max_tokens=5))
+    assert status == 200
+    (choice,) = answer["choices"]
+    assert (choice["index"], choice["token_ids"], choice["finish_reason"]) == (0, CONTINUATION[:5], "length")
+    assert answer["usage"] == {"prompt_tokens": 4, "total_tokens": 9, "completion_tokens": 5,
+                               "prompt_tokens_details": None}
+
+
+def test_without_sampling_params_engine_defaults_apply(served):
+    status, answer = ask(served, {"token_ids": PROMPT})
+    assert status == 200
+    assert (answer["choices"][0]["token_ids"], answer["choices"][0]["finish_reason"]) == (CONTINUATION, "stop")
+
+
+def test_omitted_max_tokens_is_the_rest_of_the_context_not_16(served):
+    status, answer = ask(served, sp(ignore_eos=True, stop_token_ids=[CONTINUATION[20]]))
+    assert status == 200 and len(answer["choices"][0]["token_ids"]) == 21 > 16
+
+
+def test_stream_gives_the_unary_tokens_one_chunk_each(served):
+    status, chunks = ask(served, {**sp(max_tokens=5), "stream": True})
+    assert status == 200
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [[t] for t in CONTINUATION[:5]]
+    assert all(len(c["choices"]) == 1 for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["length"]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_n_choices_unary(served, n):
+    status, answer = ask(served, sp(max_tokens=3, n=n))
+    assert status == 200
+    assert sorted(c["index"] for c in answer["choices"]) == list(range(n))
+    assert all(c["token_ids"] == CONTINUATION[:3] for c in answer["choices"])
+    assert answer["usage"]["completion_tokens"] == 3 * n
+
+
+def test_n_choices_stream(served):
+    body = {**sp(max_tokens=2, n=2), "stream": True, "stream_options": {"include_usage": True}}
+    status, chunks = ask(served, body)
+    assert status == 200
+    assert [(c["choices"][0]["index"], c["choices"][0]["token_ids"]) for c in chunks[:-1]] == [
+        (0, [2358]), (1, [2358]), (0, [1262]), (1, [1262])]
+    assert chunks[-1]["usage"] == {"prompt_tokens": 4, "total_tokens": 8, "completion_tokens": 4}
+
+
+def test_n_above_max_num_seqs_is_refused(served):
+    assert ask(served, sp(n=257)) == (400, {"error": {
+        "message": "sampling_params.n must be at most the server's max_num_seqs (256), got 257.",
+        "type": "BadRequestError", "param": None, "code": 400}})
+
+
+# -- logprobs ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [0, 1, 5])
+def test_logprobs_one_entry_per_token_with_k_alternatives(served, k):
+    version = served[0]
+    status, answer = ask(served, sp(max_tokens=5, logprobs=k))
+    assert status == 200
+    choice = answer["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == len(choice["token_ids"]) == 5
+    for tok, entry in zip(choice["token_ids"], content):
+        assert len(entry["top_logprobs"]) == max(k, 1)
+        if vllm_behaviour(version).token_id_logprobs:
+            assert list(entry) == ["token_id", "logprob", "rank", "top_logprobs"]
+            assert (entry["token_id"], entry["rank"]) == (tok, 1)  # greedy: the sampled token ranks first
+            assert [list(e) for e in entry["top_logprobs"]] == [["token_id", "logprob", "rank"]] * max(k, 1)
+            assert [e["rank"] for e in entry["top_logprobs"]] == list(range(1, max(k, 1) + 1))
+            sampled = entry["top_logprobs"][0]
+            assert (sampled["token_id"], sampled["logprob"]) == (tok, entry["logprob"])
+        else:
+            assert list(entry) == ["token", "logprob", "bytes", "top_logprobs"]
+            assert (entry["token"], entry["bytes"]) == (f"token_id:{tok}", None)
+            assert [list(e) for e in entry["top_logprobs"]] == [["token", "logprob", "bytes"]] * max(k, 1)
+            assert entry["top_logprobs"][0] == {"token": f"token_id:{tok}", "logprob": entry["logprob"], "bytes": None}
+        assert entry["logprob"] <= 0
+
+
+def test_no_logprobs_unless_asked(served):
+    assert ask(served, sp(max_tokens=2))[1]["choices"][0]["logprobs"] is None
+
+
+def test_stream_logprobs_align_with_each_chunks_tokens(served):
+    status, chunks = ask(served, {**sp(max_tokens=3, logprobs=2), "stream": True})
+    assert status == 200
+    key = "token_id" if vllm_behaviour(served[0]).token_id_logprobs else "token"
+    for c in chunks:
+        (choice,) = c["choices"]
+        (entry,) = choice["logprobs"]["content"]
+        want = choice["token_ids"][0] if key == "token_id" else f"token_id:{choice['token_ids'][0]}"
+        assert entry[key] == want and len(entry["top_logprobs"]) == 2
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_prompt_logprobs_one_map_per_prompt_position(served, k):
+    status, answer = ask(served, sp(max_tokens=1, prompt_logprobs=k))
+    assert status == 200
+    rows = answer["prompt_logprobs"]
+    assert len(rows) == len(PROMPT) and rows[0] is None
+    for tok, row in zip(PROMPT[1:], rows[1:]):
+        assert str(tok) in row and k <= len(row) <= k + 1
+        assert all(set(v) == {"logprob", "rank", "decoded_token"} and v["decoded_token"] is None for v in row.values())
+        assert isinstance(row[str(tok)]["rank"], int) and row[str(tok)]["rank"] >= 1
+
+
+def test_too_many_logprobs_is_refused(served):
+    assert ask(served, sp(logprobs=21)) == (400, {"error": {
+        "message": "Requested sample logprobs of 21, which is greater than max allowed: 20",
+        "type": "BadRequestError", "param": "logprobs", "code": 400}})
+
+
+# -- stop tokens, stop strings, stop_reason ----------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_token_finishes_with_its_stop_reason(served, stream):
+    body = {**sp(max_tokens=10, stop_token_ids=[978]), "stream": stream}
+    status, answer = ask(served, body)
+    assert status == 200
+    last = answer[-1]["choices"][0] if stream else answer["choices"][0]
+    assert last["finish_reason"] == "stop"
+    tokens = [c["choices"][0]["token_ids"][0] for c in answer] if stream else last["token_ids"]
+    assert tokens == [2358, 1262, 978]
+    if vllm_behaviour(served[0]).stop_reason:
+        assert last["stop_reason"] == 978
+    else:
+        assert "stop_reason" not in last
+
+
+def test_eos_and_length_have_no_stop_reason(served):
+    for params, finish in (({}, "stop"), ({"max_tokens": 2}, "length")):
+        choice = ask(served, sp(**params))[1]["choices"][0]
+        assert choice["finish_reason"] == finish
+        assert choice.get("stop_reason", "absent") == (None if vllm_behaviour(served[0]).stop_reason else "absent")
+
+
+def test_ignore_eos_runs_past_eos(served):
+    choice = ask(served, sp(max_tokens=26, ignore_eos=True))[1]["choices"][0]
+    assert choice["token_ids"][:24] == CONTINUATION and (len(choice["token_ids"]), choice["finish_reason"]) == (
+        26, "length")
+
+
+def test_stop_strings_without_detokenize_are_refused(served):
+    assert ask(served, sp(max_tokens=4, detokenize=False, stop=["27 member"])) == (400, {"error": {
+        "message": "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.",
+        "type": "BadRequestError", "param": None, "code": 400}})
+
+
+def test_stop_strings_on_a_tokens_only_server(served):
+    status, answer = ask(served, sp(max_tokens=4, stop=["27 member"]))
+    if vllm_behaviour(served[0]).refuses_stop_strings:
+        assert (status, answer["error"]["message"]) == (400, (
+            "stop strings are not supported on a --tokens-only server because detokenization is disabled. "
+            "Check stop strings on the coordinator, or use stop_token_ids."))
+    else:  # older servers accept them and never apply them
+        assert (status, answer["choices"][0]["token_ids"]) == (200, CONTINUATION[:4])
+
+
+def test_detokenize_false_without_stop_strings_answers(served):
+    assert ask(served, sp(max_tokens=3, detokenize=False))[1]["choices"][0]["token_ids"] == CONTINUATION[:3]
+
+
+# -- max_tokens and other bounds ----------------------------------------------------
+
+
+@pytest.mark.parametrize("max_tokens", [2**31 - 1, MAX_MODEL_LEN - len(PROMPT) + 1])
+def test_max_tokens_beyond_the_context_is_refused(served, max_tokens):
+    total = len(PROMPT) + max_tokens
+    assert ask(served, sp(max_tokens=max_tokens)) == (400, {"error": {
+        "message": f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
+                   f"{max_tokens} output tokens and your prompt contains 4 input tokens, for a total of {total} "
+                   "tokens. Please reduce the length of the input prompt or the number of requested output "
+                   "tokens. (parameter=input_tokens, value=4)",
+        "type": "BadRequestError", "param": "input_tokens", "code": 400}})
+
+
+def test_max_tokens_up_to_the_context_is_served(served):
+    status, answer = ask(served, sp(max_tokens=MAX_MODEL_LEN - len(PROMPT)))
+    assert (status, answer["choices"][0]["token_ids"]) == (200, CONTINUATION)
+
+
+@pytest.mark.parametrize(
+    "params, message, param",
+    [
+        ({"max_tokens": 0}, "max_tokens must be at least 1, got 0.", "max_tokens"),
+        ({"n": 0}, "n must be at least 1, got 0.", None),
+        ({"temperature": -1}, "temperature must be non-negative, got -1.0.", "temperature"),
+        ({"temperature": 2.5}, "temperature must be in [0, 2], got 2.5.", "temperature"),
+        ({"top_p": 0}, "top_p must be in (0, 1], got 0.0.", "top_p"),
+        ({"top_k": -2}, "top_k must be 0 (disable), or at least 1, got -2.", None),
+        ({"presence_penalty": 3}, "presence_penalty must be in [-2, 2], got 3.0.", None),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens must be less than or equal to max_tokens=2, got 5.", None),
+        ({"logprobs": -2}, "logprobs must be non-negative or -1, got -2.", "logprobs"),
+        ({"prompt_logprobs": -5}, "prompt_logprobs must be non-negative or -1, got -5.", "prompt_logprobs"),
+        ({"stop": [""]}, "stop cannot contain an empty string.", None),
+    ],
+    ids=["max_tokens0", "n0", "temperature_negative", "temperature_high", "top_p0", "top_k", "presence",
+         "min_tokens", "logprobs", "prompt_logprobs", "empty_stop"],
+)
+def test_out_of_range_sampling_params_are_refused(served, params, message, param):
+    assert ask(served, sp(**params)) == (400, {"error": {
+        "message": message, "type": "BadRequestError", "param": param, "code": 400}})
+
+
+def test_wrongly_typed_sampling_param_is_a_validation_error(served):
+    status, answer = ask(served, sp(temperature="hot"))
+    assert (status, answer["error"]["type"], answer["error"]["param"]) == (
+        400, "Bad Request", "body.sampling_params.temperature")
+
+
+def test_unknown_fields_are_ignored(served):
+    status, answer = ask(served, {**sp(max_tokens=2), "not_a_field": 1})
+    assert (status, answer["choices"][0]["token_ids"]) == (200, CONTINUATION[:2])
+
+
+def test_unknown_model_is_404(served):
+    assert ask(served, {**sp(), "model": "other"}) == (404, {"error": {
+        "message": "The model `other` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}})
+
+
+# -- usage and stream options -------------------------------------------------------
+
+
+def test_stream_has_no_usage_unless_asked(served):
+    status, chunks = ask(served, {**sp(max_tokens=2), "stream": True})
+    assert status == 200 and all(c["usage"] is None and c["choices"] for c in chunks)
+
+
+def test_stream_usage_chunk_when_asked(served):
+    status, chunks = ask(served, {**sp(max_tokens=2), "stream": True, "stream_options": {"include_usage": True}})
+    assert status == 200
+    assert chunks[-1] == {"request_id": "generate-tokens-case", "choices": [],
+                          "usage": {"prompt_tokens": 4, "total_tokens": 6, "completion_tokens": 2}}
+
+
+def test_stream_continuous_usage_on_every_chunk(served):
+    body = {**sp(max_tokens=3), "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    status, chunks = ask(served, body)
+    assert status == 200
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 3]
+
+
+# -- routed experts and disaggregation placeholders -----------------------------------
+
+
+def test_routed_experts_are_null_without_the_server_flag(served):
+    answer = ask(served, sp(max_tokens=2))[1]
+    assert answer["choices"][0]["routed_experts"] is None
+
+
+def test_kv_transfer_params_are_accepted(served):
+    status, answer = ask(served, {**sp(max_tokens=1), "kv_transfer_params": {"do_remote_decode": True}})
+    assert (status, answer["kv_transfer_params"]) == (200, None)
