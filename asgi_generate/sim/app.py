@@ -22,11 +22,11 @@ import orjson
 
 from ..assets import ASSETS_DIR
 from ..framing import BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
+from ..workers.versions import VLLM_VERSIONS
 from .engine import SimEngine
 from .model import Model
 from .sglang import SGLangProtocol
 from .tokenizer import SimTokenizer
-from ..workers.versions import VLLM_VERSIONS
 from .vllm import VLLMProtocol
 
 NOT_FOUND = orjson.dumps({"detail": "Not Found"})
