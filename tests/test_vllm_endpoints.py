@@ -248,9 +248,9 @@ def test_ignore_eos_runs_past_eos(served):
 
 
 def test_stop_strings_without_detokenize_are_refused(served):
-    assert ask(served, sp(max_tokens=4, detokenize=False, stop=["27 member"])) == (400, {"error": {
-        "message": "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.",
-        "type": "BadRequestError", "param": None, "code": 400}})
+    params = {"max_tokens": 4, "detokenize": False, "stop": ["27 member"]}
+    assert ask(served, sp(**params)) == sampling_refused(
+        params, "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
 
 
 def test_stop_strings_on_a_tokens_only_server(served):
@@ -286,33 +286,54 @@ def test_max_tokens_up_to_the_context_is_served(served):
     assert (status, answer["choices"][0]["token_ids"]) == (200, CONTINUATION)
 
 
+def sampling_refused(params: dict, message: str, parameter=None, value=None) -> tuple[int, dict]:
+    """vLLM's answer when ``SamplingParams`` refuses ``params`` while pydantic
+    builds it: a ``value_error`` at ``body.sampling_params``; a
+    ``VLLMValidationError`` names its parameter (and value) in ``msg`` and
+    ``param``, a plain ``ValueError`` leaves ``param`` at the location."""
+    shown = message
+    if parameter is not None:
+        shown += f" (parameter={parameter}, value={value})"
+    cls = "VLLMValidationError" if parameter is not None else "ValueError"
+    detail = (f"{{'type': 'value_error', 'loc': 'body.sampling_params', 'msg': 'Value error, {shown}', "
+              f"'input': '<dict of {len(params)} items>', 'ctx': {{'error': {cls}({message!r})}}}}")
+    return 400, {"error": {"message": f"1 validation error:\n  {detail}", "type": "Bad Request",
+                           "param": parameter or "body.sampling_params", "code": 400}}
+
+
 @pytest.mark.parametrize(
-    "params, message, param",
+    "params, message, parameter, value",
     [
-        ({"max_tokens": 0}, "max_tokens must be at least 1, got 0.", "max_tokens"),
-        ({"n": 0}, "n must be at least 1, got 0.", None),
-        ({"temperature": -1}, "temperature must be non-negative, got -1.0.", "temperature"),
-        ({"temperature": 2.5}, "temperature must be in [0, 2], got 2.5.", "temperature"),
-        ({"top_p": 0}, "top_p must be in (0, 1], got 0.0.", "top_p"),
-        ({"top_k": -2}, "top_k must be 0 (disable), or at least 1, got -2.", None),
-        ({"presence_penalty": 3}, "presence_penalty must be in [-2, 2], got 3.0.", None),
-        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens must be less than or equal to max_tokens=2, got 5.", None),
-        ({"logprobs": -2}, "logprobs must be non-negative or -1, got -2.", "logprobs"),
-        ({"prompt_logprobs": -5}, "prompt_logprobs must be non-negative or -1, got -5.", "prompt_logprobs"),
-        ({"stop": [""]}, "stop cannot contain an empty string.", None),
+        ({"max_tokens": 0}, "max_tokens must be at least 1, got 0.", "max_tokens", 0),
+        ({"n": 0}, "n must be at least 1, got 0.", None, None),
+        ({"temperature": -1}, "temperature must be non-negative, got -1.0.", "temperature", -1.0),
+        ({"temperature": 2.5}, "temperature must be in [0, 2], got 2.5.", "temperature", 2.5),
+        ({"top_p": 0}, "top_p must be in (0, 1], got 0.0.", "top_p", 0.0),
+        ({"top_k": -2}, "top_k must be 0 (disable), or at least 1, got -2.", None, None),
+        ({"presence_penalty": 3}, "presence_penalty must be in [-2, 2], got 3.0.", None, None),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens must be less than or equal to max_tokens=2, got 5.", None,
+         None),
+        ({"logprobs": -2}, "logprobs must be non-negative or -1, got -2.", "logprobs", -2),
+        ({"prompt_logprobs": -5}, "prompt_logprobs must be non-negative or -1, got -5.", "prompt_logprobs", -5),
+        ({"stop": [""]}, "stop cannot contain an empty string.", None, None),
     ],
     ids=["max_tokens0", "n0", "temperature_negative", "temperature_high", "top_p0", "top_k", "presence",
          "min_tokens", "logprobs", "prompt_logprobs", "empty_stop"],
 )
-def test_out_of_range_sampling_params_are_refused(served, params, message, param):
-    assert ask(served, sp(**params)) == (400, {"error": {
-        "message": message, "type": "BadRequestError", "param": param, "code": 400}})
+def test_out_of_range_sampling_params_are_refused(served, params, message, parameter, value):
+    assert ask(served, sp(**params)) == sampling_refused(params, message, parameter, value)
+
+
+def test_numeric_string_for_a_float_is_taken_as_pydantic_does(served):
+    assert ask(served, sp(max_tokens=2, temperature="0.5"))[1]["choices"][0]["token_ids"] == CONTINUATION[:2]
 
 
 def test_wrongly_typed_sampling_param_is_a_validation_error(served):
-    status, answer = ask(served, sp(temperature="hot"))
-    assert (status, answer["error"]["type"], answer["error"]["param"]) == (
-        400, "Bad Request", "body.sampling_params.temperature")
+    detail = ("{'type': 'float_parsing', 'loc': 'body.sampling_params.temperature', 'msg': 'Input should be a valid "
+              "number, unable to parse string as a number', 'input': 'hot'}")
+    assert ask(served, sp(temperature="hot")) == (400, {"error": {
+        "message": f"1 validation error:\n  {detail}", "type": "Bad Request",
+        "param": "body.sampling_params.temperature", "code": 400}})
 
 
 def test_unknown_fields_are_ignored(served):

@@ -27,8 +27,12 @@ the vLLM version it plays answers (``sim --engine-version``, see
   null: tokens-only mode does not detokenize). Newer versions add each
   choice's ``stop_reason``: the matched stop token id, null for EOS or a cap.
 - Refusals in vLLM's order: the request schema (``GenerateRequest``; unknown
-  fields are ignored, as pydantic does by default), ``SamplingParams.
-  _verify_args`` (``vllm/sampling_params.py``), then ``serve_tokens``
+  fields are ignored, as pydantic does by default; numbers are strict except
+  that a float field takes a numeric string, as pydantic's lax mode does),
+  ``SamplingParams._verify_args`` (``vllm/sampling_params.py``; built inside
+  pydantic's validation, so its refusals come back in the validation shape
+  at ``body.sampling_params``, ``param`` the field a ``VLLMValidationError``
+  names), then ``serve_tokens``
   (unknown model, ``n`` above ``max_num_seqs``, stop strings on a tokens-only
   server: newer versions refuse them, older ones accept and never apply
   them), then the input checks (logprob counts, vocabulary, prompt and
@@ -183,6 +187,13 @@ def _check(value: Any, node: tuple, loc: tuple = ()) -> None:
     elif kind == "stop":  # str | list[str]
         if type(value) is not str:
             _check(value, ("list", STR), loc)
+    elif kind == "float" and type(value) is str:
+        try:
+            float(value)
+        except ValueError:
+            raise invalid(
+                "float_parsing", loc, "Input should be a valid number, unable to parse string as a number", value
+            ) from None
     elif kind in _SCALARS:
         err, msg, ok = _SCALARS[kind]
         if not ok(value):
@@ -210,48 +221,84 @@ def _check(value: Any, node: tuple, loc: tuple = ()) -> None:
                 raise invalid("missing", (*loc, key), "Field required", value)
 
 
+class VLLMValidationError(ValueError):
+    """vLLM's ``VLLMValidationError`` (``vllm/exceptions.py``): a
+    ``ValueError`` naming the parameter and value it refused."""
+
+    def __init__(self, message: str, parameter: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.value = value
+
+    def __str__(self) -> str:
+        extras = [f"{k}={v}" for k, v in (("parameter", self.parameter), ("value", self.value)) if v is not None]
+        return f"{super().__str__()} ({', '.join(extras)})" if extras else super().__str__()
+
+
+def _sampling_refused(sp: dict, exc: ValueError) -> VLLMError:
+    """A refusal raised while pydantic builds ``SamplingParams``
+    (``PydanticMsgspecMixin._validate_msgspec``): vLLM's validation handler
+    renders the wrapped ``value_error`` at ``body.sampling_params``, with the
+    ``param`` a ``VLLMValidationError`` names."""
+    err = invalid("value_error", ("sampling_params",), f"Value error, {exc}", sp, {"error": exc})
+    param = getattr(exc, "parameter", None)
+    if param is not None:
+        err.body["error"]["param"] = param
+    return err
+
+
 def _verify_sampling(sp: dict) -> None:
-    """``SamplingParams._verify_args``, in its order and words: a
-    ``VLLMValidationError`` names its parameter, a plain ``ValueError`` none."""
+    """``SamplingParams._verify_args``, in its order and words.
+
+    Raises:
+        VLLMError: 400, vLLM's rendering of the first refusal.
+    """
+    try:
+        _verify_args(sp)
+    except ValueError as exc:
+        raise _sampling_refused(sp, exc) from None
+
+
+def _verify_args(sp: dict) -> None:
     def f(key: str, default: float) -> float:
         return float(sp.get(key, default))
 
     n = sp.get("n", 1)
     if n < 1:
-        raise error(f"n must be at least 1, got {n}.")
+        raise ValueError(f"n must be at least 1, got {n}.")
     for key in ("presence_penalty", "frequency_penalty"):
         if not -2.0 <= f(key, 0.0) <= 2.0:
-            raise error(f"{key} must be in [-2, 2], got {f(key, 0.0)}.")
+            raise ValueError(f"{key} must be in [-2, 2], got {f(key, 0.0)}.")
     if f("repetition_penalty", 1.0) <= 0.0:
-        raise error(f"repetition_penalty must be greater than zero, got {f('repetition_penalty', 1.0)}.")
-    temperature = f("temperature", 1.0)
-    if temperature < 0.0:
-        raise error(f"temperature must be non-negative, got {temperature}.", param="temperature")
-    if temperature > 2.0:
-        raise error(f"temperature must be in [0, 2], got {temperature}.", param="temperature")
+        raise ValueError(f"repetition_penalty must be greater than zero, got {f('repetition_penalty', 1.0)}.")
+    t = f("temperature", 1.0)
+    if t < 0.0:
+        raise VLLMValidationError(f"temperature must be non-negative, got {t}.", "temperature", t)
+    if t > 2.0:
+        raise VLLMValidationError(f"temperature must be in [0, 2], got {t}.", "temperature", t)
     if not 0.0 < f("top_p", 1.0) <= 1.0:
-        raise error(f"top_p must be in (0, 1], got {f('top_p', 1.0)}.", param="top_p")
+        raise VLLMValidationError(f"top_p must be in (0, 1], got {f('top_p', 1.0)}.", "top_p", f("top_p", 1.0))
     if sp.get("top_k", 0) < -1:
-        raise error(f"top_k must be 0 (disable), or at least 1, got {sp['top_k']}.")
+        raise ValueError(f"top_k must be 0 (disable), or at least 1, got {sp['top_k']}.")
     if not 0.0 <= f("min_p", 0.0) <= 1.0:
-        raise error(f"min_p must be in [0, 1], got {f('min_p', 0.0)}.")
+        raise ValueError(f"min_p must be in [0, 1], got {f('min_p', 0.0)}.")
     max_tokens = sp.get("max_tokens")
     if max_tokens is not None and max_tokens < 1:
-        raise error(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+        raise VLLMValidationError(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
     min_tokens = sp.get("min_tokens", 0)
     if min_tokens < 0:
-        raise error(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+        raise ValueError(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
     if max_tokens is not None and min_tokens > max_tokens:
-        raise error(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
+        raise ValueError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
     for key in ("logprobs", "prompt_logprobs"):
         k = sp.get(key)
         if k is not None and k != -1 and k < 0:
-            raise error(f"{key} must be non-negative or -1, got {k}.", param=key)
+            raise VLLMValidationError(f"{key} must be non-negative or -1, got {k}.", key, k)
     stop = _stop_strings(sp)
     if any(not s for s in stop):
-        raise error("stop cannot contain an empty string.")
+        raise ValueError("stop cannot contain an empty string.")
     if stop and not sp.get("detokenize", True):
-        raise error("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
+        raise ValueError("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
 
 
 def _stop_strings(sp: dict) -> list[str]:
