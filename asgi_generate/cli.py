@@ -108,6 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="engine version to play and report: vLLM answers as that version does "
                           f"(known: {', '.join(VLLM_VERSIONS)}; default {VLLM_VERSIONS[-1]}); SGLang reports it "
                           "in /get_server_info (default: the simulator's own)")
+    sim.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                     help="tokens per streamed event (SGLang --stream-interval; vLLM batches N tokens "
+                          "per chunk as under load) (default %(default)s)")
+    sim.add_argument("--emit-markers", action="store_true",
+                     help="start every answer with <think>...</think> and a hermes "
+                          "<tool_call>{json}</tool_call>, then EOS (for reasoning/tool-call traces)")
+    sim.add_argument("--abort-after", type=int, default=None, metavar="N",
+                     help="end every request after N tokens with an abort finish carrying "
+                          "--abort-status (default: never)")
+    sim.add_argument("--abort-status", type=int, default=503, metavar="CODE",
+                     help="HTTP status of the --abort-after abort (default %(default)s)")
     sim.add_argument("--model-name", default="sim", help="served model name (default %(default)s)")
     sim.add_argument("--parent-pid", type=int, default=None, help="exit when this process exits")
     sim.add_argument("--worker-class", choices=WORKER_CLASSES, default="asyncio",
@@ -216,6 +227,10 @@ def _sim_app(args: argparse.Namespace) -> "SimApp":
         parent_pid=args.parent_pid,
         usage_chunk=not args.no_usage_chunk,
         engine_version=args.engine_version,
+        stream_interval=args.stream_interval,
+        emit_markers=args.emit_markers,
+        abort_after=args.abort_after,
+        abort_status=args.abort_status,
     )
 
 

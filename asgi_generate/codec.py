@@ -46,13 +46,20 @@ class RequestError(Exception):
             ``too_large``, ``unsupported_media_type``, ``method_not_allowed``,
             ``unavailable``, ``shutdown``, ``engine``, ``internal``); codecs
             may pick their error shape from it.
+        in_band: the format reports this error inside a stream the client
+            asked for: HTTP 200, ``text/event-stream``, the format's in-band
+            error event, then its terminal marker (SGLang raises its value
+            errors inside the streaming generator, after the 200).
     """
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request") -> None:
+    def __init__(
+        self, status: int, message: str, kind: str = "invalid_request", *, in_band: bool = False
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind
+        self.in_band = in_band
 
 
 def dump_body(obj: Any) -> bytes:

@@ -93,6 +93,18 @@ async def _send_error(
     await send_unary(send, err.status, codec.error_body(err), headers=headers or ())
 
 
+async def _send_in_band_error(codec: Codec, send: Send, st: RequestState, err: RequestError) -> None:
+    """A refused streamed request, answered as the format's engine answers
+    it: 200, then the in-band error event and the terminal marker."""
+    st.stream = True
+    st.fail("rejected", 200, err.kind, err.message)
+    st.response_started = True
+    st.response_complete = True
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+    body = sse_event(codec.in_band_error(err)) + codec.sse_terminal
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
 async def _serve(app: "App", codec: Codec, scope: dict, receive: Receive, send: Send, st: RequestState) -> None:
     headers = dict(scope["headers"])
     st.headers = headers
@@ -116,7 +128,10 @@ async def _serve(app: "App", codec: Codec, scope: dict, receive: Receive, send: 
     try:
         request = codec.decode(body, headers)
     except RequestError as exc:
-        await _send_error(codec, send, st, exc)
+        if exc.in_band:
+            await _send_in_band_error(codec, send, st, exc)
+        else:
+            await _send_error(codec, send, st, exc)
         return
     st.public_id = request.public_id
     st.stream = request.stream

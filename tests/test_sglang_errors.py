@@ -7,7 +7,7 @@ import httpx
 import orjson
 import pytest
 
-from support import post, sse, start_frontend, start_sim, stats
+from support import post, sse, start_frontend, start_sim, stats, without_timing
 
 
 def _received(sims) -> int:
@@ -30,12 +30,10 @@ BAD = [
     ("ids-not-ints", b'{"input_ids": [1, "2"]}', 400,
      _schema("input_ids: Input should be a valid list of integers")),
     ("empty-input-ids", b'{"input_ids": []}', 400,
-     {"error": {"message": "input_ids is empty: at least one token id is required."}}),
+     {"error": {"message": "input_ids cannot be empty."}}),
     ("negative-id", b'{"input_ids": [3, -1]}', 400,
      {"error": {"message": "input_ids: token id -1 is negative."}}),
     ("no-input", b'{"sampling_params": {}}', 400,
-     {"error": {"message": "Either text, input_ids or input_embeds should be provided."}}),
-    ("text-and-ids", b'{"text": "a", "input_ids": [1]}', 400,
      {"error": {"message": "Either text, input_ids or input_embeds should be provided."}}),
     ("batch", b'{"input_ids": [[1], [2]]}', 400,
      {"error": {"message": "Batch requests (a list of input_ids lists) are not supported."}}),
@@ -44,7 +42,7 @@ BAD = [
     ("bootstrap", b'{"input_ids": [1], "bootstrap_room": 7}', 400,
      {"error": {"message": "bootstrap_room is set by the frontend for prefill/decode routing; do not send it."}}),
     ("negative-max", b'{"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}', 400,
-     {"error": {"message": "max_new_tokens must be at least 0."}}),
+     {"error": {"message": "max_new_tokens must be at least 0, got -1."}}),
 ]
 
 
@@ -55,6 +53,69 @@ def test_bad_input_never_reaches_the_engine(frontend, sims, name, body, status, 
     assert resp.status_code == status
     assert resp.json() == expected
     assert _received(sims) == before
+
+
+# Bad values the frontend itself refuses, where SGLang has the same check.
+SHARED = {"empty-input-ids": {"input_ids": []}, "no-input": {"sampling_params": {}},
+          "negative-max": {"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}}
+IN_BAND = [(name, orjson.loads(body) | {"stream": True}, expected) for name, body, status, expected in BAD
+           if name in ("empty-input-ids", "negative-id", "no-input", "batch", "n-2", "bootstrap", "negative-max")]
+
+
+@pytest.mark.parametrize("name,body,expected", IN_BAND, ids=[b[0] for b in IN_BAND])
+def test_streamed_bad_value_is_in_band_as_sglang_streams_it(frontend, sims, name, body, expected):
+    """A streamed request the frontend refuses for a bad value gets SGLang's
+    streamed answer: 200, one ``data: {"error": {"message"}}``, ``[DONE]``."""
+    before = _received(sims)
+    with httpx.stream("POST", frontend.url + "/generate", content=orjson.dumps(body), timeout=10) as resp:
+        raw = b"".join(resp.iter_bytes())
+    assert (resp.status_code, resp.headers["content-type"]) == (200, "text/event-stream; charset=utf-8")
+    assert raw == b"data: " + orjson.dumps(expected) + b"\n\ndata: [DONE]\n\n"
+    assert _received(sims) == before
+
+
+@pytest.mark.parametrize("name", SHARED)
+@pytest.mark.parametrize("stream", [False, True])
+def test_frontend_refusal_is_the_engines_own_answer(frontend, sims, name, stream):
+    """Where SGLang has the check, the frontend's refusal is byte for byte
+    the engine's answer, unary and streamed."""
+    body = SHARED[name] | ({"stream": True} if stream else {})
+    direct = httpx.post(sims[0].url + "/generate", content=orjson.dumps(body), timeout=10)
+    through = httpx.post(frontend.url + "/generate", content=orjson.dumps(body), timeout=10)
+    assert (through.status_code, through.content) == (direct.status_code, direct.content)
+    assert through.status_code == (200 if stream else 400)
+    assert through.headers["content-type"].split(";")[0] == direct.headers["content-type"].split(";")[0]
+
+
+PASS_THROUGH = [
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}},
+     "temperature must be a non-negative finite number, got -1."),
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": 1.5}}, "top_p must be in (0, 1], got 1.5."),
+    ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, "top_k must be -1 (disable) or at least 1, got 0."),
+    ({"input_ids": [1, 2], "sampling_params": {"logit_bias": {"4096": 1.0}}},
+     "logit_bias must has keys in [0, 4095], got 4096."),
+    ({"input_ids": [1, 2], "token_ids_logprob": [1, 9999]},
+     "token_ids_logprob contains out-of-vocabulary token id 9999; valid range is [0, 4096)."),
+]
+
+
+@pytest.mark.parametrize("body,message", PASS_THROUGH, ids=[m.split(" ")[0] for _, m in PASS_THROUGH])
+def test_fields_the_frontend_does_not_read_reach_the_engine(frontend, sims, body, message):
+    """Validate only what the frontend relies on: the engine judges the rest,
+    and its answer reaches the client unchanged (unary and in-band). The
+    messages are the engine's: the frontend has no such check."""
+    resp = post(frontend.url, body)
+    assert (resp.status_code, resp.json()) == (400, {"error": {"message": message}})
+    status, events = sse(frontend.url, body | {"stream": True})
+    assert (status, events) == (200, [orjson.dumps({"error": {"message": message}}), b"[DONE]"])
+
+
+def test_text_and_input_ids_is_served_from_text_as_sglang_does(frontend, sims):
+    body = {"text": "hello there", "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}}
+    direct, through = post(sims[0].url, body), post(frontend.url, body)
+    assert through.status_code == direct.status_code == 200
+    assert without_timing(through.json())["output_ids"] == without_timing(direct.json())["output_ids"]
+    assert through.json()["meta_info"]["prompt_tokens"] == direct.json()["meta_info"]["prompt_tokens"] == 4  # the text's, not the ids'
 
 
 def test_unknown_path_is_404(frontend):

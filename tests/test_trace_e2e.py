@@ -223,6 +223,19 @@ def test_rejections_leave_one_record_each(fast):
     ]
 
 
+def test_wrongly_typed_field_and_streamed_refusal_records(fast):
+    """A wrongly typed field is ``invalid_request`` (the JSON parsed); a
+    streamed request refused in-band is recorded with the 200 it got."""
+    assert post(fast.url, {"input_ids": [1], "stream": "yes"}).status_code == 400
+    status, events = sse(fast.url, {"input_ids": [], "stream": True})
+    assert (status, events) == (200, [b'{"error":{"message":"input_ids cannot be empty."}}', b"[DONE]"])
+    recs = fast.take(2)
+    assert [(r["status"], r["http_status"], r["error"]["type"], r.get("stream"), r["output_tokens"]) for r in recs] == [
+        ("rejected", 400, "invalid_request", None, 0),
+        ("rejected", 200, "invalid_request", True, 0),
+    ]
+
+
 def test_stats_show_the_trace_counters(fast):
     trace = httpx.get(fast.url + "/stats", timeout=10).json()["trace"]
     assert trace["enabled"] is True

@@ -87,7 +87,7 @@ def test_frontend_errors_are_plain_sglang_json(frontend):
     }
     invalid = post(frontend.url, encode_request({"input_ids": []}), PATH, headers=ZSTD)
     assert (invalid.status_code, invalid.content) == (
-        400, b'{"error":{"message":"input_ids is empty: at least one token id is required."}}'
+        400, b'{"error":{"message":"input_ids cannot be empty."}}'
     )
     method = httpx.get(frontend.url + PATH, timeout=10)
     assert (method.status_code, method.headers["allow"]) == (405, "POST")

@@ -30,6 +30,9 @@ from .tokenizer import SimTokenizer
 from .vllm import VLLMProtocol
 
 NOT_FOUND = orjson.dumps({"detail": "Not Found"})
+#: What ``emit_markers`` answers start with: a Qwen3-style thought and one
+#: hermes tool call (``<think>`` and ``<tool_call>`` are single tokens).
+MARKER_TEXT = '<think>Checking.</think><tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
 MAX_BODY = 1 << 30
 
 
@@ -43,6 +46,10 @@ class SimApp:
         usage_chunk: vLLM: end streams with the usage chunk when asked (off:
             like a build that never sends it).
         parent_pid: exit when this process is gone (embedded workers).
+        stream_interval: tokens per streamed event (>= 1).
+        emit_markers: start every answer with :data:`MARKER_TEXT` then EOS.
+        abort_after, abort_status: end every request after that many tokens
+            with an ``abort`` finish of that HTTP status (``None``: never).
         engine_version: the engine version to play; ``None`` is the newest
             the codec knows (vLLM) or the simulator's own (SGLang).
 
@@ -60,18 +67,30 @@ class SimApp:
         parent_pid: int | None = None,
         usage_chunk: bool = True,
         engine_version: str | None = None,
+        stream_interval: int = 1,
+        emit_markers: bool = False,
+        abort_after: int | None = None,
+        abort_status: int = 503,
     ) -> None:
         if protocol not in ("sglang", "vllm"):
             raise ValueError(f"unknown simulator protocol {protocol!r}")
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
         self.tokenizer = SimTokenizer()
         model = Model(self.tokenizer.vocab_size, self.tokenizer.eos_id, self.tokenizer.num_special)
-        self.engine = SimEngine(model, ttft_ms / 1000.0, itl_ms / 1000.0)
+        script = (*self.tokenizer.encode(MARKER_TEXT), self.tokenizer.eos_id) if emit_markers else ()
+        self.engine = SimEngine(
+            model, ttft_ms / 1000.0, itl_ms / 1000.0,
+            script=script, abort_after=abort_after, abort_status=abort_status,
+        )
         self.protocol: SGLangProtocol | VLLMProtocol = (
             VLLMProtocol(
-                self.engine, self.tokenizer.vocab_size, model_name, usage_chunk, engine_version or VLLM_VERSIONS[-1]
+                self.engine, self.tokenizer.vocab_size, model_name, usage_chunk, engine_version or VLLM_VERSIONS[-1],
+                stream_interval=stream_interval,
             )
             if protocol == "vllm"
-            else SGLangProtocol(self.engine, self.tokenizer, incremental_streaming_output, model_name)
+            else SGLangProtocol(self.engine, self.tokenizer, incremental_streaming_output, model_name,
+                                stream_interval=stream_interval)
         )
         self.engine_version = engine_version
         self.model_name = model_name

@@ -26,7 +26,9 @@ class Job:
 
     ``max_new_tokens`` is the cap on generated tokens; a token in
     ``stop_token_ids`` (or the model's EOS unless ``ignore_eos``) ends the
-    request with ``stop``.
+    request with ``stop``. ``logit_bias`` (token id to bias) re-ranks every
+    step; ``refused`` is ``(status, message)`` when the scheduler refuses the
+    request before its first token (it still runs as an abort).
     """
 
     rid: str
@@ -34,15 +36,18 @@ class Job:
     max_new_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None
+    refused: tuple[int, str] | None = None
     aborted: bool = False
     abort_event: anyio.Event = field(default_factory=anyio.Event)
 
 
 @dataclass(slots=True)
 class Token:
-    """One generated token: its id, the step it was drawn from, and how the
-    request finishes with it (``None``, ``("stop", matched)`` or
-    ``("length", n)``)."""
+    """One generated token: its id, the step it was drawn from (its pick
+    first), and how the request finishes with it (``None``,
+    ``("stop", matched)``, ``("length", n)`` or ``("abort", (status,
+    message))``)."""
 
     token_id: int
     step: Step
@@ -56,12 +61,31 @@ class SimEngine:
         model: the deterministic model.
         ttft_s: seconds before the first token.
         itl_s: seconds between tokens.
+        script: token ids every answer starts with (``sim --emit-markers``):
+            a prompt that already ends with the first ``k`` of them continues
+            at ``k``, so a resumed leg goes on where the first stopped.
+        abort_after: end every request after this many tokens with an
+            ``abort`` finish carrying ``abort_status`` (``sim --abort-after``),
+            as SGLang ends a request whose KV transfer failed.
+        abort_status: the HTTP status of that abort.
     """
 
-    def __init__(self, model: Model, ttft_s: float = 0.0, itl_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        model: Model,
+        ttft_s: float = 0.0,
+        itl_s: float = 0.0,
+        *,
+        script: tuple[int, ...] = (),
+        abort_after: int | None = None,
+        abort_status: int = 503,
+    ) -> None:
         self.model = model
         self.ttft_s = ttft_s
         self.itl_s = itl_s
+        self.script = script
+        self.abort_after = abort_after
+        self.abort_status = abort_status
         self.running: dict[str, Job] = {}
         self.received = 0
         self.completed = 0
@@ -141,16 +165,24 @@ class SimEngine:
         """
         model = self.model
         state = model.fold(job.input_ids)
+        script = self.script[self._script_start(job.input_ids) :]
         await self._pause(job, self.ttft_s)
         eos = model.eos_id
         for i in range(job.max_new_tokens):
             if job.aborted:
                 return
             step = model.step(state)
+            if job.logit_bias:
+                step = model.biased(step, job.logit_bias)
+            if i < len(script):
+                step = model.forced(step, script[i])
             tok = step.token
             state = model.advance(state, tok)
             if tok in job.stop_token_ids or (tok == eos and not job.ignore_eos):
                 finish: tuple[str, object] | None = ("stop", tok)
+            elif i + 1 == self.abort_after:
+                message = f"simulated abort after {i + 1} tokens (sim --abort-after)"
+                finish = ("abort", (self.abort_status, message))
             elif i + 1 == job.max_new_tokens:
                 finish = ("length", job.max_new_tokens)
             else:
@@ -162,6 +194,14 @@ class SimEngine:
                 await self._pause(job, self.itl_s)
             else:  # a batching engine serves everyone: never hog the loop
                 await anyio.lowlevel.checkpoint()
+
+    def _script_start(self, prompt: list[int]) -> int:
+        """How much of the script ``prompt`` already ends with."""
+        script = self.script
+        for k in range(min(len(script), len(prompt)), 0, -1):
+            if prompt[-k:] == list(script[:k]):
+                return k
+        return 0
 
     def stats(self) -> dict:
         """The ``/sim/stats`` body."""

@@ -129,6 +129,30 @@ class Model:
         self._cache[state] = step
         return step
 
+    def biased(self, step: Step, bias: dict[int, float]) -> Step:
+        """``step`` with ``bias`` added to the logits of its token ids (SGLang
+        ``logit_bias``, vLLM ``logit_bias``): the candidates and the biased
+        ids re-ranked by ``logprob + bias``, shifted so the best keeps the
+        unbiased best's logprob (the model's distribution is made up; the
+        ranking and the gaps are what a test can check)."""
+        scores = {tok: lp + bias.get(tok, 0.0) for tok, lp in step.candidates}
+        for tok, b in bias.items():
+            if tok not in scores:
+                scores[tok] = self.logprob(step.state, tok) + b
+        ranked = sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))[:NUM_CANDIDATES]
+        shift = step.candidates[0][1] - ranked[0][1]
+        return Step(step.state, tuple((tok, score + shift) for tok, score in ranked))
+
+    def forced(self, step: Step, token_id: int) -> Step:
+        """``step`` with ``token_id`` made the pick (scripted output): first,
+        with the best logprob; the other candidates follow in their order,
+        one nat lower, so the list stays sorted best first."""
+        if step.candidates[0][0] == token_id:
+            return step
+        top = step.candidates[0][1]
+        rest = [(t, lp - 1.0) for t, lp in step.candidates if t != token_id]
+        return Step(step.state, ((token_id, top), *rest[: NUM_CANDIDATES - 1]))
+
     def logprob(self, state: int, token_id: int) -> float:
         """The logprob of ``token_id`` following the prefix of ``state``."""
         step = self.step(state)
@@ -169,7 +193,9 @@ def experts_base64(rows: list[list[int]]) -> str:
     """Encode routed-expert rows as SGLang does: base64 of little-endian int32.
 
     ``rows`` has shape ``[positions][num_layers * topk]``; the flat layout is
-    ``[positions, num_layers, topk]`` (reference/engine-protocols.md, section 1).
+    ``[positions, num_layers, topk]`` (SGLang
+    ``srt/state_capturer/routed_experts.py``, decoded by
+    ``extract_routed_experts_from_meta_info``).
     """
     flat = array.array("i", (e for row in rows for e in row))
     if sys.byteorder == "big":

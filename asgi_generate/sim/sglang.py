@@ -1,35 +1,61 @@
 """SGLang's native ``/generate`` protocol, as the simulator speaks it.
 
-Follows reference/engine-protocols.md section 1 (SGLang ``http_server.py``,
-``io_struct.py``, ``tokenizer_manager.py``): the unary object, cumulative SSE
-chunks (or deltas with ``--incremental-streaming-output``) ending
-``data: [DONE]``, ``meta_info`` with ``finish_reason`` objects, logprob
-triples ``[logprob, token_id, text|null]``, routed experts as base64 int32,
-and SGLang's error shapes.
+Follows SGLang ``python/sglang/srt/entrypoints/http_server.py``
+(``generate_request``: unary object, or SSE chunks ending ``data: [DONE]``;
+a ``ValueError`` is 400 ``{"error": {"message"}}``, or in-band after the 200
+of a stream), ``managers/io_struct.py`` (``GenerateReqInput`` normalisation
+and its messages), ``managers/tokenizer_manager.py`` (``_validate_one_request``,
+``_validate_token_ids_logprob``, ``_wait_one_response``: a scheduler abort
+with status 400 is a ``ValueError``, with 500/503 an ``HTTPException``;
+streams get the abort as their final chunk), ``sampling/sampling_params.py``
+(``SamplingParams.__post_init__``/``verify``: unknown keys are a
+``TypeError``, an unhandled 500) and the scheduler's output processing
+(``stream_output``: with ``--stream-interval N`` a chunk goes out after
+tokens 1, N+1, 2N+1, ... and at the finish; chunks are cumulative, or deltas
+with ``--incremental-streaming-output``). ``meta_info`` carries
+``finish_reason`` objects, logprob triples ``[logprob, token_id, text|null]``
+(``token_ids_logprob`` fills ``input/output_token_ids_logprobs`` the same
+way) and routed experts as base64 int32.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
-from typing import Any
+from typing import Any, AsyncIterator
 
 import anyio
 import orjson
 
 from ..framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
-from .engine import DuplicateRequestId, Job, SimEngine
+from .engine import DuplicateRequestId, Job, SimEngine, Token
 from .tokenizer import SimTokenizer
 
 DONE = b"data: [DONE]\n\n"
 DEFAULT_MAX_NEW_TOKENS = 128
 CONTEXT_LENGTH = 32768
+#: The KV pool size ``/get_server_info`` reports (``max_total_num_tokens``).
+MAX_TOTAL_NUM_TOKENS = 262144
+_SAMPLING_EPS = 1e-6
+TOP_K_ALL = 1 << 30
+#: ``SamplingParams``' API fields; any other key is a ``TypeError`` in SGLang.
+SAMPLING_KEYS = frozenset(
+    {
+        "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+        "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+        "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+        "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
+        "logit_bias", "sampling_seed",
+    }
+)
 
 
 class SGLangError(Exception):
-    """An error SGLang answers before generating: ``status`` and JSON body."""
+    """An error SGLang answers before generating: ``status`` and JSON body
+    (``None``: an unhandled exception, Starlette's plain 500)."""
 
-    def __init__(self, status: int, body: dict) -> None:
+    def __init__(self, status: int, body: dict | None) -> None:
         super().__init__(body)
         self.status = status
         self.body = body
@@ -58,6 +84,76 @@ def _field(obj: dict, key: str, kinds: tuple[type, ...], default: Any = None) ->
     return value
 
 
+def verify_sampling(sp: dict, vocab_size: int) -> dict[int, float] | None:
+    """SGLang's ``SamplingParams(**sp)``, ``__post_init__`` and ``verify``:
+    the same refusals with the same messages. Returns the logit bias by
+    token id (``None`` without one).
+
+    Raises:
+        SGLangError: 500 (no body) for an unknown key, SGLang's ``TypeError``;
+            400 value errors for values ``verify`` refuses.
+    """
+    unknown = sorted(set(sp) - SAMPLING_KEYS)
+    if unknown:
+        raise SGLangError(500, None)
+
+    def num(key: str, default: float) -> float:
+        value = sp.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise schema_error(f"sampling_params.{key}: expected a number, got {type(value).__name__}")
+        return value
+
+    temperature, top_k = num("temperature", 1.0), num("top_k", -1)
+    if 0 <= temperature < _SAMPLING_EPS:
+        temperature, top_k = 1.0, 1
+    if top_k == -1:
+        top_k = TOP_K_ALL
+    top_p, min_p = num("top_p", 1.0), num("min_p", 0.0)
+    freq, pres = num("frequency_penalty", 0.0), num("presence_penalty", 0.0)
+    rep, min_new = num("repetition_penalty", 1.0), num("min_new_tokens", 0)
+    if not math.isfinite(temperature) or temperature < 0.0:
+        raise value_error(f"temperature must be a non-negative finite number, got {temperature}.")
+    if not 0.0 < top_p <= 1.0:
+        raise value_error(f"top_p must be in (0, 1], got {top_p}.")
+    if not 0.0 <= min_p <= 1.0:
+        raise value_error(f"min_p must be in [0, 1], got {min_p}.")
+    if top_k < 1:
+        raise value_error(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
+    if not -2.0 <= freq <= 2.0:
+        raise value_error(f"frequency_penalty must be in [-2, 2], got {freq}.")
+    if not -2.0 <= pres <= 2.0:
+        raise value_error(f"presence_penalty must be in [-2, 2], got {pres}.")
+    if not 0.0 < rep <= 2.0:
+        raise value_error(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {rep}.")
+    if not 0 <= min_new:
+        raise value_error(f"min_new_tokens must be in [0, max_new_tokens], got {min_new}.")
+    max_new = sp.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    if max_new is not None:
+        if max_new < 0:
+            raise value_error(f"max_new_tokens must be at least 0, got {max_new}.")
+        if not min_new <= max_new:
+            raise value_error(f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}.")
+    bias = _field(sp, "logit_bias", (dict,), None)
+    if bias is not None:
+        parsed = {}
+        for key, value in bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise SGLangError(500, None) from None
+            if not 0 <= token_id < vocab_size:
+                raise value_error(f"logit_bias must has keys in [0, {vocab_size - 1}], got {token_id}.")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise schema_error(f"sampling_params.logit_bias: expected numbers, got {type(value).__name__}")
+            parsed[token_id] = float(value)
+        bias = parsed
+    if sum(sp.get(k) is not None for k in ("json_schema", "regex", "ebnf")) > 1:
+        raise value_error("Only one of regex, json_schema, or ebnf can be set.")
+    return bias or None
+
+
 class SGLangProtocol:
     """Answers SGLang ``/generate`` and ``/abort_request`` for a sim engine.
 
@@ -66,6 +162,7 @@ class SGLangProtocol:
         tokenizer: the bundled tokenizer, for ``text`` in and out.
         incremental: stream deltas instead of cumulative chunks.
         model_name: reported in server and model info.
+        stream_interval: tokens per streamed chunk (SGLang ``--stream-interval``).
     """
 
     def __init__(
@@ -75,12 +172,14 @@ class SGLangProtocol:
         incremental: bool = False,
         model_name: str = "sim",
         disconnect_abort_s: float = 2.0,
+        stream_interval: int = 1,
     ) -> None:
         self.engine = engine
         self.tok = tokenizer
         self.incremental = incremental
         self.model_name = model_name
         self.disconnect_abort_s = disconnect_abort_s
+        self.stream_interval = stream_interval
 
     # -- request parsing -------------------------------------------------
 
@@ -101,20 +200,27 @@ class SGLangProtocol:
 
     def parse(self, obj: dict) -> tuple[Job, dict]:
         """Turn a ``/generate`` object into a job and the options that shape
-        the answer.
+        the answer, refusing what SGLang refuses, in SGLang's order.
 
         Raises:
             SGLangError: SGLang's status and body for the bad input.
         """
         text = obj.get("text")
         input_ids = obj.get("input_ids")
-        if (text is None) == (input_ids is None):
-            raise value_error("Either text or input_ids should be provided.")
+        embeds = obj.get("input_embeds")
+        if (text is None and input_ids is None and embeds is None) or (
+            text is not None and input_ids is not None and embeds is not None
+        ):
+            raise value_error("Either text, input_ids or input_embeds should be provided.")
+        if text is None and input_ids is None:
+            raise value_error("The simulator does not serve input_embeds.")
+        if isinstance(input_ids, list) and not input_ids and text is None:
+            raise value_error("input_ids cannot be empty.")
         if isinstance(text, list) or (
-            isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list)
+            text is None and isinstance(input_ids, list) and isinstance(input_ids[0], list)
         ):
             raise value_error("The simulator does not serve batch requests.")
-        if text is not None:
+        if text is not None:  # SGLang reads text first
             if not isinstance(text, str):
                 raise schema_error("text: expected str")
             input_ids = self.tok.encode(text)
@@ -122,29 +228,42 @@ class SGLangProtocol:
             isinstance(t, int) and not isinstance(t, bool) for t in input_ids
         ):
             raise schema_error("input_ids: expected a list of integers")
-        if not input_ids:
-            raise value_error("The input_ids must not be empty.")
         if any(t < 0 or t >= self.tok.vocab_size for t in input_ids):
             raise value_error(f"Token id out of range [0, {self.tok.vocab_size}).")
-        sp = _field(obj, "sampling_params", (dict,), {})
         if isinstance(obj.get("sampling_params"), list):
             raise value_error("The simulator does not serve batch requests.")
+        sp = _field(obj, "sampling_params", (dict,), {})
         max_new = _field(sp, "max_new_tokens", (int,), None)
         if "max_new_tokens" not in sp:
             max_new = DEFAULT_MAX_NEW_TOKENS
-        if max_new is None:
-            max_new = CONTEXT_LENGTH - len(input_ids)
-        if max_new < 0:
-            raise value_error("max_new_tokens must be at least 0.")
-        if len(input_ids) + max_new > CONTEXT_LENGTH:
+        if _field(sp, "n", (int,), 1) != 1:
+            raise value_error("The simulator does not serve n > 1.")
+        if len(input_ids) >= CONTEXT_LENGTH:
+            raise value_error(
+                f"The input ({len(input_ids)} tokens) is longer than the model's context length "
+                f"({CONTEXT_LENGTH} tokens)."
+            )
+        if max_new is not None and len(input_ids) + max_new > CONTEXT_LENGTH:
             raise value_error(
                 f"Requested token count exceeds the model's maximum context length "
                 f"of {CONTEXT_LENGTH} tokens. You requested a total of "
                 f"{len(input_ids) + max_new} tokens: {len(input_ids)} tokens from the "
-                f"input messages and {max_new} tokens for the completion."
+                f"input messages and {max_new} tokens for the completion. Please reduce the number "
+                f"of tokens in the input messages or the completion to fit within the limit."
             )
-        if _field(sp, "n", (int,), 1) != 1:
-            raise value_error("The simulator does not serve n > 1.")
+        ids_lp = obj.get("token_ids_logprob") or None
+        if ids_lp is not None:
+            if not isinstance(ids_lp, list) or not all(type(t) is int for t in ids_lp):
+                raise value_error("token_ids_logprob must be a flat list of integers.")
+            for t in ids_lp:
+                if not 0 <= t < self.tok.vocab_size:
+                    raise value_error(
+                        f"token_ids_logprob contains out-of-vocabulary token id {t}; "
+                        f"valid range is [0, {self.tok.vocab_size})."
+                    )
+        bias = verify_sampling(sp, self.tok.vocab_size)
+        if max_new is None:
+            max_new = CONTEXT_LENGTH - len(input_ids)
         stop = _field(sp, "stop", (str, list), [])
         stops = tuple([stop] if isinstance(stop, str) else stop)
         stop_ids = _field(sp, "stop_token_ids", (list,), [])
@@ -160,17 +279,20 @@ class SGLangProtocol:
                 f"logprob_start_len ({start_len}) is higher than the number of input "
                 f"tokens ({len(input_ids)}). Request with a lower logprob_start_len."
             )
+        interval = _field(sp, "stream_interval", (int,), None) or self.stream_interval
         opts = {
             "stream": bool(_field(obj, "stream", (bool,), False)),
             "return_logprob": return_logprob,
             "logprob_start_len": start_len,
             "top_logprobs_num": _field(obj, "top_logprobs_num", (int,), 0),
+            "token_ids_logprob": ids_lp,
             "text_in_logprobs": bool(_field(obj, "return_text_in_logprobs", (bool,), False)),
             "routed_experts": bool(_field(obj, "return_routed_experts", (bool,), False)),
             "routed_experts_start_len": _field(obj, "routed_experts_start_len", (int,), 0),
             "stops": stops,
             "no_stop_trim": bool(_field(sp, "no_stop_trim", (bool,), False)),
             "skip_special": bool(_field(sp, "skip_special_tokens", (bool,), True)),
+            "stream_interval": max(1, interval),
         }
         job = Job(
             rid=rid,
@@ -178,7 +300,15 @@ class SGLangProtocol:
             max_new_tokens=max_new,
             stop_token_ids=frozenset(stop_ids),
             ignore_eos=bool(_field(sp, "ignore_eos", (bool,), False)),
+            logit_bias=bias,
         )
+        if opts["routed_experts_start_len"] > len(input_ids):
+            # The scheduler refuses it: an abort with status 400 before any token.
+            job.refused = (
+                400,
+                f"routed_experts_start_len ({opts['routed_experts_start_len']}) is higher than the "
+                f"number of input tokens ({len(input_ids)}). Request with a lower routed_experts_start_len.",
+            )
         return job, opts
 
     # -- answer building -------------------------------------------------
@@ -186,26 +316,36 @@ class SGLangProtocol:
     def _triple(self, lp: float | None, tok: int, with_text: bool) -> list:
         return [lp, tok, self.tok.piece(tok) if with_text else None]
 
-    def _input_logprobs(self, job: Job, opts: dict) -> tuple[list, list | None]:
+    def _position(self, state: int, opts: dict) -> tuple[list | None, list | None]:
+        """Top-k and ``token_ids_logprob`` rows for the position after ``state``."""
+        model, wt = self.engine.model, opts["text_in_logprobs"]
+        k, ids = opts["top_logprobs_num"], opts["token_ids_logprob"]
+        tops = [self._triple(lp, t, wt) for t, lp in model.step(state).candidates[:k]] if k > 0 else None
+        picked = [self._triple(model.logprob(state, t), t, wt) for t in ids] if ids else None
+        return tops, picked
+
+    def _input_logprobs(self, job: Job, opts: dict) -> tuple[list, list | None, list | None]:
         model = self.engine.model
         ids = job.input_ids
         start = opts["logprob_start_len"]
-        k = opts["top_logprobs_num"]
         wt = opts["text_in_logprobs"]
         state = model.fold(ids[:start])
-        toks, tops = [], [] if k > 0 else None
+        toks: list = []
+        tops: list | None = [] if opts["top_logprobs_num"] > 0 else None
+        picked: list | None = [] if opts["token_ids_logprob"] else None
         for p in range(start, len(ids)):
-            if p == 0:
+            if p == 0:  # the first prompt token has no logprob
                 toks.append(self._triple(None, ids[0], wt))
-                if tops is not None:
-                    tops.append(None)
+                row_tops = row_picked = None
             else:
                 toks.append(self._triple(model.logprob(state, ids[p]), ids[p], wt))
-                if tops is not None:
-                    cands = model.step(state).candidates[:k]
-                    tops.append([self._triple(lp, t, wt) for t, lp in cands])
+                row_tops, row_picked = self._position(state, opts)
+            if tops is not None:
+                tops.append(row_tops)
+            if picked is not None:
+                picked.append(row_picked)
             state = model.advance(state, ids[p])
-        return toks, tops
+        return toks, tops, picked
 
     def _experts(self, job: Job, out_ids: list[int], start_len: int) -> str:
         from .model import experts_base64
@@ -223,6 +363,14 @@ class SGLangProtocol:
     @staticmethod
     def finish_reason(finish: tuple[str, object] | None, aborted: bool) -> dict | None:
         """SGLang's ``finish_reason`` object for a finish tuple."""
+        if finish is not None and finish[0] == "abort":
+            status, message = finish[1]
+            return {
+                "type": "abort",
+                "message": message,
+                "status_code": status,
+                "err_type": "BadRequestError" if status == 400 else None,
+            }
         if aborted:
             return {
                 "type": "abort",
@@ -249,7 +397,13 @@ class SGLangProtocol:
         except (SGLangError, DuplicateRequestId) as exc:
             if isinstance(exc, DuplicateRequestId):
                 exc = value_error(f"Duplicate request ID: {exc}")
-            if "error" in exc.body and obj.get("stream") is True:
+            stream = obj.get("stream") is True
+            if exc.body is None:  # an unhandled exception inside SGLang
+                if stream:  # its generator raises after the 200: the stream breaks
+                    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+                    raise RuntimeError("simulated unhandled engine exception")
+                await send_unary(send, 500, b"Internal Server Error", b"text/plain; charset=utf-8")
+            elif "error" in exc.body and stream:
                 # SGLang validates inside the streaming generator: the 200 is
                 # already out, so value errors travel in-band.
                 await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
@@ -283,13 +437,16 @@ class SGLangProtocol:
         stream = opts["stream"]
         rl = opts["return_logprob"]
         k = opts["top_logprobs_num"]
+        ids_lp = opts["token_ids_logprob"]
         wt = opts["text_in_logprobs"]
         stops = opts["stops"]
+        interval = opts["stream_interval"]
         incremental = self.incremental
         out_ids: list[int] = []
         out_lps: list[list] = []
-        out_tops: list[list] = []
-        in_lps, in_tops = self._input_logprobs(job, opts) if rl else ([], None)
+        out_tops: list[list | None] = []
+        out_picked: list[list | None] = []
+        in_lps, in_tops, in_picked = self._input_logprobs(job, opts) if rl else ([], None, None)
         sent_ids = sent_lps = 0
         sent_text = ""
         text = ""
@@ -312,13 +469,17 @@ class SGLangProtocol:
             }
             if rl:
                 first = not incremental or sent_lps == 0
+                at = sent_lps if incremental else 0
                 meta["input_token_logprobs"] = in_lps if first else []
-                meta["output_token_logprobs"] = out_lps[sent_lps if incremental else 0 :]
+                meta["output_token_logprobs"] = out_lps[at:]
                 if k > 0:
                     meta["input_top_logprobs"] = in_tops if first else []
-                    meta["output_top_logprobs"] = out_tops[sent_lps if incremental else 0 :]
+                    meta["output_top_logprobs"] = out_tops[at:]
+                if ids_lp:
+                    meta["input_token_ids_logprobs"] = in_picked if first else []
+                    meta["output_token_ids_logprobs"] = out_picked[at:]
             if done:
-                if opts["routed_experts"]:
+                if opts["routed_experts"] and job.refused is None:
                     meta["routed_experts"] = self._experts(
                         job, out_ids, opts["routed_experts_start_len"]
                     )
@@ -334,15 +495,18 @@ class SGLangProtocol:
                 obj = {"text": text, "output_ids": list(out_ids), "meta_info": meta}
             return obj
 
-        async for token in self.engine.tokens(job):
+        if job.refused is not None:
+            finish = ("abort", job.refused)
+        tokens = self.engine.tokens(job) if finish is None else _nothing()
+        async for token in tokens:
             out_ids.append(token.token_id)
             finish = token.finish
             if rl:
                 out_lps.append(self._triple(token.step.candidates[0][1], token.token_id, wt))
-                if k > 0:
-                    out_tops.append(
-                        [self._triple(lp, t, wt) for t, lp in token.step.candidates[:k]]
-                    )
+                tops = [self._triple(lp, t, wt) for t, lp in token.step.candidates[:k]] if k > 0 else None
+                out_tops.append(tops)
+                if ids_lp:
+                    out_picked.append([self._triple(self._logprob(token, t), t, wt) for t in ids_lp])
             if step_text is not None:
                 piece = step_text(token.token_id)
                 if not (finish is not None and finish[0] == "stop" and not opts["no_stop_trim"]):
@@ -357,7 +521,10 @@ class SGLangProtocol:
                             if not opts["no_stop_trim"]:
                                 text = text[:at]
                             break
-            if stream and (finish is None):
+            # SGLang's stream_output: after tokens 1, N+1, 2N+1, ... (every
+            # token with N = 1), and always at the finish.
+            due = len(out_ids) % interval == (1 if interval > 1 else 0)
+            if stream and finish is None and due:
                 await send(
                     {"type": "http.response.body", "body": sse_event(orjson.dumps(chunk(False))), "more_body": True}
                 )
@@ -367,12 +534,30 @@ class SGLangProtocol:
             finish = ("length", job.max_new_tokens)  # max_new_tokens == 0
         if not (finish is not None and finish[0] == "stop" and isinstance(finish[1], str)):
             text = self._text(out_ids, finish, opts)  # exact, once
-        final = orjson.dumps(chunk(True))
         done[0] = True
+        if finish is not None and finish[0] == "abort" and not stream:
+            # _wait_one_response: status 400 is a ValueError, 5xx an HTTPException.
+            status, message = finish[1]
+            if status == 400:
+                await send_unary(send, 400, orjson.dumps({"error": {"message": message}}))
+            else:
+                await send_unary(send, status, orjson.dumps(
+                    {"object": "error", "message": message, "type": str(status), "param": None, "code": status}
+                ))
+            return
+        final = orjson.dumps(chunk(True))
         if stream:
             await send({"type": "http.response.body", "body": sse_event(final) + DONE, "more_body": False})
         else:
             await send_unary(send, 200, final)
+
+    def _logprob(self, token: Token, token_id: int) -> float:
+        """``token_id``'s logprob at the step ``token`` was drawn from (as
+        ranked, so a ``logit_bias`` shows)."""
+        for t, lp in token.step.candidates:
+            if t == token_id:
+                return lp
+        return self.engine.model.logprob(token.step.state, token_id)
 
     def _text(self, out_ids: list[int], finish: tuple | None, opts: dict) -> str:
         ids = out_ids
@@ -404,6 +589,8 @@ class SGLangProtocol:
             "enable_return_routed_experts": True,
             "context_length": CONTEXT_LENGTH,
             "version": "0.0.0-sim",
+            "max_total_num_tokens": MAX_TOTAL_NUM_TOKENS,
+            "stream_interval": self.stream_interval,
         }
 
     def model_info(self, model_path: str) -> dict:
@@ -419,3 +606,9 @@ class SGLangProtocol:
             "model_type": "qwen2",
             "architectures": ["Qwen2ForCausalLM"],
         }
+
+
+async def _nothing() -> AsyncIterator[Token]:
+    """No tokens: a request the scheduler refuses ends before its first."""
+    return
+    yield  # pragma: no cover - makes this an async generator

@@ -10,8 +10,9 @@ the vLLM version it plays answers (``sim --engine-version``, see
   the ``X-Request-Id`` header, else the body ``request_id``, else a random
   uuid. Unary answers are ``GenerateResponse`` objects (``model_dump``, nulls
   included, ``request_id`` a fresh uuid); SSE answers are delta chunks
-  carrying the engine id, one token of one choice each, then the usage chunk
-  if ``stream_options.include_usage`` (``exclude_none``; never with
+  carrying the engine id, one step of one choice each (one token; several,
+  as vLLM sends under load, with ``sim --stream-interval N``), then the usage
+  chunk if ``stream_options.include_usage`` (``exclude_none``; never with
   ``usage_chunk`` off, ``sim --no-usage-chunk``, like a build that sends
   none), then ``[DONE]``. An aborted request's finish-only chunk is dropped,
   as vLLM drops chunks without tokens. Prompt logprobs appear only in unary
@@ -363,6 +364,7 @@ class VLLMProtocol:
         model_name: str = "sim",
         usage_chunk: bool = True,
         version: str = VLLM_VERSIONS[-1],
+        stream_interval: int = 1,
     ) -> None:
         behaviour = vllm_behaviour(version)
         if behaviour is None:
@@ -371,6 +373,8 @@ class VLLMProtocol:
         self.vocab_size = vocab_size
         self.model_name = model_name
         self.usage_chunk = usage_chunk
+        #: Tokens per streamed chunk: an engine step under load yields several.
+        self.stream_interval = stream_interval
         self.behaviour: VLLMBehaviour = behaviour
 
     @property
@@ -560,6 +564,7 @@ class VLLMProtocol:
         finish: str | None = None
         stop_reason: int | None = None
         k = opts.logprobs
+        pending: list[int] = []  # streamed tokens not yet sent, with their entries
         if opts.stream:
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         async for token in self.engine.tokens(job):
@@ -571,19 +576,23 @@ class VLLMProtocol:
             ):
                 stop_reason = token.token_id
             entry = self._logprobs(token, k) if k is not None else None
+            if entry is not None:
+                content.append(entry)
             if not opts.stream:
-                if entry is not None:
-                    content.append(entry)
                 continue
-            logprobs = {"content": [entry]} if entry is not None else None
+            pending.append(token.token_id)
+            if finish is None and len(pending) < self.stream_interval:
+                continue
+            logprobs = {"content": content[-len(pending):]} if k is not None else None
             for i in range(opts.n):  # one chunk per choice and step
                 chunk = {
                     "request_id": job.rid,
-                    "choices": [self._choice(i, logprobs, finish, stop_reason, [token.token_id])],
-                    "usage": _usage(prompt, len(out) * (i + 1) + (len(out) - 1) * (opts.n - i - 1))
+                    "choices": [self._choice(i, logprobs, finish, stop_reason, pending)],
+                    "usage": _usage(prompt, len(out) * (i + 1) + (len(out) - len(pending)) * (opts.n - i - 1))
                     if opts.continuous_usage else None,
                 }
                 await send({"type": "http.response.body", "body": sse_event(orjson.dumps(chunk)), "more_body": True})
+            pending = []
         if job.aborted and finish is None:
             finish = "abort"
         if opts.stream:

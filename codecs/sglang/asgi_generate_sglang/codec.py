@@ -1,11 +1,26 @@
 """The SGLang-native ``POST|PUT /generate`` codec.
 
-Wire format: SGLang ``http_server.py`` / ``io_struct.GenerateReqInput`` as
-summarised in reference/engine-protocols.md section 1. Requests are checked
-field by field for the fields the frontend relies on; every other field, top
-level or inside ``sampling_params``, passes to the engine untouched. Answers
-are the engine's own objects with ``meta_info.id`` restored to the client's
-``rid``: cumulative SSE chunks, or deltas when the worker runs with
+Wire format: SGLang ``python/sglang/srt/entrypoints/http_server.py``
+(``generate_request``) and ``managers/io_struct.py`` (``GenerateReqInput``).
+The frontend checks only the fields it relies on itself: the input
+(``text``/``input_ids``, read for accounting and replay), ``stream``,
+``rid``, ``sampling_params`` as one object, ``max_new_tokens`` (recorded),
+``n`` (one answer object per request) and the bootstrap fields it owns for
+prefill/decode. Every other field, top level or inside ``sampling_params``,
+passes to the engine untouched for the engine to judge, so a newer engine's
+fields and defaults work without a frontend release.
+
+Refusals are answered as SGLang answers them: a field of the wrong type is
+FastAPI's 400 schema error (before any stream starts); a bad value is a
+``ValueError`` message, which SGLang answers 400 ``{"error": {"message"}}``
+for a unary request and, for ``"stream": true``, inside the stream after its
+200 (``data: {"error": {"message"}}`` then ``data: [DONE]``). Where SGLang has
+the check, the message is SGLang's own (``io_struct.GenerateReqInput.
+_validate_inputs``/``_determine_batch_size``, ``sampling_params.SamplingParams.
+verify``).
+
+Answers are the engine's own objects with ``meta_info.id`` restored to the
+client's ``rid``: cumulative SSE chunks, or deltas when the worker runs with
 ``--incremental-streaming-output``.
 """
 
@@ -34,68 +49,22 @@ from asgi_generate.codec import (
 # engine waiting on a bootstrap room nobody fills.
 FRONTEND_OWNED = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key")
 MULTIMODAL = ("image_data", "video_data", "audio_data")
-_BOOL, _INT, _NUM, _STR = "boolean", "integer", "number", "string"
-TOP_LEVEL_TYPES = {
-    "stream": _BOOL,
-    "rid": _STR,
-    "return_logprob": _BOOL,
-    "logprob_start_len": _INT,
-    "top_logprobs_num": _INT,
-    "return_text_in_logprobs": _BOOL,
-    "return_routed_experts": _BOOL,
-    "routed_experts_start_len": _INT,
-    "priority": _INT,
-}
-SAMPLING_TYPES = {
-    "max_new_tokens": _INT,
-    "min_new_tokens": _INT,
-    "n": _INT,
-    "temperature": _NUM,
-    "top_p": _NUM,
-    "top_k": _INT,
-    "min_p": _NUM,
-    "frequency_penalty": _NUM,
-    "presence_penalty": _NUM,
-    "repetition_penalty": _NUM,
-    "ignore_eos": _BOOL,
-    "skip_special_tokens": _BOOL,
-    "no_stop_trim": _BOOL,
-}
-# meta_info lists that arrive as deltas in incremental mode.
-_LOGPROB_KEYS = (
-    "input_token_logprobs",
-    "output_token_logprobs",
-    "input_top_logprobs",
-    "output_top_logprobs",
-    "input_token_ids_logprobs",
-    "output_token_ids_logprobs",
-)
 
 
-def _is(value: Any, kind: str) -> bool:
-    if kind == _BOOL:
-        return isinstance(value, bool)
-    if kind == _INT:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == _NUM:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, str)
+class SchemaError(RequestError):
+    """A field of the wrong type: SGLang's FastAPI 400 schema shape, never
+    in-band (FastAPI checks the body before the handler runs)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message, "invalid_request")
 
 
-def _check_types(obj: dict, types: dict[str, str], where: str) -> None:
-    for key, kind in types.items():
-        value = obj.get(key)
-        if value is not None and not _is(value, kind):
-            raise RequestError(
-                400,
-                f"{where}{key}: Input should be a valid {kind}, got {type(value).__name__} "
-                f"{orjson.dumps(value).decode()[:64]}",
-                "invalid_json",
-            )
+def _int(value: Any) -> bool:
+    return type(value) is int
 
 
-def _int_list(value: Any) -> bool:
-    return type(value) is list and all(type(t) is int for t in value)
+def _shown(value: Any) -> str:
+    return f"{type(value).__name__} {orjson.dumps(value).decode()[:64]}"
 
 
 class SGLangCodec(Codec):
@@ -110,78 +79,79 @@ class SGLangCodec(Codec):
 
         Raises:
             RequestError: 400 with SGLang's schema-error shape for bad JSON or
-                wrong types, or its ``{"error": {...}}`` shape for bad values.
+                wrong types (:class:`SchemaError`), or its ``{"error": {...}}``
+                shape for bad values, in-band when the request streams.
         """
         try:
             obj = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
             raise RequestError(400, f"JSON decode error: {exc}", "invalid_json") from None
         if type(obj) is not dict:
-            raise RequestError(
-                400,
-                "Input should be a valid dictionary or object to extract fields from",
-                "invalid_json",
-            )
-        _check_types(obj, TOP_LEVEL_TYPES, "")
+            raise SchemaError("Input should be a valid dictionary or object to extract fields from")
+        stream = obj.get("stream")
+        if stream is not None and type(stream) is not bool:
+            raise SchemaError(f"stream: Input should be a valid boolean, got {_shown(stream)}")
+        rid = obj.get("rid")
+        if rid is not None and type(rid) is not str:
+            raise SchemaError(f"rid: Input should be a valid string, got {_shown(rid)}")
+        in_band = stream is True
+
+        def refuse(message: str) -> RequestError:
+            return RequestError(400, message, in_band=in_band)
+
         sp = obj.get("sampling_params")
         if sp is None:
             sp = {}
         elif type(sp) is list:
-            raise RequestError(400, "Batch requests (a list of sampling_params) are not supported.")
+            raise refuse("Batch requests (a list of sampling_params) are not supported.")
         elif type(sp) is not dict:
-            raise RequestError(400, "sampling_params: Input should be a valid dictionary", "invalid_json")
-        _check_types(sp, SAMPLING_TYPES, "sampling_params.")
-        stop_ids = sp.get("stop_token_ids")
-        if stop_ids is not None and not _int_list(stop_ids):
-            raise RequestError(400, "sampling_params.stop_token_ids: Input should be a valid list of integers", "invalid_json")
-        stop = sp.get("stop")
-        if stop is not None and not (
-            type(stop) is str or (type(stop) is list and all(type(s) is str for s in stop))
-        ):
-            raise RequestError(400, "sampling_params.stop: Input should be a string or a list of strings", "invalid_json")
-        if sp.get("n", 1) not in (1, None):
-            raise RequestError(400, "n > 1 is not supported by asgi-generate yet; send n separate requests.")
+            raise SchemaError(f"sampling_params: Input should be a valid dictionary, got {_shown(sp)}")
         max_new = sp.get("max_new_tokens", 128)
-        if max_new is not None and max_new < 0:
-            raise RequestError(400, "max_new_tokens must be at least 0.")
-        if (obj.get("top_logprobs_num") or 0) < 0:
-            raise RequestError(400, "top_logprobs_num must be at least 0.")
-        for key in FRONTEND_OWNED:
-            if obj.get(key) is not None:
-                raise RequestError(400, f"{key} is set by the frontend for prefill/decode routing; do not send it.")
+        if max_new is not None and not _int(max_new):
+            raise SchemaError(f"sampling_params.max_new_tokens: Input should be a valid integer, got {_shown(max_new)}")
+        n = sp.get("n")
+        if n is not None and not _int(n):
+            raise SchemaError(f"sampling_params.n: Input should be a valid integer, got {_shown(n)}")
 
-        text, input_ids = obj.get("text"), obj.get("input_ids")
-        given = [k for k in ("text", "input_ids", "input_embeds") if obj.get(k) is not None]
-        if len(given) != 1:
-            raise RequestError(400, "Either text, input_ids or input_embeds should be provided.")
-        excluded = None
-        if input_ids is not None:
-            if type(input_ids) is not list:
-                raise RequestError(400, "input_ids: Input should be a valid list", "invalid_json")
-            if input_ids and type(input_ids[0]) is list:
-                raise RequestError(400, "Batch requests (a list of input_ids lists) are not supported.")
-            if not _int_list(input_ids):
-                raise RequestError(400, "input_ids: Input should be a valid list of integers", "invalid_json")
-            if not input_ids:
-                raise RequestError(400, "input_ids is empty: at least one token id is required.")
-            if min(input_ids) < 0:
-                raise RequestError(400, f"input_ids: token id {min(input_ids)} is negative.")
-            ids = input_ids
-        elif text is not None:
+        # SGLang's precedence: text, then input_ids, then input_embeds.
+        text, input_ids, embeds = obj.get("text"), obj.get("input_ids"), obj.get("input_embeds")
+        if (text is None and input_ids is None and embeds is None) or (
+            text is not None and input_ids is not None and embeds is not None
+        ):
+            raise refuse("Either text, input_ids or input_embeds should be provided.")
+        ids, excluded = None, None
+        if text is not None:
             if type(text) is list:
-                raise RequestError(400, "Batch requests (a list of texts) are not supported.")
+                raise refuse("Batch requests (a list of texts) are not supported.")
             if type(text) is not str:
-                raise RequestError(400, "text: Input should be a valid string", "invalid_json")
-            ids, excluded = None, "text"
+                raise SchemaError(f"text: Input should be a valid string, got {_shown(text)}")
+            excluded = "text"
+        elif input_ids is not None:
+            if type(input_ids) is not list:
+                raise SchemaError(f"input_ids: Input should be a valid list, got {_shown(input_ids)}")
+            if not input_ids:
+                raise refuse("input_ids cannot be empty.")
+            if type(input_ids[0]) is list:
+                raise refuse("Batch requests (a list of input_ids lists) are not supported.")
+            if not all(type(t) is int for t in input_ids):
+                raise SchemaError("input_ids: Input should be a valid list of integers")
+            if min(input_ids) < 0:
+                raise refuse(f"input_ids: token id {min(input_ids)} is negative.")
+            ids = input_ids
         else:
-            ids, excluded = None, "embeddings"
+            excluded = "embeddings"
         if any(obj.get(k) is not None for k in MULTIMODAL):
             ids, excluded = None, "multimodal"
-        if obj.get("rid") is not None and type(obj.get("rid")) is not str:
-            raise RequestError(400, "rid: Input should be a valid string", "invalid_json")
+        if max_new is not None and max_new < 0:
+            raise refuse(f"max_new_tokens must be at least 0, got {max_new}.")
+        if n not in (1, None):
+            raise refuse("n > 1 is not supported by asgi-generate yet; send n separate requests.")
+        for key in FRONTEND_OWNED:
+            if obj.get(key) is not None:
+                raise refuse(f"{key} is set by the frontend for prefill/decode routing; do not send it.")
         return GenerateRequest(
-            stream=bool(obj.get("stream", False)),
-            public_id=obj.get("rid"),
+            stream=in_band,
+            public_id=rid,
             input_ids=ids,
             max_new_tokens=max_new,
             model=None,
@@ -197,7 +167,7 @@ class SGLangCodec(Codec):
     def error_body(self, error: RequestError) -> bytes:
         """SGLang's error shapes: FastAPI-style for schema errors and statuses
         other than 400, ``{"error": {"message"}}`` for bad values."""
-        if error.status == 400 and error.kind != "invalid_json":
+        if error.status == 400 and error.kind != "invalid_json" and not isinstance(error, SchemaError):
             return orjson.dumps({"error": {"message": error.message}})
         kind = HTTPStatus(error.status).phrase if error.status < 500 else str(error.status)
         return orjson.dumps(
@@ -205,7 +175,11 @@ class SGLangCodec(Codec):
         )
 
     def in_band_error(self, error: RequestError) -> bytes:
-        """``{"error": {"message", "type", "code"}}``, as newer SGLang streams it."""
+        """A bad value (400) exactly as SGLang's ``generate_request`` streams
+        its ``ValueError``: ``{"error": {"message"}}``; other statuses as
+        ``{"error": {"message", "type", "code"}}``."""
+        if error.status == 400:
+            return orjson.dumps({"error": {"message": error.message}})
         kind = "invalid_request_error" if error.status < 500 else "server_error"
         return orjson.dumps({"error": {"message": error.message, "type": kind, "code": error.status}})
 
@@ -213,17 +187,13 @@ class SGLangCodec(Codec):
 class SGLangExchange(Exchange):
     """One SGLang request's state across worker attempts."""
 
-    __slots__ = (
-        "request", "public_id", "seen", "last", "merged", "incremental", "payload", "engine_tag",
-        "public_tag",
-    )
+    __slots__ = ("request", "public_id", "seen", "last", "incremental", "payload", "engine_tag", "public_tag")
 
     def __init__(self, request: GenerateRequest, public_id: str) -> None:
         self.request = request
         self.public_id = public_id
         self.seen = 0
         self.last: dict | None = None
-        self.merged: dict | None = None
         self.incremental = False
         self.payload = b""
         self.engine_tag = b""
@@ -258,11 +228,7 @@ class SGLangExchange(Exchange):
             return Event([], error=EngineError(code if type(code) is int else 400, message))
         meta["id"] = self.public_id
         ids = chunk.get("output_ids") or []
-        if self.incremental:
-            new = ids
-            self._merge(chunk)
-        else:
-            new = ids[self.seen :]
+        new = ids if self.incremental else ids[self.seen :]
         self.seen += len(new)
         self.last = chunk
         finish = meta.get("finish_reason")
@@ -275,27 +241,6 @@ class SGLangExchange(Exchange):
             completion_tokens=meta.get("completion_tokens"),
             cached_tokens=meta.get("cached_tokens"),
         )
-
-    def _merge(self, chunk: dict) -> None:
-        merged = self.merged
-        if merged is None:
-            self.merged = {
-                **chunk,
-                "output_ids": list(chunk.get("output_ids") or []),
-                "meta_info": {
-                    k: list(v) if k in _LOGPROB_KEYS and type(v) is list else v
-                    for k, v in chunk["meta_info"].items()
-                },
-            }
-            return
-        merged["text"] = merged.get("text", "") + chunk.get("text", "")
-        merged["output_ids"].extend(chunk.get("output_ids") or [])
-        meta = merged["meta_info"]
-        for key, value in chunk["meta_info"].items():
-            if key in _LOGPROB_KEYS and type(value) is list and type(meta.get(key)) is list:
-                meta[key].extend(value)
-            else:
-                meta[key] = value
 
     def client_event(self, event: Event) -> bytes | None:
         """The worker's chunk, ``meta_info.id`` restored."""
@@ -310,28 +255,17 @@ class SGLangExchange(Exchange):
         return orjson.dumps(self.last)
 
     def unary_body(self) -> tuple[int, bytes]:
-        """The final object; an engine error or a non-200 abort becomes SGLang's
-        error status and shape."""
-        final = self.merged if self.incremental and self.merged is not None else self.last
-        if final is None:
+        """The engine's one answer, ``meta_info.id`` restored. (An engine
+        error or an abort with an error status never arrives here: SGLang
+        answers a unary request's with its own HTTP error, see
+        :meth:`worker_error`.)"""
+        if self.last is None:
             raise RequestError(502, "worker ended the response without output", "engine")
-        if "meta_info" not in final:
-            err = final.get("error")
+        if "meta_info" not in self.last:
+            err = self.last.get("error")
             code = err.get("code", 400) if type(err) is dict else 400
             return (code if type(code) is int else 400), orjson.dumps({"error": err})
-        finish = final["meta_info"].get("finish_reason")
-        if type(finish) is dict and finish.get("type") == "abort":
-            status = finish.get("status_code") or 200
-            if type(status) is int and status >= 400:
-                message = finish.get("message", "")
-                if status == 400:
-                    return 400, orjson.dumps({"error": {"message": message}})
-                return status, orjson.dumps(
-                    {"object": "error", "message": message, "type": str(status), "param": None, "code": status}
-                )
-        if final is self.last and self.payload:
-            return 200, self._restored()
-        return 200, orjson.dumps(final)
+        return 200, self._restored()
 
     def worker_error(self, status: int, body: bytes) -> tuple[int, bytes]:
         """SGLang workers answer in this format's shapes: pass through; a
