@@ -1,8 +1,11 @@
 """The mixed campaign: 500 requests through a real hypercorn frontend and two
 simulator processes (unary and SSE, logprobs and sessions on and off, client
-disconnects at every stage, bad inputs, one worker killed mid-run). The trace
-must then validate, hold exactly one record per request, and each record's
-output_tokens must equal what that client received."""
+disconnects at every stage, bad inputs, several tokens per event, one worker
+killed mid-run). The trace must then validate, hold exactly one record per
+request, and each record's output_tokens must equal what that client
+received. The simulators start every answer with a thought and a tool call
+(``sim --emit-markers``), so each completed record's reasoning length and
+tool calls are real, known values."""
 
 from __future__ import annotations
 
@@ -23,6 +26,17 @@ from test_trace_e2e import raw_request, sse_then_hang_up, tokens_in
 N = 500
 SYSTEM_PROMPTS = [list(range(100 + 200 * i, 228 + 200 * i)) for i in range(3)]
 BAD_STATUS = {"json": 400, "empty": 400, "method": 405, "too_large": 413, "n": 400}
+#: Bad values SGLang reports inside a stream, after its 200.
+IN_BAND = ("empty", "n")
+#: ``sim --emit-markers``: ``</think>`` is output token 6, ``</tool_call>`` token 24.
+THINK_END, TOOL_CALL_END = 6, 24
+
+
+def expected_analysis(tokens: int) -> tuple[int, list[dict]]:
+    """Reasoning tokens and tool calls of an answer of ``tokens`` tokens:
+    the script's first ``tokens`` (qwen3: all reasoning until ``</think>``)."""
+    calls = [{"index": 0, "name": "get_weather"}] if tokens >= TOOL_CALL_END else []
+    return min(tokens, THINK_END), calls
 
 
 def unary_then_hang_up(url: str, payload: bytes, headers: dict, delay: float) -> int:
@@ -39,8 +53,10 @@ def plan(i: int, rng: random.Random) -> dict:
     key = f"c{i:04d}"
     kind = rng.choices(["ok", "bad", "sse_cut", "unary_cut"], [80, 10, 7, 3])[0]
     ids = rng.choice(SYSTEM_PROMPTS) + [rng.randrange(300, 4000) for _ in range(rng.randrange(0, 200))]
+    max_new = 30 if rng.random() < 0.3 else rng.randrange(1, 9)
     body = {"rid": key, "input_ids": ids, "stream": rng.random() < 0.5,
-            "sampling_params": {"max_new_tokens": rng.randrange(1, 9), "ignore_eos": rng.random() < 0.7}}
+            "sampling_params": {"max_new_tokens": max_new, "ignore_eos": rng.random() < 0.7,
+                                "stream_interval": rng.choice([1, 1, 2, 3])}}
     if rng.random() < 0.5:
         body["return_logprob"] = True
         body["top_logprobs_num"] = rng.randrange(0, 3)
@@ -96,10 +112,10 @@ def test_mixed_campaign(tmp_path):
     rng = random.Random(20240603)
     plans = [plan(i, rng) for i in range(N)]
     seen: dict[str, dict] = {}
-    sims = [start_sim(ttft_ms=100, itl_ms=60)]
+    sims = [start_sim(ttft_ms=100, itl_ms=60, extra=["--emit-markers"])]
     fe = None
     try:
-        sims.append(start_sim(ttft_ms=100, itl_ms=60))
+        sims.append(start_sim(ttft_ms=100, itl_ms=60, extra=["--emit-markers"]))
         fe = start_frontend(
             [f"sglang={s.url}" for s in sims],
             extra=["--trace-file", str(tmp_path / "campaign.jsonl"), "--max-body-bytes", "65536",
@@ -135,6 +151,7 @@ def test_mixed_campaign(tmp_path):
         ("GET", "rejected", 405)] * len(wrong_method)
 
     statuses: dict[str, int] = {}
+    analysed = {False: 0, True: 0}  # completed records without / with a tool call
     for p in plans:
         if p in wrong_method:
             continue
@@ -142,19 +159,23 @@ def test_mixed_campaign(tmp_path):
         statuses[rec["status"]] = statuses.get(rec["status"], 0) + 1
         assert rec["output_tokens"] == got["tokens"], (p, rec, got)
         if p["kind"] == "bad":
-            assert (rec["status"], rec["http_status"]) == ("rejected", BAD_STATUS[p["bad"]])
+            in_band = p["body"]["stream"] and p["bad"] in IN_BAND
+            assert (rec["status"], rec["http_status"]) == ("rejected", 200 if in_band else BAD_STATUS[p["bad"]])
+            assert got["status"] == rec["http_status"]
             continue
         assert rec.get("stream", p["body"]["stream"]) == p["body"]["stream"]  # absent if cut before the body
         assert ("session" in rec) == ("x-session-id" in p["headers"])
         if p["kind"] == "ok":
             assert rec["http_status"] == got["status"]
             if rec["status"] == "ok":
-                assert rec["reasoning_tokens"] == 0
-                assert rec["finish"]["tool_calls"] == []
+                reasoning, calls = expected_analysis(got["tokens"])
+                assert (rec["reasoning_tokens"], rec["finish"]["tool_calls"]) == (reasoning, calls), (p, rec)
+                analysed[bool(calls)] += 1
             else:  # on the worker that was killed
                 assert rec["status"] in ("engine_error", "unavailable")
                 assert {"worker_lost", "connect_failed"} & {a["outcome"] for a in rec["attempts"]}
         else:
             assert rec["status"] in ("client_disconnect", "engine_error")
     assert statuses["ok"] > N // 2
+    assert analysed[True] > 30 and analysed[False] > 100, analysed
     assert statuses["client_disconnect"] > 20
