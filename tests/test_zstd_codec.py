@@ -1,5 +1,6 @@
 """The zstd codec, sans-IO: content type, frame guards, the decompression
-bomb, and the laws (hypothesis) that it is the SGLang codec, compressed."""
+bomb, and the laws (hypothesis): it decodes as the SGLang codec does, and its
+answers are the engine's, with the client's id put back, compressed."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ import orjson
 import pytest
 import zstandard
 from asgi_generate_sglang import SGLangCodec
+from asgi_generate_sglang.codec import MULTIMODAL
 from asgi_generate_zstd import ZstdCodec, decode_body, decode_event, encode_request
 from asgi_generate_zstd.frame import MAGIC, decompress_frame
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asgi_generate.codec import Attempt, GenerateRequest, RequestError
+from asgi_generate.ids import mint
 
 ZSTD = {b"content-type": b"application/zstd"}
 MiB = 1024 * 1024
@@ -354,14 +357,30 @@ def frames(draw, data: bytes) -> bytes:
     return b"".join(out)
 
 
-@LAW
-@given(data=st.data(), body=request_bodies)
-def test_law_request_decodes_exactly_as_sglang(data, body):
+def test_law_request_decodes_exactly_as_sglang():
     """Any body, compressed any way, decodes to what the SGLang codec makes
-    of it: the same request (native payload included) or the same error."""
-    frame = data.draw(frames(body))
-    assert decompress_frame(frame, len(body)) == body
-    assert outcome(ZstdCodec(), frame) == outcome(SGLangCodec(), body, {})
+    of it: the same request (native payload included) or the same error. An
+    accepted request is also checked against the body itself, and a fair
+    share of the bodies must be accepted (else the law checked only refusals)."""
+    seen = {"accepted": 0, "refused": 0}
+
+    @LAW
+    @given(data=st.data(), body=request_bodies)
+    def law(data, body):
+        frame = data.draw(frames(body))
+        assert decompress_frame(frame, len(body)) == body
+        got = outcome(ZstdCodec(), frame)
+        assert got == outcome(SGLangCodec(), body, {})
+        if isinstance(got, GenerateRequest):
+            obj = orjson.loads(body)
+            assert got.native == obj
+            assert (got.stream, got.public_id) == (obj.get("stream") is True, obj.get("rid"))
+            by_ids = obj.get("text") is None and not any(obj.get(k) is not None for k in MULTIMODAL)
+            assert got.input_ids == (obj["input_ids"] if by_ids else None)
+        seen["accepted" if isinstance(got, GenerateRequest) else "refused"] += 1
+
+    law()
+    assert seen["accepted"] >= 0.2 * (seen["accepted"] + seen["refused"]), seen
 
 
 @LAW
@@ -384,9 +403,14 @@ def test_law_mangled_frames_never_crash(data, body):
         orjson.loads(codec.error_body(RequestError(got[0], got[2], got[1])))
 
 
+#: A real minted engine id: the laws' engine chunks carry it, so the codec's
+#: swap of it for the client's id in the engine's own bytes is exercised.
+ENGINE_ID = mint()
+
+
 def meta(prompt: int, done: int, finish: dict | None, extra: dict) -> dict:
     return {
-        "id": "engine-id",
+        "id": ENGINE_ID,
         "finish_reason": finish,
         "prompt_tokens": prompt,
         "completion_tokens": done,
@@ -436,48 +460,64 @@ def worker_streams(draw) -> tuple[bool, list[bytes]]:
 
 def run_both(request: dict, incremental: bool, payloads: list[bytes]):
     """Drive an SGLang and a zstd exchange through the same worker stream;
-    yield each event with both codecs' client payloads."""
+    yield each payload and event with both exchanges."""
     sg, zs = SGLangCodec(), ZstdCodec()
     body = orjson.dumps(request)
     ex_sg = sg.exchange(sg.decode(body, {}), "fe-1")
     ex_zs = zs.exchange(zs.decode(encode_request(body), ZSTD), "fe-1")
-    attempt = Attempt("0000000000000001", worker_info={"incremental_streaming_output": incremental})
-    assert ex_zs.worker_request(attempt) == ex_sg.worker_request(attempt)
+    attempt = Attempt(ENGINE_ID, worker_info={"incremental_streaming_output": incremental})
+    wreq = ex_zs.worker_request(attempt)
+    assert orjson.loads(wreq.body) == request | {"rid": ENGINE_ID}
+    assert wreq == ex_sg.worker_request(attempt)
     for payload in payloads:
         event = ex_sg.feed(attempt, payload)
         assert ex_zs.feed(attempt, payload) == event
-        yield event, ex_sg, ex_zs
+        yield payload, event, ex_sg, ex_zs
+
+
+def client_view(payload: bytes, public_id: str) -> dict:
+    """What the client must get for an engine payload, built independently
+    of the codecs: the payload's object with ``meta_info.id`` put back to
+    the client's id (an error object has none and passes as it is)."""
+    obj = orjson.loads(payload)
+    if "meta_info" in obj:
+        obj["meta_info"]["id"] = public_id
+    return obj
 
 
 @LAW
 @given(stream=worker_streams(), rid=st.none() | st.text(max_size=8))
-def test_law_unary_answer_is_sglang_compressed(stream, rid):
-    """Decompressing the zstd unary answer gives the SGLang answer's bytes;
-    the status is the same."""
+def test_law_unary_answer_is_the_engine_answer_with_the_clients_id(stream, rid):
+    """The zstd unary answer decompresses to the engine's last payload with
+    the client's id put back (the rid, else the frontend's id), status 200
+    for an answer and the error's code for an engine error object; the
+    SGLang codec's answer is those bytes uncompressed."""
     request = {"input_ids": [1, 2, 3]} | ({} if rid is None else {"rid": rid})
-    for _ in run_both(request, *stream):
+    for payload, _, ex_sg, ex_zs in run_both(request, *stream):
         pass
-    _, ex_sg, ex_zs = _
     status, body = ex_zs.unary_body()
-    want_status, want = ex_sg.unary_body()
-    assert status == want_status
-    assert zstandard.ZstdDecompressor().decompress(body) == want
-    assert decode_body(body, "application/zstd") == orjson.loads(want)
+    want = client_view(payload, "fe-1" if rid is None else rid)
+    assert status == (want["error"]["code"] if "error" in want else 200)
+    assert decode_body(body, "application/zstd") == want
+    assert (status, zstandard.ZstdDecompressor().decompress(body)) == ex_sg.unary_body()
 
 
 @LAW
 @given(stream=worker_streams(), error=st.tuples(st.sampled_from([400, 500, 502, 503]), st.text(max_size=20)))
-def test_law_sse_events_are_sglang_compressed(stream, error):
-    """Every SSE data payload is base64 of one zstd frame of the SGLang
-    event's exact bytes; so are in-band errors and worker error bodies."""
-    request = {"input_ids": [7], "stream": True}
-    for event, ex_sg, ex_zs in run_both(request, *stream):
-        data, want = ex_zs.client_event(event), ex_sg.client_event(event)
+def test_law_sse_events_are_the_engine_events_with_the_clients_id(stream, error):
+    """Every SSE data payload is base64 of one zstd frame holding the
+    engine's event with the client's id put back; in-band errors and worker
+    error bodies are SGLang's shapes, compressed the same way."""
+    request = {"input_ids": [7], "stream": True, "rid": "client-7"}
+    for payload, event, ex_sg, ex_zs in run_both(request, *stream):
+        data = ex_zs.client_event(event)
         assert b"\n" not in data
-        assert zstandard.ZstdDecompressor().decompress(b64decode(data, validate=True)) == want
-        assert decode_event(data) == orjson.loads(want)
+        assert decode_event(data) == client_view(payload, "client-7")
+        assert zstandard.ZstdDecompressor().decompress(b64decode(data, validate=True)) == ex_sg.client_event(event)
     err = RequestError(error[0], error[1], "engine")
-    assert decode_event(ZstdCodec().in_band_error(err)) == orjson.loads(SGLangCodec().in_band_error(err))
+    want = {"error": {"message": error[1]}} if error[0] == 400 else {
+        "error": {"message": error[1], "type": "server_error", "code": error[0]}}
+    assert decode_event(ZstdCodec().in_band_error(err)) == want
     body = orjson.dumps({"error": {"message": error[1]}})
     status, packed = ex_zs.worker_error(error[0], body)
-    assert (status, zstandard.ZstdDecompressor().decompress(packed)) == ex_sg.worker_error(error[0], body)
+    assert (status, zstandard.ZstdDecompressor().decompress(packed)) == (error[0], body)
