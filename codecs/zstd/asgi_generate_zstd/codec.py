@@ -4,8 +4,8 @@ Wire format (this distribution's README.md is the full description):
 
 - Request: ``POST /zstd/generate`` with ``Content-Type: application/zstd``
   (parameters ignored, case-insensitive) and a body of exactly one zstd frame
-  (RFC 8878) holding an SGLang ``/generate`` request JSON
-  (reference/engine-protocols.md section 1). Another or no content type gets
+  (RFC 8878) holding an SGLang ``/generate`` request JSON (SGLang
+  ``io_struct.GenerateReqInput``). Another or no content type gets
   415; a frame that is empty, not zstd, truncated, corrupt, followed by more
   bytes, or needing a dictionary gets 400 naming the cause; a frame that
   decompresses past the frontend's body cap gets 413.
