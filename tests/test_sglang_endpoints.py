@@ -27,6 +27,7 @@ Left out (they need a real model or a GPU, or are not the frontend's):
 from __future__ import annotations
 
 import base64
+import threading
 
 import httpx
 import orjson
@@ -262,8 +263,6 @@ def test_info_routes(frontend, sims):
 def test_abort_all_ends_every_running_request():
     sim = start_sim("sglang", itl_ms=50)
     try:
-        import threading
-
         results: list[dict] = []
         body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
         threads = [threading.Thread(target=lambda: results.append(post(sim.url, body).json())) for _ in range(2)]

@@ -93,6 +93,9 @@ def test_frontend_errors_are_plain_sglang_json(frontend):
     assert (invalid.status_code, invalid.content) == (
         400, b'{"error":{"message":"input_ids cannot be empty."}}'
     )
+    streamed = zstd_sse(frontend.url, {"input_ids": [], "stream": True})
+    assert streamed[:2] == (200, "text/event-stream; charset=utf-8")  # in-band, as SGLang streams it
+    assert [decode_event(streamed[2][0]), streamed[2][1]] == [{"error": {"message": "input_ids cannot be empty."}}, b"[DONE]"]
     method = httpx.get(frontend.url + PATH, timeout=10)
     assert (method.status_code, method.headers["allow"]) == (405, "POST")
     assert method.json() == {
