@@ -244,8 +244,16 @@ def test_unknown_sampling_param_is_an_engine_500(sims):
     """SGLang builds ``SamplingParams(**sampling_params)``: an unknown key is
     a ``TypeError`` its handler does not catch (checked on the simulator: the
     frontend passes the key through and reports the bare 500 in SGLang's shape)."""
-    resp = post(sims[0].url, {"input_ids": [1], "sampling_params": {"no_such_param": 1}})
+    body = {"input_ids": [1], "sampling_params": {"no_such_param": 1}}
+    resp = post(sims[0].url, body)
     assert (resp.status_code, resp.text) == (500, "Internal Server Error")
+    # Streamed, the TypeError escapes SGLang's generator after the 200: the
+    # connection ends without the chunked body's end.
+    with httpx.stream("POST", sims[0].url + "/generate", content=orjson.dumps(body | {"stream": True}),
+                      timeout=10) as stream:
+        assert stream.status_code == 200
+        with pytest.raises(httpx.RemoteProtocolError):
+            b"".join(stream.iter_bytes())
 
 
 # -- info routes ------------------------------------------------------------------------------
