@@ -71,7 +71,7 @@ def plan(i: int, rng: random.Random) -> dict:
     elif kind == "sse_cut":
         p["k"] = rng.randrange(0, 4)
         body["stream"] = True
-        body["sampling_params"] = {"max_new_tokens": 40, "ignore_eos": True}
+        body["sampling_params"] = {"max_new_tokens": 40, "ignore_eos": True, "stream_interval": rng.choice([1, 3])}
     elif kind == "unary_cut":
         body["stream"] = False
         body["sampling_params"] = {"max_new_tokens": 60, "ignore_eos": True}
