@@ -13,6 +13,7 @@ configured), probes the workers and runs the health watcher.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from contextlib import AsyncExitStack
 from typing import Any
@@ -234,8 +235,10 @@ class App:
         }
 
     def stats(self) -> dict[str, Any]:
-        """The ``/stats`` body: request and abort counters, pool figures."""
+        """The ``/stats`` body: request and abort counters, pool figures, of
+        this process (``pid``; ``serve --workers N`` runs N of them)."""
         return {
+            "pid": os.getpid(),
             **self.counters,
             "by_status": dict(self.by_status),
             "trace": self.tracer.stats() if self.tracer is not None else {"enabled": False},

@@ -1,13 +1,20 @@
-"""The ``asgi-generate`` command: ``serve``, ``sim`` and ``codecs``."""
+"""The ``asgi-generate`` command: ``serve``, ``sim`` and ``codecs``.
+
+A usage or configuration error is one line on stderr and exit status 2,
+before any process starts or any port is bound.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import pathlib
 import socket
 import sys
 from typing import TYPE_CHECKING
 
+from . import __version__
 from .config import Settings
 from .serving import WORKER_CLASSES, hypercorn_config, run
 from .workers.router import parse_worker_spec
@@ -15,6 +22,54 @@ from .workers.versions import VLLM_VERSIONS
 
 if TYPE_CHECKING:
     from .sim.app import SimApp
+
+log = logging.getLogger("asgi_generate")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (argparse prints the
+    usage block first, which hides the message in a long command)."""
+
+    def error(self, message: str) -> None:  # noqa: D102 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class _Help(argparse.HelpFormatter):
+    """Ends every option's help with its default (``none`` when unset)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or not action.option_strings or action.default is argparse.SUPPRESS:
+            return text
+        if isinstance(action, argparse._VersionAction | argparse._HelpAction):
+            return text
+        if action.default is None or action.default == []:
+            default = "none"
+        elif action.default is True or action.default is False:
+            default = "on" if action.default else "off"
+        else:
+            default = "%(default)s"
+        return f"{text} (default: {default})"
+
+
+def _bounded(kind: type, least: float, most: float | None = None):
+    """An argparse type: ``kind`` between ``least`` and ``most``."""
+
+    def parse(value: str):
+        try:
+            number = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not {'an integer' if kind is int else 'a number'}")
+        if not (number >= least and (most is None or number <= most)):  # NaN fails too
+            span = f"between {least} and {most}" if most is not None else f"{least} or more"
+            raise argparse.ArgumentTypeError(f"must be {span}, not {value}")
+        return number
+
+    return parse
+
+
+PORT = _bounded(int, 0, 65535)
 
 
 def _worker_spec(value: str) -> tuple[str, str]:
@@ -24,27 +79,39 @@ def _worker_spec(value: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every subcommand."""
-    parser = argparse.ArgumentParser(
+def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
+    """The argument parser of every subcommand; ``d`` gives ``serve``'s
+    defaults (``serve`` passes :meth:`Settings.from_env`, so variables are
+    defaults and flags override them)."""
+    parser = _Parser(
         prog="asgi-generate",
         description="A protocol-level ASGI frontend for LLM engines' native generate APIs.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    d = Settings()
+    d = Settings() if d is None else d
 
-    serve = sub.add_parser("serve", help="serve the frontend under hypercorn")
-    serve.add_argument("--worker", action="append", type=_worker_spec, default=[], metavar="PROTOCOL=URL",
-                       help="an engine worker, e.g. sglang=http://127.0.0.1:30000 (repeat for more); "
-                            "with none, simulated workers are started")
+    serve = sub.add_parser("serve", help="serve the frontend under hypercorn", formatter_class=_Help,
+                           description="Serve the frontend. Every setting flag also reads its "
+                                       "ASGI_GENERATE_* variable (the flag wins); see README.md.")
+    serve.add_argument("--worker", action="append", type=_worker_spec, default=None, metavar="PROTOCOL=URL",
+                       help="an engine worker, PROTOCOL sglang or vllm, e.g. sglang=http://127.0.0.1:30000 "
+                            "(repeat for more); with none, simulated workers are started (default: "
+                            + (",".join(f"{p}={u}" for p, u in d.workers) or "none") + ")")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
-    serve.add_argument("--fd", type=int, default=None,
+    serve.add_argument("--port", type=PORT, default=8000, help="port to listen on (default %(default)s)")
+    serve.add_argument("--fd", type=_bounded(int, 0), default=None,
                        help="serve an inherited listening socket instead of --host/--port")
     serve.add_argument("--worker-class", choices=WORKER_CLASSES, default="asyncio",
                        help="hypercorn worker class; asyncio measured faster (bench/) (default %(default)s)")
-    serve.add_argument("--workers", type=int, default=1,
-                       help="hypercorn worker processes sharing the port (default %(default)s)")
+    serve.add_argument("--workers", type=_bounded(int, 1), default=1,
+                       help="frontend processes sharing the port; each keeps its own /stats "
+                            "(default %(default)s)")
+    serve.add_argument("--pid-file", default=None, metavar="PATH",
+                       help="write the server's process id here (removed at exit), for "
+                            "kill -TERM $(cat PATH)")
+    serve.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                       help="log one line per request (hypercorn's access log format) at INFO")
     serve.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace,
                        help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are "
                             "aborted and ended cleanly (default %(default)s)")
@@ -69,13 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="simulated workers' time to first token in ms (default %(default)s)")
     serve.add_argument("--embedded-itl-ms", type=float, default=d.embedded_itl_ms,
                        help="simulated workers' inter-token latency in ms (default %(default)s)")
-    serve.add_argument("--skip-broken-codecs", action="store_true",
+    serve.add_argument("--skip-broken-codecs", action=argparse.BooleanOptionalAction, default=d.skip_broken_codecs,
                        help="start even if an installed codec fails to load (it is logged and skipped)")
     serve.add_argument("--trace-file", default=d.trace_file, metavar="PATH",
                        help="write one JSONL request-end record per request to files named "
-                            "PATH.<pid>.<start>.<n>.jsonl (PATH less any .jsonl suffix); tracing is off "
+                            "PATH.<pid>.<start>.<n>.jsonl (PATH less any .jsonl suffix) in an existing "
+                            "folder; tracing is off "
                             "unless this or --trace-stderr is given")
-    serve.add_argument("--trace-stderr", action="store_true", help="write the trace records to stderr too")
+    serve.add_argument("--trace-stderr", action=argparse.BooleanOptionalAction, default=d.trace_stderr,
+                       help="write the trace records to stderr too")
     serve.add_argument("--trace-queue-size", type=int, default=d.trace_queue_size,
                        help="records that may wait for the trace writer; more are dropped and counted "
                             "(default %(default)s)")
@@ -84,21 +153,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--trace-block-size", type=int, default=d.trace_block_size,
                        help="tokens per replay block hash in trace records (default %(default)s)")
     serve.add_argument("--tokenizer", default=d.tokenizer, metavar="PATH",
-                       help="a Hugging Face tokenizer.json the trace writer decodes output with")
+                       help="a Hugging Face tokenizer.json, loaded at start; only the trace output "
+                            "parsers below use it (to find their marker tokens), so it needs one of them")
     serve.add_argument("--reasoning-parser", default=d.reasoning_parser, metavar="NAME",
                        help="count reasoning tokens in traces: qwen3, deepseek_r1 or an installed parser")
     serve.add_argument("--tool-call-parser", default=d.tool_call_parser, metavar="NAME",
                        help="record tool-call names and the tool_calls finish reason in traces: hermes or "
                             "an installed parser")
-    serve.add_argument("--log-level", default="info", help="logging level (default %(default)s)")
+    serve.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info",
+                       help="logging level (default %(default)s)")
 
-    sim = sub.add_parser("sim", help="run a simulated engine worker")
+    sim = sub.add_parser("sim", help="run a simulated engine worker", formatter_class=_Help)
     sim.add_argument("--protocol", choices=("sglang", "vllm"), default="sglang", help="native protocol to speak")
     sim.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    sim.add_argument("--port", type=int, default=30000, help="port to listen on (default %(default)s)")
-    sim.add_argument("--fd", type=int, default=None, help="serve an inherited listening socket instead")
-    sim.add_argument("--ttft-ms", type=float, default=0.0, help="time to first token in ms")
-    sim.add_argument("--itl-ms", type=float, default=0.0, help="inter-token latency in ms")
+    sim.add_argument("--port", type=PORT, default=30000, help="port to listen on (default %(default)s)")
+    sim.add_argument("--fd", type=_bounded(int, 0), default=None, help="serve an inherited listening socket instead")
+    sim.add_argument("--ttft-ms", type=_bounded(float, 0), default=0.0, help="time to first token in ms")
+    sim.add_argument("--itl-ms", type=_bounded(float, 0), default=0.0, help="inter-token latency in ms")
     sim.add_argument("--incremental-streaming-output", action="store_true",
                      help="SGLang: stream deltas instead of cumulative chunks")
     sim.add_argument("--no-usage-chunk", action="store_true",
@@ -120,18 +191,19 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--abort-status", type=int, default=503, metavar="CODE",
                      help="HTTP status of the --abort-after abort (default %(default)s)")
     sim.add_argument("--model-name", default="sim", help="served model name (default %(default)s)")
-    sim.add_argument("--parent-pid", type=int, default=None, help="exit when this process exits")
+    sim.add_argument("--parent-pid", type=_bounded(int, 1), default=None, help="exit when this process exits")
     sim.add_argument("--worker-class", choices=WORKER_CLASSES, default="asyncio",
                      help="hypercorn worker class (default %(default)s)")
-    sim.add_argument("--log-level", default="warning", help="logging level (default %(default)s)")
+    sim.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="warning",
+                     help="logging level (default %(default)s)")
 
     sub.add_parser("codecs", help="list the installed codecs")
     return parser
 
 
-def _settings(args: argparse.Namespace) -> Settings:
+def _settings(args: argparse.Namespace, d: Settings) -> Settings:
     return Settings(
-        workers=args.worker,
+        workers=args.worker if args.worker is not None else d.workers,
         max_body_bytes=args.max_body_bytes,
         connect_timeout=args.connect_timeout,
         read_timeout=args.read_timeout,
@@ -155,43 +227,66 @@ def _settings(args: argparse.Namespace) -> Settings:
     )
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _fail(message: str) -> int:
+    print(f"asgi-generate: {message}", file=sys.stderr)
+    return 2
+
+
+def _serve(args: argparse.Namespace, d: Settings) -> int:
     from .app import App
     from .registry import CodecLoadError, load_codecs
+    from .supervisor import listening_socket, supervise
     from .tracing import Tracer, TraceSetupError
 
-    settings = _settings(args)
-    # Checked here, before any worker process starts, so a broken or
-    # colliding codec stops `serve` with its message whatever --workers is.
+    settings = _settings(args, d)
+    # Whatever can be refused is refused here, as one line, before the
+    # codecs load, a simulator starts or hypercorn runs.
     try:
-        codecs = load_codecs(settings.skip_broken_codecs)
-    except CodecLoadError as exc:
-        _report_problems(str(exc).splitlines())
-        return 2
-    # hypercorn's own deadline only backs up the app's: grace, then aborts.
-    config = hypercorn_config(
-        host=args.host, port=args.port, fd=args.fd, graceful_timeout=args.shutdown_grace + 15.0
-    )
-    if args.workers > 1:
-        from .supervisor import listening_socket, supervise
-
-        if settings.trace_file or settings.trace_stderr:
-            try:  # fail here, once, rather than in every worker process
-                Tracer(settings)
-            except TraceSetupError as exc:
-                print(f"asgi-generate: {exc}", file=sys.stderr)
-                return 2
-
+        settings.check()
+    except ValueError as exc:
+        return _fail(str(exc))
+    try:
         sock = socket.socket(fileno=args.fd) if args.fd is not None else listening_socket(args.host, args.port)
-        protocols = {item.codec.worker_protocol for item in codecs}
-        return supervise(settings, sock, args.workers, args.worker_class, args.shutdown_grace, protocols)
+    except OSError as exc:
+        where = f"fd {args.fd}" if args.fd is not None else f"{args.host}:{args.port}"
+        return _fail(f"cannot listen on {where}: {exc.strerror or exc}")
+    pid_file = pathlib.Path(args.pid_file) if args.pid_file else None
     try:
-        app = App(settings, codecs)
-    except (CodecLoadError, TraceSetupError) as exc:
-        print(f"asgi-generate: {exc}", file=sys.stderr)
-        return 2
-    run(app, config, args.worker_class)
-    return 0
+        try:
+            codecs = load_codecs(settings.skip_broken_codecs)
+            if args.workers == 1:
+                app = App(settings, codecs)
+            elif settings.trace_file or settings.trace_stderr:
+                Tracer(settings)  # fails here, once, rather than in every worker process
+        except (CodecLoadError, TraceSetupError) as exc:
+            _report_problems(str(exc).splitlines())
+            return 2
+        if pid_file is not None:
+            try:
+                pid_file.write_text(f"{os.getpid()}\n")
+            except OSError as exc:
+                pid_file = None
+                return _fail(f"--pid-file: cannot write {args.pid_file!r}: {exc.strerror or exc}")
+        log.info("asgi-generate %s: pid %d, listening on %s", __version__, os.getpid(), _where(sock))
+        if args.workers > 1:
+            protocols = {item.codec.worker_protocol for item in codecs}
+            return supervise(settings, sock, args.workers, args.worker_class, args.shutdown_grace, protocols,
+                             log_level=args.log_level, access_log=args.access_log)
+        # hypercorn's own deadline only backs up the app's: grace, then
+        # aborts. hypercorn serves (and closes) the descriptor itself.
+        config = hypercorn_config(fd=sock.detach(), graceful_timeout=settings.shutdown_grace + 15.0,
+                                  log_level=args.log_level, access_log=args.access_log)
+        run(app, config, args.worker_class)
+        return 0
+    finally:
+        sock.close()  # a no-op once detached
+        if pid_file is not None:
+            pid_file.unlink(missing_ok=True)
+
+
+def _where(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _sim(args: argparse.Namespace) -> int:
@@ -204,8 +299,8 @@ def _sim(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"asgi-generate sim: {exc}", file=sys.stderr)
         return 2
-    config = hypercorn_config(host=args.host, port=args.port, fd=args.fd, graceful_timeout=1.0)
-    config.loglevel = args.log_level.upper()
+    config = hypercorn_config(host=args.host, port=args.port, fd=args.fd, graceful_timeout=1.0,
+                              log_level=args.log_level, access_log=False)
     run(app, config, args.worker_class)
     return 0
 
@@ -259,12 +354,19 @@ def _codecs() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``asgi-generate`` console script."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    d = Settings()
+    if argv[:1] == ["serve"]:
+        try:  # the variables are serve's defaults, exactly as under hypercorn
+            d = Settings.from_env()
+        except ValueError as exc:
+            return _fail(str(exc))
+    args = build_parser(d).parse_args(argv)
     if args.command == "codecs":
         return _codecs()
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if args.command == "serve":
-        return _serve(args)
+        return _serve(args, d)
     return _sim(args)

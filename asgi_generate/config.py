@@ -2,18 +2,37 @@
 
 Every setting has a flag (``asgi-generate serve --help``) and an environment
 variable ``ASGI_GENERATE_<NAME>``, so ``hypercorn asgi_generate.asgi:app``
-serves the same app as ``asgi-generate serve``.
+serves the same app as ``asgi-generate serve`` (whose flags override the
+variables). :meth:`Settings.check` is what both run before anything starts.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import pathlib
 from dataclasses import dataclass, field, fields
 from typing import Mapping
 
 from .workers.router import parse_worker_spec
 
 ENV_PREFIX = "ASGI_GENERATE_"
+#: Numeric settings that must be above zero (every other one: zero or more).
+POSITIVE = frozenset({
+    "max_body_bytes", "connect_timeout", "read_timeout", "health_interval", "abort_timeout",
+    "slow_client_timeout", "embedded_workers", "trace_queue_size", "trace_block_size",
+})
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def flag_name(name: str) -> str:
+    """The ``serve`` flag of the setting ``name``: ``--max-body-bytes``."""
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    """The variable of the setting ``name``: ``ASGI_GENERATE_MAX_BODY_BYTES``."""
+    return ENV_PREFIX + name.upper()
 
 
 @dataclass(slots=True)
@@ -47,7 +66,7 @@ class Settings:
         trace_rotate_bytes: start a new trace file past this size (0: never).
         trace_block_size: tokens per replay block hash.
         tokenizer: a Hugging Face ``tokenizer.json`` the trace writer decodes
-            output with, for the parsers below.
+            output with, for the parsers below (their only use).
         reasoning_parser, tool_call_parser: output parsers for the trace
             (``qwen3``/``deepseek_r1``, ``hermes``, or installed ones).
     """
@@ -76,30 +95,79 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
-        """Settings from ``ASGI_GENERATE_*`` variables; unset ones keep their
-        defaults. ``ASGI_GENERATE_WORKERS`` is a comma-separated list of
-        ``PROTOCOL=http://HOST:PORT``.
+        """Settings from ``ASGI_GENERATE_*`` variables; unset or empty ones
+        keep their defaults. ``ASGI_GENERATE_WORKERS`` is a comma-separated
+        list of ``PROTOCOL=http://HOST:PORT``; booleans are ``1/0``,
+        ``true/false``, ``yes/no`` or ``on/off``.
 
         Raises:
-            ValueError: a variable does not parse.
+            ValueError: a variable does not parse, or an ``ASGI_GENERATE_*``
+                variable names no setting (a typo would otherwise be ignored).
         """
+        known = {env_name(f.name): f for f in fields(cls)}
+        unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
+        if unknown:
+            raise ValueError(f"unknown variable {unknown[0]} (known: {', '.join(known)})")
         values: dict = {}
-        for f in fields(cls):
-            raw = environ.get(ENV_PREFIX + f.name.upper())
+        for var, f in known.items():
+            raw = environ.get(var)
             if raw is None or raw == "":
                 continue
             if f.name == "workers":
-                values["workers"] = [parse_worker_spec(s.strip()) for s in raw.split(",") if s.strip()]
+                try:
+                    values["workers"] = [parse_worker_spec(s.strip()) for s in raw.split(",") if s.strip()]
+                except ValueError as exc:
+                    raise ValueError(f"{var}: {exc}") from None
             elif f.type == "bool":
-                values[f.name] = raw.lower() in ("1", "true", "yes", "on")
+                if raw.lower() not in _TRUE + _FALSE:
+                    raise ValueError(f"{var}={raw!r} is not a boolean (1/0, true/false, yes/no, on/off)")
+                values[f.name] = raw.lower() in _TRUE
             elif f.type == "str | None":
                 values[f.name] = raw
             else:
                 try:
                     values[f.name] = (int if f.type == "int" else float)(raw)
                 except ValueError:
-                    raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r} is not a number") from None
+                    raise ValueError(f"{var}={raw!r} is not a number") from None
         return cls(**values)
+
+    def check(self) -> None:
+        """Refuse settings the server cannot run with, before anything starts.
+
+        Every number must be zero or more (and not NaN), and above zero for
+        :data:`POSITIVE` ones. ``trace_file`` must name a file in an existing
+        folder (the folder is not created: a typo should not scatter trace
+        files). ``tokenizer``, when given, must load, and is only accepted
+        with a parser and a trace sink, its sole users.
+
+        Raises:
+            ValueError: one line naming the flag and variable at fault.
+        """
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type not in ("int", "float"):
+                continue
+            least = "above 0" if f.name in POSITIVE else "0 or more"
+            if math.isnan(value) or value < 0 or (value == 0 and f.name in POSITIVE):
+                raise ValueError(f"{flag_name(f.name)} ({env_name(f.name)}) must be {least}, not {value!r}")
+        if self.trace_file is not None:
+            folder = pathlib.Path(self.trace_file).expanduser().absolute().parent
+            if not folder.is_dir():
+                raise ValueError(f"--trace-file ({env_name('trace_file')}): folder {str(folder)!r} does not exist")
+        if self.tokenizer is not None:
+            from tokenizers import Tokenizer
+
+            try:
+                Tokenizer.from_file(self.tokenizer)
+            except Exception as exc:  # tokenizers raises a bare Exception
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise ValueError(f"--tokenizer: cannot load {self.tokenizer!r}: {first}") from None
+            if not (self.reasoning_parser or self.tool_call_parser):
+                raise ValueError("--tokenizer is only used by --reasoning-parser and --tool-call-parser "
+                                 "(trace output parsers): give one, or drop --tokenizer")
+        if (self.reasoning_parser or self.tool_call_parser) and not (self.trace_file or self.trace_stderr):
+            raise ValueError("--reasoning-parser and --tool-call-parser only annotate trace records: "
+                             "give --trace-file or --trace-stderr")
 
     def to_env(self) -> dict[str, str]:
         """The environment variables that reproduce these settings."""
@@ -112,5 +180,5 @@ class Settings:
                 value = ",".join(f"{p}={u}" for p, u in value)
             elif isinstance(value, bool):
                 value = "1" if value else "0"
-            env[ENV_PREFIX + f.name.upper()] = str(value)
+            env[env_name(f.name)] = str(value)
         return env

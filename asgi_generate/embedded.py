@@ -3,8 +3,11 @@ worker is given.
 
 Each simulator is its own process (``python -m asgi_generate sim``) serving a
 loopback socket that this process bound to a free port and hands over by file
-descriptor, so there is no port race. The children watch this process and
-exit with it; on a clean exit they are terminated, then killed if they linger.
+descriptor, so there is no port race. Each runs in a session of its own, so a
+terminal's Ctrl-C (SIGINT to the foreground process group) reaches only the
+frontend, which drains its requests and then stops the simulators: they are
+terminated, then killed if they linger. They also watch this process and
+exit with it.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ async def embedded_workers(
             ]
             try:
                 proc = await anyio.open_process(
-                    cmd, pass_fds=[sock.fileno()], stdin=subprocess.DEVNULL, stdout=None, stderr=None
+                    cmd, pass_fds=[sock.fileno()], stdin=subprocess.DEVNULL, stdout=None, stderr=None,
+                    start_new_session=True,
                 )
             finally:
                 sock.close()
@@ -117,6 +121,9 @@ async def embedded_fleet(
     """:func:`embedded_workers` for each of ``protocols`` the simulator
     speaks (in :data:`SIM_PROTOCOLS` order); yields all their specs."""
     wanted = set(protocols)
+    log.warning("no worker configured (--worker, ASGI_GENERATE_WORKERS): serving %d simulated "
+                "worker(s) per protocol (%s), not real engines", count,
+                ", ".join(p for p in SIM_PROTOCOLS if p in wanted))
     async with AsyncExitStack() as stack:
         specs: list[tuple[str, str]] = []
         for protocol in SIM_PROTOCOLS:

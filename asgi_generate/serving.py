@@ -1,11 +1,13 @@
 """Run an ASGI app under hypercorn, programmatically, on trio or asyncio.
 
-Used by ``asgi-generate serve`` and ``asgi-generate sim``. SIGINT and SIGTERM
-start hypercorn's graceful shutdown.
+Used by ``asgi-generate serve`` and ``asgi-generate sim``. The first SIGINT or
+SIGTERM starts hypercorn's graceful shutdown; later ones are ignored, so a Ctrl-C that reaches a process twice (from the terminal and from
+``serve --workers N`` forwarding it) cannot cut the drain short.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 from typing import Any
 
@@ -13,18 +15,31 @@ import anyio
 from hypercorn.config import Config
 
 WORKER_CLASSES = ("trio", "asyncio")
+log = logging.getLogger("asgi_generate")
 
 
 def hypercorn_config(
-    *, host: str = "127.0.0.1", port: int = 8000, fd: int | None = None, graceful_timeout: float = 30.0
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    fd: int | None = None,
+    graceful_timeout: float = 30.0,
+    log_level: str = "info",
+    access_log: bool = False,
 ) -> Config:
     """A hypercorn config bound to ``host:port``, or to an inherited listening
-    socket ``fd``; access log off (a trace record covers each request)."""
+    socket ``fd``; hypercorn logs through the process's logging configuration
+(``hypercorn.error``, ``hypercorn.access``). With ``access_log``, hypercorn's access lines (its default
+    format: client, request line, status, bytes, referer, user agent) go to
+    ``hypercorn.access`` at INFO; off when ``log_level`` hides INFO anyway, so
+    nothing is formatted for nobody."""
     config = Config()
     config.bind = [f"fd://{fd}"] if fd is not None else [f"{host}:{port}"]
     config.graceful_timeout = graceful_timeout
-    config.accesslog = None
-    config.errorlog = "-"
+    config.loglevel = log_level.upper()
+    shown = logging.getLevelName(log_level.upper()) <= logging.INFO
+    config.accesslog = logging.getLogger("hypercorn.access") if access_log and shown else None
+    config.errorlog = logging.getLogger("hypercorn.error")
     config.keep_alive_timeout = 75
     return config
 
@@ -40,19 +55,23 @@ def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
     if worker_class not in WORKER_CLASSES:
         raise ValueError(f"worker class must be one of {WORKER_CLASSES}, not {worker_class!r}")
 
-    async def until_signal() -> None:
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for _ in signals:
-                begin = getattr(app, "begin_shutdown", None)
-                if begin is not None:
-                    begin()
-                return
-
     async def main() -> None:
         if worker_class == "trio":
             from hypercorn.trio import serve
         else:
             from hypercorn.asyncio import serve
-        await serve(app, config, shutdown_trigger=until_signal)
+        # Held open until hypercorn is done: a later signal lands in this
+        # receiver's unread queue instead of the default handler.
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+
+            async def first_signal() -> None:
+                async for signum in signals:
+                    log.info("%s: shutting down gracefully", signal.Signals(signum).name)
+                    begin = getattr(app, "begin_shutdown", None)
+                    if begin is not None:
+                        begin()
+                    return
+
+            await serve(app, config, shutdown_trigger=first_signal)
 
     anyio.run(main, backend=worker_class)

@@ -3,14 +3,19 @@
 The supervisor binds the listening socket once, starts the embedded
 simulators once (when no worker is configured), then starts N children that
 serve the inherited socket with settings passed through ``ASGI_GENERATE_*``
-variables. SIGINT and SIGTERM are forwarded to every child, so each runs its
-own graceful shutdown; the supervisor exits when all children have.
+variables. Children and simulators run in sessions of their own, so a
+terminal's Ctrl-C reaches only the supervisor, which forwards SIGINT and
+SIGTERM to every child exactly once; each child runs its own graceful
+shutdown (and gets SIGTERM from the kernel should the supervisor die). The
+supervisor exits when all children have, then stops the simulators. Each child keeps its own counters: ``/stats`` answers for the
+process that took the connection (its ``pid`` says which).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -42,10 +47,14 @@ def supervise(
     worker_class: str,
     shutdown_grace: float,
     protocols: set[str],
+    *,
+    log_level: str = "info",
+    access_log: bool = True,
 ) -> int:
     """Run ``processes`` frontend children on ``sock`` until they exit
     (embedded simulators for ``protocols`` when no worker is configured);
-    returns the first non-zero exit code, else 0."""
+    returns the first non-zero exit code, else 0. ``log_level`` and
+    ``access_log`` are the children's (see :func:`serving.hypercorn_config`)."""
 
     async def main() -> int:
         async with AsyncExitStack() as stack:
@@ -57,9 +66,10 @@ def supervise(
                 )
             env = {**os.environ, **dataclasses.replace(settings, workers=specs).to_env()}
             cmd = [sys.executable, "-m", "asgi_generate.supervisor", "--fd", str(sock.fileno()),
-                   "--worker-class", worker_class, "--shutdown-grace", str(shutdown_grace)]
+                   "--worker-class", worker_class, "--shutdown-grace", str(shutdown_grace),
+                   "--parent-pid", str(os.getpid()), "--log-level", log_level, "--access-log" if access_log else "--no-access-log"]
             children = [
-                await anyio.open_process(cmd, pass_fds=[sock.fileno()], env=env,
+                await anyio.open_process(cmd, pass_fds=[sock.fileno()], env=env, start_new_session=True,
                                          stdin=subprocess.DEVNULL, stdout=None, stderr=None)
                 for _ in range(processes)
             ]
@@ -80,6 +90,17 @@ async def _forward_signals(children: list) -> None:
                     child.send_signal(signum)
 
 
+def _die_with_parent() -> None:
+    """Linux: have the kernel send this process SIGTERM (a graceful stop)
+    when its parent dies, since a child in its own session gets no signal
+    from the parent's terminal. Elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _child() -> int:
     from .app import App
     from .serving import hypercorn_config, run
@@ -88,9 +109,18 @@ def _child() -> int:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--worker-class", required=True)
     parser.add_argument("--shutdown-grace", type=float, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--log-level", required=True)
+    parser.add_argument("--access-log", action=argparse.BooleanOptionalAction, required=True)
     args = parser.parse_args()
+    _die_with_parent()
+    if os.getppid() != args.parent_pid:  # it died before the line above took effect
+        return 0
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = App(Settings.from_env())
-    run(app, hypercorn_config(fd=args.fd, graceful_timeout=args.shutdown_grace + 15.0), args.worker_class)
+    config = hypercorn_config(fd=args.fd, graceful_timeout=args.shutdown_grace + 15.0,
+                              log_level=args.log_level, access_log=args.access_log)
+    run(app, config, args.worker_class)
     return 0
 
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import re
 import signal
 import subprocess
 import sys
 
 import httpx
+import orjson
 import pytest
 
-from support import Proc, listening_socket, post, start_sim, wait_until
+import asgi_generate
+from support import Proc, RawClient, listening_socket, post, start_sim, wait_until
 
 
 def _serve(args: list[str], health: str = "/health") -> Proc:
@@ -45,6 +50,9 @@ def test_several_processes_share_the_port_and_stop_on_sigterm():
             rid = post(fe.url, {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}).json()["meta_info"]["id"]
             prefixes.add(rid[:16])
         assert len(prefixes) == 2  # each process mints under its own prefix
+        # /stats is per process, and says which: fresh connections reach both.
+        pids = {httpx.get(fe.url + "/stats").json()["pid"] for _ in range(40)}
+        assert len(pids) == 2 and fe.proc.pid not in pids
         fe.signal(signal.SIGTERM)
         assert fe.proc.wait(20) == 0
     finally:
@@ -62,30 +70,45 @@ def test_help_documents_every_serve_flag():
         assert flag in out
 
 
-def test_hypercorn_run_directly_is_configured_from_the_environment():
-    import os
-
+@pytest.mark.parametrize("command,limit", [
+    (["hypercorn", "-k", "trio", "-b", "fd://{fd}", "asgi_generate.asgi:app"], 1000),
+    (["asgi_generate", "serve", "--fd", "{fd}", "--log-level", "warning"], 1000),
+    (["asgi_generate", "serve", "--fd", "{fd}", "--log-level", "warning", "--max-body-bytes", "2000"], 2000),
+])
+def test_variables_configure_hypercorn_and_serve_alike_and_flags_win(command, limit):
     sim = start_sim()
-    sock = listening_socket()
-    port = sock.getsockname()[1]
-    env = {**os.environ, "ASGI_GENERATE_WORKERS": f"sglang={sim.url}", "ASGI_GENERATE_MAX_BODY_BYTES": "1000"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hypercorn", "-k", "trio", "-b", f"fd://{sock.fileno()}", "asgi_generate.asgi:app"],
-        pass_fds=[sock.fileno()], env=env, stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    sock.close()
-    url = f"http://127.0.0.1:{port}"
+    proc, url = _spawn(command, {"ASGI_GENERATE_WORKERS": f"sglang={sim.url}", "ASGI_GENERATE_MAX_BODY_BYTES": "1000"})
     try:
         wait_until(lambda: _get_ok(url + "/health"), timeout=30)
+        workers = httpx.get(url + "/v1/models").json()["workers"]
+        assert [(w["protocol"], w["url"]) for w in workers] == [("sglang", sim.url)]
         ok = post(url, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}})
         assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 3
-        big = post(url, {"input_ids": list(range(300))})
+        big = post(url, {"input_ids": list(range(600))})
         assert big.status_code == 413
-        assert big.json()["message"] == "request body exceeds the limit of 1000 bytes"
+        assert big.json()["message"] == f"request body exceeds the limit of {limit} bytes"
     finally:
         proc.terminate()
         proc.wait(20)
         sim.stop()
+
+
+def _spawn(args: list[str], env: dict | None = None, output=subprocess.DEVNULL, **kw) -> tuple[subprocess.Popen, str]:
+    """``python -m ARGS`` serving a fresh loopback socket (``{fd}`` in
+    ``args`` is its descriptor), with ``env`` added to the environment;
+    returns the process and its URL."""
+    sock = listening_socket()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    proc = subprocess.Popen([sys.executable, "-m", *(a.replace("{fd}", str(sock.fileno())) for a in args)],
+                            pass_fds=[sock.fileno()], env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL,
+                            stdout=output, stderr=subprocess.STDOUT if output is not subprocess.PIPE else output,
+                            **kw)
+    sock.close()
+    return proc, url
+
+
+def _hypercorn(env: dict, *extra: str, output=subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:
+    return _spawn(["hypercorn", *extra, "-b", "fd://{fd}", "asgi_generate.asgi:app"], env, output)
 
 
 def _get_ok(url: str) -> bool:
@@ -93,3 +116,223 @@ def _get_ok(url: str) -> bool:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+# -- signals and lifecycle ------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (from /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"
+
+
+@pytest.mark.parametrize("worker_class,processes", [("trio", 1), ("asyncio", 1), ("asyncio", 2)])
+def test_ctrl_c_to_the_process_group_lets_an_inflight_stream_finish(tmp_path, worker_class, processes):
+    """A terminal's Ctrl-C signals the whole foreground process group: the
+    embedded simulators must not die with it, but outlive the frontend's drain."""
+    pid_file = tmp_path / "serve.pid"
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log_file:
+        proc, url = _spawn(
+            ["asgi_generate", "serve", "--fd", "{fd}", "--worker-class", worker_class, "--workers", str(processes),
+             "--embedded-workers", "1", "--embedded-itl-ms", "15", "--shutdown-grace", "20",
+             "--pid-file", str(pid_file)],
+            output=log_file, start_new_session=True)  # a process group of its own, as a terminal's job
+    try:
+        wait_until(lambda: _get_ok(url + "/health"), timeout=30)
+        assert pid_file.read_text() == f"{proc.pid}\n"
+        assert f"pid {proc.pid}, listening on {url}" in log_path.read_text()
+        descendants = _children(proc.pid)
+        descendants += [g for c in descendants for g in _children(c)]
+        assert len(descendants) == 2 + (processes if processes > 1 else 0)  # one simulator per protocol
+        client = RawClient(url)
+        body = {"input_ids": [1, 2], "stream": True, "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}
+        client.send(orjson.dumps(body))
+        first = client.events(3)
+        os.killpg(proc.pid, signal.SIGINT)
+        rest = client.events(200)
+        client.close()
+        events = first + rest
+        assert events[-1] == b"[DONE]"
+        final = orjson.loads(events[-2])
+        assert len(final["output_ids"]) == 100
+        assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 100}
+        assert proc.wait(30) == 0
+        assert not pid_file.exists()
+        wait_until(lambda: all(_gone(p) for p in descendants), timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+# -- startup and configuration errors -------------------------------------------
+
+
+TOKENIZER = str(pathlib.Path(__file__).parent.parent / "asgi_generate" / "assets" / "tokenizer.json")
+
+
+@pytest.mark.parametrize("args,env,line", [
+    (["--max-body-bytes", "-5"], {},
+     "asgi-generate: --max-body-bytes (ASGI_GENERATE_MAX_BODY_BYTES) must be above 0, not -5"),
+    (["--read-timeout", "nan"], {},
+     "asgi-generate: --read-timeout (ASGI_GENERATE_READ_TIMEOUT) must be above 0, not nan"),
+    (["--trace-rotate-bytes", "-1"], {},
+     "asgi-generate: --trace-rotate-bytes (ASGI_GENERATE_TRACE_ROTATE_BYTES) must be 0 or more, not -1"),
+    (["--port", "70000"], {},
+     "asgi-generate serve: error: argument --port: must be between 0 and 65535, not 70000 (see --help)"),
+    (["--workers", "0"], {},
+     "asgi-generate serve: error: argument --workers: must be 1 or more, not 0 (see --help)"),
+    (["--log-level", "loud"], {},
+     "asgi-generate serve: error: argument --log-level: invalid choice: 'loud' (choose from 'debug', "
+     "'info', 'warning', 'error', 'critical') (see --help)"),
+    (["--trace-file", "{tmp}/missing/t.jsonl"], {},
+     "asgi-generate: --trace-file (ASGI_GENERATE_TRACE_FILE): folder '{tmp}/missing' does not exist"),
+    (["--tokenizer", "{tmp}/nope.json", "--reasoning-parser", "qwen3", "--trace-stderr"], {},
+     "asgi-generate: --tokenizer: cannot load '{tmp}/nope.json': No such file or directory (os error 2)"),
+    (["--tokenizer", TOKENIZER], {},
+     "asgi-generate: --tokenizer is only used by --reasoning-parser and --tool-call-parser (trace output "
+     "parsers): give one, or drop --tokenizer"),
+    (["--tokenizer", TOKENIZER, "--reasoning-parser", "qwen3"], {},
+     "asgi-generate: --reasoning-parser and --tool-call-parser only annotate trace records: give "
+     "--trace-file or --trace-stderr"),
+    ([], {"ASGI_GENERATE_READ_TIMEOUT": "soon"}, "asgi-generate: ASGI_GENERATE_READ_TIMEOUT='soon' is not a number"),
+    ([], {"ASGI_GENERATE_TRACE_STDERR": "maybe"},
+     "asgi-generate: ASGI_GENERATE_TRACE_STDERR='maybe' is not a boolean (1/0, true/false, yes/no, on/off)"),
+    ([], {"ASGI_GENERATE_EMBEDDED_WORKERS": "0"},
+     "asgi-generate: --embedded-workers (ASGI_GENERATE_EMBEDDED_WORKERS) must be above 0, not 0"),
+])
+def test_a_bad_start_is_one_line_and_exit_2_before_anything_starts(tmp_path, args, env, line):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    out = subprocess.run([sys.executable, "-m", "asgi_generate", "serve", "--port", "0", *args],
+                         capture_output=True, text=True, timeout=30, env={**os.environ, **env})
+    assert (out.returncode, out.stderr, out.stdout) == (2, line.replace("{tmp}", str(tmp_path)) + "\n", "")
+
+
+def test_an_unknown_variable_is_refused_naming_the_known_ones():
+    out = subprocess.run([sys.executable, "-m", "asgi_generate", "serve", "--port", "0"], capture_output=True,
+                         text=True, timeout=30, env={**os.environ, "ASGI_GENERATE_WORKER": "sglang=http://h:1"})
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert out.stderr.startswith("asgi-generate: unknown variable ASGI_GENERATE_WORKER (known: "
+                                 "ASGI_GENERATE_WORKERS, ASGI_GENERATE_MAX_BODY_BYTES, ")
+
+
+def test_a_port_in_use_is_one_line_before_any_simulator_starts():
+    taken = listening_socket()
+    port = taken.getsockname()[1]
+    try:
+        out = subprocess.run([sys.executable, "-m", "asgi_generate", "serve", "--port", str(port)],
+                             capture_output=True, text=True, timeout=30)
+    finally:
+        taken.close()
+    assert (out.returncode, out.stderr) == (2, f"asgi-generate: cannot listen on 127.0.0.1:{port}: "
+                                               "Address already in use\n")
+
+
+@pytest.mark.parametrize("extra,code", [((), 0), (("-w", "0"), 2)])
+def test_a_bad_variable_under_hypercorn_is_one_line(extra, code):
+    """hypercorn's parent exits 0 whatever its worker process did (hypercorn
+    issue #269); with ``-w 0`` the app runs in it and the status is ours."""
+    proc, _ = _hypercorn({"ASGI_GENERATE_MAX_BODY_BYTES": "-5"}, *extra, output=subprocess.PIPE)
+    _, err = proc.communicate(timeout=30)
+    assert err.decode() == "asgi-generate: --max-body-bytes (ASGI_GENERATE_MAX_BODY_BYTES) must be above 0, not -5\n"
+    assert proc.returncode == code
+
+
+def test_under_hypercorn_simulators_and_worker_state_changes_are_logged(tmp_path):
+    log_path = tmp_path / "hypercorn.log"
+    free = listening_socket()
+    port = free.getsockname()[1]
+    free.close()
+    with open(log_path, "wb") as log_file:
+        embedded, url = _hypercorn({"ASGI_GENERATE_EMBEDDED_WORKERS": "1"}, output=log_file)
+        try:
+            wait_until(lambda: _get_ok(url + "/health"), timeout=30)
+            assert ("WARNING] asgi_generate.embedded: no worker configured (--worker, ASGI_GENERATE_WORKERS): "
+                    "serving 1 simulated worker(s) per protocol (sglang, vllm), not real engines") in log_path.read_text()
+        finally:
+            embedded.terminate()
+            embedded.wait(20)
+    log_path.write_bytes(b"")
+    worker = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log_file:
+        fe, url = _hypercorn({"ASGI_GENERATE_WORKERS": f"sglang={worker}", "ASGI_GENERATE_HEALTH_INTERVAL": "0.2"},
+                             output=log_file)
+        sim = None
+        try:
+            down = f"WARNING] asgi_generate.router: worker w0 ({worker}) marked down: "
+            wait_until(lambda: log_path.read_text().count(down) == 1, timeout=30)
+            sim = start_sim(port=port)
+            wait_until(lambda: f"INFO] asgi_generate.router: worker w0 ({worker}) is up" in log_path.read_text(),
+                       timeout=10)
+            sim.stop()
+            wait_until(lambda: log_path.read_text().count(down) == 2, timeout=10)
+        finally:
+            if sim is not None:
+                sim.stop()
+            fe.terminate()
+            fe.wait(20)
+
+
+# -- --version, --help, access log, /stats ----------------------------------------
+
+
+def test_version():
+    out = subprocess.run([sys.executable, "-m", "asgi_generate", "--version"], capture_output=True, text=True)
+    assert (out.returncode, out.stdout) == (0, f"asgi-generate {asgi_generate.__version__}\n")
+
+
+@pytest.mark.parametrize("command", ["serve", "sim"])
+def test_help_gives_every_flag_its_default_and_choices(command):
+    from asgi_generate.cli import build_parser
+
+    out = subprocess.run([sys.executable, "-m", "asgi_generate", command, "--help"], env={**os.environ, "COLUMNS": "200"},
+                         capture_output=True, text=True, check=True).stdout
+    blocks = {}
+    for line in out.split("options:", 1)[1].splitlines():
+        if line.startswith("  -"):
+            key = line.split()[0].rstrip(",")
+            blocks[key] = line
+        elif line.strip():
+            blocks[key] += " " + line.strip()
+    sub = build_parser()._subparsers._group_actions[0].choices[command]
+    for action in sub._actions:
+        if action.option_strings == ["-h", "--help"]:
+            continue
+        text = blocks[action.option_strings[0]]
+        assert "(default" in text, text
+        for choice in action.choices or ():
+            assert choice in text, (choice, text)
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_one_access_log_line_per_request_at_info(worker_class):
+    sim = start_sim()
+    fe = Proc("serve", ["serve", "--worker", f"sglang={sim.url}", "--worker-class", worker_class],
+              listening_socket(), "/health")
+    try:
+        assert post(fe.url, {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}},
+                    headers={"user-agent": "access-log-test"}).status_code == 200
+        pattern = re.compile(r'INFO hypercorn\.access: 127\.0\.0\.1:\d+ - - \[[^]]+\] "POST /generate 1\.1" 200 \d+ '
+                             r'"-" "access-log-test"')
+        wait_until(lambda: len(pattern.findall(fe.log())) == 1, timeout=5)
+    finally:
+        fe.stop()
+        sim.stop()

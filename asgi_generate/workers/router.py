@@ -130,8 +130,9 @@ class Router:
         return best
 
     def mark_down(self, worker: Worker, reason: str) -> None:
-        """Stop routing to ``worker`` until a probe succeeds."""
-        if worker.healthy:
+        """Stop routing to ``worker`` until a probe succeeds (logged when it
+        was up, or had not been reached yet)."""
+        if worker.healthy or worker.last_error is None:
             log.warning("worker %s (%s) marked down: %s", worker.id, worker.url, reason)
         worker.healthy = False
         worker.last_error = reason
