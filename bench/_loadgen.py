@@ -13,7 +13,6 @@ counted (with the first reason) and not counted as events.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import resource
 import shutil
@@ -149,25 +148,13 @@ class LoadResult:
         return 1000.0 * self.cpu[label] / max(self.requests, 1)
 
 
+#: How to get wrk; the benchmark installs nothing outside its own venvs.
+WRK_INSTALL = "Debian/Ubuntu: sudo apt-get install -y wrk; macOS: brew install wrk"
+
+
 def wrk_path() -> str | None:
     """The wrk executable, if installed."""
     return shutil.which("wrk")
-
-
-def install_wrk() -> str:
-    """Install Debian's ``wrk`` with apt-get (needs root).
-
-    Raises:
-        RuntimeError: apt-get is missing or failed.
-    """
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        raise RuntimeError("wrk is not installed; install it (Debian/Ubuntu: apt-get install -y wrk)")
-    subprocess.run(["apt-get", "update", "-qq"], check=True)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "wrk"], check=True)
-    path = wrk_path()
-    if path is None:
-        raise RuntimeError("apt-get installed wrk but it is not on PATH")
-    return path
 
 
 def write_script(path: pathlib.Path, body: bytes, stream: bool, tokens: int, final_ids: list[int]) -> None:

@@ -16,9 +16,10 @@ event for event, with the simulator's direct answer. It prints Markdown
 tables and ratios: through/direct, ours/router, added latency ours/router,
 and the frontend's CPU per request.
 
-Usage: ``python bench/bench_frontend.py [--seconds 10] [--concurrency 32]``
-(see ``--help``). sglang-router is installed on first use into
-``bench/.venv-router``; wrk is installed with apt-get when missing.
+Usage: ``.venv/bin/python bench/bench_frontend.py [--seconds 10]
+[--concurrency 32]`` (see ``--help``). sglang-router is installed on first
+use into its own venv, ``bench/.venv-router``; wrk must be on PATH (when it
+is not, the benchmark prints how to install it and stops).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import Callable
 import orjson
 
 from _check import answer, check_direct, compare
-from _loadgen import LoadResult, install_wrk, run_wrk, write_script, wrk_path
+from _loadgen import WRK_INSTALL, LoadResult, run_wrk, write_script, wrk_path
 from _procs import Child, cpus_busy_seconds, free_port, listening_socket, wait_ready
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -379,7 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load_before = os.getloadavg()[0]
-    wrk = wrk_path() or install_wrk()
+    wrk = wrk_path()
+    if wrk is None:
+        print(f"bench_frontend.py needs wrk on PATH; install it ({WRK_INSTALL}) and run it again", file=sys.stderr)
+        return 2
     router_python, router_version = ensure_router(args.router_venv) if "router" in hops else (None, None)
     sim_cpus = {args.sim_cpu} if args.sim_cpu is not None else None
     hop_cpus = {args.hop_cpu} if args.hop_cpu is not None else None

@@ -25,7 +25,7 @@ batches of 16 as under load) with ``time.process_time``, and prints it as a
 share of the ``off`` frontend's CPU per request: a figure that other load on
 the machine barely moves.
 
-Usage: ``python bench/bench_tracing.py [--seconds 5] [--concurrency 8]``.
+Usage: ``.venv/bin/python bench/bench_tracing.py [--seconds 5] [--concurrency 8]``.
 Linux only (``/proc``).
 """
 
