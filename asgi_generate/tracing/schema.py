@@ -8,7 +8,8 @@ writer produced needs a new version (``...request_trace.v2``), never an edit.
 
 Field meanings are in each property's ``description``; the layout follows
 NVIDIA Dynamo's ``dynamo.request.trace.v1`` ``request_end`` record
-(reference/prior-art-dynamo.md, section 2), flattened: scalars at top level,
+(ai-dynamo/dynamo ``lib/llm/src/request_trace/types.rs`` and ``record.rs``),
+flattened: scalars at top level,
 objects only for attempts, error, finish, session and replay.
 """
 

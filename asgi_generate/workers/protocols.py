@@ -1,7 +1,12 @@
 """Worker protocols: how the frontend talks to an engine besides generating.
 
-Each engine's native API has its own health, info and abort routes
-(reference/engine-protocols.md sections 1 and 2). Codecs name the protocol
+Each engine's native API has its own health, info and abort routes: SGLang's
+``python/sglang/srt/entrypoints/http_server.py`` (``health``,
+``get_server_info``, ``abort_request``: ``{"rid"}``, 200 with an empty body);
+vLLM's ``vllm/entrypoints/openai/api_server.py`` (``health``,
+``show_available_models``, ``show_version``) and, on a ``--tokens-only``
+server, ``vllm/entrypoints/serve/disagg/api_router.py`` (``abort_requests``:
+``{"request_ids"}`` with the engine's prefixed ids). Codecs name the protocol
 they ride on; the handler uses this table to abort and the router to probe.
 """
 
