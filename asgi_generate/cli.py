@@ -179,16 +179,16 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                      help="engine version to play and report: vLLM answers as that version does "
                           f"(known: {', '.join(VLLM_VERSIONS)}; default {VLLM_VERSIONS[-1]}); SGLang reports it "
                           "in /get_server_info (default: the simulator's own)")
-    sim.add_argument("--stream-interval", type=int, default=1, metavar="N",
+    sim.add_argument("--stream-interval", type=_bounded(int, 1), default=1, metavar="N",
                      help="tokens per streamed event (SGLang --stream-interval; vLLM batches N tokens "
                           "per chunk as under load) (default %(default)s)")
     sim.add_argument("--emit-markers", action="store_true",
                      help="start every answer with <think>...</think> and a hermes "
                           "<tool_call>{json}</tool_call>, then EOS (for reasoning/tool-call traces)")
-    sim.add_argument("--abort-after", type=int, default=None, metavar="N",
+    sim.add_argument("--abort-after", type=_bounded(int, 0), default=None, metavar="N",
                      help="end every request after N tokens with an abort finish carrying "
                           "--abort-status (default: never)")
-    sim.add_argument("--abort-status", type=int, default=503, metavar="CODE",
+    sim.add_argument("--abort-status", type=_bounded(int, 100, 599), default=503, metavar="CODE",
                      help="HTTP status of the --abort-after abort (default %(default)s)")
     sim.add_argument("--model-name", default="sim", help="served model name (default %(default)s)")
     sim.add_argument("--parent-pid", type=_bounded(int, 1), default=None, help="exit when this process exits")

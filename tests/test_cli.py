@@ -226,6 +226,19 @@ def test_a_bad_start_is_one_line_and_exit_2_before_anything_starts(tmp_path, arg
     assert (out.returncode, out.stderr, out.stdout) == (2, line.replace("{tmp}", str(tmp_path)) + "\n", "")
 
 
+@pytest.mark.parametrize("args,line", [
+    (["--stream-interval", "0"], "argument --stream-interval: must be 1 or more, not 0"),
+    (["--abort-after", "-1"], "argument --abort-after: must be 0 or more, not -1"),
+    (["--abort-status", "1000"], "argument --abort-status: must be between 100 and 599, not 1000"),
+    (["--itl-ms", "soon"], "argument --itl-ms: 'soon' is not a number"),
+    (["--protocol", "tgi"], "argument --protocol: invalid choice: 'tgi' (choose from 'sglang', 'vllm')"),
+])
+def test_a_bad_sim_flag_is_one_line(args, line):
+    out = subprocess.run([sys.executable, "-m", "asgi_generate", "sim", "--port", "0", *args],
+                         capture_output=True, text=True, timeout=30)
+    assert (out.returncode, out.stderr) == (2, f"asgi-generate sim: error: {line} (see --help)\n")
+
+
 def test_an_unknown_variable_is_refused_naming_the_known_ones():
     out = subprocess.run([sys.executable, "-m", "asgi_generate", "serve", "--port", "0"], capture_output=True,
                          text=True, timeout=30, env={**os.environ, "ASGI_GENERATE_WORKER": "sglang=http://h:1"})
