@@ -264,7 +264,11 @@ def test_a_bad_variable_under_hypercorn_is_one_line(extra, code):
     """hypercorn's parent exits 0 whatever its worker process did (hypercorn
     issue #269); with ``-w 0`` the app runs in it and the status is ours."""
     proc, _ = _hypercorn({"ASGI_GENERATE_MAX_BODY_BYTES": "-5"}, *extra, output=subprocess.PIPE)
-    _, err = proc.communicate(timeout=30)
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:  # it serves when the value is not refused
+        proc.terminate()
+        proc.wait(20)
     assert err.decode() == "asgi-generate: --max-body-bytes (ASGI_GENERATE_MAX_BODY_BYTES) must be above 0, not -5\n"
     assert proc.returncode == code
 
@@ -349,3 +353,26 @@ def test_one_access_log_line_per_request_at_info(worker_class):
     finally:
         fe.stop()
         sim.stop()
+
+
+def test_the_processes_of_serve_workers_n_stop_when_the_supervisor_dies(tmp_path):
+    """Children in sessions of their own get no signal from the supervisor's
+    terminal: the kernel sends them SIGTERM when it dies, and the simulators
+    watch it themselves."""
+    proc, url = _spawn(["asgi_generate", "serve", "--fd", "{fd}", "--workers", "2", "--embedded-workers", "1",
+                        "--log-level", "warning"], start_new_session=True)
+    children: list[int] = []
+    try:
+        wait_until(lambda: _get_ok(url + "/health"), timeout=30)
+        children = _children(proc.pid)
+        assert len(children) == 4  # two frontend processes, a simulator per protocol
+        proc.kill()
+        proc.wait(10)
+        wait_until(lambda: all(_gone(p) for p in children), timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for pid in children:  # in sessions of their own: nothing else reaches them
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
