@@ -18,7 +18,7 @@ from . import __version__
 from .config import Settings
 from .serving import WORKER_CLASSES, hypercorn_config, run
 from .workers.router import parse_worker_spec
-from .workers.versions import VLLM_VERSIONS
+from .workers.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS
 
 if TYPE_CHECKING:
     from .sim.app import SimApp
@@ -176,9 +176,10 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                      help="vLLM: never end a stream with the usage chunk, even when asked (as a build "
                           "that ignores stream_options.include_usage)")
     sim.add_argument("--engine-version", default=None, metavar="V",
-                     help="engine version to play and report: vLLM answers as that version does "
-                          f"(known: {', '.join(VLLM_VERSIONS)}; default {VLLM_VERSIONS[-1]}); SGLang reports it "
-                          "in /get_server_info (default: the simulator's own)")
+                     help="engine version to play and report: vLLM answers as that version does (0.25.0 "
+                          f"or later; one per behaviour set: {', '.join(VLLM_VERSIONS)}; default "
+                          f"{VLLM_DEFAULT_VERSION}, the newest release); SGLang reports it in /get_server_info "
+                          "(default: the simulator's own)")
     sim.add_argument("--stream-interval", type=_bounded(int, 1), default=1, metavar="N",
                      help="tokens per streamed event (SGLang --stream-interval; vLLM batches N tokens "
                           "per chunk as under load) (default %(default)s)")

@@ -8,12 +8,12 @@ import orjson
 import pytest
 
 from asgi_generate.workers.protocols import PROTOCOLS
-from asgi_generate.workers.versions import VLLM_VERSIONS, parse_version, vllm_behaviour
+from asgi_generate.workers.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS, parse_version, vllm_behaviour
 from support import start_frontend, start_sim, stats, wait_until
 
 GEN = "/inference/v1/generate"
 JSON = {"content-type": "application/json"}
-OLD, NEW = VLLM_VERSIONS
+OLD, NEW = VLLM_VERSIONS[0], VLLM_DEFAULT_VERSION
 
 
 @pytest.mark.parametrize(
@@ -26,11 +26,16 @@ def test_parse_version(text, parsed):
 
 
 @pytest.mark.parametrize(
-    "version, newer", [(OLD, False), ("0.32.9", False), (NEW, True), ("1.0", True), ("0.33.0rc1", True)]
+    "version, unary_engine_id, refuses_stop_strings, generate_schema, bounds_max_tokens",
+    [("0.24.0", False, False, False, False), ("0.25.0", True, False, False, False), ("0.27.0", True, False, False, False),
+     ("0.31.0", True, True, False, False), ("0.32.0", True, True, True, False), ("0.33.0", True, True, True, False),
+     ("0.34.0.dev3+g1", True, True, True, True), ("1.0", True, True, True, True)],
 )
-def test_vllm_behaviour_by_version(version, newer):
+def test_vllm_behaviour_by_version(version, unary_engine_id, refuses_stop_strings, generate_schema, bounds_max_tokens):
     b = vllm_behaviour(version)
-    assert (b.version, b.token_id_logprobs, b.stop_reason, b.refuses_stop_strings) == (version, newer, newer, newer)
+    assert (b.version, b.unary_engine_id, b.refuses_stop_strings, b.generate_schema, b.stop_reason,
+            b.bounds_max_tokens) == (version, unary_engine_id, refuses_stop_strings, generate_schema, generate_schema,
+                                     bounds_max_tokens)
 
 
 def test_unknown_version_gives_no_behaviour():
@@ -42,11 +47,15 @@ def test_version_route_answer_is_read_strictly():
     assert (read({"version": "0.33.0"}), read({"version": 33}), read([1]), read({})) == ("0.33.0", None, None, None)
 
 
-def test_sim_refuses_a_vllm_version_it_cannot_play(capsys):
+@pytest.mark.parametrize(
+    "version, message",
+    [("latest", "not a vLLM version: 'latest'"), ("0.18.1", "the simulator plays vLLM 0.25.0 and later, not 0.18.1")],
+)
+def test_sim_refuses_a_vllm_version_it_cannot_play(capsys, version, message):
     from asgi_generate.cli import main
 
-    assert main(["sim", "--protocol", "vllm", "--engine-version", "latest", "--port", "0"]) == 2
-    assert capsys.readouterr().err == "asgi-generate sim: not a vLLM version: 'latest'\n"
+    assert main(["sim", "--protocol", "vllm", "--engine-version", version, "--port", "0"]) == 2
+    assert capsys.readouterr().err == f"asgi-generate sim: {message}\n"
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +153,34 @@ def test_trace_matched_from_the_newer_version_only(tmp_path, sims):
     assert set(by_worker) == {"w0", "w1"}
     assert by_worker["w0"]["finish"] == {"finish_reason": "stop", "backend_finish_reason": "stop"}
     assert by_worker["w1"]["finish"] == {"finish_reason": "stop", "backend_finish_reason": "stop", "matched": 978}
+
+
+@pytest.mark.parametrize("version, shown", [(OLD, False), (NEW, True)])
+def test_an_aborted_stream_shows_its_finish_only_from_0_32(version, shown):
+    # vLLM before 0.32 skips an output without tokens (the abort's finish is
+    # dropped); from 0.32 it sends the finishing output anyway.
+    from support import RawClient
+
+    sim = start_sim("vllm", itl_ms=20, extra=["--engine-version", version])
+    try:
+        client = RawClient(sim.url)
+        try:
+            body = {"token_ids": [1, 2, 3, 400], "request_id": "ab", "stream": True,
+                    "sampling_params": {"max_tokens": 500, "ignore_eos": True}}
+            client.send(orjson.dumps(body), path=GEN)
+            first = client.events(2)
+            assert len(first) == 2
+            r = httpx.post(sim.url + "/abort_requests", content=orjson.dumps({"request_ids": ["generate-tokens-ab"]}),
+                           headers=JSON, timeout=10)
+            assert r.status_code == 200
+            rest = first + client.events(10000)
+        finally:
+            client.close()
+    finally:
+        sim.stop()
+    assert rest[-1] == b"[DONE]"
+    last = orjson.loads(rest[-2])["choices"][0]
+    if shown:
+        assert (last["finish_reason"], last["token_ids"], last["stop_reason"]) == ("abort", [], None)
+    else:
+        assert last["finish_reason"] is None and len(last["token_ids"]) == 1

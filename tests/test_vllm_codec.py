@@ -176,6 +176,30 @@ def test_unary_answer_is_the_workers_own():
 
 
 @pytest.mark.parametrize(
+    "shown, headers, body_id",
+    [("generate-tokens-mine", {}, "mine"), ("generate-tokens-hdr", {"x_request_id": "hdr"}, "mine"),
+     ("generate-tokens-" + "f" * 32, {}, None)],
+)
+def test_unary_answer_shows_the_clients_id_for_the_engine_id(shown, headers, body_id):
+    # vLLM 0.25+ answers with the engine id; the client sees its own, as it
+    # would from vLLM directly (else the frontend's id standing in for vLLM's uuid).
+    body = {"token_ids": [1], "sampling_params": {}, **({"request_id": body_id} if body_id else {})}
+    ex = exchange(body, **headers)
+    answer = {"request_id": f"generate-tokens-{ENGINE_ID}", "model": "sim",
+              "choices": [{"index": 0, "finish_reason": "stop", "token_ids": [2]}], "usage": None}
+    ex.feed(ATTEMPT, orjson.dumps(answer))
+    assert ex.unary_body() == (200, orjson.dumps({**answer, "request_id": shown}))
+
+
+def test_unary_answer_with_a_random_uuid_passes_untouched():
+    # Before 0.25 vLLM answers with a fresh uuid whatever it was sent.
+    ex = exchange({"token_ids": [1], "request_id": "mine", "sampling_params": {}})
+    answer = unary_answer([2], "stop", None)
+    ex.feed(ATTEMPT, answer)
+    assert ex.unary_body() == (200, answer)
+
+
+@pytest.mark.parametrize(
     "usage, counts",
     [(None, (None, None, None)),
      ({"prompt_tokens": 2, "total_tokens": 3, "completion_tokens": 1, "prompt_tokens_details": None}, (2, 1, None)),
@@ -365,7 +389,7 @@ def test_a_wrongly_typed_field_is_an_invalid_request_not_invalid_json(body, kind
     assert (err.value.status, err.value.kind) == (400, kind)
 
 
-OLD, NEW = Attempt(ENGINE_ID, worker_info={"version": "0.18.2"}), Attempt(ENGINE_ID, worker_info={"version": "0.33.0"})
+OLD, NEW = Attempt(ENGINE_ID, worker_info={"version": "0.31.0"}), Attempt(ENGINE_ID, worker_info={"version": "0.32.0"})
 UNKNOWN = Attempt(ENGINE_ID, worker_info={"version": None})
 
 

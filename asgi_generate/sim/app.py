@@ -22,7 +22,7 @@ import orjson
 
 from ..assets import ASSETS_DIR
 from ..framing import BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
-from ..workers.versions import VLLM_VERSIONS
+from ..workers.versions import VLLM_DEFAULT_VERSION
 from .engine import SimEngine
 from .model import Model
 from .sglang import SGLangProtocol
@@ -51,7 +51,7 @@ class SimApp:
         abort_after, abort_status: end every request after that many tokens
             with an ``abort`` finish of that HTTP status (``None``: never).
         engine_version: the engine version to play; ``None`` is the newest
-            the codec knows (vLLM) or the simulator's own (SGLang).
+            vLLM release the codec knows, or the simulator's own (SGLang).
 
     Raises:
         ValueError: unknown protocol, or a vLLM version that is not one.
@@ -85,8 +85,8 @@ class SimApp:
         )
         self.protocol: SGLangProtocol | VLLMProtocol = (
             VLLMProtocol(
-                self.engine, self.tokenizer.vocab_size, model_name, usage_chunk, engine_version or VLLM_VERSIONS[-1],
-                stream_interval=stream_interval,
+                self.engine, self.tokenizer.vocab_size, model_name, usage_chunk,
+                engine_version or VLLM_DEFAULT_VERSION, stream_interval=stream_interval,
             )
             if protocol == "vllm"
             else SGLangProtocol(self.engine, self.tokenizer, incremental_streaming_output, model_name,

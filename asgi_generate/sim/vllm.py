@@ -1,29 +1,33 @@
 """vLLM's native tokens-in/tokens-out protocol, as the simulator speaks it.
 
-Follows vLLM ``ServingTokens`` and its models (``vllm/entrypoints/serve/
-disagg/{protocol,serving,api_router}.py``, later ``vllm/entrypoints/
-scale_out/token_in_token_out/``) for a server run with ``--tokens-only``, as
-the vLLM version it plays answers (``sim --engine-version``, see
-:mod:`asgi_generate.workers.versions`):
+Follows vLLM ``ServingTokens`` and its models
+(``vllm/entrypoints/scale_out/token_in_token_out/{protocol,serving,
+api_router}.py``, read from the released wheels) for a server run with
+``--tokens-only``, as the vLLM version it plays answers (``sim
+--engine-version``, 0.25.0 and later; the behaviours that differ are listed
+in :mod:`asgi_generate.workers.versions`):
 
 - ``POST /inference/v1/generate``: the engine id is ``generate-tokens-`` plus
   the ``X-Request-Id`` header, else the body ``request_id``, else a random
   uuid. Unary answers are ``GenerateResponse`` objects (``model_dump``, nulls
-  included, ``request_id`` a fresh uuid); SSE answers are delta chunks
+  included, ``request_id`` the engine id); SSE answers are delta chunks
   carrying the engine id, one step of one choice each (one token; several,
   as vLLM sends under load, with ``sim --stream-interval N``), then the usage
   chunk if ``stream_options.include_usage`` (``exclude_none``; never with
   ``usage_chunk`` off, ``sim --no-usage-chunk``, like a build that sends
-  none), then ``[DONE]``. An aborted request's finish-only chunk is dropped,
-  as vLLM drops chunks without tokens. Prompt logprobs appear only in unary
-  answers. ``sampling_params`` may be left out (engine defaults apply).
+  none), then ``[DONE]``. An aborted request's finish-only chunk is dropped
+  by versions before 0.32 (they skip outputs without tokens) and sent by
+  later ones. Prompt logprobs appear only in unary answers. The field layout
+  is the played version's (0.32 added ``stop_reason``, ``sampling_mask``,
+  ``weight_versions``, ``output_mode`` and the prompt fields).
 - ``n`` choices (``sampling_params.n``, at most the server's ``max_num_seqs``,
   256): the model is greedy, so every choice carries the same tokens; usage
   counts all of them.
-- Logprobs, older versions: ``"token_id:N"`` labels with ``bytes`` null;
-  newer: ``GenerateLogProb`` entries (integer ``token_id``, ``logprob``,
+- Logprobs, before 0.32: ``"token_id:N"`` labels with ``bytes`` null;
+  from 0.32: ``GenerateLogProb`` entries (integer ``token_id``, ``logprob``,
   ``rank``). ``top_logprobs`` is the sampled token, then the top-k without
-  it, cut to ``max(k, 1)`` entries; prompt logprobs map each prompt token,
+  it (the greedy token is always in the top-k, so ``max(k, 1)`` entries in
+  every version); prompt logprobs map each prompt token,
   then the top-k, to ``{logprob, rank, decoded_token}`` (``decoded_token``
   null: tokens-only mode does not detokenize). Newer versions add each
   choice's ``stop_reason``: the matched stop token id, null for EOS or a cap.
@@ -35,9 +39,12 @@ the vLLM version it plays answers (``sim --engine-version``, see
   at ``body.sampling_params``, ``param`` the field a ``VLLMValidationError``
   names), then ``serve_tokens``
   (unknown model, ``n`` above ``max_num_seqs``, stop strings on a tokens-only
-  server: newer versions refuse them, older ones accept and never apply
-  them), then the input checks (logprob counts, vocabulary, prompt and
-  ``max_tokens`` against ``max_model_len``).
+  server: 0.31 and later refuse them, older ones accept and never apply
+  them), then the input checks (logprob counts, vocabulary, the prompt
+  against ``max_model_len``). ``max_tokens`` beyond the context stops
+  generation at the context end, or is refused from 0.34 (vLLM main after
+  0.33.0; its message here is the simulator's own); the int32 overflow that
+  kills a 0.33 engine on a huge value is not simulated.
 - ``POST /abort_requests`` ``{"request_ids": [...]}``: exact (prefixed) ids,
   200 with an empty body; missing ids or bad JSON are 400.
 - ``GET /version``: ``{"version": V}`` (vLLM ``show_version``).
@@ -68,7 +75,7 @@ import anyio
 import orjson
 
 from ..framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
-from ..workers.versions import VLLM_VERSIONS, VLLMBehaviour, vllm_behaviour
+from ..workers.versions import VLLM_DEFAULT_VERSION, VLLM_OLDEST_PLAYED, VLLMBehaviour, parse_version, vllm_behaviour
 from .engine import DuplicateRequestId, Job, SimEngine, Token
 from .model import NUM_CANDIDATES
 
@@ -175,7 +182,7 @@ _REQUEST = (
         "kv_transfer_params": ("nullable", ("dict", ANY)),
         "ec_transfer_params": ("nullable", ("dict", ANY)),
     },
-    ("token_ids",),
+    ("token_ids", "sampling_params"),
 )
 
 
@@ -349,12 +356,12 @@ class VLLMProtocol:
         usage_chunk: end a stream with the usage chunk when it asks for one;
             off, act as a vLLM build that never sends it (the stream ends
             after its finishing chunk).
-        version: the vLLM version played (``GET /version``); one of
-            :data:`~asgi_generate.workers.versions.VLLM_VERSIONS` or any
-            readable version string.
+        version: the vLLM version played (``GET /version``): any version
+            string from 0.25.0 on (see
+            :data:`~asgi_generate.workers.versions.VLLM_VERSIONS`).
 
     Raises:
-        ValueError: ``version`` is not a readable version string.
+        ValueError: ``version`` is not a version the simulator can play.
     """
 
     def __init__(
@@ -363,12 +370,14 @@ class VLLMProtocol:
         vocab_size: int,
         model_name: str = "sim",
         usage_chunk: bool = True,
-        version: str = VLLM_VERSIONS[-1],
+        version: str = VLLM_DEFAULT_VERSION,
         stream_interval: int = 1,
     ) -> None:
         behaviour = vllm_behaviour(version)
         if behaviour is None:
             raise ValueError(f"not a vLLM version: {version!r}")
+        if parse_version(version) < VLLM_OLDEST_PLAYED:
+            raise ValueError(f"the simulator plays vLLM 0.25.0 and later, not {version}")
         self.engine = engine
         self.vocab_size = vocab_size
         self.model_name = model_name
@@ -412,7 +421,7 @@ class VLLMProtocol:
         if min(ids) < 0:
             why = "token_ids must not contain negative values"
             raise invalid("value_error", ("token_ids",), f"Value error, {why}", ids, {"error": ValueError(why)})
-        sp = obj.get("sampling_params", {})
+        sp = obj["sampling_params"]
         _verify_sampling(sp)
         model = obj.get("model")
         if model is not None and model != self.model_name:
@@ -446,10 +455,11 @@ class VLLMProtocol:
                 f"of {MAX_MODEL_LEN}. Make sure that `max_model_len` is no smaller than the number "
                 "of text tokens."
             )
-        # An omitted max_tokens means the rest of the context; more is refused.
+        # An omitted max_tokens means the rest of the context; more stops at
+        # the context end, or is refused by versions that bound it.
         room = MAX_MODEL_LEN - len(ids)
         max_tokens = sp.get("max_tokens")
-        if max_tokens is not None and max_tokens > room:
+        if max_tokens is not None and max_tokens > room and self.behaviour.bounds_max_tokens:
             raise error(
                 f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
                 f"{max_tokens} output tokens and your prompt contains {len(ids)} input tokens, for a total of "
@@ -464,7 +474,7 @@ class VLLMProtocol:
         job = Job(
             rid=ENGINE_PREFIX + base,
             input_ids=ids,
-            max_new_tokens=room if max_tokens is None else max_tokens,
+            max_new_tokens=room if max_tokens is None else min(max_tokens, room),
             stop_token_ids=frozenset(sp.get("stop_token_ids") or ()),
             ignore_eos=sp.get("ignore_eos", False),
         )
@@ -481,7 +491,7 @@ class VLLMProtocol:
     # -- answer building -------------------------------------------------
 
     def _entry(self, tok: int, lp: float, rank: int) -> dict:
-        if self.behaviour.token_id_logprobs:
+        if self.behaviour.generate_schema:
             return {"token_id": tok, "logprob": max(lp, LOGPROB_FLOOR), "rank": rank}
         return {"token": f"token_id:{tok}", "logprob": max(lp, LOGPROB_FLOOR), "bytes": None}
 
@@ -516,12 +526,19 @@ class VLLMProtocol:
         return out
 
     def _choice(self, index: int, logprobs: Any, finish: str | None, stop_reason: int | None, ids: list[int]) -> dict:
-        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
-        if self.behaviour.stop_reason:
-            choice["stop_reason"] = stop_reason
-        choice["token_ids"] = ids
-        choice["routed_experts"] = None
-        return choice
+        """One choice in the played version's field order (``model_dump``)."""
+        if not self.behaviour.generate_schema:
+            return {"index": index, "logprobs": logprobs, "finish_reason": finish, "token_ids": ids,
+                    "routed_experts": None}
+        return {"index": index, "finish_reason": finish, "stop_reason": stop_reason, "token_ids": ids,
+                "routed_experts": None, "sampling_mask": None, "weight_versions": None, "logprobs": logprobs}
+
+    def _chunk(self, rid: str, choices: list[dict], usage: dict | None) -> dict:
+        """A stream chunk (``GenerateStreamResponse``; newer versions leave
+        out the prompt fields a token-bearing chunk lacks)."""
+        if not self.behaviour.generate_schema:
+            return {"request_id": rid, "choices": choices, "usage": usage}
+        return {"request_id": rid, "usage": usage, "output_mode": "tokens", "choices": choices}
 
     # -- HTTP ------------------------------------------------------------
 
@@ -585,36 +602,46 @@ class VLLMProtocol:
                 continue
             logprobs = {"content": content[-len(pending):]} if k is not None else None
             for i in range(opts.n):  # one chunk per choice and step
-                chunk = {
-                    "request_id": job.rid,
-                    "choices": [self._choice(i, logprobs, finish, stop_reason, pending)],
-                    "usage": _usage(prompt, len(out) * (i + 1) + (len(out) - len(pending)) * (opts.n - i - 1))
-                    if opts.continuous_usage else None,
-                }
-                await send({"type": "http.response.body", "body": sse_event(orjson.dumps(chunk)), "more_body": True})
+                choice = self._choice(i, logprobs, finish, stop_reason, pending)
+                # Continuous usage counts this choice's tokens (vLLM's num_generated_tokens[i]).
+                usage = _usage(prompt, len(out)) if opts.continuous_usage else None
+                await self._send_chunk(send, self._chunk(job.rid, [choice], usage))
             pending = []
         if job.aborted and finish is None:
             finish = "abort"
+            # The aborted output carries the tokens not sent yet; without any,
+            # versions before 0.32 skip it and later ones send it anyway.
+            if opts.stream and (pending or self.behaviour.generate_schema):
+                logprobs = {"content": content[-len(pending):]} if k is not None and pending else None
+                for i in range(opts.n):
+                    usage = _usage(prompt, len(out)) if opts.continuous_usage else None
+                    choice = self._choice(i, logprobs, finish, None, pending)
+                    await self._send_chunk(send, self._chunk(job.rid, [choice], usage))
         if opts.stream:
             tail = b""
             if opts.include_usage and self.usage_chunk:
                 # The closing chunk leaves out null fields (vLLM's exclude_none).
                 usage = _usage(prompt, len(out) * opts.n)
                 del usage["prompt_tokens_details"]
-                tail = sse_event(orjson.dumps({"request_id": job.rid, "choices": [], "usage": usage}))
+                tail = sse_event(orjson.dumps(self._chunk(job.rid, [], usage)))
             return [{"type": "http.response.body", "body": tail + DONE, "more_body": False}]
         pk = opts.prompt_logprobs
         logprobs = {"content": content} if k is not None else None
-        answer = {
-            "request_id": uuid.uuid4().hex,
-            "model": self.model_name,
-            "created": int(time.time()),
-            "choices": [self._choice(i, logprobs, finish or "stop", stop_reason, out) for i in range(opts.n)],
-            "usage": _usage(prompt, len(out) * opts.n),
-            "prompt_logprobs": self._prompt_logprobs(job.input_ids, pk) if pk is not None else None,
-            "kv_transfer_params": None,
-            "ec_transfer_params": None,
-        }
+        choices = [self._choice(i, logprobs, finish or "stop", stop_reason, out) for i in range(opts.n)]
+        usage = _usage(prompt, len(out) * opts.n)
+        prompt_logprobs = self._prompt_logprobs(job.input_ids, pk) if pk is not None else None
+        head = {"request_id": job.rid, "model": self.model_name, "created": int(time.time())}
+        if self.behaviour.generate_schema:
+            answer = {
+                **head, "usage": usage, "prompt_logprobs": prompt_logprobs, "prompt_token_id_logprobs": None,
+                "prompt_token_ids": None, "mm_placeholders": None, "metrics": None, "kv_transfer_params": None,
+                "ec_transfer_params": None, "output_mode": "tokens", "choices": choices,
+            }
+        else:
+            answer = {
+                **head, "choices": choices, "usage": usage, "prompt_logprobs": prompt_logprobs,
+                "kv_transfer_params": None, "ec_transfer_params": None,
+            }
         body = orjson.dumps(answer)
         return [
             {
@@ -624,6 +651,10 @@ class VLLMProtocol:
             },
             {"type": "http.response.body", "body": body, "more_body": False},
         ]
+
+    @staticmethod
+    async def _send_chunk(send: Send, chunk: dict) -> None:
+        await send({"type": "http.response.body", "body": sse_event(orjson.dumps(chunk)), "more_body": True})
 
     async def abort_requests(self, body: bytes, send: Send) -> None:
         """Serve ``POST /abort_requests``: abort the named (prefixed) ids."""

@@ -2,35 +2,35 @@
 
 A worker reports its engine version at registration (SGLang
 ``/get_server_info`` ``version``; vLLM ``GET /version`` ``{"version": ...}``,
-``vllm/entrypoints/openai/api_server.py`` ``show_version``), and the
-router keeps it in ``Worker.info["version"]``. Codecs and the simulator read
-the behaviours of that version from here, never from a guess: an unknown or
+``vllm/entrypoints/openai/api_server.py`` ``show_version``), and the router
+keeps it in ``Worker.info["version"]``. Codecs and the simulator read the
+behaviours of that version from here, never from a guess: an unknown or
 unreadable version gives ``None`` and the codec then relies on nothing that
 differs between versions.
 
-vLLM ``POST /inference/v1/generate`` (tokens in, tokens out), by release, from
-vLLM's own source:
+vLLM ``POST /inference/v1/generate`` (tokens in, tokens out), read from the
+released wheels' source (``vllm/entrypoints/serve/disagg/`` up to 0.24,
+``vllm/entrypoints/scale_out/token_in_token_out/`` from 0.25; ``protocol.py``
+and ``serving.py``):
 
-- v0.11.2: ``vllm/entrypoints/openai/serving_tokens.py``
-  ``OpenAIServingTokens`` (PR #24261, merged 2025-11-14); unary only.
-- v0.18.2: ``vllm/entrypoints/serve/disagg/serving.py`` ``ServingTokens``,
-  streams too; later ``vllm/entrypoints/scale_out/token_in_token_out/``.
-- Every version accepts ``sampling_params.n > 1`` and answers ``n`` choices
-  (vLLM's test ``test_generate_returns_all_choices_when_n_greater_than_one``);
-  newer builds cap it at the server's ``max_num_seqs`` in
-  ``ServingTokens.serve_tokens``. Only the Rust frontend
-  (``VLLM_USE_RUST_FRONTEND``) refuses ``n > 1``, so no version is refused
-  here.
-- Output logprob entries: ``ChatCompletionLogProbsContent`` with a
-  ``"token_id:N"`` label and ``bytes`` (``_create_tokens_logprobs``) until
-  ``GenerateLogProbs`` (``token_in_token_out/protocol.py``
-  ``GenerateLogProb``: integer ``token_id``, ``logprob``, ``rank``; PR
-  #58181); each choice carries ``stop_reason`` (the matched stop token id or
-  string, null for EOS; PR #47313) and a ``--tokens-only`` server refuses stop
-  strings outright instead of ignoring them. vLLM's tags were not readable
-  here, so :data:`VLLM_NEWER_SCHEMA_SINCE` is the first release taken to
-  carry both (the newest release at the time of writing); move it if a
-  release proves otherwise.
+- served from 0.11.2 (``vllm/entrypoints/openai/serving_tokens.py``, unary
+  only); streams from 0.20; server-side ``max_tokens`` defaulting and the
+  ``n <= max_num_seqs`` check from 0.22; ``usage``, ``model`` and ``created``
+  in unary answers, and the engine id (``generate-tokens-<id>``) as their
+  ``request_id``, from 0.25 (before, a fresh random uuid);
+- every version takes ``sampling_params.n > 1`` and answers ``n`` choices;
+  ``sampling_params`` is a required field in every release;
+- 0.31: a ``--tokens-only`` server refuses stop strings (before, it accepted
+  and never applied them);
+- 0.32: ``GenerateLogProbs`` entries (integer ``token_id``, ``logprob``,
+  ``rank``; ``top_logprobs`` not cut to k) replace ``"token_id:N"`` labels
+  with ``bytes``; each choice carries ``stop_reason``; answers carry
+  ``output_mode`` and a new field layout; a finishing chunk without tokens (an
+  abort) is sent instead of dropped;
+- after 0.33 (vLLM main, ``test_generate_max_tokens_boundary``): ``max_tokens``
+  above ``max_model_len - prompt_len`` is refused with 400; 0.33 and earlier
+  cap generation at the context end (and a value whose sum with the prompt
+  overflows int32 kills the engine).
 """
 
 from __future__ import annotations
@@ -38,11 +38,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-#: The first vLLM release taken to answer with the newer generate schema.
-VLLM_NEWER_SCHEMA_SINCE = (0, 33, 0)
-#: vLLM versions the simulator plays (``sim --engine-version``), oldest first;
-#: the last is the default.
-VLLM_VERSIONS = ("0.18.2", "0.33.0")
+#: vLLM versions the simulator plays (``sim --engine-version``), oldest
+#: first: one per behaviour set below. 0.34.0 stands for vLLM main after the
+#: 0.33.0 release.
+VLLM_VERSIONS = ("0.27.0", "0.33.0", "0.34.0")
+#: The simulator's default: the newest release.
+VLLM_DEFAULT_VERSION = "0.33.0"
+#: The oldest version the simulator can play (the answer layout it knows).
+VLLM_OLDEST_PLAYED = (0, 25, 0)
 
 _LEADING = re.compile(r"v?(\d+(?:\.\d+)*)")
 
@@ -62,25 +65,35 @@ class VLLMBehaviour:
 
     Attributes:
         version: the version string the worker reported.
-        token_id_logprobs: logprob entries are ``{"token_id", "logprob",
-            "rank", "top_logprobs"}`` (else ``{"token": "token_id:N",
-            "logprob", "bytes", "top_logprobs"}``).
-        stop_reason: each choice carries ``stop_reason``.
+        unary_engine_id: a unary answer's ``request_id`` is the engine id
+            (else a fresh random uuid).
         refuses_stop_strings: a ``--tokens-only`` server answers 400 to stop
             strings (else it accepts them and never applies them).
+        generate_schema: the 0.32 layout: ``GenerateLogProbs`` entries
+            (``{"token_id", "logprob", "rank", "top_logprobs"}``, else
+            ``{"token": "token_id:N", "logprob", "bytes", "top_logprobs"}``),
+            ``stop_reason`` per choice, ``output_mode``, and finishing chunks
+            without tokens sent.
+        bounds_max_tokens: ``max_tokens`` beyond the context is refused
+            (else generation stops at the context end).
     """
 
     version: str
-    token_id_logprobs: bool
-    stop_reason: bool
+    unary_engine_id: bool
     refuses_stop_strings: bool
+    generate_schema: bool
+    bounds_max_tokens: bool
+
+    @property
+    def stop_reason(self) -> bool:
+        """Each choice carries ``stop_reason``."""
+        return self.generate_schema
 
 
 def vllm_behaviour(version: object) -> VLLMBehaviour | None:
     """The behaviours of vLLM ``version``; ``None`` when it is not a
     readable version string."""
-    parsed = parse_version(version)
-    if parsed is None:
+    v = parse_version(version)
+    if v is None:
         return None
-    newer = parsed >= VLLM_NEWER_SCHEMA_SINCE
-    return VLLMBehaviour(str(version), newer, newer, newer)
+    return VLLMBehaviour(str(version), v >= (0, 25), v >= (0, 31), v >= (0, 32), v >= (0, 34))

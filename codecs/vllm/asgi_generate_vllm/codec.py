@@ -29,15 +29,17 @@ choice has finished.
 Engine ids. The worker gets the attempt's minted id as both the
 ``X-Request-Id`` header and the body ``request_id``, so the engine runs it as
 ``generate-tokens-<minted id>`` (what ``POST /abort_requests`` names). The
-client sees ``generate-tokens-<its id>`` in stream chunks (its
-``X-Request-Id`` header, else its body ``request_id``, else the frontend's
-request id standing in for vLLM's random uuid), and in a unary answer the
-worker's own fresh uuid, as vLLM gives one there whatever it was sent.
+client sees ``generate-tokens-<its id>`` (its ``X-Request-Id`` header, else
+its body ``request_id``, else the frontend's request id standing in for
+vLLM's random uuid) in stream chunks and, from vLLM 0.25 (which answers with
+the engine id there too), in unary answers; before 0.25 a unary answer
+carries a fresh random uuid, passed through.
 
 Unary requests (``stream`` false or absent) run a unary worker leg
 (``WorkerRequest.stream`` false): the client's body with only the id
-replaced. vLLM's ``GenerateResponse`` is the client's answer byte for byte,
-so what vLLM puts only in unary answers arrives as vLLM sent it
+replaced. vLLM's ``GenerateResponse`` is the client's answer, only its engine
+id shown as the client's, so what vLLM puts only in unary answers arrives as
+vLLM sent it
 (``prompt_logprobs``, a prefill leg's ``kv_transfer_params``,
 ``routed_experts``, ``model``, ``created``); the codec reads it once for the
 handler's event (all token ids, finish reason, usage).
@@ -279,7 +281,8 @@ class VLLMExchange(Exchange):
         """A streaming leg: one vLLM stream chunk, giving its new token ids
         (of whichever choice it carries); the held finish reason and usage
         once the closing usage chunk arrives. A unary leg: vLLM's whole
-        ``GenerateResponse``, giving the token ids of all its choices (so
+        ``GenerateResponse`` (its engine id, when it shows one, replaced by
+        the client's), giving the token ids of all its choices (so
         ``n`` choices count as the sum of their tokens), the first choice's
         finish reason, and usage. A worker whose version sends
         ``stop_reason`` gives it as the event's ``matched``. Either way
@@ -309,6 +312,9 @@ class VLLMExchange(Exchange):
             finish = choices[0].get("finish_reason")
             if type(finish) is not str:  # vLLM reports a null reason as "stop"
                 raise _bad(what, "has no finish_reason")
+            if obj.get("request_id") == ENGINE_PREFIX + attempt.engine_id:
+                obj["request_id"] = self.stream_id
+                payload = orjson.dumps(obj)
             self.out = payload
             return _usage_event(ids, finish, obj.get("usage"), _stop_reason(attempt, choices[0]))
         obj["request_id"] = self.stream_id
@@ -350,9 +356,9 @@ class VLLMExchange(Exchange):
         return self.out
 
     def unary_body(self) -> tuple[int, bytes]:
-        """The worker's answer as it sent it: vLLM's ``GenerateResponse``
-        with status 200, or its ``{"error": ...}`` with the error's status
-        (see :meth:`feed`)."""
+        """The worker's answer: vLLM's ``GenerateResponse`` (with the
+        client's id for the engine's) with status 200, or its
+        ``{"error": ...}`` with the error's status (see :meth:`feed`)."""
         return self.status, self.out
 
     def worker_error(self, status: int, body: bytes) -> tuple[int, bytes]:
