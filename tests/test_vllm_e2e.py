@@ -94,8 +94,9 @@ def direct_sse(sim, body: dict, **headers) -> tuple[int, list[bytes]]:
 
 
 def made_up(answer: dict) -> dict:
-    """A unary answer without its id (vLLM's random uuid or the frontend's
-    request id standing in for it, when the client named none) and clock."""
+    """A unary answer without its id (the engine id: vLLM's random uuid, or
+    the frontend's request id standing in for it, when the client named
+    none) and clock."""
     assert answer["request_id"].startswith("generate-tokens-"), answer["request_id"]
     assert isinstance(answer["created"], int)
     return {k: v for k, v in answer.items() if k not in ("request_id", "created")}

@@ -45,8 +45,9 @@ vLLM sent it
 handler's event (all token ids, finish reason, usage).
 
 Streaming requests ask the worker for usage. vLLM ends a stream with the
-usage chunk *after* the chunk that carries ``finish_reason`` (and drops
-finish-only chunks), so the request ends at the usage chunk: a
+usage chunk *after* the chunk that carries ``finish_reason`` (before 0.32 it
+drops a finish-only chunk, so an aborted stream may carry no finish reason),
+so the request ends at the usage chunk: a
 ``finish_reason`` is held until then, and the usage chunk reaches the client
 only if it asked. A build that sends no usage chunk ends the stream after the
 finishing chunk; :meth:`VLLMExchange.end_of_stream` then finishes with the
@@ -323,7 +324,7 @@ class VLLMExchange(Exchange):
             if type(usage) is not dict:
                 raise _bad(what, "has neither choices nor usage")
             self.out = orjson.dumps(obj) if self.native.include_usage else None
-            # vLLM drops the finish-only chunk of an aborted request.
+            # vLLM before 0.32 drops the finish-only chunk of an aborted request.
             return _usage_event([], self.finish or "abort", usage, self.matched)
         ids = []
         for choice in choices:
