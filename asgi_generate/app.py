@@ -126,7 +126,8 @@ class App:
                 self.router = Router(
                     specs,
                     connect_timeout=self.settings.connect_timeout,
-                    read_timeout=self.settings.read_timeout,
+                    health_timeout=self.settings.health_timeout,
+                    health_failures=self.settings.health_failures,
                 )
                 stack.push_async_callback(self.router.aclose)
                 async with anyio.create_task_group() as probes:

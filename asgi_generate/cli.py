@@ -122,10 +122,25 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                        help="request body cap in bytes; larger bodies get 413 (default %(default)s)")
     serve.add_argument("--connect-timeout", type=float, default=d.connect_timeout,
                        help="seconds to connect to a worker (default %(default)s)")
-    serve.add_argument("--read-timeout", type=float, default=d.read_timeout,
-                       help="seconds a worker may stay silent mid-response (default %(default)s)")
+    serve.add_argument("--headers-timeout", type=float, default=d.headers_timeout,
+                       help="seconds from sending a streamed engine leg to its response headers; "
+                            "0 = none (default %(default)s)")
+    serve.add_argument("--first-token-timeout", type=float, default=d.first_token_timeout,
+                       help="seconds from a streamed leg's headers to its first event (queueing and "
+                            "prefill); 0 = none (default %(default)s)")
+    serve.add_argument("--inter-token-timeout", "--read-timeout", type=float, default=d.inter_token_timeout,
+                       help="seconds a streamed leg may go without an SSE event (comments do not count); "
+                            "0 = none; --read-timeout is its old name (default %(default)s)")
+    serve.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                       help="seconds a unary engine leg may take in all; 0 = none (default %(default)s)")
     serve.add_argument("--health-interval", type=float, default=d.health_interval,
-                       help="seconds between health probes of a down worker (default %(default)s)")
+                       help="seconds between health probes of each worker (default %(default)s)")
+    serve.add_argument("--health-timeout", type=float, default=d.health_timeout,
+                       help="seconds one health probe may take (default %(default)s)")
+    serve.add_argument("--health-failures", type=int, default=d.health_failures,
+                       help="failed health probes in a row that take an up worker out of the rotation "
+                            "and end its in-flight requests; a refused or broken connection does at once "
+                            "(default %(default)s)")
     serve.add_argument("--sse-keepalive", type=float, default=d.sse_keepalive,
                        help="seconds of stream silence before a keep-alive comment; 0 = never (default %(default)s)")
     serve.add_argument("--abort-timeout", type=float, default=d.abort_timeout,
@@ -207,8 +222,13 @@ def _settings(args: argparse.Namespace, d: Settings) -> Settings:
         workers=args.worker if args.worker is not None else d.workers,
         max_body_bytes=args.max_body_bytes,
         connect_timeout=args.connect_timeout,
-        read_timeout=args.read_timeout,
+        headers_timeout=args.headers_timeout,
+        first_token_timeout=args.first_token_timeout,
+        inter_token_timeout=args.inter_token_timeout,
+        request_timeout=args.request_timeout,
         health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
+        health_failures=args.health_failures,
         sse_keepalive=args.sse_keepalive,
         abort_timeout=args.abort_timeout,
         slow_client_timeout=args.slow_client_timeout,

@@ -19,9 +19,11 @@ from .workers.router import parse_worker_spec
 ENV_PREFIX = "ASGI_GENERATE_"
 #: Numeric settings that must be above zero (every other one: zero or more).
 POSITIVE = frozenset({
-    "max_body_bytes", "connect_timeout", "read_timeout", "health_interval", "abort_timeout",
+    "max_body_bytes", "connect_timeout", "health_interval", "health_timeout", "health_failures", "abort_timeout",
     "slow_client_timeout", "embedded_workers", "trace_queue_size", "trace_block_size",
 })
+#: Old variable names still read, and the setting each now sets.
+ENV_ALIASES = {"READ_TIMEOUT": "inter_token_timeout"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -43,8 +45,21 @@ class Settings:
         workers: ``(protocol, url)`` pairs; empty starts embedded simulators.
         max_body_bytes: request body cap; larger bodies get 413.
         connect_timeout: seconds to connect to a worker.
-        read_timeout: seconds a worker may stay silent mid-response.
-        health_interval: seconds between probes of a down worker.
+        headers_timeout: seconds from sending a streamed engine leg to its
+            response headers (engines send them at once, before any token).
+        first_token_timeout: seconds from a streamed leg's headers to its
+            first SSE event (queueing plus prefill).
+        inter_token_timeout: seconds a streamed leg may go without an SSE
+            event; comments and keep-alive bytes do not count.
+        request_timeout: seconds a unary engine leg (silent until its answer
+            is whole) may take in all. A phase timeout of 0 means none; a
+            leg past one is aborted and its request ended (504, or in-band
+            after the 200), the worker stays up, the prompt goes nowhere else.
+        health_interval: seconds between the end of one health probe of a
+            worker and the next (every worker, up or down).
+        health_timeout: seconds one health probe may take.
+        health_failures: failed probes in a row that take an up worker out
+            of the rotation and end its in-flight requests.
         sse_keepalive: seconds of silence before an SSE keep-alive comment
             (0 disables them).
         abort_timeout: seconds to wait for an engine's abort acknowledgement,
@@ -74,8 +89,13 @@ class Settings:
     workers: list[tuple[str, str]] = field(default_factory=list)
     max_body_bytes: int = 32 * 1024 * 1024
     connect_timeout: float = 5.0
-    read_timeout: float = 300.0
+    headers_timeout: float = 60.0
+    first_token_timeout: float = 1800.0
+    inter_token_timeout: float = 300.0
+    request_timeout: float = 0.0
     health_interval: float = 2.0
+    health_timeout: float = 30.0
+    health_failures: int = 3
     sse_keepalive: float = 15.0
     abort_timeout: float = 2.0
     slow_client_timeout: float = 30.0
@@ -98,18 +118,22 @@ class Settings:
         """Settings from ``ASGI_GENERATE_*`` variables; unset or empty ones
         keep their defaults. ``ASGI_GENERATE_WORKERS`` is a comma-separated
         list of ``PROTOCOL=http://HOST:PORT``; booleans are ``1/0``,
-        ``true/false``, ``yes/no`` or ``on/off``.
+        ``true/false``, ``yes/no`` or ``on/off``. ``ASGI_GENERATE_READ_TIMEOUT``
+        (the old name) sets ``inter_token_timeout`` unless that is set too.
 
         Raises:
             ValueError: a variable does not parse, or an ``ASGI_GENERATE_*``
                 variable names no setting (a typo would otherwise be ignored).
         """
         known = {env_name(f.name): f for f in fields(cls)}
-        unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
+        old_names = {ENV_PREFIX + old for old in ENV_ALIASES}
+        unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known and k not in old_names)
         if unknown:
             raise ValueError(f"unknown variable {unknown[0]} (known: {', '.join(known)})")
         values: dict = {}
-        for var, f in known.items():
+        # Old names first, so that the new name wins when both are set.
+        for var, f in [*((ENV_PREFIX + old, known[env_name(new)]) for old, new in ENV_ALIASES.items()),
+                       *known.items()]:
             raw = environ.get(var)
             if raw is None or raw == "":
                 continue

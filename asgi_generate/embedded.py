@@ -80,7 +80,7 @@ async def embedded_workers(
 
 async def _wait_ready(proc: anyio.abc.Process, url: str, timeout: float) -> None:
     host, port = url.removeprefix("http://").rsplit(":", 1)
-    pool = ConnectionPool(host, int(port), connect_timeout=1.0, read_timeout=5.0)
+    pool = ConnectionPool(host, int(port), connect_timeout=1.0)
     try:
         with anyio.fail_after(timeout):
             while True:

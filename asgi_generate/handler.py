@@ -18,6 +18,7 @@ before it keep their real status; errors after it travel in-band.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,7 @@ from .framing import (
     send_unary,
     sse_event,
 )
-from .workers.http import ConnectFailed, WorkerError
+from .workers.http import ConnectFailed, TimedOut, WorkerError
 from .workers.router import Worker
 
 if TYPE_CHECKING:
@@ -161,6 +162,7 @@ class _Generation:
     __slots__ = (
         "app", "codec", "ex", "req", "st", "send", "pending", "in_send", "last_send",
         "scope", "shutdown", "write_timeout", "send_started", "timed", "outbox", "outbox_tokens",
+        "leg", "lost",
     )
 
     def __init__(
@@ -181,6 +183,23 @@ class _Generation:
         self.scope: anyio.CancelScope | None = None
         self.shutdown = False
         self.write_timeout = app.settings.slow_client_timeout
+        #: The running leg's scope, cancelled when its worker is lost.
+        self.leg: anyio.CancelScope | None = None
+        #: Why the running leg's worker was declared lost.
+        self.lost: str | None = None
+
+    def worker_lost(self, worker: Worker, reason: str) -> None:
+        """The router's health probe gave ``worker`` up: stop waiting for it.
+
+        The leg is cancelled at once, or right after the client write under
+        way (a write is never cut in two); :meth:`_attempt` then ends the
+        request. This is where migration will resume the stream instead.
+        """
+        if self.lost is not None or self.st.response_complete:
+            return
+        self.lost = reason
+        if not self.in_send and self.leg is not None:
+            self.leg.cancel()
 
     def cancel_for_shutdown(self) -> None:
         """Stop this request because the server is shutting down; the
@@ -208,57 +227,92 @@ class _Generation:
                 await self.fail(exc, "rejected")
                 return
             self.st.attempts.append(attempt)
-            worker.outstanding += 1
+            worker.inflight.add(self)
             try:
                 retry = await self._attempt(worker, attempt, wreq)
             finally:
-                worker.outstanding -= 1
+                worker.inflight.discard(self)
             if not retry:
                 return
             tried.append(worker)
 
     async def _attempt(self, worker: Worker, attempt: Attempt, wreq: WorkerRequest) -> bool:
-        """Run one attempt; return whether to try another worker."""
-        st, ex = self.st, self.ex
+        """Run one attempt; return whether to try another worker.
+
+        Phase deadlines (each 0 = none): a streamed leg gets
+        ``headers_timeout`` to its response head, ``first_token_timeout``
+        to its first SSE event, then ``inter_token_timeout`` between events
+        (comments do not count); a unary leg, silent until its answer is
+        whole, gets ``request_timeout`` in all. A leg past its deadline is
+        left live for the abort and its request ends with 504 (in-band
+        after the 200); the worker is not marked down and nothing is retried.
+        """
+        st, ex, settings = self.st, self.ex, self.app.settings
         if st.t_dispatched is None:
             st.t_dispatched = time.monotonic()
         attempt.live = True
+        now = anyio.current_time()
+        if wreq.stream:
+            phase, limit = "headers", settings.headers_timeout
+        else:
+            phase, limit = "request", settings.request_timeout
+        deadline = now + limit if limit > 0 else math.inf
         try:
-            async with worker.pool.request(b"POST", wreq.path, wreq.body, wreq.headers) as resp:
-                if resp.status != 200:
-                    body = await resp.read()
-                    attempt.live = False
-                    attempt.outcome = "error"
-                    status, body = ex.worker_error(resp.status, body)
-                    st.fail(
-                        "engine_error" if status >= 500 else "rejected",
-                        status,
-                        "engine",
-                        body[:512].decode("utf-8", "replace"),
-                    )
-                    await self._unary(status, body)
+            with anyio.CancelScope() as self.leg:
+                if self.lost is not None:  # lost before the leg began
+                    self.leg.cancel()
+                async with worker.pool.request(
+                    b"POST", wreq.path, wreq.body, wreq.headers, head_deadline=deadline
+                ) as resp:
+                    if wreq.stream:
+                        phase, limit = "first_token", settings.first_token_timeout
+                        deadline = anyio.current_time() + limit if limit > 0 else math.inf
+                    if resp.status != 200:
+                        body = await resp.read(deadline)
+                        attempt.live = False
+                        attempt.outcome = "error"
+                        status, body = ex.worker_error(resp.status, body)
+                        st.fail(
+                            "engine_error" if status >= 500 else "rejected",
+                            status,
+                            "engine",
+                            body[:512].decode("utf-8", "replace"),
+                        )
+                        await self._unary(status, body)
+                        return False
+                    if not wreq.stream:
+                        await self._feed_whole(attempt, await resp.read(deadline))
+                    else:
+                        decoder = SSEDecoder()
+                        between = settings.inter_token_timeout
+                        while (data := await resp.read_some(deadline)) is not None:
+                            payloads = decoder.feed(data)
+                            if not payloads:  # only comments or part of an event
+                                continue
+                            phase, limit = "inter_token", between
+                            deadline = anyio.current_time() + between if between > 0 else math.inf
+                            for payload in payloads:
+                                if not st.response_complete and payload != DONE:
+                                    await self._feed(attempt, payload)
+                            if self.outbox:
+                                await self._flush()
+                    if not st.response_complete:
+                        event = ex.end_of_stream(attempt)
+                        if event is None or (event.error is None and event.finish_reason is None):
+                            raise WorkerError("worker ended the response without a finish reason")
+                        await self._settle(attempt, event)
                     return False
-                if not wreq.stream:
-                    await self._feed_whole(attempt, await resp.read())
-                else:
-                    decoder = SSEDecoder()
-                    while (data := await resp.read_some()) is not None:
-                        for payload in decoder.feed(data):
-                            if not st.response_complete and payload != DONE:
-                                await self._feed(attempt, payload)
-                        if self.outbox:
-                            await self._flush()
-                if not st.response_complete:
-                    event = ex.end_of_stream(attempt)
-                    if event is None or (event.error is None and event.finish_reason is None):
-                        raise WorkerError("worker ended the response without a finish reason")
-                    await self._settle(attempt, event)
-                return False
         except ConnectFailed as exc:
             attempt.live = False
             attempt.outcome = "connect_failed"
             self.app.router.mark_down(worker, str(exc))
             return True
+        except TimedOut:
+            if st.response_complete:  # only the drain after the answer was slow
+                return False
+            # Slow is not dead: the leg stays live so that it is aborted.
+            await self.fail(RequestError(504, _timeout_message(worker, phase, limit), "timeout"), "timeout")
+            return False
         except WorkerError as exc:
             if self.st.response_complete:  # only the drain after the answer failed
                 return False
@@ -272,6 +326,13 @@ class _Generation:
             attempt.outcome = "error"
             await self.fail(exc, "engine_error")
             return False
+        finally:
+            self.leg = None
+        # Only a cancelled leg gets here: the health probe gave the worker up.
+        # The leg stays live so that the abort is tried all the same.
+        attempt.outcome = "worker_lost"
+        await self.fail(RequestError(502, f"worker {worker.id} lost: {self.lost}", "worker_lost"), "engine_error")
+        return False
 
     async def _write(self, message: dict) -> None:
         """Hand ``message`` to the server. A client is only ever owed the
@@ -285,6 +346,8 @@ class _Generation:
         finally:
             self.in_send = False
             self.last_send = time.monotonic()
+            if self.lost is not None and self.leg is not None and not self.st.response_complete:
+                self.leg.cancel()  # the worker was lost during this write
 
     async def _feed(self, attempt: Attempt, payload: bytes) -> None:
         await self._settle(attempt, self.ex.feed(attempt, payload))
@@ -446,6 +509,17 @@ class _Generation:
         finish_record(self.app, st)
         if self.scope is not None:
             self.scope.cancel()
+
+
+def _timeout_message(worker: Worker, phase: str, limit: float) -> str:
+    """What a client is told when ``worker`` missed a phase deadline."""
+    what = {
+        "headers": "sent no response headers within",
+        "first_token": "sent no token within",
+        "inter_token": "sent no token for",
+        "request": "did not answer within",
+    }[phase]
+    return f"worker {worker.id} {what} {limit:g} s"
 
 
 async def abort_live_legs(app: "App", st: RequestState) -> None:

@@ -64,7 +64,9 @@ def test_help_documents_every_serve_flag():
     out = subprocess.run([sys.executable, "-m", "asgi_generate", "serve", "--help"],
                          capture_output=True, text=True, check=True).stdout
     for flag in ("--worker PROTOCOL=URL", "--host", "--port", "--worker-class", "--workers",
-                 "--max-body-bytes", "--connect-timeout", "--read-timeout", "--health-interval",
+                 "--max-body-bytes", "--connect-timeout", "--headers-timeout", "--first-token-timeout",
+                 "--inter-token-timeout", "--read-timeout", "--request-timeout", "--health-interval",
+                 "--health-timeout", "--health-failures",
                  "--sse-keepalive", "--abort-timeout", "--slow-client-timeout", "--shutdown-grace",
                  "--embedded-workers", "--trace-file", "--skip-broken-codecs"):
         assert flag in out

@@ -198,7 +198,8 @@ def test_hung_worker_leaves_the_rotation_and_comes_back():
     """A frozen worker still accepts connections but never answers: its
     health probe times out, it is marked down, and it returns when thawed."""
     a, b = start_sim(), start_sim()
-    fe = start_frontend([f"sglang={a.url}", f"sglang={b.url}"])
+    fe = start_frontend([f"sglang={a.url}", f"sglang={b.url}"],
+                        extra=["--health-timeout", "1", "--health-failures", "2"])
     try:
         a.proc.send_signal(signal.SIGSTOP)
         state = lambda: [w["state"] for w in httpx.get(fe.url + "/v1/models").json()["workers"]]  # noqa: E731

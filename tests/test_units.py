@@ -99,8 +99,8 @@ def test_router_least_outstanding_then_round_robin():
     for w in r.workers:
         w.healthy = True
     assert [r.pick("sglang").id for _ in range(4)] == ["w0", "w1", "w2", "w0"]
-    r.workers[1].outstanding = 1
-    r.workers[2].outstanding = 1
+    r.workers[1].inflight.add(object())
+    r.workers[2].inflight.add(object())
     assert [r.pick("sglang").id for _ in range(2)] == ["w0", "w0"]
     r.workers[0].healthy = False
     assert r.pick("sglang").id == "w1"
@@ -123,9 +123,14 @@ def test_bad_worker_specs(spec, error):
 
 def test_settings_round_trip_through_the_environment():
     s = Settings(workers=[("sglang", "http://127.0.0.1:9"), ("sglang", "http://127.0.0.1:10")],
-                 max_body_bytes=1234, read_timeout=7.5, skip_broken_codecs=True)
+                 max_body_bytes=1234, inter_token_timeout=7.5, request_timeout=600.0,
+                 health_failures=5, skip_broken_codecs=True)
     assert Settings.from_env(s.to_env()) == s
     assert Settings.from_env({}) == Settings()
+    # The old name of the inter-token timeout still works; the new one wins.
+    assert Settings.from_env({"ASGI_GENERATE_READ_TIMEOUT": "9"}).inter_token_timeout == 9.0
+    both = {"ASGI_GENERATE_READ_TIMEOUT": "9", "ASGI_GENERATE_INTER_TOKEN_TIMEOUT": "4"}
+    assert Settings.from_env(both).inter_token_timeout == 4.0
     with pytest.raises(ValueError) as exc:
         Settings.from_env({"ASGI_GENERATE_READ_TIMEOUT": "soon"})
     assert str(exc.value) == "ASGI_GENERATE_READ_TIMEOUT='soon' is not a number"

@@ -8,7 +8,7 @@ import socket
 import anyio
 import pytest
 
-from asgi_generate.workers.http import ConnectFailed, ConnectionPool, ReadTimedOut
+from asgi_generate.workers.http import ConnectFailed, ConnectionPool, TimedOut
 
 pytestmark = pytest.mark.anyio
 
@@ -27,7 +27,8 @@ def _response(body: bytes, chunked: bool = False) -> bytes:
 
 class Server:
     """A loopback server answering each request with the next scripted reply;
-    ``None`` in the script closes the connection instead."""
+    ``None`` in the script closes the connection instead, a float sleeps
+    instead of answering, ``(bytes, float)`` answers then sleeps."""
 
     def __init__(self, script: list) -> None:
         self.script = script
@@ -54,6 +55,10 @@ class Server:
                 if isinstance(reply, float):
                     await anyio.sleep(reply)
                     continue
+                if isinstance(reply, tuple):
+                    await stream.send(reply[0])
+                    await anyio.sleep(reply[1])
+                    continue
                 await stream.send(reply)
 
 
@@ -62,7 +67,7 @@ async def _serve(tg, script):
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
     tg.start_soon(listener.serve, server.handle)
     port = listener.extra(anyio.abc.SocketAttribute.local_port)
-    return server, ConnectionPool("127.0.0.1", port, read_timeout=0.5)
+    return server, ConnectionPool("127.0.0.1", port)
 
 
 async def test_keep_alive_connection_is_reused():
@@ -116,10 +121,24 @@ async def test_keep_alive_closed_by_the_worker_is_retried_fresh():
 async def test_silent_worker_times_out_and_is_retired():
     async with anyio.create_task_group() as tg:
         _, pool = await _serve(tg, [2.0])
-        with pytest.raises(ReadTimedOut) as exc:
-            async with pool.request(b"GET", b"/") as resp:
-                await resp.read()
-        assert str(exc.value) == "no data from worker for 0.5 s"
+        start = anyio.current_time()
+        with pytest.raises(TimedOut) as exc:
+            async with pool.request(b"GET", b"/", head_deadline=start + 0.5):
+                pass
+        assert 0.5 <= anyio.current_time() - start < 1.5
+        assert str(exc.value) == "deadline passed waiting for the worker"
+        assert (pool.idle, pool.retired) == (0, 1)
+        tg.cancel_scope.cancel()
+
+
+async def test_body_read_deadline_is_the_callers():
+    async with anyio.create_task_group() as tg:
+        # Head and a first chunk, then silence.
+        _, pool = await _serve(tg, [(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n", 2.0)])
+        async with pool.request(b"GET", b"/") as resp:
+            assert await resp.read_some() == b"abc"
+            with pytest.raises(TimedOut):
+                await resp.read_some(anyio.current_time() + 0.2)
         assert (pool.idle, pool.retired) == (0, 1)
         tg.cancel_scope.cancel()
 

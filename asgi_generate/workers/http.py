@@ -5,10 +5,16 @@ A connection goes back to the pool only when both sides finished their
 message cleanly (h11 ``DONE``/``DONE``); any response not read to its end,
 any error and any cancellation retires the connection instead, so a later
 request never reads a stale tail. Wire format: RFC 9112 (via h11).
+
+Waits for the worker take absolute deadlines on anyio's clock
+(``anyio.current_time()``) chosen by the caller, who knows the phase
+(headers, first token, between tokens); a passed deadline is
+:class:`TimedOut`, which says nothing about the worker's health.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from contextlib import asynccontextmanager
@@ -34,8 +40,11 @@ class WorkerDisconnected(WorkerError):
     """The connection broke or the worker broke HTTP before the response ended."""
 
 
-class ReadTimedOut(WorkerError):
-    """No byte arrived from the worker within the read timeout."""
+class TimedOut(Exception):
+    """The caller's deadline passed before the worker sent what was awaited.
+
+    Not a :class:`WorkerError`: a slow worker is not a dead one.
+    """
 
 
 class _Connection:
@@ -63,24 +72,27 @@ class Response:
         complete: the body was read to its end.
     """
 
-    __slots__ = ("status", "headers", "_conn", "_read_timeout", "complete")
+    __slots__ = ("status", "headers", "_conn", "complete")
 
-    def __init__(self, conn: _Connection, head: h11.Response, read_timeout: float) -> None:
+    def __init__(self, conn: _Connection, head: h11.Response) -> None:
         self.status = head.status_code
         self.headers = list(head.headers)
         self._conn = conn
-        self._read_timeout = read_timeout
         self.complete = False
 
-    async def read_some(self) -> bytes | None:
+    async def read_some(self, deadline: float = math.inf) -> bytes | None:
         """Every body byte that has arrived, waiting for at least one; ``None``
         once the body has ended.
 
         Returning all that one socket read brought (not one h11 event at a
         time) lets the caller handle a burst of events with one client write.
 
+        Args:
+            deadline: when to give up waiting, on ``anyio.current_time()``'s clock.
+
         Raises:
-            WorkerDisconnected, ReadTimedOut: as for :meth:`ConnectionPool.request`.
+            WorkerDisconnected: the connection broke or the worker broke HTTP.
+            TimedOut: ``deadline`` passed before a byte arrived.
         """
         if self.complete:
             return None
@@ -97,28 +109,29 @@ class Response:
             elif event is h11.NEED_DATA:
                 if parts:
                     return b"".join(parts)
-                await _receive(conn, self._read_timeout)
+                await _receive(conn, deadline)
             elif kind is h11.ConnectionClosed:
                 raise WorkerDisconnected("worker closed the connection mid-response")
 
-    async def read(self) -> bytes:
-        """The whole body."""
+    async def read(self, deadline: float = math.inf) -> bytes:
+        """The whole body, by ``deadline`` (as for :meth:`read_some`)."""
         parts = []
-        while (data := await self.read_some()) is not None:
+        while (data := await self.read_some(deadline)) is not None:
             parts.append(data)
         return b"".join(parts)
 
 
-async def _receive(conn: _Connection, read_timeout: float) -> None:
-    try:
-        with anyio.fail_after(read_timeout):
+async def _receive(conn: _Connection, deadline: float) -> None:
+    # An infinite deadline arms no timer: the default costs nothing.
+    with anyio.CancelScope(deadline=deadline) as wait:
+        try:
             data = await conn.stream.receive(RECEIVE_SIZE)
-    except anyio.EndOfStream:
-        data = b""
-    except TimeoutError:
-        raise ReadTimedOut(f"no data from worker for {read_timeout:g} s") from None
-    except _BROKEN as exc:
-        raise WorkerDisconnected(f"connection to worker lost: {exc!r}") from None
+        except anyio.EndOfStream:
+            data = b""
+        except _BROKEN as exc:
+            raise WorkerDisconnected(f"connection to worker lost: {exc!r}") from None
+    if wait.cancelled_caught:
+        raise TimedOut("deadline passed waiting for the worker")
     conn.h11.receive_data(data)
 
 
@@ -129,13 +142,13 @@ def _next_event(conn: _Connection) -> h11.Event:
         raise WorkerDisconnected(f"worker broke HTTP/1.1: {exc}") from None
 
 
-async def _next_response(conn: _Connection, timeout: float) -> h11.Response:
+async def _next_response(conn: _Connection, deadline: float) -> h11.Response:
     while True:
         event = _next_event(conn)
         if type(event) is h11.Response:
             return event
         if event is h11.NEED_DATA:
-            await _receive(conn, timeout)
+            await _receive(conn, deadline)
         elif type(event) is h11.ConnectionClosed:
             raise WorkerDisconnected("worker closed the connection before answering")
 
@@ -146,7 +159,6 @@ class ConnectionPool:
     Args:
         host, port: the worker's address.
         connect_timeout: seconds to open a TCP connection.
-        read_timeout: seconds to wait for any next byte of a response.
         max_idle: idle connections kept; more are closed on release.
         idle_timeout: seconds an idle connection is trusted; older ones are
             closed rather than reused (servers close idle keep-alives, 5 s for
@@ -159,14 +171,12 @@ class ConnectionPool:
         port: int,
         *,
         connect_timeout: float = 5.0,
-        read_timeout: float = 300.0,
         max_idle: int = 256,
         idle_timeout: float = 4.0,
     ) -> None:
         self.host = host
         self.port = port
         self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
         self.max_idle = max_idle
         self.idle_timeout = idle_timeout
         self._idle: list[_Connection] = []
@@ -217,19 +227,23 @@ class ConnectionPool:
         path: bytes,
         body: bytes = b"",
         headers: Iterable[tuple[bytes, bytes]] = (),
-        read_timeout: float | None = None,
+        head_deadline: float = math.inf,
     ) -> AsyncIterator[Response]:
         """Send one request and yield its :class:`Response` once the head is in.
 
         The connection returns to the pool only if the caller read the body to
         its end; otherwise (error, cancellation, early exit) it is closed.
 
+        Args:
+            head_deadline: when to stop waiting for the response head, on
+                ``anyio.current_time()``'s clock (connecting has its own
+                ``connect_timeout``).
+
         Raises:
             ConnectFailed: the worker could not be reached.
             WorkerDisconnected: the connection broke before the response ended.
-            ReadTimedOut: the worker went silent for ``read_timeout`` seconds.
+            TimedOut: ``head_deadline`` passed before the head arrived.
         """
-        timeout = self.read_timeout if read_timeout is None else read_timeout
         all_headers = [
             (b"host", self._host_header),
             (b"content-length", str(len(body)).encode()),
@@ -243,7 +257,7 @@ class ConnectionPool:
         try:
             try:
                 await self._send(conn, method, path, all_headers, body)
-                head = await _next_response(conn, timeout)
+                head = await _next_response(conn, head_deadline)
             except WorkerDisconnected:
                 if not reused:
                     raise
@@ -253,8 +267,8 @@ class ConnectionPool:
                 self.retired += 1
                 conn = await self._connect()
                 await self._send(conn, method, path, all_headers, body)
-                head = await _next_response(conn, timeout)
-            response = Response(conn, head, timeout)
+                head = await _next_response(conn, head_deadline)
+            response = Response(conn, head)
             yield response
             ok = response.complete
         finally:

@@ -1,25 +1,44 @@
 """Workers and the router that spreads requests over them.
 
 Policy: least outstanding requests among healthy workers of the protocol a
-codec rides on; ties go round-robin. A worker that cannot be reached, or
-whose health probe fails or hangs, is marked down and skipped until its
-health route answers 200 again and its server info was read (SGLang's
-streaming mode is a server flag the codec needs).
+codec rides on; ties go round-robin.
+
+Slow is not dead: a worker leaves the rotation for a failed connect or a
+broken connection (reported by the handler through :meth:`Router.mark_down`)
+and for failed health probes, never for a slow request. Each worker is
+probed on its own connection, in its own loop, every ``health_interval``
+seconds, with a budget of its own (``health_timeout``); an up worker is
+marked down after ``health_failures`` failed probes in a row, or at once
+when the probe cannot connect or its connection breaks. A worker the probe
+marks down has its in-flight requests told at once
+(:meth:`Router.worker_lost`) rather than left to their timeouts. A down
+worker comes back when its health route answers 200 again and its server
+info was read (SGLang's streaming mode is a server flag the codec needs).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 from urllib.parse import urlsplit
 
 import anyio
 import orjson
 
-from .http import ConnectionPool, WorkerError
+from .http import ConnectFailed, ConnectionPool, WorkerDisconnected, WorkerError
 from .protocols import PROTOCOLS, WorkerProtocol
 
 log = logging.getLogger("asgi_generate.router")
+
+
+class InFlight(Protocol):
+    """A request riding a worker, as the router sees it (the handler's
+    generation)."""
+
+    def worker_lost(self, worker: "Worker", reason: str) -> None:
+        """``worker`` was declared lost by its health probe: stop waiting
+        for it (today the request ends; migration will resume it elsewhere).
+        Called from the probe's task; must not block."""
 
 
 class Worker:
@@ -29,24 +48,37 @@ class Worker:
         id: ``w0``, ``w1``, ... in configuration order.
         url: its base URL, ``http://host:port``.
         protocol: the native protocol it speaks.
-        pool: its keep-alive connection pool.
+        pool: its keep-alive connection pool for requests and aborts.
+        probe_pool: the health probe's own connection, so probes never wait
+            behind requests.
         healthy: routable now.
-        outstanding: requests in flight on it.
+        inflight: the requests riding it now (the handler adds and removes
+            them around each attempt).
+        failures: health probes failed in a row.
         info: its server info (``{}`` until read); ``info["version"]`` is
             its engine version when it reported one.
         last_error: why it was last marked down.
     """
 
-    def __init__(self, wid: str, protocol: WorkerProtocol, url: str, pool: ConnectionPool) -> None:
+    def __init__(
+        self, wid: str, protocol: WorkerProtocol, url: str, pool: ConnectionPool, probe_pool: ConnectionPool
+    ) -> None:
         self.id = wid
         self.protocol = protocol
         self.url = url
         self.pool = pool
+        self.probe_pool = probe_pool
         self.healthy = False
-        self.outstanding = 0
+        self.inflight: set[InFlight] = set()
+        self.failures = 0
         self.info: dict[str, Any] = {}
         self.last_error: str | None = None
         self.index = 0
+
+    @property
+    def outstanding(self) -> int:
+        """Requests in flight on it."""
+        return len(self.inflight)
 
     def describe(self) -> dict[str, Any]:
         """The worker as ``/v1/models`` lists it."""
@@ -84,7 +116,12 @@ class Router:
 
     Args:
         specs: ``(protocol, url)`` pairs.
-        connect_timeout, read_timeout: for each worker's pool, in seconds.
+        connect_timeout: seconds to connect to a worker.
+        health_timeout: seconds one health probe (health route, plus server
+            info when the worker is down) may take.
+        health_failures: failed probes in a row that take an up worker out
+            of the rotation (a probe that cannot connect, or whose connection
+            breaks, takes it out at once).
     """
 
     def __init__(
@@ -92,17 +129,19 @@ class Router:
         specs: Iterable[tuple[str, str]],
         *,
         connect_timeout: float = 5.0,
-        read_timeout: float = 300.0,
+        health_timeout: float = 30.0,
+        health_failures: int = 3,
     ) -> None:
         self.workers: list[Worker] = []
         self._by_protocol: dict[str, list[Worker]] = {}
         self._next: dict[str, int] = {}
+        self.health_timeout = health_timeout
+        self.health_failures = max(1, health_failures)
         for i, (protocol, url) in enumerate(specs):
             parts = urlsplit(url)
-            pool = ConnectionPool(
-                parts.hostname, parts.port, connect_timeout=connect_timeout, read_timeout=read_timeout
-            )
-            worker = Worker(f"w{i}", PROTOCOLS[protocol], url, pool)
+            pool = ConnectionPool(parts.hostname, parts.port, connect_timeout=connect_timeout)
+            probe_pool = ConnectionPool(parts.hostname, parts.port, connect_timeout=connect_timeout, max_idle=1)
+            worker = Worker(f"w{i}", PROTOCOLS[protocol], url, pool, probe_pool)
             group = self._by_protocol.setdefault(protocol, [])
             worker.index = len(group)
             group.append(worker)
@@ -131,53 +170,89 @@ class Router:
 
     def mark_down(self, worker: Worker, reason: str) -> None:
         """Stop routing to ``worker`` until a probe succeeds (logged when it
-        was up, or had not been reached yet)."""
+        was up, or had not been reached yet). Its in-flight requests carry
+        on: only the probe declares them lost."""
         if worker.healthy or worker.last_error is None:
             log.warning("worker %s (%s) marked down: %s", worker.id, worker.url, reason)
         worker.healthy = False
         worker.last_error = reason
 
-    async def probe(self, worker: Worker, timeout: float = 5.0) -> bool:
-        """Check ``worker``'s health (and read its server info); mark it up or
-        down accordingly. Returns whether it is up."""
+    def worker_lost(self, worker: Worker, reason: str) -> None:
+        """The probe gave ``worker`` up: mark it down and tell every request
+        riding it (:meth:`InFlight.worker_lost`) at once."""
+        self.mark_down(worker, reason)
+        for request in list(worker.inflight):
+            request.worker_lost(worker, reason)
+
+    async def probe(self, worker: Worker) -> bool:
+        """Check ``worker``'s health (and, when it is not up, read its server
+        info) within ``health_timeout``; mark it up, count a failure, or
+        declare it lost (:meth:`worker_lost`). Returns whether it is up."""
         proto = worker.protocol
+        pool = worker.probe_pool
         try:
-            with anyio.fail_after(timeout):
-                async with worker.pool.request(b"GET", proto.health_path) as resp:
+            with anyio.fail_after(self.health_timeout):
+                async with pool.request(b"GET", proto.health_path) as resp:
                     await resp.read()
                     if resp.status != 200:
                         raise WorkerError(f"health answered {resp.status}")
-                info: dict[str, Any] = {}
-                if proto.info_path is not None:
-                    async with worker.pool.request(b"GET", proto.info_path) as resp:
-                        body = await resp.read()
-                        if resp.status != 200:
-                            raise WorkerError(f"server info answered {resp.status}")
-                    info = proto.read_info(orjson.loads(body))
-                if proto.version_path is not None:
-                    async with worker.pool.request(b"GET", proto.version_path) as resp:
-                        body = await resp.read()
-                    # An engine without the route still serves; its version
-                    # stays unknown and codecs rely on no versioned behaviour.
-                    info["version"] = proto.read_version(orjson.loads(body)) if resp.status == 200 else None
-                worker.info = info
-        except (WorkerError, TimeoutError, orjson.JSONDecodeError) as exc:
-            self.mark_down(worker, str(exc) or type(exc).__name__)
+                if not worker.healthy:
+                    worker.info = await self._read_info(worker)
+        except TimeoutError:
+            self._probe_failed(worker, f"health probe got no answer within {self.health_timeout:g} s", False)
             return False
+        except (WorkerError, orjson.JSONDecodeError) as exc:
+            at_once = isinstance(exc, (ConnectFailed, WorkerDisconnected))
+            self._probe_failed(worker, str(exc) or type(exc).__name__, at_once)
+            return False
+        worker.failures = 0
         if not worker.healthy:
             log.info("worker %s (%s) is up", worker.id, worker.url)
         worker.healthy = True
         worker.last_error = None
         return True
 
+    async def _read_info(self, worker: Worker) -> dict[str, Any]:
+        proto = worker.protocol
+        pool = worker.probe_pool
+        info: dict[str, Any] = {}
+        if proto.info_path is not None:
+            async with pool.request(b"GET", proto.info_path) as resp:
+                body = await resp.read()
+                if resp.status != 200:
+                    raise WorkerError(f"server info answered {resp.status}")
+            info = proto.read_info(orjson.loads(body))
+        if proto.version_path is not None:
+            async with pool.request(b"GET", proto.version_path) as resp:
+                body = await resp.read()
+            # An engine without the route still serves; its version
+            # stays unknown and codecs rely on no versioned behaviour.
+            info["version"] = proto.read_version(orjson.loads(body)) if resp.status == 200 else None
+        return info
+
+    def _probe_failed(self, worker: Worker, reason: str, at_once: bool) -> None:
+        worker.failures += 1
+        if at_once or worker.failures >= self.health_failures:
+            self.worker_lost(worker, reason)
+        elif not worker.healthy:
+            self.mark_down(worker, reason)
+        else:
+            log.warning("worker %s (%s) health probe failed (%d of %d before down): %s",
+                        worker.id, worker.url, worker.failures, self.health_failures, reason)
+
     async def watch(self, interval: float) -> None:
-        """Forever: probe every worker each ``interval`` seconds, so a down
-        worker comes back and an up one that stopped answering (hung, not
-        refusing connections) leaves the rotation."""
+        """Forever: probe each worker ``interval`` seconds after its last
+        probe ended, every worker in its own loop (a hung worker's probe
+        never delays another's), so a down worker comes back and an up one
+        that stopped answering (hung, not refusing connections) leaves the
+        rotation."""
+        async with anyio.create_task_group() as tg:
+            for w in self.workers:
+                tg.start_soon(self._watch_one, w, interval)
+
+    async def _watch_one(self, worker: Worker, interval: float) -> None:
         while True:
-            async with anyio.create_task_group() as tg:
-                for w in self.workers:
-                    tg.start_soon(self.probe, w)
+            await self.probe(worker)
             await anyio.sleep(interval)
 
     @property
@@ -189,3 +264,4 @@ class Router:
         """Close every idle worker connection."""
         for w in self.workers:
             await w.pool.aclose()
+            await w.probe_pool.aclose()
