@@ -186,7 +186,7 @@ class Router:
 
     async def probe(self, worker: Worker) -> bool:
         """Check ``worker``'s health (and, when it is not up, read its server
-        info) within ``health_timeout``; mark it up, count a failure, or
+        info and engine version) within ``health_timeout``; mark it up, count a failure, or
         declare it lost (:meth:`worker_lost`). Returns whether it is up."""
         proto = worker.protocol
         pool = worker.probe_pool
