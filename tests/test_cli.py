@@ -194,8 +194,10 @@ TOKENIZER = str(pathlib.Path(__file__).parent.parent / "asgi_generate" / "assets
 @pytest.mark.parametrize("args,env,line", [
     (["--max-body-bytes", "-5"], {},
      "asgi-generate: --max-body-bytes (ASGI_GENERATE_MAX_BODY_BYTES) must be above 0, not -5"),
-    (["--read-timeout", "nan"], {},
-     "asgi-generate: --read-timeout (ASGI_GENERATE_READ_TIMEOUT) must be above 0, not nan"),
+    (["--health-timeout", "nan"], {},
+     "asgi-generate: --health-timeout (ASGI_GENERATE_HEALTH_TIMEOUT) must be above 0, not nan"),
+    (["--read-timeout", "-1"], {},
+     "asgi-generate: --inter-token-timeout (ASGI_GENERATE_INTER_TOKEN_TIMEOUT) must be 0 or more, not -1.0"),
     (["--trace-rotate-bytes", "-1"], {},
      "asgi-generate: --trace-rotate-bytes (ASGI_GENERATE_TRACE_ROTATE_BYTES) must be 0 or more, not -1"),
     (["--port", "70000"], {},
