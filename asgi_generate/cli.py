@@ -206,6 +206,15 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                           "--abort-status (default: never)")
     sim.add_argument("--abort-status", type=_bounded(int, 100, 599), default=503, metavar="CODE",
                      help="HTTP status of the --abort-after abort (default %(default)s)")
+    sim.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"), default="null",
+                     help="SGLang P/D role: a prefill server hands each request's KV to the decode server "
+                          "named in it over its --bootstrap-port (default %(default)s: aggregated)")
+    sim.add_argument("--bootstrap-port", type=int, default=8998, metavar="B",
+                     help="a prefill server's bootstrap port on loopback, 0 = any free one, shown in /get_server_info (SGLang "
+                          "--disaggregation-bootstrap-port) (default %(default)s)")
+    sim.add_argument("--disaggregation-timeout-s", type=float, default=300.0, metavar="S",
+                     help="seconds a prefill room waits for its decode, and a decode request for its KV, "
+                          "before SGLang's transfer abort (500) (default %(default)s)")
     sim.add_argument("--model-name", default="sim", help="served model name (default %(default)s)")
     sim.add_argument("--parent-pid", type=_bounded(int, 1), default=None, help="exit when this process exits")
     sim.add_argument("--worker-class", choices=WORKER_CLASSES, default="asyncio",
@@ -347,6 +356,9 @@ def _sim_app(args: argparse.Namespace) -> "SimApp":
         emit_markers=args.emit_markers,
         abort_after=args.abort_after,
         abort_status=args.abort_status,
+        disaggregation_mode=args.disaggregation_mode,
+        bootstrap_port=args.bootstrap_port,
+        disaggregation_timeout_s=args.disaggregation_timeout_s,
     )
 
 

@@ -8,6 +8,11 @@ and ``GET /sim/stats`` for tests.
 Routes (vLLM mode): ``POST /inference/v1/generate``, ``POST /abort_requests``,
 ``GET /health``, ``/version``, ``/v1/models`` and ``GET /sim/stats``.
 
+SGLang mode plays a P/D role with ``disaggregation_mode`` ``prefill`` (a
+bootstrap listener on ``bootstrap_port``) or ``decode``
+(:mod:`asgi_generate.sim.disagg`); ``/sim/stats`` then also shows the role,
+the rooms waiting for their KV and the transfers done and timed out.
+
 Either mode reports the engine version it plays (``engine_version``): vLLM in
 ``GET /version``, SGLang in ``/get_server_info`` ``version``.
 """
@@ -23,6 +28,7 @@ import orjson
 from ..assets import ASSETS_DIR
 from ..framing import BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
 from ..workers.versions import VLLM_DEFAULT_VERSION
+from .disagg import DEFAULT_TIMEOUT_S, DecodeKV, PrefillRooms
 from .engine import SimEngine
 from .model import Model
 from .sglang import SGLangProtocol
@@ -52,6 +58,11 @@ class SimApp:
             with an ``abort`` finish of that HTTP status (``None``: never).
         engine_version: the engine version to play; ``None`` is the newest
             vLLM release the codec knows, or the simulator's own (SGLang).
+        disaggregation_mode: SGLang P/D role: ``null`` (aggregated),
+            ``prefill`` or ``decode``.
+        bootstrap_port: a prefill server's bootstrap listener port.
+        disaggregation_timeout_s: how long a prefill room waits for its
+            decode and a decode request for its KV.
 
     Raises:
         ValueError: unknown protocol, or a vLLM version that is not one.
@@ -71,9 +82,21 @@ class SimApp:
         emit_markers: bool = False,
         abort_after: int | None = None,
         abort_status: int = 503,
+        disaggregation_mode: str = "null",
+        bootstrap_port: int = 8998,
+        disaggregation_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         if protocol not in ("sglang", "vllm"):
             raise ValueError(f"unknown simulator protocol {protocol!r}")
+        if disaggregation_mode not in ("null", "prefill", "decode"):
+            raise ValueError(f"unknown disaggregation mode {disaggregation_mode!r}")
+        if disaggregation_mode != "null" and protocol != "sglang":
+            raise ValueError("--disaggregation-mode is SGLang's; vLLM P/D uses --kv-role")
+        self.disagg: PrefillRooms | DecodeKV | None = None
+        if disaggregation_mode == "prefill":
+            self.disagg = PrefillRooms(bootstrap_port, disaggregation_timeout_s)
+        elif disaggregation_mode == "decode":
+            self.disagg = DecodeKV(disaggregation_timeout_s)
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
         self.tokenizer = SimTokenizer()
@@ -90,7 +113,7 @@ class SimApp:
             )
             if protocol == "vllm"
             else SGLangProtocol(self.engine, self.tokenizer, incremental_streaming_output, model_name,
-                                stream_interval=stream_interval)
+                                stream_interval=stream_interval, disagg=self.disagg)
         )
         self.engine_version = engine_version
         self.model_name = model_name
@@ -129,9 +152,19 @@ class SimApp:
         elif path == "/flush_cache" and method == "POST":
             await send_unary(send, 200, b"Cache flushed.\n", b"text/plain")
         elif path == "/sim/stats" and method == "GET":
-            await send_unary(send, 200, orjson.dumps(self.engine.stats()))
+            await send_unary(send, 200, orjson.dumps(self._stats()))
         else:
             await send_unary(send, 404, NOT_FOUND)
+
+    def _stats(self) -> dict:
+        stats = self.engine.stats()
+        d = self.disagg
+        if d is not None:
+            stats["role"] = "prefill" if isinstance(d, PrefillRooms) else "decode"
+            stats["rooms_waiting"] = d.waiting
+            stats["transfers"] = d.transfers
+            stats["transfer_timeouts"] = d.timeouts
+        return stats
 
     async def _vllm(self, p: VLLMProtocol, scope: dict, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
@@ -185,6 +218,8 @@ class SimApp:
                 if message["type"] == "lifespan.startup":
                     if self.parent_pid is not None:
                         tg.start_soon(self._watch_parent)
+                    if isinstance(self.disagg, PrefillRooms):
+                        await tg.start(self.disagg.serve)
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
                     tg.cancel_scope.cancel()

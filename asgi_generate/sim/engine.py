@@ -29,6 +29,8 @@ class Job:
     request with ``stop``. ``logit_bias`` (token id to bias) re-ranks every
     step; ``refused`` is ``(status, message)`` when the scheduler refuses the
     request before its first token (it still runs as an abort).
+    ``prefilled`` is the first token when another server prefilled the
+    prompt (a P/D decode leg): it comes at once, without the TTFT.
     """
 
     rid: str
@@ -38,6 +40,7 @@ class Job:
     ignore_eos: bool = False
     logit_bias: dict[int, float] | None = None
     refused: tuple[int, str] | None = None
+    prefilled: int | None = None
     aborted: bool = False
     abort_event: anyio.Event = field(default_factory=anyio.Event)
 
@@ -166,7 +169,8 @@ class SimEngine:
         model = self.model
         state = model.fold(job.input_ids)
         script = self.script[self._script_start(job.input_ids) :]
-        await self._pause(job, self.ttft_s)
+        if job.prefilled is None:
+            await self._pause(job, self.ttft_s)
         eos = model.eos_id
         for i in range(job.max_new_tokens):
             if job.aborted:
@@ -176,6 +180,8 @@ class SimEngine:
                 step = model.biased(step, job.logit_bias)
             if i < len(script):
                 step = model.forced(step, script[i])
+            if i == 0 and job.prefilled is not None:
+                step = model.forced(step, job.prefilled)
             tok = step.token
             state = model.advance(state, tok)
             if tok in job.stop_token_ids or (tok == eos and not job.ignore_eos):

@@ -16,6 +16,15 @@ with ``--incremental-streaming-output``). ``meta_info`` carries
 ``finish_reason`` objects, logprob triples ``[logprob, token_id, text|null]``
 (``token_ids_logprob`` fills ``input/output_token_ids_logprobs`` the same
 way) and routed experts as base64 int32.
+
+In P/D (``disaggregation``, see :mod:`asgi_generate.sim.disagg`) a prefill
+server answers after its KV went to the decode server with
+``finish_reason {"type": "length", "length": 0}``, the first token, the
+prompt logprobs and the prompt's expert rows (``disaggregation/prefill.py``:
+the request finishes with ``FINISH_LENGTH(length=0)`` once transferred); a
+decode server answers like an aggregated one from the first token on, with
+empty ``input_*`` logprobs (it never saw the prompt's logits) and the expert
+rows of the positions it computed, none when it computed none.
 """
 
 from __future__ import annotations
@@ -29,12 +38,16 @@ import anyio
 import orjson
 
 from ..framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
+from .disagg import DecodeKV, PrefillRooms, bootstrap_failed, transfer_failed
 from .engine import DuplicateRequestId, Job, SimEngine, Token
 from .tokenizer import SimTokenizer
 
 DONE = b"data: [DONE]\n\n"
 DEFAULT_MAX_NEW_TOKENS = 128
 CONTEXT_LENGTH = 32768
+#: SGLang's ``--disaggregation-bootstrap-port`` default.
+DEFAULT_BOOTSTRAP_PORT = 8998
+ROOM_LIMIT = 1 << 63
 #: The KV pool size ``/get_server_info`` reports (``max_total_num_tokens``).
 MAX_TOTAL_NUM_TOKENS = 262144
 _SAMPLING_EPS = 1e-6
@@ -163,6 +176,9 @@ class SGLangProtocol:
         incremental: stream deltas instead of cumulative chunks.
         model_name: reported in server and model info.
         stream_interval: tokens per streamed chunk (SGLang ``--stream-interval``).
+        disagg: the P/D role's KV hand-over: :class:`PrefillRooms` for a
+            prefill server, :class:`DecodeKV` for a decode server, ``None``
+            for an aggregated one.
     """
 
     def __init__(
@@ -173,8 +189,13 @@ class SGLangProtocol:
         model_name: str = "sim",
         disconnect_abort_s: float = 2.0,
         stream_interval: int = 1,
+        disagg: PrefillRooms | DecodeKV | None = None,
     ) -> None:
         self.engine = engine
+        self.disagg = disagg
+        self.mode = (
+            "prefill" if isinstance(disagg, PrefillRooms) else "decode" if isinstance(disagg, DecodeKV) else "null"
+        )
         self.tok = tokenizer
         self.incremental = incremental
         self.model_name = model_name
@@ -280,6 +301,7 @@ class SGLangProtocol:
                 f"tokens ({len(input_ids)}). Request with a lower logprob_start_len."
             )
         interval = _field(sp, "stream_interval", (int,), None) or self.stream_interval
+        pd = self._bootstrap(obj) if self.disagg is not None else None
         opts = {
             "stream": bool(_field(obj, "stream", (bool,), False)),
             "return_logprob": return_logprob,
@@ -293,11 +315,13 @@ class SGLangProtocol:
             "no_stop_trim": bool(_field(sp, "no_stop_trim", (bool,), False)),
             "skip_special": bool(_field(sp, "skip_special_tokens", (bool,), True)),
             "stream_interval": max(1, interval),
+            "pd": pd,
         }
         job = Job(
             rid=rid,
             input_ids=input_ids,
-            max_new_tokens=max_new,
+            # A prefill server computes the first token only.
+            max_new_tokens=1 if self.mode == "prefill" else max_new,
             stop_token_ids=frozenset(stop_ids),
             ignore_eos=bool(_field(sp, "ignore_eos", (bool,), False)),
             logit_bias=bias,
@@ -310,6 +334,22 @@ class SGLangProtocol:
                 f"number of input tokens ({len(input_ids)}). Request with a lower routed_experts_start_len.",
             )
         return job, opts
+
+    def _bootstrap(self, obj: dict) -> tuple[str, int, int]:
+        """``(bootstrap_host, bootstrap_port, bootstrap_room)`` of a P/D
+        request; a null port is the default one.
+
+        Raises:
+            SGLangError: 400, the room is missing or out of range.
+        """
+        room = obj.get("bootstrap_room")
+        if type(room) is not int or not 0 <= room < ROOM_LIMIT:
+            raise value_error(
+                f"A {self.mode} server needs bootstrap_room, an integer in [0, 2^63), got {room!r}."
+            )
+        host = _field(obj, "bootstrap_host", (str,), "127.0.0.1")
+        port = _field(obj, "bootstrap_port", (int,), DEFAULT_BOOTSTRAP_PORT)
+        return host, port, room
 
     # -- answer building -------------------------------------------------
 
@@ -347,9 +387,16 @@ class SGLangProtocol:
             state = model.advance(state, ids[p])
         return toks, tops, picked
 
-    def _experts(self, job: Job, out_ids: list[int], start_len: int) -> str:
+    def _experts(self, job: Job, out_ids: list[int], start_len: int) -> str | None:
+        """Base64 int32 rows of the positions from ``start_len`` on (a
+        decode server only has those after the prompt; ``None`` when it has
+        none)."""
         from .model import experts_base64
 
+        if self.mode == "decode":
+            start_len = max(start_len, len(job.input_ids))
+            if len(job.input_ids) + len(out_ids) - 1 <= start_len:
+                return None
         model = self.engine.model
         seq = job.input_ids + out_ids
         state = model.initial_state()
@@ -390,10 +437,21 @@ class SGLangProtocol:
     async def generate(self, body: bytes, receive: Receive, send: Send) -> None:
         """Serve one ``POST|PUT /generate``."""
         obj: dict = {}
+        room = None
         try:
             obj = self.load(body)
             job, opts = self.parse(obj)
-            self.engine.submit(job)
+            if isinstance(self.disagg, PrefillRooms):
+                try:
+                    room = self.disagg.claim(opts["pd"][2])
+                except ValueError as exc:
+                    raise value_error(str(exc)) from None
+            try:
+                self.engine.submit(job)
+            except DuplicateRequestId:
+                if room is not None:
+                    self.disagg.release(opts["pd"][2], room)
+                raise
         except (SGLangError, DuplicateRequestId) as exc:
             if isinstance(exc, DuplicateRequestId):
                 exc = value_error(f"Duplicate request ID: {exc}")
@@ -413,6 +471,7 @@ class SGLangProtocol:
                 await send_unary(send, exc.status, orjson.dumps(exc.body))
             return
         done = [False]
+        opts["room"] = room
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch_disconnect, receive, job, done)
@@ -420,6 +479,8 @@ class SGLangProtocol:
                 tg.cancel_scope.cancel()
         finally:
             self.engine.finish(job)
+            if room is not None:
+                self.disagg.release(opts["pd"][2], room)
 
     async def _watch_disconnect(self, receive: Receive, job: Job, done: list[bool]) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -446,7 +507,12 @@ class SGLangProtocol:
         out_lps: list[list] = []
         out_tops: list[list | None] = []
         out_picked: list[list | None] = []
-        in_lps, in_tops, in_picked = self._input_logprobs(job, opts) if rl else ([], None, None)
+        if not rl:
+            in_lps, in_tops, in_picked = [], None, None
+        elif self.mode == "decode":  # the prompt's logits stayed on the prefill server
+            in_lps, in_tops, in_picked = [], [] if k > 0 else None, [] if ids_lp else None
+        else:
+            in_lps, in_tops, in_picked = self._input_logprobs(job, opts)
         sent_ids = sent_lps = 0
         sent_text = ""
         text = ""
@@ -480,9 +546,9 @@ class SGLangProtocol:
                     meta["output_token_ids_logprobs"] = out_picked[at:]
             if done:
                 if opts["routed_experts"] and job.refused is None:
-                    meta["routed_experts"] = self._experts(
-                        job, out_ids, opts["routed_experts_start_len"]
-                    )
+                    rows = self._experts(job, out_ids, opts["routed_experts_start_len"])
+                    if rows is not None:
+                        meta["routed_experts"] = rows
                 meta["e2e_latency"] = round(time.monotonic() - t0, 6)
             if incremental:
                 obj = {
@@ -497,7 +563,9 @@ class SGLangProtocol:
 
         if job.refused is not None:
             finish = ("abort", job.refused)
-        tokens = self.engine.tokens(job) if finish is None else _nothing()
+        elif isinstance(self.disagg, DecodeKV):
+            finish = await self._receive_kv(job, opts["pd"])
+        tokens = self.engine.tokens(job) if finish is None and not job.aborted else _nothing()
         async for token in tokens:
             out_ids.append(token.token_id)
             finish = token.finish
@@ -532,6 +600,8 @@ class SGLangProtocol:
                 break
         if finish is None and not job.aborted:
             finish = ("length", job.max_new_tokens)  # max_new_tokens == 0
+        if opts["room"] is not None and not job.aborted and finish[0] != "abort":
+            finish = await self._hand_over(job, opts, out_ids)
         if not (finish is not None and finish[0] == "stop" and isinstance(finish[1], str)):
             text = self._text(out_ids, finish, opts)  # exact, once
         done[0] = True
@@ -550,6 +620,31 @@ class SGLangProtocol:
             await send({"type": "http.response.body", "body": sse_event(final) + DONE, "more_body": False})
         else:
             await send_unary(send, 200, final)
+
+    async def _receive_kv(self, job: Job, pd: tuple[str, int, int]) -> tuple[str, object] | None:
+        """Decode server: wait for the room's KV; the abort finish when it
+        never comes (or is not this prompt's), else ``None`` with
+        ``job.prefilled`` set."""
+        host, port, room = pd
+        kv = await self.disagg.fetch(job, host, port, room)
+        if kv is None:  # aborted while waiting
+            return None
+        if isinstance(kv, float):
+            return ("abort", (500, transfer_failed(job.rid, room, kv)))
+        input_ids, first = kv
+        if input_ids != job.input_ids:
+            return ("abort", (500, f"KV of bootstrap_room {room} is not this request's prompt"))
+        job.prefilled = first
+        return None
+
+    async def _hand_over(self, job: Job, opts: dict, out_ids: list[int]) -> tuple[str, object]:
+        """Prefill server: hand the KV over; ``length 0`` once the decode
+        took it, the bootstrap abort when none came."""
+        room = opts["pd"][2]
+        waited = await self.disagg.hand_over(job, opts["room"], job.input_ids, out_ids[0])
+        if waited is not None:
+            return ("abort", (500, bootstrap_failed(job.rid, room, waited)))
+        return ("length", 0)
 
     def _logprob(self, token: Token, token_id: int) -> float:
         """``token_id``'s logprob at the step ``token`` was drawn from (as
@@ -585,7 +680,10 @@ class SGLangProtocol:
             "served_model_name": self.model_name,
             "incremental_streaming_output": self.incremental,
             "skip_tokenizer_init": False,
-            "disaggregation_mode": "null",
+            "disaggregation_mode": self.mode,
+            "disaggregation_bootstrap_port": (
+                self.disagg.port if isinstance(self.disagg, PrefillRooms) else DEFAULT_BOOTSTRAP_PORT
+            ),
             "enable_return_routed_experts": True,
             "context_length": CONTEXT_LENGTH,
             "version": "0.0.0-sim",
