@@ -112,7 +112,7 @@ class App:
         try:
             async with AsyncExitStack() as stack:
                 specs = self.settings.workers
-                if not specs:
+                if not (specs or self.settings.prefill or self.settings.decode):
                     # Simulators for each protocol a served codec rides on,
                     # so every route answers.
                     specs = await stack.enter_async_context(
@@ -125,6 +125,9 @@ class App:
                     )
                 self.router = Router(
                     specs,
+                    prefill=self.settings.prefill,
+                    decode=self.settings.decode,
+                    disaggregation=self.settings.disaggregation,
                     connect_timeout=self.settings.connect_timeout,
                     health_timeout=self.settings.health_timeout,
                     health_failures=self.settings.health_failures,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from . import __version__
 from .config import Settings
 from .serving import WORKER_CLASSES, hypercorn_config, run
-from .workers.router import parse_worker_spec
+from .workers.router import DISAGGREGATION_MODES, parse_worker_spec
 from .workers.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS
 
 if TYPE_CHECKING:
@@ -72,11 +72,19 @@ def _bounded(kind: type, least: float, most: float | None = None):
 PORT = _bounded(int, 0, 65535)
 
 
-def _worker_spec(value: str) -> tuple[str, str]:
+def _worker_spec(value: str, role: str = "aggregated") -> tuple[str, str]:
     try:
-        return parse_worker_spec(value)
+        return parse_worker_spec(value, role)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _prefill_spec(value: str) -> tuple[str, str]:
+    return _worker_spec(value, "prefill")
+
+
+def _decode_spec(value: str) -> tuple[str, str]:
+    return _worker_spec(value, "decode")
 
 
 def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
@@ -98,6 +106,17 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                        help="an engine worker, PROTOCOL sglang or vllm, e.g. sglang=http://127.0.0.1:30000 "
                             "(repeat for more); with none, simulated workers are started (default: "
                             + (",".join(f"{p}={u}" for p, u in d.workers) or "none") + ")")
+    serve.add_argument("--prefill", action="append", type=_prefill_spec, default=None, metavar="PROTOCOL=URL",
+                       help="a P/D prefill worker, e.g. sglang=http://127.0.0.1:30000?bootstrap_port=8998 "
+                            "(bootstrap port default 8998; repeat for more) (default: "
+                            + (",".join(f"{p}={u}" for p, u in d.prefill) or "none") + ")")
+    serve.add_argument("--decode", action="append", type=_decode_spec, default=None, metavar="PROTOCOL=URL",
+                       help="a P/D decode worker, e.g. sglang=http://127.0.0.1:30001 (repeat for more) (default: "
+                            + (",".join(f"{p}={u}" for p, u in d.decode) or "none") + ")")
+    serve.add_argument("--disaggregation", choices=DISAGGREGATION_MODES, default=d.disaggregation,
+                       help="auto: a request runs as a prefill/decode pair when its protocol has both up, "
+                            "else on an aggregated worker; always: pairs only; never: aggregated only "
+                            "(default %(default)s)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     serve.add_argument("--port", type=PORT, default=8000, help="port to listen on (default %(default)s)")
     serve.add_argument("--fd", type=_bounded(int, 0), default=None,
@@ -229,6 +248,9 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace, d: Settings) -> Settings:
     return Settings(
         workers=args.worker if args.worker is not None else d.workers,
+        prefill=args.prefill if args.prefill is not None else d.prefill,
+        decode=args.decode if args.decode is not None else d.decode,
+        disaggregation=args.disaggregation,
         max_body_bytes=args.max_body_bytes,
         connect_timeout=args.connect_timeout,
         headers_timeout=args.headers_timeout,

@@ -136,6 +136,10 @@ class Attempt:
             ``aborted``, ``error``, ``connect_failed``, ``worker_lost``.
         abort_acked: the engine acknowledged an abort of this leg.
         worker: the router's worker object (the handler's; codecs ignore it).
+        bootstrap: for an SGLang P/D leg, ``(bootstrap_host, bootstrap_port,
+            bootstrap_room)`` joining it to the other leg of its pair (the
+            prefill worker's host and bootstrap port, a room minted per
+            attempt); ``None`` otherwise.
     """
 
     engine_id: str
@@ -146,6 +150,7 @@ class Attempt:
     live: bool = False
     outcome: str | None = None
     abort_acked: bool | None = None
+    bootstrap: tuple[str, int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -198,7 +203,18 @@ class Event:
 
 class Exchange:
     """Codec state for one request: builds worker bodies, reads worker
-    events, renders the client's answer. Subclass per codec."""
+    events, renders the client's answer. Subclass per codec.
+
+    In P/D the handler feeds the prefill leg's answer (whole: the unary
+    body, or each SSE payload) with its ``prefill`` attempt; the codec keeps
+    what the client's answer needs from it, and the events it returns are
+    never delivered. Only the decode leg's events reach the client.
+    """
+
+    #: P/D: the decode leg's first event needs the prefill leg's answer
+    #: (e.g. the prompt logprobs only the prefill computed), so the handler
+    #: feeds that answer first.
+    waits_for_prefill: bool = False
 
     def worker_request(self, attempt: Attempt) -> WorkerRequest:
         """The worker request for ``attempt``."""

@@ -14,7 +14,7 @@ import pathlib
 from dataclasses import dataclass, field, fields
 from typing import Mapping
 
-from .workers.router import parse_worker_spec
+from .workers.router import DISAGGREGATION_MODES, parse_worker_spec
 
 ENV_PREFIX = "ASGI_GENERATE_"
 #: Numeric settings that must be above zero (every other one: zero or more).
@@ -24,6 +24,8 @@ POSITIVE = frozenset({
 })
 #: Old variable names still read, and the setting each now sets.
 ENV_ALIASES = {"READ_TIMEOUT": "inter_token_timeout"}
+#: Worker list settings and the role of their workers.
+WORKER_LISTS = {"workers": "aggregated", "prefill": "prefill", "decode": "decode"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -42,7 +44,13 @@ class Settings:
     """The frontend's configuration.
 
     Attributes:
-        workers: ``(protocol, url)`` pairs; empty starts embedded simulators.
+        workers: ``(protocol, url)`` pairs of aggregated workers; with no
+            worker of any role, embedded simulators start.
+        prefill, decode: ``(protocol, url)`` pairs of prefill and decode
+            workers (P/D); an SGLang prefill URL may end ``?bootstrap_port=B``
+            (default 8998).
+        disaggregation: ``auto`` (P/D pairs when the protocol has both
+            roles up, else aggregated), ``always`` or ``never``.
         max_body_bytes: request body cap; larger bodies get 413.
         connect_timeout: seconds to connect to a worker.
         headers_timeout: seconds from sending a streamed engine leg to its
@@ -87,6 +95,9 @@ class Settings:
     """
 
     workers: list[tuple[str, str]] = field(default_factory=list)
+    prefill: list[tuple[str, str]] = field(default_factory=list)
+    decode: list[tuple[str, str]] = field(default_factory=list)
+    disaggregation: str = "auto"
     max_body_bytes: int = 32 * 1024 * 1024
     connect_timeout: float = 5.0
     headers_timeout: float = 60.0
@@ -116,8 +127,9 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
         """Settings from ``ASGI_GENERATE_*`` variables; unset or empty ones
-        keep their defaults. ``ASGI_GENERATE_WORKERS`` is a comma-separated
-        list of ``PROTOCOL=http://HOST:PORT``; booleans are ``1/0``,
+        keep their defaults. ``ASGI_GENERATE_WORKERS`` (``..._PREFILL``,
+        ``..._DECODE``) is a comma-separated list of
+        ``PROTOCOL=http://HOST:PORT``; booleans are ``1/0``,
         ``true/false``, ``yes/no`` or ``on/off``. ``ASGI_GENERATE_READ_TIMEOUT``
         (the old name) sets ``inter_token_timeout`` unless that is set too.
 
@@ -137,16 +149,17 @@ class Settings:
             raw = environ.get(var)
             if raw is None or raw == "":
                 continue
-            if f.name == "workers":
+            if f.name in WORKER_LISTS:
+                role = WORKER_LISTS[f.name]
                 try:
-                    values["workers"] = [parse_worker_spec(s.strip()) for s in raw.split(",") if s.strip()]
+                    values[f.name] = [parse_worker_spec(s.strip(), role) for s in raw.split(",") if s.strip()]
                 except ValueError as exc:
                     raise ValueError(f"{var}: {exc}") from None
             elif f.type == "bool":
                 if raw.lower() not in _TRUE + _FALSE:
                     raise ValueError(f"{var}={raw!r} is not a boolean (1/0, true/false, yes/no, on/off)")
                 values[f.name] = raw.lower() in _TRUE
-            elif f.type == "str | None":
+            elif f.type in ("str | None", "str"):
                 values[f.name] = raw
             else:
                 try:
@@ -167,6 +180,9 @@ class Settings:
         Raises:
             ValueError: one line naming the flag and variable at fault.
         """
+        if self.disaggregation not in DISAGGREGATION_MODES:
+            raise ValueError(f"--disaggregation ({env_name('disaggregation')}) must be one of "
+                             f"{', '.join(DISAGGREGATION_MODES)}, not {self.disaggregation!r}")
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type not in ("int", "float"):
@@ -200,7 +216,7 @@ class Settings:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            if f.name == "workers":
+            if f.name in WORKER_LISTS:
                 value = ",".join(f"{p}={u}" for p, u in value)
             elif isinstance(value, bool):
                 value = "1" if value else "0"

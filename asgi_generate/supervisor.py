@@ -59,7 +59,7 @@ def supervise(
     async def main() -> int:
         async with AsyncExitStack() as stack:
             specs = settings.workers
-            if not specs:
+            if not (specs or settings.prefill or settings.decode):
                 specs = await stack.enter_async_context(
                     embedded_fleet(protocols, settings.embedded_workers,
                                    settings.embedded_ttft_ms, settings.embedded_itl_ms)

@@ -30,6 +30,9 @@ class WorkerProtocol:
             (vLLM's ``generate-tokens-``).
         version_path: GET, ``{"version": ...}``, when the info route does
             not carry the engine version (vLLM ``show_version``).
+        pd_legs: how the frontend runs a prefill/decode pair on this
+            protocol: ``concurrent`` (SGLang: both legs at once, joined by a
+            bootstrap room), or ``None`` (no P/D).
     """
 
     name: str
@@ -38,6 +41,7 @@ class WorkerProtocol:
     abort_path: bytes
     engine_id_prefix: str = ""
     version_path: bytes | None = None
+    pd_legs: str | None = None
 
     def read_info(self, obj: object) -> dict:
         """Normalise the info route's JSON: SGLang's ``/get_server_info`` as
@@ -66,6 +70,6 @@ class WorkerProtocol:
         return orjson.dumps({"rid": engine_id})
 
 
-SGLANG = WorkerProtocol("sglang", b"/health", b"/get_server_info", b"/abort_request")
+SGLANG = WorkerProtocol("sglang", b"/health", b"/get_server_info", b"/abort_request", pd_legs="concurrent")
 VLLM = WorkerProtocol("vllm", b"/health", b"/v1/models", b"/abort_requests", "generate-tokens-", b"/version")
 PROTOCOLS = {p.name: p for p in (SGLANG, VLLM)}

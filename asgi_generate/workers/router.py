@@ -1,7 +1,10 @@
 """Workers and the router that spreads requests over them.
 
 Policy: least outstanding requests among healthy workers of the protocol a
-codec rides on; ties go round-robin.
+codec rides on; ties go round-robin. Workers have a role: ``aggregated``, or
+``prefill``/``decode`` for prefill/decode disaggregation (P/D), where a
+request runs as a pair of legs, each role picked by the same policy
+(:meth:`Router.plan`).
 
 Slow is not dead: a worker leaves the rotation for a failed connect or a
 broken connection (reported by the handler through :meth:`Router.mark_down`)
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from typing import Any, Iterable, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import anyio
 import orjson
@@ -29,6 +32,11 @@ from .http import ConnectFailed, ConnectionPool, WorkerDisconnected, WorkerError
 from .protocols import PROTOCOLS, WorkerProtocol
 
 log = logging.getLogger("asgi_generate.router")
+ROLES = ("aggregated", "prefill", "decode")
+#: SGLang's ``--disaggregation-bootstrap-port`` default.
+DEFAULT_BOOTSTRAP_PORT = 8998
+#: ``--disaggregation``: when a request runs as a P/D pair.
+DISAGGREGATION_MODES = ("auto", "always", "never")
 
 
 class InFlight(Protocol):
@@ -58,14 +66,19 @@ class Worker:
         info: its server info (``{}`` until read); ``info["version"]`` is
             its engine version when it reported one.
         last_error: why it was last marked down.
+        role: ``aggregated``, ``prefill`` or ``decode``.
+        bootstrap_port: an SGLang prefill worker's bootstrap port, else ``None``.
     """
 
     def __init__(
-        self, wid: str, protocol: WorkerProtocol, url: str, pool: ConnectionPool, probe_pool: ConnectionPool
+        self, wid: str, protocol: WorkerProtocol, url: str, pool: ConnectionPool, probe_pool: ConnectionPool,
+        role: str = "aggregated", bootstrap_port: int | None = None,
     ) -> None:
         self.id = wid
         self.protocol = protocol
         self.url = url
+        self.role = role
+        self.bootstrap_port = bootstrap_port
         self.pool = pool
         self.probe_pool = probe_pool
         self.healthy = False
@@ -86,6 +99,8 @@ class Worker:
             "id": self.id,
             "url": self.url,
             "protocol": self.protocol.name,
+            "role": self.role,
+            **({"bootstrap_port": self.bootstrap_port} if self.bootstrap_port is not None else {}),
             "state": "up" if self.healthy else "down",
             "outstanding": self.outstanding,
             "model": self.info.get("served_model_name") or self.info.get("model_path"),
@@ -94,28 +109,61 @@ class Worker:
         }
 
 
-def parse_worker_spec(spec: str) -> tuple[str, str]:
-    """Split ``PROTOCOL=http://HOST:PORT`` into protocol and URL.
+def parse_worker_spec(spec: str, role: str = "aggregated") -> tuple[str, str]:
+    """Split ``PROTOCOL=http://HOST:PORT`` into protocol and URL. An SGLang
+    prefill worker's URL may end ``?bootstrap_port=B`` (kept in the URL;
+    :func:`split_worker_url` reads it). IPv6 hosts are bracketed.
 
     Raises:
-        ValueError: unknown protocol, or not an ``http://host:port`` URL.
+        ValueError: unknown protocol, not an ``http://host:port`` URL, a
+            query other than a prefill's bootstrap port, or a protocol
+            without P/D support in a P/D role.
     """
     protocol, sep, url = spec.partition("=")
     if not sep:
         raise ValueError(f"worker {spec!r}: expected PROTOCOL=http://HOST:PORT")
     if protocol not in PROTOCOLS:
         raise ValueError(f"worker {spec!r}: unknown protocol {protocol!r} (known: {', '.join(PROTOCOLS)})")
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname or not parts.port:
+    if role != "aggregated" and PROTOCOLS[protocol].pd_legs is None:
+        raise ValueError(f"{role} worker {spec!r}: the frontend runs no {protocol} P/D yet")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "http" or not parts.hostname or not port:
         raise ValueError(f"worker {spec!r}: expected an http://HOST:PORT URL")
+    if parts.query:
+        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+        bootstrap = query.pop("bootstrap_port", None)
+        if query or role != "prefill" or protocol != "sglang":
+            raise ValueError(f"worker {spec!r}: only an sglang prefill worker takes a query (?bootstrap_port=B)")
+        if not (bootstrap or "").isdigit() or not 0 < int(bootstrap) < 65536:
+            raise ValueError(f"worker {spec!r}: bootstrap_port must be a port number, not {bootstrap!r}")
     return protocol, url.rstrip("/")
+
+
+def split_worker_url(url: str, role: str) -> tuple[str, int | None]:
+    """A configured worker URL's base URL and bootstrap port: an SGLang
+    prefill worker's ``?bootstrap_port=B``, else :data:`DEFAULT_BOOTSTRAP_PORT`
+    for a prefill worker and ``None`` for the others."""
+    base, _, query = url.partition("?")
+    if role != "prefill":
+        return base.rstrip("/"), None
+    port = dict(parse_qsl(query)).get("bootstrap_port")
+    return base.rstrip("/"), int(port) if port else DEFAULT_BOOTSTRAP_PORT
 
 
 class Router:
     """Picks workers and tracks their health.
 
     Args:
-        specs: ``(protocol, url)`` pairs.
+        specs: ``(protocol, url)`` pairs of aggregated workers.
+        prefill, decode: ``(protocol, url)`` pairs of P/D workers (a prefill
+            URL may carry ``?bootstrap_port=B``).
+        disaggregation: ``auto`` (pairs when the protocol has a healthy
+            prefill and decode worker, else aggregated), ``always`` (pairs
+            only) or ``never`` (aggregated only).
         connect_timeout: seconds to connect to a worker.
         health_timeout: seconds one health probe (health route, plus server
             info when the worker is down) may take.
@@ -128,45 +176,68 @@ class Router:
         self,
         specs: Iterable[tuple[str, str]],
         *,
+        prefill: Iterable[tuple[str, str]] = (),
+        decode: Iterable[tuple[str, str]] = (),
+        disaggregation: str = "auto",
         connect_timeout: float = 5.0,
         health_timeout: float = 30.0,
         health_failures: int = 3,
     ) -> None:
         self.workers: list[Worker] = []
-        self._by_protocol: dict[str, list[Worker]] = {}
-        self._next: dict[str, int] = {}
+        self.disaggregation = disaggregation
+        self._groups: dict[tuple[str, str], list[Worker]] = {}
+        self._next: dict[tuple[str, str], int] = {}
         self.health_timeout = health_timeout
         self.health_failures = max(1, health_failures)
-        for i, (protocol, url) in enumerate(specs):
-            parts = urlsplit(url)
+        listed = [*(("aggregated", s) for s in specs), *(("prefill", s) for s in prefill),
+                  *(("decode", s) for s in decode)]
+        for i, (role, (protocol, url)) in enumerate(listed):
+            base, bootstrap_port = split_worker_url(url, role)
+            parts = urlsplit(base)
             pool = ConnectionPool(parts.hostname, parts.port, connect_timeout=connect_timeout)
             probe_pool = ConnectionPool(parts.hostname, parts.port, connect_timeout=connect_timeout, max_idle=1)
-            worker = Worker(f"w{i}", PROTOCOLS[protocol], url, pool, probe_pool)
-            group = self._by_protocol.setdefault(protocol, [])
+            worker = Worker(f"w{i}", PROTOCOLS[protocol], base, pool, probe_pool, role, bootstrap_port)
+            group = self._groups.setdefault((protocol, role), [])
             worker.index = len(group)
             group.append(worker)
             self.workers.append(worker)
 
     def has_protocol(self, protocol: str) -> bool:
-        """Whether any worker (up or down) speaks ``protocol``."""
-        return protocol in self._by_protocol
+        """Whether any worker (up or down, any role) speaks ``protocol``."""
+        return any(p == protocol for p, _ in self._groups)
 
-    def pick(self, protocol: str, exclude: Iterable[Worker] = ()) -> Worker | None:
-        """The healthy worker of ``protocol`` with the fewest outstanding
-        requests, ties round-robin; ``None`` if none is left."""
-        group = self._by_protocol.get(protocol)
+    def pick(self, protocol: str, exclude: Iterable[Worker] = (), role: str = "aggregated") -> Worker | None:
+        """The healthy ``role`` worker of ``protocol`` with the fewest
+        outstanding requests, ties round-robin; ``None`` if none is left."""
+        key = (protocol, role)
+        group = self._groups.get(key)
         if not group:
             return None
         n = len(group)
-        start = self._next.get(protocol, 0)
+        start = self._next.get(key, 0)
         best = None
         for i in range(n):
             w = group[(start + i) % n]
             if w.healthy and (best is None or w.outstanding < best.outstanding) and w not in exclude:
                 best = w
         if best is not None:
-            self._next[protocol] = (best.index + 1) % n
+            self._next[key] = (best.index + 1) % n
         return best
+
+    def plan(self, protocol: str, exclude: Iterable[Worker] = ()) -> tuple[Worker, ...] | None:
+        """The workers of a request's next attempt, per ``disaggregation``:
+        ``(prefill, decode)`` or ``(aggregated,)``; ``None`` when no healthy
+        worker (pair) is left outside ``exclude``."""
+        exclude = list(exclude)
+        if self.disaggregation != "never":
+            prefill = self.pick(protocol, exclude, "prefill")
+            decode = self.pick(protocol, exclude, "decode") if prefill is not None else None
+            if prefill is not None and decode is not None:
+                return prefill, decode
+            if self.disaggregation == "always":
+                return None
+        worker = self.pick(protocol, exclude)
+        return (worker,) if worker is not None else None
 
     def mark_down(self, worker: Worker, reason: str) -> None:
         """Stop routing to ``worker`` until a probe succeeds (logged when it

@@ -22,6 +22,15 @@ verify``).
 Answers are the engine's own objects with ``meta_info.id`` restored to the
 client's ``rid``: cumulative SSE chunks, or deltas when the worker runs with
 ``--incremental-streaming-output``.
+
+Prefill/decode (P/D): both legs get the client's body with the frontend's
+``bootstrap_host``/``bootstrap_port``/``bootstrap_room`` (SGLang's
+``disaggregation/mini_lb.py`` sends the same body to both). The client gets
+the decode leg's answer; with ``return_logprob`` the prefill leg's
+``input_token_logprobs``, ``input_top_logprobs`` and
+``input_token_ids_logprobs`` go before the decode leg's own (empty) ones, as
+``mini_lb`` joins them: in the unary object, in every cumulative chunk, in
+the first incremental one.
 """
 
 from __future__ import annotations
@@ -46,9 +55,12 @@ from asgi_generate.codec import (
 )
 
 # Set by the frontend for P/D; a client setting them could stall a decode
-# engine waiting on a bootstrap room nobody fills.
+# engine waiting on a bootstrap room nobody fills, or read another
+# request's KV.
 FRONTEND_OWNED = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key")
 MULTIMODAL = ("image_data", "video_data", "audio_data")
+#: What only the prefill leg computes, put into the client's answer.
+PREFILL_LOGPROBS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 
 
 class SchemaError(RequestError):
@@ -187,10 +199,16 @@ class SGLangCodec(Codec):
 class SGLangExchange(Exchange):
     """One SGLang request's state across worker attempts."""
 
-    __slots__ = ("request", "public_id", "seen", "last", "incremental", "payload", "engine_tag", "public_tag")
+    __slots__ = (
+        "request", "public_id", "seen", "last", "incremental", "payload", "engine_tag", "public_tag",
+        "waits_for_prefill", "prefill_meta", "decode_chunks",
+    )
 
     def __init__(self, request: GenerateRequest, public_id: str) -> None:
         self.request = request
+        self.waits_for_prefill = request.native.get("return_logprob") is True
+        self.prefill_meta: dict | None = None
+        self.decode_chunks = 0
         self.public_id = public_id
         self.seen = 0
         self.last: dict | None = None
@@ -200,13 +218,20 @@ class SGLangExchange(Exchange):
         self.public_tag = orjson.dumps(public_id)
 
     def worker_request(self, attempt: Attempt) -> WorkerRequest:
-        """The client's body with ``rid`` minted. A unary client gets a unary
-        engine leg: the engine's one answer, passed through."""
+        """The client's body with ``rid`` minted (and a P/D leg's bootstrap
+        fields). A unary client gets a unary engine leg: the engine's one
+        answer, passed through."""
         body = dict(self.request.native)
         body["rid"] = attempt.engine_id
+        if attempt.bootstrap is not None:
+            body["bootstrap_host"], body["bootstrap_port"], body["bootstrap_room"] = attempt.bootstrap
         stream = self.request.stream
-        self.incremental = stream and bool(attempt.worker_info.get("incremental_streaming_output"))
-        self.engine_tag = orjson.dumps(attempt.engine_id)
+        if attempt.role == "prefill":  # its answer never reaches the client
+            self.prefill_meta = None
+        else:
+            self.incremental = stream and bool(attempt.worker_info.get("incremental_streaming_output"))
+            self.engine_tag = orjson.dumps(attempt.engine_id)
+            self.decode_chunks = 0
         return WorkerRequest(b"/generate", dump_body(body), stream=stream)
 
     def feed(self, attempt: Attempt, payload: bytes) -> Event:
@@ -218,15 +243,17 @@ class SGLangExchange(Exchange):
             raise RequestError(502, "worker sent a chunk that is not JSON", "engine") from None
         if type(chunk) is not dict:
             raise RequestError(502, "worker sent a chunk that is not an object", "engine")
-        self.payload = payload
         meta = chunk.get("meta_info")
+        if attempt.role == "prefill":
+            return self._prefill_event(chunk, meta)
+        self.payload = payload
         if type(meta) is not dict:
-            err = chunk.get("error")
-            message = err.get("message", "") if type(err) is dict else str(err)
-            code = err.get("code", 400) if type(err) is dict else 400
             self.last = chunk
-            return Event([], error=EngineError(code if type(code) is int else 400, message))
+            return _error_event(chunk)
         meta["id"] = self.public_id
+        if self.prefill_meta is not None and (self.decode_chunks == 0 or not self.incremental):
+            self._join_prefill(meta)
+        self.decode_chunks += 1
         ids = chunk.get("output_ids") or []
         new = ids if self.incremental else ids[self.seen :]
         self.seen += len(new)
@@ -241,6 +268,31 @@ class SGLangExchange(Exchange):
             completion_tokens=meta.get("completion_tokens"),
             cached_tokens=meta.get("cached_tokens"),
         )
+
+    def _prefill_event(self, chunk: dict, meta: object) -> Event:
+        """The prefill leg's answer (or one of its chunks): keep its meta for
+        the client's answer; its token is the decode leg's to send."""
+        if type(meta) is not dict:
+            return _error_event(chunk)
+        finish = meta.get("finish_reason")
+        kind = finish.get("type") if type(finish) is dict else None
+        if kind == "abort":
+            status = finish.get("status_code")
+            return Event([], error=EngineError(
+                status if type(status) is int and status >= 400 else 500, str(finish.get("message", ""))
+            ))
+        if kind is not None:
+            self.prefill_meta = meta
+        return Event([], kind)
+
+    def _join_prefill(self, meta: dict) -> None:
+        """Put the prefill leg's prompt logprobs before the decode leg's."""
+        for key in PREFILL_LOGPROBS:
+            got = self.prefill_meta.get(key)
+            if type(got) is list:
+                own = meta.get(key)
+                meta[key] = got + own if type(own) is list else got
+        self.payload = b""  # re-serialised: not the engine's bytes any more
 
     def client_event(self, event: Event) -> bytes | None:
         """The worker's chunk, ``meta_info.id`` restored."""
@@ -271,3 +323,11 @@ class SGLangExchange(Exchange):
         """SGLang workers answer in this format's shapes: pass through; a
         body that is not JSON (a bare server error page) gets SGLang's shape."""
         return engine_error_page(status, body, SGLangCodec().error_body)
+
+
+def _error_event(chunk: dict) -> Event:
+    """An SGLang ``{"error": ...}`` object as an engine error event."""
+    err = chunk.get("error")
+    message = err.get("message", "") if type(err) is dict else str(err)
+    code = err.get("code", 400) if type(err) is dict else 400
+    return Event([], error=EngineError(code if type(code) is int else 400, message))
