@@ -248,6 +248,7 @@ class App:
             "trace": self.tracer.stats() if self.tracer is not None else {"enabled": False},
             "workers": {
                 w.id: {
+                    "role": w.role,
                     "outstanding": w.outstanding,
                     "idle_connections": w.pool.idle,
                     "connections_opened": w.pool.opened,

@@ -95,9 +95,6 @@ class Settings:
     """
 
     workers: list[tuple[str, str]] = field(default_factory=list)
-    prefill: list[tuple[str, str]] = field(default_factory=list)
-    decode: list[tuple[str, str]] = field(default_factory=list)
-    disaggregation: str = "auto"
     max_body_bytes: int = 32 * 1024 * 1024
     connect_timeout: float = 5.0
     headers_timeout: float = 60.0
@@ -123,6 +120,9 @@ class Settings:
     tokenizer: str | None = None
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    prefill: list[tuple[str, str]] = field(default_factory=list)
+    decode: list[tuple[str, str]] = field(default_factory=list)
+    disaggregation: str = "auto"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":

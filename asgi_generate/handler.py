@@ -39,6 +39,7 @@ from .framing import (
     send_unary,
     sse_event,
 )
+from .pd import run_pair
 from .workers.http import ConnectFailed, TimedOut, WorkerError
 from .workers.router import Worker
 
@@ -162,7 +163,7 @@ class _Generation:
     __slots__ = (
         "app", "codec", "ex", "req", "st", "send", "pending", "in_send", "last_send",
         "scope", "shutdown", "write_timeout", "send_started", "timed", "outbox", "outbox_tokens",
-        "leg", "lost",
+        "leg", "lost", "prefill_gate",
     )
 
     def __init__(
@@ -187,6 +188,9 @@ class _Generation:
         self.leg: anyio.CancelScope | None = None
         #: Why the running leg's worker was declared lost.
         self.lost: str | None = None
+        #: P/D: set once the prefill leg answered, when the decode leg's
+        #: first event needs that answer (see :mod:`asgi_generate.pd`).
+        self.prefill_gate: anyio.Event | None = None
 
     def worker_lost(self, worker: Worker, reason: str) -> None:
         """The router's health probe gave ``worker`` up: stop waiting for it.
@@ -213,13 +217,20 @@ class _Generation:
         tried: list[Worker] = []
         protocol = self.codec.worker_protocol
         while True:
-            worker = router.pick(protocol, tried)
-            if worker is None:
+            plan = router.plan(protocol, tried)
+            if plan is None:
                 why = "no healthy worker" if router.has_protocol(protocol) else "no worker configured"
                 await self.fail(
                     RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"), "unavailable"
                 )
                 return
+            if len(plan) == 2:  # a prefill/decode pair
+                failed = await run_pair(self, *plan)
+                if not failed:
+                    return
+                tried += failed
+                continue
+            worker = plan[0]
             attempt = Attempt(ids.mint(), "aggregated", worker.id, worker.info, worker)
             try:
                 wreq = self.ex.worker_request(attempt)
@@ -350,6 +361,8 @@ class _Generation:
                 self.leg.cancel()  # the worker was lost during this write
 
     async def _feed(self, attempt: Attempt, payload: bytes) -> None:
+        if self.prefill_gate is not None and attempt.role == "decode":
+            await self.prefill_gate.wait()
         await self._settle(attempt, self.ex.feed(attempt, payload))
 
     async def _feed_whole(self, attempt: Attempt, body: bytes) -> None:

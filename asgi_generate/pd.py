@@ -1,0 +1,231 @@
+"""Running a prefill/decode (P/D) pair: the legs of one attempt.
+
+The router plans a pair (:meth:`~asgi_generate.workers.router.Router.plan`);
+this module runs it inside the handler's request scope. SGLang's P/D legs run
+concurrently (``WorkerProtocol.pd_legs == "concurrent"``): both get the
+client's body with a bootstrap room minted per attempt, the prefill worker's
+host and its bootstrap port (SGLang ``disaggregation/mini_lb.py``), and
+
+- the decode leg is an ordinary streamed (or unary) attempt whose events go
+  to the client, so framing, accounting and timeouts are the handler's own;
+- the prefill leg's answer is read whole and fed to the codec, which keeps
+  what the client's answer needs from it (prompt logprobs); when the codec
+  says the decode's first event needs it (``Exchange.waits_for_prefill``),
+  that event waits for it;
+- a leg that fails before the client got anything fails the pair: the other
+  leg is cancelled and aborted, then the request is retried on another pair
+  with a new room (a worker that could not be reached or broke off), or ends
+  with the format's error (an engine's error answer).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+import anyio
+
+from . import ids
+from .codec import Attempt, Event, RequestError, WorkerRequest
+from .framing import SSEDecoder
+from .workers.http import ConnectFailed, TimedOut, WorkerError
+from .workers.router import Worker
+
+if TYPE_CHECKING:
+    from .handler import _Generation
+
+#: ``bootstrap_room`` is below 2^63 (SGLang ``io_struct.GenerateReqInput``).
+ROOM_LIMIT = 1 << 63
+DONE = b"[DONE]"
+_live_rooms: set[int] = set()
+
+
+def mint_room() -> int:
+    """A random bootstrap room in [0, 2^63) that no live attempt of this
+    process holds."""
+    while True:
+        room = secrets.randbits(63)
+        if room not in _live_rooms:
+            return room
+
+
+def bootstrap_host(worker: Worker) -> str:
+    """The host a decode engine reaches ``worker``'s bootstrap server on:
+    its URL's host, an IPv6 address in brackets (as SGLang's routers send it)."""
+    host = urlsplit(worker.url).hostname or ""
+    return f"[{host}]" if ":" in host else host
+
+
+@dataclass(slots=True, eq=False)
+class _PrefillLeg:
+    """The prefill leg as its worker's in-flight set holds it: counted as
+    outstanding, and told when the health probe gives the worker up (which
+    cancels the leg if it still runs). Also how the leg ended."""
+
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    lost: str | None = None
+    retry: bool = False
+    error: RequestError | None = None
+    page: tuple[int, bytes] | None = None  # the worker's own non-200 answer, for the client
+
+    def worker_lost(self, worker: Worker, reason: str) -> None:
+        """See :meth:`asgi_generate.workers.router.InFlight.worker_lost`."""
+        if self.lost is None:
+            self.lost = reason
+            self.scope.cancel()
+
+
+async def run_pair(gen: "_Generation", prefill: Worker, decode: Worker) -> list[Worker]:
+    """Run one P/D attempt of ``gen``'s request on ``prefill`` and ``decode``.
+
+    Returns the workers to leave out of the next attempt (empty: the request
+    is answered, successfully or with its error).
+    """
+    room = mint_room()
+    _live_rooms.add(room)
+    try:
+        return await _run_pair(gen, prefill, decode, room)
+    finally:
+        _live_rooms.discard(room)
+
+
+async def _run_pair(gen: "_Generation", prefill: Worker, decode: Worker, room: int) -> list[Worker]:
+    st, ex = gen.st, gen.ex
+    bootstrap = (bootstrap_host(prefill), prefill.bootstrap_port, room)
+    p_att = Attempt(ids.mint(), "prefill", prefill.id, prefill.info, prefill, bootstrap=bootstrap)
+    d_att = Attempt(ids.mint(), "decode", decode.id, decode.info, decode, bootstrap=bootstrap)
+    try:
+        p_req = ex.worker_request(p_att)
+        d_req = ex.worker_request(d_att)
+    except RequestError as exc:  # nothing was sent to any engine
+        await gen.fail(exc, "rejected")
+        return []
+    st.attempts += (p_att, d_att)
+    result = _PrefillLeg()
+    gate = anyio.Event()
+    gen.prefill_gate = gate if ex.waits_for_prefill else None
+    retry_decode = False
+    prefill.inflight.add(result)
+    decode.inflight.add(gen)
+    try:
+        async with anyio.create_task_group() as tg:
+            with anyio.CancelScope() as decode_scope:
+                tg.start_soon(_prefill_leg, gen, prefill, p_att, p_req, result, gate, decode_scope)
+                retry_decode = await gen._attempt(decode, d_att, d_req)
+            if p_att.live and (d_att.outcome != "finished" or st.finish_reason == "abort"):
+                # No decode will take the prefill's KV: stop waiting for it
+                # (the leg stays live, so it is aborted).
+                tg.cancel_scope.cancel()
+    finally:
+        gen.prefill_gate = None
+        prefill.inflight.discard(result)
+        decode.inflight.discard(gen)
+    if retry_decode or result.retry:
+        if st.response_started or gen.pending:
+            # The decode leg already answered the client (in part): no retry.
+            if not st.response_complete:
+                await gen.fail(RequestError(502, "a P/D leg failed mid-answer", "engine"), "engine_error")
+            return []
+        await _abort_pair(gen)
+        return [w for w, failed in ((prefill, result.retry), (decode, retry_decode)) if failed]
+    if result.error is not None and not st.response_started and not gen.pending:
+        await _abort_pair(gen)
+        if result.page is not None:
+            status, body = result.page
+            st.fail("engine_error" if status >= 500 else "rejected", status, "engine",
+                    body[:512].decode("utf-8", "replace"))
+            await gen._unary(status, body)
+        else:
+            await gen.fail(result.error, "timeout" if result.error.kind == "timeout" else "engine_error")
+    return []
+
+
+async def _abort_pair(gen: "_Generation") -> None:
+    """Abort the failed pair's live legs now, before another pair runs."""
+    from .handler import abort_live_legs
+
+    with anyio.CancelScope(shield=True):
+        await abort_live_legs(gen.app, gen.st)
+
+
+async def _prefill_leg(
+    gen: "_Generation",
+    worker: Worker,
+    attempt: Attempt,
+    wreq: WorkerRequest,
+    result: _PrefillLeg,
+    gate: anyio.Event,
+    decode_scope: anyio.CancelScope,
+) -> None:
+    """Run the prefill leg: read its whole answer into the codec, within
+    the handler's phase deadlines (it answers once the decode took its KV,
+    so a streamed leg's one event is its first token). A failure before the
+    client got anything cancels the decode leg (which the pair runner then
+    aborts); the gate opens however the leg ends."""
+    from .handler import _timeout_message
+
+    ex, settings = gen.ex, gen.app.settings
+    attempt.live = True
+    if wreq.stream:
+        phase, limit = "headers", settings.headers_timeout
+    else:
+        phase, limit = "request", settings.request_timeout
+    deadline = anyio.current_time() + limit if limit > 0 else math.inf
+    try:
+        with result.scope:
+            async with worker.pool.request(
+                b"POST", wreq.path, wreq.body, wreq.headers, head_deadline=deadline
+            ) as resp:
+                if wreq.stream:
+                    phase, limit = "first_token", settings.first_token_timeout
+                    deadline = anyio.current_time() + limit if limit > 0 else math.inf
+                if resp.status != 200:
+                    body = await resp.read(deadline)
+                    attempt.live = False
+                    attempt.outcome = "error"
+                    result.page = ex.worker_error(resp.status, body)
+                    result.error = RequestError(result.page[0], "prefill leg failed", "engine")
+                elif not wreq.stream:
+                    _settle(attempt, ex.feed(attempt, await resp.read(deadline)), result)
+                else:
+                    decoder = SSEDecoder()
+                    while (data := await resp.read_some(deadline)) is not None:
+                        for payload in decoder.feed(data):
+                            if payload != DONE and attempt.live:
+                                _settle(attempt, ex.feed(attempt, payload), result)
+                    if attempt.live:
+                        raise WorkerError("prefill worker ended its answer without a finish reason")
+        if result.scope.cancelled_caught:  # the health probe gave the worker up
+            attempt.outcome = "worker_lost"
+            result.retry = True
+    except TimedOut:  # slow is not dead: the leg stays live, so it is aborted
+        result.error = RequestError(504, _timeout_message(worker, phase, limit), "timeout")
+    except ConnectFailed as exc:
+        attempt.live = False
+        attempt.outcome = "connect_failed"
+        gen.app.router.mark_down(worker, str(exc))
+        result.retry = True
+    except WorkerError as exc:
+        attempt.outcome = "worker_lost"
+        gen.app.router.mark_down(worker, str(exc))
+        result.retry = True
+    except RequestError as exc:  # the worker broke its protocol
+        attempt.outcome = "error"
+        result.error = exc
+    finally:
+        if (result.retry or result.error is not None) and not gen.st.response_started and not gen.pending:
+            decode_scope.cancel()
+        gate.set()
+
+
+def _settle(attempt: Attempt, event: Event, result: _PrefillLeg) -> None:
+    if event.error is not None:
+        attempt.live = False
+        attempt.outcome = "error"
+        result.error = RequestError(event.error.status, event.error.message, "engine")
+    elif event.finish_reason is not None:
+        attempt.live = False
+        attempt.outcome = "finished"
