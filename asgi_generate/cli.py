@@ -228,10 +228,11 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     sim.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"), default="null",
                      help="SGLang P/D role: a prefill server hands each request's KV to the decode server "
                           "named in it over its --bootstrap-port (default %(default)s: aggregated)")
-    sim.add_argument("--bootstrap-port", type=int, default=8998, metavar="B",
-                     help="a prefill server's bootstrap port on loopback, 0 = any free one, shown in /get_server_info (SGLang "
+    sim.add_argument("--bootstrap-port", type=PORT, default=8998, metavar="B",
+                     help="a prefill server's bootstrap port on loopback, 0 = any free one, shown in "
+                          "/get_server_info (SGLang "
                           "--disaggregation-bootstrap-port) (default %(default)s)")
-    sim.add_argument("--disaggregation-timeout-s", type=float, default=300.0, metavar="S",
+    sim.add_argument("--disaggregation-timeout-s", type=_bounded(float, 0.001), default=300.0, metavar="S",
                      help="seconds a prefill room waits for its decode, and a decode request for its KV, "
                           "before SGLang's transfer abort (500) (default %(default)s)")
     sim.add_argument("--model-name", default="sim", help="served model name (default %(default)s)")
