@@ -87,7 +87,7 @@ def test_plan_picks_each_role_by_least_outstanding():
         w.healthy = True
     assert r.plan("sglang") == (p1, d)
     assert r.plan("sglang") == (p2, d)  # ties round-robin
-    p2.outstanding = 1
+    p2.inflight.add(object())
     assert r.plan("sglang") == (p1, d)
     assert r.plan("sglang", [p1]) == (p2, d)
     assert r.plan("sglang", [p1, p2]) == (agg,)  # auto: no pair left, aggregated
