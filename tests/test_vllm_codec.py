@@ -340,8 +340,11 @@ def test_frontend_errors_in_vllm_shape(error, shape):
         ({"token_ids": [1], "sampling_params": {}, "features": {"mm_hashes": {}, "mm_placeholders": {},
           "kwargs_data": {"image": [1]}}}, "{'type': 'string_type', 'loc': 'body.features.kwargs_data.image.0', "
          "'msg': 'Input should be a valid string', 'input': '1'}", "body.features.kwargs_data.image.0"),
-        ({"token_ids": ["x" * 300], "sampling_params": {}}, "{'type': 'int_type', 'loc': 'body.token_ids.0', 'msg': "
-         f"'Input should be a valid integer', 'input': '{'x' * 200}...[truncated]'}}", "body.token_ids.0"),
+        ({"token_ids": ["x" * 300], "sampling_params": {}}, "{'type': 'int_parsing', 'loc': 'body.token_ids.0', "
+         f"'msg': 'Input should be a valid integer, unable to parse string as an integer', 'input': '{'x' * 200}"
+         "...[truncated]'}", "body.token_ids.0"),
+        ({"token_ids": [1], "stream": "maybe", "sampling_params": {}}, "{'type': 'bool_parsing', 'loc': 'body.stream', "
+         "'msg': 'Input should be a valid boolean, unable to interpret input', 'input': 'maybe'}", "body.stream"),
     ],
 )
 def test_schema_errors_in_vllm_validation_shape(body, message, param):

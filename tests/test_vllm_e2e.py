@@ -455,8 +455,8 @@ BAD_INPUT = {
     ),
     "token_id_not_an_int": (
         {"token_ids": [1, 2.5], "sampling_params": {}},
-        schema_error("body.token_ids.1", "{'type': 'int_type', 'loc': 'body.token_ids.1', 'msg': 'Input should be "
-                     "a valid integer', 'input': '2.5'}"),
+        schema_error("body.token_ids.1", "{'type': 'int_from_float', 'loc': 'body.token_ids.1', 'msg': 'Input "
+                     "should be a valid integer, got a number with a fractional part', 'input': '2.5'}"),
     ),
     "no_token_ids": (
         {"sampling_params": {}},

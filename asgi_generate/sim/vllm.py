@@ -31,13 +31,16 @@ in :mod:`asgi_generate.workers.versions`):
   then the top-k, to ``{logprob, rank, decoded_token}`` (``decoded_token``
   null: tokens-only mode does not detokenize). Newer versions add each
   choice's ``stop_reason``: the matched stop token id, null for EOS or a cap.
-- Refusals in vLLM's order: the request schema (``GenerateRequest``; unknown
-  fields are ignored, as pydantic does by default; numbers are strict except
-  that a float field takes a numeric string, as pydantic's lax mode does),
-  ``SamplingParams._verify_args`` (``vllm/sampling_params.py``; built inside
-  pydantic's validation, so its refusals come back in the validation shape
-  at ``body.sampling_params``, ``param`` the field a ``VLLMValidationError``
-  names), then ``serve_tokens``
+- Refusals in vLLM's order: the request schema (``GenerateRequest``;
+  unknown fields are ignored, numbers and booleans read as pydantic's lax
+  mode reads them), ``SamplingParams._verify_args``
+  (``vllm/sampling_params.py``; built inside pydantic's validation by
+  ``PydanticMsgspecMixin``, so its refusals are validation errors after the
+  failed ``is-instance`` branch, ``param`` the field a
+  ``VLLMValidationError`` names), rendered as the played version's
+  ``validation_exception_handler`` does (from 0.30 a cleaned dotted ``loc``
+  and a bounded ``input``, before pydantic's tuple and the whole input), then
+  ``serve_tokens``
   (unknown model, ``n`` above ``max_num_seqs``, stop strings on a tokens-only
   server: 0.31 and later refuse them, older ones accept and never apply
   them), then the input checks (logprob counts, vocabulary, the prompt
@@ -66,6 +69,7 @@ flags for them are simulated).
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -110,25 +114,114 @@ def _summarize(value: Any) -> Any:
     return text[:200] + "...[truncated]" if len(text) > 200 else text
 
 
-def invalid(kind: str, loc: tuple, msg: str, value: Any, ctx: dict | None = None) -> VLLMError:
-    """vLLM's rendering of one pydantic error at ``loc`` under ``body``."""
-    where = ".".join(str(p) for p in ("body", *loc))
-    err: dict[str, Any] = {"type": kind, "loc": where, "msg": msg, "input": _summarize(value)}
+#: The ``loc`` segment pydantic adds inside ``SamplingParams`` (built by
+#: ``PydanticMsgspecMixin`` as a function-after over a typed dict).
+_SP_MARKER = "function-after[_validate_msgspec(), typed-dict]"
+_INTERNAL = re.compile(r"[\[\]{}()]")
+#: Segments of pydantic's schema kinds that vLLM drops from a ``loc``.
+_MARKERS = frozenset((
+    "function-wrap function-after function-before function-plain json-or-python lax-or-strict chain default "
+    "nullable tagged-union union call arguments is-instance is-subclass callable str int float bool bytes "
+    "bytearray list tuple dict set frozenset complex none nonetype"
+).split())
+
+
+class Invalid(Exception):
+    """Pydantic's errors for a request body: dicts with ``type``, ``loc``
+    (a tuple under ``body``), ``msg``, ``input`` and maybe ``ctx``."""
+
+    def __init__(self, errors: list[dict]) -> None:
+        super().__init__(errors)
+        self.errors = errors
+
+
+def invalid(kind: str, loc: tuple, msg: str, value: Any, ctx: dict | None = None) -> Invalid:
+    """One pydantic error at ``loc`` (a path under ``body``)."""
+    err: dict[str, Any] = {"type": kind, "loc": ("body", *loc), "msg": msg, "input": value}
     if ctx is not None:
         err["ctx"] = ctx
-    return error(f"1 validation error:\n  {err}", "Bad Request", 400, where)
+    return Invalid([err])
+
+
+def _clean_loc(loc: tuple) -> str:
+    """vLLM's ``clean_loc_for_param``: the dotted path without pydantic's
+    internal segments."""
+    parts = [str(p) for p in loc if not _INTERNAL.search(str(p)) and str(p).lower() not in _MARKERS]
+    return ".".join(parts) if parts else ".".join(str(p) for p in loc)
+
+
+def render_invalid(errors: list[dict], cleaned: bool) -> VLLMError:
+    """vLLM's ``validation_exception_handler``: 400, ``param`` the parameter
+    a ``VLLMValidationError`` names, else the first error's cleaned ``loc``;
+    from 0.30 each error shows its cleaned ``loc`` and a bounded ``input``,
+    before it pydantic's own (``loc`` tuple, whole ``input``)."""
+    param = next((e["ctx"]["error"].parameter for e in errors
+                  if isinstance(e.get("ctx", {}).get("error"), VLLMValidationError)), None)
+    if param is None:
+        param = _clean_loc(errors[0]["loc"])
+    shown = []
+    for e in errors:
+        if cleaned:
+            e = {**e, "loc": _clean_loc(e["loc"]), "input": _summarize(e["input"])}
+        shown.append(str(e))
+    label = "error" if len(errors) == 1 else "errors"
+    message = f"{len(errors)} validation {label}:\n" + "".join(f"  {t}\n" for t in shown)
+    return error(message.rstrip(), "Bad Request", 400, param)
 
 
 # Schema nodes as in asgi_generate_vllm.schema (the frontend's copy of the
 # same vLLM models): ("int",), ("float",), ("str",), ("bool",), ("any",),
 # ("stop",), ("nullable", n), ("list", n), ("dict", n),
 # ("model", {field: n}, required).
-_SCALARS = {
-    "int": ("int_type", "Input should be a valid integer", lambda v: type(v) is int),
-    "float": ("float_type", "Input should be a valid number", lambda v: type(v) in (int, float)),
-    "str": ("string_type", "Input should be a valid string", lambda v: type(v) is str),
-    "bool": ("bool_type", "Input should be a valid boolean", lambda v: type(v) is bool),
-}
+_TRUE, _FALSE = ("1", "on", "t", "true", "y", "yes"), ("0", "off", "f", "false", "n", "no")
+
+
+def _lax(kind: str, value: Any, loc: tuple) -> Any:
+    """A JSON scalar as pydantic's lax mode reads it for ``kind``."""
+    t = type(value)
+    if kind == "str":
+        if t is str:
+            return value
+        raise invalid("string_type", loc, "Input should be a valid string", value)
+    if kind == "bool":
+        if t is bool:
+            return value
+        if t is int and value in (0, 1):
+            return bool(value)
+        if t is str and value.lower() in _TRUE + _FALSE:
+            return value.lower() in _TRUE
+        if t in (str, int, float):
+            raise invalid("bool_parsing", loc, "Input should be a valid boolean, unable to interpret input", value)
+        raise invalid("bool_type", loc, "Input should be a valid boolean", value)
+    if kind == "int":
+        if t in (int, bool):
+            return int(value)
+        if t is float:
+            if value.is_integer():
+                return int(value)
+            raise invalid(
+                "int_from_float", loc, "Input should be a valid integer, got a number with a fractional part", value
+            )
+        if t is str:
+            try:
+                return int(value.strip())
+            except ValueError:
+                raise invalid(
+                    "int_parsing", loc, "Input should be a valid integer, unable to parse string as an integer", value
+                ) from None
+        raise invalid("int_type", loc, "Input should be a valid integer", value)
+    if t in (int, float, bool):
+        return float(value)
+    if t is str:
+        try:
+            return float(value)
+        except ValueError:
+            raise invalid(
+                "float_parsing", loc, "Input should be a valid number, unable to parse string as a number", value
+            ) from None
+    raise invalid("float_type", loc, "Input should be a valid number", value)
+
+
 INT, FLOAT, STR, BOOL, ANY = ("int",), ("float",), ("str",), ("bool",), ("any",)
 _PLACEHOLDER = ("model", {"offset": INT, "length": INT}, ("offset", "length"))
 _FEATURES = (
@@ -168,9 +261,9 @@ _REQUEST = (
     "model",
     {
         "request_id": STR,
-        "token_ids": ("list", INT),
+        "token_ids": ("token_ids",),
         "features": ("nullable", _FEATURES),
-        "sampling_params": _SAMPLING,
+        "sampling_params": ("sampling",),
         "model": ("nullable", STR),
         "stream": ("nullable", BOOL),
         "stream_options": (
@@ -186,47 +279,81 @@ _REQUEST = (
 )
 
 
-def _check(value: Any, node: tuple, loc: tuple = ()) -> None:
+def _validate(value: Any, node: tuple, loc: tuple = ()) -> Any:
+    """``value`` as pydantic validates it against ``node`` (lax numbers and
+    booleans, unknown fields dropped); ``loc`` is its path under ``body``.
+
+    Raises:
+        Invalid: the first error, in field order (``stop``'s union: one error
+            per branch).
+    """
     kind = node[0]
     if kind == "any" or (kind == "nullable" and value is None):
-        return
+        return value
     if kind == "nullable":
-        _check(value, node[1], loc)
-    elif kind == "stop":  # str | list[str]
-        if type(value) is not str:
-            _check(value, ("list", STR), loc)
-    elif kind == "float" and type(value) is str:
+        return _validate(value, node[1], loc)
+    if kind == "sampling":
+        return _validate_sampling(value)
+    if kind == "token_ids":  # list[int] = Field(min_length=1), none negative
+        ids = _validate(value, ("list", INT), loc)
+        if not ids:
+            raise invalid("too_short", loc, "List should have at least 1 item after validation, not 0", value,
+                          {"field_type": "List", "min_length": 1, "actual_length": 0})
+        if min(ids) < 0:
+            why = "token_ids must not contain negative values"
+            raise invalid("value_error", loc, f"Value error, {why}", value, {"error": ValueError(why)})
+        return ids
+    if kind == "stop":  # str | list[str]
+        if type(value) is str:
+            return value
         try:
-            float(value)
-        except ValueError:
-            raise invalid(
-                "float_parsing", loc, "Input should be a valid number, unable to parse string as a number", value
-            ) from None
-    elif kind in _SCALARS:
-        err, msg, ok = _SCALARS[kind]
-        if not ok(value):
-            raise invalid(err, loc, msg, value)
-    elif kind == "list":
+            return _validate(value, ("list", STR), (*loc, "list[str]"))
+        except Invalid as exc:
+            branch = invalid("string_type", (*loc, "str"), "Input should be a valid string", value)
+            raise Invalid(branch.errors + exc.errors) from None
+    if kind in ("int", "float", "str", "bool"):
+        return _lax(kind, value, loc)
+    if kind == "list":
         if type(value) is not list:
             raise invalid("list_type", loc, "Input should be a valid list", value)
-        for i, v in enumerate(value):
-            _check(v, node[1], (*loc, i))
-    elif kind == "dict":
+        return [_validate(v, node[1], (*loc, i)) for i, v in enumerate(value)]
+    if kind == "dict":
         if type(value) is not dict:
             raise invalid("dict_type", loc, "Input should be a valid dictionary", value)
-        for key, v in value.items():
-            _check(v, node[1], (*loc, key))
-    else:
+        return {key: _validate(v, node[1], (*loc, key)) for key, v in value.items()}
+    if type(value) is not dict:
+        raise invalid(
+            "model_attributes_type", loc, "Input should be a valid dictionary or object to extract fields from", value
+        )
+    out = {}
+    for key, sub in node[1].items():
+        if key in value:
+            out[key] = _validate(value[key], sub, (*loc, key))
+        elif key in node[2]:
+            raise invalid("missing", (*loc, key), "Field required", value)
+    return out
+
+
+def _validate_sampling(value: Any) -> dict:
+    """``sampling_params``: the typed dict, then ``SamplingParams``' own
+    checks (``_verify_args``, run as pydantic builds it). Every error comes
+    after the failed ``is-instance`` branch of the union
+    ``PydanticMsgspecMixin`` builds."""
+    loc = ("sampling_params", _SP_MARKER)
+    try:
         if type(value) is not dict:
-            raise invalid(
-                "model_attributes_type", loc,
-                "Input should be a valid dictionary or object to extract fields from", value,
-            )
-        for key, sub in node[1].items():
-            if key in value:
-                _check(value[key], sub, (*loc, key))
-            elif key in node[2]:
-                raise invalid("missing", (*loc, key), "Field required", value)
+            raise invalid("dict_type", loc, "Input should be a valid dictionary", value)
+        sp = _validate(value, _SAMPLING, loc)
+        try:
+            _verify_args(sp)
+        except ValueError as exc:
+            raise invalid("value_error", loc, f"Value error, {exc}", value, {"error": exc}) from None
+        return sp
+    except Invalid as exc:
+        first = {"type": "is_instance_of", "loc": ("body", "sampling_params", "is-instance[SamplingParams]"),
+                 "msg": "Input should be an instance of SamplingParams", "input": value,
+                 "ctx": {"class": "SamplingParams"}}
+        raise Invalid([first, *exc.errors]) from None
 
 
 class VLLMValidationError(ValueError):
@@ -241,30 +368,6 @@ class VLLMValidationError(ValueError):
     def __str__(self) -> str:
         extras = [f"{k}={v}" for k, v in (("parameter", self.parameter), ("value", self.value)) if v is not None]
         return f"{super().__str__()} ({', '.join(extras)})" if extras else super().__str__()
-
-
-def _sampling_refused(sp: dict, exc: ValueError) -> VLLMError:
-    """A refusal raised while pydantic builds ``SamplingParams``
-    (``PydanticMsgspecMixin._validate_msgspec``): vLLM's validation handler
-    renders the wrapped ``value_error`` at ``body.sampling_params``, with the
-    ``param`` a ``VLLMValidationError`` names."""
-    err = invalid("value_error", ("sampling_params",), f"Value error, {exc}", sp, {"error": exc})
-    param = getattr(exc, "parameter", None)
-    if param is not None:
-        err.body["error"]["param"] = param
-    return err
-
-
-def _verify_sampling(sp: dict) -> None:
-    """``SamplingParams._verify_args``, in its order and words.
-
-    Raises:
-        VLLMError: 400, vLLM's rendering of the first refusal.
-    """
-    try:
-        _verify_args(sp)
-    except ValueError as exc:
-        raise _sampling_refused(sp, exc) from None
 
 
 def _verify_args(sp: dict) -> None:
@@ -405,24 +508,12 @@ class VLLMProtocol:
                 "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
                 "Bad Request",
             )
-        if not body:
-            raise invalid("missing", (), "Field required", None)
         try:
-            obj = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise invalid("json_invalid", (exc.pos,), "JSON decode error", {}, {"error": exc.msg}) from None
-        _check(obj, _REQUEST)
+            obj = self._validated(body)
+        except Invalid as exc:
+            raise render_invalid(exc.errors, self.behaviour.clean_validation_errors) from None
         ids = obj["token_ids"]
-        if not ids:
-            raise invalid(
-                "too_short", ("token_ids",), "List should have at least 1 item after validation, not 0", ids,
-                {"field_type": "List", "min_length": 1, "actual_length": 0},
-            )
-        if min(ids) < 0:
-            why = "token_ids must not contain negative values"
-            raise invalid("value_error", ("token_ids",), f"Value error, {why}", ids, {"error": ValueError(why)})
         sp = obj["sampling_params"]
-        _verify_sampling(sp)
         model = obj.get("model")
         if model is not None and model != self.model_name:
             raise error(f"The model `{model}` does not exist.", "NotFoundError", 404, "model")
@@ -487,6 +578,22 @@ class VLLMProtocol:
             n=n,
         )
         return job, opts
+
+    @staticmethod
+    def _validated(body: bytes) -> dict:
+        """The body as pydantic validates ``GenerateRequest`` (FastAPI reads
+        it with ``json.loads``).
+
+        Raises:
+            Invalid: pydantic's errors.
+        """
+        if not body:
+            raise invalid("missing", (), "Field required", None)
+        try:
+            obj = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise invalid("json_invalid", (exc.pos,), "JSON decode error", {}, {"error": exc.msg}) from None
+        return _validate(obj, _REQUEST)
 
     # -- answer building -------------------------------------------------
 

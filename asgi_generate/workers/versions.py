@@ -20,6 +20,8 @@ and ``serving.py``):
   ``request_id``, from 0.25 (before, a fresh random uuid);
 - every version takes ``sampling_params.n > 1`` and answers ``n`` choices;
   ``sampling_params`` is a required field in every release;
+- 0.30: validation errors show a cleaned dotted ``loc`` and a bounded
+  ``input`` (before, pydantic's own: a ``loc`` tuple and the whole input);
 - 0.31: a ``--tokens-only`` server refuses stop strings (before, it accepted
   and never applied them);
 - 0.32: ``GenerateLogProbs`` entries (integer ``token_id``, ``logprob``,
@@ -67,6 +69,8 @@ class VLLMBehaviour:
         version: the version string the worker reported.
         unary_engine_id: a unary answer's ``request_id`` is the engine id
             (else a fresh random uuid).
+        clean_validation_errors: validation errors show a cleaned dotted
+            ``loc`` and a bounded ``input``.
         refuses_stop_strings: a ``--tokens-only`` server answers 400 to stop
             strings (else it accepts them and never applies them).
         generate_schema: the 0.32 layout: ``GenerateLogProbs`` entries
@@ -80,6 +84,7 @@ class VLLMBehaviour:
 
     version: str
     unary_engine_id: bool
+    clean_validation_errors: bool
     refuses_stop_strings: bool
     generate_schema: bool
     bounds_max_tokens: bool
@@ -96,4 +101,4 @@ def vllm_behaviour(version: object) -> VLLMBehaviour | None:
     v = parse_version(version)
     if v is None:
         return None
-    return VLLMBehaviour(str(version), v >= (0, 25), v >= (0, 31), v >= (0, 32), v >= (0, 34))
+    return VLLMBehaviour(str(version), v >= (0, 25), v >= (0, 30), v >= (0, 31), v >= (0, 32), v >= (0, 34))

@@ -21,7 +21,10 @@ field, and every value the engine judges (``n < 1``, ``max_tokens < 1``,
 logprob counts, temperatures, ...), reaches the engine untouched and its own
 answer passes back. Type checks are strict where pydantic is lax (a string
 ``"7"`` is not an integer here): the frontend forwards the client's JSON as
-it came, so only values every vLLM build reads the same way may pass.
+it came, so only values every vLLM build reads the same way may pass; where
+vLLM refuses a value too (``2.5`` for an integer) the error is pydantic's
+own. The frontend's refusals are rendered as vLLM 0.30 and later render them
+(a dotted ``loc``, a bounded ``input``).
 """
 
 from __future__ import annotations
@@ -125,6 +128,26 @@ GENERATE_REQUEST = (
 )
 
 
+def _scalar_error(kind: str, loc: tuple, value: Any) -> VLLMRequestError | None:
+    """pydantic's own error where vLLM refuses the value too: a fractional
+    number or a non-numeric string for an integer, an unreadable string for a
+    boolean; ``None`` for values only this strict check refuses."""
+    if kind == "int" and type(value) is float and not value.is_integer():
+        return validation_error(
+            "int_from_float", loc, "Input should be a valid integer, got a number with a fractional part", value
+        )
+    if kind == "int" and type(value) is str and not value.strip().lstrip("+-").isdigit():
+        return validation_error(
+            "int_parsing", loc, "Input should be a valid integer, unable to parse string as an integer", value
+        )
+    if kind == "bool" and type(value) is str and value.lower() not in _BOOL_WORDS:
+        return validation_error("bool_parsing", loc, "Input should be a valid boolean, unable to interpret input", value)
+    return None
+
+
+_BOOL_WORDS = frozenset(("1", "on", "t", "true", "y", "yes", "0", "off", "f", "false", "n", "no"))
+
+
 def check(value: Any, node: tuple, loc: tuple = ()) -> None:
     """Check ``value`` against schema ``node``; ``loc`` is its path under ``body``.
 
@@ -153,7 +176,7 @@ def check(value: Any, node: tuple, loc: tuple = ()) -> None:
     if kind in _SCALARS:
         err, msg, ok = _SCALARS[kind]
         if not ok(value):
-            raise validation_error(err, loc, msg, value)
+            raise _scalar_error(kind, loc, value) or validation_error(err, loc, msg, value)
         return
     if kind == "list":
         if type(value) is not list:
