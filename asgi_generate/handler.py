@@ -199,7 +199,7 @@ class _Generation:
         way (a write is never cut in two); :meth:`_attempt` then ends the
         request. This is where migration will resume the stream instead.
         """
-        if self.lost is not None or self.st.response_complete:
+        if self.lost is not None or self.st.response_complete or self.st.attempts[-1].worker is not worker:
             return
         self.lost = reason
         if not self.in_send and self.leg is not None:
@@ -238,6 +238,7 @@ class _Generation:
                 await self.fail(exc, "rejected")
                 return
             self.st.attempts.append(attempt)
+            self.lost = None
             worker.inflight.add(self)
             try:
                 retry = await self._attempt(worker, attempt, wreq)
@@ -327,8 +328,17 @@ class _Generation:
         except WorkerError as exc:
             if self.st.response_complete:  # only the drain after the answer failed
                 return False
+            # A broken connection may be this request's doing (SGLang drops
+            # a stream whose generator raised): ask the worker itself before
+            # taking it out, so no client can empty the rotation.
+            if await self.app.router.probe(worker):
+                attempt.outcome = "error"
+                await self.fail(
+                    RequestError(502, f"worker {worker.id} broke the connection mid-answer: {exc}", "engine"),
+                    "engine_error",
+                )
+                return False
             attempt.outcome = "worker_lost"
-            self.app.router.mark_down(worker, str(exc))
             if not self.st.response_started and self.pending == 0:
                 return True
             await self.fail(RequestError(502, f"worker {worker.id} failed: {exc}", "engine"), "engine_error")

@@ -214,3 +214,33 @@ def test_hung_worker_leaves_the_rotation_and_comes_back():
         fe.stop()
         a.stop()
         b.stop()
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_a_connection_one_request_broke_leaves_the_worker_up(two_sims, worker_class, tmp_path):
+    """SGLang breaks a stream's connection after its 200 when the request
+    itself is bad (an unknown sampling param is a TypeError its generator
+    does not catch). The worker still answers its health probe: the request
+    gets 502, it is not replayed on the other worker, and nobody is marked
+    down (a client must not be able to empty the rotation)."""
+    trace = tmp_path / "trace.jsonl"
+    fe = start_frontend([f"sglang={s.url}" for s in two_sims], worker_class=worker_class,
+                        extra=["--trace-file", str(trace)])
+    try:
+        bad = {"input_ids": [1, 2], "stream": True, "sampling_params": {"no_such_param": 1}}
+        resp = post(fe.url, bad)
+        assert resp.status_code == 502
+        body = resp.json()
+        assert (body["object"], body["code"]) == ("error", 502)
+        assert body["message"].startswith("worker w") and "broke the connection mid-answer: " in body["message"]
+        workers = httpx.get(fe.url + "/v1/models").json()["workers"]
+        assert [w["state"] for w in workers] == ["up", "up"]
+        for _ in range(4):
+            assert post(fe.url, BODY).status_code == 200
+        assert [stats(s)["received"] for s in two_sims] == [2, 2]
+    finally:
+        fe.stop()
+    (rec, *rest) = [orjson.loads(line) for f in sorted(tmp_path.glob("trace.*.jsonl")) for line in f.read_bytes().splitlines()]
+    assert len(rest) == 4
+    assert (rec["status"], rec["http_status"], rec["error"]["type"]) == ("engine_error", 502, "engine")
+    assert [a["outcome"] for a in rec["attempts"]] == ["error"]
