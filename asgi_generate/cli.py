@@ -235,6 +235,12 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     sim.add_argument("--disaggregation-timeout-s", type=_bounded(float, 0.001), default=300.0, metavar="S",
                      help="seconds a prefill room waits for its decode, and a decode request for its KV, "
                           "before SGLang's transfer abort (500) (default %(default)s)")
+    sim.add_argument("--kv-role", choices=("producer", "consumer"), default=None,
+                     help="vLLM P/D role: a producer (prefill) keeps a finished prefill's KV blocks for the "
+                          "consumer (decode) named in kv_transfer_params to read (default: aggregated)")
+    sim.add_argument("--kv-expiry-s", type=_bounded(float, 0.001), default=480.0, metavar="S",
+                     help="seconds a producer keeps KV blocks no consumer read (vLLM "
+                          "VLLM_NIXL_ABORT_REQUEST_TIMEOUT) (default %(default)s)")
     sim.add_argument("--model-name", default="sim", help="served model name (default %(default)s)")
     sim.add_argument("--parent-pid", type=_bounded(int, 1), default=None, help="exit when this process exits")
     sim.add_argument("--worker-class", choices=WORKER_CLASSES, default="asyncio",
@@ -382,6 +388,8 @@ def _sim_app(args: argparse.Namespace) -> "SimApp":
         disaggregation_mode=args.disaggregation_mode,
         bootstrap_port=args.bootstrap_port,
         disaggregation_timeout_s=args.disaggregation_timeout_s,
+        kv_role=args.kv_role,
+        kv_expiry_s=args.kv_expiry_s,
     )
 
 

@@ -1,8 +1,15 @@
 """Running a prefill/decode (P/D) pair: the legs of one attempt.
 
 The router plans a pair (:meth:`~asgi_generate.workers.router.Router.plan`);
-this module runs it inside the handler's request scope. SGLang's P/D legs run
-concurrently (``WorkerProtocol.pd_legs == "concurrent"``): both get the
+this module runs it inside the handler's request scope.
+
+vLLM's legs run one after the other (``WorkerProtocol.pd_legs ==
+"sequential"``, vLLM's P/D proxies): the prefill leg (unary, one token, with
+``kv_transfer_params`` asking for a remote decode) is read whole into the
+codec, then the decode leg carries the ``kv_transfer_params`` it answered
+and is an ordinary attempt whose events go to the client.
+
+SGLang's legs run concurrently (``pd_legs == "concurrent"``): both get the
 client's body with a bootstrap room minted per attempt, the prefill worker's
 host and its bootstrap port (SGLang ``disaggregation/mini_lb.py``), and
 
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -84,6 +92,8 @@ async def run_pair(gen: "_Generation", prefill: Worker, decode: Worker) -> list[
     Returns the workers to leave out of the next attempt (empty: the request
     is answered, successfully or with its error).
     """
+    if prefill.protocol.pd_legs == "sequential":
+        return await _run_sequential(gen, prefill, decode)
     room = mint_room()
     _live_rooms.add(room)
     try:
@@ -133,14 +143,58 @@ async def _run_pair(gen: "_Generation", prefill: Worker, decode: Worker, room: i
         return [w for w, failed in ((prefill, result.retry), (decode, retry_decode)) if failed]
     if result.error is not None and not st.response_started and not gen.pending:
         await _abort_pair(gen)
-        if result.page is not None:
-            status, body = result.page
-            st.fail("engine_error" if status >= 500 else "rejected", status, "engine",
-                    body[:512].decode("utf-8", "replace"))
-            await gen._unary(status, body)
-        else:
-            await gen.fail(result.error, "timeout" if result.error.kind == "timeout" else "engine_error")
+        await _answer_prefill_error(gen, result)
     return []
+
+
+async def _run_sequential(gen: "_Generation", prefill: Worker, decode: Worker) -> list[Worker]:
+    st, ex = gen.st, gen.ex
+    engine_id = ids.mint()  # one id on both legs, as vLLM's proxies send it
+    p_att = Attempt(engine_id, "prefill", prefill.id, prefill.info, prefill)
+    d_att = Attempt(engine_id, "decode", decode.id, decode.info, decode)
+    try:
+        p_req = ex.worker_request(p_att)
+    except RequestError as exc:  # nothing was sent to any engine
+        await gen.fail(exc, "rejected")
+        return []
+    st.attempts.append(p_att)
+    result = _PrefillLeg()
+    prefill.inflight.add(result)
+    try:
+        await _prefill_leg(gen, prefill, p_att, p_req, result, anyio.Event(), anyio.CancelScope())
+    finally:
+        prefill.inflight.discard(result)
+    if result.retry or result.error is not None:
+        await _abort_pair(gen)
+        if result.retry:
+            return [prefill]
+        await _answer_prefill_error(gen, result)
+        return []
+    try:
+        d_req = ex.worker_request(d_att)
+    except RequestError as exc:  # the prefill's answer cannot start a decode
+        await gen.fail(exc, "engine_error")
+        return []
+    st.attempts.append(d_att)
+    decode.inflight.add(gen)
+    try:
+        retry = await gen._attempt(decode, d_att, d_req)
+    finally:
+        decode.inflight.discard(gen)
+    return [decode] if retry else []
+
+
+async def _answer_prefill_error(gen: "_Generation", result: _PrefillLeg) -> None:
+    """The client's answer when the prefill leg failed before it got
+    anything: the worker's own error page, or the error in the format's shape."""
+    st = gen.st
+    if result.page is not None:
+        status, body = result.page
+        st.fail("engine_error" if status >= 500 else "rejected", status, "engine",
+                body[:512].decode("utf-8", "replace"))
+        await gen._unary(status, body)
+    else:
+        await gen.fail(result.error, "timeout" if result.error.kind == "timeout" else "engine_error")
 
 
 async def _abort_pair(gen: "_Generation") -> None:
@@ -168,6 +222,8 @@ async def _prefill_leg(
     from .handler import _timeout_message
 
     ex, settings = gen.ex, gen.app.settings
+    if gen.st.t_dispatched is None:
+        gen.st.t_dispatched = time.monotonic()
     attempt.live = True
     if wreq.stream:
         phase, limit = "headers", settings.headers_timeout

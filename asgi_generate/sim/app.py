@@ -29,6 +29,7 @@ from ..assets import ASSETS_DIR
 from ..framing import BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
 from ..workers.versions import VLLM_DEFAULT_VERSION
 from .disagg import DEFAULT_TIMEOUT_S, DecodeKV, PrefillRooms
+from .kvconnector import DEFAULT_EXPIRY_S, KVConsumer, KVProducer
 from .engine import SimEngine
 from .model import Model
 from .sglang import SGLangProtocol
@@ -63,6 +64,10 @@ class SimApp:
         bootstrap_port: a prefill server's bootstrap listener port.
         disaggregation_timeout_s: how long a prefill room waits for its
             decode and a decode request for its KV.
+        kv_role: vLLM P/D role: ``producer`` (prefill) or ``consumer``
+            (decode) of a KV connector (:mod:`asgi_generate.sim.kvconnector`);
+            ``None`` for aggregated.
+        kv_expiry_s: how long a producer keeps blocks no consumer read.
 
     Raises:
         ValueError: unknown protocol, or a vLLM version that is not one.
@@ -85,6 +90,8 @@ class SimApp:
         disaggregation_mode: str = "null",
         bootstrap_port: int = 8998,
         disaggregation_timeout_s: float = DEFAULT_TIMEOUT_S,
+        kv_role: str | None = None,
+        kv_expiry_s: float = DEFAULT_EXPIRY_S,
     ) -> None:
         if protocol not in ("sglang", "vllm"):
             raise ValueError(f"unknown simulator protocol {protocol!r}")
@@ -97,6 +104,13 @@ class SimApp:
             self.disagg = PrefillRooms(bootstrap_port, disaggregation_timeout_s)
         elif disaggregation_mode == "decode":
             self.disagg = DecodeKV(disaggregation_timeout_s)
+        if kv_role not in (None, "producer", "consumer"):
+            raise ValueError(f"unknown KV role {kv_role!r}")
+        if kv_role is not None and protocol != "vllm":
+            raise ValueError("--kv-role is vLLM's; SGLang P/D uses --disaggregation-mode")
+        self.kv: KVProducer | KVConsumer | None = (
+            KVProducer(kv_expiry_s) if kv_role == "producer" else KVConsumer() if kv_role == "consumer" else None
+        )
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
         self.tokenizer = SimTokenizer()
@@ -109,7 +123,7 @@ class SimApp:
         self.protocol: SGLangProtocol | VLLMProtocol = (
             VLLMProtocol(
                 self.engine, self.tokenizer.vocab_size, model_name, usage_chunk,
-                engine_version or VLLM_DEFAULT_VERSION, stream_interval=stream_interval,
+                engine_version or VLLM_DEFAULT_VERSION, stream_interval=stream_interval, kv=self.kv,
             )
             if protocol == "vllm"
             else SGLangProtocol(self.engine, self.tokenizer, incremental_streaming_output, model_name,
@@ -164,6 +178,12 @@ class SimApp:
             stats["rooms_waiting"] = d.waiting
             stats["transfers"] = d.transfers
             stats["transfer_timeouts"] = d.timeouts
+        kv = self.kv
+        if isinstance(kv, KVProducer):
+            stats.update(role="producer", kv_blocks_held=kv.blocks_held, kv_blocks_expired=kv.expired,
+                         transfers=kv.transfers)
+        elif isinstance(kv, KVConsumer):
+            stats.update(role="consumer", transfers=kv.transfers, local_prefills=kv.local_prefills)
         return stats
 
     async def _vllm(self, p: VLLMProtocol, scope: dict, receive: Receive, send: Send) -> None:
@@ -183,7 +203,7 @@ class SimApp:
         elif path == "/v1/models" and method == "GET":
             await send_unary(send, 200, orjson.dumps(p.models(self.model_path)))
         elif path == "/sim/stats" and method == "GET":
-            await send_unary(send, 200, orjson.dumps(self.engine.stats()))
+            await send_unary(send, 200, orjson.dumps(self._stats()))
         else:
             await send_unary(send, 404, NOT_FOUND)
 
@@ -220,6 +240,8 @@ class SimApp:
                         tg.start_soon(self._watch_parent)
                     if isinstance(self.disagg, PrefillRooms):
                         await tg.start(self.disagg.serve)
+                    if isinstance(self.kv, KVProducer):
+                        await tg.start(self.kv.serve)
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
                     tg.cancel_scope.cancel()

@@ -81,6 +81,7 @@ import orjson
 from ..framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
 from ..workers.versions import VLLM_DEFAULT_VERSION, VLLM_OLDEST_PLAYED, VLLMBehaviour, parse_version, vllm_behaviour
 from .engine import DuplicateRequestId, Job, SimEngine, Token
+from .kvconnector import KVConsumer, KVProducer
 from .model import NUM_CANDIDATES
 
 DONE = b"data: [DONE]\n\n"
@@ -446,6 +447,7 @@ class Options:
     logprobs: int | None
     prompt_logprobs: int | None
     n: int = 1
+    kv_transfer_params: dict | None = None
 
 
 class VLLMProtocol:
@@ -475,6 +477,7 @@ class VLLMProtocol:
         usage_chunk: bool = True,
         version: str = VLLM_DEFAULT_VERSION,
         stream_interval: int = 1,
+        kv: KVProducer | KVConsumer | None = None,
     ) -> None:
         behaviour = vllm_behaviour(version)
         if behaviour is None:
@@ -488,6 +491,8 @@ class VLLMProtocol:
         #: Tokens per streamed chunk: an engine step under load yields several.
         self.stream_interval = stream_interval
         self.behaviour: VLLMBehaviour = behaviour
+        #: P/D: the KV connector of a producer (prefill) or consumer (decode).
+        self.kv = kv
 
     @property
     def version(self) -> str:
@@ -576,6 +581,7 @@ class VLLMProtocol:
             logprobs=ks["logprobs"],
             prompt_logprobs=ks["prompt_logprobs"],
             n=n,
+            kv_transfer_params=obj.get("kv_transfer_params"),
         )
         return job, opts
 
@@ -691,6 +697,9 @@ class VLLMProtocol:
         pending: list[int] = []  # streamed tokens not yet sent, with their entries
         if opts.stream:
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        params = opts.kv_transfer_params
+        if isinstance(self.kv, KVConsumer) and params and params.get("do_remote_prefill"):
+            await self.kv.load(params, job.input_ids)
         async for token in self.engine.tokens(job):
             out.append(token.token_id)
             finish = token.finish[0] if token.finish is not None else None
@@ -733,6 +742,9 @@ class VLLMProtocol:
                 tail = sse_event(orjson.dumps(self._chunk(job.rid, [], usage)))
             return [{"type": "http.response.body", "body": tail + DONE, "more_body": False}]
         pk = opts.prompt_logprobs
+        kv_out = None
+        if isinstance(self.kv, KVProducer) and params and params.get("do_remote_decode") and not job.aborted:
+            kv_out = self.kv.finished(job.rid, job.input_ids, finish == "length")
         logprobs = {"content": content} if k is not None else None
         choices = [self._choice(i, logprobs, finish or "stop", stop_reason, out) for i in range(opts.n)]
         usage = _usage(prompt, len(out) * opts.n)
@@ -741,13 +753,13 @@ class VLLMProtocol:
         if self.behaviour.generate_schema:
             answer = {
                 **head, "usage": usage, "prompt_logprobs": prompt_logprobs, "prompt_token_id_logprobs": None,
-                "prompt_token_ids": None, "mm_placeholders": None, "metrics": None, "kv_transfer_params": None,
+                "prompt_token_ids": None, "mm_placeholders": None, "metrics": None, "kv_transfer_params": kv_out,
                 "ec_transfer_params": None, "output_mode": "tokens", "choices": choices,
             }
         else:
             answer = {
                 **head, "choices": choices, "usage": usage, "prompt_logprobs": prompt_logprobs,
-                "kv_transfer_params": None, "ec_transfer_params": None,
+                "kv_transfer_params": kv_out, "ec_transfer_params": None,
             }
         body = orjson.dumps(answer)
         return [

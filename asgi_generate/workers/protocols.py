@@ -32,7 +32,8 @@ class WorkerProtocol:
             not carry the engine version (vLLM ``show_version``).
         pd_legs: how the frontend runs a prefill/decode pair on this
             protocol: ``concurrent`` (SGLang: both legs at once, joined by a
-            bootstrap room), or ``None`` (no P/D).
+            bootstrap room), ``sequential`` (vLLM: the prefill leg, then the
+            decode leg with its ``kv_transfer_params``), or ``None``.
     """
 
     name: str
@@ -71,5 +72,7 @@ class WorkerProtocol:
 
 
 SGLANG = WorkerProtocol("sglang", b"/health", b"/get_server_info", b"/abort_request", pd_legs="concurrent")
-VLLM = WorkerProtocol("vllm", b"/health", b"/v1/models", b"/abort_requests", "generate-tokens-", b"/version")
+VLLM = WorkerProtocol(
+    "vllm", b"/health", b"/v1/models", b"/abort_requests", "generate-tokens-", b"/version", pd_legs="sequential"
+)
 PROTOCOLS = {p.name: p for p in (SGLANG, VLLM)}

@@ -234,6 +234,15 @@ def _stop_reason(attempt: Attempt, choice: dict) -> int | str | None:
     return reason if type(reason) in (int, str) else None
 
 
+#: A P/D prefill leg's ``kv_transfer_params``, as vLLM's P/D proxies send it
+#: (``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py``,
+#: ``send_request_to_service``).
+PREFILL_KV = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}
+
+
 class VLLMExchange(Exchange):
     """One vLLM request's state across worker attempts.
 
@@ -243,7 +252,7 @@ class VLLMExchange(Exchange):
             gave none.
     """
 
-    __slots__ = ("native", "stream", "stream_id", "finish", "matched", "finished", "out", "status")
+    __slots__ = ("native", "stream", "stream_id", "finish", "matched", "finished", "out", "status", "kv_params")
 
     def __init__(self, request: GenerateRequest, request_id: str) -> None:
         self.native: VLLMRequest = request.native
@@ -260,15 +269,41 @@ class VLLMExchange(Exchange):
         #: ``None`` for nothing), or the whole unary body, sent with ``status``.
         self.out: bytes | None = None
         self.status = 200
+        #: P/D: the prefill leg's ``kv_transfer_params``, for the decode leg.
+        self.kv_params: Any = None
 
     def worker_request(self, attempt: Attempt) -> WorkerRequest:
         """The client's body with the minted id as ``request_id`` (and
         ``X-Request-Id``). A unary request's leg is unary and otherwise
         unchanged; a streaming leg asks for the closing usage chunk (and for
-        continuous usage only if the client did)."""
+        continuous usage only if the client did).
+
+        P/D (vLLM's proxies, sequential legs, the same id on both): the
+        prefill leg is unary with ``max_tokens`` 1, no ``min_tokens`` or
+        ``stream_options``, and :data:`PREFILL_KV`; the decode leg is the
+        client's request plus the prefill answer's ``kv_transfer_params``,
+        verbatim.
+
+        Raises:
+            RequestError: 502, a decode leg whose prefill leg answered no
+                ``kv_transfer_params`` (vLLM's producer gives none unless the
+                prefill stopped at its length cap).
+        """
         body = dict(self.native.body)
         body["request_id"] = attempt.engine_id
         headers = [_JSON, (b"x-request-id", attempt.engine_id.encode())]
+        if attempt.role == "prefill":
+            self.kv_params = None
+            sp = dict(body.get("sampling_params") or {})
+            sp["max_tokens"] = 1
+            sp.pop("min_tokens", None)
+            body.update(sampling_params=sp, kv_transfer_params=PREFILL_KV, stream=False)
+            body.pop("stream_options", None)
+            return WorkerRequest(PATH.encode(), dump_body(body), headers, stream=False)
+        if attempt.role == "decode":
+            if type(self.kv_params) is not dict:
+                raise RequestError(502, "the prefill worker answered no kv_transfer_params", "engine")
+            body["kv_transfer_params"] = self.kv_params
         if not self.stream:
             return WorkerRequest(PATH.encode(), dump_body(body), headers, stream=False)
         body["stream_options"] = {
@@ -293,9 +328,20 @@ class VLLMExchange(Exchange):
         Raises:
             RequestError: 502, the payload is not what vLLM sends.
         """
-        what = "a chunk" if self.stream else "an answer"
+        what = "a chunk" if self.stream and attempt.role != "prefill" else "an answer"
         obj = _object(payload, what)
         err = obj.get("error")
+        if attempt.role == "prefill":  # kept for the decode leg, never the client's
+            if err is not None:
+                message = err.get("message", "") if type(err) is dict else str(err)
+                code = err.get("code") if type(err) is dict else None
+                return Event([], error=EngineError(code if type(code) is int and 400 <= code <= 599 else 500,
+                                                   str(message)))
+            choices = obj.get("choices")
+            if type(choices) is not list or not choices or type(choices[0]) is not dict:
+                raise _bad(what, "has no choice")
+            self.kv_params = obj.get("kv_transfer_params")
+            return Event([], choices[0].get("finish_reason") or "stop")
         if err is not None:
             if type(err) is not dict:
                 err = {"message": str(err)}
