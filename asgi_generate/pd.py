@@ -265,9 +265,14 @@ async def _prefill_leg(
         gen.app.router.mark_down(worker, str(exc))
         result.retry = True
     except WorkerError as exc:
-        attempt.outcome = "worker_lost"
-        gen.app.router.mark_down(worker, str(exc))
-        result.retry = True
+        # As the handler does: ask the worker itself before taking it out
+        # (the broken connection may be this request's doing).
+        if await gen.app.router.probe(worker):
+            attempt.outcome = "error"
+            result.error = RequestError(502, f"worker {worker.id} broke the connection mid-answer: {exc}", "engine")
+        else:
+            attempt.outcome = "worker_lost"
+            result.retry = True
     except RequestError as exc:  # the worker broke its protocol
         attempt.outcome = "error"
         result.error = exc
