@@ -111,22 +111,23 @@ class App:
         started = False
         try:
             async with AsyncExitStack() as stack:
-                specs = self.settings.workers
-                if not (specs or self.settings.prefill or self.settings.decode):
+                specs, prefill, decode = self.settings.workers, self.settings.prefill, self.settings.decode
+                if not (specs or prefill or decode):
                     # Simulators for each protocol a served codec rides on,
                     # so every route answers.
-                    specs = await stack.enter_async_context(
+                    specs, prefill, decode = await stack.enter_async_context(
                         embedded_fleet(
                             {item.codec.worker_protocol for item in self.codecs},
                             self.settings.embedded_workers,
                             self.settings.embedded_ttft_ms,
                             self.settings.embedded_itl_ms,
+                            self.settings.embedded_pd,
                         )
                     )
                 self.router = Router(
                     specs,
-                    prefill=self.settings.prefill,
-                    decode=self.settings.decode,
+                    prefill=prefill,
+                    decode=decode,
                     disaggregation=self.settings.disaggregation,
                     connect_timeout=self.settings.connect_timeout,
                     health_timeout=self.settings.health_timeout,

@@ -166,6 +166,9 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                        help="seconds to wait for an engine's abort acknowledgement, per try (default %(default)s)")
     serve.add_argument("--embedded-workers", type=int, default=d.embedded_workers,
                        help="simulated workers started when no --worker is given (default %(default)s)")
+    serve.add_argument("--embedded-pd", action=argparse.BooleanOptionalAction, default=d.embedded_pd,
+                       help="with the simulated workers, also start a prefill and a decode simulator per "
+                            "protocol, so requests run as P/D pairs (default %(default)s)")
     serve.add_argument("--embedded-ttft-ms", type=float, default=d.embedded_ttft_ms,
                        help="simulated workers' time to first token in ms (default %(default)s)")
     serve.add_argument("--embedded-itl-ms", type=float, default=d.embedded_itl_ms,
@@ -274,6 +277,7 @@ def _settings(args: argparse.Namespace, d: Settings) -> Settings:
         embedded_workers=args.embedded_workers,
         embedded_ttft_ms=args.embedded_ttft_ms,
         embedded_itl_ms=args.embedded_itl_ms,
+        embedded_pd=args.embedded_pd,
         skip_broken_codecs=args.skip_broken_codecs,
         trace_file=args.trace_file,
         trace_stderr=args.trace_stderr,

@@ -77,6 +77,8 @@ class Settings:
         shutdown_grace: seconds in-flight requests get to finish after
             SIGTERM/SIGINT before they are aborted and ended cleanly.
         embedded_workers: simulators started per protocol when no worker is given.
+        embedded_pd: with the embedded simulators, also one prefill and one
+            decode simulator per protocol (P/D pairs).
         embedded_ttft_ms, embedded_itl_ms: their time to first token and
             inter-token latency.
         skip_broken_codecs: start even if an installed codec fails to load.
@@ -123,6 +125,7 @@ class Settings:
     prefill: list[tuple[str, str]] = field(default_factory=list)
     decode: list[tuple[str, str]] = field(default_factory=list)
     disaggregation: str = "auto"
+    embedded_pd: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":

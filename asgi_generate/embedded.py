@@ -8,6 +8,10 @@ terminal's Ctrl-C (SIGINT to the foreground process group) reaches only the
 frontend, which drains its requests and then stops the simulators: they are
 terminated, then killed if they linger. They also watch this process and
 exit with it.
+
+With ``--embedded-pd`` a prefill and a decode simulator per protocol start
+beside the aggregated ones (SGLang ``--disaggregation-mode``, vLLM
+``--kv-role``), so the frontend serves prefill/decode pairs.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import socket
 import subprocess
 import sys
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import AsyncIterator, Iterable
+from typing import AsyncIterator, Iterable, NamedTuple
 
 import anyio
+import orjson
 
 from .workers.http import ConnectionPool, WorkerError
 
@@ -34,9 +39,11 @@ async def embedded_workers(
     ttft_ms: float = 0.0,
     itl_ms: float = 0.0,
     ready_timeout: float = 60.0,
+    extra: Iterable[str] = (),
 ) -> AsyncIterator[list[tuple[str, str]]]:
-    """Start ``count`` simulators speaking ``protocol``; yield their
-    ``(protocol, url)`` specs once each answers ``/health``; stop them on exit.
+    """Start ``count`` simulators speaking ``protocol`` (with ``extra``
+    ``sim`` flags); yield their ``(protocol, url)`` specs once each answers
+    ``/health``; stop them on exit.
 
     Raises:
         RuntimeError: a simulator exited or did not become healthy in time.
@@ -58,6 +65,7 @@ async def embedded_workers(
                 "--parent-pid", str(os.getpid()),
                 "--ttft-ms", str(ttft_ms),
                 "--itl-ms", str(itl_ms),
+                *extra,
             ]
             try:
                 proc = await anyio.open_process(
@@ -110,23 +118,60 @@ async def _stop(proc: anyio.abc.Process) -> None:
             await proc.wait()
 
 
+async def _bootstrap_port(url: str) -> int:
+    """An SGLang prefill simulator's bootstrap port (it took a free one)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    pool = ConnectionPool(host, int(port), connect_timeout=1.0)
+    try:
+        with anyio.fail_after(10):
+            async with pool.request(b"GET", b"/get_server_info") as resp:
+                return orjson.loads(await resp.read())["disaggregation_bootstrap_port"]
+    finally:
+        await pool.aclose()
+
+
 #: The protocols the simulator speaks, in the order embedded workers start.
 SIM_PROTOCOLS = ("sglang", "vllm")
+#: ``sim`` flags of each protocol's P/D roles.
+PD_FLAGS = {
+    "sglang": (["--disaggregation-mode", "prefill", "--bootstrap-port", "0"], ["--disaggregation-mode", "decode"]),
+    "vllm": (["--kv-role", "producer"], ["--kv-role", "consumer"]),
+}
+
+
+class Fleet(NamedTuple):
+    """The embedded workers' ``(protocol, url)`` specs by role."""
+
+    workers: list[tuple[str, str]]
+    prefill: list[tuple[str, str]]
+    decode: list[tuple[str, str]]
 
 
 @asynccontextmanager
 async def embedded_fleet(
-    protocols: Iterable[str], count: int, ttft_ms: float = 0.0, itl_ms: float = 0.0
-) -> AsyncIterator[list[tuple[str, str]]]:
+    protocols: Iterable[str], count: int, ttft_ms: float = 0.0, itl_ms: float = 0.0, pd: bool = False
+) -> AsyncIterator[Fleet]:
     """:func:`embedded_workers` for each of ``protocols`` the simulator
-    speaks (in :data:`SIM_PROTOCOLS` order); yields all their specs."""
+    speaks (in :data:`SIM_PROTOCOLS` order), and with ``pd`` one prefill
+    and one decode simulator each; yields all their specs."""
     wanted = set(protocols)
     log.warning("no worker configured (--worker, ASGI_GENERATE_WORKERS): serving %d simulated "
                 "worker(s) per protocol (%s), not real engines", count,
                 ", ".join(p for p in SIM_PROTOCOLS if p in wanted))
     async with AsyncExitStack() as stack:
-        specs: list[tuple[str, str]] = []
+        fleet = Fleet([], [], [])
         for protocol in SIM_PROTOCOLS:
-            if protocol in wanted:
-                specs += await stack.enter_async_context(embedded_workers(count, protocol, ttft_ms, itl_ms))
-        yield specs
+            if protocol not in wanted:
+                continue
+            fleet.workers.extend(await stack.enter_async_context(embedded_workers(count, protocol, ttft_ms, itl_ms)))
+            if not pd:
+                continue
+            prefill_flags, decode_flags = PD_FLAGS[protocol]
+            (spec,) = await stack.enter_async_context(embedded_workers(1, protocol, ttft_ms, itl_ms,
+                                                                       extra=prefill_flags))
+            if protocol == "sglang":
+                spec = (protocol, f"{spec[1]}?bootstrap_port={await _bootstrap_port(spec[1])}")
+            fleet.prefill.append(spec)
+            fleet.decode.extend(await stack.enter_async_context(embedded_workers(1, protocol, ttft_ms, itl_ms,
+                                                                                 extra=decode_flags)))
+        yield fleet

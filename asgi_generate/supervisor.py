@@ -58,13 +58,14 @@ def supervise(
 
     async def main() -> int:
         async with AsyncExitStack() as stack:
-            specs = settings.workers
-            if not (specs or settings.prefill or settings.decode):
-                specs = await stack.enter_async_context(
+            fleet = settings
+            if not (settings.workers or settings.prefill or settings.decode):
+                specs, prefill, decode = await stack.enter_async_context(
                     embedded_fleet(protocols, settings.embedded_workers,
-                                   settings.embedded_ttft_ms, settings.embedded_itl_ms)
+                                   settings.embedded_ttft_ms, settings.embedded_itl_ms, settings.embedded_pd)
                 )
-            env = {**os.environ, **dataclasses.replace(settings, workers=specs).to_env()}
+                fleet = dataclasses.replace(settings, workers=specs, prefill=prefill, decode=decode)
+            env = {**os.environ, **fleet.to_env()}
             cmd = [sys.executable, "-m", "asgi_generate.supervisor", "--fd", str(sock.fileno()),
                    "--worker-class", worker_class, "--shutdown-grace", str(shutdown_grace),
                    "--parent-pid", str(os.getpid()), "--log-level", log_level, "--access-log" if access_log else "--no-access-log"]

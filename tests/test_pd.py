@@ -554,3 +554,28 @@ def test_vllm_disconnect_during_decode(vfront, vsims):
     assert rec["status"] == "client_disconnect"
     assert [(a["role"], a["outcome"], a.get("abort_acked")) for a in rec["attempts"]] == [
         ("prefill", "finished", None), ("decode", "aborted", True)]
+
+
+def test_serve_embedded_pd_serves_pairs_of_both_protocols():
+    """``serve --embedded-pd`` with no worker: a prefill and a decode
+    simulator per protocol beside the aggregated ones; requests run as
+    pairs and answer as the aggregated simulators do."""
+    fe = start_frontend([], extra=["--embedded-pd", "--embedded-workers", "1"])
+    try:
+        workers = httpx.get(fe.url + "/v1/models", timeout=5).json()["workers"]
+        assert [(w["protocol"], w["role"], w["state"]) for w in workers] == [
+            ("sglang", "aggregated", "up"), ("vllm", "aggregated", "up"), ("sglang", "prefill", "up"),
+            ("vllm", "prefill", "up"), ("sglang", "decode", "up"), ("vllm", "decode", "up")]
+        assert workers[2]["bootstrap_port"] > 0 and "bootstrap_port" not in workers[3]
+        agg = {w["protocol"]: w["url"] for w in workers if w["role"] == "aggregated"}
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5}, "return_logprob": True}
+        g = post(fe.url, body).json()
+        same(without_timing(g), without_timing(_unid(post(agg["sglang"], body).json(), g["meta_info"]["id"])))
+        vbody = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 5, "logprobs": 1}}
+        same(_vnorm(post(fe.url, vbody, GEN).json()), _vnorm(post(agg["vllm"], vbody, GEN).json()))
+        pairs = {w["id"] for w in workers if w["role"] != "aggregated"}
+        served = {k for k, v in httpx.get(fe.url + "/stats", timeout=5).json()["workers"].items()
+                  if v["connections_opened"] > 0}
+        assert served == pairs  # auto: pairs first, the aggregated workers idle
+    finally:
+        fe.stop()

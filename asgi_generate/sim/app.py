@@ -245,8 +245,9 @@ class SimApp:
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
                     tg.cancel_scope.cancel()
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+                    break
+        # Outside the cancelled scope, or the send itself would be cancelled.
+        await send({"type": "lifespan.shutdown.complete"})
 
     async def _watch_parent(self) -> None:
         # An embedded worker must not outlive the frontend that started it.

@@ -143,12 +143,12 @@ def parse_worker_spec(spec: str, role: str = "aggregated") -> tuple[str, str]:
     return protocol, url.rstrip("/")
 
 
-def split_worker_url(url: str, role: str) -> tuple[str, int | None]:
+def split_worker_url(url: str, role: str, protocol: str = "sglang") -> tuple[str, int | None]:
     """A configured worker URL's base URL and bootstrap port: an SGLang
     prefill worker's ``?bootstrap_port=B``, else :data:`DEFAULT_BOOTSTRAP_PORT`
-    for a prefill worker and ``None`` for the others."""
+    for an SGLang prefill worker and ``None`` for the others."""
     base, _, query = url.partition("?")
-    if role != "prefill":
+    if role != "prefill" or protocol != "sglang":
         return base.rstrip("/"), None
     port = dict(parse_qsl(query)).get("bootstrap_port")
     return base.rstrip("/"), int(port) if port else DEFAULT_BOOTSTRAP_PORT
@@ -192,7 +192,7 @@ class Router:
         listed = [*(("aggregated", s) for s in specs), *(("prefill", s) for s in prefill),
                   *(("decode", s) for s in decode)]
         for i, (role, (protocol, url)) in enumerate(listed):
-            base, bootstrap_port = split_worker_url(url, role)
+            base, bootstrap_port = split_worker_url(url, role, protocol)
             parts = urlsplit(base)
             pool = ConnectionPool(parts.hostname, parts.port, connect_timeout=connect_timeout)
             probe_pool = ConnectionPool(parts.hostname, parts.port, connect_timeout=connect_timeout, max_idle=1)
