@@ -191,6 +191,12 @@ BODIES = {
     "stop_on_first": {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "stop_token_ids": [2358]},
                       "return_logprob": True},
     "text": {"text": "Hello there", "rid": "client-7", "sampling_params": {"max_new_tokens": 6}},
+    "experts": {"input_ids": [5, 9, 77, 300, 12], "sampling_params": {"max_new_tokens": 6},
+                "return_routed_experts": True},
+    "experts_from": {"input_ids": [5, 9, 77, 300, 12], "sampling_params": {"max_new_tokens": 3},
+                     "return_routed_experts": True, "routed_experts_start_len": 5},
+    "experts_one_token": {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1},
+                          "return_routed_experts": True, "return_logprob": True},
 }
 
 
@@ -579,3 +585,74 @@ def test_serve_embedded_pd_serves_pairs_of_both_protocols():
         assert served == pairs  # auto: pairs first, the aggregated workers idle
     finally:
         fe.stop()
+
+
+# -- the SGLang codec's leg joins, sans-IO -----------------------------------------
+
+
+def _legs_exchange(body: dict):
+    from asgi_generate.codec import Attempt
+    from asgi_generate_sglang import SGLangCodec
+
+    codec = SGLangCodec()
+    ex = codec.exchange(codec.decode(orjson.dumps(body), {}), "r" * 32)
+    p = Attempt("a" * 32, "prefill", bootstrap=("127.0.0.1", 8998, 5))
+    d = Attempt("b" * 32, "decode", bootstrap=("127.0.0.1", 8998, 5))
+    wp, wd = ex.worker_request(p), ex.worker_request(d)
+    for w, rid in ((wp, "a" * 32), (wd, "b" * 32)):
+        sent = orjson.loads(w.body)
+        assert (sent["rid"], sent["bootstrap_host"], sent["bootstrap_port"], sent["bootstrap_room"]) == (
+            rid, "127.0.0.1", 8998, 5)
+    return ex, p, d
+
+
+def _answer(ids, finish, experts=None, **meta) -> bytes:
+    m = {"id": "x", "finish_reason": finish, "completion_tokens": len(ids), **meta}
+    if experts is not None:
+        m["routed_experts"] = experts
+    m["e2e_latency"] = 0.1
+    return orjson.dumps({"text": "", "output_ids": ids, "meta_info": m})
+
+
+ROW_A, ROW_B = "AQAAAAIAAAA=", "AwAAAAQAAAA="  # int32 [1, 2] and [3, 4]
+
+
+@pytest.mark.parametrize("decode_ids,finish,own,want", [
+    ([7, 8], {"type": "length", "length": 2}, ROW_B, "AQAAAAIAAAADAAAABAAAAA=="),  # joined on the token axis
+    ([7], {"type": "length", "length": 1}, None, ROW_A),  # one token: the prefill's rows are all of them
+    ([7, 8], {"type": "length", "length": 2}, None, None),  # incomplete: omitted, never partial
+    ([7], {"type": "abort", "message": "m", "status_code": 200, "err_type": None}, None, None),  # aborted
+])
+def test_codec_joins_expert_rows(decode_ids, finish, own, want):
+    ex, p, d = _legs_exchange({"input_ids": [1, 2], "return_routed_experts": True})
+    assert ex.waits_for_prefill
+    ev = ex.feed(p, _answer([7], {"type": "length", "length": 0}, ROW_A))
+    assert (ev.token_ids, ev.finish_reason, ev.error) == ([], "length", None)
+    ex.feed(d, _answer(decode_ids, finish, own))
+    meta = orjson.loads(ex.unary_body()[1])["meta_info"]
+    assert meta.get("routed_experts") == want
+    assert list(meta)[-1] == "e2e_latency"
+
+
+@pytest.mark.parametrize("pre,own,dtype,message", [
+    ("not base64!", ROW_B, None, "a P/D leg sent routed experts that are not base64 int32 rows"),
+    (ROW_A, "AQID", None, "a P/D leg sent routed experts that are not base64 int32 rows"),
+    (ROW_A, ROW_B, "int16", "prefill and decode legs sent routed experts of different dtypes"),
+])
+def test_codec_refuses_bad_expert_rows(pre, own, dtype, message):
+    from asgi_generate.codec import RequestError
+
+    ex, p, d = _legs_exchange({"input_ids": [1, 2], "return_routed_experts": True})
+    extra = {"routed_experts_dtype": dtype} if dtype else {}
+    ex.feed(p, _answer([7], {"type": "length", "length": 0}, pre, **extra))
+    with pytest.raises(RequestError) as exc:
+        ex.feed(d, _answer([7, 8], {"type": "length", "length": 2}, own))
+    assert (exc.value.status, exc.value.message) == (502, message)
+
+
+def test_codec_prefill_abort_is_an_engine_error():
+    ex, p, _ = _legs_exchange({"input_ids": [1, 2]})
+    assert not ex.waits_for_prefill
+    ev = ex.feed(p, _answer([], {"type": "abort", "message": "KV transfer failed", "status_code": 500,
+                                 "err_type": None}))
+    assert (ev.error.status, ev.error.message) == (500, "KV transfer failed")

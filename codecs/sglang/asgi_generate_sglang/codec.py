@@ -30,11 +30,19 @@ the decode leg's answer; with ``return_logprob`` the prefill leg's
 ``input_token_logprobs``, ``input_top_logprobs`` and
 ``input_token_ids_logprobs`` go before the decode leg's own (empty) ones, as
 ``mini_lb`` joins them: in the unary object, in every cumulative chunk, in
-the first incremental one.
+the first incremental one. With ``return_routed_experts`` the prefill
+leg's rows (the prompt positions) go before the decode leg's on the token
+axis in the final answer, so the client gets the aggregated bytes; when the
+decode leg computed no row (one output token) the prefill leg's value is the
+whole answer's, kept only for a successful final answer with exactly one
+output token. Rows are never added to an aborted answer, and bad base64 or
+mismatched ``routed_experts_dtype`` fails the request, never a partial blob.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from http import HTTPStatus
 from typing import Any, Mapping
 
@@ -206,7 +214,8 @@ class SGLangExchange(Exchange):
 
     def __init__(self, request: GenerateRequest, public_id: str) -> None:
         self.request = request
-        self.waits_for_prefill = request.native.get("return_logprob") is True
+        native = request.native
+        self.waits_for_prefill = native.get("return_logprob") is True or native.get("return_routed_experts") is True
         self.prefill_meta: dict | None = None
         self.decode_chunks = 0
         self.public_id = public_id
@@ -253,6 +262,8 @@ class SGLangExchange(Exchange):
         meta["id"] = self.public_id
         if self.prefill_meta is not None and (self.decode_chunks == 0 or not self.incremental):
             self._join_prefill(meta)
+        if self.prefill_meta is not None and type(meta.get("finish_reason")) is dict:
+            self._join_experts(chunk, meta)
         self.decode_chunks += 1
         ids = chunk.get("output_ids") or []
         new = ids if self.incremental else ids[self.seen :]
@@ -294,6 +305,37 @@ class SGLangExchange(Exchange):
                 meta[key] = got + own if type(own) is list else got
         self.payload = b""  # re-serialised: not the engine's bytes any more
 
+    def _join_experts(self, chunk: dict, meta: dict) -> None:
+        """Final decode answer: the prefill leg's expert rows before its own.
+
+        Raises:
+            RequestError: 502, rows that are not base64 of int32, or of
+                another dtype than the decode leg's.
+        """
+        pre = self.prefill_meta.get("routed_experts")
+        if pre is None or meta["finish_reason"].get("type") == "abort":
+            return
+        own = meta.get("routed_experts")
+        if own is None:
+            # The decode leg computed no row: the prefill leg's rows are the
+            # answer's only for exactly one token, else they are incomplete.
+            ids = chunk.get("output_ids")
+            if meta.get("completion_tokens") != 1 or (type(ids) is list and len(ids) > 1):
+                return
+            joined = _expert_bytes(pre)
+        else:
+            if self.prefill_meta.get("routed_experts_dtype") != meta.get("routed_experts_dtype"):
+                raise RequestError(502, "prefill and decode legs sent routed experts of different dtypes", "engine")
+            joined = _expert_bytes(pre) + _expert_bytes(own)
+        value = base64.b64encode(joined).decode("ascii")
+        if own is None and "e2e_latency" in meta:  # where the aggregated engine has it
+            rest = {k: meta.pop(k) for k in list(meta)[list(meta).index("e2e_latency"):]}
+            meta["routed_experts"] = value
+            meta.update(rest)
+        else:
+            meta["routed_experts"] = value
+        self.payload = b""
+
     def client_event(self, event: Event) -> bytes | None:
         """The worker's chunk, ``meta_info.id`` restored."""
         return self._restored()
@@ -323,6 +365,21 @@ class SGLangExchange(Exchange):
         """SGLang workers answer in this format's shapes: pass through; a
         body that is not JSON (a bare server error page) gets SGLang's shape."""
         return engine_error_page(status, body, SGLangCodec().error_body)
+
+
+def _expert_bytes(value: object) -> bytes:
+    """Raw int32 rows of a ``routed_experts`` value (base64).
+
+    Raises:
+        RequestError: 502, not base64 of whole int32 values.
+    """
+    try:
+        raw = base64.b64decode(value, validate=True) if type(value) is str else None
+    except binascii.Error:
+        raw = None
+    if raw is None or len(raw) % 4:
+        raise RequestError(502, "a P/D leg sent routed experts that are not base64 int32 rows", "engine")
+    return raw
 
 
 def _error_event(chunk: dict) -> Event:
