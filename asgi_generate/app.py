@@ -25,6 +25,7 @@ from .accounting import RequestState
 from .codec import Codec
 from .config import Settings
 from .embedded import embedded_fleet
+from .budget import BodyBudget
 from .framing import Receive, Send, send_unary
 from .handler import handle_generate, reject_method
 from .registry import LoadedCodec, load_codecs
@@ -61,6 +62,10 @@ class App:
                 self.paths.setdefault(route.path, []).append(route.method)
         self.router = Router([])
         self.inflight: dict[str, Any] = {}
+        self.body_budget = BodyBudget(settings.body_budget_bytes)
+        #: Requests whose body is being read now (granted their budget).
+        self.reading_body = 0
+        self._decode_limiter: anyio.CapacityLimiter | None = None
         self.shutting_down = False
         self._shutdown_requested: anyio.Event | None = None
         self.started_unix_ms = int(time.time() * 1000)
@@ -180,6 +185,14 @@ class App:
 
     # -- used by the handler -------------------------------------------------
 
+    @property
+    def decode_limiter(self) -> anyio.CapacityLimiter:
+        """One worker thread decodes large bodies, one at a time (made on
+        first use: it needs the running event loop)."""
+        if self._decode_limiter is None:
+            self._decode_limiter = anyio.CapacityLimiter(1)
+        return self._decode_limiter
+
     async def abort_engine_request(self, worker: Worker, engine_id: str) -> bool:
         """Ask ``worker``'s engine to abort ``engine_id``; retry with backoff.
 
@@ -240,12 +253,20 @@ class App:
         }
 
     def stats(self) -> dict[str, Any]:
-        """The ``/stats`` body: request and abort counters, pool figures, of
-        this process (``pid``; ``serve --workers N`` runs N of them)."""
+        """The ``/stats`` body: request and abort counters, bodies being read
+        (``reading_body``) and the body budget (bytes reserved, requests
+        waiting for room), pool figures, of this process (``pid``; ``serve
+        --workers N`` runs N of them, each with its own budget)."""
         return {
             "pid": os.getpid(),
             **self.counters,
             "by_status": dict(self.by_status),
+            "reading_body": self.reading_body,
+            "body_budget": {
+                "capacity_bytes": self.body_budget.capacity,
+                "in_use_bytes": self.body_budget.in_use,
+                "waiting": self.body_budget.waiting,
+            },
             "trace": self.tracer.stats() if self.tracer is not None else {"enabled": False},
             "workers": {
                 w.id: {

@@ -139,6 +139,16 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                             "engine aborted (default %(default)s)")
     serve.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                        help="request body cap in bytes; larger bodies get 413 (default %(default)s)")
+    serve.add_argument("--body-budget-bytes", type=int, default=d.body_budget_bytes,
+                       help="request body bytes read and decoded at once over all requests (a chunked body "
+                            "counts as --max-body-bytes); more wait, then get 503 with Retry-After; default "
+                            "1/128 of physical memory within [64 MiB, 512 MiB] (default %(default)s here)")
+    serve.add_argument("--body-budget-wait", type=float, default=d.body_budget_wait,
+                       help="seconds a request may wait for room in the body budget before its 503 "
+                            "(default %(default)s)")
+    serve.add_argument("--body-read-timeout", type=float, default=d.body_read_timeout,
+                       help="seconds a client has to send its whole body; a stalled upload gets 408 "
+                            "(default %(default)s)")
     serve.add_argument("--connect-timeout", type=float, default=d.connect_timeout,
                        help="seconds to connect to a worker (default %(default)s)")
     serve.add_argument("--headers-timeout", type=float, default=d.headers_timeout,
@@ -262,6 +272,9 @@ def _settings(args: argparse.Namespace, d: Settings) -> Settings:
         decode=args.decode if args.decode is not None else d.decode,
         disaggregation=args.disaggregation,
         max_body_bytes=args.max_body_bytes,
+        body_budget_bytes=args.body_budget_bytes,
+        body_budget_wait=args.body_budget_wait,
+        body_read_timeout=args.body_read_timeout,
         connect_timeout=args.connect_timeout,
         headers_timeout=args.headers_timeout,
         first_token_timeout=args.first_token_timeout,

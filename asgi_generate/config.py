@@ -14,12 +14,14 @@ import pathlib
 from dataclasses import dataclass, field, fields
 from typing import Mapping
 
+from .budget import default_budget_bytes
 from .workers.router import DISAGGREGATION_MODES, parse_worker_spec
 
 ENV_PREFIX = "ASGI_GENERATE_"
 #: Numeric settings that must be above zero (every other one: zero or more).
 POSITIVE = frozenset({
-    "max_body_bytes", "connect_timeout", "health_interval", "health_timeout", "health_failures", "abort_timeout",
+    "max_body_bytes", "body_budget_bytes", "body_read_timeout", "connect_timeout", "health_interval",
+    "health_timeout", "health_failures", "abort_timeout",
     "slow_client_timeout", "embedded_workers", "trace_queue_size", "trace_block_size",
 })
 #: Old variable names still read, and the setting each now sets.
@@ -52,6 +54,14 @@ class Settings:
         disaggregation: ``auto`` (P/D pairs when the protocol has both
             roles up, else aggregated), ``always`` or ``never``.
         max_body_bytes: request body cap; larger bodies get 413.
+        body_budget_bytes: request body bytes that may be read and decoded
+            at once, over all requests (a chunked body counts as
+            ``max_body_bytes``); default: 1/128 of physical memory clamped to
+            [64 MiB, 512 MiB] (:func:`asgi_generate.budget.default_budget_bytes`).
+        body_budget_wait: seconds a request may wait for room in that budget
+            before it gets 503 with ``Retry-After``, its body unread.
+        body_read_timeout: seconds a client has to send its whole body once
+            its turn came; a stalled upload gets 408 and is closed.
         connect_timeout: seconds to connect to a worker.
         headers_timeout: seconds from sending a streamed engine leg to its
             response headers (engines send them at once, before any token).
@@ -98,6 +108,9 @@ class Settings:
 
     workers: list[tuple[str, str]] = field(default_factory=list)
     max_body_bytes: int = 32 * 1024 * 1024
+    body_budget_bytes: int = field(default_factory=default_budget_bytes)
+    body_budget_wait: float = 120.0
+    body_read_timeout: float = 30.0
     connect_timeout: float = 5.0
     headers_timeout: float = 60.0
     first_token_timeout: float = 1800.0

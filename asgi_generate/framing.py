@@ -11,7 +11,10 @@ the payload of each ``data:`` event.
 
 from __future__ import annotations
 
+import math
 from typing import Awaitable, Callable, Iterable
+
+import anyio
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -29,6 +32,10 @@ class ClientDisconnected(Exception):
     """The client sent ``http.disconnect`` before the request body was whole."""
 
 
+class BodyTimeout(Exception):
+    """The client did not send its whole body within the deadline."""
+
+
 class BodyTooLarge(Exception):
     """The request body exceeds the cap; ``limit`` is the cap in bytes."""
 
@@ -37,22 +44,34 @@ class BodyTooLarge(Exception):
         self.limit = limit
 
 
-async def read_body(receive: Receive, limit: int, content_length: int | None) -> bytes:
-    """Read the whole request body, at most ``limit`` bytes.
+async def read_body(
+    receive: Receive, limit: int, content_length: int | None, timeout: float = math.inf
+) -> bytes:
+    """Read the whole request body, at most ``limit`` bytes, within
+    ``timeout`` seconds.
 
-    A declared ``content_length`` over the limit fails before reading; a
-    chunked body fails as soon as the bytes received pass the limit.
+    A declared ``content_length`` over the limit fails before the first
+    ``receive()``; a chunked body fails as soon as the bytes received pass
+    the limit. What was read is dropped when this raises.
 
     Raises:
         BodyTooLarge: the body is larger than ``limit``.
+        BodyTimeout: the body was not whole after ``timeout`` seconds.
         ClientDisconnected: the client went away mid-body.
     """
     if content_length is not None and content_length > limit:
         raise BodyTooLarge(limit)
     chunks: list[bytes] = []
     size = 0
+    deadline = anyio.current_time() + timeout
     while True:
-        message = await receive()
+        # ASGI servers hand messages over through queues: a receive() cut
+        # short by the deadline loses nothing.
+        message = None
+        with anyio.move_on_after(deadline - anyio.current_time()):
+            message = await receive()
+        if message is None:
+            raise BodyTimeout()
         if message["type"] == "http.disconnect":
             raise ClientDisconnected()
         chunk = message.get("body", b"")

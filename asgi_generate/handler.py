@@ -2,7 +2,9 @@
 
 For every registered format::
 
-    read body (size-capped) -> codec.decode -> GenerateRequest
+    reserve room in the body budget (bounded wait, else 503)
+    read body (size-capped, within the body-read deadline) -> codec.decode
+        (large bodies in a worker thread) -> GenerateRequest
     pick a worker -> attempt -> stream worker events -> codec -> client
     watch receive() for http.disconnect the whole time
     finally (shielded): abort every live engine leg, await its ack,
@@ -26,10 +28,12 @@ import anyio
 
 from . import ids
 from .accounting import RequestState
+from .budget import Lease
 from .codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError, WorkerRequest
 from .framing import (
     KEEPALIVE,
     SSE_HEADERS,
+    BodyTimeout,
     BodyTooLarge,
     ClientDisconnected,
     Receive,
@@ -48,6 +52,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("asgi_generate.handler")
 DONE = b"[DONE]"
+#: Bodies from this size on are decoded in a worker thread (1 MiB: about
+#: 10 ms of parsing; smaller ones cost less than the thread hop).
+DECODE_THREAD_BYTES = 1 << 20
+#: Sent with every answer given before the body was read: the unread body
+#: makes the connection unusable for another request.
+CLOSE = [(b"connection", b"close")]
+RETRY_AFTER = b"1"
 
 
 async def handle_generate(app: "App", codec: Codec, scope: dict, receive: Receive, send: Send) -> None:
@@ -67,6 +78,7 @@ async def handle_generate(app: "App", codec: Codec, scope: dict, receive: Receiv
         if st.status is None:  # cancelled from outside, e.g. server shutdown
             st.status = "shutdown"
         finish_record(app, st)
+        app.body_budget.trim_if_idle()  # the request's body and objects are gone now
 
 
 def finish_record(app: "App", st: RequestState) -> None:
@@ -110,31 +122,75 @@ async def _send_in_band_error(codec: Codec, send: Send, st: RequestState, err: R
 async def _serve(app: "App", codec: Codec, scope: dict, receive: Receive, send: Send, st: RequestState) -> None:
     headers = dict(scope["headers"])
     st.headers = headers
+    settings = app.settings
     try:
         declared = headers.get(b"content-length")
         length = int(declared) if declared is not None else None
     except ValueError:
-        await _send_error(codec, send, st, RequestError(400, "invalid content-length header"))
+        await _send_error(codec, send, st, RequestError(400, "invalid content-length header"), CLOSE)
+        return
+    if length is not None and length > settings.max_body_bytes:
+        # Refused before the first receive(), unread: the connection cannot
+        # be reused, so say it closes.
+        err = RequestError(413, str(BodyTooLarge(settings.max_body_bytes)), "too_large")
+        await _send_error(codec, send, st, err, CLOSE)
+        return
+    lease = await app.body_budget.reserve(
+        settings.max_body_bytes if length is None else length, settings.body_budget_wait
+    )
+    if lease is None:
+        err = RequestError(503, "too many request bodies in flight; retry later", "busy")
+        await _send_error(codec, send, st, err, [(b"retry-after", RETRY_AFTER), *CLOSE])
         return
     try:
-        body = await read_body(receive, app.settings.max_body_bytes, length)
+        request = await _read_and_decode(app, codec, receive, send, st, headers, length)
+        if request is not None:
+            await _generate(app, codec, request, receive, send, st, lease)
+    finally:
+        lease.release()
+
+
+async def _read_and_decode(
+    app: "App", codec: Codec, receive: Receive, send: Send, st: RequestState, headers: dict, length: int | None
+) -> GenerateRequest | None:
+    """The decoded request, or ``None`` once the client was answered (or left)."""
+    settings = app.settings
+    app.reading_body += 1
+    try:
+        body = await read_body(receive, settings.max_body_bytes, length, settings.body_read_timeout)
     except BodyTooLarge as exc:
-        await _send_error(codec, send, st, RequestError(413, str(exc), "too_large"))
-        return
+        await _send_error(codec, send, st, RequestError(413, str(exc), "too_large"), CLOSE)
+        return None
+    except BodyTimeout:
+        err = RequestError(408, f"request body not received within {settings.body_read_timeout:g} s", "body_timeout")
+        await _send_error(codec, send, st, err, CLOSE)
+        return None
     except ClientDisconnected:
         st.status = "client_disconnect"
-        return
+        return None
+    finally:
+        app.reading_body -= 1
     if app.shutting_down:
         await _send_error(codec, send, st, RequestError(503, "server is shutting down", "shutdown"))
-        return
+        return None
     try:
-        request = codec.decode(body, headers)
+        if len(body) < DECODE_THREAD_BYTES:
+            return codec.decode(body, headers)
+        # orjson holds the GIL while it parses, but the codec's checks after
+        # it are Python and let the event loop in; one big decode at a time
+        # keeps every stall of the loop to one parse.
+        return await anyio.to_thread.run_sync(codec.decode, body, headers, limiter=app.decode_limiter)
     except RequestError as exc:
         if exc.in_band:
             await _send_in_band_error(codec, send, st, exc)
         else:
             await _send_error(codec, send, st, exc)
-        return
+        return None
+
+
+async def _generate(
+    app: "App", codec: Codec, request: GenerateRequest, receive: Receive, send: Send, st: RequestState, lease: Lease
+) -> None:
     st.public_id = request.public_id
     st.stream = request.stream
     st.input_ids = request.input_ids
@@ -142,6 +198,7 @@ async def _serve(app: "App", codec: Codec, scope: dict, receive: Receive, send: 
     st.replay_excluded = request.replay_excluded
     st.model = request.model
     gen = _Generation(app, codec, codec.exchange(request, st.request_id), request, st, send)
+    gen.lease = lease
     async with anyio.create_task_group() as tg:
         gen.scope = tg.cancel_scope
         app.inflight[st.request_id] = gen
@@ -163,7 +220,7 @@ class _Generation:
     __slots__ = (
         "app", "codec", "ex", "req", "st", "send", "pending", "in_send", "last_send",
         "scope", "shutdown", "write_timeout", "send_started", "timed", "outbox", "outbox_tokens",
-        "leg", "lost", "prefill_gate",
+        "leg", "lost", "prefill_gate", "lease",
     )
 
     def __init__(
@@ -191,6 +248,9 @@ class _Generation:
         #: P/D: set once the prefill leg answered, when the decode leg's
         #: first event needs that answer (see :mod:`asgi_generate.pd`).
         self.prefill_gate: anyio.Event | None = None
+        #: The request's share of the body budget, given back once the first
+        #: worker request is built (the body is decoded and checked then).
+        self.lease: Lease | None = None
 
     def worker_lost(self, worker: Worker, reason: str) -> None:
         """The router's health probe gave ``worker`` up: stop waiting for it.
@@ -235,8 +295,10 @@ class _Generation:
             try:
                 wreq = self.ex.worker_request(attempt)
             except RequestError as exc:  # nothing was sent to any engine
-                await self.fail(exc, "rejected")
+                await self.refuse(exc)
                 return
+            finally:
+                self.release_body()
             self.st.attempts.append(attempt)
             self.lost = None
             worker.inflight.add(self)
@@ -247,6 +309,24 @@ class _Generation:
             if not retry:
                 return
             tried.append(worker)
+
+    def release_body(self) -> None:
+        """Give the request's share of the body budget back (once its first
+        worker request is built, the body is decoded and checked)."""
+        if self.lease is not None:
+            self.lease.release()
+
+    async def refuse(self, exc: RequestError) -> None:
+        """Answer a request the codec refused while building a worker
+        request (nothing reached an engine), in-band if the format says so."""
+        # Nothing to replay; and a prompt too long for the model may be
+        # millions of ids, which the record must not keep alive.
+        self.st.input_ids = None
+        self.st.replay_excluded = "rejected"
+        if exc.in_band and not self.st.response_started:
+            await _send_in_band_error(self.codec, self._write, self.st, exc)
+        else:
+            await self.fail(exc, "rejected")
 
     async def _attempt(self, worker: Worker, attempt: Attempt, wreq: WorkerRequest) -> bool:
         """Run one attempt; return whether to try another worker.

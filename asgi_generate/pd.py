@@ -111,8 +111,10 @@ async def _run_pair(gen: "_Generation", prefill: Worker, decode: Worker, room: i
         p_req = ex.worker_request(p_att)
         d_req = ex.worker_request(d_att)
     except RequestError as exc:  # nothing was sent to any engine
-        await gen.fail(exc, "rejected")
+        await gen.refuse(exc)
         return []
+    finally:
+        gen.release_body()
     st.attempts += (p_att, d_att)
     result = _PrefillLeg()
     gate = anyio.Event()
@@ -155,8 +157,10 @@ async def _run_sequential(gen: "_Generation", prefill: Worker, decode: Worker) -
     try:
         p_req = ex.worker_request(p_att)
     except RequestError as exc:  # nothing was sent to any engine
-        await gen.fail(exc, "rejected")
+        await gen.refuse(exc)
         return []
+    finally:
+        gen.release_body()
     st.attempts.append(p_att)
     result = _PrefillLeg()
     prefill.inflight.add(result)

@@ -81,6 +81,8 @@ class FakeWorker:
                         self.generates.append(rid)
                         await self._generate(stream, conn, rid)
                         return
+                    else:  # e.g. /v1/models: FastAPI's 404
+                        await self._reply(stream, conn, b'{"detail":"Not Found"}', 404)
                     conn.start_next_cycle()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream):
             return
@@ -103,8 +105,8 @@ class FakeWorker:
             else:  # ConnectionClosed
                 return None, b""
 
-    async def _reply(self, stream, conn, body: bytes) -> None:
-        head = h11.Response(status_code=200, headers=[("content-length", str(len(body)))])
+    async def _reply(self, stream, conn, body: bytes, status: int = 200) -> None:
+        head = h11.Response(status_code=status, headers=[("content-length", str(len(body)))])
         await stream.send(conn.send(head) + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
 
     async def _generate(self, stream, conn, rid: str) -> None:

@@ -145,6 +145,7 @@ class SimApp:
         if isinstance(p, VLLMProtocol):
             await self._vllm(p, scope, receive, send)
         elif path == "/generate" and method in ("POST", "PUT"):
+            self.engine.generate_requests += 1
             body = await self._body(receive, send)
             if body is not None:
                 await p.generate(body, receive, send)
@@ -189,6 +190,7 @@ class SimApp:
     async def _vllm(self, p: VLLMProtocol, scope: dict, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
         if path == "/inference/v1/generate" and method == "POST":
+            self.engine.generate_requests += 1
             body = await self._body(receive, send)
             if body is not None:
                 await p.generate(body, dict(scope["headers"]), receive, send)

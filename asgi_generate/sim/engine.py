@@ -91,6 +91,8 @@ class SimEngine:
         self.abort_status = abort_status
         self.running: dict[str, Job] = {}
         self.received = 0
+        #: Generate requests that arrived, refused ones included.
+        self.generate_requests = 0
         self.completed = 0
         self.aborted_rids: list[str] = []
         self.abort_requests = 0
@@ -215,6 +217,7 @@ class SimEngine:
             "running": len(self.running),
             "running_rids": sorted(self.running),
             "received": self.received,
+            "generate_requests": self.generate_requests,
             "completed": self.completed,
             "aborted_rids": list(self.aborted_rids),
             "abort_requests": self.abort_requests,

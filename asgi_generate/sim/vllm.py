@@ -545,11 +545,18 @@ class VLLMProtocol:
             _check_features(obj["features"], len(ids))
         if max(ids) >= self.vocab_size:
             raise error(f"Token id {max(ids)} is out of vocabulary")
-        if len(ids) >= MAX_MODEL_LEN:
+        if len(ids) > MAX_MODEL_LEN:  # input_processor._validate_prompt_len
             raise error(
                 f"The decoder prompt (length {len(ids)}) is longer than the maximum model length "
                 f"of {MAX_MODEL_LEN}. Make sure that `max_model_len` is no smaller than the number "
                 "of text tokens."
+            )
+        if len(ids) == MAX_MODEL_LEN:
+            raise error(
+                f"The decoder prompt (length {len(ids)}) plus the number of requested output tokens "
+                f"(at least 1) is longer than the maximum model length of {MAX_MODEL_LEN}. Make sure "
+                "that `max_model_len` is no smaller than the number of text tokens (prompt + "
+                "requested output tokens)."
             )
         # An omitted max_tokens means the rest of the context; more stops at
         # the context end, or is refused by versions that bound it.

@@ -188,7 +188,9 @@ SCHEMA: dict[str, Any] = {
                             {"type": "string", "minLength": 1},
                             "text, multimodal or embeddings (the input was not token ids; codecs may "
                             "name others), not_decoded (the body was never parsed: rejected or "
-                            "abandoned) or token_id_out_of_range (an input id is not a u32).",
+                            "abandoned), rejected (refused after decoding, before any engine saw "
+                            "it, e.g. longer than the model's context) or token_id_out_of_range "
+                            "(an input id is not a u32).",
                         )
                     },
                 },

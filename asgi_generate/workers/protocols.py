@@ -34,6 +34,8 @@ class WorkerProtocol:
             protocol: ``concurrent`` (SGLang: both legs at once, joined by a
             bootstrap room), ``sequential`` (vLLM: the prefill leg, then the
             decode leg with its ``kv_transfer_params``), or ``None``.
+        models_path: GET, the OpenAI model list, read for ``max_model_len``
+            when the info route lacks the context length (SGLang).
     """
 
     name: str
@@ -43,20 +45,23 @@ class WorkerProtocol:
     engine_id_prefix: str = ""
     version_path: bytes | None = None
     pd_legs: str | None = None
+    models_path: bytes | None = None
 
     def read_info(self, obj: object) -> dict:
-        """Normalise the info route's JSON: SGLang's ``/get_server_info`` as
-        is (its ``version`` is the engine's); vLLM's ``/v1/models`` as
+        """Normalise the info route's JSON, with the context length in tokens
+        as ``max_model_len`` (``None`` when unknown).
+
+        SGLang's ``/get_server_info`` (``http_server.get_server_info``: the
+        ``ServerArgs`` fields and scheduler info; its ``version`` is the
+        engine's) as is, its ``context_length`` (``--context-length``, null
+        unless given) copied to ``max_model_len``; vLLM's ``/v1/models`` as
         ``{"served_model_name", "max_model_len"}`` of its first model.
         Anything unexpected gives ``{}``."""
         if not isinstance(obj, dict):
             return {}
         if self.name != "vllm":
-            return obj
-        data = obj.get("data")
-        if not isinstance(data, list) or not data or not isinstance(data[0], dict):
-            return {}
-        return {"served_model_name": data[0].get("id"), "max_model_len": data[0].get("max_model_len")}
+            return {**obj, "max_model_len": _int(obj.get("context_length"))}
+        return read_model_card(obj)
 
     @staticmethod
     def read_version(obj: object) -> str | None:
@@ -71,7 +76,26 @@ class WorkerProtocol:
         return orjson.dumps({"rid": engine_id})
 
 
-SGLANG = WorkerProtocol("sglang", b"/health", b"/get_server_info", b"/abort_request", pd_legs="concurrent")
+def read_model_card(obj: object) -> dict:
+    """``{"served_model_name", "max_model_len"}`` of the first model of an
+    OpenAI ``/v1/models`` list; both engines put the context length they
+    enforce there (SGLang ``http_server.available_models``:
+    ``model_config.context_len``; vLLM ``OpenAIServingModels.show_available_models``:
+    ``max_model_len``). Anything unexpected gives ``{}``."""
+    data = obj.get("data") if isinstance(obj, dict) else None
+    if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+        return {}
+    return {"served_model_name": data[0].get("id"), "max_model_len": _int(data[0].get("max_model_len"))}
+
+
+def _int(value: object) -> int | None:
+    return value if type(value) is int and value > 0 else None
+
+
+SGLANG = WorkerProtocol(
+    "sglang", b"/health", b"/get_server_info", b"/abort_request", pd_legs="concurrent",
+    models_path=b"/v1/models",
+)
 VLLM = WorkerProtocol(
     "vllm", b"/health", b"/v1/models", b"/abort_requests", "generate-tokens-", b"/version", pd_legs="sequential"
 )

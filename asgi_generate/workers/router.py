@@ -29,7 +29,7 @@ import anyio
 import orjson
 
 from .http import ConnectFailed, ConnectionPool, WorkerDisconnected, WorkerError
-from .protocols import PROTOCOLS, WorkerProtocol
+from .protocols import PROTOCOLS, WorkerProtocol, read_model_card
 
 log = logging.getLogger("asgi_generate.router")
 ROLES = ("aggregated", "prefill", "decode")
@@ -105,6 +105,7 @@ class Worker:
             "outstanding": self.outstanding,
             "model": self.info.get("served_model_name") or self.info.get("model_path"),
             "engine_version": self.info.get("version"),
+            "max_model_len": self.info.get("max_model_len"),
             "last_error": self.last_error,
         }
 
@@ -293,6 +294,8 @@ class Router:
                 if resp.status != 200:
                     raise WorkerError(f"server info answered {resp.status}")
             info = proto.read_info(orjson.loads(body))
+            if proto.models_path is not None and info.get("max_model_len") is None:
+                info["max_model_len"] = await self._context_length(pool, proto.models_path)
         if proto.version_path is not None:
             async with pool.request(b"GET", proto.version_path) as resp:
                 body = await resp.read()
@@ -310,6 +313,21 @@ class Router:
         else:
             log.warning("worker %s (%s) health probe failed (%d of %d before down): %s",
                         worker.id, worker.url, worker.failures, self.health_failures, reason)
+
+    @staticmethod
+    async def _context_length(pool: ConnectionPool, path: bytes) -> int | None:
+        """The context length from the worker's model list at ``path``,
+        ``None`` if it gives none: a worker without the route (or one that
+        drops the connection on it) is not unhealthy for that, its prompts
+        are just left to it to check."""
+        try:
+            async with pool.request(b"GET", path) as resp:
+                body = await resp.read()
+            if resp.status != 200:
+                return None
+            return read_model_card(orjson.loads(body)).get("max_model_len")
+        except (WorkerError, orjson.JSONDecodeError):
+            return None
 
     async def watch(self, interval: float) -> None:
         """Forever: probe each worker ``interval`` seconds after its last

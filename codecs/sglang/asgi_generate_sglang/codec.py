@@ -204,6 +204,25 @@ class SGLangCodec(Codec):
         return orjson.dumps({"error": {"message": error.message, "type": kind, "code": error.status}})
 
 
+def check_prompt_length(input_ids: list[int] | None, limit: int | None, stream: bool) -> None:
+    """Refuse a token prompt of ``limit`` tokens or more, as SGLang's
+    ``TokenizerManager._validate_one_request`` (``managers/tokenizer_manager.py``)
+    does unless the server runs ``--allow-auto-truncate``; SGLang's
+    ``http_server.generate_request`` answers its ``ValueError`` with 400
+    ``{"error": {"message"}}``, or in-band after a 200 when ``stream``. Text
+    prompts are left to the engine (the frontend does not tokenize).
+
+    Raises:
+        RequestError: 400 with SGLang's message (``in_band`` when ``stream``).
+    """
+    if limit is not None and input_ids is not None and len(input_ids) >= limit:
+        raise RequestError(
+            400,
+            f"The input ({len(input_ids)} tokens) is longer than the model's context length ({limit} tokens).",
+            in_band=stream,
+        )
+
+
 class SGLangExchange(Exchange):
     """One SGLang request's state across worker attempts."""
 
@@ -229,7 +248,15 @@ class SGLangExchange(Exchange):
     def worker_request(self, attempt: Attempt) -> WorkerRequest:
         """The client's body with ``rid`` minted (and a P/D leg's bootstrap
         fields). A unary client gets a unary engine leg: the engine's one
-        answer, passed through."""
+        answer, passed through.
+
+        Raises:
+            RequestError: the token prompt does not fit the worker's context
+                length: SGLang's own 400, before any engine sees it.
+        """
+        info = attempt.worker_info
+        if not info.get("allow_auto_truncate"):
+            check_prompt_length(self.request.input_ids, info.get("max_model_len"), self.request.stream)
         body = dict(self.request.native)
         body["rid"] = attempt.engine_id
         if attempt.bootstrap is not None:

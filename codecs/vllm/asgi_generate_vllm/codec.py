@@ -78,7 +78,7 @@ from asgi_generate.codec import (
 
 from asgi_generate.workers.versions import vllm_behaviour
 
-from .schema import GENERATE_REQUEST, VLLMRequestError, check, validation_error
+from .schema import GENERATE_REQUEST, VLLMRequestError, bad_request, check, validation_error
 
 PATH = "/inference/v1/generate"
 #: What vLLM puts before a request id to make the engine id.
@@ -243,6 +243,33 @@ PREFILL_KV = {
 }
 
 
+def check_prompt_length(body: dict, limit: int | None) -> None:
+    """Refuse a text-only prompt that does not fit a model of ``limit``
+    tokens, as vLLM's ``InputProcessor._validate_prompt_len``
+    (``vllm/v1/engine/input_processor.py``) does: longer than the limit, or
+    exactly as long (no room for the one output token a generation needs).
+    Multimodal prompts (``features``) are left to the engine, whose wording
+    depends on the model.
+
+    Raises:
+        VLLMRequestError: 400 ``BadRequestError`` with vLLM's message.
+    """
+    if limit is None or body.get("features") is not None:
+        return
+    n = len(body["token_ids"])
+    if n > limit:
+        raise bad_request(
+            f"The decoder prompt (length {n}) is longer than the maximum model length of {limit}. "
+            "Make sure that `max_model_len` is no smaller than the number of text tokens."
+        )
+    if n == limit:
+        raise bad_request(
+            f"The decoder prompt (length {n}) plus the number of requested output tokens (at least 1) "
+            f"is longer than the maximum model length of {limit}. Make sure that `max_model_len` is no "
+            "smaller than the number of text tokens (prompt + requested output tokens)."
+        )
+
+
 class VLLMExchange(Exchange):
     """One vLLM request's state across worker attempts.
 
@@ -285,10 +312,13 @@ class VLLMExchange(Exchange):
         verbatim.
 
         Raises:
-            RequestError: 502, a decode leg whose prefill leg answered no
+            RequestError: the prompt does not fit the worker's
+                ``max_model_len`` (vLLM's own 400, before any engine sees
+                it); 502, a decode leg whose prefill leg answered no
                 ``kv_transfer_params`` (vLLM's producer gives none unless the
                 prefill stopped at its length cap).
         """
+        check_prompt_length(self.native.body, attempt.worker_info.get("max_model_len"))
         body = dict(self.native.body)
         body["request_id"] = attempt.engine_id
         headers = [_JSON, (b"x-request-id", attempt.engine_id.encode())]
