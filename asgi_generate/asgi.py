@@ -16,6 +16,7 @@ INFO here (simulators serving, a worker down or back up).
 import logging
 import sys
 
+from . import hypercorn_fixes
 from .app import App
 from .config import Settings
 from .registry import CodecLoadError
@@ -43,4 +44,5 @@ def _app() -> App:
 
 
 _log_to_stderr()
+hypercorn_fixes.install()  # hypercorn loads this module before it accepts connections
 app = _app()

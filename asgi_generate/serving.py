@@ -2,7 +2,8 @@
 
 Used by ``asgi-generate serve`` and ``asgi-generate sim``. The first SIGINT or
 SIGTERM starts hypercorn's graceful shutdown; later ones are ignored, so a Ctrl-C that reaches a process twice (from the terminal and from
-``serve --workers N`` forwarding it) cannot cut the drain short.
+``serve --workers N`` forwarding it) cannot cut the drain short. hypercorn
+serves with the connection fixes of :mod:`asgi_generate.hypercorn_fixes`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 
 import anyio
 from hypercorn.config import Config
+
+from . import hypercorn_fixes
 
 WORKER_CLASSES = ("trio", "asyncio")
 log = logging.getLogger("asgi_generate")
@@ -54,6 +57,8 @@ def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
     """
     if worker_class not in WORKER_CLASSES:
         raise ValueError(f"worker class must be one of {WORKER_CLASSES}, not {worker_class!r}")
+
+    hypercorn_fixes.install()
 
     async def main() -> None:
         if worker_class == "trio":

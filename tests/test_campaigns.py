@@ -116,7 +116,7 @@ def test_graceful_shutdown_with_50_streams_in_flight(itl_sims, worker_class):
 
         anyio.run(main)
         assert fe.proc.wait(20) == 0
-        shutdown = {"error": {"message": "server is shutting down", "type": "server_error", "code": 503}}
+        shutdown = {"error": {"message": "server is shutting down", "type": "503", "code": 503}}
         for i in range(50):
             assert results[i][-1] == b"[DONE]"
             assert orjson.loads(results[i][-2]) == shutdown

@@ -197,10 +197,13 @@ class SGLangCodec(Codec):
     def in_band_error(self, error: RequestError) -> bytes:
         """A bad value (400) exactly as SGLang's ``generate_request`` streams
         its ``ValueError``: ``{"error": {"message"}}``; other statuses as
-        ``{"error": {"message", "type", "code"}}``."""
+        ``{"error": {"message", "type", "code"}}``, a 5xx with the ``type`` of
+        its unary form (:meth:`error_body`): SGLang's ``HTTPException`` handler
+        in ``http_server.py`` sets ``type`` to the status code, for the 500/503
+        aborts ``TokenizerManager`` raises."""
         if error.status == 400:
             return orjson.dumps({"error": {"message": error.message}})
-        kind = "invalid_request_error" if error.status < 500 else "server_error"
+        kind = "invalid_request_error" if error.status < 500 else str(error.status)
         return orjson.dumps({"error": {"message": error.message, "type": kind, "code": error.status}})
 
 

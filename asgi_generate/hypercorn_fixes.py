@@ -1,0 +1,123 @@
+"""Workarounds for two connection-level bugs in hypercorn's HTTP/1.1 server
+(hypercorn 0.18.0; both worker classes), installed by :func:`install`.
+
+1. **Closed connections linger in CLOSE-WAIT.** ``TCPServer.run`` (in
+   ``hypercorn/trio/tcp_server.py`` and ``hypercorn/asyncio/tcp_server.py``)
+   only closes the socket once its task group is empty, and the keep-alive
+   idle task (``_idle_timeout``) sits in that group for
+   ``keep_alive_timeout`` seconds. A client that closes an idle keep-alive
+   connection ends ``_read_data``, but the socket stays open until the idle
+   task times out. :class:`_TrioTCPServer` and :class:`_AsyncioTCPServer`
+   stop the idle task once the read loop has ended (and never restart it),
+   so the socket is closed as soon as the app's task, if any, is done.
+
+2. **``Connection: close`` followed by more bytes.** Once a request that
+   carries ``Connection: close`` is read, h11 puts the client in
+   ``MUST_CLOSE`` and treats any further byte (a pipelined request, a stray
+   CRLF) as a protocol error; ``H11Protocol._handle_events`` then answers an
+   empty 400 and closes the connection while the app is still serving the
+   first request, whose answer is lost. RFC 9112 section 9.6 says the server
+   answers that request, then closes, and does not process further requests:
+   :class:`_EdgeConnection` discards what follows instead.
+
+And one policy: a client that closes its sending side (``shutdown(SHUT_WR)``)
+has disconnected, as nginx treats it. hypercorn already hands the app
+``http.disconnect`` on end of stream, with two exceptions that
+:class:`_EdgeConnection` removes:
+
+- Mid-body, h11 reports an incomplete message and hypercorn answers an empty
+  400 the app never sees (its record would say ``client_disconnect``): it is
+  reported as a plain end of stream instead, and nothing is sent.
+- After a stray CRLF behind a complete request, h11 pauses and hypercorn stops
+  reading the socket until the answer is complete, so a half-close arriving
+  meanwhile goes unseen and the stream runs to its end. RFC 9112 section 2.2
+  lets a server ignore empty lines before a request-line: up to
+  ``STRAY_CRLF_BYTES`` of them do not pause reading. (A pipelined request
+  still does: hypercorn reads the connection again after the current answer.)
+"""
+
+from __future__ import annotations
+
+import h11
+from hypercorn.asyncio import run as asyncio_run
+from hypercorn.asyncio.tcp_server import TCPServer as AsyncioTCPServer
+from hypercorn.events import Event, Updated
+from hypercorn import protocol
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio import run as trio_run
+from hypercorn.trio.tcp_server import TCPServer as TrioTCPServer
+
+#: Bytes of empty lines behind a request that do not stop hypercorn reading.
+STRAY_CRLF_BYTES = 4
+
+
+class _ReleaseOnEOF:
+    """Mixin for hypercorn's ``TCPServer``: no keep-alive wait once the
+    client is gone (bug 1 above)."""
+
+    _client_gone = False
+
+    async def _read_data(self) -> None:
+        await super()._read_data()  # returns when the client closed or broke the connection
+        self._client_gone = True
+        await self.idle_task.stop()
+
+    async def protocol_send(self, event: Event) -> None:
+        if self._client_gone and isinstance(event, Updated) and event.idle:
+            return  # nobody left to keep alive for
+        await super().protocol_send(event)
+
+
+class _TrioTCPServer(_ReleaseOnEOF, TrioTCPServer):
+    pass
+
+
+class _AsyncioTCPServer(_ReleaseOnEOF, AsyncioTCPServer):
+    pass
+
+
+class _EdgeConnection(h11.Connection):
+    """An h11 server connection that ignores what a client sends after the
+    request that ended its keep-alive (bug 2 above; the bytes already
+    buffered stay there, at most one socket read, until the connection
+    closes, later ones are dropped on arrival), and sees every end of stream
+    of a client it is answering (the half-close policy above)."""
+
+    def receive_data(self, data: bytes) -> None:
+        if data and self.their_state is h11.MUST_CLOSE:
+            return
+        super().receive_data(data)
+
+    def next_event(self):
+        if self.their_state is h11.MUST_CLOSE:
+            return h11.NEED_DATA
+        mid_body = self.their_state is h11.SEND_BODY
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError:
+            if mid_body and self.trailing_data[1]:  # end of stream: the client left mid-body
+                return h11.ConnectionClosed()
+            raise
+        if event is h11.PAUSED and self.their_state is h11.DONE:
+            data, closed = self.trailing_data
+            if len(data) <= STRAY_CRLF_BYTES and not data.strip(b"\r\n"):
+                # Empty lines only: keep reading, so an end of stream is seen.
+                return h11.ConnectionClosed() if closed else h11.NEED_DATA
+        return event
+
+
+class _H11Protocol(H11Protocol):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.connection = _EdgeConnection(
+            h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
+        )
+
+
+def install() -> None:
+    """Make hypercorn serve with the fixed classes (idempotent). Must run
+    before hypercorn accepts connections: ``asgi_generate.serving`` calls it,
+    and so does importing ``asgi_generate.asgi`` under a hypercorn you run."""
+    trio_run.TCPServer = _TrioTCPServer
+    asyncio_run.TCPServer = _AsyncioTCPServer
+    protocol.H11Protocol = _H11Protocol

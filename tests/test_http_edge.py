@@ -1,0 +1,387 @@
+"""Connection-level HTTP edge cases between a client and the frontend, on
+raw loopback sockets, on both hypercorn worker classes: sockets released
+when clients close, ``Connection: close`` followed by more bytes, half-close
+at every phase of a request, unknown routes."""
+
+from __future__ import annotations
+
+import glob
+import os
+import pathlib
+import socket
+import time
+
+import h11
+import httpx
+import orjson
+import pytest
+
+from support import post, start_frontend, start_sim, stats, wait_until
+
+WORKER_CLASSES = ["trio", "asyncio"]
+
+
+def _body(stream: bool, n: int, rid: str | None = None) -> bytes:
+    obj = {"input_ids": [3, 4, 5], "stream": stream, "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}
+    if rid is not None:
+        obj["rid"] = rid
+    return orjson.dumps(obj)
+
+
+def _request(body: bytes, *headers: str, path: str = "/generate") -> bytes:
+    extra = "".join(f"{h}\r\n" for h in headers)
+    return (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n{extra}"
+            f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    return sock
+
+
+def _read_to_eof(sock: socket.socket, raw: bytes = b"") -> bytes:
+    """Everything the server sends until it closes (bounded by the socket
+    timeout)."""
+    while data := sock.recv(65536):
+        raw += data
+    return raw
+
+
+def _parse(raw: bytes, method: str = "POST") -> tuple[list[tuple[int, dict, bytes]], bytes]:
+    """The complete HTTP/1.1 responses in ``raw`` (``(status, headers,
+    body)`` each, chunked or not) and the bytes left after the last one."""
+    out = []
+    while raw:
+        conn = h11.Connection(h11.CLIENT)
+        conn.send(h11.Request(method=method, target="/", headers=[("host", "x"), ("content-length", "0")]))
+        conn.send(h11.EndOfMessage())
+        conn.receive_data(raw)
+        head, body = None, b""
+        while True:
+            event = conn.next_event()
+            if isinstance(event, h11.Response):
+                head = event
+            elif isinstance(event, h11.Data):
+                body += bytes(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            else:
+                return out, raw  # incomplete
+        out.append((head.status_code, {k.decode(): v.decode() for k, v in head.headers}, body))
+        raw = conn.trailing_data[0]
+    return out, raw
+
+
+def _read_one(sock: socket.socket, method: str = "POST") -> tuple[int, dict, bytes]:
+    """Read exactly one complete response from ``sock`` (keep-alive)."""
+    raw = b""
+    while True:
+        data = sock.recv(65536)
+        assert data, f"server closed mid-response: {raw[:200]!r}"
+        raw += data
+        done, rest = _parse(raw, method)
+        if done:
+            assert len(done) == 1 and rest == b""
+            return done[0]
+
+
+def _events(body: bytes) -> list[bytes]:
+    """The ``data`` payloads of an SSE body."""
+    return [block[6:] for block in body.split(b"\n\n") if block.startswith(b"data: ")]
+
+
+class Traced:
+    """A frontend process in front of ``sim`` with ``--trace-file``;
+    :meth:`records` reads what its writer has flushed so far."""
+
+    def __init__(self, tmp_path_factory, name: str, sim, worker_class: str, extra: list[str] = ()) -> None:
+        self.base = str(tmp_path_factory.mktemp(f"{name}-{worker_class}") / "trace")
+        self.proc = start_frontend([f"sglang={sim.url}"], worker_class=worker_class,
+                                   extra=["--trace-file", self.base + ".jsonl", *extra])
+        self.url = self.proc.url
+
+    def records(self) -> list[dict]:
+        files = sorted(glob.glob(f"{self.base}.*.jsonl"))
+        return [orjson.loads(line) for f in files for line in pathlib.Path(f).read_bytes().splitlines()]
+
+    def next_record(self, seen: int) -> dict:
+        """The record after the first ``seen`` ones (waits for it), and
+        checks that no other one follows."""
+        recs = wait_until(lambda: (r := self.records()) and len(r) > seen and r)
+        time.sleep(0.2)  # a second record would be a bug: give it time to show
+        assert len(self.records()) == seen + 1
+        return recs[seen]
+
+    def open_fds(self) -> int:
+        """File descriptors the frontend process holds."""
+        return len(os.listdir(f"/proc/{self.proc.proc.pid}/fd"))
+
+    def client_sockets(self) -> int:
+        """Of those, the server sides of client connections (any TCP state
+        but LISTEN) on the frontend's port."""
+        inodes = set()
+        for line in pathlib.Path(f"/proc/{self.proc.proc.pid}/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == self.proc.port and fields[3] != "0A":
+                inodes.add(f"socket:[{fields[9]}]")
+        fd_dir = f"/proc/{self.proc.proc.pid}/fd"
+        count = 0
+        for fd in os.listdir(fd_dir):
+            try:
+                count += os.readlink(f"{fd_dir}/{fd}") in inodes
+            except FileNotFoundError:  # closed meanwhile
+                pass
+        return count
+
+    def settled(self) -> int:
+        """Wait until every record of the requests served so far is written;
+        return how many there are."""
+        served = httpx.get(self.url + "/stats", timeout=5).json()["requests"]
+        wait_until(lambda: len(self.records()) >= served)
+        return len(self.records())
+
+
+@pytest.fixture(scope="module")
+def fast_sim():
+    sim = start_sim()
+    yield sim
+    sim.stop()
+
+
+@pytest.fixture(scope="module", params=WORKER_CLASSES)
+def fe(request, fast_sim, tmp_path_factory):
+    traced = Traced(tmp_path_factory, "edge", fast_sim, request.param)
+    yield traced
+    traced.proc.stop()
+
+
+# -- sockets released ---------------------------------------------------------
+
+
+def test_connections_the_client_closed_release_their_fds(fe):
+    """Keep-alive connections whose clients close after complete answers
+    (unary, SSE, a control route) are closed by the server within 2 s, not
+    after hypercorn's keep-alive timeout (75 s)."""
+    warm = _connect(fe.url)  # the worker connection gets pooled
+    warm.sendall(_request(_body(False, 2)))
+    assert _read_one(warm)[0] == 200
+    warm.close()
+    baseline = fe.open_fds() - fe.client_sockets()
+    socks = []
+    for i in range(30):
+        sock = _connect(fe.url)
+        if i % 3 == 2:
+            sock.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+        else:
+            sock.sendall(_request(_body(i % 3 == 1, 2)))
+        assert _read_one(sock)[0] == 200
+        socks.append(sock)
+    assert fe.client_sockets() >= 30  # all kept alive while the clients hold them
+    for sock in socks:
+        sock.close()
+    t0 = time.monotonic()
+    wait_until(lambda: fe.open_fds() <= baseline, timeout=2.0)
+    assert time.monotonic() - t0 < 2.0
+
+
+# -- Connection: close followed by more bytes ---------------------------------
+
+TRAILING = {
+    "crlf": b"\r\n",
+    "pipelined": b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n",
+    "garbage": b"\x00\x01 not http\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
+@pytest.mark.parametrize("trailing", list(TRAILING), ids=list(TRAILING))
+def test_connection_close_then_more_bytes_gets_the_first_answer(fe, fast_sim, stream, trailing):
+    """RFC 9112 section 9.6: the request with ``Connection: close`` is
+    answered, the connection closed, the bytes after it ignored; the record
+    says what the client got."""
+    expected = post(fast_sim.url, _body(False, 4)).json()["output_ids"]
+    seen = fe.settled()
+    sock = _connect(fe.url)
+    try:
+        sock.sendall(_request(_body(stream, 4), "connection: close") + TRAILING[trailing])
+        raw = _read_to_eof(sock)
+    finally:
+        sock.close()
+    responses, rest = _parse(raw)
+    assert [r[0] for r in responses] == [200] and rest == b"", raw[:300]
+    ((_, headers, body),) = responses
+    assert headers.get("connection") == "close"
+    if stream:
+        events = _events(body)
+        assert events[-1] == b"[DONE]" and orjson.loads(events[-2])["output_ids"] == expected
+    else:
+        assert orjson.loads(body)["output_ids"] == expected
+    rec = fe.next_record(seen)
+    assert (rec["status"], rec["http_status"], rec["output_tokens"]) == ("ok", 200, 4)
+
+
+def test_keep_alive_pipelining_still_answers_in_order(fe, fast_sim):
+    """Without ``Connection: close``, requests sent back to back are all
+    answered, in order, and the one with ``Connection: close`` ends it."""
+    expected = post(fast_sim.url, _body(False, 3)).json()["output_ids"]
+    sock = _connect(fe.url)
+    try:
+        sock.sendall(_request(_body(False, 3)) + _request(_body(True, 3))
+                     + b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n")
+        raw = _read_to_eof(sock)
+    finally:
+        sock.close()
+    responses, rest = _parse(raw)
+    assert [r[0] for r in responses] == [200, 200, 200] and rest == b""
+    assert orjson.loads(responses[0][2])["output_ids"] == expected
+    assert orjson.loads(_events(responses[1][2])[-2])["output_ids"] == expected
+    assert orjson.loads(responses[2][2])["status"] == "ok"
+
+
+# -- half-close: a disconnect at every phase ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def slow_sim():
+    sim = start_sim(ttft_ms=400, itl_ms=40)
+    yield sim
+    sim.stop()
+
+
+@pytest.fixture(scope="module", params=WORKER_CLASSES)
+def slow_fe(request, slow_sim, tmp_path_factory):
+    traced = Traced(tmp_path_factory, "half", slow_sim, request.param, ["--sse-keepalive", "0"])
+    yield traced
+    traced.proc.stop()
+
+
+def _half_close(sock: socket.socket) -> bytes:
+    """``shutdown(SHUT_WR)``, then read until the server closes: what the
+    server sent after the half-close (bounded by the socket timeout)."""
+    sock.shutdown(socket.SHUT_WR)
+    return _read_to_eof(sock)
+
+
+def _tokens_in(raw: bytes) -> int:
+    """Tokens in the complete SGLang SSE events of ``raw`` (cumulative)."""
+    _, _, body = raw.partition(b"\r\n\r\n")
+    best = 0
+    for block in body.split(b"\n\n"):
+        line = block.rsplit(b"\r\n", 1)[-1]  # after any chunk-size line
+        if line.startswith(b"data: {"):
+            best = max(best, len(orjson.loads(line[6:]).get("output_ids", [])))
+    return best
+
+
+def _running_rid(sim) -> str:
+    (rid,) = wait_until(lambda: stats(sim)["running_rids"])
+    return rid
+
+
+def _assert_aborted(sim, rid: str) -> None:
+    wait_until(lambda: rid in stats(sim)["aborted_rids"], timeout=5)
+    assert stats(sim)["running"] == 0
+
+
+def test_half_close_before_the_body_is_whole(slow_fe, slow_sim):
+    seen, received = slow_fe.settled(), stats(slow_sim)["received"]
+    sock = _connect(slow_fe.url)
+    try:
+        sock.sendall(_request(_body(True, 30))[:-10])
+        time.sleep(0.1)
+        assert _half_close(sock) == b""  # nothing sent, connection closed
+    finally:
+        sock.close()
+    rec = slow_fe.next_record(seen)
+    assert (rec["status"], rec["output_tokens"], rec["attempts"]) == ("client_disconnect", 0, [])
+    assert stats(slow_sim)["received"] == received
+
+
+@pytest.mark.parametrize("stream,wait", [(False, 0.0), (True, 0.0), (False, 0.6)],
+                         ids=["first-token-unary", "first-token-sse", "unary-generating"])
+def test_half_close_before_any_output(slow_fe, slow_sim, stream, wait):
+    """Waiting for the first token, or (``wait`` past the 400 ms TTFT) while
+    the engine generates a unary answer: nothing was sent, nothing is."""
+    seen = slow_fe.settled()
+    sock = _connect(slow_fe.url)
+    try:
+        sock.sendall(_request(_body(stream, 60)))
+        rid = _running_rid(slow_sim)
+        time.sleep(wait)
+        assert _half_close(sock) == b""
+    finally:
+        sock.close()
+    _assert_aborted(slow_sim, rid)
+    rec = slow_fe.next_record(seen)
+    assert (rec["status"], rec["output_tokens"]) == ("client_disconnect", 0)
+    assert [(a["outcome"], a["abort_acked"]) for a in rec["attempts"]] == [("aborted", True)]
+
+
+@pytest.mark.parametrize("k,trailing", [(1, b""), (5, b""), (3, b"\r\n")], ids=["1", "5", "crlf-3"])
+def test_half_close_mid_stream(slow_fe, slow_sim, k, trailing):
+    """Also after a stray CRLF behind the request (which RFC 9112 section
+    2.2 lets a server ignore)."""
+    seen = slow_fe.settled()
+    sock = _connect(slow_fe.url)
+    try:
+        sock.sendall(_request(_body(True, 60)) + trailing)
+        raw = b""
+        while _tokens_in(raw) < k:
+            raw += sock.recv(65536)
+        rid = _running_rid(slow_sim)
+        raw += _half_close(sock)
+        got = _tokens_in(raw)
+    finally:
+        sock.close()
+    assert k <= got < 60 and b"[DONE]" not in raw
+    _assert_aborted(slow_sim, rid)
+    rec = slow_fe.next_record(seen)
+    assert (rec["status"], rec["http_status"], rec["output_tokens"]) == ("client_disconnect", 200, got)
+    assert [(a["outcome"], a["abort_acked"]) for a in rec["attempts"]] == [("aborted", True)]
+
+
+# -- consistency: unknown routes, SGLang's 5xx type ---------------------------
+
+
+@pytest.mark.parametrize("method,path", [("GET", "/nope"), ("POST", "/v1/generate"), ("DELETE", "/"),
+                                         ("POST", "/generate/"), ("GET", "/inference/v1/generate/x")])
+def test_unknown_routes_are_fastapis_404(fe, method, path):
+    """SGLang and vLLM serve FastAPI apps: an unknown route gets Starlette's
+    404 through FastAPI's default handler, ``{"detail": "Not Found"}``."""
+    resp = httpx.request(method, fe.url + path, timeout=10)
+    assert resp.status_code == 404
+    assert resp.headers["content-type"] == "application/json"
+    assert resp.content == b'{"detail":"Not Found"}'
+
+
+def test_sglang_5xx_has_one_type_unary_and_in_band():
+    from asgi_generate.codec import RequestError
+    from asgi_generate_sglang import SGLangCodec
+
+    codec = SGLangCodec()
+    for status in (500, 503):
+        err = RequestError(status, "no healthy worker for protocol 'sglang'", "unavailable")
+        assert orjson.loads(codec.error_body(err)) == {
+            "object": "error", "message": err.message, "type": str(status), "param": None, "code": status}
+        assert orjson.loads(codec.in_band_error(err)) == {
+            "error": {"message": err.message, "type": str(status), "code": status}}
+
+
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES)
+def test_sglang_unary_503_when_no_worker_is_up(worker_class):
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    try:
+        proc = start_frontend([f"sglang=http://127.0.0.1:{dead.getsockname()[1]}"], worker_class=worker_class,
+                              health="/stats")
+        try:
+            for stream in (False, True):
+                resp = post(proc.url, _body(stream, 2))
+                assert resp.status_code == 503
+                assert resp.json() == {"object": "error", "message": "no healthy worker for protocol 'sglang'",
+                                       "type": "503", "param": None, "code": 503}
+        finally:
+            proc.stop()
+    finally:
+        dead.close()
