@@ -50,6 +50,10 @@ class App:
         TraceSetupError: the trace settings are unusable.
     """
 
+    #: A ``send()`` that raises OSError (ASGI: the client is gone) is handled:
+    #: what it carried is not counted as sent.
+    handles_send_errors = True
+
     def __init__(self, settings: Settings, codecs: list[LoadedCodec] | None = None) -> None:
         self.settings = settings
         self.codecs = load_codecs(settings.skip_broken_codecs) if codecs is None else codecs
@@ -91,21 +95,29 @@ class App:
             codec = self.routes.get((method, path))
             if codec is not None:
                 await handle_generate(self, codec, scope, receive, send)
-            elif path in self.paths:
-                codec = self.routes[(self.paths[path][0], path)]
-                await reject_method(self, codec, scope, self.paths[path], send)
-            elif method == "GET" and path == "/health":
-                ok = self.router.healthy_count > 0
-                body = {"status": "ok" if ok else "unavailable", "healthy_workers": self.router.healthy_count}
-                await send_unary(send, 200 if ok else 503, orjson.dumps(body))
-            elif method == "GET" and path == "/v1/models":
-                await send_unary(send, 200, orjson.dumps(self.models()))
-            elif method == "GET" and path == "/stats":
-                await send_unary(send, 200, orjson.dumps(self.stats()))
             else:
-                await send_unary(send, 404, NOT_FOUND)
+                try:
+                    await self._other_route(method, path, scope, send)
+                except OSError:  # the client left before its answer (ASGI send exception)
+                    pass
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+
+    async def _other_route(self, method: str, path: str, scope: dict, send: Send) -> None:
+        """Control routes, 405 on a codec's path, 404 for the rest."""
+        if path in self.paths:
+            codec = self.routes[(self.paths[path][0], path)]
+            await reject_method(self, codec, scope, self.paths[path], send)
+        elif method == "GET" and path == "/health":
+            ok = self.router.healthy_count > 0
+            body = {"status": "ok" if ok else "unavailable", "healthy_workers": self.router.healthy_count}
+            await send_unary(send, 200 if ok else 503, orjson.dumps(body))
+        elif method == "GET" and path == "/v1/models":
+            await send_unary(send, 200, orjson.dumps(self.models()))
+        elif method == "GET" and path == "/stats":
+            await send_unary(send, 200, orjson.dumps(self.stats()))
+        else:
+            await send_unary(send, 404, NOT_FOUND)
 
     # -- lifespan ----------------------------------------------------------
 

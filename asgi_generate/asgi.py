@@ -44,5 +44,5 @@ def _app() -> App:
 
 
 _log_to_stderr()
-hypercorn_fixes.install()  # hypercorn loads this module before it accepts connections
+hypercorn_fixes.install(send_errors=True)  # hypercorn loads this module before it accepts connections
 app = _app()

@@ -66,6 +66,8 @@ async def handle_generate(app: "App", codec: Codec, scope: dict, receive: Receiv
     st = RequestState(ids.mint(), codec.name, scope["path"], scope["method"])
     try:
         await _serve(app, codec, scope, receive, send, st)
+    except OSError:  # an error answer's write: the client is gone (ASGI send exception)
+        st.status = "client_disconnect"
     except Exception as exc:  # a bug: answer 500 rather than drop the client
         log.exception("request %s failed", st.request_id)
         st.fail("engine_error", 500, "internal", repr(exc))
@@ -93,8 +95,12 @@ async def reject_method(app: "App", codec: Codec, scope: dict, allowed: list[str
     st = RequestState(ids.mint(), codec.name, scope["path"], scope["method"])
     st.headers = dict(scope["headers"])
     err = RequestError(405, "Method Not Allowed", "method_not_allowed")
-    await _send_error(codec, send, st, err, [(b"allow", ", ".join(allowed).encode())])
-    finish_record(app, st)
+    try:
+        await _send_error(codec, send, st, err, [(b"allow", ", ".join(allowed).encode())])
+    except OSError:  # the client is gone (ASGI send exception)
+        st.status = "client_disconnect"
+    finally:
+        finish_record(app, st)
 
 
 async def _send_error(
@@ -220,7 +226,7 @@ class _Generation:
     __slots__ = (
         "app", "codec", "ex", "req", "st", "send", "pending", "in_send", "last_send",
         "scope", "shutdown", "write_timeout", "send_started", "timed", "outbox", "outbox_tokens",
-        "leg", "lost", "prefill_gate", "lease",
+        "leg", "lost", "prefill_gate", "lease", "gone",
     )
 
     def __init__(
@@ -251,6 +257,8 @@ class _Generation:
         #: The request's share of the body budget, given back once the first
         #: worker request is built (the body is decoded and checked then).
         self.lease: Lease | None = None
+        #: A write failed because the client is gone (see :meth:`_write`).
+        self.gone = False
 
     def worker_lost(self, worker: Worker, reason: str) -> None:
         """The router's health probe gave ``worker`` up: stop waiting for it.
@@ -444,6 +452,15 @@ class _Generation:
         self.send_started = time.monotonic()
         try:
             await self.send(message)
+        except OSError:
+            # ASGI: the server raises on a send to a closed connection (our
+            # hypercorn does, asgi_generate.hypercorn_fixes): nothing of
+            # ``message`` went out, so its tokens are not counted.
+            self.gone = True
+            if self.st.status is None:
+                self.st.status = "client_disconnect"
+            if self.scope is not None:
+                self.scope.cancel()
         finally:
             self.in_send = False
             self.last_send = time.monotonic()
@@ -526,23 +543,22 @@ class _Generation:
                 if st.http_status is None:
                     st.http_status = status
                 await self._unary(status, body)
-                st.output_tokens = self.pending
+                if not self.gone:
+                    st.output_tokens = self.pending
         if done and st.status is None:
             st.status = "ok"
 
     async def _flush(self, more: bool = True) -> None:
         """Send every event decoded from one worker read in one write; count
-        their tokens as delivered once the server took them."""
+        their tokens as delivered once the server took them (a write to a
+        client that is gone raises in the server, see :meth:`_write`)."""
         body = b"".join(self.outbox) if len(self.outbox) > 1 else self.outbox[0]
         tokens = self.outbox_tokens
         self.outbox.clear()
         self.outbox_tokens = 0
-        # hypercorn silently drops writes to a client that already hung up:
-        # yielding once first lets a pending disconnect cancel us before
-        # the write, so what is counted is what went out on the socket.
-        await anyio.lowlevel.checkpoint()
         await self._send(body, more)
-        self.st.output_tokens += tokens
+        if not self.gone:
+            self.st.output_tokens += tokens
 
     async def fail(self, err: RequestError, status: str) -> None:
         """End the response with ``err``: its own status before the 200,

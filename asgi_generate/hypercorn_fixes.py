@@ -20,6 +20,16 @@
    answers that request, then closes, and does not process further requests:
    :class:`_EdgeConnection` discards what follows instead.
 
+3. **Writes to a client that is gone vanish.** ``HTTPStream.app_send`` hands
+   every response message on, and ``TCPServer.protocol_send`` swallows the
+   error of a socket that is closed or broken, so the app cannot tell sent
+   bytes from dropped ones. :class:`_HTTPStream` raises :class:`ClientGone`
+   instead, as the ASGI HTTP spec asks of a ``send()`` on a closed connection
+   ("a server-specific subclass of OSError"): for a message sent after the
+   connection closed, and for one whose write found it closed. Only apps
+   that handle it get this (``install(send_errors=True)``); the simulator
+   keeps generating for a vanished client, as engines do until aborted.
+
 And one policy: a client that closes its sending side (``shutdown(SHUT_WR)``)
 has disconnected, as nginx treats it. hypercorn already hands the app
 ``http.disconnect`` on end of stream, with two exceptions that
@@ -43,7 +53,9 @@ from hypercorn.asyncio import run as asyncio_run
 from hypercorn.asyncio.tcp_server import TCPServer as AsyncioTCPServer
 from hypercorn.events import Event, Updated
 from hypercorn import protocol
+from hypercorn.protocol import h11 as protocol_h11
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio import run as trio_run
 from hypercorn.trio.tcp_server import TCPServer as TrioTCPServer
 
@@ -106,6 +118,23 @@ class _EdgeConnection(h11.Connection):
         return event
 
 
+class ClientGone(ConnectionError):
+    """``send()`` of a response message on a connection the client closed;
+    nothing of the message reached the socket (bug 3 above)."""
+
+
+class _HTTPStream(HTTPStream):
+    async def app_send(self, message) -> None:
+        if message is None or self.state is ASGIHTTPState.CLOSED:
+            await super().app_send(message)
+            return
+        if self.closed:
+            raise ClientGone("the client closed the connection")
+        await super().app_send(message)
+        if self.closed and self.state is not ASGIHTTPState.CLOSED:  # the write found it closed
+            raise ClientGone("the client closed the connection")
+
+
 class _H11Protocol(H11Protocol):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -114,10 +143,13 @@ class _H11Protocol(H11Protocol):
         )
 
 
-def install() -> None:
-    """Make hypercorn serve with the fixed classes (idempotent). Must run
-    before hypercorn accepts connections: ``asgi_generate.serving`` calls it,
-    and so does importing ``asgi_generate.asgi`` under a hypercorn you run."""
+def install(send_errors: bool) -> None:
+    """Make hypercorn serve with the fixed classes (idempotent); with
+    ``send_errors``, a ``send()`` to a client that is gone raises
+    :class:`ClientGone` (bug 3), for apps that handle it. Must run before
+    hypercorn accepts connections: ``asgi_generate.serving`` calls it, and
+    so does importing ``asgi_generate.asgi`` under a hypercorn you run."""
     trio_run.TCPServer = _TrioTCPServer
     asyncio_run.TCPServer = _AsyncioTCPServer
     protocol.H11Protocol = _H11Protocol
+    protocol_h11.HTTPStream = _HTTPStream if send_errors else HTTPStream

@@ -50,7 +50,9 @@ def hypercorn_config(
 def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
     """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully:
     hypercorn stops accepting, and ``app.begin_shutdown()`` (when the app has
-    one) lets the app end its in-flight requests itself.
+    one) lets the app end its in-flight requests itself. An app with a true
+    ``handles_send_errors`` gets an error from a ``send()`` to a client that
+    is gone (:func:`asgi_generate.hypercorn_fixes.install`).
 
     Raises:
         ValueError: ``worker_class`` is neither ``trio`` nor ``asyncio``.
@@ -58,7 +60,7 @@ def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
     if worker_class not in WORKER_CLASSES:
         raise ValueError(f"worker class must be one of {WORKER_CLASSES}, not {worker_class!r}")
 
-    hypercorn_fixes.install()
+    hypercorn_fixes.install(send_errors=getattr(app, "handles_send_errors", False))
 
     async def main() -> None:
         if worker_class == "trio":

@@ -385,3 +385,79 @@ def test_sglang_unary_503_when_no_worker_is_up(worker_class):
             proc.stop()
     finally:
         dead.close()
+
+
+# -- tokens counted are tokens written ----------------------------------------
+
+
+async def _serve_in_process(url: str, send_hook) -> tuple[list[dict], "RequestState"]:
+    """One SGLang SSE request (20 tokens) through an in-process App whose
+    ASGI ``send`` calls ``send_hook(message, receive_queue)``, which may
+    raise. Returns the messages that went out and the request's finished
+    state."""
+    import anyio
+
+    from asgi_generate.app import App
+    from asgi_generate.config import Settings
+
+    app = App(Settings(workers=[("sglang", url)], sse_keepalive=0))
+    finished = []
+    app.request_finished = finished.append
+    to_life, life_in = anyio.create_memory_object_stream(4)
+    life_out, from_life = anyio.create_memory_object_stream(4)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(app, {"type": "lifespan"}, life_in.receive, life_out.send)
+        await to_life.send({"type": "lifespan.startup"})
+        assert (await from_life.receive())["type"] == "lifespan.startup.complete"
+        to_app, app_in = anyio.create_memory_object_stream(16)
+        await to_app.send({"type": "http.request", "body": _body(True, 20), "more_body": False})
+        out: list[dict] = []
+
+        async def send(message: dict) -> None:
+            send_hook(message, to_app)
+            out.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/generate", "headers": [], "query_string": b""}
+        with anyio.fail_after(20):
+            await app(scope, app_in.receive, send)
+        await to_life.send({"type": "lifespan.shutdown"})
+        assert (await from_life.receive())["type"] == "lifespan.shutdown.complete"
+    (st,) = finished
+    return out, st
+
+
+@pytest.mark.parametrize("backend", WORKER_CLASSES)
+@pytest.mark.parametrize("gone_at", [2, 5])
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_tokens_counted_are_tokens_written_when_the_client_leaves_at_a_write(backend, gone_at, when, caplog):
+    """The client goes away right before the handler's write number
+    ``gone_at`` (its disconnect queued as the previous write returns) or
+    during it. As our hypercorn does (``hypercorn_fixes._HTTPStream``), the
+    server raises on that write and every later one and queues
+    ``http.disconnect``; the record counts only what went out."""
+    import anyio
+
+    from asgi_generate.hypercorn_fixes import ClientGone
+
+    sim = start_sim(itl_ms=30)
+    writes = 0
+
+    def hook(message: dict, to_app) -> None:
+        nonlocal writes
+        if message["type"] != "http.response.body":
+            return
+        writes += 1
+        if writes == gone_at - (when == "before"):
+            to_app.send_nowait({"type": "http.disconnect"})
+        if writes >= gone_at:
+            raise ClientGone("the client closed the connection")
+
+    try:
+        out, st = anyio.run(_serve_in_process, sim.url, hook, backend=backend)
+    finally:
+        sim.stop()
+    sent = b"".join(m["body"] for m in out if m["type"] == "http.response.body")
+    counts = [len(orjson.loads(e)["output_ids"]) for e in _events(sent)]
+    assert counts == list(range(1, len(counts) + 1)) and len(counts) >= gone_at - 1
+    assert (st.status, st.output_tokens) == ("client_disconnect", counts[-1])
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
