@@ -516,7 +516,7 @@ def test_law_sse_events_are_the_engine_events_with_the_clients_id(stream, error)
         assert zstandard.ZstdDecompressor().decompress(b64decode(data, validate=True)) == ex_sg.client_event(event)
     err = RequestError(error[0], error[1], "engine")
     want = {"error": {"message": error[1]}} if error[0] == 400 else {
-        "error": {"message": error[1], "type": "server_error", "code": error[0]}}
+        "error": {"message": error[1], "type": str(error[0]), "code": error[0]}}
     assert decode_event(ZstdCodec().in_band_error(err)) == want
     body = orjson.dumps({"error": {"message": error[1]}})
     status, packed = ex_zs.worker_error(error[0], body)
