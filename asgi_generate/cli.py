@@ -254,6 +254,9 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     sim.add_argument("--kv-expiry-s", type=_bounded(float, 0.001), default=480.0, metavar="S",
                      help="seconds a producer keeps KV blocks no consumer read (vLLM "
                           "VLLM_NIXL_ABORT_REQUEST_TIMEOUT) (default %(default)s)")
+    sim.add_argument("--disconnect-abort-s", type=_bounded(float, 0), default=2.0, metavar="S",
+                     help="SGLang: seconds after a client vanished before the engine aborts its request "
+                          "itself, as SGLang's background abort does (default %(default)s)")
     sim.add_argument("--model-name", default="sim", help="served model name (default %(default)s)")
     sim.add_argument("--parent-pid", type=_bounded(int, 1), default=None, help="exit when this process exits")
     sim.add_argument("--worker-class", choices=WORKER_CLASSES, default="asyncio",
@@ -407,6 +410,7 @@ def _sim_app(args: argparse.Namespace) -> "SimApp":
         disaggregation_timeout_s=args.disaggregation_timeout_s,
         kv_role=args.kv_role,
         kv_expiry_s=args.kv_expiry_s,
+        disconnect_abort_s=args.disconnect_abort_s,
     )
 
 

@@ -1,5 +1,5 @@
-"""Workarounds for two connection-level bugs in hypercorn's HTTP/1.1 server
-(hypercorn 0.18.0; both worker classes), installed by :func:`install`.
+"""Workarounds for three connection-level bugs in hypercorn's HTTP/1.1
+server (hypercorn 0.18.0; both worker classes), installed by :func:`install`.
 
 1. **Closed connections linger in CLOSE-WAIT.** ``TCPServer.run`` (in
    ``hypercorn/trio/tcp_server.py`` and ``hypercorn/asyncio/tcp_server.py``)
@@ -67,15 +67,15 @@ class _ReleaseOnEOF:
     """Mixin for hypercorn's ``TCPServer``: no keep-alive wait once the
     client is gone (bug 1 above)."""
 
-    _client_gone = False
+    _reading_done = False
 
     async def _read_data(self) -> None:
         await super()._read_data()  # returns when the client closed or broke the connection
-        self._client_gone = True
+        self._reading_done = True
         await self.idle_task.stop()
 
     async def protocol_send(self, event: Event) -> None:
-        if self._client_gone and isinstance(event, Updated) and event.idle:
+        if self._reading_done and isinstance(event, Updated) and event.idle:
             return  # nobody left to keep alive for
         await super().protocol_send(event)
 

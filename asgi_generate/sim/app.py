@@ -68,6 +68,9 @@ class SimApp:
             (decode) of a KV connector (:mod:`asgi_generate.sim.kvconnector`);
             ``None`` for aggregated.
         kv_expiry_s: how long a producer keeps blocks no consumer read.
+        disconnect_abort_s: SGLang: seconds after its client vanished that a
+            request is aborted by the engine itself (SGLang's background abort
+            task); tests raise it so only the frontend's abort can stop a job.
 
     Raises:
         ValueError: unknown protocol, or a vLLM version that is not one.
@@ -92,6 +95,7 @@ class SimApp:
         disaggregation_timeout_s: float = DEFAULT_TIMEOUT_S,
         kv_role: str | None = None,
         kv_expiry_s: float = DEFAULT_EXPIRY_S,
+        disconnect_abort_s: float = 2.0,
     ) -> None:
         if protocol not in ("sglang", "vllm"):
             raise ValueError(f"unknown simulator protocol {protocol!r}")
@@ -127,7 +131,7 @@ class SimApp:
             )
             if protocol == "vllm"
             else SGLangProtocol(self.engine, self.tokenizer, incremental_streaming_output, model_name,
-                                stream_interval=stream_interval, disagg=self.disagg)
+                                disconnect_abort_s, stream_interval=stream_interval, disagg=self.disagg)
         )
         self.engine_version = engine_version
         self.model_name = model_name
