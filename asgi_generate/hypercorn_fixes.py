@@ -25,8 +25,9 @@ server (hypercorn 0.18.0; both worker classes), installed by :func:`install`.
    error of a socket that is closed or broken, so the app cannot tell sent
    bytes from dropped ones. :class:`_HTTPStream` raises :class:`ClientGone`
    instead, as the ASGI HTTP spec asks of a ``send()`` on a closed connection
-   ("a server-specific subclass of OSError"): for a message sent after the
-   connection closed, and for one whose write found it closed. Only apps
+   ("a server-specific subclass of OSError"), for a message sent once the
+   connection is closed. (A write that is under way when the client leaves
+   went out as far as the server can tell: it counts as sent.) Only apps
    that handle it get this (``install(send_errors=True)``); the simulator
    keeps generating for a vanished client, as engines do until aborted.
 
@@ -125,14 +126,9 @@ class ClientGone(ConnectionError):
 
 class _HTTPStream(HTTPStream):
     async def app_send(self, message) -> None:
-        if message is None or self.state is ASGIHTTPState.CLOSED:
-            await super().app_send(message)
-            return
-        if self.closed:
+        if self.closed and message is not None and self.state is not ASGIHTTPState.CLOSED:
             raise ClientGone("the client closed the connection")
         await super().app_send(message)
-        if self.closed and self.state is not ASGIHTTPState.CLOSED:  # the write found it closed
-            raise ClientGone("the client closed the connection")
 
 
 class _H11Protocol(H11Protocol):

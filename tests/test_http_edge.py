@@ -431,10 +431,11 @@ async def _serve_in_process(url: str, send_hook) -> tuple[list[dict], "RequestSt
 @pytest.mark.parametrize("when", ["before", "during"])
 def test_tokens_counted_are_tokens_written_when_the_client_leaves_at_a_write(backend, gone_at, when, caplog):
     """The client goes away right before the handler's write number
-    ``gone_at`` (its disconnect queued as the previous write returns) or
-    during it. As our hypercorn does (``hypercorn_fixes._HTTPStream``), the
-    server raises on that write and every later one and queues
-    ``http.disconnect``; the record counts only what went out."""
+    ``gone_at`` (its disconnect queued as the previous write returns, as
+    hypercorn does on reading the end of stream) or during it; the server
+    raises on that write and every later one (ASGI: send on a closed
+    connection; our hypercorn, ``hypercorn_fixes._HTTPStream``, does for
+    writes after the close). The record counts only what went out."""
     import anyio
 
     from asgi_generate.hypercorn_fixes import ClientGone
