@@ -182,7 +182,7 @@ def test_comment_only_stall_ends_at_the_inter_token_deadline(worker_class, tmp_p
                 "text": "a", "output_ids": [5],
                 "meta_info": {"id": "mine", "finish_reason": None, "prompt_tokens": 3, "completion_tokens": 1}}
             assert orjson.loads(events[1]) == {
-                "error": {"message": "worker w0 sent no token for 0.5 s", "type": "server_error", "code": 504}}
+                "error": {"message": "worker w0 sent no token for 0.5 s", "type": "504", "code": 504}}
             assert events[2] == b"[DONE]"
             assert 0.5 <= took < 5
             wait_until(lambda: fake.aborts == fake.generates, timeout=10)
