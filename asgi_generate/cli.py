@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from . import __version__
 from .config import Settings
-from .serving import WORKER_CLASSES, hypercorn_config, run
+from .serving import WORKER_CLASSES, hold_signals, hypercorn_config, run
 from .workers.router import DISAGGREGATION_MODES, parse_worker_spec
 from .workers.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS
 
@@ -317,6 +317,7 @@ def _serve(args: argparse.Namespace, d: Settings) -> int:
     from .supervisor import listening_socket, supervise
     from .tracing import Tracer, TraceSetupError
 
+    hold_signals()  # a Ctrl-C while starting up stops cleanly once serving begins
     settings = _settings(args, d)
     # Whatever can be refused is refused here, as one line, before the
     # codecs load, a simulator starts or hypercorn runs.

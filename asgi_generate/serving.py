@@ -47,6 +47,25 @@ def hypercorn_config(
     return config
 
 
+#: SIGINT/SIGTERM that arrived between :func:`hold_signals` and a signal
+#: receiver taking over (a process still starting up).
+_held: list[int] = []
+
+
+def hold_signals() -> None:
+    """Keep a SIGINT or SIGTERM that arrives before :func:`run` (or another
+    signal receiver) is listening, instead of dying of KeyboardInterrupt
+    half-started: :func:`run` then shuts down at once, cleanly. Call it
+    first thing in a process that will serve."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda signum, _frame: _held.append(signum))
+
+
+def held_signal() -> int | None:
+    """The first signal :func:`hold_signals` kept, if any."""
+    return _held[0] if _held else None
+
+
 def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
     """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully:
     hypercorn stops accepting, and ``app.begin_shutdown()`` (when the app has
@@ -72,12 +91,13 @@ def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
 
             async def first_signal() -> None:
-                async for signum in signals:
-                    log.info("%s: shutting down gracefully", signal.Signals(signum).name)
-                    begin = getattr(app, "begin_shutdown", None)
-                    if begin is not None:
-                        begin()
-                    return
+                signum = held_signal()
+                if signum is None:
+                    signum = await signals.__anext__()
+                log.info("%s: shutting down gracefully", signal.Signals(signum).name)
+                begin = getattr(app, "begin_shutdown", None)
+                if begin is not None:
+                    begin()
 
             await serve(app, config, shutdown_trigger=first_signal)
 

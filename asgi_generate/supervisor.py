@@ -27,6 +27,7 @@ import anyio
 
 from .config import Settings
 from .embedded import embedded_fleet
+from .serving import held_signal, hold_signals
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -74,21 +75,32 @@ def supervise(
                                          stdin=subprocess.DEVNULL, stdout=None, stderr=None)
                 for _ in range(processes)
             ]
+            forwarded: set[int] = set()
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_forward_signals, children)
+                tg.start_soon(_forward_signals, children, forwarded)
                 codes = [await child.wait() for child in children]
                 tg.cancel_scope.cancel()
-        return next((c for c in codes if c), 0)
+        # A child that a forwarded stop reached before it could handle it
+        # (still importing) died of that very signal: a clean stop too.
+        return next((c for c in codes if c and -c not in forwarded), 0)
 
     return anyio.run(main)
 
 
-async def _forward_signals(children: list) -> None:
+async def _forward_signals(children: list, forwarded: set[int]) -> None:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        signum = held_signal()  # one that came while the fleet was starting
+        if signum is not None:
+            _send(children, signum, forwarded)
         async for signum in signals:
-            for child in children:
-                if child.returncode is None:
-                    child.send_signal(signum)
+            _send(children, signum, forwarded)
+
+
+def _send(children: list, signum: int, forwarded: set[int]) -> None:
+    forwarded.add(signum)
+    for child in children:
+        if child.returncode is None:
+            child.send_signal(signum)
 
 
 def _die_with_parent() -> None:
@@ -113,6 +125,7 @@ def _child() -> int:
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--log-level", required=True)
     parser.add_argument("--access-log", action=argparse.BooleanOptionalAction, required=True)
+    hold_signals()  # a stop forwarded while this child still imports is kept, not fatal
     args = parser.parse_args()
     _die_with_parent()
     if os.getppid() != args.parent_pid:  # it died before the line above took effect

@@ -185,6 +185,35 @@ def test_ctrl_c_to_the_process_group_lets_an_inflight_stream_finish(tmp_path, wo
             proc.wait(10)
 
 
+def test_a_ctrl_c_while_starting_up_stops_cleanly(tmp_path):
+    """A Ctrl-C that lands while ``serve`` is still starting (its simulators
+    coming up) is kept and honoured once serving begins: exit 0, no
+    traceback, every process gone. (A ``--workers`` child that a forwarded
+    stop reaches while it still imports dies of that signal, which the
+    supervisor counts as the clean stop it asked for: see the test above.)"""
+    log_path = tmp_path / "serve.log"
+    pid_file = tmp_path / "serve.pid"
+    with open(log_path, "wb") as log_file:
+        proc, _url = _spawn(
+            ["asgi_generate", "serve", "--fd", "{fd}", "--worker-class", "asyncio",
+             "--embedded-workers", "1", "--pid-file", str(pid_file)],
+            output=log_file, start_new_session=True)
+    try:
+        wait_until(pid_file.exists, timeout=30, interval=0.005)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(30) == 0, log_path.read_text()
+        log = log_path.read_text()
+        assert "Traceback" not in log and "SIGINT: shutting down gracefully" in log
+        sims = re.findall(r"embedded \w+ workers: (http://\S+)", log)
+        assert len(sims) == 2  # it started its simulators, then stopped them
+        for sim_url in sims:
+            wait_until(lambda: not _get_ok(sim_url + "/health"), timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
 # -- startup and configuration errors -------------------------------------------
 
 
