@@ -53,6 +53,7 @@ class RequestState:
     t_last_token: float | None = None
     t_done: float | None = None
     attempts: list[Attempt] = field(default_factory=list)
+    migrations: int = 0
     response_started: bool = False
     response_complete: bool = False
 

@@ -162,6 +162,9 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                             "0 = none; --read-timeout is its old name (default %(default)s)")
     serve.add_argument("--request-timeout", type=float, default=d.request_timeout,
                        help="seconds a unary engine leg may take in all; 0 = none (default %(default)s)")
+    serve.add_argument("--migration-limit", type=_bounded(int, 0), default=d.migration_limit, metavar="N",
+                       help="resumed attempts a stream may make after its first when workers die "
+                            "mid-answer; 0 = no migration (default %(default)s)")
     serve.add_argument("--health-interval", type=float, default=d.health_interval,
                        help="seconds between health probes of each worker (default %(default)s)")
     serve.add_argument("--health-timeout", type=float, default=d.health_timeout,
@@ -283,6 +286,7 @@ def _settings(args: argparse.Namespace, d: Settings) -> Settings:
         first_token_timeout=args.first_token_timeout,
         inter_token_timeout=args.inter_token_timeout,
         request_timeout=args.request_timeout,
+        migration_limit=args.migration_limit,
         health_interval=args.health_interval,
         health_timeout=args.health_timeout,
         health_failures=args.health_failures,

@@ -128,7 +128,8 @@ class Attempt:
         engine_id: the id minted for the engine, unique per attempt, fixed
             width (so no minted id is a prefix of another: SGLang aborts by
             prefix).
-        role: ``aggregated``, ``prefill`` or ``decode``.
+        role: ``aggregated``, ``prefill``, ``decode`` or ``resumed`` (a
+            migrated continuation of a request another worker dropped).
         worker_id: the worker's id in the router.
         worker_info: the worker's server info (e.g. SGLang ``/get_server_info``).
         live: the engine may be running this leg (set by the handler).
@@ -151,6 +152,8 @@ class Attempt:
     outcome: str | None = None
     abort_acked: bool | None = None
     bootstrap: tuple[str, int, int] | None = None
+    resumes: list[int] | None = None
+    tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -217,8 +220,18 @@ class Exchange:
     waits_for_prefill: bool = False
 
     def worker_request(self, attempt: Attempt) -> WorkerRequest:
-        """The worker request for ``attempt``."""
+        """The worker request for ``attempt``. A ``resumed`` attempt's body
+        carries the prompt followed by ``attempt.resumes``, the budget
+        reduced by their count (minimums saturating at 0), and asks for no
+        prompt logprobs of the re-fed output; the events it is then fed
+        continue the client's answer as if no worker had failed."""
         raise NotImplementedError
+
+    def resume_refusal(self) -> str | None:
+        """Why this request cannot continue on another worker mid-answer
+        (``None``: it can, see :meth:`worker_request`). The default: the
+        format does not resume."""
+        return "the format does not resume a stream"
 
     def feed(self, attempt: Attempt, payload: bytes) -> Event:
         """Parse one worker SSE ``data`` payload (never ``[DONE]``), or the

@@ -73,6 +73,8 @@ class Settings:
             is whole) may take in all. A phase timeout of 0 means none; a
             leg past one is aborted and its request ended (504, or in-band
             after the 200), the worker stays up, the prompt goes nowhere else.
+        migration_limit: resumed attempts a streamed request may make after
+            its first when workers die mid-answer (0: no migration).
         health_interval: seconds between the end of one health probe of a
             worker and the next (every worker, up or down).
         health_timeout: seconds one health probe may take.
@@ -116,6 +118,7 @@ class Settings:
     first_token_timeout: float = 1800.0
     inter_token_timeout: float = 300.0
     request_timeout: float = 0.0
+    migration_limit: int = 3
     health_interval: float = 2.0
     health_timeout: float = 30.0
     health_failures: int = 3

@@ -226,7 +226,7 @@ class _Generation:
     __slots__ = (
         "app", "codec", "ex", "req", "st", "send", "pending", "in_send", "last_send",
         "scope", "shutdown", "write_timeout", "send_started", "timed", "outbox", "outbox_tokens",
-        "leg", "lost", "prefill_gate", "lease", "gone",
+        "leg", "lost", "prefill_gate", "lease", "gone", "sent_ids", "resuming", "tried",
     )
 
     def __init__(
@@ -259,13 +259,21 @@ class _Generation:
         self.lease: Lease | None = None
         #: A write failed because the client is gone (see :meth:`_write`).
         self.gone = False
+        #: Every output token id received for the client, what a resumed
+        #: attempt continues from; ``None`` when migration is off or the
+        #: answer is unary (its engine leg shows no tokens before the end).
+        self.sent_ids: list[int] | None = [] if req.stream and app.settings.migration_limit > 0 else None
+        #: The last attempt failed mid-answer and the request migrates.
+        self.resuming = False
+        #: Workers this request failed on, never tried again for it.
+        self.tried: list[Worker] = []
 
     def worker_lost(self, worker: Worker, reason: str) -> None:
         """The router's health probe gave ``worker`` up: stop waiting for it.
 
         The leg is cancelled at once, or right after the client write under
-        way (a write is never cut in two); :meth:`_attempt` then ends the
-        request. This is where migration will resume the stream instead.
+        way (a write is never cut in two); :meth:`_attempt` then resumes
+        the stream on another worker (migration) or ends the request.
         """
         if self.lost is not None or self.st.response_complete or self.st.attempts[-1].worker is not worker:
             return
@@ -282,10 +290,19 @@ class _Generation:
 
     async def run(self) -> None:
         router = self.app.router
-        tried: list[Worker] = []
+        tried = self.tried
         protocol = self.codec.worker_protocol
         while True:
-            plan = router.plan(protocol, tried)
+            if self.resuming:  # a resumed leg runs aggregated
+                worker = router.pick(protocol, tried)
+                plan = None if worker is None else (worker,)
+            else:
+                plan = router.plan(protocol, tried)
+            if plan is None and self.resuming:
+                await self.fail(RequestError(
+                    502, f"no worker left to resume on after {self.st.migrations} migration(s)", "worker_lost"
+                ), "engine_error")
+                return
             if plan is None:
                 why = "no healthy worker" if router.has_protocol(protocol) else "no worker configured"
                 await self.fail(
@@ -299,7 +316,11 @@ class _Generation:
                 tried += failed
                 continue
             worker = plan[0]
-            attempt = Attempt(ids.mint(), "aggregated", worker.id, worker.info, worker)
+            if self.resuming:  # migration: continue where the client's answer stands
+                self.st.migrations += 1
+                attempt = Attempt(ids.mint(), "resumed", worker.id, worker.info, worker, resumes=list(self.sent_ids))
+            else:
+                attempt = Attempt(ids.mint(), "aggregated", worker.id, worker.info, worker)
             try:
                 wreq = self.ex.worker_request(attempt)
             except RequestError as exc:  # nothing was sent to any engine
@@ -345,7 +366,14 @@ class _Generation:
         (comments do not count); a unary leg, silent until its answer is
         whole, gets ``request_timeout`` in all. A leg past its deadline is
         left live for the abort and its request ends with 504 (in-band
-        after the 200); the worker is not marked down and nothing is retried.
+        after the 200); the worker is not marked down and nothing is retried,
+        except that a stream silent past ``inter_token_timeout`` migrates.
+
+        Migration (:meth:`_migrate`): a stream cut mid-answer by a worker
+        that is gone (broken connection and failed probe, or lost by the
+        health probe), silent between tokens, or answering 503 continues on
+        another worker as a ``resumed`` attempt; a client disconnect, an
+        engine's own error or abort finish never does.
         """
         st, ex, settings = self.st, self.ex, self.app.settings
         if st.t_dispatched is None:
@@ -371,6 +399,8 @@ class _Generation:
                         body = await resp.read(deadline)
                         attempt.live = False
                         attempt.outcome = "error"
+                        if resp.status == 503 and self._migrate(attempt, f"answered {resp.status}"):
+                            return True  # the worker is going away
                         status, body = ex.worker_error(resp.status, body)
                         st.fail(
                             "engine_error" if status >= 500 else "rejected",
@@ -410,6 +440,9 @@ class _Generation:
         except TimedOut:
             if st.response_complete:  # only the drain after the answer was slow
                 return False
+            if phase == "inter_token" and self._migrate(attempt, f"sent no token for {limit:g} s"):
+                attempt.outcome = "timeout"  # still live: aborted when the request ends
+                return True
             # Slow is not dead: the leg stays live so that it is aborted.
             await self.fail(RequestError(504, _timeout_message(worker, phase, limit), "timeout"), "timeout")
             return False
@@ -429,7 +462,9 @@ class _Generation:
             attempt.outcome = "worker_lost"
             if not self.st.response_started and self.pending == 0:
                 return True
-            await self.fail(RequestError(502, f"worker {worker.id} failed: {exc}", "engine"), "engine_error")
+            if await self._held_finish(attempt) or self._migrate(attempt, str(exc)):
+                return not st.response_complete
+            await self.fail(RequestError(502, self._failed(worker, f"failed: {exc}"), "engine"), "engine_error")
             return False
         except RequestError as exc:  # the worker broke its protocol
             attempt.outcome = "error"
@@ -440,8 +475,47 @@ class _Generation:
         # Only a cancelled leg gets here: the health probe gave the worker up.
         # The leg stays live so that the abort is tried all the same.
         attempt.outcome = "worker_lost"
-        await self.fail(RequestError(502, f"worker {worker.id} lost: {self.lost}", "worker_lost"), "engine_error")
+        if self._migrate(attempt, f"lost: {self.lost}"):
+            return True
+        await self.fail(RequestError(502, self._failed(worker, f"lost: {self.lost}"), "worker_lost"), "engine_error")
         return False
+
+    def _migrate(self, attempt: Attempt, why: str) -> bool:
+        """Whether the request, whose aggregated ``attempt`` failed
+        mid-answer for a migratable reason (``why``), continues on another
+        worker: migration is on, the answer is a stream the codec can
+        resume, another worker is up, and the request's ``migration_limit``
+        is not spent. (P/D
+        legs fail over by :mod:`asgi_generate.pd`'s rules.)"""
+        st = self.st
+        if self.sent_ids is None or attempt.role not in ("aggregated", "resumed"):
+            return False
+        if self.ex.resume_refusal() is not None:
+            return False
+        if self.app.router.pick(self.codec.worker_protocol, [*self.tried, attempt.worker]) is None:
+            return False  # nowhere to go: the failure itself is the answer
+        if st.migrations >= self.app.settings.migration_limit:
+            return False
+        self.resuming = True
+        log.info("request %s: worker %s %s; resuming after %d tokens (migration %d)",
+                 st.request_id, attempt.worker_id, why, len(self.sent_ids), st.migrations + 1)
+        return True
+
+    def _failed(self, worker: Worker, what: str) -> str:
+        """The client's message for a worker failure that ends the request,
+        saying so when the migration limit was what ended it."""
+        limit = self.app.settings.migration_limit
+        spent = self.sent_ids is not None and self.st.migrations >= limit > 0
+        return f"worker {worker.id} {what}" + (f" (migration limit {limit} reached)" if spent else "")
+
+    async def _held_finish(self, attempt: Attempt) -> bool:
+        """A stream cut after its finishing event (e.g. vLLM's finish reason
+        held for a usage chunk that never came) is finished, not resumed."""
+        event = self.ex.end_of_stream(attempt)
+        if event is None or (event.error is None and event.finish_reason is None):
+            return False
+        await self._settle(attempt, event)
+        return True
 
     async def _write(self, message: dict) -> None:
         """Hand ``message`` to the server. A client is only ever owed the
@@ -479,6 +553,7 @@ class _Generation:
         await self._feed(attempt, body)
 
     async def _settle(self, attempt: Attempt, event: Event) -> None:
+        attempt.tokens += len(event.token_ids)
         if event.error is not None or event.finish_reason is not None:
             attempt.live = False
             attempt.outcome = "finished" if event.error is None else "error"
@@ -508,6 +583,8 @@ class _Generation:
             if st.t_first_token is None:
                 st.t_first_token = now
             st.t_last_token = now
+        if n and self.sent_ids is not None:
+            self.sent_ids += event.token_ids
         if n and self.app.trace_output_ids:  # only for a trace parser; default path skips it
             if st.output_ids is None:
                 st.output_ids = []

@@ -8,6 +8,14 @@ and ``GET /sim/stats`` for tests.
 Routes (vLLM mode): ``POST /inference/v1/generate``, ``POST /abort_requests``,
 ``GET /health``, ``/version``, ``/v1/models`` and ``GET /sim/stats``.
 
+Either mode has the fault hook for tests: ``POST /sim/faults`` with
+``{"count": N, "after_tokens": T}`` (and optionally ``"input_len": L``)
+makes the next ``N`` generate requests (with a prompt of ``L`` tokens) drop
+their connection after ``T`` generated tokens (0: right after the
+response headers of a stream), and from then on the health routes answer
+503, so the frontend's probe finds the worker gone, until
+``DELETE /sim/faults`` disarms everything.
+
 SGLang mode plays a P/D role with ``disaggregation_mode`` ``prefill`` (a
 bootstrap listener on ``bootstrap_port``) or ``decode``
 (:mod:`asgi_generate.sim.disagg`); ``/sim/stats`` then also shows the role,
@@ -146,7 +154,9 @@ class SimApp:
             return
         method, path = scope["method"], scope["path"]
         p = self.protocol
-        if isinstance(p, VLLMProtocol):
+        if path == "/sim/faults":
+            await self._faults(method, receive, send)
+        elif isinstance(p, VLLMProtocol):
             await self._vllm(p, scope, receive, send)
         elif path == "/generate" and method in ("POST", "PUT"):
             self.engine.generate_requests += 1
@@ -158,7 +168,7 @@ class SimApp:
             if body is not None:
                 await p.abort_request(body, send)
         elif path in ("/health", "/health_generate") and method == "GET":
-            await send_unary(send, 200, b"")
+            await self._health(send)
         elif path in ("/get_server_info", "/server_info") and method == "GET":
             info = p.server_info(self.model_path)
             if self.engine_version is not None:
@@ -203,7 +213,7 @@ class SimApp:
             if body is not None:
                 await p.abort_requests(body, send)
         elif path == "/health" and method == "GET":
-            await send_unary(send, 200, b"")
+            await self._health(send)
         elif path == "/version" and method == "GET":
             await send_unary(send, 200, orjson.dumps({"version": p.version}))
         elif path == "/v1/models" and method == "GET":
@@ -212,6 +222,32 @@ class SimApp:
             await send_unary(send, 200, orjson.dumps(self._stats()))
         else:
             await send_unary(send, 404, NOT_FOUND)
+
+    async def _health(self, send: Send) -> None:
+        await send_unary(send, 503 if self.engine.down else 200, b"")
+
+    async def _faults(self, method: str, receive: Receive, send: Send) -> None:
+        if method == "DELETE":
+            self.engine.clear_faults()
+            await send_unary(send, 200, b"{}")
+            return
+        body = await self._body(receive, send) if method == "POST" else None
+        if body is None:
+            await send_unary(send, 405, orjson.dumps({"detail": "Method Not Allowed"}))
+            return
+        try:
+            spec = orjson.loads(body)
+            count, after, length = spec.get("count", 1), spec["after_tokens"], spec.get("input_len")
+            if type(count) is not int or type(after) is not int or count < 1 or after < 0:
+                raise ValueError
+            if length is not None and (type(length) is not int or length < 1):
+                raise ValueError
+        except (orjson.JSONDecodeError, AttributeError, KeyError, ValueError):
+            await send_unary(send, 400, orjson.dumps(
+                {"detail": 'expected {"count": N >= 1, "after_tokens": T >= 0, "input_len": L >= 1 or null}'}))
+            return
+        self.engine.arm(count, after, length)
+        await send_unary(send, 200, b"{}")
 
     async def _body(self, receive: Receive, send: Send) -> bytes | None:
         try:

@@ -20,6 +20,12 @@ class DuplicateRequestId(Exception):
     """A request id that is already running was submitted again."""
 
 
+class SimFault(Exception):
+    """A fault armed with ``POST /sim/faults`` fired: raised out of the
+    request's handler so that the server drops its connection mid-answer,
+    as a crashing engine process does."""
+
+
 @dataclass(slots=True)
 class Job:
     """One generation request inside the engine.
@@ -41,6 +47,7 @@ class Job:
     logit_bias: dict[int, float] | None = None
     refused: tuple[int, str] | None = None
     prefilled: int | None = None
+    fail_after: int | None = None
     aborted: bool = False
     abort_event: anyio.Event = field(default_factory=anyio.Event)
 
@@ -100,6 +107,24 @@ class SimEngine:
         self.disconnect_aborted_rids: list[str] = []
         self.abort_named_ids: list[str] = []
         self.seen_rids: list[str] = []
+        #: Armed faults: (token count after which a request fails, the
+        #: prompt length it must have or ``None`` for any).
+        self.faults: list[tuple[int, int | None]] = []
+        self.faults_fired = 0
+        #: A fault fired: health routes answer 503 until the faults are cleared.
+        self.down = False
+
+    def arm(self, count: int, after_tokens: int, input_len: int | None = None) -> None:
+        """Make the next ``count`` submitted requests (with a prompt of
+        ``input_len`` tokens, if given) fail after ``after_tokens``
+        generated tokens (0: right after the response headers),
+        deterministically (``POST /sim/faults``)."""
+        self.faults.extend([(after_tokens, input_len)] * count)
+
+    def clear_faults(self) -> None:
+        """Disarm every fault and answer health probes again (``DELETE /sim/faults``)."""
+        self.faults.clear()
+        self.down = False
 
     def submit(self, job: Job) -> None:
         """Register ``job`` as running.
@@ -111,6 +136,11 @@ class SimEngine:
             raise DuplicateRequestId(job.rid)
         self.received += 1
         self.seen_rids.append(job.rid)
+        for i, (after, length) in enumerate(self.faults):
+            if length is None or length == len(job.input_ids):
+                job.fail_after = after
+                del self.faults[i]
+                break
         self.running[job.rid] = job
 
     def finish(self, job: Job) -> None:
@@ -177,6 +207,10 @@ class SimEngine:
         for i in range(job.max_new_tokens):
             if job.aborted:
                 return
+            if i == job.fail_after:
+                self.faults_fired += 1
+                self.down = True
+                raise SimFault(f"simulated worker failure after {i} tokens (POST /sim/faults)")
             step = model.step(state)
             if job.logit_bias:
                 step = model.biased(step, job.logit_bias)
@@ -225,4 +259,7 @@ class SimEngine:
             "disconnect_aborted_rids": list(self.disconnect_aborted_rids),
             "abort_named_ids": list(self.abort_named_ids),
             "seen_rids": list(self.seen_rids),
+            "faults_armed": len(self.faults),
+            "faults_fired": self.faults_fired,
+            "down": self.down,
         }

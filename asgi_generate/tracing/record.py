@@ -120,11 +120,15 @@ def build_record(st: RequestState, block_size: int, analyzer: OutputAnalyzer | N
     if st.output_tokens > 1 and st.t_first_token is not None and st.t_last_token is not None:
         rec["mean_itl_ms"] = _ms((st.t_last_token - st.t_first_token) / (st.output_tokens - 1))
 
+    if st.migrations:
+        rec["migrations"] = st.migrations
     attempts = []
     for a in st.attempts:
         row = {"engine_id": a.engine_id, "worker_id": a.worker_id, "role": a.role}
         if a.outcome is not None:
             row["outcome"] = a.outcome
+        if a.tokens:
+            row["tokens"] = a.tokens
         if a.abort_acked is not None:
             row["abort_acked"] = a.abort_acked
         attempts.append(row)

@@ -24,8 +24,8 @@ EVENT_TYPE = "request_end"
 STATUSES = (
     "ok", "client_disconnect", "rejected", "engine_error", "unavailable", "timeout", "shutdown", "slow_client",
 )
-ATTEMPT_OUTCOMES = ("finished", "aborted", "error", "connect_failed", "worker_lost")
-ROLES = ("aggregated", "prefill", "decode")
+ATTEMPT_OUTCOMES = ("finished", "aborted", "error", "connect_failed", "worker_lost", "timeout")
+ROLES = ("aggregated", "prefill", "decode", "resumed")
 
 _COUNT = {"type": "integer", "minimum": 0}
 _MS = {"type": "number", "minimum": 0}
@@ -104,9 +104,13 @@ SCHEMA: dict[str, Any] = {
             _MS, "Mean inter-token latency: (last token - first token) / (output_tokens - 1); "
             "absent without token timing.",
         ),
+        "migrations": _d(
+            _COUNT, "Times the request continued on another worker mid-answer (resumed attempts); "
+            "absent when none.",
+        ),
         "attempts": {
             "description": "Every engine leg, in order: aggregated, or prefill and decode, plus retries "
-            "and migrations.",
+            "and migrations (a resumed leg carries the prompt plus the output sent before it).",
             "type": "array",
             "items": {
                 "type": "object",
@@ -116,7 +120,14 @@ SCHEMA: dict[str, Any] = {
                     "engine_id": _d({"type": "string"}, "The id the engine saw (minted per attempt)."),
                     "worker_id": _d({"type": "string"}, "The worker's id in the router (w0, w1, ...)."),
                     "role": {"enum": list(ROLES)},
-                    "outcome": _d({"enum": list(ATTEMPT_OUTCOMES)}, "How the leg ended."),
+                    "outcome": _d(
+                        {"enum": list(ATTEMPT_OUTCOMES)},
+                        "How the leg ended (timeout: silent past the inter-token timeout, then resumed "
+                        "elsewhere).",
+                    ),
+                    "tokens": _d(
+                        _COUNT, "Output tokens this leg contributed to the client's answer; absent when none."
+                    ),
                     "abort_acked": _d(
                         {"type": "boolean"}, "An abort was sent for this leg; whether the engine acknowledged it."
                     ),

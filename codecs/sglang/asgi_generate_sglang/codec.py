@@ -37,6 +37,25 @@ decode leg computed no row (one output token) the prefill leg's value is the
 whole answer's, kept only for a successful final answer with exactly one
 output token. Rows are never added to an aborted answer, and bad base64 or
 mismatched ``routed_experts_dtype`` fails the request, never a partial blob.
+
+Migration: a streamed request whose worker died mid-answer continues on
+another worker as a ``resumed`` attempt (:meth:`SGLangExchange.worker_request`):
+``input_ids`` are the prompt followed by every output id sent so far,
+``max_new_tokens`` and ``min_new_tokens`` are reduced by their count (the
+latter saturating at 0), and ``logprob_start_len`` is the last input position
+(SGLang's own default for ``-1``, ``managers/tokenizer_manager.py``), so the
+engine computes no logprobs for the re-fed output. The client's answer goes
+on as one: cumulative chunks keep accumulating ``text``, ``output_ids`` and
+the output logprob lists across the seam, incremental chunks continue with
+deltas; ``prompt_tokens`` stays the original prompt's, ``completion_tokens``
+counts all output (and a ``length`` finish names the client's cap), the input
+logprob lists are the first attempt's.
+Not resumable (:meth:`SGLangExchange.resume_refusal`): unary requests, text,
+embedding or multimodal prompts (the re-issue needs the prompt's token ids),
+constrained decoding (``json_schema``, ``regex``, ``ebnf``,
+``structural_tag``: the grammar state is the engine's), stop strings (one
+could straddle the seam), penalties (they count the output tokens, which a
+re-issue turns into prompt) and routed experts.
 """
 
 from __future__ import annotations
@@ -69,6 +88,11 @@ FRONTEND_OWNED = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstr
 MULTIMODAL = ("image_data", "video_data", "audio_data")
 #: What only the prefill leg computes, put into the client's answer.
 PREFILL_LOGPROBS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+OUTPUT_LOGPROBS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+CONSTRAINED = ("json_schema", "regex", "ebnf", "structural_tag")
+#: Sampling parameters whose default makes them inert, and that otherwise
+#: depend on the output so far (SGLang's penalizers count output tokens).
+PENALTIES = (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1))
 
 
 class SchemaError(RequestError):
@@ -231,7 +255,7 @@ class SGLangExchange(Exchange):
 
     __slots__ = (
         "request", "public_id", "seen", "last", "incremental", "payload", "engine_tag", "public_tag",
-        "waits_for_prefill", "prefill_meta", "decode_chunks",
+        "waits_for_prefill", "prefill_meta", "decode_chunks", "base",
     )
 
     def __init__(self, request: GenerateRequest, public_id: str) -> None:
@@ -247,10 +271,32 @@ class SGLangExchange(Exchange):
         self.payload = b""
         self.engine_tag = b""
         self.public_tag = orjson.dumps(public_id)
+        #: A resumed attempt's starting point: the client's view at the
+        #: seam (the last chunk sent, and the output count).
+        self.base: tuple[dict, int] | None = None
+
+    def resume_refusal(self) -> str | None:
+        """Why this request cannot resume mid-answer (see the module docstring)."""
+        obj = self.request.native
+        sp = obj.get("sampling_params") or {}
+        if not self.request.stream:
+            return "a unary engine answer shows no tokens before it ends"
+        if self.request.replay_excluded is not None:
+            return f"a {self.request.replay_excluded} prompt has no token ids to resume from"
+        if any(sp.get(k) is not None for k in CONSTRAINED):
+            return "constrained decoding cannot be resumed exactly"
+        if sp.get("stop") or sp.get("stop_regex"):
+            return "a stop string could straddle the seam"
+        if any(sp.get(k, d) != d for k, d in PENALTIES):
+            return "penalties count the output tokens a resumed attempt re-feeds as prompt"
+        if obj.get("return_routed_experts"):
+            return "routed experts are not resumed yet"
+        return None
 
     def worker_request(self, attempt: Attempt) -> WorkerRequest:
         """The client's body with ``rid`` minted (and a P/D leg's bootstrap
-        fields). A unary client gets a unary engine leg: the engine's one
+        fields, or a resumed attempt's prompt and budget, see the module
+        docstring). A unary client gets a unary engine leg: the engine's one
         answer, passed through.
 
         Raises:
@@ -262,6 +308,8 @@ class SGLangExchange(Exchange):
             check_prompt_length(self.request.input_ids, info.get("max_model_len"), self.request.stream)
         body = dict(self.request.native)
         body["rid"] = attempt.engine_id
+        if attempt.resumes:
+            self._resume(body, attempt.resumes)
         if attempt.bootstrap is not None:
             body["bootstrap_host"], body["bootstrap_port"], body["bootstrap_room"] = attempt.bootstrap
         stream = self.request.stream
@@ -272,6 +320,48 @@ class SGLangExchange(Exchange):
             self.engine_tag = orjson.dumps(attempt.engine_id)
             self.decode_chunks = 0
         return WorkerRequest(b"/generate", dump_body(body), stream=stream)
+
+    def _resume(self, body: dict, resumes: list[int]) -> None:
+        k = len(resumes)
+        body["input_ids"] = self.request.input_ids + resumes
+        sp = body["sampling_params"] = dict(body.get("sampling_params") or {})
+        max_new = sp.get("max_new_tokens", 128)
+        if max_new is not None:
+            sp["max_new_tokens"] = max(0, max_new - k)
+        if type(sp.get("min_new_tokens")) is int:
+            sp["min_new_tokens"] = max(0, sp["min_new_tokens"] - k)
+        if body.get("return_logprob"):
+            body["logprob_start_len"] = len(body["input_ids"]) - 1
+        self.base = (self.last, self.seen)
+
+    def _stitch(self, chunk: dict, meta: dict, ids: list) -> list:
+        """Make a resumed attempt's chunk continue the client's answer;
+        returns its output ids as the client sees them."""
+        last, count = self.base
+        base = last["meta_info"]
+        for key in ("prompt_tokens", "cached_tokens"):
+            if key in base:
+                meta[key] = base[key]
+        own = meta.get("completion_tokens")
+        if type(own) is int:
+            meta["completion_tokens"] = count + own
+        finish = meta.get("finish_reason")
+        if type(finish) is dict and finish.get("type") == "length" and type(finish.get("length")) is int:
+            finish["length"] += count  # the cap the client asked for
+        for key in PREFILL_LOGPROBS:
+            if key in meta:
+                meta[key] = [] if self.incremental else base.get(key)
+        self.payload = b""  # re-serialised: not the engine's bytes any more
+        if self.incremental:
+            return ids
+        for key in OUTPUT_LOGPROBS:
+            if type(meta.get(key)) is list and type(base.get(key)) is list:
+                meta[key] = base[key] + meta[key]
+        text = chunk.get("text")
+        if type(text) is str and type(last.get("text")) is str:
+            chunk["text"] = last["text"] + text
+        ids = chunk["output_ids"] = last["output_ids"] + ids
+        return ids
 
     def feed(self, attempt: Attempt, payload: bytes) -> Event:
         """One SGLang chunk (or the unary answer): the new output ids, the
@@ -296,6 +386,8 @@ class SGLangExchange(Exchange):
             self._join_experts(chunk, meta)
         self.decode_chunks += 1
         ids = chunk.get("output_ids") or []
+        if attempt.resumes:
+            ids = self._stitch(chunk, meta, ids)
         new = ids if self.incremental else ids[self.seen :]
         self.seen += len(new)
         self.last = chunk

@@ -52,6 +52,20 @@ so the request ends at the usage chunk: a
 only if it asked. A build that sends no usage chunk ends the stream after the
 finishing chunk; :meth:`VLLMExchange.end_of_stream` then finishes with the
 held reason.
+
+Migration: a stream whose worker died mid-answer continues on another worker
+as a ``resumed`` attempt: ``token_ids`` are the prompt followed by every
+output token sent so far, ``max_tokens`` and ``min_tokens`` are reduced by
+their count (the latter saturating at 0), and ``prompt_logprobs`` is dropped
+(a stream never carries them). Its chunks continue the choice's
+``token_ids`` and logprobs; every ``usage`` is rewritten as the
+uninterrupted request's (``prompt_tokens`` the original prompt,
+``completion_tokens`` all output; ``total_tokens`` is unchanged). Not
+resumable (:meth:`VLLMExchange.resume_refusal`): unary requests, ``n`` > 1,
+multimodal prompts, structured outputs (``structured_outputs``, older
+``guided_decoding``: the grammar state is the engine's) and penalties
+(vLLM's count output tokens, ``sampling_params.py``). Stop strings need no
+rule: a tokens-only server refuses them.
 """
 
 from __future__ import annotations
@@ -237,6 +251,11 @@ def _stop_reason(attempt: Attempt, choice: dict) -> int | str | None:
 #: A P/D prefill leg's ``kv_transfer_params``, as vLLM's P/D proxies send it
 #: (``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py``,
 #: ``send_request_to_service``).
+#: Sampling parameters that make a resumed attempt differ from the rest of
+#: the uninterrupted run, with their inert defaults.
+PENALTIES = (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1))
+CONSTRAINED = ("structured_outputs", "guided_decoding")
+
 PREFILL_KV = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
     "remote_block_ids": None, "remote_host": None, "remote_port": None,
@@ -279,7 +298,10 @@ class VLLMExchange(Exchange):
             gave none.
     """
 
-    __slots__ = ("native", "stream", "stream_id", "finish", "matched", "finished", "out", "status", "kv_params")
+    __slots__ = (
+        "native", "stream", "stream_id", "finish", "matched", "finished", "out", "status", "kv_params", "input_ids",
+        "resumed",
+    )
 
     def __init__(self, request: GenerateRequest, request_id: str) -> None:
         self.native: VLLMRequest = request.native
@@ -298,6 +320,24 @@ class VLLMExchange(Exchange):
         self.status = 200
         #: P/D: the prefill leg's ``kv_transfer_params``, for the decode leg.
         self.kv_params: Any = None
+        self.input_ids = request.input_ids
+        #: Output tokens re-fed to the running (resumed) attempt as prompt.
+        self.resumed = 0
+
+    def resume_refusal(self) -> str | None:
+        """Why this request cannot resume mid-answer (see the module docstring)."""
+        sp = self.native.body.get("sampling_params") or {}
+        if not self.stream:
+            return "a unary engine answer shows no tokens before it ends"
+        if self.input_ids is None:
+            return "a multimodal prompt cannot be resumed"
+        if self.native.n != 1:
+            return "n > 1 choices cannot be resumed"
+        if any(sp.get(k) is not None for k in CONSTRAINED):
+            return "constrained decoding cannot be resumed exactly"
+        if any(sp.get(k, d) != d for k, d in PENALTIES):
+            return "penalties count the output tokens a resumed attempt re-feeds as prompt"
+        return None
 
     def worker_request(self, attempt: Attempt) -> WorkerRequest:
         """The client's body with the minted id as ``request_id`` (and
@@ -334,6 +374,9 @@ class VLLMExchange(Exchange):
             if type(self.kv_params) is not dict:
                 raise RequestError(502, "the prefill worker answered no kv_transfer_params", "engine")
             body["kv_transfer_params"] = self.kv_params
+        self.resumed = len(attempt.resumes or ())
+        if attempt.resumes:
+            self._resume(body, attempt.resumes)
         if not self.stream:
             return WorkerRequest(PATH.encode(), dump_body(body), headers, stream=False)
         body["stream_options"] = {
@@ -342,6 +385,25 @@ class VLLMExchange(Exchange):
             "continuous_usage_stats": self.native.continuous_usage,
         }
         return WorkerRequest(PATH.encode(), dump_body(body), headers)
+
+    def _resume(self, body: dict, resumes: list[int]) -> None:
+        k = len(resumes)
+        body["token_ids"] = self.input_ids + resumes
+        sp = body["sampling_params"] = dict(body.get("sampling_params") or {})
+        if type(sp.get("max_tokens")) is int:
+            sp["max_tokens"] = max(0, sp["max_tokens"] - k)
+        if type(sp.get("min_tokens")) is int:
+            sp["min_tokens"] = max(0, sp["min_tokens"] - k)
+        sp.pop("prompt_logprobs", None)
+        self.finish, self.matched = None, None
+        self.finished.clear()
+
+    def _uninterrupted(self, usage: Any) -> None:
+        """A resumed attempt's ``usage`` as the uninterrupted request's."""
+        if type(usage) is dict and type(usage.get("prompt_tokens")) is int:
+            usage["prompt_tokens"] -= self.resumed
+            if type(usage.get("completion_tokens")) is int:
+                usage["completion_tokens"] += self.resumed
 
     def feed(self, attempt: Attempt, payload: bytes) -> Event:
         """A streaming leg: one vLLM stream chunk, giving its new token ids
@@ -395,6 +457,8 @@ class VLLMExchange(Exchange):
             self.out = payload
             return _usage_event(ids, finish, obj.get("usage"), _stop_reason(attempt, choices[0]))
         obj["request_id"] = self.stream_id
+        if self.resumed:
+            self._uninterrupted(obj.get("usage"))
         if not choices:  # the closing usage chunk
             usage = obj.get("usage")
             if type(usage) is not dict:
