@@ -156,7 +156,7 @@ def _check_law(fleet: Fleet, budget: int, logprobs: bool, fails: list[int]) -> N
     assert all("abort_acked" in a for a in rec["attempts"][:-1])
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), budget=st.integers(2, 12), logprobs=st.booleans())
 def test_law_any_failure_point(fleet, data, budget, logprobs):
     """For a failure after any T in [1, budget - 1] tokens (and sometimes a
