@@ -29,12 +29,11 @@ from .budget import BodyBudget
 from .framing import Receive, Send, send_unary
 from .handler import handle_generate, reject_method
 from .registry import LoadedCodec, load_codecs
-from .workers.http import WorkerError
+from .workers.aborts import ACKED, LOST, UNACKNOWLEDGED, AbortQueue
 from .workers.router import Router, Worker
 
 log = logging.getLogger("asgi_generate")
 NOT_FOUND = orjson.dumps({"detail": "Not Found"})
-ABORT_TRIES = 3
 
 
 class App:
@@ -65,6 +64,8 @@ class App:
                 self.routes[(route.method, route.path)] = item.codec
                 self.paths.setdefault(route.path, []).append(route.method)
         self.router = Router([])
+        #: One abort queue per worker id, running while the lifespan does.
+        self.aborts: dict[str, AbortQueue] = {}
         self.inflight: dict[str, Any] = {}
         self.body_budget = BodyBudget(settings.body_budget_bytes)
         #: Requests whose body is being read now (granted their budget).
@@ -76,7 +77,9 @@ class App:
         self.counters: dict[str, int] = {
             "requests": 0,
             "aborts_sent": 0,
+            "aborts_acknowledged": 0,
             "aborts_unacknowledged": 0,
+            "aborts_worker_lost": 0,
         }
         self.by_status: dict[str, int] = {}
         # Tracing off: no tracer at all, so finishing a request only counts.
@@ -156,6 +159,10 @@ class App:
                         probes.start_soon(self.router.probe, worker)
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self.router.watch, self.settings.health_interval)
+                    for worker in self.router.workers:
+                        queue = self._abort_queue(worker)
+                        self.aborts[worker.id] = queue
+                        tg.start_soon(queue.run)
                     if self.tracer is not None:
                         await tg.start(self.tracer.run)
                     self._shutdown_requested = anyio.Event()
@@ -205,32 +212,33 @@ class App:
             self._decode_limiter = anyio.CapacityLimiter(1)
         return self._decode_limiter
 
-    async def abort_engine_request(self, worker: Worker, engine_id: str) -> bool:
-        """Ask ``worker``'s engine to abort ``engine_id``; retry with backoff.
+    def _abort_queue(self, worker: Worker) -> AbortQueue:
+        st = self.settings
+        return AbortQueue(
+            worker,
+            concurrency=st.abort_concurrency,
+            queue_size=st.abort_queue_size,
+            batch=st.abort_batch,
+            timeout=st.abort_timeout,
+            deadline=st.abort_deadline,
+            on_lost=self.router.worker_lost,
+        )
 
-        Returns whether the engine acknowledged (HTTP 200). An unacknowledged
-        abort is logged and counted.
-        """
-        proto = worker.protocol
-        body = proto.abort_body(engine_id)
+    async def abort_engine_request(self, worker: Worker, engine_id: str) -> str:
+        """Ask ``worker``'s engine to abort ``engine_id`` through the worker's
+        :class:`~asgi_generate.workers.aborts.AbortQueue` and wait for the
+        outcome: ``"acked"``, ``"unacknowledged"`` or ``"lost"`` (the worker
+        is down or went away), each counted; the queue logs failures."""
         self.counters["aborts_sent"] += 1
-        delay = 0.05
-        for _ in range(ABORT_TRIES):
-            try:
-                with anyio.fail_after(self.settings.abort_timeout):
-                    async with worker.pool.request(
-                        b"POST", proto.abort_path, body, [(b"content-type", b"application/json")]
-                    ) as resp:
-                        await resp.read()
-                        if resp.status == 200:
-                            return True
-            except (WorkerError, TimeoutError):
-                pass
-            await anyio.sleep(delay)
-            delay *= 4
-        self.counters["aborts_unacknowledged"] += 1
-        log.warning("worker %s did not acknowledge the abort of %s", worker.id, engine_id)
-        return False
+        queue = self.aborts.get(worker.id)
+        result = await queue.abort(engine_id) if queue is not None else UNACKNOWLEDGED
+        if result == ACKED:
+            self.counters["aborts_acknowledged"] += 1
+        elif result == LOST:
+            self.counters["aborts_worker_lost"] += 1
+        else:
+            self.counters["aborts_unacknowledged"] += 1
+        return result
 
     def request_finished(self, st: RequestState) -> None:
         """Called once per request on the handler's way out."""
@@ -287,6 +295,7 @@ class App:
                     "idle_connections": w.pool.idle,
                     "connections_opened": w.pool.opened,
                     "connections_retired": w.pool.retired,
+                    **({"aborts": self.aborts[w.id].stats()} if w.id in self.aborts else {}),
                 }
                 for w in self.router.workers
             },

@@ -177,6 +177,18 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                        help="seconds of stream silence before a keep-alive comment; 0 = never (default %(default)s)")
     serve.add_argument("--abort-timeout", type=float, default=d.abort_timeout,
                        help="seconds to wait for an engine's abort acknowledgement, per try (default %(default)s)")
+    serve.add_argument("--abort-concurrency", type=int, default=d.abort_concurrency,
+                       help="abort requests in flight at once per worker, each on its own kept-alive "
+                            "connection (default %(default)s)")
+    serve.add_argument("--abort-queue-size", type=int, default=d.abort_queue_size,
+                       help="aborts that may wait per worker; more are refused and counted "
+                            "unacknowledged (default %(default)s)")
+    serve.add_argument("--abort-batch", type=int, default=d.abort_batch,
+                       help="engine ids per abort request where the engine takes a list (vLLM "
+                            "/abort_requests) (default %(default)s)")
+    serve.add_argument("--abort-deadline", type=float, default=d.abort_deadline,
+                       help="seconds a request's end waits, at most, for its aborts' answers, queueing "
+                            "included (default %(default)s)")
     serve.add_argument("--embedded-workers", type=int, default=d.embedded_workers,
                        help="simulated workers started when no --worker is given (default %(default)s)")
     serve.add_argument("--embedded-pd", action=argparse.BooleanOptionalAction, default=d.embedded_pd,
@@ -292,6 +304,10 @@ def _settings(args: argparse.Namespace, d: Settings) -> Settings:
         health_failures=args.health_failures,
         sse_keepalive=args.sse_keepalive,
         abort_timeout=args.abort_timeout,
+        abort_concurrency=args.abort_concurrency,
+        abort_queue_size=args.abort_queue_size,
+        abort_batch=args.abort_batch,
+        abort_deadline=args.abort_deadline,
         slow_client_timeout=args.slow_client_timeout,
         shutdown_grace=args.shutdown_grace,
         embedded_workers=args.embedded_workers,

@@ -22,6 +22,7 @@ ENV_PREFIX = "ASGI_GENERATE_"
 POSITIVE = frozenset({
     "max_body_bytes", "body_budget_bytes", "body_read_timeout", "connect_timeout", "health_interval",
     "health_timeout", "health_failures", "abort_timeout",
+    "abort_concurrency", "abort_queue_size", "abort_batch", "abort_deadline",
     "slow_client_timeout", "embedded_workers", "trace_queue_size", "trace_block_size",
 })
 #: Old variable names still read, and the setting each now sets.
@@ -84,6 +85,15 @@ class Settings:
             (0 disables them).
         abort_timeout: seconds to wait for an engine's abort acknowledgement,
             per try (three tries, with backoff).
+        abort_concurrency: abort requests in flight at once per worker, each
+            on its own kept-alive connection apart from generate and probe
+            connections (see :mod:`asgi_generate.workers.aborts`).
+        abort_queue_size: aborts that may wait per worker; more are refused
+            and counted unacknowledged.
+        abort_batch: engine ids per abort request where the engine's route
+            takes a list (vLLM ``/abort_requests``).
+        abort_deadline: seconds a request's end waits, at most, for its
+            aborts' answers, queueing included.
         slow_client_timeout: seconds a client may leave one write untaken
             before it is cut off (``slow_client``) and the engine aborted.
         shutdown_grace: seconds in-flight requests get to finish after
@@ -124,6 +134,10 @@ class Settings:
     health_failures: int = 3
     sse_keepalive: float = 15.0
     abort_timeout: float = 2.0
+    abort_concurrency: int = 8
+    abort_queue_size: int = 16384
+    abort_batch: int = 512
+    abort_deadline: float = 30.0
     slow_client_timeout: float = 30.0
     shutdown_grace: float = 30.0
     embedded_workers: int = 2

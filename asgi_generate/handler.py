@@ -44,6 +44,7 @@ from .framing import (
     sse_event,
 )
 from .pd import run_pair
+from .workers.aborts import ACKED, LOST
 from .workers.http import ConnectFailed, TimedOut, WorkerError
 from .workers.router import Worker
 
@@ -473,7 +474,7 @@ class _Generation:
         finally:
             self.leg = None
         # Only a cancelled leg gets here: the health probe gave the worker up.
-        # The leg stays live so that the abort is tried all the same.
+        # Its record is written at once: a lost worker's leg gets no abort.
         attempt.outcome = "worker_lost"
         if self._migrate(attempt, f"lost: {self.lost}"):
             return True
@@ -730,8 +731,14 @@ async def abort_live_legs(app: "App", st: RequestState) -> None:
 
 
 async def _abort_leg(app: "App", attempt: Attempt) -> None:
-    worker: Worker = attempt.worker
-    attempt.abort_acked = await app.abort_engine_request(worker, attempt.engine_id)
     attempt.live = False
+    if attempt.outcome == "worker_lost":
+        return  # its connection broke: the worker is gone, nothing to wait for
+    result = await app.abort_engine_request(attempt.worker, attempt.engine_id)
+    if result == LOST:
+        # Down or gone: no acknowledgement can come; the record says so now.
+        attempt.outcome = attempt.outcome or "worker_lost"
+        return
+    attempt.abort_acked = result == ACKED
     if attempt.outcome is None:
         attempt.outcome = "aborted"

@@ -103,7 +103,7 @@ def test_unary_worker_request_is_the_clients_body_with_the_minted_id(stream):
     sent = orjson.loads(wreq.body)
     assert sent == {**body, "request_id": ENGINE_ID} and list(sent) == list(body)
     # The engine runs it as generate-tokens-<id>, which is what the abort names.
-    assert orjson.loads(PROTOCOLS["vllm"].abort_body(ENGINE_ID)) == {"request_ids": [f"generate-tokens-{ENGINE_ID}"]}
+    assert orjson.loads(PROTOCOLS["vllm"].abort_body([ENGINE_ID])) == {"request_ids": [f"generate-tokens-{ENGINE_ID}"]}
 
 
 def test_unary_worker_request_adds_a_missing_request_id():

@@ -157,6 +157,8 @@ class SimEngine:
         An unknown or empty rid aborts nothing, silently, as SGLang does.
         """
         self.abort_requests += 1
+        if rid:
+            self.abort_named_ids.append(rid)
         return self._stop([r for r in self.running if abort_all or (rid and r.startswith(rid))])
 
     def abort_ids(self, rids: list[str]) -> list[str]:

@@ -69,10 +69,18 @@ class WorkerProtocol:
         version = obj.get("version") if isinstance(obj, dict) else None
         return version if isinstance(version, str) else None
 
-    def abort_body(self, engine_id: str) -> bytes:
-        """The abort request body for ``engine_id`` (the id as minted)."""
+    @property
+    def abort_takes_list(self) -> bool:
+        """Whether one abort request can name many ids (vLLM's
+        ``/abort_requests``; SGLang's ``/abort_request`` takes one ``rid``)."""
+        return self.name == "vllm"
+
+    def abort_body(self, engine_ids: list[str]) -> bytes:
+        """The abort request body for ``engine_ids`` (ids as minted; more
+        than one only where :attr:`abort_takes_list`)."""
         if self.name == "vllm":
-            return orjson.dumps({"request_ids": [self.engine_id_prefix + engine_id]})
+            return orjson.dumps({"request_ids": [self.engine_id_prefix + i for i in engine_ids]})
+        (engine_id,) = engine_ids
         return orjson.dumps({"rid": engine_id})
 
 

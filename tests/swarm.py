@@ -1,0 +1,130 @@
+"""Thousands of SSE streams from one process: a lean asyncio client.
+
+One :class:`asyncio.Protocol` per connection, no HTTP library: it sends one
+fixed POST, waits for the ``200`` head and the first ``data:`` event, then
+discards whatever else arrives. Used by the abort-storm test and
+bench/bench_streams.py, where thousands of httpx clients would cost more
+than the server under test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+
+import orjson
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft open-file limit to the hard one; return it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+def post_bytes(path: str, body: dict) -> bytes:
+    """A whole HTTP/1.1 POST of ``body`` as JSON (to 127.0.0.1)."""
+    data = orjson.dumps(body)
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(data)}\r\n\r\n"
+    )
+    return head.encode() + data
+
+
+class _Stream(asyncio.Protocol):
+    __slots__ = ("request", "first", "buf", "transport")
+
+    def __init__(self, request: bytes, first: asyncio.Future) -> None:
+        self.request = request
+        self.first = first
+        self.buf = b""
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        if self.first.done():
+            return
+        self.buf += data
+        head_end = self.buf.find(b"\r\n\r\n")
+        if head_end < 0:
+            return
+        if not self.buf.startswith(b"HTTP/1.1 200 "):
+            self.first.set_exception(AssertionError(f"not a 200: {self.buf[:200]!r}"))
+            return
+        at = self.buf.find(b"data: ", head_end)
+        if at >= 0 and self.buf.find(b"\n\n", at) >= 0:
+            self.first.set_result(self.buf[at + 6 : self.buf.find(b"\n\n", at)])
+            self.buf = b""
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.first.done():
+            self.first.set_exception(ConnectionError(f"closed before the first event: {exc!r}"))
+
+
+class Swarm:
+    """Open SSE streams to ``port`` on 127.0.0.1, each POSTing ``request``.
+
+    Use inside a running asyncio loop. :meth:`open` adds streams (at most
+    ``connect_at_once`` connecting together, so the listen backlog never
+    overflows) and returns once each has its first event; :meth:`close_all`
+    hangs every one up in one go (FIN, as a client that goes away).
+    """
+
+    def __init__(self, port: int, connect_at_once: int = 64) -> None:
+        self.port = port
+        self.streams: list[_Stream] = []
+        self._gate = asyncio.Semaphore(connect_at_once)
+
+    async def _one(self, request: bytes, timeout: float) -> _Stream:
+        loop = asyncio.get_running_loop()
+        async with self._gate:
+            first = loop.create_future()
+            _, proto = await asyncio.wait_for(
+                loop.create_connection(lambda: _Stream(request, first), "127.0.0.1", self.port), timeout
+            )
+            self.streams.append(proto)
+            await asyncio.wait_for(first, timeout)
+        return proto
+
+    async def open(self, requests: list[bytes], timeout: float = 30.0) -> list[bytes]:
+        """Open one stream per request; return each one's first ``data:`` payload."""
+        protos = await asyncio.gather(*(self._one(r, timeout) for r in requests))
+        return [p.first.result() for p in protos]
+
+    def close_all(self) -> None:
+        """Hang up every stream now."""
+        for s in self.streams:
+            if s.transport is not None:
+                s.transport.close()
+        self.streams.clear()
+
+
+async def http_get(port: int, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
+    """One GET on a fresh connection; status and body (needs content-length)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n".encode())
+        raw = await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+async def http_post(port: int, path: str, body: dict, timeout: float = 10.0) -> tuple[int, bytes]:
+    """One POST on a fresh connection; status and the raw body (the server
+    closes after it; chunked bodies are returned as sent)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
+    try:
+        req = post_bytes(path, body).replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n", 1)
+        writer.write(req)
+        raw = await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), rest

@@ -1,0 +1,147 @@
+"""The per-worker abort queue against real simulators: batching where the
+engine takes a list, bounded connections, a bounded queue, a deadline, and
+no retries against a worker known dead."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import anyio
+import pytest
+from anyio import wait_all_tasks_blocked
+
+from asgi_generate.workers.aborts import AbortQueue
+from asgi_generate.workers.http import ConnectionPool
+from asgi_generate.workers.protocols import PROTOCOLS
+from asgi_generate.workers.router import Worker
+from support import start_sim, stats
+
+
+@pytest.fixture(scope="module")
+def sims():
+    procs = {p: start_sim(p) for p in ("sglang", "vllm")}
+    yield procs
+    for p in procs.values():
+        p.stop()
+
+
+def _worker(protocol: str, port: int, healthy: bool = True) -> Worker:
+    w = Worker("w0", PROTOCOLS[protocol], f"http://127.0.0.1:{port}", ConnectionPool("127.0.0.1", port))
+    w.healthy = healthy
+    return w
+
+
+async def _abort_all(queue: AbortQueue, ids: list[str], start_senders: bool = True) -> list[str]:
+    """Queue every abort before any sender runs, then let them drain."""
+    results: dict[str, str] = {}
+
+    async def one(engine_id: str) -> None:
+        results[engine_id] = await queue.abort(engine_id)
+
+    async with anyio.create_task_group() as tg:
+        for i in ids:
+            tg.start_soon(one, i)
+        await wait_all_tasks_blocked()
+        async with anyio.create_task_group() as senders:
+            if start_senders:
+                senders.start_soon(queue.run)
+            while len(results) < len(ids):
+                await anyio.sleep(0.01)
+            senders.cancel_scope.cancel()
+    return [results[i] for i in ids]
+
+
+def _ids(n: int, tag: str) -> list[str]:
+    return [f"{tag}{i:030d}" for i in range(n)]
+
+
+def test_vllm_aborts_waiting_together_go_in_one_request(sims):
+    sim = sims["vllm"]
+    before = stats(sim)
+    queue = AbortQueue(_worker("vllm", sim.port), concurrency=1, batch=512)
+    ids = _ids(300, "v")
+    assert anyio.run(_abort_all, queue, ids) == ["acked"] * 300
+    after = stats(sim)
+    assert after["abort_requests"] - before["abort_requests"] == 1
+    assert after["abort_named_ids"][len(before["abort_named_ids"]):] == [f"generate-tokens-{i}" for i in ids]
+    assert (queue.requests, queue.pool.opened) == (1, 1)
+
+
+def test_vllm_batches_are_capped(sims):
+    sim = sims["vllm"]
+    before = stats(sim)["abort_requests"]
+    queue = AbortQueue(_worker("vllm", sim.port), concurrency=2, batch=40)
+    assert anyio.run(_abort_all, queue, _ids(100, "c")) == ["acked"] * 100
+    # 40 + 40 + 20 ids, over at most two connections.
+    assert stats(sim)["abort_requests"] - before == 3
+    assert queue.pool.opened <= 2
+
+
+def test_sglang_sends_one_rid_per_request_over_at_most_concurrency_connections(sims):
+    sim = sims["sglang"]
+    before = stats(sim)
+    queue = AbortQueue(_worker("sglang", sim.port), concurrency=3, batch=512)
+    ids = _ids(60, "s")
+    assert anyio.run(_abort_all, queue, ids) == ["acked"] * 60
+    after = stats(sim)
+    assert after["abort_requests"] - before["abort_requests"] == 60
+    assert sorted(after["abort_named_ids"][len(before["abort_named_ids"]):]) == ids
+    assert queue.pool.opened <= 3 and queue.requests == 60
+
+
+def test_a_full_queue_refuses_at_once(sims):
+    sim = sims["sglang"]
+    queue = AbortQueue(_worker("sglang", sim.port), queue_size=2)
+    assert anyio.run(_abort_all, queue, _ids(3, "f")) == ["acked", "acked", "unacknowledged"]
+    assert (queue.refused, queue.requests) == (1, 2)
+
+
+def test_past_the_deadline_the_abort_is_unacknowledged_and_never_sent(sims):
+    sim = sims["sglang"]
+    before = stats(sim)["abort_requests"]
+    queue = AbortQueue(_worker("sglang", sim.port), deadline=0.2)
+
+    async def main() -> list[str]:
+        t0 = time.monotonic()
+        results = await _abort_all(queue, _ids(2, "d"), start_senders=False)
+        assert 0.2 <= time.monotonic() - t0 < 2.0
+        # Senders that start later skip what nobody waits for any more.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(queue.run)
+            await anyio.sleep(0.2)
+            tg.cancel_scope.cancel()
+        return results
+
+    assert anyio.run(main) == ["unacknowledged"] * 2
+    assert (queue.expired, queue.requests, queue.queued) == (2, 0, 0)
+    assert stats(sim)["abort_requests"] == before
+
+
+def test_a_refused_connect_loses_the_batch_and_the_queue_at_once():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lost = []
+    worker = _worker("sglang", port)
+    queue = AbortQueue(worker, concurrency=1, on_lost=lambda w, why: lost.append((w, why)))
+
+    async def main() -> tuple[list[str], float]:
+        t0 = time.monotonic()
+        results = await _abort_all(queue, _ids(20, "x"))
+        return results, time.monotonic() - t0
+
+    results, took = anyio.run(main)
+    assert results == ["lost"] * 20
+    assert took < 0.5  # no backoff: one refused connect ends all twenty
+    assert queue.requests == 1 and len(lost) == 1 and lost[0][0] is worker
+    assert lost[0][1].startswith("abort failed: connect to 127.0.0.1:")
+
+
+def test_a_worker_marked_down_gets_no_abort(sims):
+    sim = sims["sglang"]
+    before = stats(sim)["abort_requests"]
+    queue = AbortQueue(_worker("sglang", sim.port, healthy=False))
+    assert anyio.run(_abort_all, queue, _ids(3, "m")) == ["lost"] * 3
+    assert (queue.requests, queue.pool.opened) == (0, 0)
+    assert stats(sim)["abort_requests"] == before

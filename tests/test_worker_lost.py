@@ -1,0 +1,61 @@
+"""A worker that dies mid-stream: its streams end in-band and their records
+are written at once (no abort retried against the dead host), on both
+hypercorn worker classes."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import orjson
+import pytest
+
+from support import RawClient, start_frontend, start_sim, wait_until
+
+STREAMS = 8
+LOST = ("worker w0 failed: worker broke HTTP/1.1: peer closed connection without sending complete message "
+        "body (incomplete chunked read)")
+
+
+def _records(tmp_path) -> list[dict]:
+    return [orjson.loads(line) for f in tmp_path.glob("t.*.jsonl") for line in f.read_bytes().splitlines()]
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_dead_worker_streams_are_recorded_within_100_ms(tmp_path, worker_class):
+    sim = start_sim(itl_ms=50)
+    fe = start_frontend([f"sglang={sim.url}"], worker_class=worker_class,
+                        extra=["--trace-file", str(tmp_path / "t.jsonl")])
+    clients = []
+    try:
+        body = orjson.dumps({"input_ids": [5, 6, 7], "stream": True,
+                             "sampling_params": {"max_new_tokens": 5000, "ignore_eos": True}})
+        for _ in range(STREAMS):
+            c = RawClient(fe.url)
+            c.send(body)
+            clients.append(c)
+        for c in clients:
+            assert len(c.events(2)) == 2
+        broke_ms = time.time() * 1000
+        sim.proc.send_signal(signal.SIGKILL)
+        sim.proc.wait(5)
+        recs = wait_until(lambda: len(r := _records(tmp_path)) == STREAMS and r, timeout=10)
+        for c in clients:
+            tail = c.events(10_000)
+            assert tail[-1] == b"[DONE]"
+            assert orjson.loads(tail[-2]) == {"error": {"message": LOST, "type": "server_error", "code": 502}}
+        fe_stats = httpx.get(fe.url + "/stats", timeout=5).json()
+    finally:
+        for c in clients:
+            c.close()
+        fe.stop()
+        sim.stop()
+    lags = sorted(rec["event_time_unix_ms"] - broke_ms for rec in recs)
+    assert lags[-1] < 100, lags
+    for rec in recs:
+        assert (rec["status"], rec["http_status"], rec["error"]["type"]) == ("engine_error", 200, "engine")
+        # The leg's own connection broke: no abort is sent to a dead host.
+        assert [(a["worker_id"], a["outcome"]) for a in rec["attempts"]] == [("w0", "worker_lost")]
+        assert "abort_acked" not in rec["attempts"][0]
+    assert (fe_stats["aborts_sent"], fe_stats["by_status"]) == (0, {"engine_error": STREAMS})
