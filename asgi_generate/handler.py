@@ -723,6 +723,9 @@ async def abort_live_legs(app: "App", st: RequestState) -> None:
     """Abort every engine leg of ``st`` that may still run, concurrently,
     recording on each attempt whether the engine acknowledged."""
     live = [a for a in st.attempts if a.live]
+    if len(live) == 1:  # the common case needs no task group
+        await _abort_leg(app, live[0])
+        return
     if not live:
         return
     async with anyio.create_task_group() as tg:

@@ -87,7 +87,7 @@ def test_sglang_sends_one_rid_per_request_over_at_most_concurrency_connections(s
     after = stats(sim)
     assert after["abort_requests"] - before["abort_requests"] == 60
     assert sorted(after["abort_named_ids"][len(before["abort_named_ids"]):]) == ids
-    assert queue.pool.opened <= 3 and queue.requests == 60
+    assert queue.pool.opened <= 3 and queue.peak_in_flight <= 3 and queue.requests == 60
 
 
 def test_a_full_queue_refuses_at_once(sims):

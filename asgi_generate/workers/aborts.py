@@ -119,6 +119,8 @@ class AbortQueue:
         self._waiting: deque[_Abort] = deque()
         self._wake = anyio.Event()
         self.in_flight = 0
+        #: The most abort requests ever in flight at once (at most ``concurrency``).
+        self.peak_in_flight = 0
         #: HTTP abort requests sent (one per batch and try).
         self.requests = 0
         #: Aborts refused because the queue was full.
@@ -186,6 +188,7 @@ class AbortQueue:
                 self._lose(batch)
                 continue
             self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
             try:
                 result = await self._send(batch)
             finally:
@@ -230,9 +233,12 @@ class AbortQueue:
         return {
             "queued": len(self._waiting),
             "in_flight": self.in_flight,
+            "peak_in_flight": self.peak_in_flight,
             "requests": self.requests,
             "refused": self.refused,
             "expired": self.expired,
+            # Cumulative: a connection is replaced after a timed-out try or
+            # once idle past the pool's idle timeout.
             "connections_opened": self.pool.opened,
         }
 

@@ -1,0 +1,32 @@
+"""``serve`` raises its soft open-file limit to the hard one at start, and
+says so in the log."""
+
+from __future__ import annotations
+
+import re
+import resource
+
+from support import start_frontend, start_sim
+
+
+def _soft_limit(pid: int) -> int:
+    with open(f"/proc/{pid}/limits") as f:
+        return int(re.search(r"Max open files\s+(\d+)", f.read()).group(1))
+
+
+def test_serve_raises_the_soft_fd_limit_to_the_hard_one():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = min(512, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))  # inherited by the children
+    try:
+        sim = start_sim()
+        fe = start_frontend([f"sglang={sim.url}"], extra=["--log-level", "info"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        assert _soft_limit(fe.proc.pid) == hard
+        line = f"INFO asgi_generate: open-file limit raised from {low} to {hard} (the hard limit)"
+        assert line in fe.log()
+    finally:
+        fe.stop()
+        sim.stop()
