@@ -27,7 +27,8 @@ def sims():
 
 
 def _worker(protocol: str, port: int, healthy: bool = True) -> Worker:
-    w = Worker("w0", PROTOCOLS[protocol], f"http://127.0.0.1:{port}", ConnectionPool("127.0.0.1", port))
+    pools = (ConnectionPool("127.0.0.1", port), ConnectionPool("127.0.0.1", port))
+    w = Worker("w0", PROTOCOLS[protocol], f"http://127.0.0.1:{port}", *pools)
     w.healthy = healthy
     return w
 

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Callable
 import anyio
 import orjson
 
-from .http import ConnectFailed, ConnectionPool, ReadTimedOut, WorkerDisconnected
+from .http import ConnectFailed, ConnectionPool, TimedOut, WorkerDisconnected
 
 if TYPE_CHECKING:
     from .router import Worker
@@ -110,7 +110,6 @@ class AbortQueue:
             worker.pool.host,
             worker.pool.port,
             connect_timeout=timeout,
-            read_timeout=timeout,
             max_idle=self.concurrency,
             # Keep-alives idle past the engine server's own timeout are
             # reopened: hypercorn and uvicorn close them after 5 s.
@@ -220,7 +219,7 @@ class AbortQueue:
                     self.on_lost(self.worker, f"abort failed: {exc}")
                 self._lose([])
                 return LOST
-            except (ReadTimedOut, TimeoutError):
+            except (TimedOut, TimeoutError):
                 pass
             if tries < ABORT_TRIES:
                 await anyio.sleep(delay)
