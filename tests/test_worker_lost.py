@@ -44,7 +44,7 @@ def test_dead_worker_streams_are_recorded_within_100_ms(tmp_path, worker_class):
         for c in clients:
             tail = c.events(10_000)
             assert tail[-1] == b"[DONE]"
-            assert orjson.loads(tail[-2]) == {"error": {"message": LOST, "type": "server_error", "code": 502}}
+            assert orjson.loads(tail[-2]) == {"error": {"message": LOST, "type": "502", "code": 502}}
         fe_stats = httpx.get(fe.url + "/stats", timeout=5).json()
     finally:
         for c in clients:
