@@ -735,13 +735,11 @@ async def abort_live_legs(app: "App", st: RequestState) -> None:
 
 async def _abort_leg(app: "App", attempt: Attempt) -> None:
     attempt.live = False
-    if attempt.outcome == "worker_lost":
-        return  # its connection broke: the worker is gone, nothing to wait for
+    # A worker marked down (dead, or given up by its probe) gets no abort:
+    # the queue answers "lost" at once, so the record is not held up.
     result = await app.abort_engine_request(attempt.worker, attempt.engine_id)
-    if result == LOST:
-        # Down or gone: no acknowledgement can come; the record says so now.
-        attempt.outcome = attempt.outcome or "worker_lost"
-        return
     attempt.abort_acked = result == ACKED
-    if attempt.outcome is None:
+    if result == LOST:
+        attempt.outcome = attempt.outcome or "worker_lost"
+    elif attempt.outcome is None:
         attempt.outcome = "aborted"
