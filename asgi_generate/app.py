@@ -4,7 +4,8 @@ Routes: every (method, path) a registered codec declares goes to the shared
 handler; a registered path with another method gets 405 in that format's
 shape. Control routes: ``GET /health`` (200 once a worker is up, else 503),
 ``GET /v1/models`` (models, formats and workers with their state) and
-``GET /stats`` (counters). Anything else is 404.
+``GET /stats`` (counters). Info and admin routes (``/get_model_info``,
+``/flush_cache``, ...) go to :mod:`asgi_generate.admin`. Anything else is 404.
 
 The ASGI lifespan starts the embedded simulators (when no worker is
 configured), probes the workers and runs the health watcher.
@@ -21,6 +22,7 @@ from typing import Any
 import anyio
 import orjson
 
+from . import admin
 from .accounting import RequestState
 from .codec import Codec
 from .config import Settings
@@ -66,6 +68,7 @@ class App:
         self.router = Router([])
         #: One abort queue per worker id, running while the lifespan does.
         self.aborts: dict[str, AbortQueue] = {}
+        self.admin = admin.build(self)
         self.inflight: dict[str, Any] = {}
         self.body_budget = BodyBudget(settings.body_budget_bytes)
         #: Requests whose body is being read now (granted their budget).
@@ -100,7 +103,10 @@ class App:
                 await handle_generate(self, codec, scope, receive, send)
             else:
                 try:
-                    await self._other_route(method, path, scope, send)
+                    if path in admin.PATHS:
+                        await self.admin(scope, receive, send)
+                    else:
+                        await self._other_route(method, path, scope, send)
                 except OSError:  # the client left before its answer (ASGI send exception)
                     pass
         elif kind == "lifespan":
@@ -251,13 +257,15 @@ class App:
 
     def models(self) -> dict[str, Any]:
         """The ``/v1/models`` body: served models, formats and workers."""
-        names = sorted({w.info.get("served_model_name") or w.info.get("model_path") or "unknown"
-                        for w in self.router.workers})
+        by_name: dict[str, list[Worker]] = {}
+        for w in self.router.workers:
+            by_name.setdefault(w.info.get("served_model_name") or w.info.get("model_path") or "unknown", []).append(w)
         return {
             "object": "list",
             "data": [
-                {"id": name, "object": "model", "created": self.started_unix_ms // 1000, "owned_by": "asgi-generate"}
-                for name in names
+                {"id": name, "object": "model", "created": self.started_unix_ms // 1000, "owned_by": "asgi-generate",
+                 **_model_limits(name, by_name[name])}
+                for name in sorted(by_name)
             ],
             "formats": [
                 {
@@ -300,3 +308,14 @@ class App:
                 for w in self.router.workers
             },
         }
+
+
+def _model_limits(name: str, workers: list[Worker]) -> dict[str, Any]:
+    """``max_model_len`` (the smallest the workers serving ``name`` report,
+    read at registration: :meth:`WorkerProtocol.read_info`) and ``root``
+    (vLLM's ``root``; SGLang's own ``/v1/models`` gives the served name),
+    each ``None`` while unknown."""
+    lens = [n for w in workers if isinstance(n := w.info.get("max_model_len"), int)]
+    root = next((w.info["root"] for w in workers if isinstance(w.info.get("root"), str)), None)
+    known = any(w.info for w in workers)
+    return {"max_model_len": min(lens) if lens else None, "root": root or (name if known else None)}

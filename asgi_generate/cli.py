@@ -189,6 +189,11 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--abort-deadline", type=float, default=d.abort_deadline,
                        help="seconds a request's end waits, at most, for its aborts' answers, queueing "
                             "included (default %(default)s)")
+    serve.add_argument("--admin-token", default=d.admin_token, metavar="TOKEN",
+                       help="require 'Authorization: Bearer TOKEN' on admin routes (default: open; "
+                            "prefer the variable, which ps does not show)")
+    serve.add_argument("--admin-timeout", type=float, default=d.admin_timeout,
+                       help="seconds an admin route waits for each worker's answer (default %(default)s)")
     serve.add_argument("--embedded-workers", type=int, default=d.embedded_workers,
                        help="simulated workers started when no --worker is given (default %(default)s)")
     serve.add_argument("--embedded-pd", action=argparse.BooleanOptionalAction, default=d.embedded_pd,
@@ -308,6 +313,8 @@ def _settings(args: argparse.Namespace, d: Settings) -> Settings:
         abort_queue_size=args.abort_queue_size,
         abort_batch=args.abort_batch,
         abort_deadline=args.abort_deadline,
+        admin_token=args.admin_token,
+        admin_timeout=args.admin_timeout,
         slow_client_timeout=args.slow_client_timeout,
         shutdown_grace=args.shutdown_grace,
         embedded_workers=args.embedded_workers,

@@ -21,7 +21,7 @@ ENV_PREFIX = "ASGI_GENERATE_"
 #: Numeric settings that must be above zero (every other one: zero or more).
 POSITIVE = frozenset({
     "max_body_bytes", "body_budget_bytes", "body_read_timeout", "connect_timeout", "health_interval",
-    "health_timeout", "health_failures", "abort_timeout",
+    "health_timeout", "health_failures", "abort_timeout", "admin_timeout",
     "abort_concurrency", "abort_queue_size", "abort_batch", "abort_deadline",
     "slow_client_timeout", "embedded_workers", "trace_queue_size", "trace_block_size",
 })
@@ -94,6 +94,11 @@ class Settings:
             takes a list (vLLM ``/abort_requests``).
         abort_deadline: seconds a request's end waits, at most, for its
             aborts' answers, queueing included.
+        admin_token: when set, admin routes (``/flush_cache``,
+            ``/pause_generation``, ...: :mod:`asgi_generate.admin`) need
+            ``Authorization: Bearer <admin_token>``; ``None``: open.
+        admin_timeout: seconds an admin route's fan-out waits for each
+            worker's answer.
         slow_client_timeout: seconds a client may leave one write untaken
             before it is cut off (``slow_client``) and the engine aborted.
         shutdown_grace: seconds in-flight requests get to finish after
@@ -138,6 +143,8 @@ class Settings:
     abort_queue_size: int = 16384
     abort_batch: int = 512
     abort_deadline: float = 30.0
+    admin_token: str | None = None
+    admin_timeout: float = 60.0
     slow_client_timeout: float = 30.0
     shutdown_grace: float = 30.0
     embedded_workers: int = 2

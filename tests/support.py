@@ -30,6 +30,15 @@ CONTINUATION = [
 ]
 
 
+def free_port() -> int:
+    """A loopback port nothing listens on (a worker that refuses connections)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
 def listening_socket(port: int = 0) -> socket.socket:
     """A listening loopback TCP socket (``port`` 0 = any free port)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

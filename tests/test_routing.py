@@ -4,7 +4,6 @@ unreachable workers skipped until healthy again, 503 with none left."""
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 
@@ -12,17 +11,9 @@ import httpx
 import orjson
 import pytest
 
-from support import post, sse, start_frontend, start_sim, stats, wait_until, without_timing
+from support import free_port, post, sse, start_frontend, start_sim, stats, wait_until, without_timing
 
 BODY = {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 4}}
-
-
-def _free_port() -> int:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
 
 
 @pytest.fixture
@@ -66,7 +57,7 @@ def test_least_outstanding_wins(two_sims):
 
 def test_unreachable_worker_is_skipped_and_comes_back():
     live = start_sim()
-    port = _free_port()
+    port = free_port()
     fe = start_frontend([f"sglang={live.url}", f"sglang=http://127.0.0.1:{port}"])
     late = None
     try:
@@ -92,7 +83,7 @@ def test_unreachable_worker_is_skipped_and_comes_back():
 
 
 def test_no_worker_left_is_503():
-    port = _free_port()
+    port = free_port()
     fe = start_frontend([f"sglang=http://127.0.0.1:{port}"], health="/v1/models")
     try:
         health = httpx.get(fe.url + "/health")

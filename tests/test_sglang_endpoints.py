@@ -20,8 +20,7 @@ Left out (they need a real model or a GPU, or are not the frontend's):
   timing, ``test_custom_logit_processor``, ``return_hidden_states``,
   LoRA, multimodal inputs, ``input_embeds`` and ``/generate_from_file``;
 - ``abort_all``, ``/get_server_info`` and ``/get_model_info`` through the
-  frontend: it does not route them (they are checked on the simulator only;
-  the frontend answers 404).
+  frontend are tests/test_admin_routes.py's.
 """
 
 from __future__ import annotations
@@ -265,7 +264,7 @@ def test_info_routes(frontend, sims):
     assert (info["context_length"], info["stream_interval"], info["version"]) == (32768, 1, "0.0.0-sim")
     model = httpx.get(sims[0].url + "/get_model_info", timeout=10).json()
     assert model["is_generation"] is True
-    assert httpx.get(frontend.url + "/get_server_info", timeout=10).status_code == 404
+    assert httpx.get(frontend.url + "/get_server_info", timeout=10).json() == info
 
 
 def test_abort_all_ends_every_running_request():

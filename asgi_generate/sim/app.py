@@ -2,11 +2,14 @@
 
 Routes (SGLang mode): ``POST|PUT /generate``, ``POST /abort_request``,
 ``GET /health``, ``/health_generate``, ``/get_server_info`` (``/server_info``),
-``/get_model_info`` (``/model_info``), ``/v1/models``, ``POST /flush_cache``,
+``/get_model_info`` (``/model_info``), ``/v1/models``, the admin routes
+(``/flush_cache``, ``/pause_generation``, ...: :mod:`asgi_generate.sim.admin`),
 and ``GET /sim/stats`` for tests.
 
 Routes (vLLM mode): ``POST /inference/v1/generate``, ``POST /abort_requests``,
-``GET /health``, ``/version``, ``/v1/models`` and ``GET /sim/stats``.
+``GET /health``, ``/version``, ``/v1/models``, the dev admin routes
+(``/sleep``, ``/pause``, ...: :mod:`asgi_generate.sim.admin`) and
+``GET /sim/stats``.
 
 Either mode has the fault hook for tests: ``POST /sim/faults`` with
 ``{"count": N, "after_tokens": T}`` (and optionally ``"input_len": L``)
@@ -38,11 +41,12 @@ from ..framing import BodyTooLarge, ClientDisconnected, Receive, Send, read_body
 from ..workers.versions import VLLM_DEFAULT_VERSION
 from .disagg import DEFAULT_TIMEOUT_S, DecodeKV, PrefillRooms
 from .kvconnector import DEFAULT_EXPIRY_S, KVConsumer, KVProducer
+from .admin import SimAdmin
 from .engine import SimEngine
 from .model import Model
 from .sglang import SGLangProtocol
 from .tokenizer import SimTokenizer
-from .vllm import VLLMProtocol
+from .vllm import VLLMProtocol, error
 
 NOT_FOUND = orjson.dumps({"detail": "Not Found"})
 #: What ``emit_markers`` answers start with: a Qwen3-style thought and one
@@ -141,6 +145,7 @@ class SimApp:
             else SGLangProtocol(self.engine, self.tokenizer, incremental_streaming_output, model_name,
                                 disconnect_abort_s, stream_interval=stream_interval, disagg=self.disagg)
         )
+        self.admin = SimAdmin(self.engine, protocol)
         self.engine_version = engine_version
         self.model_name = model_name
         self.model_path = str(ASSETS_DIR)
@@ -175,18 +180,23 @@ class SimApp:
                 info["version"] = self.engine_version
             await send_unary(send, 200, orjson.dumps(info))
         elif path in ("/get_model_info", "/model_info") and method == "GET":
-            await send_unary(send, 200, orjson.dumps(p.model_info(self.model_path)))
+            info = p.model_info(self.model_path)
+            info["weight_version"] = self.admin.weight_version
+            await send_unary(send, 200, orjson.dumps(info))
         elif path == "/v1/models" and method == "GET":
             await send_unary(send, 200, orjson.dumps(self._models()))
-        elif path == "/flush_cache" and method == "POST":
-            await send_unary(send, 200, b"Cache flushed.\n", b"text/plain")
         elif path == "/sim/stats" and method == "GET":
             await send_unary(send, 200, orjson.dumps(self._stats()))
+        elif self.admin.serves(method, path):
+            body = await self._body(receive, send)
+            if body is not None:
+                await self.admin.serve(path, scope.get("query_string", b""), body, send)
         else:
             await send_unary(send, 404, NOT_FOUND)
 
     def _stats(self) -> dict:
         stats = self.engine.stats()
+        stats["admin_calls"] = dict(self.admin.calls)
         d = self.disagg
         if d is not None:
             stats["role"] = "prefill" if isinstance(d, PrefillRooms) else "decode"
@@ -206,7 +216,10 @@ class SimApp:
         if path == "/inference/v1/generate" and method == "POST":
             self.engine.generate_requests += 1
             body = await self._body(receive, send)
-            if body is not None:
+            if body is not None and self.admin.sleeping:
+                refused = error("The engine is sleeping; POST /wake_up first.", "ServiceUnavailableError", 503)
+                await send_unary(send, 503, orjson.dumps(refused.body))
+            elif body is not None:
                 await p.generate(body, dict(scope["headers"]), receive, send)
         elif path == "/abort_requests" and method == "POST":
             body = await self._body(receive, send)
@@ -220,6 +233,10 @@ class SimApp:
             await send_unary(send, 200, orjson.dumps(p.models(self.model_path)))
         elif path == "/sim/stats" and method == "GET":
             await send_unary(send, 200, orjson.dumps(self._stats()))
+        elif self.admin.serves(method, path):
+            body = await self._body(receive, send)
+            if body is not None:
+                await self.admin.serve(path, scope.get("query_string", b""), body, send)
         else:
             await send_unary(send, 404, NOT_FOUND)
 

@@ -113,6 +113,9 @@ class SimEngine:
         self.faults_fired = 0
         #: A fault fired: health routes answer 503 until the faults are cleared.
         self.down = False
+        #: Scheduling held (SGLang ``/pause_generation``, vLLM ``/pause``):
+        #: running and new jobs make no progress until :meth:`release`.
+        self.held = False
 
     def arm(self, count: int, after_tokens: int, input_len: int | None = None) -> None:
         """Make the next ``count`` submitted requests (with a prompt of
@@ -189,6 +192,24 @@ class SimEngine:
         self.aborted_rids.extend(hit)
         return hit
 
+    def abort_all(self) -> list[str]:
+        """Abort every running job (a pause in ``abort`` mode); not counted
+        as an abort request."""
+        return self._stop(list(self.running))
+
+    def hold(self) -> None:
+        """Hold scheduling: no job gets another token until :meth:`release`."""
+        self.held = True
+
+    def release(self) -> None:
+        """Let held jobs go on."""
+        self.held = False
+
+    async def _while_held(self, job: Job) -> None:
+        # Polled: a held engine is an admin moment, never the hot path.
+        while self.held and not job.aborted:
+            await anyio.sleep(0.01)
+
     async def _pause(self, job: Job, seconds: float) -> None:
         if seconds > 0:
             with anyio.move_on_after(seconds):
@@ -207,6 +228,8 @@ class SimEngine:
             await self._pause(job, self.ttft_s)
         eos = model.eos_id
         for i in range(job.max_new_tokens):
+            if self.held:
+                await self._while_held(job)
             if job.aborted:
                 return
             if i == job.fail_after:

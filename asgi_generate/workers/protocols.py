@@ -55,7 +55,7 @@ class WorkerProtocol:
         ``ServerArgs`` fields and scheduler info; its ``version`` is the
         engine's) as is, its ``context_length`` (``--context-length``, null
         unless given) copied to ``max_model_len``; vLLM's ``/v1/models`` as
-        ``{"served_model_name", "max_model_len"}`` of its first model.
+        ``{"served_model_name", "max_model_len", "root"}`` of its first model.
         Anything unexpected gives ``{}``."""
         if not isinstance(obj, dict):
             return {}
@@ -85,7 +85,7 @@ class WorkerProtocol:
 
 
 def read_model_card(obj: object) -> dict:
-    """``{"served_model_name", "max_model_len"}`` of the first model of an
+    """``{"served_model_name", "max_model_len", "root"}`` of the first model of an
     OpenAI ``/v1/models`` list; both engines put the context length they
     enforce there (SGLang ``http_server.available_models``:
     ``model_config.context_len``; vLLM ``OpenAIServingModels.show_available_models``:
@@ -93,7 +93,8 @@ def read_model_card(obj: object) -> dict:
     data = obj.get("data") if isinstance(obj, dict) else None
     if not isinstance(data, list) or not data or not isinstance(data[0], dict):
         return {}
-    return {"served_model_name": data[0].get("id"), "max_model_len": _int(data[0].get("max_model_len"))}
+    first = data[0]
+    return {"served_model_name": first.get("id"), "max_model_len": _int(first.get("max_model_len")), "root": first.get("root")}
 
 
 def _int(value: object) -> int | None:

@@ -1,0 +1,286 @@
+"""Info and admin routes: off the hot path, served with starlette's routing.
+
+Info routes (no token):
+
+- ``GET /get_model_info``, ``/model_info``, ``/get_server_info``,
+  ``/server_info``: the answer of one healthy SGLang worker, verbatim (so
+  ``model_path``, ``tokenizer_path``, ``is_generation``... are the
+  engine's; SGLang ``http_server.py`` ``get_model_info``/``get_server_info``);
+  503 ``{"error": {"message"}}`` (SGLang's ``_create_error_response`` shape)
+  when no SGLang worker answers.
+- ``GET /health_generate``: 200 (empty, as SGLang's ``health_generate``)
+  only if, for each protocol a served codec rides on, a worker generated one
+  token now: SGLang workers through their own ``/health_generate``, vLLM
+  workers with a one-token ``POST /inference/v1/generate``; else 503 naming
+  what failed.
+
+Admin routes (``Authorization: Bearer <admin_token>`` when one is set), each
+fanned out to every worker of its protocol, every role, within
+``admin_timeout`` seconds:
+
+- SGLang (``http_server.py``): ``GET``/``POST /flush_cache``,
+  ``POST /pause_generation``, ``/continue_generation``,
+  ``/update_weights_from_disk``, ``GET``/``POST /release_memory_occupation``,
+  ``/resume_memory_occupation``; ``POST /abort_request`` (below).
+- vLLM dev routes (``vllm/entrypoints/serve/dev/``): ``POST /reset_prefix_cache``,
+  ``/sleep``, ``/wake_up``, ``GET /is_sleeping``, ``POST /pause``, ``/resume``,
+  ``GET /is_paused``.
+
+The method, query string and body go to each worker as sent. When every
+worker answered 200 the client gets the first worker's answer (status, body,
+content type): what existing clients check. Otherwise 502 with a JSON list
+of ``{"worker", "status", "body"}`` per worker (``status`` ``null`` and
+``body`` the error when it did not answer; ``body`` parsed when JSON).
+
+``POST /abort_request`` ``{"abort_all": true}`` fans out as above. With
+``{"rid": R}`` it aborts the frontend's own live SGLang requests whose
+public id starts with ``R`` (SGLang's scheduler matches by prefix), each by
+its minted engine id on whichever workers run its legs; their clients see the
+engine's abort finish. An empty ``rid`` aborts nothing, as SGLang does.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import anyio
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route, Router
+
+from . import ids
+from .framing import BodyTimeout, BodyTooLarge, ClientDisconnected, read_body
+from .workers.aborts import ACKED
+from .workers.http import WorkerError
+from .workers.router import Worker
+
+if TYPE_CHECKING:
+    from .app import App
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+INFO_PATHS = ("/get_model_info", "/model_info", "/get_server_info", "/server_info")
+#: Fanned-out admin routes: path, methods, protocol.
+FAN_OUT = (
+    ("/flush_cache", ("GET", "POST"), "sglang"),
+    ("/pause_generation", ("POST",), "sglang"),
+    ("/continue_generation", ("POST",), "sglang"),
+    ("/update_weights_from_disk", ("POST",), "sglang"),
+    ("/release_memory_occupation", ("GET", "POST"), "sglang"),
+    ("/resume_memory_occupation", ("GET", "POST"), "sglang"),
+    ("/reset_prefix_cache", ("POST",), "vllm"),
+    ("/sleep", ("POST",), "vllm"),
+    ("/wake_up", ("POST",), "vllm"),
+    ("/is_sleeping", ("GET",), "vllm"),
+    ("/pause", ("POST",), "vllm"),
+    ("/resume", ("POST",), "vllm"),
+    ("/is_paused", ("GET",), "vllm"),
+)
+#: Every path this module serves (the app's dispatch sends these here).
+PATHS = frozenset({*INFO_PATHS, "/health_generate", "/abort_request", *(p for p, _, _ in FAN_OUT)})
+JSON = "application/json"
+
+
+def _error(status: int, message: str) -> Response:
+    """SGLang's error shape (``_create_error_response``)."""
+    return Response(orjson.dumps({"error": {"message": message}}), status, media_type=JSON)
+
+
+def _parsed(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body.decode("utf-8", "replace")
+
+
+class _Answer:
+    """One worker's answer: ``status`` ``None`` when it gave none."""
+
+    __slots__ = ("worker", "status", "body", "content_type")
+
+    def __init__(self, worker: Worker, status: int | None, body: bytes, content_type: str | None = None) -> None:
+        self.worker = worker
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+    def result(self) -> dict[str, Any]:
+        return {"worker": self.worker.id, "status": self.status, "body": _parsed(self.body) if self.body else ""}
+
+
+def build(app: "App") -> Router:
+    """The starlette router serving :data:`PATHS` for ``app`` (its workers,
+    in-flight requests and settings)."""
+    routes = [Route(path, _info(app), methods=["GET"]) for path in INFO_PATHS]
+    routes.append(Route("/health_generate", _health_generate(app), methods=["GET"]))
+    routes.append(Route("/abort_request", _guarded(app, _abort_request(app)), methods=["POST"]))
+    for path, methods, protocol in FAN_OUT:
+        routes.append(Route(path, _guarded(app, _fan_out(app, protocol)), methods=list(methods)))
+    return Router(routes)
+
+
+def _guarded(app: "App", endpoint: Endpoint) -> Endpoint:
+    async def guarded(request: Request) -> Response:
+        token = app.settings.admin_token
+        if token:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return _error(401, "Unauthorized: admin routes need 'Authorization: Bearer <admin token>'")
+        return await endpoint(request)
+
+    return guarded
+
+
+async def _call(app: "App", worker: Worker, method: str, target: bytes, body: bytes,
+                headers: list[tuple[bytes, bytes]]) -> _Answer:
+    """One request to ``worker`` within ``admin_timeout``."""
+    timeout = app.settings.admin_timeout
+    try:
+        with anyio.fail_after(timeout):
+            async with worker.pool.request(method.encode(), target, body, headers) as resp:
+                data = await resp.read()
+                ctype = next((v.decode("latin-1") for k, v in resp.headers if k.lower() == b"content-type"), None)
+                return _Answer(worker, resp.status, data, ctype)
+    except TimeoutError:
+        return _Answer(worker, None, f"no answer within {timeout:g} s".encode())
+    except WorkerError as exc:
+        return _Answer(worker, None, (str(exc) or type(exc).__name__).encode())
+
+
+async def _body(app: "App", request: Request) -> bytes | Response:
+    try:
+        return await read_body(request.receive, app.settings.max_body_bytes, None, app.settings.body_read_timeout)
+    except BodyTooLarge as exc:
+        return _error(413, str(exc))
+    except BodyTimeout:
+        return _error(408, f"the body was not whole within {app.settings.body_read_timeout:g} s")
+    except ClientDisconnected:
+        return Response(b"", 400)  # nobody is left to read it
+
+
+def _target(request: Request) -> bytes:
+    query = request.scope.get("query_string", b"")
+    return request.scope["path"].encode() + (b"?" + query if query else b"")
+
+
+def _content_headers(request: Request) -> list[tuple[bytes, bytes]]:
+    ctype = request.headers.get("content-type")
+    return [(b"content-type", ctype.encode("latin-1"))] if ctype else []
+
+
+def _combined(answers: list[_Answer]) -> Response:
+    """200 with the first answer when all are 200, else 502 listing each."""
+    if answers and all(a.status == 200 for a in answers):
+        first = answers[0]
+        return Response(first.body, 200, media_type=first.content_type)
+    return Response(orjson.dumps([a.result() for a in answers]), 502, media_type=JSON)
+
+
+async def _gather(calls: list[Callable[[], Awaitable[_Answer]]]) -> list[_Answer]:
+    answers: list[_Answer | None] = [None] * len(calls)
+
+    async def one(i: int) -> None:
+        answers[i] = await calls[i]()
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(calls)):
+            tg.start_soon(one, i)
+    return answers  # type: ignore[return-value]
+
+
+def _fan_out(app: "App", protocol: str) -> Endpoint:
+    async def endpoint(request: Request) -> Response:
+        body = await _body(app, request)
+        if isinstance(body, Response):
+            return body
+        return await _to_every_worker(app, protocol, request, body)
+
+    return endpoint
+
+
+async def _to_every_worker(app: "App", protocol: str, request: Request, body: bytes) -> Response:
+    workers = [w for w in app.router.workers if w.protocol.name == protocol]
+    if not workers:
+        return _error(503, f"no worker configured for protocol {protocol!r}")
+    target, headers = _target(request), _content_headers(request)
+    answers = await _gather([(lambda w=w: _call(app, w, request.method, target, body, headers)) for w in workers])
+    return _combined(answers)
+
+
+def _abort_request(app: "App") -> Endpoint:
+    async def endpoint(request: Request) -> Response:
+        body = await _body(app, request)
+        if isinstance(body, Response):
+            return body
+        obj = _parsed(body) if body.strip() else {}
+        if not isinstance(obj, dict):
+            return _error(400, "the body must be a JSON object")
+        rid, abort_all = obj.get("rid", ""), obj.get("abort_all", False)
+        if not isinstance(rid, str) or not isinstance(abort_all, bool):
+            return _error(400, "'rid' must be a string and 'abort_all' a boolean")
+        if abort_all:
+            return await _to_every_worker(app, "sglang", request, body)
+        legs = [
+            (a.worker, a.engine_id)
+            for gen in list(app.inflight.values())
+            if gen.codec.worker_protocol == "sglang" and rid and (gen.st.public_id or "").startswith(rid)
+            for a in gen.st.attempts
+            if a.live
+        ]
+
+        async def abort(worker: Worker, engine_id: str) -> _Answer:
+            result = await app.abort_engine_request(worker, engine_id)
+            if result == ACKED:
+                return _Answer(worker, 200, b"")
+            return _Answer(worker, None, f"abort {result}".encode())
+
+        answers = await _gather([(lambda w=w, e=e: abort(w, e)) for w, e in legs])
+        # SGLang answers 200 with an empty body, matched or not.
+        return Response(b"", 200) if all(a.status == 200 for a in answers) else _combined(answers)
+
+    return endpoint
+
+
+def _info(app: "App") -> Endpoint:
+    async def endpoint(request: Request) -> Response:
+        for worker in _healthy(app, "sglang"):
+            answer = await _call(app, worker, "GET", _target(request), b"", [])
+            if answer.status is not None:
+                return Response(answer.body, answer.status, media_type=answer.content_type)
+        return _error(503, "no healthy worker for protocol 'sglang'")
+
+    return endpoint
+
+
+def _healthy(app: "App", protocol: str) -> list[Worker]:
+    """Healthy workers of ``protocol``, aggregated ones first."""
+    ws = [w for w in app.router.workers if w.healthy and w.protocol.name == protocol]
+    return sorted(ws, key=lambda w: w.role != "aggregated")
+
+
+def _health_generate(app: "App") -> Endpoint:
+    async def endpoint(request: Request) -> Response:
+        failures = []
+        for protocol in sorted({item.codec.worker_protocol for item in app.codecs}):
+            if not await _generates(app, protocol):
+                failures.append(protocol)
+        if failures:
+            return _error(503, "no worker generated a token for: " + ", ".join(map(repr, failures)))
+        return Response(b"", 200)
+
+    return endpoint
+
+
+async def _generates(app: "App", protocol: str) -> bool:
+    """Whether one healthy worker of ``protocol`` generates a token now."""
+    for worker in _healthy(app, protocol):
+        if protocol == "sglang":
+            answer = await _call(app, worker, "GET", b"/health_generate", b"", [])
+        else:
+            body = orjson.dumps({"token_ids": [0], "sampling_params": {"max_tokens": 1}})
+            headers = [(b"content-type", b"application/json"), (b"x-request-id", b"health-" + ids.mint().encode())]
+            answer = await _call(app, worker, "POST", b"/inference/v1/generate", body, headers)
+        if answer.status == 200:
+            return True
+    return False

@@ -1,0 +1,172 @@
+"""The simulator's admin routes, as the engines answer them.
+
+SGLang (``python/sglang/srt/entrypoints/http_server.py``):
+
+- ``GET``/``POST /flush_cache``: 200 with SGLang's ``Cache flushed.`` text,
+  or the same text with 400 while requests are running or waiting (the
+  scheduler's ``flush_cache`` refuses then). The simulator has no prefix
+  cache: a flush is only counted.
+- ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}``
+  (``PauseGenerationReqInput``, default ``abort``): holds scheduling; ``abort``
+  also aborts everything running. ``POST /continue_generation`` lets it go
+  on. Both answer ``{"message": ..., "status": "ok"}``.
+- ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"?}``:
+  ``{"success", "message", "num_paused_requests"}``; the new
+  ``weight_version`` shows in ``/get_model_info``.
+- ``GET``/``POST /release_memory_occupation``, ``/resume_memory_occupation``:
+  200 ``null`` (the handlers return nothing).
+
+vLLM dev routes (``vllm/entrypoints/serve/dev/``; ``rlhf/api_router.py``,
+``sleep/``, ``cache/``):
+
+- ``POST /reset_prefix_cache``, ``POST /sleep?level=N``, ``POST /wake_up``:
+  200 with an empty body; a sleeping server refuses generation with 503
+  until woken (the message is the simulator's own).
+- ``GET /is_sleeping``: ``{"is_sleeping": bool}``.
+- ``POST /pause?mode=abort|wait|keep``: ``{"status": "paused"}``, holding
+  scheduling (``abort``, the default, also aborts everything running;
+  ``wait`` first lets running requests finish);
+  ``POST /resume``: ``{"status": "resumed"}``; ``GET /is_paused``:
+  ``{"is_paused": bool}``.
+
+Every call is counted in ``/sim/stats`` ``admin_calls`` (path to count).
+"""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qs
+
+import anyio
+import orjson
+
+from ..framing import Send, send_unary
+from .engine import SimEngine
+
+FLUSHED = (
+    b"Cache flushed.\nPlease check backend logs for more details. "
+    b"(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+SGLANG_PAUSE_MODES = ("abort", "retract", "in_place")
+VLLM_PAUSE_MODES = ("abort", "wait", "keep")
+SGLANG_ROUTES = {
+    "/flush_cache": ("GET", "POST"),
+    "/pause_generation": ("POST",),
+    "/continue_generation": ("POST",),
+    "/update_weights_from_disk": ("POST",),
+    "/release_memory_occupation": ("GET", "POST"),
+    "/resume_memory_occupation": ("GET", "POST"),
+}
+VLLM_ROUTES = {
+    "/reset_prefix_cache": ("POST",),
+    "/sleep": ("POST",),
+    "/wake_up": ("POST",),
+    "/is_sleeping": ("GET",),
+    "/pause": ("POST",),
+    "/resume": ("POST",),
+    "/is_paused": ("GET",),
+}
+
+
+class SimAdmin:
+    """Admin state of one simulator: pause, sleep, weight version, counters.
+
+    Args:
+        engine: the engine whose scheduling a pause holds.
+        protocol: ``sglang`` or ``vllm``: which routes it serves.
+    """
+
+    def __init__(self, engine: SimEngine, protocol: str) -> None:
+        self.engine = engine
+        self.routes = VLLM_ROUTES if protocol == "vllm" else SGLANG_ROUTES
+        self.calls: dict[str, int] = {}
+        self.sleeping = False
+        self.weight_version = "default"
+
+    def serves(self, method: str, path: str) -> bool:
+        """Whether ``(method, path)`` is one of its admin routes."""
+        return method in self.routes.get(path, ())
+
+    async def serve(self, path: str, query: bytes, body: bytes, send: Send) -> None:
+        """Answer one admin call (a route :meth:`serves`)."""
+        self.calls[path] = self.calls.get(path, 0) + 1
+        args = {k: v[-1] for k, v in parse_qs(query.decode("latin-1")).items()}
+        try:
+            obj = orjson.loads(body) if body.strip() else {}
+        except orjson.JSONDecodeError:
+            obj = None
+        if not isinstance(obj, dict):
+            await send_unary(send, 400, orjson.dumps({"error": {"message": "the body is not a JSON object"}}))
+            return
+        if path == "/pause" and args.get("mode") == "wait":
+            while self.engine.running:  # vLLM's "wait": in-flight requests finish first
+                await anyio.sleep(0.01)
+        status, answer = getattr(self, "_" + path.strip("/"))(args, obj)
+        if isinstance(answer, bytes):
+            await send_unary(send, status, answer, b"text/plain; charset=utf-8")
+        else:
+            await send_unary(send, status, orjson.dumps(answer) if answer is not None or status == 200 else b"")
+
+    # -- SGLang ---------------------------------------------------------------
+
+    def _flush_cache(self, args: dict, obj: dict) -> tuple[int, bytes]:
+        return (400 if self.engine.running else 200), FLUSHED
+
+    def _pause_generation(self, args: dict, obj: dict) -> tuple[int, dict]:
+        mode = obj.get("mode", "abort")
+        if mode not in SGLANG_PAUSE_MODES:
+            return 400, {"error": {"message": f"mode must be one of {', '.join(SGLANG_PAUSE_MODES)}"}}
+        self._hold(mode == "abort")
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def _continue_generation(self, args: dict, obj: dict) -> tuple[int, dict]:
+        self.engine.release()
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+    def _update_weights_from_disk(self, args: dict, obj: dict) -> tuple[int, dict]:
+        message = "Succeeded to update model weights."
+        version = obj.get("weight_version")
+        if isinstance(version, str):
+            self.weight_version = version
+            message += f" Weight version updated to {version}."
+        return 200, {"success": True, "message": message, "num_paused_requests": 0}
+
+    def _release_memory_occupation(self, args: dict, obj: dict) -> tuple[int, None]:
+        return 200, None
+
+    def _resume_memory_occupation(self, args: dict, obj: dict) -> tuple[int, None]:
+        return 200, None
+
+    # -- vLLM -----------------------------------------------------------------
+
+    def _reset_prefix_cache(self, args: dict, obj: dict) -> tuple[int, bytes]:
+        return 200, b""
+
+    def _sleep(self, args: dict, obj: dict) -> tuple[int, bytes]:
+        self.sleeping = True
+        return 200, b""
+
+    def _wake_up(self, args: dict, obj: dict) -> tuple[int, bytes]:
+        self.sleeping = False
+        return 200, b""
+
+    def _is_sleeping(self, args: dict, obj: dict) -> tuple[int, dict]:
+        return 200, {"is_sleeping": self.sleeping}
+
+    def _pause(self, args: dict, obj: dict) -> tuple[int, dict]:
+        mode = args.get("mode", "abort")
+        if mode not in VLLM_PAUSE_MODES:
+            return 400, {"error": f"Invalid pause mode {mode!r}"}
+        self._hold(mode == "abort")
+        return 200, {"status": "paused"}
+
+    def _resume(self, args: dict, obj: dict) -> tuple[int, dict]:
+        self.engine.release()
+        return 200, {"status": "resumed"}
+
+    def _is_paused(self, args: dict, obj: dict) -> tuple[int, dict]:
+        return 200, {"is_paused": self.engine.held}
+
+    def _hold(self, abort: bool) -> None:
+        self.engine.hold()
+        if abort:
+            self.engine.abort_all()
