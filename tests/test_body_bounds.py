@@ -105,9 +105,9 @@ def test_server_info_gives_the_context_length_under_one_key():
     # --context-length; /v1/models always carries model_config.context_len.
     assert SGLANG.read_info({"context_length": None, "model_path": "m"})["max_model_len"] is None
     assert SGLANG.read_info({"context_length": 4096})["max_model_len"] == 4096
-    card = {"object": "list", "data": [{"id": "m", "max_model_len": 8192}]}
-    assert read_model_card(card) == {"served_model_name": "m", "max_model_len": 8192}
-    assert VLLM.read_info(card) == {"served_model_name": "m", "max_model_len": 8192}
+    card = {"object": "list", "data": [{"id": "m", "max_model_len": 8192, "root": "/models/m"}]}
+    assert read_model_card(card) == {"served_model_name": "m", "max_model_len": 8192, "root": "/models/m"}
+    assert VLLM.read_info(card) == {"served_model_name": "m", "max_model_len": 8192, "root": "/models/m"}
     assert SGLANG.models_path == b"/v1/models" and VLLM.models_path is None
 
 
