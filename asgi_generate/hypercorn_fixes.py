@@ -1,4 +1,4 @@
-"""Workarounds for three connection-level bugs in hypercorn's HTTP/1.1
+"""Workarounds for four connection-level bugs in hypercorn's HTTP/1.1
 server (hypercorn 0.18.0; both worker classes), installed by :func:`install`.
 
 1. **Closed connections linger in CLOSE-WAIT.** ``TCPServer.run`` (in
@@ -31,6 +31,14 @@ server (hypercorn 0.18.0; both worker classes), installed by :func:`install`.
    that handle it get this (``install(send_errors=True)``); the simulator
    keeps generating for a vanished client, as engines do until aborted.
 
+4. **``100 Continue`` goes out before the app can refuse.** ``H11Protocol.
+   _handle_events`` sends it as soon as the request head is parsed, so an
+   app that refuses on the headers alone (413 for an over-cap
+   ``Content-Length``) cannot stop the client's upload. RFC 9110 section
+   10.1.1 lets a server answer the final status instead: the 100 is sent on
+   the app's first ``receive()`` (as uvicorn does) by :class:`_LazyContinue`,
+   and never if the app answers without reading.
+
 And one policy: a client that closes its sending side (``shutdown(SHUT_WR)``)
 has disconnected, as nginx treats it. hypercorn already hands the app
 ``http.disconnect`` on end of stream, with two exceptions that
@@ -49,6 +57,8 @@ has disconnected, as nginx treats it. hypercorn already hands the app
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import h11
 from hypercorn.asyncio import run as asyncio_run
 from hypercorn.asyncio.tcp_server import TCPServer as AsyncioTCPServer
@@ -56,6 +66,7 @@ from hypercorn.events import Event, Updated
 from hypercorn import protocol
 from hypercorn.protocol import h11 as protocol_h11
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio import run as trio_run
 from hypercorn.trio.tcp_server import TCPServer as TrioTCPServer
@@ -96,6 +107,12 @@ class _EdgeConnection(h11.Connection):
     closes, later ones are dropped on arrival), and sees every end of stream
     of a client it is answering (the half-close policy above)."""
 
+    @property
+    def they_are_waiting_for_100_continue(self) -> bool:
+        # hypercorn sends the 100 eagerly whenever this is true; the app's
+        # first receive() sends it instead (bug 4 above).
+        return False
+
     def receive_data(self, data: bytes) -> None:
         if data and self.their_state is h11.MUST_CLOSE:
             return
@@ -124,7 +141,41 @@ class ClientGone(ConnectionError):
     nothing of the message reached the socket (bug 3 above)."""
 
 
-class _HTTPStream(HTTPStream):
+@dataclass(frozen=True)
+class _Continue(StreamEvent):
+    """The app asked for the request body: time for a pending 100."""
+
+
+class _LazyContinue:
+    """Wraps hypercorn's app wrapper so the app's first ``receive()`` asks
+    the protocol for the ``100 Continue`` (bug 4 above)."""
+
+    __slots__ = ("app", "stream")
+
+    def __init__(self, app, stream: HTTPStream) -> None:
+        self.app = app
+        self.stream = stream
+
+    async def __call__(self, scope, receive, send, sync_spawn, call_soon) -> None:
+        asked = False
+
+        async def first_receive():
+            nonlocal asked
+            if not asked:
+                asked = True
+                await self.stream.send(_Continue(stream_id=self.stream.stream_id))
+            return await receive()
+
+        await self.app(scope, first_receive, send, sync_spawn, call_soon)
+
+
+class _LazyContinueStream(HTTPStream):
+    def __init__(self, app, *args, **kwargs) -> None:
+        super().__init__(app, *args, **kwargs)
+        self.app = _LazyContinue(app, self)
+
+
+class _HTTPStream(_LazyContinueStream):
     async def app_send(self, message) -> None:
         if self.closed and message is not None and self.state is not ASGIHTTPState.CLOSED:
             raise ClientGone("the client closed the connection")
@@ -138,6 +189,17 @@ class _H11Protocol(H11Protocol):
             h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
         )
 
+    async def stream_send(self, event: StreamEvent) -> None:
+        if isinstance(event, _Continue):
+            # Still owed only if the client sent no body byte and no final
+            # answer went out meanwhile (h11 clears the flag on either).
+            if self.connection.client_is_waiting_for_100_continue:
+                await self._send_h11_event(
+                    h11.InformationalResponse(status_code=100, headers=self.config.response_headers("h11"))
+                )
+            return
+        await super().stream_send(event)
+
 
 def install(send_errors: bool) -> None:
     """Make hypercorn serve with the fixed classes (idempotent); with
@@ -148,4 +210,4 @@ def install(send_errors: bool) -> None:
     trio_run.TCPServer = _TrioTCPServer
     asyncio_run.TCPServer = _AsyncioTCPServer
     protocol.H11Protocol = _H11Protocol
-    protocol_h11.HTTPStream = _HTTPStream if send_errors else HTTPStream
+    protocol_h11.HTTPStream = _HTTPStream if send_errors else _LazyContinueStream
