@@ -330,11 +330,16 @@ def test_frontend_errors_in_vllm_shape(error, shape):
         ({"token_ids": [1], "sampling_params": []}, "{'type': 'model_attributes_type', 'loc': 'body.sampling_params', "
          "'msg': 'Input should be a valid dictionary or object to extract fields from', 'input': '<list of 0 items>'}",
          "body.sampling_params"),
-        ({"token_ids": [1], "sampling_params": {"max_tokens": "8"}}, "{'type': 'int_type', 'loc': "
-         "'body.sampling_params.max_tokens', 'msg': 'Input should be a valid integer', 'input': '8'}",
+        ({"token_ids": [1], "sampling_params": {"max_tokens": [8]}}, "{'type': 'int_type', 'loc': "
+         "'body.sampling_params.max_tokens', 'msg': 'Input should be a valid integer', 'input': '<list of 1 items>'}",
          "body.sampling_params.max_tokens"),
-        ({"token_ids": [1], "stream": "yes", "sampling_params": {}}, "{'type': 'bool_type', 'loc': 'body.stream', "
-         "'msg': 'Input should be a valid boolean', 'input': 'yes'}", "body.stream"),
+        ({"token_ids": [1], "sampling_params": {"max_tokens": 2.5}}, "{'type': 'int_from_float', 'loc': "
+         "'body.sampling_params.max_tokens', 'msg': 'Input should be a valid integer, got a number with a "
+         "fractional part', 'input': '2.5'}", "body.sampling_params.max_tokens"),
+        ({"token_ids": [1], "stream": {}, "sampling_params": {}}, "{'type': 'bool_type', 'loc': 'body.stream', "
+         "'msg': 'Input should be a valid boolean', 'input': '<dict of 0 items>'}", "body.stream"),
+        ({"token_ids": [1], "stream": 5, "sampling_params": {}}, "{'type': 'bool_parsing', 'loc': 'body.stream', "
+         "'msg': 'Input should be a valid boolean, unable to interpret input', 'input': '5'}", "body.stream"),
         ({"token_ids": [1], "priority": None, "sampling_params": {}}, "{'type': 'int_type', 'loc': 'body.priority', "
          "'msg': 'Input should be a valid integer', 'input': 'None'}", "body.priority"),
         ({"token_ids": [1], "sampling_params": {}, "features": {"mm_hashes": {}, "mm_placeholders": {},
@@ -353,6 +358,18 @@ def test_schema_errors_in_vllm_validation_shape(body, message, param):
     assert err.value.status == 400
     assert orjson.loads(CODEC.error_body(err.value)) == {
         "error": {"message": f"1 validation error:\n  {message}", "type": "Bad Request", "param": param, "code": 400}}
+
+
+def test_values_pydantic_reads_laxly_are_served_converted():
+    """vLLM's pydantic models read ``"8"``/``8.0`` as 8 and ``1``/``"yes"``
+    as true: the frontend must not refuse them, and forwards them converted."""
+    body = {"token_ids": ["5", 6.0], "stream": 1, "priority": "1",
+            "stream_options": {"include_usage": "yes"}, "sampling_params": {"max_tokens": "8", "n": 1.0}}
+    req = decode(body)
+    assert (req.stream, req.input_ids, req.max_new_tokens) == (True, [5, 6], 8)
+    assert req.native.body == {"token_ids": [5, 6], "stream": True, "priority": 1,
+                               "stream_options": {"include_usage": True}, "sampling_params": {"max_tokens": 8, "n": 1}}
+    assert req.native.include_usage is True
 
 
 ENGINE_JUDGES = {
@@ -383,8 +400,8 @@ def test_values_only_the_engine_judges_pass_through_untouched(case):
 @pytest.mark.parametrize(
     "body, kind",
     [(b'{"token_ids": [1,', "invalid_json"), ({"token_ids": "1"}, "invalid_request"),
-     ({"token_ids": [1], "sampling_params": {"n": "2"}}, "invalid_request"),
-     ({"token_ids": [1], "stream": 1}, "invalid_request"), ({"token_ids": []}, "invalid_request")],
+     ({"token_ids": [1], "sampling_params": {"n": "two"}}, "invalid_request"),
+     ({"token_ids": [1], "stream": 2}, "invalid_request"), ({"token_ids": []}, "invalid_request")],
 )
 def test_a_wrongly_typed_field_is_an_invalid_request_not_invalid_json(body, kind):
     with pytest.raises(RequestError) as err:

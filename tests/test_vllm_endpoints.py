@@ -404,10 +404,10 @@ def test_wrongly_typed_sampling_param_is_a_validation_error(served):
 
 def test_numbers_and_booleans_are_read_as_pydantic_reads_them(served):
     # Lax mode: numeric strings, integral floats and 0/1 or "yes"/"no"
-    # booleans (only in fields the frontend does not read itself: it takes
-    # n and max_tokens as strict integers).
-    params = {"max_tokens": 3, "logprobs": "1", "ignore_eos": "no", "top_k": 5.0, "temperature": 0}
-    answer = ask(served, sp(**params))[1]
+    # booleans, in the fields the frontend reads itself (n, max_tokens,
+    # stream, priority) as in those it passes on.
+    params = {"max_tokens": "3", "n": 1.0, "logprobs": "1", "ignore_eos": "no", "top_k": 5.0, "temperature": 0}
+    answer = ask(served, {**sp(**params), "stream": 0, "priority": "0"})[1]
     assert (answer["choices"][0]["token_ids"], len(answer["choices"])) == (CONTINUATION[:3], 1)
     assert len(answer["choices"][0]["logprobs"]["content"]) == 3
 

@@ -79,6 +79,7 @@ import anyio
 import orjson
 
 from ..framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
+from ..pydantic_lax import LaxError, lax_scalar
 from ..workers.versions import VLLM_DEFAULT_VERSION, VLLM_OLDEST_PLAYED, VLLMBehaviour, parse_version, vllm_behaviour
 from .engine import DuplicateRequestId, Job, SimEngine, Token
 from .kvconnector import KVConsumer, KVProducer
@@ -174,53 +175,12 @@ def render_invalid(errors: list[dict], cleaned: bool) -> VLLMError:
 # same vLLM models): ("int",), ("float",), ("str",), ("bool",), ("any",),
 # ("stop",), ("nullable", n), ("list", n), ("dict", n),
 # ("model", {field: n}, required).
-_TRUE, _FALSE = ("1", "on", "t", "true", "y", "yes"), ("0", "off", "f", "false", "n", "no")
-
-
 def _lax(kind: str, value: Any, loc: tuple) -> Any:
     """A JSON scalar as pydantic's lax mode reads it for ``kind``."""
-    t = type(value)
-    if kind == "str":
-        if t is str:
-            return value
-        raise invalid("string_type", loc, "Input should be a valid string", value)
-    if kind == "bool":
-        if t is bool:
-            return value
-        if t is int and value in (0, 1):
-            return bool(value)
-        if t is str and value.lower() in _TRUE + _FALSE:
-            return value.lower() in _TRUE
-        if t in (str, int, float):
-            raise invalid("bool_parsing", loc, "Input should be a valid boolean, unable to interpret input", value)
-        raise invalid("bool_type", loc, "Input should be a valid boolean", value)
-    if kind == "int":
-        if t in (int, bool):
-            return int(value)
-        if t is float:
-            if value.is_integer():
-                return int(value)
-            raise invalid(
-                "int_from_float", loc, "Input should be a valid integer, got a number with a fractional part", value
-            )
-        if t is str:
-            try:
-                return int(value.strip())
-            except ValueError:
-                raise invalid(
-                    "int_parsing", loc, "Input should be a valid integer, unable to parse string as an integer", value
-                ) from None
-        raise invalid("int_type", loc, "Input should be a valid integer", value)
-    if t in (int, float, bool):
-        return float(value)
-    if t is str:
-        try:
-            return float(value)
-        except ValueError:
-            raise invalid(
-                "float_parsing", loc, "Input should be a valid number, unable to parse string as a number", value
-            ) from None
-    raise invalid("float_type", loc, "Input should be a valid number", value)
+    try:
+        return lax_scalar(kind, value)
+    except LaxError as exc:
+        raise invalid(exc.kind, loc, exc.msg, value) from None
 
 
 INT, FLOAT, STR, BOOL, ANY = ("int",), ("float",), ("str",), ("bool",), ("any",)

@@ -19,11 +19,10 @@ Only what the frontend relies on is checked (the prompt, ids, stream options,
 ``model``, ``features``, ``sampling_params.n`` and ``max_tokens``); every other
 field, and every value the engine judges (``n < 1``, ``max_tokens < 1``,
 logprob counts, temperatures, ...), reaches the engine untouched and its own
-answer passes back. Type checks are strict where pydantic is lax (a string
-``"7"`` is not an integer here): the frontend forwards the client's JSON as
-it came, so only values every vLLM build reads the same way may pass; where
-vLLM refuses a value too (``2.5`` for an integer) the error is pydantic's
-own. The frontend's refusals are rendered as vLLM 0.30 and later render them
+answer passes back. Types are read as pydantic's lax mode reads them (``"7"``
+or ``7.0`` for an integer, ``1`` or ``"yes"`` for a boolean), and the value
+is forwarded converted, so every vLLM build reads it the same; where vLLM
+refuses a value (``2.5`` for an integer) the error is pydantic's own. The frontend's refusals are rendered as vLLM 0.30 and later render them
 (a dotted ``loc``, a bounded ``input``).
 """
 
@@ -32,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from asgi_generate.codec import RequestError
+from asgi_generate.pydantic_lax import LaxError, lax_scalar
 
 
 class VLLMRequestError(RequestError):
@@ -83,10 +83,12 @@ def bad_request(message: str, param: str | None = None) -> VLLMRequestError:
 # ("nullable", node), ("list", node), ("dict", node),
 # ("model", {field: node}, required_fields).
 INT, STR, BOOL, ANY, TOKEN_IDS = ("int",), ("str",), ("bool",), ("any",), ("token_ids",)
+#: The exact JSON type of each scalar kind (anything else goes through
+#: :func:`asgi_generate.pydantic_lax.lax_scalar`).
 _SCALARS = {
-    "int": ("int_type", "Input should be a valid integer", lambda v: type(v) is int),
-    "str": ("string_type", "Input should be a valid string", lambda v: type(v) is str),
-    "bool": ("bool_type", "Input should be a valid boolean", lambda v: type(v) is bool),
+    "int": lambda v: type(v) is int,
+    "str": lambda v: type(v) is str,
+    "bool": lambda v: type(v) is bool,
 }
 _MODEL_MSG = "Input should be a valid dictionary or object to extract fields from"
 
@@ -128,28 +130,12 @@ GENERATE_REQUEST = (
 )
 
 
-def _scalar_error(kind: str, loc: tuple, value: Any) -> VLLMRequestError | None:
-    """pydantic's own error where vLLM refuses the value too: a fractional
-    number or a non-numeric string for an integer, an unreadable string for a
-    boolean; ``None`` for values only this strict check refuses."""
-    if kind == "int" and type(value) is float and not value.is_integer():
-        return validation_error(
-            "int_from_float", loc, "Input should be a valid integer, got a number with a fractional part", value
-        )
-    if kind == "int" and type(value) is str and not value.strip().lstrip("+-").isdigit():
-        return validation_error(
-            "int_parsing", loc, "Input should be a valid integer, unable to parse string as an integer", value
-        )
-    if kind == "bool" and type(value) is str and value.lower() not in _BOOL_WORDS:
-        return validation_error("bool_parsing", loc, "Input should be a valid boolean, unable to interpret input", value)
-    return None
-
-
-_BOOL_WORDS = frozenset(("1", "on", "t", "true", "y", "yes", "0", "off", "f", "false", "n", "no"))
-
-
-def check(value: Any, node: tuple, loc: tuple = ()) -> None:
-    """Check ``value`` against schema ``node``; ``loc`` is its path under ``body``.
+def check(value: Any, node: tuple, loc: tuple = ()) -> Any:
+    """Check ``value`` against schema ``node``; ``loc`` is its path under
+    ``body``. Returns the value as vLLM reads it: scalars pydantic's lax mode
+    takes (``"8"`` or ``8.0`` for an integer, ``1`` or ``"yes"`` for a
+    boolean) come back converted, and containers are converted in place, so
+    the body the engine gets reads the same everywhere.
 
     Raises:
         VLLMRequestError: 400, vLLM's validation shape, for the first mismatch
@@ -157,9 +143,9 @@ def check(value: Any, node: tuple, loc: tuple = ()) -> None:
     """
     kind = node[0]
     if kind == "any":
-        return
+        return value
     if kind == "token_ids":
-        check(value, ("list", INT), loc)
+        value = check(value, ("list", INT), loc)
         if not value:
             raise validation_error(
                 "too_short", loc, "List should have at least 1 item after validation, not 0", value,
@@ -168,38 +154,37 @@ def check(value: Any, node: tuple, loc: tuple = ()) -> None:
         if min(value) < 0:
             why = "token_ids must not contain negative values"
             raise validation_error("value_error", loc, f"Value error, {why}", value, {"error": ValueError(why)})
-        return
+        return value
     if kind == "nullable":
-        if value is not None:
-            check(value, node[1], loc)
-        return
+        return value if value is None else check(value, node[1], loc)
     if kind in _SCALARS:
-        err, msg, ok = _SCALARS[kind]
-        if not ok(value):
-            raise _scalar_error(kind, loc, value) or validation_error(err, loc, msg, value)
-        return
+        if _SCALARS[kind](value):
+            return value
+        try:
+            return lax_scalar(kind, value)
+        except LaxError as exc:
+            raise validation_error(exc.kind, loc, exc.msg, value) from None
     if kind == "list":
         if type(value) is not list:
             raise validation_error("list_type", loc, "Input should be a valid list", value)
         item = node[1]
-        if item[0] in _SCALARS:  # fast path: long token id lists
-            ok = _SCALARS[item[0]][2]
-            if all(ok(v) for v in value):
-                return
+        if item[0] in _SCALARS and all(map(_SCALARS[item[0]], value)):  # fast path: long token id lists
+            return value
         for i, v in enumerate(value):
-            check(v, item, (*loc, i))
-        return
+            value[i] = check(v, item, (*loc, i))
+        return value
     if kind == "dict":
         if type(value) is not dict:
             raise validation_error("dict_type", loc, "Input should be a valid dictionary", value)
         for key, v in value.items():
-            check(v, node[1], (*loc, key))
-        return
+            value[key] = check(v, node[1], (*loc, key))
+        return value
     fields, required = node[1], node[2]
     if type(value) is not dict:
         raise validation_error("model_attributes_type", loc, _MODEL_MSG, value)
     for key, sub in fields.items():
         if key in value:
-            check(value[key], sub, (*loc, key))
+            value[key] = check(value[key], sub, (*loc, key))
         elif key in required:
             raise validation_error("missing", (*loc, key), "Field required", value)
+    return value
