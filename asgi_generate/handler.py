@@ -20,7 +20,6 @@ before it keep their real status; errors after it travel in-band.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import TYPE_CHECKING
 
@@ -30,6 +29,7 @@ from . import ids
 from .accounting import RequestState
 from .budget import Lease
 from .codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError, WorkerRequest
+from .deadlines import deadline_in, opening_phase
 from .framing import (
     KEEPALIVE,
     SSE_HEADERS,
@@ -380,12 +380,8 @@ class _Generation:
         if st.t_dispatched is None:
             st.t_dispatched = time.monotonic()
         attempt.live = True
-        now = anyio.current_time()
-        if wreq.stream:
-            phase, limit = "headers", settings.headers_timeout
-        else:
-            phase, limit = "request", settings.request_timeout
-        deadline = now + limit if limit > 0 else math.inf
+        phase, limit = opening_phase(settings, wreq.stream)
+        deadline = deadline_in(limit)
         try:
             with anyio.CancelScope() as self.leg:
                 if self.lost is not None:  # lost before the leg began
@@ -395,7 +391,7 @@ class _Generation:
                 ) as resp:
                     if wreq.stream:
                         phase, limit = "first_token", settings.first_token_timeout
-                        deadline = anyio.current_time() + limit if limit > 0 else math.inf
+                        deadline = deadline_in(limit)
                     if resp.status != 200:
                         body = await resp.read(deadline)
                         attempt.live = False
@@ -421,7 +417,7 @@ class _Generation:
                             if not payloads:  # only comments or part of an event
                                 continue
                             phase, limit = "inter_token", between
-                            deadline = anyio.current_time() + between if between > 0 else math.inf
+                            deadline = deadline_in(between)
                             for payload in payloads:
                                 if not st.response_complete and payload != DONE:
                                     await self._feed(attempt, payload)

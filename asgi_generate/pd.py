@@ -27,7 +27,6 @@ host and its bootstrap port (SGLang ``disaggregation/mini_lb.py``), and
 
 from __future__ import annotations
 
-import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ import anyio
 
 from . import ids
 from .codec import Attempt, Event, RequestError, WorkerRequest
+from .deadlines import deadline_in, opening_phase
 from .framing import SSEDecoder
 from .workers.http import ConnectFailed, TimedOut, WorkerError
 from .workers.router import Worker
@@ -229,11 +229,8 @@ async def _prefill_leg(
     if gen.st.t_dispatched is None:
         gen.st.t_dispatched = time.monotonic()
     attempt.live = True
-    if wreq.stream:
-        phase, limit = "headers", settings.headers_timeout
-    else:
-        phase, limit = "request", settings.request_timeout
-    deadline = anyio.current_time() + limit if limit > 0 else math.inf
+    phase, limit = opening_phase(settings, wreq.stream)
+    deadline = deadline_in(limit)
     try:
         with result.scope:
             async with worker.pool.request(
@@ -241,7 +238,7 @@ async def _prefill_leg(
             ) as resp:
                 if wreq.stream:
                     phase, limit = "first_token", settings.first_token_timeout
-                    deadline = anyio.current_time() + limit if limit > 0 else math.inf
+                    deadline = deadline_in(limit)
                 if resp.status != 200:
                     body = await resp.read(deadline)
                     attempt.live = False
