@@ -24,3 +24,14 @@ def opening_phase(settings: "Settings", stream: bool) -> tuple[str, float]:
     """A leg's first phase and its limit in seconds: the response headers of a
     streamed leg, the whole answer of a unary one."""
     return ("headers", settings.headers_timeout) if stream else ("request", settings.request_timeout)
+
+
+def timeout_message(worker_id: str, phase: str, limit: float) -> str:
+    """What a client is told when worker ``worker_id`` missed ``phase``'s deadline of ``limit`` seconds."""
+    what = {
+        "headers": "sent no response headers within",
+        "first_token": "sent no token within",
+        "inter_token": "sent no token for",
+        "request": "did not answer within",
+    }[phase]
+    return f"worker {worker_id} {what} {limit:g} s"

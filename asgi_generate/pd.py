@@ -37,13 +37,14 @@ import anyio
 
 from . import ids
 from .codec import Attempt, Event, RequestError, WorkerRequest
-from .deadlines import deadline_in, opening_phase
+from .client_stream import abort_live_legs
+from .deadlines import deadline_in, opening_phase, timeout_message
 from .framing import SSEDecoder
 from .workers.http import ConnectFailed, TimedOut, WorkerError
 from .workers.router import Worker
 
 if TYPE_CHECKING:
-    from .handler import _Generation
+    from .generation import Generation
 
 #: ``bootstrap_room`` is below 2^63 (SGLang ``io_struct.GenerateReqInput``).
 ROOM_LIMIT = 1 << 63
@@ -86,7 +87,7 @@ class _PrefillLeg:
             self.scope.cancel()
 
 
-async def run_pair(gen: "_Generation", prefill: Worker, decode: Worker) -> list[Worker]:
+async def run_pair(gen: "Generation", prefill: Worker, decode: Worker) -> list[Worker]:
     """Run one P/D attempt of ``gen``'s request on ``prefill`` and ``decode``.
 
     Returns the workers to leave out of the next attempt (empty: the request
@@ -102,7 +103,7 @@ async def run_pair(gen: "_Generation", prefill: Worker, decode: Worker) -> list[
         _live_rooms.discard(room)
 
 
-async def _run_pair(gen: "_Generation", prefill: Worker, decode: Worker, room: int) -> list[Worker]:
+async def _run_pair(gen: "Generation", prefill: Worker, decode: Worker, room: int) -> list[Worker]:
     st, ex = gen.st, gen.ex
     bootstrap = (bootstrap_host(prefill), prefill.bootstrap_port, room)
     p_att = Attempt(ids.mint(), "prefill", prefill.id, prefill.info, prefill, bootstrap=bootstrap)
@@ -149,7 +150,7 @@ async def _run_pair(gen: "_Generation", prefill: Worker, decode: Worker, room: i
     return []
 
 
-async def _run_sequential(gen: "_Generation", prefill: Worker, decode: Worker) -> list[Worker]:
+async def _run_sequential(gen: "Generation", prefill: Worker, decode: Worker) -> list[Worker]:
     st, ex = gen.st, gen.ex
     engine_id = ids.mint()  # one id on both legs, as vLLM's proxies send it
     p_att = Attempt(engine_id, "prefill", prefill.id, prefill.info, prefill)
@@ -188,7 +189,7 @@ async def _run_sequential(gen: "_Generation", prefill: Worker, decode: Worker) -
     return [decode] if retry else []
 
 
-async def _answer_prefill_error(gen: "_Generation", result: _PrefillLeg) -> None:
+async def _answer_prefill_error(gen: "Generation", result: _PrefillLeg) -> None:
     """The client's answer when the prefill leg failed before it got
     anything: the worker's own error page, or the error in the format's shape."""
     st = gen.st
@@ -201,16 +202,14 @@ async def _answer_prefill_error(gen: "_Generation", result: _PrefillLeg) -> None
         await gen.fail(result.error, "timeout" if result.error.kind == "timeout" else "engine_error")
 
 
-async def _abort_pair(gen: "_Generation") -> None:
+async def _abort_pair(gen: "Generation") -> None:
     """Abort the failed pair's live legs now, before another pair runs."""
-    from .handler import abort_live_legs
-
     with anyio.CancelScope(shield=True):
         await abort_live_legs(gen.app, gen.st)
 
 
 async def _prefill_leg(
-    gen: "_Generation",
+    gen: "Generation",
     worker: Worker,
     attempt: Attempt,
     wreq: WorkerRequest,
@@ -223,8 +222,6 @@ async def _prefill_leg(
     so a streamed leg's one event is its first token). A failure before the
     client got anything cancels the decode leg (which the pair runner then
     aborts); the gate opens however the leg ends."""
-    from .handler import _timeout_message
-
     ex, settings = gen.ex, gen.app.settings
     if gen.st.t_dispatched is None:
         gen.st.t_dispatched = time.monotonic()
@@ -259,7 +256,7 @@ async def _prefill_leg(
             attempt.outcome = "worker_lost"
             result.retry = True
     except TimedOut:  # slow is not dead: the leg stays live, so it is aborted
-        result.error = RequestError(504, _timeout_message(worker, phase, limit), "timeout")
+        result.error = RequestError(504, timeout_message(worker.id, phase, limit), "timeout")
     except ConnectFailed as exc:
         attempt.live = False
         attempt.outcome = "connect_failed"

@@ -29,7 +29,6 @@ rows of the positions it computed, none when it computed none.
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -40,131 +39,16 @@ import orjson
 from ..framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
 from .disagg import DecodeKV, PrefillRooms, bootstrap_failed, transfer_failed
 from .engine import DuplicateRequestId, Job, SimEngine, Token
+from .sglang_checks import DEFAULT_MAX_NEW_TOKENS, SGLangError, field, schema_error, value_error, verify_sampling
 from .tokenizer import SimTokenizer
 
 DONE = b"data: [DONE]\n\n"
-DEFAULT_MAX_NEW_TOKENS = 128
 CONTEXT_LENGTH = 32768
 #: SGLang's ``--disaggregation-bootstrap-port`` default.
 DEFAULT_BOOTSTRAP_PORT = 8998
 ROOM_LIMIT = 1 << 63
 #: The KV pool size ``/get_server_info`` reports (``max_total_num_tokens``).
 MAX_TOTAL_NUM_TOKENS = 262144
-_SAMPLING_EPS = 1e-6
-TOP_K_ALL = 1 << 30
-#: ``SamplingParams``' API fields; any other key is a ``TypeError`` in SGLang.
-SAMPLING_KEYS = frozenset(
-    {
-        "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
-        "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
-        "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
-        "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
-        "logit_bias", "sampling_seed",
-    }
-)
-
-
-class SGLangError(Exception):
-    """An error SGLang answers before generating: ``status`` and JSON body
-    (``None``: an unhandled exception, Starlette's plain 500)."""
-
-    def __init__(self, status: int, body: dict | None) -> None:
-        super().__init__(body)
-        self.status = status
-        self.body = body
-
-
-def schema_error(message: str) -> SGLangError:
-    """A request that does not match SGLang's schema (400, FastAPI shape)."""
-    return SGLangError(
-        400,
-        {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
-    )
-
-
-def value_error(message: str) -> SGLangError:
-    """A ValueError raised while normalising the request (400)."""
-    return SGLangError(400, {"error": {"message": message}})
-
-
-def _field(obj: dict, key: str, kinds: tuple[type, ...], default: Any = None) -> Any:
-    value = obj.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        names = "/".join(k.__name__ for k in kinds)
-        raise schema_error(f"{key}: expected {names}, got {type(value).__name__}")
-    return value
-
-
-def verify_sampling(sp: dict, vocab_size: int) -> dict[int, float] | None:
-    """SGLang's ``SamplingParams(**sp)``, ``__post_init__`` and ``verify``:
-    the same refusals with the same messages. Returns the logit bias by
-    token id (``None`` without one).
-
-    Raises:
-        SGLangError: 500 (no body) for an unknown key, SGLang's ``TypeError``;
-            400 value errors for values ``verify`` refuses.
-    """
-    unknown = sorted(set(sp) - SAMPLING_KEYS)
-    if unknown:
-        raise SGLangError(500, None)
-
-    def num(key: str, default: float) -> float:
-        value = sp.get(key)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise schema_error(f"sampling_params.{key}: expected a number, got {type(value).__name__}")
-        return value
-
-    temperature, top_k = num("temperature", 1.0), num("top_k", -1)
-    if 0 <= temperature < _SAMPLING_EPS:
-        temperature, top_k = 1.0, 1
-    if top_k == -1:
-        top_k = TOP_K_ALL
-    top_p, min_p = num("top_p", 1.0), num("min_p", 0.0)
-    freq, pres = num("frequency_penalty", 0.0), num("presence_penalty", 0.0)
-    rep, min_new = num("repetition_penalty", 1.0), num("min_new_tokens", 0)
-    if not math.isfinite(temperature) or temperature < 0.0:
-        raise value_error(f"temperature must be a non-negative finite number, got {temperature}.")
-    if not 0.0 < top_p <= 1.0:
-        raise value_error(f"top_p must be in (0, 1], got {top_p}.")
-    if not 0.0 <= min_p <= 1.0:
-        raise value_error(f"min_p must be in [0, 1], got {min_p}.")
-    if top_k < 1:
-        raise value_error(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
-    if not -2.0 <= freq <= 2.0:
-        raise value_error(f"frequency_penalty must be in [-2, 2], got {freq}.")
-    if not -2.0 <= pres <= 2.0:
-        raise value_error(f"presence_penalty must be in [-2, 2], got {pres}.")
-    if not 0.0 < rep <= 2.0:
-        raise value_error(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {rep}.")
-    if not 0 <= min_new:
-        raise value_error(f"min_new_tokens must be in [0, max_new_tokens], got {min_new}.")
-    max_new = sp.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-    if max_new is not None:
-        if max_new < 0:
-            raise value_error(f"max_new_tokens must be at least 0, got {max_new}.")
-        if not min_new <= max_new:
-            raise value_error(f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}.")
-    bias = _field(sp, "logit_bias", (dict,), None)
-    if bias is not None:
-        parsed = {}
-        for key, value in bias.items():
-            try:
-                token_id = int(key)
-            except ValueError:
-                raise SGLangError(500, None) from None
-            if not 0 <= token_id < vocab_size:
-                raise value_error(f"logit_bias must has keys in [0, {vocab_size - 1}], got {token_id}.")
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise schema_error(f"sampling_params.logit_bias: expected numbers, got {type(value).__name__}")
-            parsed[token_id] = float(value)
-        bias = parsed
-    if sum(sp.get(k) is not None for k in ("json_schema", "regex", "ebnf")) > 1:
-        raise value_error("Only one of regex, json_schema, or ebnf can be set.")
-    return bias or None
 
 
 class SGLangProtocol:
@@ -253,11 +137,11 @@ class SGLangProtocol:
             raise value_error(f"Token id out of range [0, {self.tok.vocab_size}).")
         if isinstance(obj.get("sampling_params"), list):
             raise value_error("The simulator does not serve batch requests.")
-        sp = _field(obj, "sampling_params", (dict,), {})
-        max_new = _field(sp, "max_new_tokens", (int,), None)
+        sp = field(obj, "sampling_params", (dict,), {})
+        max_new = field(sp, "max_new_tokens", (int,), None)
         if "max_new_tokens" not in sp:
             max_new = DEFAULT_MAX_NEW_TOKENS
-        if _field(sp, "n", (int,), 1) != 1:
+        if field(sp, "n", (int,), 1) != 1:
             raise value_error("The simulator does not serve n > 1.")
         if len(input_ids) >= CONTEXT_LENGTH:
             raise value_error(
@@ -285,14 +169,14 @@ class SGLangProtocol:
         bias = verify_sampling(sp, self.tok.vocab_size)
         if max_new is None:
             max_new = CONTEXT_LENGTH - len(input_ids)
-        stop = _field(sp, "stop", (str, list), [])
+        stop = field(sp, "stop", (str, list), [])
         stops = tuple([stop] if isinstance(stop, str) else stop)
-        stop_ids = _field(sp, "stop_token_ids", (list,), [])
-        rid = _field(obj, "rid", (str,), None) or uuid.uuid4().hex
-        start_len = _field(obj, "logprob_start_len", (int,), -1)
+        stop_ids = field(sp, "stop_token_ids", (list,), [])
+        rid = field(obj, "rid", (str,), None) or uuid.uuid4().hex
+        start_len = field(obj, "logprob_start_len", (int,), -1)
         if start_len < -1:
             raise value_error(f"logprob_start_len ({start_len}) must be -1 or at least 0.")
-        return_logprob = bool(_field(obj, "return_logprob", (bool,), False))
+        return_logprob = bool(field(obj, "return_logprob", (bool,), False))
         if not return_logprob or start_len == -1:
             start_len = len(input_ids) - 1
         if start_len >= len(input_ids):
@@ -300,20 +184,20 @@ class SGLangProtocol:
                 f"logprob_start_len ({start_len}) is higher than the number of input "
                 f"tokens ({len(input_ids)}). Request with a lower logprob_start_len."
             )
-        interval = _field(sp, "stream_interval", (int,), None) or self.stream_interval
+        interval = field(sp, "stream_interval", (int,), None) or self.stream_interval
         pd = self._bootstrap(obj) if self.disagg is not None else None
         opts = {
-            "stream": bool(_field(obj, "stream", (bool,), False)),
+            "stream": bool(field(obj, "stream", (bool,), False)),
             "return_logprob": return_logprob,
             "logprob_start_len": start_len,
-            "top_logprobs_num": _field(obj, "top_logprobs_num", (int,), 0),
+            "top_logprobs_num": field(obj, "top_logprobs_num", (int,), 0),
             "token_ids_logprob": ids_lp,
-            "text_in_logprobs": bool(_field(obj, "return_text_in_logprobs", (bool,), False)),
-            "routed_experts": bool(_field(obj, "return_routed_experts", (bool,), False)),
-            "routed_experts_start_len": _field(obj, "routed_experts_start_len", (int,), 0),
+            "text_in_logprobs": bool(field(obj, "return_text_in_logprobs", (bool,), False)),
+            "routed_experts": bool(field(obj, "return_routed_experts", (bool,), False)),
+            "routed_experts_start_len": field(obj, "routed_experts_start_len", (int,), 0),
             "stops": stops,
-            "no_stop_trim": bool(_field(sp, "no_stop_trim", (bool,), False)),
-            "skip_special": bool(_field(sp, "skip_special_tokens", (bool,), True)),
+            "no_stop_trim": bool(field(sp, "no_stop_trim", (bool,), False)),
+            "skip_special": bool(field(sp, "skip_special_tokens", (bool,), True)),
             "stream_interval": max(1, interval),
             "pd": pd,
         }
@@ -323,7 +207,7 @@ class SGLangProtocol:
             # A prefill server computes the first token only.
             max_new_tokens=1 if self.mode == "prefill" else max_new,
             stop_token_ids=frozenset(stop_ids),
-            ignore_eos=bool(_field(sp, "ignore_eos", (bool,), False)),
+            ignore_eos=bool(field(sp, "ignore_eos", (bool,), False)),
             logit_bias=bias,
         )
         if opts["routed_experts_start_len"] > len(input_ids):
@@ -347,8 +231,8 @@ class SGLangProtocol:
             raise value_error(
                 f"A {self.mode} server needs bootstrap_room, an integer in [0, 2^63), got {room!r}."
             )
-        host = _field(obj, "bootstrap_host", (str,), "127.0.0.1")
-        port = _field(obj, "bootstrap_port", (int,), DEFAULT_BOOTSTRAP_PORT)
+        host = field(obj, "bootstrap_host", (str,), "127.0.0.1")
+        port = field(obj, "bootstrap_port", (int,), DEFAULT_BOOTSTRAP_PORT)
         return host, port, room
 
     # -- answer building -------------------------------------------------

@@ -38,7 +38,6 @@ from collections import deque
 from typing import TYPE_CHECKING, Callable
 
 import anyio
-import orjson
 
 from .http import ConnectFailed, ConnectionPool, TimedOut, WorkerDisconnected
 

@@ -1,0 +1,282 @@
+"""The client side of one /generate request: its response writes and the
+watch on its connection.
+
+:class:`ClientStream` turns the normalized events of whatever legs serve a
+request into the client's answer (unary body or SSE events, counted as
+delivered once the server took them), ends an answer with the format's
+error (its own status before the 200, in-band after it), and in
+:meth:`ClientStream.guard` watches the client for disconnects, slow reads
+and idle SSE (keep-alive comments). The attempt loop that feeds it lives in
+:mod:`asgi_generate.generation`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+
+from .accounting import RequestState
+from .codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError
+from .framing import KEEPALIVE, SSE_HEADERS, Receive, Send, send_unary, sse_event
+from .workers.aborts import ACKED, LOST
+
+if TYPE_CHECKING:
+    from .app import App
+
+
+def finish_record(app: "App", st: RequestState) -> None:
+    """Hand ``st`` to the app exactly once per request."""
+    if st.t_done is None:
+        st.t_done = time.monotonic()
+        app.request_finished(st)
+
+
+async def send_in_band_error(codec: Codec, send: Send, st: RequestState, err: RequestError) -> None:
+    """A refused streamed request, answered as the format's engine answers
+    it: 200, then the in-band error event and the terminal marker."""
+    st.stream = True
+    st.fail("rejected", 200, err.kind, err.message)
+    st.response_started = True
+    st.response_complete = True
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+    body = sse_event(codec.in_band_error(err)) + codec.sse_terminal
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class ClientStream:
+    """One request's answer to its client, written from normalized events."""
+
+    __slots__ = (
+        "app", "codec", "ex", "req", "st", "send", "pending", "in_send", "last_send",
+        "scope", "shutdown", "write_timeout", "send_started", "timed", "outbox", "outbox_tokens",
+        "leg", "lost", "gone", "sent_ids",
+    )
+
+    def __init__(
+        self, app: "App", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
+    ) -> None:
+        self.app = app
+        self.codec = codec
+        self.ex = ex
+        self.req = req
+        self.st = st
+        self.send = send
+        self.pending = 0
+        self.in_send = False
+        self.last_send = self.send_started = time.monotonic()
+        self.timed = True
+        self.outbox: list[bytes] = []
+        self.outbox_tokens = 0
+        self.scope: anyio.CancelScope | None = None
+        self.shutdown = False
+        self.write_timeout = app.settings.slow_client_timeout
+        #: The running leg's scope, cancelled when its worker is lost.
+        self.leg: anyio.CancelScope | None = None
+        #: Why the running leg's worker was declared lost.
+        self.lost: str | None = None
+        #: A write failed because the client is gone (see :meth:`_write`).
+        self.gone = False
+        #: Every output token id received for the client, what a resumed
+        #: attempt continues from; ``None`` when migration is off or the
+        #: answer is unary (its engine leg shows no tokens before the end).
+        self.sent_ids: list[int] | None = [] if req.stream and app.settings.migration_limit > 0 else None
+
+    async def _write(self, message: dict) -> None:
+        """Hand ``message`` to the server. A client is only ever owed the
+        events of one worker read (at most 64 KiB of worker bytes);
+        :meth:`guard` cuts off a client that leaves a write untaken too
+        long."""
+        self.in_send = True
+        self.send_started = time.monotonic()
+        try:
+            await self.send(message)
+        except OSError:
+            # ASGI: the server raises on a send to a closed connection (our
+            # hypercorn does, asgi_generate.hypercorn_fixes): nothing of
+            # ``message`` went out, so its tokens are not counted.
+            self.gone = True
+            if self.st.status is None:
+                self.st.status = "client_disconnect"
+            if self.scope is not None:
+                self.scope.cancel()
+        finally:
+            self.in_send = False
+            self.last_send = time.monotonic()
+            if self.lost is not None and self.leg is not None and not self.st.response_complete:
+                self.leg.cancel()  # the worker was lost during this write
+
+    async def _send(self, body: bytes, more: bool) -> None:
+        await self._write({"type": "http.response.body", "body": body, "more_body": more})
+
+    async def _start_stream(self) -> None:
+        if not self.st.response_started:
+            self.st.response_started = True
+            self.st.http_status = 200
+            await self._write({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+
+    async def _unary(self, status: int, body: bytes) -> None:
+        st = self.st
+        st.response_started = True
+        st.http_status = status
+        st.response_complete = True
+        await send_unary(self._write, status, body, self.codec.content_type)
+
+    async def _deliver(self, event: Event) -> None:
+        st, ex = self.st, self.ex
+        now = time.monotonic()
+        n = len(event.token_ids)
+        if n and self.timed:
+            if st.t_first_token is None:
+                st.t_first_token = now
+            st.t_last_token = now
+        if n and self.sent_ids is not None:
+            self.sent_ids += event.token_ids
+        if n and self.app.trace_output_ids:  # only for a trace parser; default path skips it
+            if st.output_ids is None:
+                st.output_ids = []
+            st.output_ids.extend(event.token_ids)
+        if event.completion_tokens is not None:
+            st.engine_completion_tokens = event.completion_tokens
+        if event.prompt_tokens is not None:
+            st.prompt_tokens = event.prompt_tokens
+        if event.cached_tokens is not None:
+            st.cached_tokens = event.cached_tokens
+        done = event.error is not None or event.finish_reason is not None
+        if event.error is not None:
+            st.fail("engine_error", None, "engine", event.error.message)
+        elif done:
+            st.finish_reason = event.finish_reason
+            st.finish_matched = event.matched
+        if self.req.stream:
+            await self._start_stream()
+            data = ex.client_event(event)
+            if data is not None:
+                self.outbox.append(sse_event(data))
+            self.outbox_tokens += n
+            if done:
+                self.outbox.append(self.codec.sse_terminal)
+                # Complete once the last bytes are handed over: a client that
+                # hangs up as they arrive has not disconnected early.
+                st.response_complete = True
+                await self._flush(more=False)
+        else:
+            self.pending += n
+            if done:
+                status, body = ex.unary_body()
+                if st.http_status is None:
+                    st.http_status = status
+                await self._unary(status, body)
+                if not self.gone:
+                    st.output_tokens = self.pending
+        if done and st.status is None:
+            st.status = "ok"
+
+    async def _flush(self, more: bool = True) -> None:
+        """Send every event decoded from one worker read in one write; count
+        their tokens as delivered once the server took them (a write to a
+        client that is gone raises in the server, see :meth:`_write`)."""
+        body = b"".join(self.outbox) if len(self.outbox) > 1 else self.outbox[0]
+        tokens = self.outbox_tokens
+        self.outbox.clear()
+        self.outbox_tokens = 0
+        await self._send(body, more)
+        if not self.gone:
+            self.st.output_tokens += tokens
+
+    async def fail(self, err: RequestError, status: str) -> None:
+        """End the response with ``err``: its own status before the 200,
+        in-band after it."""
+        st = self.st
+        st.response_complete = True
+        if not st.response_started:
+            st.fail(status, err.status, err.kind, err.message)
+            st.response_started = True
+            await send_unary(self._write, err.status, self.codec.error_body(err))
+        else:
+            st.fail(status, st.http_status, err.kind, err.message)
+            self.outbox.append(sse_event(self.codec.in_band_error(err)) + self.codec.sse_terminal)
+            await self._flush(more=False)
+
+    async def guard(self, receive: Receive, keepalive: float) -> None:
+        """Watch the client for the whole request, in one task.
+
+        - ``http.disconnect`` before the answer is complete makes the request
+          a ``client_disconnect`` and cancels it (the handler then aborts
+          every live engine leg).
+        - A write the client has left untaken for ``slow_client_timeout``
+          seconds makes it a ``slow_client``: the engine legs are aborted
+          and the record handed over at once, then the request is cancelled.
+          (hypercorn's trio worker shields its socket writes, so the stuck
+          write itself may only end when the client reads or hangs up.)
+        - With ``keepalive`` > 0, an SSE comment goes out after that many
+          seconds of silence, committing to the 200 if nothing was sent yet.
+
+        Waiting on ``receive()`` under a timeout loses nothing: ASGI servers
+        hand messages over through cancellation-safe queues.
+        """
+        st = self.st
+        timeout = self.write_timeout
+        while True:
+            now = time.monotonic()
+            if self.in_send:
+                wake = self.send_started + timeout
+                if now >= wake:
+                    await self._cut_off_slow_client()
+                    return
+            elif keepalive > 0 and not st.response_complete:
+                wake = self.last_send + keepalive
+                if now >= wake:
+                    await self._start_stream()
+                    await self._send(KEEPALIVE, True)
+                    continue
+            else:
+                wake = now + timeout
+            # A write may start while we wait: look again within `timeout`.
+            with anyio.move_on_after(max(0.01, min(wake - now, timeout))):
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    if not st.response_complete:
+                        st.status = "client_disconnect"
+                        if self.scope is not None:
+                            self.scope.cancel()
+                    return
+
+    async def _cut_off_slow_client(self) -> None:
+        st = self.st
+        st.status = None
+        st.fail("slow_client", st.http_status, "slow_client",
+                f"client left a write untaken for {self.write_timeout:g} s")
+        with anyio.CancelScope(shield=True):
+            await abort_live_legs(self.app, st)
+        finish_record(self.app, st)
+        if self.scope is not None:
+            self.scope.cancel()
+
+
+
+async def abort_live_legs(app: "App", st: RequestState) -> None:
+    """Abort every engine leg of ``st`` that may still run, concurrently,
+    recording on each attempt whether the engine acknowledged."""
+    live = [a for a in st.attempts if a.live]
+    if len(live) == 1:  # the common case needs no task group
+        await _abort_leg(app, live[0])
+        return
+    if not live:
+        return
+    async with anyio.create_task_group() as tg:
+        for attempt in live:
+            tg.start_soon(_abort_leg, app, attempt)
+
+
+async def _abort_leg(app: "App", attempt: Attempt) -> None:
+    attempt.live = False
+    # A worker marked down (dead, or given up by its probe) gets no abort:
+    # the queue answers "lost" at once, so the record is not held up.
+    result = await app.abort_engine_request(attempt.worker, attempt.engine_id)
+    attempt.abort_acked = result == ACKED
+    if result == LOST:
+        attempt.outcome = attempt.outcome or "worker_lost"
+    elif attempt.outcome is None:
+        attempt.outcome = "aborted"

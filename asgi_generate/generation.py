@@ -1,0 +1,320 @@
+"""The attempt loop of one /generate request: which legs run, where, and
+what happens when one fails.
+
+:class:`Generation` asks the router for a plan (one aggregated worker, or a
+prefill/decode pair run by :mod:`asgi_generate.pd`), runs each engine leg
+under its phase deadlines, and on a failure decides between failover (no
+token reached the client yet), migration (a stream continues on another
+worker as a ``resumed`` attempt) and ending the request with the format's
+error. What the client sees is written by :class:`ClientStream`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+
+from . import ids
+from .accounting import RequestState
+from .budget import Lease
+from .client_stream import ClientStream, send_in_band_error
+from .codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError, WorkerRequest
+from .deadlines import deadline_in, opening_phase, timeout_message
+from .framing import Send, SSEDecoder
+from .pd import run_pair
+from .workers.http import ConnectFailed, TimedOut, WorkerError
+from .workers.router import Worker
+
+if TYPE_CHECKING:
+    from .app import App
+
+log = logging.getLogger("asgi_generate.handler")
+DONE = b"[DONE]"
+
+
+class Generation(ClientStream):
+    """Drives one request's attempts; its answer is written by the base."""
+
+    __slots__ = ("prefill_gate", "lease", "resuming", "tried")
+
+    def __init__(
+        self, app: "App", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
+    ) -> None:
+        super().__init__(app, codec, ex, req, st, send)
+        #: P/D: set once the prefill leg answered, when the decode leg's
+        #: first event needs that answer (see :mod:`asgi_generate.pd`).
+        self.prefill_gate: anyio.Event | None = None
+        #: The request's share of the body budget, given back once the first
+        #: worker request is built (the body is decoded and checked then).
+        self.lease: Lease | None = None
+        #: The last attempt failed mid-answer and the request migrates.
+        self.resuming = False
+        #: Workers this request failed on, never tried again for it.
+        self.tried: list[Worker] = []
+
+    def worker_lost(self, worker: Worker, reason: str) -> None:
+        """The router's health probe gave ``worker`` up: stop waiting for it.
+
+        The leg is cancelled at once, or right after the client write under
+        way (a write is never cut in two); :meth:`_attempt` then resumes
+        the stream on another worker (migration) or ends the request.
+        """
+        if self.lost is not None or self.st.response_complete or self.st.attempts[-1].worker is not worker:
+            return
+        self.lost = reason
+        if not self.in_send and self.leg is not None:
+            self.leg.cancel()
+
+    def cancel_for_shutdown(self) -> None:
+        """Stop this request because the server is shutting down; the
+        handler then ends the answer cleanly and aborts the engine."""
+        self.shutdown = True
+        if self.scope is not None:
+            self.scope.cancel()
+
+    async def run(self) -> None:
+        router = self.app.router
+        tried = self.tried
+        protocol = self.codec.worker_protocol
+        while True:
+            if self.resuming:  # a resumed leg runs aggregated
+                worker = router.pick(protocol, tried)
+                plan = None if worker is None else (worker,)
+            else:
+                plan = router.plan(protocol, tried)
+            if plan is None and self.resuming:
+                await self.fail(RequestError(
+                    502, f"no worker left to resume on after {self.st.migrations} migration(s)", "worker_lost"
+                ), "engine_error")
+                return
+            if plan is None:
+                why = "no healthy worker" if router.has_protocol(protocol) else "no worker configured"
+                await self.fail(
+                    RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"), "unavailable"
+                )
+                return
+            if len(plan) == 2:  # a prefill/decode pair
+                failed = await run_pair(self, *plan)
+                if not failed:
+                    return
+                tried += failed
+                continue
+            worker = plan[0]
+            if self.resuming:  # migration: continue where the client's answer stands
+                self.st.migrations += 1
+                attempt = Attempt(ids.mint(), "resumed", worker.id, worker.info, worker, resumes=list(self.sent_ids))
+            else:
+                attempt = Attempt(ids.mint(), "aggregated", worker.id, worker.info, worker)
+            try:
+                wreq = self.ex.worker_request(attempt)
+            except RequestError as exc:  # nothing was sent to any engine
+                await self.refuse(exc)
+                return
+            finally:
+                self.release_body()
+            self.st.attempts.append(attempt)
+            self.lost = None
+            worker.inflight.add(self)
+            try:
+                retry = await self._attempt(worker, attempt, wreq)
+            finally:
+                worker.inflight.discard(self)
+            if not retry:
+                return
+            tried.append(worker)
+
+    def release_body(self) -> None:
+        """Give the request's share of the body budget back (once its first
+        worker request is built, the body is decoded and checked)."""
+        if self.lease is not None:
+            self.lease.release()
+
+    async def refuse(self, exc: RequestError) -> None:
+        """Answer a request the codec refused while building a worker
+        request (nothing reached an engine), in-band if the format says so."""
+        # Nothing to replay; and a prompt too long for the model may be
+        # millions of ids, which the record must not keep alive.
+        self.st.input_ids = None
+        self.st.replay_excluded = "rejected"
+        if exc.in_band and not self.st.response_started:
+            await send_in_band_error(self.codec, self._write, self.st, exc)
+        else:
+            await self.fail(exc, "rejected")
+
+    async def _attempt(self, worker: Worker, attempt: Attempt, wreq: WorkerRequest) -> bool:
+        """Run one attempt; return whether to try another worker.
+
+        Phase deadlines (each 0 = none): a streamed leg gets
+        ``headers_timeout`` to its response head, ``first_token_timeout``
+        to its first SSE event, then ``inter_token_timeout`` between events
+        (comments do not count); a unary leg, silent until its answer is
+        whole, gets ``request_timeout`` in all. A leg past its deadline is
+        left live for the abort and its request ends with 504 (in-band
+        after the 200); the worker is not marked down and nothing is retried,
+        except that a stream silent past ``inter_token_timeout`` migrates.
+
+        Migration (:meth:`_migrate`): a stream cut mid-answer by a worker
+        that is gone (broken connection and failed probe, or lost by the
+        health probe), silent between tokens, or answering 503 continues on
+        another worker as a ``resumed`` attempt; a client disconnect, an
+        engine's own error or abort finish never does.
+        """
+        st, ex, settings = self.st, self.ex, self.app.settings
+        if st.t_dispatched is None:
+            st.t_dispatched = time.monotonic()
+        attempt.live = True
+        phase, limit = opening_phase(settings, wreq.stream)
+        deadline = deadline_in(limit)
+        try:
+            with anyio.CancelScope() as self.leg:
+                if self.lost is not None:  # lost before the leg began
+                    self.leg.cancel()
+                async with worker.pool.request(
+                    b"POST", wreq.path, wreq.body, wreq.headers, head_deadline=deadline
+                ) as resp:
+                    if wreq.stream:
+                        phase, limit = "first_token", settings.first_token_timeout
+                        deadline = deadline_in(limit)
+                    if resp.status != 200:
+                        body = await resp.read(deadline)
+                        attempt.live = False
+                        attempt.outcome = "error"
+                        if resp.status == 503 and self._migrate(attempt, f"answered {resp.status}"):
+                            return True  # the worker is going away
+                        status, body = ex.worker_error(resp.status, body)
+                        st.fail(
+                            "engine_error" if status >= 500 else "rejected",
+                            status,
+                            "engine",
+                            body[:512].decode("utf-8", "replace"),
+                        )
+                        await self._unary(status, body)
+                        return False
+                    if not wreq.stream:
+                        await self._feed_whole(attempt, await resp.read(deadline))
+                    else:
+                        decoder = SSEDecoder()
+                        between = settings.inter_token_timeout
+                        while (data := await resp.read_some(deadline)) is not None:
+                            payloads = decoder.feed(data)
+                            if not payloads:  # only comments or part of an event
+                                continue
+                            phase, limit = "inter_token", between
+                            deadline = deadline_in(between)
+                            for payload in payloads:
+                                if not st.response_complete and payload != DONE:
+                                    await self._feed(attempt, payload)
+                            if self.outbox:
+                                await self._flush()
+                    if not st.response_complete:
+                        event = ex.end_of_stream(attempt)
+                        if event is None or (event.error is None and event.finish_reason is None):
+                            raise WorkerError("worker ended the response without a finish reason")
+                        await self._settle(attempt, event)
+                    return False
+        except ConnectFailed as exc:
+            attempt.live = False
+            attempt.outcome = "connect_failed"
+            self.app.router.mark_down(worker, str(exc))
+            return True
+        except TimedOut:
+            if st.response_complete:  # only the drain after the answer was slow
+                return False
+            if phase == "inter_token" and self._migrate(attempt, f"sent no token for {limit:g} s"):
+                attempt.outcome = "timeout"  # still live: aborted when the request ends
+                return True
+            # Slow is not dead: the leg stays live so that it is aborted.
+            await self.fail(RequestError(504, timeout_message(worker.id, phase, limit), "timeout"), "timeout")
+            return False
+        except WorkerError as exc:
+            if self.st.response_complete:  # only the drain after the answer failed
+                return False
+            # A broken connection may be this request's doing (SGLang drops
+            # a stream whose generator raised): ask the worker itself before
+            # taking it out, so no client can empty the rotation.
+            if await self.app.router.probe(worker):
+                attempt.outcome = "error"
+                await self.fail(
+                    RequestError(502, f"worker {worker.id} broke the connection mid-answer: {exc}", "engine"),
+                    "engine_error",
+                )
+                return False
+            attempt.outcome = "worker_lost"
+            if not self.st.response_started and self.pending == 0:
+                return True
+            if await self._held_finish(attempt) or self._migrate(attempt, str(exc)):
+                return not st.response_complete
+            await self.fail(RequestError(502, self._failed(worker, f"failed: {exc}"), "engine"), "engine_error")
+            return False
+        except RequestError as exc:  # the worker broke its protocol
+            attempt.outcome = "error"
+            await self.fail(exc, "engine_error")
+            return False
+        finally:
+            self.leg = None
+        # Only a cancelled leg gets here: the health probe gave the worker up.
+        # Its record is written at once: a lost worker's leg gets no abort.
+        attempt.outcome = "worker_lost"
+        if self._migrate(attempt, f"lost: {self.lost}"):
+            return True
+        await self.fail(RequestError(502, self._failed(worker, f"lost: {self.lost}"), "worker_lost"), "engine_error")
+        return False
+
+    def _migrate(self, attempt: Attempt, why: str) -> bool:
+        """Whether the request, whose aggregated ``attempt`` failed
+        mid-answer for a migratable reason (``why``), continues on another
+        worker: migration is on, the answer is a stream the codec can
+        resume, another worker is up, and the request's ``migration_limit``
+        is not spent. (P/D
+        legs fail over by :mod:`asgi_generate.pd`'s rules.)"""
+        st = self.st
+        if self.sent_ids is None or attempt.role not in ("aggregated", "resumed"):
+            return False
+        if self.ex.resume_refusal() is not None:
+            return False
+        if self.app.router.pick(self.codec.worker_protocol, [*self.tried, attempt.worker]) is None:
+            return False  # nowhere to go: the failure itself is the answer
+        if st.migrations >= self.app.settings.migration_limit:
+            return False
+        self.resuming = True
+        log.info("request %s: worker %s %s; resuming after %d tokens (migration %d)",
+                 st.request_id, attempt.worker_id, why, len(self.sent_ids), st.migrations + 1)
+        return True
+
+    def _failed(self, worker: Worker, what: str) -> str:
+        """The client's message for a worker failure that ends the request,
+        saying so when the migration limit was what ended it."""
+        limit = self.app.settings.migration_limit
+        spent = self.sent_ids is not None and self.st.migrations >= limit > 0
+        return f"worker {worker.id} {what}" + (f" (migration limit {limit} reached)" if spent else "")
+
+    async def _held_finish(self, attempt: Attempt) -> bool:
+        """A stream cut after its finishing event (e.g. vLLM's finish reason
+        held for a usage chunk that never came) is finished, not resumed."""
+        event = self.ex.end_of_stream(attempt)
+        if event is None or (event.error is None and event.finish_reason is None):
+            return False
+        await self._settle(attempt, event)
+        return True
+
+    async def _feed(self, attempt: Attempt, payload: bytes) -> None:
+        if self.prefill_gate is not None and attempt.role == "decode":
+            await self.prefill_gate.wait()
+        await self._settle(attempt, self.ex.feed(attempt, payload))
+
+    async def _feed_whole(self, attempt: Attempt, body: bytes) -> None:
+        # One unary worker answer carries no token timing: TTFT and ITL
+        # stay unknown rather than equal to the total.
+        self.timed = False
+        await self._feed(attempt, body)
+
+    async def _settle(self, attempt: Attempt, event: Event) -> None:
+        attempt.tokens += len(event.token_ids)
+        if event.error is not None or event.finish_reason is not None:
+            attempt.live = False
+            attempt.outcome = "finished" if event.error is None else "error"
+        await self._deliver(event)
+
