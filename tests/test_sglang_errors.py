@@ -41,6 +41,13 @@ BAD = [
      {"error": {"message": "n > 1 is not supported by asgi-generate yet; send n separate requests."}}),
     ("bootstrap", b'{"input_ids": [1], "bootstrap_room": 7}', 400,
      {"error": {"message": "bootstrap_room is set by the frontend for prefill/decode routing; do not send it."}}),
+    ("bootstrap-host", b'{"input_ids": [1], "bootstrap_host": "10.0.0.1"}', 400,
+     {"error": {"message": "bootstrap_host is set by the frontend for prefill/decode routing; do not send it."}}),
+    ("bootstrap-port", b'{"input_ids": [1], "bootstrap_port": 8998}', 400,
+     {"error": {"message": "bootstrap_port is set by the frontend for prefill/decode routing; do not send it."}}),
+    ("bootstrap-pair-key", b'{"input_ids": [1], "bootstrap_pair_key": "k"}', 400,
+     {"error": {"message": "bootstrap_pair_key is set by the frontend for prefill/decode routing; "
+                           "do not send it."}}),
     ("negative-max", b'{"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}', 400,
      {"error": {"message": "max_new_tokens must be at least 0, got -1."}}),
 ]
@@ -59,7 +66,8 @@ def test_bad_input_never_reaches_the_engine(frontend, sims, name, body, status, 
 SHARED = {"empty-input-ids": {"input_ids": []}, "no-input": {"sampling_params": {}},
           "negative-max": {"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}}
 IN_BAND = [(name, orjson.loads(body) | {"stream": True}, expected) for name, body, status, expected in BAD
-           if name in ("empty-input-ids", "negative-id", "no-input", "batch", "n-2", "bootstrap", "negative-max")]
+           if name in ("empty-input-ids", "negative-id", "no-input", "batch", "n-2", "bootstrap", "bootstrap-pair-key",
+                        "negative-max")]
 
 
 @pytest.mark.parametrize("name,body,expected", IN_BAND, ids=[b[0] for b in IN_BAND])

@@ -303,20 +303,25 @@ def test_unary_prompt_logprobs_through_the_frontend(vfront, vsim, k):
     check_parity(vfront, vsim, body)
 
 
-def test_unary_prefill_leg_kv_transfer_params_pass_through(vfront, vsim):
-    # A P/D proxy's prefill leg (reference section 4); the simulator has no
-    # KV connector, so it answers kv_transfer_params null, as vLLM would.
+KV_REFUSED = {"error": {
+    "message": "kv_transfer_params is set by the frontend for prefill/decode routing; do not send it.",
+    "type": "BadRequestError", "param": "kv_transfer_params", "code": 400}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_client_kv_transfer_params_are_refused(vfront, vsim, stream):
+    # A P/D proxy's prefill leg (reference section 4) sent by a client: the
+    # frontend owns the field (it could name another request's KV blocks),
+    # so it is refused before any engine sees it, aggregated fleet or not.
     kv = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
           "remote_block_ids": None, "remote_host": None, "remote_port": None}
-    body = {"token_ids": PROMPT, "kv_transfer_params": kv, "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0}}
+    body = {"token_ids": PROMPT, "kv_transfer_params": kv, "stream": stream, "sampling_params": {"max_tokens": 1}}
     before = stats(vsim)["received"]
     got = post(vfront.url, body, GEN)
-    assert stats(vsim)["received"] == before + 1
-    assert got.status_code == 200
-    answer = made_up(got.json())
-    assert (answer["choices"][0]["token_ids"], answer["choices"][0]["finish_reason"]) == ([2358], "length")
-    assert (answer["kv_transfer_params"], answer["usage"]["completion_tokens"]) == (None, 1)
-    check_parity(vfront, vsim, body)
+    assert (got.status_code, got.json()) == (400, KV_REFUSED)
+    assert stats(vsim)["received"] == before
+    # null is no value (vLLM's render routes send it): answered as usual.
+    check_parity(vfront, vsim, {**body, "kv_transfer_params": None})
 
 
 def test_stream_usage_chunk_only_when_asked(vfront):

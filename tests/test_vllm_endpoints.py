@@ -457,6 +457,14 @@ def test_routed_experts_are_null_without_the_server_flag(served):
     assert answer["choices"][0]["routed_experts"] is None
 
 
-def test_kv_transfer_params_are_accepted(served):
-    status, answer = ask(served, {**sp(max_tokens=1), "kv_transfer_params": {"do_remote_decode": True}})
+def test_kv_transfer_params_are_refused_by_the_frontend(served):
+    """vLLM itself accepts a client's kv_transfer_params (the simulator, as
+    an engine without a KV connector, answers null); the frontend owns the
+    field and refuses it, since it could name another request's KV."""
+    _, sim, front = served
+    body = {**sp(max_tokens=1), "model": "sim", "request_id": "case", "kv_transfer_params": {"do_remote_decode": True}}
+    status, answer = _unary(sim.url, body)
     assert (status, answer["kv_transfer_params"]) == (200, None)
+    assert _unary(front.url, body) == (400, {"error": {
+        "message": "kv_transfer_params is set by the frontend for prefill/decode routing; do not send it.",
+        "type": "BadRequestError", "param": "kv_transfer_params", "code": 400}})

@@ -6,7 +6,9 @@ token_in_token_out/``). Requests are checked only where the frontend relies on
 them, as vLLM checks them (:mod:`asgi_generate_vllm.schema`); every field
 passes to the engine untouched except ``request_id`` and, on streaming legs,
 ``stream_options``, so values only the engine judges get the answer of the
-vLLM version behind the worker.
+vLLM version behind the worker. ``kv_transfer_params`` is the frontend's to
+set (P/D): a client's non-null value is refused with 400 on every mode, since
+it could name another request's KV blocks.
 
 Versions. What differs between vLLM versions
 (:mod:`asgi_generate.workers.versions`) is read from the attempt's worker
@@ -152,6 +154,14 @@ class VLLMCodec(Codec):
         except orjson.JSONDecodeError as exc:
             raise validation_error("json_invalid", (exc.pos,), "JSON decode error", {}, {"error": exc.msg}) from None
         check(obj, GENERATE_REQUEST)
+        if obj.get("kv_transfer_params") is not None:
+            # The frontend's to set for P/D: a client naming another
+            # request's KV blocks could read them (null, as vLLM's render
+            # routes send it, is no value).
+            raise bad_request(
+                "kv_transfer_params is set by the frontend for prefill/decode routing; do not send it.",
+                "kv_transfer_params",
+            )
         sp = obj.get("sampling_params") or {}
         max_tokens = sp.get("max_tokens")
         token_ids = obj["token_ids"]
