@@ -117,6 +117,10 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                        help="auto: a request runs as a prefill/decode pair when its protocol has both up, "
                             "else on an aggregated worker; always: pairs only; never: aggregated only "
                             "(default %(default)s)")
+    serve.add_argument("--pd-fallback", action=argparse.BooleanOptionalAction, default=d.pd_fallback,
+                       help="vLLM P/D: when the prefill worker answers no kv_transfer_params (it stopped "
+                            "before its one-token cap), let the decode worker prefill alone (recorded as "
+                            "local_prefill) instead of failing the request (default %(default)s)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     serve.add_argument("--port", type=PORT, default=8000, help="port to listen on (default %(default)s)")
     serve.add_argument("--fd", type=_bounded(int, 0), default=None,
@@ -274,6 +278,9 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     sim.add_argument("--kv-expiry-s", type=_bounded(float, 0.001), default=480.0, metavar="S",
                      help="seconds a producer keeps KV blocks no consumer read (vLLM "
                           "VLLM_NIXL_ABORT_REQUEST_TIMEOUT) (default %(default)s)")
+    sim.add_argument("--enable-return-routed-experts", action="store_true",
+                     help="vLLM: answer each finished choice's routed_experts (base64 .npy rows), as vLLM "
+                          "--enable-return-routed-experts does (SGLang requests ask return_routed_experts)")
     sim.add_argument("--disconnect-abort-s", type=_bounded(float, 0), default=2.0, metavar="S",
                      help="SGLang: seconds after a client vanished before the engine aborts its request "
                           "itself, as SGLang's background abort does (default %(default)s)")
@@ -294,6 +301,7 @@ def _settings(args: argparse.Namespace, d: Settings) -> Settings:
         prefill=args.prefill if args.prefill is not None else d.prefill,
         decode=args.decode if args.decode is not None else d.decode,
         disaggregation=args.disaggregation,
+        pd_fallback=args.pd_fallback,
         max_body_bytes=args.max_body_bytes,
         body_budget_bytes=args.body_budget_bytes,
         body_budget_wait=args.body_budget_wait,
@@ -439,6 +447,7 @@ def _sim_app(args: argparse.Namespace) -> "SimApp":
         kv_role=args.kv_role,
         kv_expiry_s=args.kv_expiry_s,
         disconnect_abort_s=args.disconnect_abort_s,
+        routed_experts=args.enable_return_routed_experts,
     )
 
 

@@ -36,6 +36,12 @@ class Route:
     path: str
 
 
+#: The :class:`RequestError` kind of a P/D decode leg that cannot start: its
+#: prefill leg answered no KV hand-over (vLLM ``kv_transfer_params``);
+#: ``--pd-fallback`` then runs it as a ``local_prefill`` attempt.
+NO_KV_TRANSFER = "no_kv_transfer"
+
+
 class RequestError(Exception):
     """A request the frontend refuses, rendered in the format's error shape.
 
@@ -44,7 +50,8 @@ class RequestError(Exception):
         message: what was wrong, for a human.
         kind: a short machine name (``invalid_json``, ``invalid_request``,
             ``too_large``, ``unsupported_media_type``, ``method_not_allowed``,
-            ``unavailable``, ``shutdown``, ``engine``, ``internal``); codecs
+            ``unavailable``, ``shutdown``, ``engine``, ``internal``,
+            :data:`NO_KV_TRANSFER`); codecs
             may pick their error shape from it.
         in_band: the format reports this error inside a stream the client
             asked for: HTTP 200, ``text/event-stream``, the format's in-band
@@ -141,6 +148,9 @@ class Attempt:
             bootstrap_room)`` joining it to the other leg of its pair (the
             prefill worker's host and bootstrap port, a room minted per
             attempt); ``None`` otherwise.
+        local_prefill: a vLLM decode leg sent without the prefill leg's
+            ``kv_transfer_params`` (it answered none, and ``--pd-fallback``
+            let the decode worker prefill alone).
     """
 
     engine_id: str
@@ -154,6 +164,7 @@ class Attempt:
     bootstrap: tuple[str, int, int] | None = None
     resumes: list[int] | None = None
     tokens: int = 0
+    local_prefill: bool = False
 
 
 @dataclass(slots=True)

@@ -54,6 +54,10 @@ class Settings:
             (default 8998).
         disaggregation: ``auto`` (P/D pairs when the protocol has both
             roles up, else aggregated), ``always`` or ``never``.
+        pd_fallback: a vLLM prefill leg that answered no
+            ``kv_transfer_params`` lets the decode leg prefill alone
+            (recorded as the decode attempt's ``local_prefill``) instead of
+            failing the request.
         max_body_bytes: request body cap; larger bodies get 413.
         body_budget_bytes: request body bytes that may be read and decoded
             at once, over all requests (a chunked body counts as
@@ -162,6 +166,7 @@ class Settings:
     prefill: list[tuple[str, str]] = field(default_factory=list)
     decode: list[tuple[str, str]] = field(default_factory=list)
     disaggregation: str = "auto"
+    pd_fallback: bool = False
     embedded_pd: bool = False
 
     @classmethod

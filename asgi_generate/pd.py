@@ -7,7 +7,9 @@ vLLM's legs run one after the other (``WorkerProtocol.pd_legs ==
 "sequential"``, vLLM's P/D proxies): the prefill leg (unary, one token, with
 ``kv_transfer_params`` asking for a remote decode) is read whole into the
 codec, then the decode leg carries the ``kv_transfer_params`` it answered
-and is an ordinary attempt whose events go to the client.
+and is an ordinary attempt whose events go to the client. A prefill leg that
+answered none fails the request, unless ``--pd-fallback`` lets the decode
+worker prefill alone (the decode attempt's ``local_prefill``).
 
 SGLang's legs run concurrently (``pd_legs == "concurrent"``): both get the
 client's body with a bootstrap room minted per attempt, the prefill worker's
@@ -36,7 +38,7 @@ from urllib.parse import urlsplit
 import anyio
 
 from . import ids
-from .codec import Attempt, Event, RequestError, WorkerRequest
+from .codec import NO_KV_TRANSFER, Attempt, Event, RequestError, WorkerRequest
 from .client_stream import abort_live_legs
 from .deadlines import deadline_in, opening_phase, timeout_message
 from .framing import SSEDecoder
@@ -176,7 +178,13 @@ async def _run_sequential(gen: "Generation", prefill: Worker, decode: Worker) ->
         await _answer_prefill_error(gen, result)
         return []
     try:
-        d_req = ex.worker_request(d_att)
+        try:
+            d_req = ex.worker_request(d_att)
+        except RequestError as exc:
+            if exc.kind != NO_KV_TRANSFER or not gen.app.settings.pd_fallback:
+                raise
+            d_att.local_prefill = True  # recorded: the decode worker prefills alone
+            d_req = ex.worker_request(d_att)
     except RequestError as exc:  # the prefill's answer cannot start a decode
         await gen.fail(exc, "engine_error")
         return []

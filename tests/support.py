@@ -7,6 +7,7 @@ is stopped by the fixture that started it.
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import pathlib
@@ -266,3 +267,39 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02):
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(interval)
+
+
+class Traced:
+    """A frontend started with ``--trace-file`` and ``args``: its records,
+    one per request, taken in order."""
+
+    def __init__(self, tmp_path_factory, args: list[str], worker_class: str = "trio") -> None:
+        self.base = str(tmp_path_factory.mktemp("traced") / "trace")
+        self.proc = start_frontend([], worker_class=worker_class, extra=["--trace-file", self.base + ".jsonl", *args])
+        self.url = self.proc.url
+        self.taken = 0
+
+    def records(self) -> list[dict]:
+        return [orjson.loads(line) for f in sorted(glob.glob(f"{self.base}.*.jsonl"))
+                for line in pathlib.Path(f).read_bytes().splitlines()]
+
+    def take(self, n: int = 1) -> list[dict]:
+        """The next ``n`` records, once written (exactly ``n`` new ones)."""
+        recs = wait_until(lambda: (r := self.records()) and len(r) >= self.taken + n and r)
+        assert len(recs) == self.taken + n, "one record per request"
+        new = recs[self.taken:]
+        self.taken += n
+        return new
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+def vnorm(obj):
+    """A vLLM answer or chunk without what differs between any two runs
+    (the request id, ``created``)."""
+    if isinstance(obj, dict):
+        return {k: vnorm(v) for k, v in obj.items() if k not in ("request_id", "created")}
+    if isinstance(obj, list):
+        return [vnorm(v) for v in obj]
+    return obj

@@ -10,9 +10,6 @@ gone, a prefill that fails, a decode that never gets its KV.
 
 from __future__ import annotations
 
-import glob
-import pathlib
-import time
 
 import httpx
 import orjson
@@ -29,6 +26,8 @@ from support import (
     start_frontend,
     start_sim,
     stats,
+    Traced,
+    vnorm,
     wait_until,
     without_timing,
 )
@@ -112,33 +111,16 @@ def prefill_spec(sim) -> str:
     return f"sglang={sim.url}?bootstrap_port={port}"
 
 
-class Fleet:
-    """A frontend with ``--trace-file`` in front of P/D simulators."""
+class Fleet(Traced):
+    """A frontend with ``--trace-file`` in front of SGLang P/D simulators."""
 
     def __init__(self, tmp_path_factory, prefills, decodes, worker_class="trio", extra=()) -> None:
-        self.base = str(tmp_path_factory.mktemp("pd") / "trace")
-        args = ["--trace-file", self.base + ".jsonl", "--disaggregation", "always", *extra]
+        args = ["--disaggregation", "always", *extra]
         for p in prefills:
             args += ["--prefill", prefill_spec(p)]
         for d in decodes:
             args += ["--decode", f"sglang={d.url}"]
-        self.proc = start_frontend([], worker_class=worker_class, extra=args)
-        self.url = self.proc.url
-        self.taken = 0
-
-    def records(self) -> list[dict]:
-        return [orjson.loads(line) for f in sorted(glob.glob(f"{self.base}.*.jsonl"))
-                for line in pathlib.Path(f).read_bytes().splitlines()]
-
-    def take(self, n: int = 1) -> list[dict]:
-        recs = wait_until(lambda: (r := self.records()) and len(r) >= self.taken + n and r)
-        assert len(recs) == self.taken + n, "one record per request"
-        new = recs[self.taken:]
-        self.taken += n
-        return new
-
-    def stop(self) -> None:
-        self.proc.stop()
+        super().__init__(tmp_path_factory, args, worker_class)
 
 
 @pytest.fixture(scope="module")
@@ -436,130 +418,7 @@ def test_prefill_worker_down_goes_to_another_pair(tmp_path_factory):
             s.stop()
 
 
-# -- vLLM: sequential legs ---------------------------------------------------------
-
 GEN = "/inference/v1/generate"
-
-
-@pytest.fixture(scope="module")
-def vsims():
-    procs = {"prefill": start_sim("vllm", extra=["--kv-role", "producer", "--kv-expiry-s", "0.5"]),
-             "decode": start_sim("vllm", itl_ms=30, extra=["--kv-role", "consumer"]),
-             "agg": start_sim("vllm")}
-    yield procs
-    for p in procs.values():
-        p.stop()
-
-
-@pytest.fixture(scope="module", params=["trio", "asyncio"])
-def vfront(request, vsims, tmp_path_factory):
-    base = str(tmp_path_factory.mktemp("vpd") / "trace")
-    fe = Fleet.__new__(Fleet)
-    fe.base, fe.taken = base, 0
-    fe.proc = start_frontend([], worker_class=request.param, extra=[
-        "--trace-file", base + ".jsonl", "--prefill", f"vllm={vsims['prefill'].url}",
-        "--decode", f"vllm={vsims['decode'].url}"])
-    fe.url = fe.proc.url
-    yield fe
-    fe.stop()
-
-
-def _vnorm(obj):
-    """A vLLM answer or chunk without what differs between any two runs
-    (the request id, ``created``)."""
-    if isinstance(obj, dict):
-        return {k: _vnorm(v) for k, v in obj.items() if k not in ("request_id", "created")}
-    if isinstance(obj, list):
-        return [_vnorm(v) for v in obj]
-    return obj
-
-
-VBODIES = {
-    "plain": {"token_ids": PROMPT, "sampling_params": {"max_tokens": 8}},
-    "logprobs": {"token_ids": [5, 9, 77, 300, 12], "sampling_params": {"max_tokens": 5, "logprobs": 3,
-                                                                       "prompt_logprobs": 2, "min_tokens": 2}},
-    "one_token": {"token_ids": PROMPT, "sampling_params": {"max_tokens": 1, "logprobs": 1}},
-    "one_token_prompt": {"token_ids": [42], "sampling_params": {"max_tokens": 4}},
-}
-
-
-@pytest.mark.parametrize("name", list(VBODIES))
-@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
-def test_vllm_pd_is_the_aggregated_answer(vfront, vsims, name, stream):
-    body = {**VBODIES[name], "stream": stream}
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-        status, got = sse(vfront.url, body, GEN)
-        _, want = sse(vsims["agg"].url, body, GEN)
-        assert status == 200 and got[-1] == b"[DONE]"
-        same([_vnorm(orjson.loads(e)) for e in got[:-1]], [_vnorm(orjson.loads(e)) for e in want[:-1]])
-        ids = [t for e in got[:-1] for c in orjson.loads(e)["choices"] for t in c["token_ids"]]
-    else:
-        got = post(vfront.url, body, GEN)
-        assert got.status_code == 200
-        same(_vnorm(got.json()), _vnorm(post(vsims["agg"].url, body, GEN).json()))
-        ids = got.json()["choices"][0]["token_ids"]
-    (rec,) = vfront.take()
-    assert rec["status"] == "ok" and rec["output_tokens"] == len(ids)
-    p, d = rec["attempts"]
-    assert (p["role"], p["outcome"], d["role"], d["outcome"]) == ("prefill", "finished", "decode", "finished")
-    assert p["engine_id"] == d["engine_id"]  # one X-Request-Id on both legs
-    rid = "generate-tokens-" + p["engine_id"]
-    assert rid in stats(vsims["prefill"])["seen_rids"] and rid in stats(vsims["decode"])["seen_rids"]
-    wait_until(lambda: stats(vsims["prefill"])["kv_blocks_held"] == 0)  # the consumer read them
-
-
-def test_vllm_prefill_without_kv_transfer_params_is_an_error(vfront, vsims):
-    """A prefill that stops before its length cap (here: on its one token)
-    gets no kv_transfer_params from vLLM's producer: an error of that leg,
-    never a silent local prefill."""
-    before = stats(vsims["decode"])["received"]
-    r = post(vfront.url, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 8, "stop_token_ids": [2358]}}, GEN)
-    assert r.status_code == 502
-    assert r.json() == {"error": {"message": "the prefill worker answered no kv_transfer_params",
-                                  "type": "Bad Gateway",
-                                  "param": None, "code": 502}}
-    assert stats(vsims["decode"])["received"] == before
-    assert stats(vsims["prefill"])["kv_blocks_held"] == 0
-    (rec,) = vfront.take()
-    assert rec["status"] == "engine_error"
-    assert [(a["role"], a["outcome"]) for a in rec["attempts"]] == [("prefill", "finished")]
-
-
-def test_vllm_consumer_prefills_locally_when_blocks_expired(vsims):
-    """The producer drops blocks nobody read after --kv-expiry-s; a consumer
-    given them prefills alone (counted) and answers the same."""
-    p, d = vsims["prefill"], vsims["decode"]
-    leg = post(p.url, {"token_ids": PROMPT, "kv_transfer_params": {"do_remote_decode": True},
-                       "sampling_params": {"max_tokens": 1}}, GEN).json()
-    kv = leg["kv_transfer_params"]
-    assert kv["do_remote_prefill"] is True and kv["remote_port"] > 0 and kv["remote_block_ids"] == [
-        kv["remote_block_ids"][0]]
-    assert stats(p)["kv_blocks_held"] == 1
-    expired = stats(p)["kv_blocks_expired"]
-    wait_until(lambda: stats(p)["kv_blocks_held"] == 0, timeout=5)
-    assert stats(p)["kv_blocks_expired"] == expired + 1
-    local = stats(d)["local_prefills"]
-    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 5}}
-    got = post(d.url, {**body, "kv_transfer_params": kv}, GEN).json()
-    assert stats(d)["local_prefills"] == local + 1
-    same(_vnorm(got), _vnorm(post(vsims["agg"].url, body, GEN).json()))
-
-
-def test_vllm_disconnect_during_decode(vfront, vsims):
-    p, d = vsims["prefill"], vsims["decode"]
-    c = RawClient(vfront.url)
-    c.send(orjson.dumps({"token_ids": PROMPT, "stream": True,
-                         "sampling_params": {"max_tokens": 60, "ignore_eos": True}}), path=GEN)
-    assert len(c.events(2)) == 2
-    (rid,) = stats(d)["running_rids"]
-    c.close()
-    wait_until(lambda: rid in stats(d)["abort_named_ids"] and stats(d)["running"] == 0, timeout=3)
-    assert stats(p)["running"] == 0 and stats(p)["kv_blocks_held"] == 0
-    (rec,) = vfront.take()
-    assert rec["status"] == "client_disconnect"
-    assert [(a["role"], a["outcome"], a.get("abort_acked")) for a in rec["attempts"]] == [
-        ("prefill", "finished", None), ("decode", "aborted", True)]
 
 
 def test_serve_embedded_pd_serves_pairs_of_both_protocols():
@@ -578,7 +437,7 @@ def test_serve_embedded_pd_serves_pairs_of_both_protocols():
         g = post(fe.url, body).json()
         same(without_timing(g), without_timing(_unid(post(agg["sglang"], body).json(), g["meta_info"]["id"])))
         vbody = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 5, "logprobs": 1}}
-        same(_vnorm(post(fe.url, vbody, GEN).json()), _vnorm(post(agg["vllm"], vbody, GEN).json()))
+        same(vnorm(post(fe.url, vbody, GEN).json()), vnorm(post(agg["vllm"], vbody, GEN).json()))
         pairs = {w["id"] for w in workers if w["role"] != "aggregated"}
         served = {k for k, v in httpx.get(fe.url + "/stats", timeout=5).json()["workers"].items()
                   if v["connections_opened"] > 0}

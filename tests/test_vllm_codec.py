@@ -87,7 +87,7 @@ def test_multimodal_is_excluded_from_replay():
 
 WIDE_BODY = {
     "token_ids": [1, 2], "request_id": "client", "model": "m", "cache_salt": "s", "priority": 3,
-    "kv_transfer_params": {"do_remote_prefill": True}, "custom": [1],
+    "ec_transfer_params": {"do_remote_prefill": True}, "kv_transfer_params": None, "custom": [1],
     "features": {"mm_hashes": {}, "mm_placeholders": {}},
     "stream_options": {"include_usage": False, "continuous_usage_stats": True, "extra": 1},
     "sampling_params": {"max_tokens": 3, "temperature": 0.5, "seed": 1, "prompt_logprobs": 2},
@@ -216,20 +216,16 @@ def test_unary_answer_usage_only_where_it_is_counted(usage, counts):
     assert ex.unary_body() == (200, answer)
 
 
-def test_unary_prefill_leg_passes_through():
-    body = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 1, "prompt_logprobs": 1},
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_kv_transfer_params_are_refused(stream):
+    body = {"token_ids": [1, 2], "stream": stream, "sampling_params": {"max_tokens": 1},
             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                                    "remote_block_ids": None, "remote_host": None, "remote_port": None}}
-    ex = exchange(body)
-    wreq = ex.worker_request(ATTEMPT)
-    assert (wreq.stream, orjson.loads(wreq.body)) == (False, {**body, "request_id": ENGINE_ID})
-    kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [3, 4], "remote_engine_id": "e-1",
-          "remote_request_id": f"generate-tokens-{ENGINE_ID}", "remote_host": "10.0.0.5", "remote_port": 5600,
-          "tp_size": 2}
-    answer = unary_answer([5], "length", {"prompt_tokens": 2, "total_tokens": 3, "completion_tokens": 1},
-                          kv_transfer_params=kv)
-    assert ex.feed(ATTEMPT, answer) == Event([5], "length", prompt_tokens=2, completion_tokens=1)
-    assert ex.unary_body() == (200, answer)
+    with pytest.raises(RequestError) as exc:
+        decode(body)
+    assert (exc.value.status, orjson.loads(CODEC.error_body(exc.value))) == (400, {"error": {
+        "message": "kv_transfer_params is set by the frontend for prefill/decode routing; do not send it.",
+        "type": "BadRequestError", "param": "kv_transfer_params", "code": 400}})
 
 
 def test_stream_without_finish_reason_ended_by_abort():

@@ -80,6 +80,8 @@ class SimApp:
             (decode) of a KV connector (:mod:`asgi_generate.sim.kvconnector`);
             ``None`` for aggregated.
         kv_expiry_s: how long a producer keeps blocks no consumer read.
+        routed_experts: vLLM ``--enable-return-routed-experts`` (SGLang
+            requests ask with ``return_routed_experts``).
         disconnect_abort_s: SGLang: seconds after its client vanished that a
             request is aborted by the engine itself (SGLang's background abort
             task); tests raise it so only the frontend's abort can stop a job.
@@ -108,6 +110,7 @@ class SimApp:
         kv_role: str | None = None,
         kv_expiry_s: float = DEFAULT_EXPIRY_S,
         disconnect_abort_s: float = 2.0,
+        routed_experts: bool = False,
     ) -> None:
         if protocol not in ("sglang", "vllm"):
             raise ValueError(f"unknown simulator protocol {protocol!r}")
@@ -122,6 +125,8 @@ class SimApp:
             self.disagg = DecodeKV(disaggregation_timeout_s)
         if kv_role not in (None, "producer", "consumer"):
             raise ValueError(f"unknown KV role {kv_role!r}")
+        if routed_experts and protocol != "vllm":
+            raise ValueError("--enable-return-routed-experts is vLLM's; SGLang requests ask return_routed_experts")
         if kv_role is not None and protocol != "vllm":
             raise ValueError("--kv-role is vLLM's; SGLang P/D uses --disaggregation-mode")
         self.kv: KVProducer | KVConsumer | None = (
@@ -140,6 +145,7 @@ class SimApp:
             VLLMProtocol(
                 self.engine, self.tokenizer.vocab_size, model_name, usage_chunk,
                 engine_version or VLLM_DEFAULT_VERSION, stream_interval=stream_interval, kv=self.kv,
+                routed_experts=routed_experts,
             )
             if protocol == "vllm"
             else SGLangProtocol(self.engine, self.tokenizer, incremental_streaming_output, model_name,

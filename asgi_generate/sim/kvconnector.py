@@ -136,10 +136,11 @@ class KVConsumer:
         self.transfers = 0
         self.local_prefills = 0
 
-    async def load(self, params: dict, input_ids: list[int]) -> None:
+    async def load(self, params: dict, input_ids: list[int]) -> bool:
         """Read the blocks ``params`` name (``kv_transfer_params`` with
         ``do_remote_prefill``); a producer that cannot be reached, blocks
-        that are gone or are not this prompt's mean a local prefill."""
+        that are gone or are not this prompt's mean a local prefill.
+        Returns whether the prompt's KV was read (``False``: prefill locally)."""
         try:
             with anyio.fail_after(30):
                 stream = await anyio.connect_tcp(str(params["remote_host"]), int(params["remote_port"]))
@@ -150,8 +151,9 @@ class KVConsumer:
                     got = orjson.loads(await BufferedByteReceiveStream(stream).receive_until(b"\n", MAX_LINE))
             if got.get("input_ids") == input_ids:
                 self.transfers += 1
-                return
+                return True
         except (OSError, TimeoutError, anyio.EndOfStream, anyio.IncompleteRead, anyio.DelimiterNotFound,
                 anyio.BrokenResourceError, orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             pass
         self.local_prefills += 1
+        return False

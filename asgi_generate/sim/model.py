@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import array
 import base64
+import struct
 import sys
 from dataclasses import dataclass
 
@@ -201,3 +202,26 @@ def experts_base64(rows: list[list[int]]) -> str:
     if sys.byteorder == "big":
         flat.byteswap()
     return base64.b64encode(flat.tobytes()).decode("ascii")
+
+
+def experts_npy_base64(rows: list[list[int]], num_layers: int, topk: int, num_experts: int) -> str:
+    """Encode routed-expert rows as vLLM does: base64 of ``numpy.save``
+    bytes of a ``[positions, num_layers, topk]`` array of the smallest
+    unsigned dtype holding ``num_experts`` ids (vLLM ``serving.py``,
+    ``GenerateChoiceBase.routed_experts``).
+
+    The ``.npy`` header is numpy's (``numpy/lib/format.py``: sorted dict
+    keys, room for 21 digits of the first axis, padded with spaces to a
+    multiple of 64 bytes with the magic, format 1.0).
+    """
+    code, descr = ("B", "|u1") if num_experts <= 256 else ("H", "<u2") if num_experts <= 65536 else ("I", "<u4")
+    flat = array.array(code, (e for row in rows for e in row))
+    if sys.byteorder == "big":
+        flat.byteswap()
+    shape = (len(rows), num_layers, topk)
+    text = "{'descr': %r, 'fortran_order': False, 'shape': %r, }" % (descr, shape)
+    text = text.ljust(len(text) + 21 - len(str(len(rows))))
+    hlen = len(text) + 1  # with the closing newline
+    size = hlen + 64 - (10 + hlen) % 64  # the magic, version and length take 10 bytes
+    head = b"\x93NUMPY\x01\x00" + struct.pack("<H", size) + text.ljust(size - 1).encode("latin-1") + b"\n"
+    return base64.b64encode(head + flat.tobytes()).decode("ascii")

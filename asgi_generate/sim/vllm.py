@@ -63,8 +63,21 @@ greedy, so a prefix gives the same tokens here as in SGLang mode. Sampling
 knobs other than ``n``, ``max_tokens``, ``stop_token_ids``, ``ignore_eos``,
 ``logprobs`` and ``prompt_logprobs`` are checked and then ignored;
 multimodal ``features`` are checked and the answer depends on the token ids
-alone; ``routed_experts`` and ``kv_transfer_params`` are always null (no
-flags for them are simulated).
+alone.
+
+Routed experts (vLLM ``--enable-return-routed-experts``, here ``sim
+--enable-return-routed-experts``): a finished choice's ``routed_experts`` is
+the base64 ``.npy`` array of the rows of every position the engine forwarded
+(``[num_tokens - 1, num_layers, top_k]``), in the unary answer or the
+stream's finishing chunk; null without the flag, on other chunks and for an
+aborted request.
+
+P/D (``--kv-role``, :mod:`asgi_generate.sim.kvconnector`): a producer
+answers ``kv_transfer_params`` for a prefill finished at its length cap; a
+consumer that read the prompt's KV from its producer computed no prompt
+position, so it answers ``prompt_logprobs`` null and expert rows only for
+the output positions it forwarded (none for one token); one that prefilled
+locally answers like an aggregated engine.
 """
 
 from __future__ import annotations
@@ -81,7 +94,7 @@ from ..framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
 from ..workers.versions import VLLM_DEFAULT_VERSION, VLLM_OLDEST_PLAYED, VLLMBehaviour, parse_version, vllm_behaviour
 from .engine import DuplicateRequestId, Job, SimEngine, Token
 from .kvconnector import KVConsumer, KVProducer
-from .model import NUM_CANDIDATES
+from .model import NUM_CANDIDATES, experts_npy_base64
 from .vllm_checks import REQUEST, Invalid, VLLMError, check_features, error, invalid, render_invalid, stop_strings, validate
 
 DONE = b"data: [DONE]\n\n"
@@ -125,6 +138,9 @@ class VLLMProtocol:
         version: the vLLM version played (``GET /version``): any version
             string from 0.25.0 on (see
             :data:`~asgi_generate.workers.versions.VLLM_VERSIONS`).
+        stream_interval: tokens per streamed chunk.
+        kv: the P/D KV connector, if any.
+        routed_experts: answer each finished choice's ``routed_experts``.
 
     Raises:
         ValueError: ``version`` is not a version the simulator can play.
@@ -139,6 +155,7 @@ class VLLMProtocol:
         version: str = VLLM_DEFAULT_VERSION,
         stream_interval: int = 1,
         kv: KVProducer | KVConsumer | None = None,
+        routed_experts: bool = False,
     ) -> None:
         behaviour = vllm_behaviour(version)
         if behaviour is None:
@@ -154,6 +171,8 @@ class VLLMProtocol:
         self.behaviour: VLLMBehaviour = behaviour
         #: P/D: the KV connector of a producer (prefill) or consumer (decode).
         self.kv = kv
+        #: vLLM ``--enable-return-routed-experts``.
+        self.routed_experts = routed_experts
 
     @property
     def version(self) -> str:
@@ -306,13 +325,30 @@ class VLLMProtocol:
             state = model.advance(state, tok)
         return out
 
-    def _choice(self, index: int, logprobs: Any, finish: str | None, stop_reason: int | None, ids: list[int]) -> dict:
+    def _experts(self, seq: list[int], start: int) -> str | None:
+        """``routed_experts`` of the positions ``start`` to the last but one
+        of ``seq`` (prompt and output); ``None`` when there are none."""
+        if len(seq) - 1 <= start:
+            return None
+        model = self.engine.model
+        state = model.initial_state()
+        rows = []
+        for p in range(len(seq) - 1):
+            state = model.advance(state, seq[p])
+            if p >= start:
+                rows.append(model.expert_row(state))
+        return experts_npy_base64(rows, model.num_layers, model.experts_topk, model.num_experts)
+
+    def _choice(
+        self, index: int, logprobs: Any, finish: str | None, stop_reason: int | None, ids: list[int],
+        experts: str | None = None,
+    ) -> dict:
         """One choice in the played version's field order (``model_dump``)."""
         if not self.behaviour.generate_schema:
             return {"index": index, "logprobs": logprobs, "finish_reason": finish, "token_ids": ids,
-                    "routed_experts": None}
+                    "routed_experts": experts}
         return {"index": index, "finish_reason": finish, "stop_reason": stop_reason, "token_ids": ids,
-                "routed_experts": None, "sampling_mask": None, "weight_versions": None, "logprobs": logprobs}
+                "routed_experts": experts, "sampling_mask": None, "weight_versions": None, "logprobs": logprobs}
 
     def _chunk(self, rid: str, choices: list[dict], usage: dict | None) -> dict:
         """A stream chunk (``GenerateStreamResponse``; newer versions leave
@@ -366,8 +402,12 @@ class VLLMProtocol:
         if opts.stream:
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         params = opts.kv_transfer_params
+        # The first position this engine forwards: after a prompt whose KV
+        # it read from a producer.
+        start = 0
         if isinstance(self.kv, KVConsumer) and params and params.get("do_remote_prefill"):
-            await self.kv.load(params, job.input_ids)
+            start = prompt if await self.kv.load(params, job.input_ids) else 0
+        experts = None
         async for token in self.engine.tokens(job):
             out.append(token.token_id)
             finish = token.finish[0] if token.finish is not None else None
@@ -379,6 +419,8 @@ class VLLMProtocol:
             entry = self._logprobs(token, k) if k is not None else None
             if entry is not None:
                 content.append(entry)
+            if finish is not None and self.routed_experts:
+                experts = self._experts(job.input_ids + out, start)
             if not opts.stream:
                 continue
             pending.append(token.token_id)
@@ -386,7 +428,7 @@ class VLLMProtocol:
                 continue
             logprobs = {"content": content[-len(pending):]} if k is not None else None
             for i in range(opts.n):  # one chunk per choice and step
-                choice = self._choice(i, logprobs, finish, stop_reason, pending)
+                choice = self._choice(i, logprobs, finish, stop_reason, pending, experts)
                 # Continuous usage counts this choice's tokens (vLLM's num_generated_tokens[i]).
                 usage = _usage(prompt, len(out)) if opts.continuous_usage else None
                 await self._send_chunk(send, self._chunk(job.rid, [choice], usage))
@@ -414,9 +456,10 @@ class VLLMProtocol:
         if isinstance(self.kv, KVProducer) and params and params.get("do_remote_decode") and not job.aborted:
             kv_out = self.kv.finished(job.rid, job.input_ids, finish == "length")
         logprobs = {"content": content} if k is not None else None
-        choices = [self._choice(i, logprobs, finish or "stop", stop_reason, out) for i in range(opts.n)]
+        choices = [self._choice(i, logprobs, finish or "stop", stop_reason, out, experts) for i in range(opts.n)]
         usage = _usage(prompt, len(out) * opts.n)
-        prompt_logprobs = self._prompt_logprobs(job.input_ids, pk) if pk is not None else None
+        # A consumer that read the prompt's KV computed no prompt position.
+        prompt_logprobs = self._prompt_logprobs(job.input_ids, pk) if pk is not None and start == 0 else None
         head = {"request_id": job.rid, "model": self.model_name, "created": int(time.time())}
         if self.behaviour.generate_schema:
             answer = {

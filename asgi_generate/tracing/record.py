@@ -131,6 +131,8 @@ def build_record(st: RequestState, block_size: int, analyzer: OutputAnalyzer | N
             row["tokens"] = a.tokens
         if a.abort_acked is not None:
             row["abort_acked"] = a.abort_acked
+        if a.local_prefill:
+            row["local_prefill"] = True
         attempts.append(row)
     rec["attempts"] = attempts
 

@@ -131,6 +131,10 @@ SCHEMA: dict[str, Any] = {
                     "abort_acked": _d(
                         {"type": "boolean"}, "An abort was sent for this leg; whether the engine acknowledged it."
                     ),
+                    "local_prefill": _d(
+                        {"const": True}, "A vLLM decode leg that prefilled the prompt itself: its prefill leg "
+                        "answered no kv_transfer_params and --pd-fallback allowed it; absent otherwise.",
+                    ),
                 },
             },
         },

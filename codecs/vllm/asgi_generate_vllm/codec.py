@@ -37,6 +37,18 @@ vLLM's random uuid) in stream chunks and, from vLLM 0.25 (which answers with
 the engine id there too), in unary answers; before 0.25 a unary answer
 carries a fresh random uuid, passed through.
 
+Prefill/decode (P/D, sequential legs as vLLM's P/D proxies run them): the
+prefill leg's answer never reaches the client; the decode leg's does, joined
+with what only the prefill leg computed. ``prompt_logprobs`` come from the
+leg that computed the prompt: the prefill leg's where the decode leg answers
+none; where both answer them they must be equal, else the request fails
+(502), never picking one. Each choice's ``routed_experts`` (base64 ``.npy``,
+:mod:`asgi_generate_vllm.experts`) are the prefill leg's rows followed by
+the decode leg's on the token axis in the final answer or chunk, so the
+client gets the aggregated bytes; for exactly one output token the prefill
+leg's rows are the answer's (the decode leg ran no model step); an aborted
+or incomplete answer gets none, and bad rows fail the request.
+
 Unary requests (``stream`` false or absent) run a unary worker leg
 (``WorkerRequest.stream`` false): the client's body with only the id
 replaced. vLLM's ``GenerateResponse`` is the client's answer, only its engine
@@ -79,6 +91,7 @@ from typing import Any, Mapping
 import orjson
 
 from asgi_generate.codec import (
+    NO_KV_TRANSFER,
     Attempt,
     Codec,
     EngineError,
@@ -94,6 +107,7 @@ from asgi_generate.codec import (
 
 from asgi_generate.workers.versions import vllm_behaviour
 
+from . import experts
 from .schema import GENERATE_REQUEST, VLLMRequestError, bad_request, check, validation_error
 
 PATH = "/inference/v1/generate"
@@ -258,14 +272,14 @@ def _stop_reason(attempt: Attempt, choice: dict) -> int | str | None:
     return reason if type(reason) in (int, str) else None
 
 
-#: A P/D prefill leg's ``kv_transfer_params``, as vLLM's P/D proxies send it
-#: (``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py``,
-#: ``send_request_to_service``).
 #: Sampling parameters that make a resumed attempt differ from the rest of
 #: the uninterrupted run, with their inert defaults.
 PENALTIES = (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1))
 CONSTRAINED = ("structured_outputs", "guided_decoding")
 
+#: A P/D prefill leg's ``kv_transfer_params``, as vLLM's P/D proxies send it
+#: (``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py``,
+#: ``send_request_to_service``).
 PREFILL_KV = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
     "remote_block_ids": None, "remote_host": None, "remote_port": None,
@@ -310,7 +324,7 @@ class VLLMExchange(Exchange):
 
     __slots__ = (
         "native", "stream", "stream_id", "finish", "matched", "finished", "out", "status", "kv_params", "input_ids",
-        "resumed",
+        "resumed", "pre_prompt_logprobs", "pre_experts", "choice_tokens",
     )
 
     def __init__(self, request: GenerateRequest, request_id: str) -> None:
@@ -328,8 +342,14 @@ class VLLMExchange(Exchange):
         #: ``None`` for nothing), or the whole unary body, sent with ``status``.
         self.out: bytes | None = None
         self.status = 200
-        #: P/D: the prefill leg's ``kv_transfer_params``, for the decode leg.
+        #: P/D: the prefill leg's ``kv_transfer_params``, for the decode leg,
+        #: and what it computed for the client's answer: its prompt logprobs
+        #: and each choice's routed-expert rows (the prompt positions).
         self.kv_params: Any = None
+        self.pre_prompt_logprobs: Any = None
+        self.pre_experts: dict[Any, Any] = {}
+        #: A stream's tokens so far per choice index (the decode leg's).
+        self.choice_tokens: dict[Any, int] = {}
         self.input_ids = request.input_ids
         #: Output tokens re-fed to the running (resumed) attempt as prompt.
         self.resumed = 0
@@ -356,24 +376,27 @@ class VLLMExchange(Exchange):
         continuous usage only if the client did).
 
         P/D (vLLM's proxies, sequential legs, the same id on both): the
-        prefill leg is unary with ``max_tokens`` 1, no ``min_tokens`` or
+        prefill leg is unary with ``max_tokens`` 1 (``sampling_params`` has
+        no ``max_completion_tokens`` on this route), no ``min_tokens`` or
         ``stream_options``, and :data:`PREFILL_KV`; the decode leg is the
         client's request plus the prefill answer's ``kv_transfer_params``,
-        verbatim.
+        verbatim, or, for an attempt marked ``local_prefill``, the client's
+        request alone.
 
         Raises:
             RequestError: the prompt does not fit the worker's
                 ``max_model_len`` (vLLM's own 400, before any engine sees
-                it); 502, a decode leg whose prefill leg answered no
-                ``kv_transfer_params`` (vLLM's producer gives none unless the
-                prefill stopped at its length cap).
+                it); 502 of kind :data:`NO_KV_TRANSFER`, a decode leg whose
+                prefill leg answered no ``kv_transfer_params`` (vLLM's
+                producer gives none unless the prefill stopped at its length
+                cap).
         """
         check_prompt_length(self.native.body, attempt.worker_info.get("max_model_len"))
         body = dict(self.native.body)
         body["request_id"] = attempt.engine_id
         headers = [_JSON, (b"x-request-id", attempt.engine_id.encode())]
         if attempt.role == "prefill":
-            self.kv_params = None
+            self.kv_params, self.pre_prompt_logprobs, self.pre_experts = None, None, {}
             sp = dict(body.get("sampling_params") or {})
             sp["max_tokens"] = 1
             sp.pop("min_tokens", None)
@@ -381,9 +404,11 @@ class VLLMExchange(Exchange):
             body.pop("stream_options", None)
             return WorkerRequest(PATH.encode(), dump_body(body), headers, stream=False)
         if attempt.role == "decode":
-            if type(self.kv_params) is not dict:
-                raise RequestError(502, "the prefill worker answered no kv_transfer_params", "engine")
-            body["kv_transfer_params"] = self.kv_params
+            self.choice_tokens.clear()
+            if not attempt.local_prefill:
+                if type(self.kv_params) is not dict:
+                    raise RequestError(502, "the prefill worker answered no kv_transfer_params", NO_KV_TRANSFER)
+                body["kv_transfer_params"] = self.kv_params
         self.resumed = len(attempt.resumes or ())
         if attempt.resumes:
             self._resume(body, attempt.resumes)
@@ -443,6 +468,8 @@ class VLLMExchange(Exchange):
             if type(choices) is not list or not choices or type(choices[0]) is not dict:
                 raise _bad(what, "has no choice")
             self.kv_params = obj.get("kv_transfer_params")
+            self.pre_prompt_logprobs = obj.get("prompt_logprobs")
+            self.pre_experts = {c.get("index", 0): c.get("routed_experts") for c in choices if type(c) is dict}
             return Event([], choices[0].get("finish_reason") or "stop")
         if err is not None:
             if type(err) is not dict:
@@ -461,10 +488,11 @@ class VLLMExchange(Exchange):
             finish = choices[0].get("finish_reason")
             if type(finish) is not str:  # vLLM reports a null reason as "stop"
                 raise _bad(what, "has no finish_reason")
+            joined = attempt.role == "decode" and self._join_unary(obj, choices)
             if obj.get("request_id") == ENGINE_PREFIX + attempt.engine_id:
                 obj["request_id"] = self.stream_id
-                payload = orjson.dumps(obj)
-            self.out = payload
+                joined = True
+            self.out = orjson.dumps(obj) if joined else payload
             return _usage_event(ids, finish, obj.get("usage"), _stop_reason(attempt, choices[0]))
         obj["request_id"] = self.stream_id
         if self.resumed:
@@ -478,18 +506,89 @@ class VLLMExchange(Exchange):
             return _usage_event([], self.finish or "abort", usage, self.matched)
         ids = []
         for choice in choices:
-            ids += _token_ids(choice, what)
+            got = _token_ids(choice, what)
+            ids += got
+            index = choice.get("index", 0)
+            if attempt.role == "decode":
+                self.choice_tokens[index] = self.choice_tokens.get(index, 0) + len(got)
             finish = choice.get("finish_reason")
             if finish is None:
                 continue
             if type(finish) is not str:
                 raise _bad(what, "has a finish_reason that is not a string")
-            index = choice.get("index", 0)
+            if attempt.role == "decode":
+                choice["routed_experts"] = self._experts(
+                    index, choice.get("routed_experts"), self.choice_tokens[index], finish
+                )
             self.finished.add(index)
             if index == 0:
                 self.finish, self.matched = finish, _stop_reason(attempt, choice)
         self.out = orjson.dumps(obj)
         return Event(ids)
+
+    def _join_unary(self, obj: dict, choices: list) -> bool:
+        """A decode leg's unary answer completed from its prefill leg: the
+        prompt logprobs where only the prefill computed them (both legs'
+        must agree), each choice's routed-expert rows joined. Returns
+        whether ``obj`` changed.
+
+        Raises:
+            RequestError: 502, the legs' prompt logprobs differ, or their
+                expert rows cannot be joined (see :meth:`_experts`).
+        """
+        pre, own = self.pre_prompt_logprobs, obj.get("prompt_logprobs")
+        changed = False
+        if pre is not None and own is None:
+            obj["prompt_logprobs"] = pre
+            changed = True
+        elif pre is not None and own != pre:
+            raise RequestError(502, "the prefill and decode legs answered different prompt_logprobs", "engine")
+        for choice in choices:
+            rows = choice.get("routed_experts")
+            joined = self._experts(choice.get("index", 0), rows, len(choice["token_ids"]),
+                                   choice.get("finish_reason") or "stop")
+            if joined is not rows:
+                choice["routed_experts"] = joined
+                changed = True
+        return changed
+
+    def _experts(self, index: Any, own: Any, tokens: int, finish: str) -> Any:
+        """A decode leg's final ``routed_experts`` for a choice of ``tokens``
+        output tokens, as the aggregated engine gives it: the prefill leg's
+        rows (the ``P`` prompt positions) then the decode leg's own
+        (``tokens - 1`` positions); the decode leg's alone when it computed
+        all ``P + tokens - 1`` (it prefilled itself); the prefill leg's alone
+        for exactly one token (the decode leg ran no model step); ``None``
+        for an aborted answer or rows that are incomplete.
+
+        Raises:
+            RequestError: 502, rows that are not base64 ``.npy``, over the
+                bounds, of different dtypes or trailing shapes, or of a
+                count that fits neither leg (see :mod:`.experts`).
+        """
+        pre = self.pre_experts.get(index)
+        if finish == "abort" or (pre is None and own is None):
+            return None
+        if pre is None:
+            prompt = len(self.input_ids) if self.input_ids is not None else None
+            whole = prompt is not None and experts.parse(own).shape[0] == prompt + tokens - 1
+            return own if whole else None
+        head = experts.parse(pre)
+        prompt = len(self.input_ids) if self.input_ids is not None else head.shape[0]
+        if head.shape[0] != prompt:
+            raise RequestError(
+                502, f"the prefill leg sent {head.shape[0]} routed-expert rows for a prompt of {prompt} tokens", "engine"
+            )
+        if own is None:
+            return pre if tokens == 1 else None
+        tail = experts.parse(own)
+        if tail.shape[0] == prompt + tokens - 1:
+            return own
+        if tail.shape[0] != tokens - 1:
+            raise RequestError(
+                502, f"the decode leg sent {tail.shape[0]} routed-expert rows for {tokens} output tokens", "engine"
+            )
+        return experts.join(head, tail)
 
     def end_of_stream(self, attempt: Attempt) -> Event | None:
         """A stream that ended after the finishing chunks of all its choices

@@ -1,0 +1,547 @@
+"""vLLM prefill/decode (sequential legs): a P/D answer is the aggregated
+answer, value for value (tokens, logprobs, prompt logprobs, finish reasons,
+routed-expert bytes), and every failure ends cleanly.
+
+The simulators play vLLM's KV connector (a producer keeps a finished
+prefill's blocks until the consumer reads them or ``--kv-expiry-s`` passes)
+and ``--enable-return-routed-experts``; the aggregated simulator answers the
+same request directly.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support import (
+    PROMPT,
+    RawClient,
+    Traced,
+    post,
+    same,
+    sse,
+    start_sim,
+    stats,
+    vnorm,
+    wait_until,
+)
+from wire_proxy import WireProxy
+
+GEN = "/inference/v1/generate"
+EXPERTS = "--enable-return-routed-experts"
+PRODUCER = ["--kv-role", "producer", EXPERTS]
+CONSUMER = ["--kv-role", "consumer", EXPERTS]
+
+
+def pd_args(prefills, decodes, *extra) -> list[str]:
+    args = ["--disaggregation", "always", *extra]
+    for p in prefills:
+        args += ["--prefill", f"vllm={p.url}"]
+    for d in decodes:
+        args += ["--decode", f"vllm={d.url}"]
+    return args
+
+
+@pytest.fixture(scope="module")
+def vsims():
+    procs = {"prefill": start_sim("vllm", extra=[*PRODUCER, "--kv-expiry-s", "0.5"]),
+             "decode": start_sim("vllm", itl_ms=30, extra=CONSUMER),
+             "agg": start_sim("vllm", extra=[EXPERTS])}
+    yield procs
+    for p in procs.values():
+        p.stop()
+
+
+@pytest.fixture(scope="module", params=["trio", "asyncio"])
+def vfronts(request, vsims, tmp_path_factory):
+    """(strict, --pd-fallback) P/D frontends on one worker class."""
+    strict = Traced(tmp_path_factory, pd_args([vsims["prefill"]], [vsims["decode"]]), request.param)
+    fallback = Traced(tmp_path_factory, pd_args([vsims["prefill"]], [vsims["decode"]], "--pd-fallback"),
+                      request.param)
+    yield strict, fallback
+    strict.stop()
+    fallback.stop()
+
+
+@pytest.fixture
+def vfront(vfronts):
+    return vfronts[0]
+
+
+def npy(value: str) -> np.ndarray:
+    return np.load(io.BytesIO(base64.b64decode(value)))
+
+
+VBODIES = {
+    "plain": {"token_ids": PROMPT, "sampling_params": {"max_tokens": 8}},
+    "logprobs": {"token_ids": [5, 9, 77, 300, 12], "sampling_params": {"max_tokens": 5, "logprobs": 3,
+                                                                       "prompt_logprobs": 2, "min_tokens": 2}},
+    "prompt_logprobs": {"token_ids": PROMPT, "sampling_params": {"max_tokens": 3, "prompt_logprobs": 0}},
+    "one_token": {"token_ids": PROMPT, "sampling_params": {"max_tokens": 1, "logprobs": 1}},
+    "one_token_plain": {"token_ids": PROMPT, "sampling_params": {"max_tokens": 1}},
+    "one_token_prompt": {"token_ids": [42], "sampling_params": {"max_tokens": 4, "logprobs": 0}},
+    "ignore_eos": {"token_ids": PROMPT, "sampling_params": {"max_tokens": 30, "ignore_eos": True}},
+}
+#: Bodies whose one-token prefill leg stops before its cap (the first token
+#: is a stop token): vLLM's producer answers no kv_transfer_params.
+FALLBACK_BODIES = {
+    "stop_on_first": {"token_ids": PROMPT, "sampling_params": {"max_tokens": 8, "stop_token_ids": [2358],
+                                                               "logprobs": 2, "prompt_logprobs": 1}},
+    "stop_on_first_one_token": {"token_ids": PROMPT, "sampling_params": {"max_tokens": 1, "stop_token_ids": [2358]}},
+}
+
+
+def _law(fe, agg, body: dict, stream: bool) -> list[int]:
+    """Assert ``fe``'s answer to ``body`` is ``agg``'s; return its token ids."""
+    body = {**body, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+        status, got = sse(fe.url, body, GEN)
+        _, want = sse(agg.url, body, GEN)
+        assert status == 200 and got[-1] == b"[DONE]"
+        same([vnorm(orjson.loads(e)) for e in got[:-1]], [vnorm(orjson.loads(e)) for e in want[:-1]])
+        return [t for e in got[:-1] for c in orjson.loads(e)["choices"] for t in c["token_ids"]]
+    got = post(fe.url, body, GEN)
+    assert got.status_code == 200, got.text
+    same(vnorm(got.json()), vnorm(post(agg.url, body, GEN).json()))
+    return got.json()["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("name", list(VBODIES))
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_vllm_pd_is_the_aggregated_answer(vfront, vsims, name, stream):
+    ids = _law(vfront, vsims["agg"], VBODIES[name], stream)
+    (rec,) = vfront.take()
+    assert rec["status"] == "ok" and rec["output_tokens"] == len(ids)
+    p, d = rec["attempts"]
+    assert (p["role"], p["outcome"], d["role"], d["outcome"]) == ("prefill", "finished", "decode", "finished")
+    assert "local_prefill" not in d
+    assert p["engine_id"] == d["engine_id"]  # one X-Request-Id on both legs
+    rid = "generate-tokens-" + p["engine_id"]
+    assert rid in stats(vsims["prefill"])["seen_rids"] and rid in stats(vsims["decode"])["seen_rids"]
+    wait_until(lambda: stats(vsims["prefill"])["kv_blocks_held"] == 0)  # the consumer read them
+
+
+def test_vllm_routed_experts_are_the_aggregated_array(vfront, vsims):
+    """The joined rows are numpy's bytes of the aggregated array: the prompt
+    positions (the prefill leg's), then the output positions but the last
+    (the decode leg's); one token: the prefill leg's rows alone."""
+    for max_tokens, rows in ((6, 4 + 6 - 1), (1, 4)):
+        body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True}}
+        got = post(vfront.url, body, GEN).json()["choices"][0]["routed_experts"]
+        want = post(vsims["agg"].url, body, GEN).json()["choices"][0]["routed_experts"]
+        assert got == want
+        arr = npy(got)
+        assert (arr.shape, arr.dtype) == ((rows, 4, 2), np.uint8)
+        buf = io.BytesIO()
+        np.save(buf, arr)
+        assert base64.b64encode(buf.getvalue()).decode() == got
+    vfront.take(2)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    prompt=st.lists(st.integers(10, 4000), min_size=1, max_size=10),
+    max_tokens=st.integers(1, 10),
+    logprobs=st.none() | st.integers(0, 3),
+    prompt_logprobs=st.none() | st.integers(0, 2),
+    stop=st.lists(st.integers(10, 4000), max_size=2),
+    ignore_eos=st.booleans(),
+    stream=st.booleans(),
+)
+def test_property_vllm_pd_equals_aggregated(vfronts, vsims, prompt, max_tokens, logprobs, prompt_logprobs, stop,
+                                            ignore_eos, stream):
+    """Any sampling settings: the --pd-fallback frontend (so a first token
+    that is a stop token also answers) gives the aggregated answer."""
+    _, fe = vfronts
+    sp = {"max_tokens": max_tokens, "stop_token_ids": stop, "ignore_eos": ignore_eos}
+    if logprobs is not None:
+        sp["logprobs"] = logprobs
+    if prompt_logprobs is not None and not stream:
+        sp["prompt_logprobs"] = prompt_logprobs
+    _law(fe, vsims["agg"], {"token_ids": prompt, "sampling_params": sp}, stream)
+    fe.take()
+
+
+# -- --pd-fallback ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(FALLBACK_BODIES))
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_prefill_without_kv_transfer_params_is_an_error_without_fallback(vfronts, vsims, name, stream):
+    """A prefill that stops before its length cap (its one token is a stop
+    token) gets no kv_transfer_params from vLLM's producer: an error of that
+    leg, never a silent local prefill."""
+    fe = vfronts[0]
+    before = stats(vsims["decode"])["received"]
+    r = post(fe.url, {**FALLBACK_BODIES[name], "stream": stream}, GEN)
+    assert (r.status_code, r.json()) == (502, {"error": {
+        "message": "the prefill worker answered no kv_transfer_params", "type": "Bad Gateway", "param": None,
+        "code": 502}})
+    assert stats(vsims["decode"])["received"] == before
+    assert stats(vsims["prefill"])["kv_blocks_held"] == 0
+    (rec,) = fe.take()
+    assert (rec["status"], rec["http_status"], rec["error"]["message"]) == (
+        "engine_error", 502, "the prefill worker answered no kv_transfer_params")
+    assert [(a["role"], a["outcome"]) for a in rec["attempts"]] == [("prefill", "finished")]
+
+
+@pytest.mark.parametrize("name", list(FALLBACK_BODIES))
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_pd_fallback_lets_the_decode_worker_prefill_alone(vfronts, vsims, name, stream):
+    """With --pd-fallback the decode leg runs without kv_transfer_params and
+    prefills alone (recorded); its answer is the aggregated one (both legs
+    computed the prompt logprobs, and they agree)."""
+    fe = vfronts[1]
+    ids = _law(fe, vsims["agg"], FALLBACK_BODIES[name], stream)
+    assert ids == [2358]
+    (rec,) = fe.take()
+    assert rec["status"] == "ok" and rec["output_tokens"] == 1
+    assert [(a["role"], a["outcome"], a.get("local_prefill")) for a in rec["attempts"]] == [
+        ("prefill", "finished", None), ("decode", "finished", True)]
+
+
+# -- prompt logprobs across legs ----------------------------------------------------
+
+
+def test_prompt_logprobs_come_from_the_leg_that_computed_the_prompt(vsims):
+    """A consumer that read the prompt's KV computed no prompt position and
+    answers null; the prefill leg's are the answer's."""
+    p, d = vsims["prefill"], vsims["decode"]
+    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2, "prompt_logprobs": 1}}
+    leg = post(p.url, {**body, "kv_transfer_params": {"do_remote_decode": True},
+                       "sampling_params": {"max_tokens": 1, "prompt_logprobs": 1}}, GEN).json()
+    want = post(vsims["agg"].url, body, GEN).json()
+    assert leg["prompt_logprobs"] == want["prompt_logprobs"] and want["prompt_logprobs"][1] is not None
+    decoded = post(d.url, {**body, "kv_transfer_params": leg["kv_transfer_params"]}, GEN).json()
+    assert decoded["prompt_logprobs"] is None
+    assert decoded["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def tampered(vsims, tmp_path_factory):
+    """A frontend whose decode worker is behind a proxy that changes one
+    value of the decode's unary answers, as a worker of another build or
+    model might: the first prompt logprob, or the routed-expert rows."""
+    mode = {"what": None}
+
+    def rewrite(path, status, body):
+        if path != GEN or status != 200:
+            return status, body
+        obj = orjson.loads(body)
+        if mode["what"] == "prompt_logprobs":
+            obj["prompt_logprobs"] = [None, {"2": {"logprob": -1.5, "rank": 2, "decoded_token": None}}]
+        elif mode["what"] is not None:
+            obj["choices"][0]["routed_experts"] = mode["what"]
+        return status, orjson.dumps(obj)
+
+    proxy = WireProxy(vsims["decode"].url, rewrite=rewrite)
+    fe = Traced(tmp_path_factory, pd_args([vsims["prefill"]], [proxy], "--pd-fallback"))
+    yield fe, mode
+    fe.stop()
+    proxy.stop()
+
+
+def test_prompt_logprobs_that_differ_between_legs_fail_the_request(tampered):
+    fe, mode = tampered
+    mode["what"] = "prompt_logprobs"
+    r = post(fe.url, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 3, "prompt_logprobs": 1}}, GEN)
+    assert (r.status_code, r.json()) == (502, {"error": {
+        "message": "the prefill and decode legs answered different prompt_logprobs", "type": "Bad Gateway",
+        "param": None, "code": 502}})
+    (rec,) = fe.take()
+    assert (rec["status"], rec["http_status"]) == ("engine_error", 502)
+    assert [(a["role"], a["outcome"]) for a in rec["attempts"]] == [("prefill", "finished"), ("decode", "error")]
+
+
+def _npy_b64(arr: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize("rows,message", [
+    ("bm90IG5weQ", "a P/D leg sent routed experts that are not base64"),
+    (_npy_b64(np.zeros((2, 4, 2), np.uint16)),
+     "prefill and decode legs sent routed experts of different dtypes ('|u1', '<u2')"),
+    (_npy_b64(np.zeros((2, 4, 3), np.uint8)),
+     "prefill and decode legs sent routed experts of different trailing shapes ((4, 2), (4, 3))"),
+    (_npy_b64(np.zeros((5, 4, 2), np.uint8)), "the decode leg sent 5 routed-expert rows for 3 output tokens"),
+])
+def test_bad_decode_expert_rows_fail_the_request(tampered, rows, message):
+    fe, mode = tampered
+    mode["what"] = rows
+    r = post(fe.url, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 3}}, GEN)
+    assert (r.status_code, r.json()) == (502, {"error": {
+        "message": message, "type": "Bad Gateway", "param": None, "code": 502}})
+    (rec,) = fe.take()
+    assert (rec["status"], rec["error"]["message"]) == ("engine_error", message)
+
+
+# -- the wire, as the workers saw it --------------------------------------------------
+
+
+def test_wire_audit_of_every_prefill_and_decode_body(vsims, tmp_path_factory):
+    """A recording proxy before each worker: the prefill leg gets the
+    client's body with the minted id, max_tokens 1, no min_tokens or
+    stream_options, stream false and the P/D kv_transfer_params; the decode
+    leg gets the client's body with the same id, the client's stream and
+    budget and the prefill answer's kv_transfer_params verbatim."""
+    pp, dp = WireProxy(vsims["prefill"].url), WireProxy(vsims["decode"].url)
+    fe = Traced(tmp_path_factory, pd_args([pp], [dp]))
+    try:
+        clients = [
+            {"token_ids": PROMPT, "request_id": "mine", "stream": True, "cache_salt": "salt", "priority": 0,
+             "stream_options": {"include_usage": False},
+             "sampling_params": {"max_tokens": 6, "min_tokens": 2, "logprobs": 1, "ignore_eos": True}},
+            {"token_ids": [5, 9, 77], "sampling_params": {"max_tokens": 3, "prompt_logprobs": 1}},
+        ]
+        for body in clients * 2:
+            if body.get("stream"):
+                assert sse(fe.url, body, GEN)[0] == 200
+            else:
+                assert post(fe.url, body, GEN).status_code == 200
+        recs = fe.take(4)
+        pre, dec = pp.requests(GEN), dp.requests(GEN)
+        assert len(pre) == len(dec) == 4
+        kv_seen = set()
+        for body, rec, p, d in zip(clients * 2, recs, pre, dec):
+            minted = rec["attempts"][0]["engine_id"]
+            assert [a["engine_id"] for a in rec["attempts"]] == [minted, minted]
+            assert p.headers["x-request-id"] == d.headers["x-request-id"] == minted
+            sp = {k: v for k, v in body["sampling_params"].items() if k != "min_tokens"}
+            want_p = {k: v for k, v in body.items() if k != "stream_options"}
+            want_p.update(request_id=minted, sampling_params={**sp, "max_tokens": 1}, stream=False,
+                          kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
+                                              "remote_engine_id": None, "remote_block_ids": None,
+                                              "remote_host": None, "remote_port": None})
+            assert p.body == want_p
+            kv = d.body["kv_transfer_params"]  # the producer's answer, verbatim
+            assert kv == {"do_remote_prefill": True, "do_remote_decode": False,
+                          "remote_block_ids": kv["remote_block_ids"], "remote_engine_id": kv["remote_engine_id"],
+                          "remote_request_id": "generate-tokens-" + minted, "remote_host": "127.0.0.1",
+                          "remote_port": kv["remote_port"], "tp_size": 1}
+            assert len(kv["remote_block_ids"]) == 1
+            kv_seen.add(kv["remote_block_ids"][0])
+            want_d = {**body, "request_id": minted, "kv_transfer_params": kv}
+            if body.get("stream"):
+                want_d["stream_options"] = {"include_usage": True, "continuous_usage_stats": False}
+            assert d.body == want_d
+        assert len(kv_seen) == 4  # each prefill's own blocks
+        assert pp.forwarded == len(pp.seen) and dp.forwarded == len(dp.seen)  # nothing held back
+    finally:
+        fe.stop()
+        pp.stop()
+        dp.stop()
+
+
+# -- disconnects at each phase ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory):
+    """A slow prefill worker (1 s to its answer, blocks kept 1 s) and a
+    decode worker behind a proxy that holds decode requests until released:
+    the frontend is then between the prefill's answer and the decode's
+    request reaching its engine."""
+    p = start_sim("vllm", ttft_ms=1000, extra=[*PRODUCER, "--kv-expiry-s", "1"])
+    d = start_sim("vllm", itl_ms=50, extra=CONSUMER)
+    proxy = WireProxy(d.url, hold=lambda seen: seen.path == GEN)
+    fe = Traced(tmp_path_factory, pd_args([p], [proxy]))
+    yield fe, p, d, proxy
+    fe.stop()
+    proxy.stop()
+    p.stop()
+    d.stop()
+
+
+def _quiet(*sims) -> None:
+    """Nothing running and no KV held (past the expiry) on every simulator."""
+    for s in sims:
+        wait_until(lambda s=s: (x := stats(s))["running"] == 0 and x.get("kv_blocks_held", 0) == 0, timeout=5)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_disconnect_before_the_prefill_answered(held, stream):
+    fe, p, d, proxy = held
+    seen = len(proxy.requests(GEN))
+    c = RawClient(fe.url)
+    c.send(orjson.dumps({"token_ids": PROMPT, "stream": stream, "sampling_params": {"max_tokens": 20}}), path=GEN)
+    (rid,) = wait_until(lambda: stats(p)["running_rids"])
+    c.close()
+    wait_until(lambda: rid in stats(p)["abort_named_ids"], timeout=3)  # the frontend's abort arrived
+    _quiet(p, d)
+    assert len(proxy.requests(GEN)) == seen  # no decode was ever sent
+    (rec,) = fe.take()
+    assert (rec["status"], rec["output_tokens"]) == ("client_disconnect", 0)
+    assert [(a["role"], "generate-tokens-" + a["engine_id"], a["outcome"], a["abort_acked"])
+            for a in rec["attempts"]] == [("prefill", rid, "aborted", True)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_disconnect_between_the_prefill_answer_and_the_decode(held, stream):
+    """The prefill answered (its blocks are held for the decode); the decode
+    request has not reached its engine when the client leaves: the decode
+    leg is aborted (acknowledged), the request never reaches the engine, and
+    the producer's blocks expire."""
+    fe, p, d, proxy = held
+    expired, received = stats(p)["kv_blocks_expired"], stats(d)["received"]
+    seen = len(proxy.requests(GEN))
+    c = RawClient(fe.url)
+    c.send(orjson.dumps({"token_ids": PROMPT, "stream": stream, "sampling_params": {"max_tokens": 20}}), path=GEN)
+    wait_until(lambda: len(proxy.requests(GEN)) == seen + 1, timeout=5)
+    assert stats(p)["kv_blocks_held"] == 1
+    c.close()
+    (rec,) = fe.take()
+    assert (rec["status"], rec["output_tokens"]) == ("client_disconnect", 0)
+    assert [(a["role"], a["outcome"], a.get("abort_acked")) for a in rec["attempts"]] == [
+        ("prefill", "finished", None), ("decode", "aborted", True)]
+    rid = "generate-tokens-" + rec["attempts"][1]["engine_id"]
+    assert rid in stats(d)["abort_named_ids"]
+    _quiet(p, d)  # the blocks nobody read expired
+    assert stats(p)["kv_blocks_expired"] == expired + 1
+    assert stats(d)["received"] == received and rid not in stats(d)["seen_rids"]
+
+
+def test_disconnect_during_decode(vfront, vsims):
+    p, d = vsims["prefill"], vsims["decode"]
+    c = RawClient(vfront.url)
+    c.send(orjson.dumps({"token_ids": PROMPT, "stream": True,
+                         "sampling_params": {"max_tokens": 60, "ignore_eos": True}}), path=GEN)
+    assert len(c.events(2)) == 2
+    (rid,) = stats(d)["running_rids"]
+    c.close()
+    wait_until(lambda: rid in stats(d)["abort_named_ids"] and stats(d)["running"] == 0, timeout=3)
+    _quiet(p, d)
+    (rec,) = vfront.take()
+    assert rec["status"] == "client_disconnect" and 2 <= rec["output_tokens"] < 60
+    assert [(a["role"], a["outcome"], a.get("abort_acked")) for a in rec["attempts"]] == [
+        ("prefill", "finished", None), ("decode", "aborted", True)]
+
+
+# -- failures --------------------------------------------------------------------------
+
+
+def test_consumer_prefills_locally_when_blocks_expired(vsims):
+    """The producer drops blocks nobody read after --kv-expiry-s; a consumer
+    given them prefills alone (counted) and answers the same."""
+    p, d = vsims["prefill"], vsims["decode"]
+    leg = post(p.url, {"token_ids": PROMPT, "kv_transfer_params": {"do_remote_decode": True},
+                       "sampling_params": {"max_tokens": 1}}, GEN).json()
+    kv = leg["kv_transfer_params"]
+    assert kv["do_remote_prefill"] is True and kv["remote_port"] > 0 and kv["remote_block_ids"] == [
+        kv["remote_block_ids"][0]]
+    assert stats(p)["kv_blocks_held"] == 1
+    expired = stats(p)["kv_blocks_expired"]
+    wait_until(lambda: stats(p)["kv_blocks_held"] == 0, timeout=5)
+    assert stats(p)["kv_blocks_expired"] == expired + 1
+    local = stats(d)["local_prefills"]
+    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 5, "prompt_logprobs": 1}}
+    got = post(d.url, {**body, "kv_transfer_params": kv}, GEN).json()
+    assert stats(d)["local_prefills"] == local + 1
+    same(vnorm(got), vnorm(post(vsims["agg"].url, body, GEN).json()))
+
+
+@pytest.fixture(scope="module")
+def two_pairs(tmp_path_factory):
+    """Two prefill and two decode workers; the router probes rarely, so a
+    worker that is gone is found by the request that meets it."""
+    procs = [start_sim("vllm", extra=[*PRODUCER, "--kv-expiry-s", "0.5"]) for _ in range(2)]
+    procs += [start_sim("vllm", extra=CONSUMER) for _ in range(2)]
+    procs.append(start_sim("vllm", extra=[EXPERTS]))
+    yield procs
+    for s in procs:
+        s.stop()
+
+
+BODY = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 6, "logprobs": 1, "prompt_logprobs": 1}}
+
+
+def test_prefill_worker_down_goes_to_another_pair(two_pairs, tmp_path_factory):
+    p1, p2, d1, d2, agg = two_pairs
+    fe = Traced(tmp_path_factory, pd_args([p1, p2], [d1], "--health-interval", "60"))
+    try:
+        p1.stop()
+        same(vnorm(post(fe.url, BODY, GEN).json()), vnorm(post(agg.url, BODY, GEN).json()))
+        (rec,) = fe.take()
+        assert rec["status"] == "ok"
+        assert [(a["role"], a["worker_id"], a["outcome"]) for a in rec["attempts"]] == [
+            ("prefill", "w0", "connect_failed"), ("prefill", "w1", "finished"), ("decode", "w2", "finished")]
+        _quiet(p2, d1)
+    finally:
+        fe.stop()
+
+
+def test_decode_worker_down_goes_to_another_pair(two_pairs, tmp_path_factory):
+    """The first pair's decode worker is gone: a new pair runs the request;
+    the blocks the first prefill kept for it expire."""
+    _, p2, d1, d2, agg = two_pairs
+    fe = Traced(tmp_path_factory, pd_args([p2], [d1, d2], "--health-interval", "60"))
+    try:
+        expired = stats(p2)["kv_blocks_expired"]
+        d1.stop()
+        same(vnorm(post(fe.url, BODY, GEN).json()), vnorm(post(agg.url, BODY, GEN).json()))
+        (rec,) = fe.take()
+        assert rec["status"] == "ok"
+        assert [(a["role"], a["worker_id"], a["outcome"]) for a in rec["attempts"]] == [
+            ("prefill", "w0", "finished"), ("decode", "w1", "connect_failed"),
+            ("prefill", "w0", "finished"), ("decode", "w2", "finished")]
+        _quiet(p2, d2)
+        assert stats(p2)["kv_blocks_expired"] == expired + 1
+    finally:
+        fe.stop()
+
+
+def test_prefill_answering_an_error_is_the_answer(vsims, tmp_path_factory):
+    """The prefill engine fails (vLLM's 500 for a dead engine core): the
+    client gets that error as the engine gave it; no decode is sent."""
+    error = {"error": {"message": "EngineCore encountered an issue. See stack trace for the root cause.",
+                       "type": "InternalServerError", "param": None, "code": 500}}
+    proxy = WireProxy(vsims["prefill"].url, rewrite=lambda path, status, body: (
+        (500, orjson.dumps(error)) if path == GEN else (status, body)))
+    fe = Traced(tmp_path_factory, pd_args([proxy], [vsims["decode"]]))
+    try:
+        before = stats(vsims["decode"])["received"]
+        r = post(fe.url, BODY, GEN)
+        assert (r.status_code, r.json()) == (500, error)
+        (rec,) = fe.take()
+        assert (rec["status"], rec["http_status"]) == ("engine_error", 500)
+        assert [(a["role"], a["outcome"]) for a in rec["attempts"]] == [("prefill", "error")]
+        assert stats(vsims["decode"])["received"] == before
+    finally:
+        fe.stop()
+        proxy.stop()
+
+
+def test_prefill_worker_lost_to_the_health_probe_mid_request(tmp_path_factory):
+    """The prefill engine freezes mid-prefill (SIGSTOP): the health probe
+    gives it up, the leg is dropped and the request runs on the other pair."""
+    p1 = start_sim("vllm", ttft_ms=1000, extra=PRODUCER)
+    p2, d, agg = start_sim("vllm", extra=PRODUCER), start_sim("vllm", extra=CONSUMER), start_sim("vllm", extra=[EXPERTS])
+    fe = Traced(tmp_path_factory, pd_args([p1, p2], [d], "--health-timeout", "0.3", "--health-failures", "2"))
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(post, fe.url, BODY, GEN)
+            wait_until(lambda: stats(p1)["running"] == 1)
+            p1.signal(signal.SIGSTOP)
+            try:
+                got = answer.result(20)
+            finally:
+                p1.signal(signal.SIGCONT)
+        same(vnorm(got.json()), vnorm(post(agg.url, BODY, GEN).json()))
+        (rec,) = fe.take()
+        assert rec["status"] == "ok"
+        assert [(a["role"], a["worker_id"], a["outcome"]) for a in rec["attempts"]] == [
+            ("prefill", "w0", "worker_lost"), ("prefill", "w1", "finished"), ("decode", "w2", "finished")]
+        _quiet(p2, d)
+    finally:
+        fe.stop()
+        for s in (p1, p2, d, agg):
+            s.stop()
