@@ -10,6 +10,9 @@ gone, a prefill that fails, a decode that never gets its KV.
 
 from __future__ import annotations
 
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
 
 import httpx
 import orjson
@@ -31,6 +34,8 @@ from support import (
     wait_until,
     without_timing,
 )
+
+from wire_proxy import WireProxy
 
 from asgi_generate.config import Settings
 from asgi_generate.pd import bootstrap_host, mint_room
@@ -412,6 +417,104 @@ def test_prefill_worker_down_goes_to_another_pair(tmp_path_factory):
         _clean(d)
         states = {w["id"]: w["state"] for w in httpx.get(fe.url + "/v1/models").json()["workers"]}
         assert states == {"w0": "down", "w1": "down", "w2": "up"}
+    finally:
+        fe.stop()
+        for s in (p1, p2, d, agg):
+            s.stop()
+
+
+def test_sglang_wire_audit_of_every_prefill_and_decode_body(sims, tmp_path_factory):
+    """A recording proxy before each worker: both legs get the client's body
+    with their own minted rid (the client's never) and the same bootstrap
+    host, port and room; every pair's room is its own and below 2^63."""
+    port = httpx.get(sims["prefill"].url + "/get_server_info", timeout=5).json()["disaggregation_bootstrap_port"]
+    pp, dp = WireProxy(sims["prefill"].url), WireProxy(sims["decode"].url)
+    fe = Traced(tmp_path_factory, ["--disaggregation", "always", "--prefill", f"sglang={pp.url}?bootstrap_port={port}",
+                                   "--decode", f"sglang={dp.url}"])
+    try:
+        clients = [
+            {"input_ids": PROMPT, "rid": "mine", "stream": True, "sampling_params": {"max_new_tokens": 5},
+             "return_logprob": True, "top_logprobs_num": 2},
+            {"text": "Hello there", "sampling_params": {"max_new_tokens": 3, "stop_token_ids": [7]},
+             "return_routed_experts": True, "custom_field": [1]},
+        ]
+        for body in clients * 3:
+            if body.get("stream"):
+                assert sse(fe.url, body)[0] == 200
+            else:
+                assert post(fe.url, body).status_code == 200
+        recs = fe.take(6)
+        pre, dec = pp.requests("/generate"), dp.requests("/generate")
+        assert len(pre) == len(dec) == 6
+        rooms = []
+        for body, rec, p, d in zip(clients * 3, recs, pre, dec):
+            p_id, d_id = [a["engine_id"] for a in rec["attempts"]]
+            room = p.body["bootstrap_room"]
+            assert type(room) is int and 0 <= room < 1 << 63
+            bootstrap = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": room}
+            assert p.body == {**body, "rid": p_id, **bootstrap}
+            assert d.body == {**body, "rid": d_id, **bootstrap}
+            assert p_id != d_id and "mine" not in (p_id, d_id)
+            rooms.append(room)
+        assert len(set(rooms)) == 6
+        assert pp.forwarded == len(pp.seen) and dp.forwarded == len(dp.seen)
+    finally:
+        fe.stop()
+        pp.stop()
+        dp.stop()
+
+
+def test_decode_worker_down_goes_to_another_pair(tmp_path_factory):
+    """The first pair's decode worker is gone: its prefill leg, waiting for
+    a decode that never comes, is aborted, and a new pair with a new room
+    answers."""
+    p = start_sim(extra=[*PREFILL, "--disaggregation-timeout-s", "30"])
+    d1, d2, agg = start_sim(extra=DECODE), start_sim(extra=DECODE), start_sim()
+    fe = Fleet(tmp_path_factory, [p], [d1, d2], extra=["--health-interval", "60"])
+    try:
+        d1.stop()
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6}, "return_logprob": True}
+        g = post(fe.url, body).json()
+        same(without_timing(g), without_timing(_unid(post(agg.url, body).json(), g["meta_info"]["id"])))
+        (rec,) = fe.take()
+        assert rec["status"] == "ok"
+        assert [(a["role"], a["worker_id"], a["outcome"], a.get("abort_acked")) for a in rec["attempts"]] == [
+            ("prefill", "w0", "aborted", True), ("decode", "w1", "connect_failed", None),
+            ("prefill", "w0", "finished", None), ("decode", "w2", "finished", None)]
+        # The abort may reach the engine before the leg it names (the pair
+        # failed at once); the leg, its client gone, then ends by itself.
+        assert stats(p)["abort_named_ids"] == [rec["attempts"][0]["engine_id"]]
+        wait_until(lambda: (x := stats(p))["running"] == 0 and x["rooms_waiting"] == 0, timeout=5)
+        _clean(d2)
+    finally:
+        fe.stop()
+        for s in (p, d1, d2, agg):
+            s.stop()
+
+
+def test_prefill_worker_lost_to_the_health_probe_mid_request(tmp_path_factory):
+    """The prefill engine freezes mid-prefill (SIGSTOP): the health probe
+    gives it up; the pair's decode leg is aborted and a new pair answers."""
+    p1 = start_sim(ttft_ms=1000, extra=PREFILL)
+    p2, d, agg = start_sim(extra=PREFILL), start_sim(extra=DECODE), start_sim()
+    fe = Fleet(tmp_path_factory, [p1, p2], [d], extra=["--health-timeout", "0.3", "--health-failures", "2"])
+    try:
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6}, "return_logprob": True}
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(post, fe.url, body)
+            wait_until(lambda: stats(p1)["running"] == 1)
+            p1.signal(signal.SIGSTOP)
+            try:
+                g = answer.result(20).json()
+            finally:
+                p1.signal(signal.SIGCONT)
+        same(without_timing(g), without_timing(_unid(post(agg.url, body).json(), g["meta_info"]["id"])))
+        (rec,) = fe.take()
+        assert rec["status"] == "ok"
+        assert [(a["role"], a["worker_id"], a["outcome"], a.get("abort_acked")) for a in rec["attempts"]] == [
+            ("prefill", "w0", "worker_lost", False), ("decode", "w2", "aborted", True),
+            ("prefill", "w1", "finished", None), ("decode", "w2", "finished", None)]
+        _clean(p2, d)
     finally:
         fe.stop()
         for s in (p1, p2, d, agg):

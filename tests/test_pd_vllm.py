@@ -545,3 +545,140 @@ def test_prefill_worker_lost_to_the_health_probe_mid_request(tmp_path_factory):
         fe.stop()
         for s in (p1, p2, d, agg):
             s.stop()
+
+
+# -- the vLLM codec's leg joins, sans-IO ---------------------------------------------
+
+
+def _legs(body: dict):
+    from asgi_generate.codec import Attempt
+    from asgi_generate_vllm import VLLMCodec
+
+    codec = VLLMCodec()
+    ex = codec.exchange(codec.decode(orjson.dumps(body), {b"content-type": b"application/json"}), "r" * 32)
+    p, d = Attempt("a" * 32, "prefill"), Attempt("a" * 32, "decode")
+    ex.worker_request(p)
+    return ex, p, d
+
+
+def _prefill_answer(rows=None, prompt_logprobs=None) -> bytes:
+    kv = {"do_remote_prefill": True, "remote_block_ids": [1]}
+    return orjson.dumps({"request_id": "x", "choices": [{"index": 0, "finish_reason": "length", "token_ids": [7],
+                                                         "routed_experts": rows}],
+                         "prompt_logprobs": prompt_logprobs, "kv_transfer_params": kv})
+
+
+def _decode_answer(ids, rows=None, finish="length", prompt_logprobs=None) -> bytes:
+    return orjson.dumps({"request_id": "x", "choices": [{"index": 0, "finish_reason": finish, "token_ids": ids,
+                                                         "routed_experts": rows}],
+                         "usage": None, "prompt_logprobs": prompt_logprobs, "kv_transfer_params": None})
+
+
+def _rows(n: int, start: int = 0, dtype=np.uint8, trailing=(2, 2)) -> np.ndarray:
+    return (np.arange(n * int(np.prod(trailing))).reshape(n, *trailing) + start * 10).astype(dtype)
+
+
+PROMPT3 = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4}}
+
+
+@pytest.mark.parametrize("pre,own,ids,finish,want", [
+    (_rows(3), _rows(2, 3), [7, 8, 9], "length", np.concatenate([_rows(3), _rows(2, 3)])),  # joined
+    (_rows(3), None, [7], "length", _rows(3)),  # one token: the prefill's rows are all of them
+    (_rows(3), None, [7, 8], "length", None),  # incomplete: omitted, never partial
+    (_rows(3), _rows(2, 3), [7, 8, 9], "abort", None),  # aborted: none
+    (_rows(3), _rows(5), [7, 8, 9], "stop", _rows(5)),  # the decode leg prefilled itself: its own
+    (None, _rows(5), [7, 8, 9], "stop", _rows(5)),
+    (None, _rows(2), [7, 8, 9], "stop", None),  # only the decode leg's part: incomplete
+    (None, None, [7, 8, 9], "stop", None),
+])
+def test_codec_joins_vllm_expert_rows(pre, own, ids, finish, want):
+    ex, p, d = _legs(PROMPT3)
+    ex.feed(p, _prefill_answer(None if pre is None else _npy_b64(pre)))
+    ex.worker_request(d)
+    ex.feed(d, _decode_answer(ids, None if own is None else _npy_b64(own), finish))
+    got = orjson.loads(ex.unary_body()[1])["choices"][0]["routed_experts"]
+    assert got == (None if want is None else _npy_b64(want))
+
+
+def test_codec_joins_vllm_expert_rows_on_the_final_chunk_only():
+    ex, p, d = _legs({**PROMPT3, "stream": True})
+    ex.feed(p, _prefill_answer(_npy_b64(_rows(3))))
+    ex.worker_request(d)
+    chunks = [orjson.dumps({"request_id": "x", "choices": [{"index": 0, "finish_reason": f, "token_ids": [t],
+                                                            "routed_experts": r}]})
+              for t, f, r in ((7, None, None), (8, None, None), (9, "length", _npy_b64(_rows(2, 3))))]
+    got = []
+    for c in chunks:
+        ex.feed(d, c)
+        got.append(orjson.loads(ex.client_event(None))["choices"][0]["routed_experts"])
+    assert got == [None, None, _npy_b64(np.concatenate([_rows(3), _rows(2, 3)]))]
+
+
+def _npy_raw(header: str, data: bytes) -> str:
+    text = header.encode("latin-1")
+    return base64.b64encode(b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + data).decode()
+
+
+BIG = 8 << 20  # the most elements of one array
+
+
+@pytest.mark.parametrize("pre,own,message", [
+    ("not base64!", None, "a P/D leg sent routed experts that are not base64"),
+    (base64.b64encode(b"PK\x03\x04 not npy").decode(), None, "a P/D leg sent routed experts that are not a .npy array"),
+    (_npy_b64(np.asfortranarray(_rows(3))), None, "a P/D leg sent routed experts that are not in C order"),
+    (_npy_b64(_rows(3).astype(np.float32)), None,
+     "a P/D leg sent routed experts that have dtype '<f4', not a little-endian integer"),
+    (_npy_b64(np.zeros((3, 1, 1, 1, 1, 1, 1, 1, 1), np.uint8)), None,
+     "a P/D leg sent routed experts that have shape (3, 1, 1, 1, 1, 1, 1, 1, 1), not 1 to 8 axes"),
+    (_npy_raw("{'descr': '|u1', 'fortran_order': False, 'shape': (3, 2, 2), }", b"\0" * 11), None,
+     "a P/D leg sent routed experts that hold 11 data bytes for shape (3, 2, 2) of '|u1'"),
+    (_npy_raw("__import__('os')", b""), None, "a P/D leg sent routed experts that have a .npy header that does not parse"),
+    (_npy_b64(np.zeros((3, BIG // 3 + 1), np.uint8)), None,
+     f"a P/D leg sent routed experts that have {3 * (BIG // 3 + 1)} elements, over {BIG}"),
+    (_npy_b64(np.zeros((3, (32 << 20) // 24 + 1), np.int64)), None,
+     "a P/D leg sent routed experts that are over 33554432 bytes"),
+    (_npy_b64(_rows(4)), None, "the prefill leg sent 4 routed-expert rows for a prompt of 3 tokens"),
+    (_npy_b64(_rows(3)), _npy_b64(_rows(2, dtype=np.int32)),
+     "prefill and decode legs sent routed experts of different dtypes ('|u1', '<i4')"),
+    (_npy_b64(_rows(3)), _npy_b64(_rows(2, trailing=(2, 3))),
+     "prefill and decode legs sent routed experts of different trailing shapes ((2, 2), (2, 3))"),
+    (_npy_b64(_rows(3)), _npy_b64(_rows(3)), "the decode leg sent 3 routed-expert rows for 3 output tokens"),
+])
+def test_codec_refuses_bad_vllm_expert_rows(pre, own, message):
+    from asgi_generate.codec import RequestError
+
+    ex, p, d = _legs(PROMPT3)
+    ex.feed(p, _prefill_answer(pre))
+    ex.worker_request(d)
+    with pytest.raises(RequestError) as exc:
+        ex.feed(d, _decode_answer([7, 8, 9], own))
+    assert (exc.value.status, exc.value.message) == (502, message)
+
+
+PL = [None, {"2": {"logprob": -1.25, "rank": 1, "decoded_token": None}},
+      {"3": {"logprob": -0.5, "rank": 1, "decoded_token": None}}]
+
+
+@pytest.mark.parametrize("pre,own,want", [
+    (PL, None, PL),  # only the prefill leg computed the prompt
+    (PL, PL, PL),  # both did, and agree
+    (None, PL, PL),  # only the decode leg did (it prefilled alone)
+    (None, None, None),
+])
+def test_codec_prompt_logprobs_from_the_leg_that_computed_them(pre, own, want):
+    ex, p, d = _legs(PROMPT3)
+    ex.feed(p, _prefill_answer(prompt_logprobs=pre))
+    ex.worker_request(d)
+    ex.feed(d, _decode_answer([7, 8], prompt_logprobs=own))
+    assert orjson.loads(ex.unary_body()[1])["prompt_logprobs"] == want
+
+
+def test_codec_prompt_logprobs_that_differ_fail():
+    from asgi_generate.codec import RequestError
+
+    ex, p, d = _legs(PROMPT3)
+    ex.feed(p, _prefill_answer(prompt_logprobs=PL))
+    ex.worker_request(d)
+    with pytest.raises(RequestError) as exc:
+        ex.feed(d, _decode_answer([7, 8], prompt_logprobs=[None, PL[1], {"3": {**PL[2]["3"], "rank": 2}}]))
+    assert (exc.value.status, exc.value.message) == (502, "the prefill and decode legs answered different prompt_logprobs")
