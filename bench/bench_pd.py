@@ -1,9 +1,11 @@
 """What prefill/decode disaggregation costs at the frontend: P/D pairs vs an
 aggregated worker, same simulator timing, side by side.
 
-Simulated SGLang workers (``--ttft-ms``/``--itl-ms``, zero by default):
-one aggregated simulator, and a prefill and a decode simulator that hand the
-KV over loopback. Two asgi-generate frontends (hypercorn, asyncio) run side
+Simulated workers (``--ttft-ms``/``--itl-ms``, zero by default) of one
+protocol (``--protocol sglang|vllm``): one aggregated simulator, and a
+prefill and a decode simulator that hand the KV over loopback (SGLang: the
+legs run concurrently; vLLM: the prefill leg, then the decode leg with its
+``kv_transfer_params``). Two asgi-generate frontends (hypercorn, asyncio) run side
 by side: ``agg`` in front of the aggregated simulator, ``pd`` in front of
 the pair (``--disaggregation always``). The aggregated simulator is also
 asked directly (``direct``), so the frontend's own cost shows.
@@ -23,7 +25,8 @@ twice the engine work on a 2-core machine (two simulators per request) and
 a P/D request waits for the KV hand-over over a real socket: the ratios
 describe the whole path, simulators included.
 
-Usage: ``.venv/bin/python bench/bench_pd.py [--seconds 5] [--concurrency 8] [--requests 200]``.
+Usage: ``.venv/bin/python bench/bench_pd.py [--protocol sglang|vllm] [--seconds 5] [--concurrency 8]
+[--requests 200]``.
 """
 
 from __future__ import annotations
@@ -47,22 +50,32 @@ PROMPT = [((i * 37) % 3900) + 100 for i in range(128)]
 OUTPUT_TOKENS = 16
 
 
+PROTOCOL = "sglang"
+PATHS = {"sglang": "/generate", "vllm": "/inference/v1/generate"}
+
+
 def body(stream: bool) -> bytes:
+    if PROTOCOL == "vllm":
+        return orjson.dumps({"token_ids": PROMPT, "stream": stream,
+                             "sampling_params": {"max_tokens": OUTPUT_TOKENS, "ignore_eos": True}})
     return orjson.dumps({"input_ids": PROMPT, "stream": stream,
                          "sampling_params": {"max_new_tokens": OUTPUT_TOKENS, "ignore_eos": True}})
 
 
 def final_ids(resp_body: bytes, stream: bool) -> list[int] | None:
     if not stream:
-        return orjson.loads(resp_body).get("output_ids")
+        obj = orjson.loads(resp_body)
+        return obj["choices"][0]["token_ids"] if PROTOCOL == "vllm" else obj.get("output_ids")
     events = [b[6:] for b in resp_body.split(b"\n\n") if b.startswith(b"data: ")]
     if len(events) < 2 or events[-1] != b"[DONE]":
         return None
+    if PROTOCOL == "vllm":  # delta chunks
+        return [t for e in events[:-1] for c in orjson.loads(e)["choices"] for t in c["token_ids"]]
     return orjson.loads(events[-2]).get("output_ids")
 
 
 async def one(client: httpx.AsyncClient, url: str, stream: bool, want: list[int]) -> bool:
-    resp = await client.post(url + "/generate", content=body(stream), headers={"content-type": "application/json"})
+    resp = await client.post(url + PATHS[PROTOCOL], content=body(stream), headers={"content-type": "application/json"})
     return resp.status_code == 200 and final_ids(resp.content, stream) == want
 
 
@@ -105,23 +118,31 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--ttft-ms", type=float, default=0.0)
     ap.add_argument("--itl-ms", type=float, default=0.0)
+    ap.add_argument("--protocol", choices=tuple(PATHS), default="sglang")
     args = ap.parse_args()
+    global PROTOCOL
+    PROTOCOL = proto = args.protocol
     timing = {"ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms}
-    agg = start_sim(**timing)
-    prefill = start_sim(**timing, extra=["--disaggregation-mode", "prefill", "--bootstrap-port", "0"])
-    decode = start_sim(**timing, extra=["--disaggregation-mode", "decode"])
+    roles = (["--kv-role", "producer"], ["--kv-role", "consumer"]) if proto == "vllm" else (
+        ["--disaggregation-mode", "prefill", "--bootstrap-port", "0"], ["--disaggregation-mode", "decode"])
+    agg = start_sim(proto, **timing)
+    prefill = start_sim(proto, **timing, extra=roles[0])
+    decode = start_sim(proto, **timing, extra=roles[1])
     procs = [agg, prefill, decode]
     try:
-        port = httpx.get(prefill.url + "/get_server_info").json()["disaggregation_bootstrap_port"]
-        fe_agg = start_frontend([f"sglang={agg.url}"], worker_class="asyncio")
+        spec = f"vllm={prefill.url}"
+        if proto == "sglang":
+            port = httpx.get(prefill.url + "/get_server_info").json()["disaggregation_bootstrap_port"]
+            spec = f"sglang={prefill.url}?bootstrap_port={port}"
+        fe_agg = start_frontend([f"{proto}={agg.url}"], worker_class="asyncio")
         procs.append(fe_agg)
         fe_pd = start_frontend([], worker_class="asyncio", extra=[
-            "--prefill", f"sglang={prefill.url}?bootstrap_port={port}", "--decode", f"sglang={decode.url}",
-            "--disaggregation", "always"])
+            "--prefill", spec, "--decode", f"{proto}={decode.url}", "--disaggregation", "always"])
         procs.append(fe_pd)
         targets = {"direct": agg.url, "agg": fe_agg.url, "pd": fe_pd.url}
-        want = orjson.loads(httpx.post(agg.url + "/generate", content=body(False)).content)["output_ids"]
-        print(f"prompt {len(PROMPT)} tokens, {OUTPUT_TOKENS} output tokens, simulator TTFT {args.ttft_ms:g} ms, "
+        want = final_ids(httpx.post(agg.url + PATHS[proto], content=body(False),
+                                    headers={"content-type": "application/json"}).content, False)
+        print(f"{proto}: prompt {len(PROMPT)} tokens, {OUTPUT_TOKENS} output tokens, simulator TTFT {args.ttft_ms:g} ms, "
               f"ITL {args.itl_ms:g} ms; {args.requests} sequential requests; {args.seconds:g} s at "
               f"{args.concurrency} connections")
         for stream in (False, True):

@@ -184,6 +184,10 @@ BODIES = {
                      "return_routed_experts": True, "routed_experts_start_len": 5},
     "experts_one_token": {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1},
                           "return_routed_experts": True, "return_logprob": True},
+    "experts_one_token_plain": {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1},
+                                "return_routed_experts": True},
+    "experts_stop_on_first": {"input_ids": [7], "sampling_params": {"max_new_tokens": 8, "stop_token_ids": [100]},
+                              "return_routed_experts": True, "return_logprob": True},
 }
 
 
@@ -231,11 +235,13 @@ def test_sse_is_the_aggregated_stream(fronts, sims, name, incremental):
     top=st.integers(0, 3),
     stream=st.booleans(),
     stop=st.lists(st.integers(10, 4000), max_size=3),
+    experts=st.booleans(),
 )
-def test_property_pd_equals_aggregated(fronts, sims, prompt, max_new, start, top, stream, stop):
+def test_property_pd_equals_aggregated(fronts, sims, prompt, max_new, start, top, stream, stop, experts):
     cum, _ = fronts
     body = {"input_ids": prompt, "stream": stream, "return_logprob": True, "logprob_start_len": start,
-            "top_logprobs_num": top, "sampling_params": {"max_new_tokens": max_new, "stop_token_ids": stop}}
+            "top_logprobs_num": top, "return_routed_experts": experts,
+            "sampling_params": {"max_new_tokens": max_new, "stop_token_ids": stop}}
     if stream:
         _, got = sse(cum.url, body)
         _, want = sse(sims["agg"].url, body)
