@@ -170,6 +170,23 @@ def test_property_vllm_pd_equals_aggregated(vfronts, vsims, prompt, max_tokens, 
     fe.take()
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_client_kv_transfer_params_are_refused_on_a_pd_fleet(vfront, vsims, stream):
+    """The frontend owns kv_transfer_params: a client's is refused before
+    any leg runs (it could name another request's KV blocks)."""
+    before = stats(vsims["prefill"])["received"], stats(vsims["decode"])["received"]
+    kv = {"do_remote_prefill": True, "remote_block_ids": [0], "remote_engine_id": "e", "remote_host": "127.0.0.1",
+          "remote_port": 1, "remote_request_id": "generate-tokens-someone-else"}
+    r = post(vfront.url, {"token_ids": PROMPT, "stream": stream, "kv_transfer_params": kv,
+                          "sampling_params": {"max_tokens": 4}}, GEN)
+    assert (r.status_code, r.json()) == (400, {"error": {
+        "message": "kv_transfer_params is set by the frontend for prefill/decode routing; do not send it.",
+        "type": "BadRequestError", "param": "kv_transfer_params", "code": 400}})
+    assert (stats(vsims["prefill"])["received"], stats(vsims["decode"])["received"]) == before
+    (rec,) = vfront.take()
+    assert (rec["status"], rec["attempts"]) == ("rejected", [])
+
+
 # -- --pd-fallback ---------------------------------------------------------------
 
 
@@ -433,15 +450,13 @@ def test_consumer_prefills_locally_when_blocks_expired(vsims):
     """The producer drops blocks nobody read after --kv-expiry-s; a consumer
     given them prefills alone (counted) and answers the same."""
     p, d = vsims["prefill"], vsims["decode"]
+    expired = stats(p)["kv_blocks_expired"]
     leg = post(p.url, {"token_ids": PROMPT, "kv_transfer_params": {"do_remote_decode": True},
                        "sampling_params": {"max_tokens": 1}}, GEN).json()
     kv = leg["kv_transfer_params"]
     assert kv["do_remote_prefill"] is True and kv["remote_port"] > 0 and kv["remote_block_ids"] == [
         kv["remote_block_ids"][0]]
-    assert stats(p)["kv_blocks_held"] == 1
-    expired = stats(p)["kv_blocks_expired"]
-    wait_until(lambda: stats(p)["kv_blocks_held"] == 0, timeout=5)
-    assert stats(p)["kv_blocks_expired"] == expired + 1
+    wait_until(lambda: (x := stats(p))["kv_blocks_held"] == 0 and x["kv_blocks_expired"] == expired + 1, timeout=5)
     local = stats(d)["local_prefills"]
     body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 5, "prompt_logprobs": 1}}
     got = post(d.url, {**body, "kv_transfer_params": kv}, GEN).json()

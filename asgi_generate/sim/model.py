@@ -171,6 +171,18 @@ class Model:
         r = _mix(state, 0x7A4C0000 + token_id)
         return NUM_CANDIDATES + 1 + r % (self.vocab_size - NUM_CANDIDATES)
 
+    def expert_rows(self, seq: list[int], start: int) -> list[list[int]]:
+        """Routed experts of the positions ``start`` up to the last but one
+        of ``seq`` (prompt then output: an engine forwards every token but
+        the one it sampled last), one :meth:`expert_row` each."""
+        state = self.initial_state()
+        rows = []
+        for p in range(len(seq) - 1):
+            state = self.advance(state, seq[p])
+            if p >= start:
+                rows.append(self.expert_row(state))
+        return rows
+
     def expert_row(self, state: int) -> list[int]:
         """Routed experts for the token whose prefix (inclusive) is ``state``.
 

@@ -281,15 +281,7 @@ class SGLangProtocol:
             start_len = max(start_len, len(job.input_ids))
             if len(job.input_ids) + len(out_ids) - 1 <= start_len:
                 return None
-        model = self.engine.model
-        seq = job.input_ids + out_ids
-        state = model.initial_state()
-        rows = []
-        for p in range(len(seq) - 1):
-            state = model.advance(state, seq[p])
-            if p >= start_len:
-                rows.append(model.expert_row(state))
-        return experts_base64(rows)
+        return experts_base64(self.engine.model.expert_rows(job.input_ids + out_ids, start_len))
 
     @staticmethod
     def finish_reason(finish: tuple[str, object] | None, aborted: bool) -> dict | None:

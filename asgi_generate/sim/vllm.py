@@ -331,12 +331,7 @@ class VLLMProtocol:
         if len(seq) - 1 <= start:
             return None
         model = self.engine.model
-        state = model.initial_state()
-        rows = []
-        for p in range(len(seq) - 1):
-            state = model.advance(state, seq[p])
-            if p >= start:
-                rows.append(model.expert_row(state))
+        rows = model.expert_rows(seq, start)
         return experts_npy_base64(rows, model.num_layers, model.experts_topk, model.num_experts)
 
     def _choice(
