@@ -466,9 +466,12 @@ def test_consumer_prefills_locally_when_blocks_expired(vsims):
 
 @pytest.fixture(scope="module")
 def two_pairs(tmp_path_factory):
-    """Two prefill and two decode workers; the router probes rarely, so a
-    worker that is gone is found by the request that meets it."""
-    procs = [start_sim("vllm", extra=[*PRODUCER, "--kv-expiry-s", "0.5"]) for _ in range(2)]
+    """Two prefill workers (the first takes 1 s to prefill) and two decode
+    workers, and an aggregated one to compare with; the tests below use them
+    in order (the first freezes, then is stopped; the first decode worker is
+    stopped)."""
+    procs = [start_sim("vllm", ttft_ms=1000, extra=[*PRODUCER, "--kv-expiry-s", "0.5"]),
+             start_sim("vllm", extra=[*PRODUCER, "--kv-expiry-s", "0.5"])]
     procs += [start_sim("vllm", extra=CONSUMER) for _ in range(2)]
     procs.append(start_sim("vllm", extra=[EXPERTS]))
     yield procs
@@ -479,8 +482,32 @@ def two_pairs(tmp_path_factory):
 BODY = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 6, "logprobs": 1, "prompt_logprobs": 1}}
 
 
+def test_prefill_worker_lost_to_the_health_probe_mid_request(two_pairs, tmp_path_factory):
+    """The prefill engine freezes mid-prefill (SIGSTOP): the health probe
+    gives it up, the leg is dropped and the request runs on the other pair."""
+    p1, p2, _, d2, agg = two_pairs
+    fe = Traced(tmp_path_factory, pd_args([p1, p2], [d2], "--health-timeout", "0.3", "--health-failures", "2"))
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(post, fe.url, BODY, GEN)
+            wait_until(lambda: stats(p1)["running"] == 1)
+            p1.signal(signal.SIGSTOP)
+            try:
+                got = answer.result(20)
+            finally:
+                p1.signal(signal.SIGCONT)
+        same(vnorm(got.json()), vnorm(post(agg.url, BODY, GEN).json()))
+        (rec,) = fe.take()
+        assert rec["status"] == "ok"
+        assert [(a["role"], a["worker_id"], a["outcome"]) for a in rec["attempts"]] == [
+            ("prefill", "w0", "worker_lost"), ("prefill", "w1", "finished"), ("decode", "w2", "finished")]
+        _quiet(p1, p2, d2)  # the frozen prefill, thawed, finished; nobody read its blocks
+    finally:
+        fe.stop()
+
+
 def test_prefill_worker_down_goes_to_another_pair(two_pairs, tmp_path_factory):
-    p1, p2, d1, d2, agg = two_pairs
+    p1, p2, d1, d2, agg = two_pairs  # the router probes rarely: the request meets p1 gone
     fe = Traced(tmp_path_factory, pd_args([p1, p2], [d1], "--health-interval", "60"))
     try:
         p1.stop()
@@ -533,33 +560,6 @@ def test_prefill_answering_an_error_is_the_answer(vsims, tmp_path_factory):
     finally:
         fe.stop()
         proxy.stop()
-
-
-def test_prefill_worker_lost_to_the_health_probe_mid_request(tmp_path_factory):
-    """The prefill engine freezes mid-prefill (SIGSTOP): the health probe
-    gives it up, the leg is dropped and the request runs on the other pair."""
-    p1 = start_sim("vllm", ttft_ms=1000, extra=PRODUCER)
-    p2, d, agg = start_sim("vllm", extra=PRODUCER), start_sim("vllm", extra=CONSUMER), start_sim("vllm", extra=[EXPERTS])
-    fe = Traced(tmp_path_factory, pd_args([p1, p2], [d], "--health-timeout", "0.3", "--health-failures", "2"))
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(post, fe.url, BODY, GEN)
-            wait_until(lambda: stats(p1)["running"] == 1)
-            p1.signal(signal.SIGSTOP)
-            try:
-                got = answer.result(20)
-            finally:
-                p1.signal(signal.SIGCONT)
-        same(vnorm(got.json()), vnorm(post(agg.url, BODY, GEN).json()))
-        (rec,) = fe.take()
-        assert rec["status"] == "ok"
-        assert [(a["role"], a["worker_id"], a["outcome"]) for a in rec["attempts"]] == [
-            ("prefill", "w0", "worker_lost"), ("prefill", "w1", "finished"), ("decode", "w2", "finished")]
-        _quiet(p2, d)
-    finally:
-        fe.stop()
-        for s in (p1, p2, d, agg):
-            s.stop()
 
 
 # -- the vLLM codec's leg joins, sans-IO ---------------------------------------------
