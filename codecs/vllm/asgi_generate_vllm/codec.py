@@ -517,9 +517,10 @@ class VLLMExchange(Exchange):
             if type(finish) is not str:
                 raise _bad(what, "has a finish_reason that is not a string")
             if attempt.role == "decode":
-                choice["routed_experts"] = self._experts(
-                    index, choice.get("routed_experts"), self.choice_tokens[index], finish
-                )
+                rows = choice.get("routed_experts")
+                joined = self._experts(index, rows, self.choice_tokens[index], finish)
+                if joined is not rows:  # a build without the field keeps its layout
+                    choice["routed_experts"] = joined
             self.finished.add(index)
             if index == 0:
                 self.finish, self.matched = finish, _stop_reason(attempt, choice)
