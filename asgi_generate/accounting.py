@@ -37,6 +37,7 @@ class RequestState:
     replay_excluded: str | None = None
     model: str | None = None
     headers: dict[bytes, bytes] = field(default_factory=dict)
+    body_bytes: int = 0
     status: str | None = None
     http_status: int | None = None
     error_type: str | None = None

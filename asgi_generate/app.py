@@ -4,7 +4,8 @@ Routes: every (method, path) a registered codec declares goes to the shared
 handler; a registered path with another method gets 405 in that format's
 shape. Control routes: ``GET /health`` (200 once a worker is up, else 503),
 ``GET /v1/models`` (models, formats and workers with their state) and
-``GET /stats`` (counters). Info and admin routes (``/get_model_info``,
+``GET /stats`` (counters) and ``GET /metrics`` (Prometheus,
+:mod:`asgi_generate.metrics`). Info and admin routes (``/get_model_info``,
 ``/flush_cache``, ...) go to :mod:`asgi_generate.admin`. Anything else is 404.
 
 The ASGI lifespan starts the embedded simulators (when no worker is
@@ -30,6 +31,7 @@ from .embedded import embedded_fleet
 from .budget import BodyBudget
 from .framing import Receive, Send, send_unary
 from .handler import handle_generate, reject_method
+from .metrics import Metrics
 from .registry import LoadedCodec, load_codecs
 from .workers.aborts import ACKED, LOST, UNACKNOWLEDGED, AbortQueue
 from .workers.router import Router, Worker
@@ -49,6 +51,7 @@ class App:
     Raises:
         CodecLoadError: installed codecs cannot be served together.
         TraceSetupError: the trace settings are unusable.
+        MetricsSetupError: ``PROMETHEUS_MULTIPROC_DIR`` names no folder.
     """
 
     #: A ``send()`` that raises OSError (ASGI: the client is gone) is handled:
@@ -85,12 +88,14 @@ class App:
             "aborts_worker_lost": 0,
         }
         self.by_status: dict[str, int] = {}
+        self.metrics = Metrics()
         # Tracing off: no tracer at all, so finishing a request only counts.
         self.tracer = None
         if settings.trace_file or settings.trace_stderr:
             from .tracing import Tracer
 
             self.tracer = Tracer(settings)
+            self.tracer.metrics = self.metrics
         #: The handler keeps delivered output ids only for a trace parser.
         self.trace_output_ids = self.tracer is not None and self.tracer.wants_output_ids
 
@@ -125,6 +130,8 @@ class App:
             await send_unary(send, 200, orjson.dumps(self.models()))
         elif method == "GET" and path == "/stats":
             await send_unary(send, 200, orjson.dumps(self.stats()))
+        elif method == "GET" and path == "/metrics":
+            await self.metrics.serve(self, send)
         else:
             await send_unary(send, 404, NOT_FOUND)
 
@@ -171,6 +178,8 @@ class App:
                         tg.start_soon(queue.run)
                     if self.tracer is not None:
                         await tg.start(self.tracer.run)
+                    if self.metrics.multiproc_dir is not None:
+                        tg.start_soon(self.metrics.refresh_every, self)
                     self._shutdown_requested = anyio.Event()
                     tg.start_soon(self._drain_on_shutdown)
                     await send({"type": "lifespan.startup.complete"})
@@ -238,6 +247,7 @@ class App:
         self.counters["aborts_sent"] += 1
         queue = self.aborts.get(worker.id)
         result = await queue.abort(engine_id) if queue is not None else UNACKNOWLEDGED
+        self.metrics.abort(result)
         if result == ACKED:
             self.counters["aborts_acknowledged"] += 1
         elif result == LOST:
@@ -246,9 +256,14 @@ class App:
             self.counters["aborts_unacknowledged"] += 1
         return result
 
+    def request_started(self) -> None:
+        """Called once per request the handler accepts, before anything else."""
+        self.metrics.request_started()
+
     def request_finished(self, st: RequestState) -> None:
         """Called once per request on the handler's way out."""
         self.counters["requests"] += 1
+        self.metrics.request_finished(st)
         self.by_status[st.status or "unknown"] = self.by_status.get(st.status or "unknown", 0) + 1
         if self.tracer is not None:
             self.tracer.submit(st)

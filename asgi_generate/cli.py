@@ -348,6 +348,7 @@ def _fail(message: str) -> int:
 
 def _serve(args: argparse.Namespace, d: Settings) -> int:
     from .app import App
+    from .metrics import MetricsSetupError
     from .registry import CodecLoadError, load_codecs
     from .supervisor import listening_socket, supervise
     from .tracing import Tracer, TraceSetupError
@@ -373,7 +374,7 @@ def _serve(args: argparse.Namespace, d: Settings) -> int:
                 app = App(settings, codecs)
             elif settings.trace_file or settings.trace_stderr:
                 Tracer(settings)  # fails here, once, rather than in every worker process
-        except (CodecLoadError, TraceSetupError) as exc:
+        except (CodecLoadError, TraceSetupError, MetricsSetupError) as exc:
             _report_problems(str(exc).splitlines())
             return 2
         if pid_file is not None:

@@ -48,6 +48,7 @@ RETRY_AFTER = b"1"
 async def handle_generate(app: "App", codec: Codec, scope: dict, receive: Receive, send: Send) -> None:
     """Serve one request on a codec's route; always leaves one RequestState."""
     st = RequestState(ids.mint(), codec.name, scope["path"], scope["method"])
+    app.request_started()
     try:
         await _serve(app, codec, scope, receive, send, st)
     except OSError:  # an error answer's write: the client is gone (ASGI send exception)
@@ -70,6 +71,7 @@ async def handle_generate(app: "App", codec: Codec, scope: dict, receive: Receiv
 async def reject_method(app: "App", codec: Codec, scope: dict, allowed: list[str], send: Send) -> None:
     """405 on a registered path with the wrong method, in the format's shape."""
     st = RequestState(ids.mint(), codec.name, scope["path"], scope["method"])
+    app.request_started()
     st.headers = dict(scope["headers"])
     err = RequestError(405, "Method Not Allowed", "method_not_allowed")
     try:
@@ -141,6 +143,7 @@ async def _read_and_decode(
         return None
     finally:
         app.reading_body -= 1
+    st.body_bytes = len(body)
     if app.shutting_down:
         await _send_error(codec, send, st, RequestError(503, "server is shutting down", "shutdown"))
         return None

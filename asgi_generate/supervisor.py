@@ -8,7 +8,11 @@ terminal's Ctrl-C reaches only the supervisor, which forwards SIGINT and
 SIGTERM to every child exactly once; each child runs its own graceful
 shutdown (and gets SIGTERM from the kernel should the supervisor die). The
 supervisor exits when all children have, then stops the simulators. Each child keeps its own counters: ``/stats`` answers for the
-process that took the connection (its ``pid`` says which).
+process that took the connection (its ``pid`` says which). ``/metrics``
+answers for all of them: the supervisor gives the children a fresh
+``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client's multiprocess mode, see
+:mod:`asgi_generate.metrics`), tells the library when each child is gone,
+and removes the folder at exit.
 """
 
 from __future__ import annotations
@@ -17,16 +21,20 @@ import argparse
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from contextlib import AsyncExitStack
 
 import anyio
+from prometheus_client import multiprocess
 
 from .config import Settings
 from .embedded import embedded_fleet
+from .metrics import MULTIPROC_ENV
 from .serving import held_signal, hold_signals
 
 
@@ -66,7 +74,9 @@ def supervise(
                                    settings.embedded_ttft_ms, settings.embedded_itl_ms, settings.embedded_pd)
                 )
                 fleet = dataclasses.replace(settings, workers=specs, prefill=prefill, decode=decode)
-            env = {**os.environ, **fleet.to_env()}
+            metrics_dir = tempfile.mkdtemp(prefix="asgi-generate-metrics-")
+            stack.callback(shutil.rmtree, metrics_dir, ignore_errors=True)
+            env = {**os.environ, **fleet.to_env(), MULTIPROC_ENV: metrics_dir}
             cmd = [sys.executable, "-m", "asgi_generate.supervisor", "--fd", str(sock.fileno()),
                    "--worker-class", worker_class, "--shutdown-grace", str(shutdown_grace),
                    "--parent-pid", str(os.getpid()), "--log-level", log_level, "--access-log" if access_log else "--no-access-log"]
@@ -76,10 +86,19 @@ def supervise(
                 for _ in range(processes)
             ]
             forwarded: set[int] = set()
+
+            async def reap(child) -> None:
+                await child.wait()
+                # Its in-flight and per-worker gauges no longer count.
+                multiprocess.mark_process_dead(child.pid, metrics_dir)
+
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_forward_signals, children, forwarded)
-                codes = [await child.wait() for child in children]
+                async with anyio.create_task_group() as reapers:
+                    for child in children:
+                        reapers.start_soon(reap, child)
                 tg.cancel_scope.cancel()
+            codes = [child.returncode for child in children]
         # A child that a forwarded stop reached before it could handle it
         # (still importing) died of that very signal: a clean stop too.
         return next((c for c in codes if c and -c not in forwarded), 0)

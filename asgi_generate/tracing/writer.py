@@ -90,6 +90,9 @@ class Tracer:
         self.submitted = 0
         self.records = 0
         self.dropped = {"queue_full": 0, "sink_error": 0, "build_error": 0, "closed": 0}
+        #: The app's :class:`~asgi_generate.metrics.Metrics`, told of every
+        #: record written and lost (set by the app).
+        self.metrics = None
         self._running = False
         self._closing = False
         self._done: anyio.Event | None = None  # made in run(): events need a running loop
@@ -100,9 +103,14 @@ class Tracer:
         try:
             self._send.send_nowait(st)
         except anyio.WouldBlock:
-            self.dropped["queue_full"] += 1
+            self._drop("queue_full")
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            self.dropped["closed"] += 1
+            self._drop("closed")
+
+    def _drop(self, cause: str, n: int = 1) -> None:
+        self.dropped[cause] += n
+        if self.metrics is not None:
+            self.metrics.trace_dropped.labels(cause).inc(n)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Open the sinks, report started, then write until :meth:`close`.
@@ -158,7 +166,7 @@ class Tracer:
                 self._receive.receive_nowait()
             except (anyio.WouldBlock, anyio.EndOfStream):
                 break
-            self.dropped["closed"] += 1
+            self._drop("closed")
         self._receive.close()
 
     def _write_batch(self, batch: list[RequestState]) -> None:
@@ -167,7 +175,7 @@ class Tracer:
             try:
                 lines.append(orjson.dumps(build_record(st, self.block_size, self.analyzer)))
             except Exception:
-                self.dropped["build_error"] += 1
+                self._drop("build_error")
                 log.exception("trace: cannot build the record of request %s", st.request_id)
         if not lines:
             return
@@ -177,11 +185,13 @@ class Tracer:
             try:
                 sink.write(data)
                 sink.written += len(lines)
+                if self.metrics is not None:
+                    self.metrics.trace_written.labels(sink.name).inc(len(lines))
             except OSError as exc:
                 if not sink.failed:
                     log.error("trace: the %s sink failed: %r; its records are dropped and counted", sink.name, exc)
                 sink.failed += len(lines)
-                self.dropped["sink_error"] += len(lines)
+                self._drop("sink_error", len(lines))
 
     def stats(self) -> dict:
         """The ``trace`` block of ``/stats``."""

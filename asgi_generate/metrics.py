@@ -1,0 +1,193 @@
+"""Prometheus metrics of the frontend, served as ``GET /metrics``.
+
+Everything a request contributes is counted once, when it ends, from its
+finished :class:`~asgi_generate.accounting.RequestState` (O(1) per request,
+O(legs) for the per-leg counters; nothing per token); aborts and trace
+records are counted where they happen. Worker gauges are read from the router
+when ``/metrics`` is scraped (and, with several processes, every
+:data:`REFRESH_S` seconds by each of them).
+
+Names and histogram buckets follow the engines' own metrics where ours
+measure the same thing (vLLM ``vllm/v1/metrics/loggers.py``
+``PrometheusStatLogger``: ``time_to_first_token_seconds``,
+``request_time_per_output_token_seconds``, ``e2e_request_latency_seconds``,
+``prompt_tokens_total``, ``generation_tokens_total``; SGLang
+``srt/metrics/collector.py`` uses the same names), with the
+``asgi_generate_`` prefix. README's "Metrics" section lists every one.
+
+Several processes (``serve --workers N``, ``hypercorn -w N``) are merged with
+prometheus-client's multiprocess mode: each process writes its values to
+files under ``PROMETHEUS_MULTIPROC_DIR`` and a scrape of any of them reads
+all of them. The variable must name an empty folder before the processes
+start (``serve`` makes and removes one itself).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import anyio
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
+
+from .accounting import RequestState
+from .framing import Send, send_unary
+
+if TYPE_CHECKING:
+    from .app import App
+
+#: The folder prometheus-client's multiprocess mode keeps its files in.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+#: Seconds between refreshes of the worker gauges by each process, when
+#: several processes serve (a scrape reaches only one of them).
+REFRESH_S = 1.0
+# vLLM's buckets (loggers.py): TTFT from 1 ms to 2560 s (queueing included),
+# per-request time per output token from 10 ms to 80 s, end to end up to
+# 7680 s (long rollouts).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+#: Leg outcomes counted as a failure of the leg's worker.
+WORKER_FAILURES = frozenset({"connect_failed", "worker_lost", "error", "timeout"})
+#: Abort results (:mod:`asgi_generate.workers.aborts`) as the label says them.
+ABORT_RESULTS = {"acked": "acknowledged", "unacknowledged": "unacknowledged", "lost": "worker_lost"}
+WORKER_LABELS = ("worker", "url", "protocol", "role")
+
+
+class MetricsSetupError(ValueError):
+    """``PROMETHEUS_MULTIPROC_DIR`` names no folder."""
+
+
+class Metrics:
+    """One process's metrics.
+
+    Without ``PROMETHEUS_MULTIPROC_DIR`` the values live in this object's
+    own registry (so several apps in one process never mix); with it they
+    live in that folder's files and a scrape merges every process's.
+
+    Raises:
+        MetricsSetupError: ``PROMETHEUS_MULTIPROC_DIR`` is set but is not a folder.
+    """
+
+    def __init__(self) -> None:
+        self.multiproc_dir = os.environ.get(MULTIPROC_ENV) or None
+        if self.multiproc_dir is not None and not os.path.isdir(self.multiproc_dir):
+            raise MetricsSetupError(f"{MULTIPROC_ENV}={self.multiproc_dir!r} is not a folder")
+        # A _created sample per series doubles the output for nothing a
+        # dashboard reads (and multiprocess mode has none).
+        prometheus_client.disable_created_metrics()
+        reg = None if self.multiproc_dir else CollectorRegistry()
+        self.registry = reg
+        p = "asgi_generate_"
+        self.requests = Counter(p + "requests_total", "Requests ended, by format, route, outcome (status) and "
+                                "the HTTP status sent (code, empty when none was).",
+                                ("format", "route", "status", "code"), registry=reg)
+        self.in_flight = Gauge(p + "requests_in_flight", "Requests accepted and not yet ended.",
+                               registry=reg, multiprocess_mode="livesum")
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time from a streamed request's arrival to "
+                              "its first token sent.", ("format",), buckets=TTFT_BUCKETS, registry=reg)
+        self.tpot = Histogram(p + "request_time_per_output_token_seconds", "Mean inter-token latency of each "
+                              "streamed request with at least two tokens: (last token - first token) / "
+                              "(tokens - 1), observed once per request.", ("format",), buckets=TPOT_BUCKETS,
+                              registry=reg)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from a request's arrival to its end, "
+                             "every outcome.", ("format",), buckets=E2E_BUCKETS, registry=reg)
+        self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens of ended requests (when known).",
+                                     ("format",), registry=reg)
+        self.generation_tokens = Counter(p + "generation_tokens_total", "Output tokens sent to clients.",
+                                         ("format",), registry=reg)
+        self.body_bytes = Counter(p + "request_body_bytes_total", "Request body bytes read.", ("format",),
+                                  registry=reg)
+        self.migrations = Counter(p + "migrations_total", "Streams resumed on another worker.", ("format",),
+                                  registry=reg)
+        self.legs = Counter(p + "engine_legs_total", "Engine legs by role (aggregated, prefill, decode, "
+                            "resumed) and outcome.", ("role", "outcome"), registry=reg)
+        self.aborts = Counter(p + "aborts_total", "Engine aborts sent, by result (acknowledged, "
+                              "unacknowledged, worker_lost).", ("result",), registry=reg)
+        self.worker_up = Gauge(p + "worker_up", "1 while the worker is in the rotation, else 0.",
+                               WORKER_LABELS, registry=reg, multiprocess_mode="livemostrecent")
+        self.worker_outstanding = Gauge(p + "worker_outstanding_requests", "Engine legs in flight on the worker.",
+                                        WORKER_LABELS, registry=reg, multiprocess_mode="livesum")
+        self.worker_failures = Counter(p + "worker_failures_total", "Engine legs that failed on the worker, by "
+                                       "reason (connect_failed, worker_lost, error, timeout).",
+                                       ("worker", "url", "reason"), registry=reg)
+        self.trace_written = Counter(p + "trace_records_written_total", "Request-end records written, by sink.",
+                                     ("sink",), registry=reg)
+        self.trace_dropped = Counter(p + "trace_records_dropped_total", "Request-end records lost, by cause "
+                                     "(queue_full, sink_error, build_error, closed).", ("cause",), registry=reg)
+
+    # -- updates -------------------------------------------------------------
+
+    def request_started(self) -> None:
+        """A request was accepted (its end calls :meth:`request_finished`)."""
+        self.in_flight.inc()
+
+    def request_finished(self, st: RequestState) -> None:
+        """Count a finished request (``t_done`` and ``status`` set)."""
+        fmt = st.format
+        self.in_flight.dec()
+        self.requests.labels(fmt, st.route, st.status or "unknown",
+                             "" if st.http_status is None else str(st.http_status)).inc()
+        self.e2e.labels(fmt).observe(st.t_done - st.t_received)
+        first, n = st.t_first_token, st.output_tokens
+        if first is not None:
+            self.ttft.labels(fmt).observe(first - st.t_received)
+            if n > 1 and st.t_last_token is not None:
+                self.tpot.labels(fmt).observe((st.t_last_token - first) / (n - 1))
+        prompt = st.input_length if st.input_length is not None else st.prompt_tokens
+        if prompt:
+            self.prompt_tokens.labels(fmt).inc(prompt)
+        if n:
+            self.generation_tokens.labels(fmt).inc(n)
+        if st.body_bytes:
+            self.body_bytes.labels(fmt).inc(st.body_bytes)
+        if st.migrations:
+            self.migrations.labels(fmt).inc(st.migrations)
+        for a in st.attempts:
+            outcome = a.outcome or "none"
+            self.legs.labels(a.role, outcome).inc()
+            if outcome in WORKER_FAILURES:
+                self.worker_failures.labels(a.worker_id, getattr(a.worker, "url", ""), outcome).inc()
+
+    def abort(self, result: str) -> None:
+        """Count one abort and its result (``acked``, ``unacknowledged``, ``lost``)."""
+        self.aborts.labels(ABORT_RESULTS[result]).inc()
+
+    def refresh(self, app: "App") -> None:
+        """Set the worker gauges from ``app``'s router."""
+        if self.registry is not None:  # one process: exactly the workers there are now
+            self.worker_up.clear()
+            self.worker_outstanding.clear()
+        for w in app.router.workers:
+            labels = (w.id, w.url, w.protocol.name, w.role)
+            self.worker_up.labels(*labels).set(1 if w.healthy else 0)
+            self.worker_outstanding.labels(*labels).set(w.outstanding)
+
+    async def refresh_every(self, app: "App") -> None:
+        """Forever: :meth:`refresh` every :data:`REFRESH_S` seconds (several
+        processes: a scrape refreshes only the process it reached)."""
+        while True:
+            self.refresh(app)
+            await anyio.sleep(REFRESH_S)
+
+    # -- the route -------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The Prometheus text format of every metric (all processes' in
+        multiprocess mode)."""
+        registry = self.registry
+        if registry is None:
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry, self.multiproc_dir)
+        return prometheus_client.generate_latest(registry)
+
+    async def serve(self, app: "App", send: Send) -> None:
+        """Answer ``GET /metrics``: refresh the gauges, then render in a
+        worker thread (multiprocess mode reads every process's files)."""
+        self.refresh(app)
+        body = await anyio.to_thread.run_sync(self.render)
+        await send_unary(send, 200, body, prometheus_client.CONTENT_TYPE_LATEST.encode())

@@ -1,0 +1,191 @@
+"""GET /metrics: Prometheus text format, exact values after a known set of
+requests, and one merged view under ``serve --workers 2``."""
+
+from __future__ import annotations
+
+import pathlib
+
+import httpx
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from support import (
+    CONTINUATION, PROMPT, Proc, RawClient, free_port, listening_socket, post, sse, start_frontend, start_sim,
+    wait_until,
+)
+
+CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of ``/metrics`` as ``{(name, sorted labels): value}``."""
+    resp = httpx.get(url + "/metrics", timeout=10)
+    assert resp.status_code == 200
+    assert resp.headers["content-type"] == CONTENT_TYPE
+    out = {}
+    for family in text_string_to_metric_families(resp.text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples: dict, name: str, **labels) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+def family(samples: dict, name: str) -> dict[tuple, float]:
+    return {labels: v for (n, labels), v in samples.items() if n == name}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    sglang = start_sim("sglang", itl_ms=20)
+    vllm = start_sim("vllm")
+    dead = free_port()
+    trace = tmp_path_factory.mktemp("metrics-trace") / "trace.jsonl"
+    fe = start_frontend(
+        [f"sglang={sglang.url}", f"vllm={vllm.url}", f"sglang=http://127.0.0.1:{dead}"],
+        extra=["--trace-file", str(trace), "--migration-limit", "0"],
+    )
+    yield fe, sglang, vllm, dead, trace
+    for p in (fe, sglang, vllm):
+        p.stop()
+
+
+def records(trace: pathlib.Path) -> list[dict]:
+    return [orjson.loads(line) for f in sorted(trace.parent.glob("trace.*.jsonl")) for line in f.read_bytes().splitlines()]
+
+
+def test_metrics_exact_after_known_requests(fleet):
+    fe, sglang, vllm, dead, trace = fleet
+    sent = {"sglang": 0, "vllm": 0}
+
+    def body(obj: dict | bytes, fmt: str = "sglang") -> bytes:
+        data = obj if isinstance(obj, bytes) else orjson.dumps(obj)
+        sent[fmt] += len(data)
+        return data
+
+    unary = post(fe.url, body({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5}}))
+    assert unary.status_code == 200 and unary.json()["output_ids"] == CONTINUATION[:5]
+    stream = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}, "stream": True}
+    body(stream)
+    status, events = sse(fe.url, stream)
+    assert status == 200 and events[-1] == b"[DONE]"
+    v = post(fe.url, body({"token_ids": PROMPT, "sampling_params": {"max_tokens": 4}}, "vllm"),
+             path="/inference/v1/generate")
+    assert v.status_code == 200 and v.json()["choices"][0]["token_ids"] == CONTINUATION[:4]
+    assert post(fe.url, body(b"{not json")).status_code == 400
+    assert httpx.get(fe.url + "/generate", timeout=10).status_code == 405
+    # A client that hangs up mid-stream: its leg is aborted and acknowledged.
+    c = RawClient(fe.url)
+    c.send(body({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1000}, "stream": True}))
+    assert len(c.events(2)) == 2
+    c.close()
+    wait_until(lambda: len(records(trace)) == 6)
+
+    m = scrape(fe.url)
+    recs = records(trace)
+    assert family(m, "asgi_generate_requests_total") == {
+        (("code", "200"), ("format", "sglang"), ("route", "/generate"), ("status", "ok")): 2.0,
+        (("code", "200"), ("format", "sglang"), ("route", "/generate"), ("status", "client_disconnect")): 1.0,
+        (("code", "400"), ("format", "sglang"), ("route", "/generate"), ("status", "rejected")): 1.0,
+        (("code", "405"), ("format", "sglang"), ("route", "/generate"), ("status", "rejected")): 1.0,
+        (("code", "200"), ("format", "vllm"), ("route", "/inference/v1/generate"), ("status", "ok")): 1.0,
+    }
+    assert value(m, "asgi_generate_requests_in_flight") == 0.0
+    # Token counts: exactly what the records say was sent, per format.
+    hung = next(r for r in recs if r["status"] == "client_disconnect")
+    assert hung["output_tokens"] >= 2
+    assert value(m, "asgi_generate_generation_tokens_total", format="sglang") == 5 + 3 + hung["output_tokens"]
+    assert value(m, "asgi_generate_generation_tokens_total", format="vllm") == 4.0
+    assert value(m, "asgi_generate_prompt_tokens_total", format="sglang") == 3 * len(PROMPT)
+    assert value(m, "asgi_generate_prompt_tokens_total", format="vllm") == len(PROMPT)
+    assert value(m, "asgi_generate_request_body_bytes_total", format="sglang") == sent["sglang"]
+    assert value(m, "asgi_generate_request_body_bytes_total", format="vllm") == sent["vllm"]
+    # Latency histograms: TTFT and per-request TPOT only for the two streams
+    # (the unary legs carry no token timing), end to end for every request.
+    assert value(m, "asgi_generate_time_to_first_token_seconds_count", format="sglang") == 2.0
+    assert value(m, "asgi_generate_time_to_first_token_seconds_count", format="vllm") is None
+    assert value(m, "asgi_generate_request_time_per_output_token_seconds_count", format="sglang") == 2.0
+    assert value(m, "asgi_generate_e2e_request_latency_seconds_count", format="sglang") == 5.0
+    assert value(m, "asgi_generate_e2e_request_latency_seconds_count", format="vllm") == 1.0
+    e2e_sum = sum(r["total_ms"] for r in recs if r["format"] == "sglang") / 1000
+    assert value(m, "asgi_generate_e2e_request_latency_seconds_sum", format="sglang") == pytest.approx(e2e_sum, abs=0.01)
+    # The 20 ms simulator: every stream's mean inter-token latency is above 10 ms.
+    assert value(m, "asgi_generate_request_time_per_output_token_seconds_bucket", format="sglang", le="0.01") == 0.0
+    assert value(m, "asgi_generate_request_time_per_output_token_seconds_bucket", format="sglang", le="0.4") == 2.0
+    assert value(m, "asgi_generate_time_to_first_token_seconds_bucket", format="sglang", le="+Inf") == 2.0
+    assert family(m, "asgi_generate_engine_legs_total") == {
+        (("outcome", "finished"), ("role", "aggregated")): 3.0,
+        (("outcome", "aborted"), ("role", "aggregated")): 1.0,
+    }
+    assert family(m, "asgi_generate_aborts_total") == {(("result", "acknowledged"),): 1.0}
+    assert family(m, "asgi_generate_migrations_total") == {}
+    assert family(m, "asgi_generate_worker_failures_total") == {}
+    workers = {"w0": (sglang.url, "sglang"), "w1": (vllm.url, "vllm"), "w2": (f"http://127.0.0.1:{dead}", "sglang")}
+    assert family(m, "asgi_generate_worker_up") == {
+        (("protocol", p), ("role", "aggregated"), ("url", u), ("worker", w)): (0.0 if w == "w2" else 1.0)
+        for w, (u, p) in workers.items()
+    }
+    assert set(family(m, "asgi_generate_worker_outstanding_requests").values()) == {0.0}
+    assert family(m, "asgi_generate_trace_records_written_total") == {(("sink", "file"),): 6.0}
+    assert family(m, "asgi_generate_trace_records_dropped_total") == {}
+
+
+def test_worker_failures_and_failover_counted(fleet):
+    """A worker that refuses the connection while the router still thinks it
+    up: the leg fails over and its worker's failure is counted."""
+    sim = start_sim("sglang")
+    fe = start_frontend([f"sglang={sim.url}"], extra=["--health-interval", "60"])
+    try:
+        url = sim.url
+        sim.stop()
+        resp = post(fe.url, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+        assert resp.status_code == 503
+        m = scrape(fe.url)
+        assert family(m, "asgi_generate_worker_failures_total") == {
+            (("reason", "connect_failed"), ("url", url), ("worker", "w0")): 1.0
+        }
+        assert family(m, "asgi_generate_engine_legs_total") == {
+            (("outcome", "connect_failed"), ("role", "aggregated")): 1.0
+        }
+        assert value(m, "asgi_generate_worker_up", worker="w0", url=url, protocol="sglang", role="aggregated") == 0.0
+    finally:
+        fe.stop()
+
+
+def test_metrics_merged_across_worker_processes(tmp_path):
+    """``serve --workers 2``: every process counts its own requests (/stats),
+    and /metrics from any of them shows the sum."""
+    sim = start_sim("sglang")
+    fe = Proc("frontend-workers", ["serve", "--workers", "2", "--worker", f"sglang={sim.url}",
+                                   "--health-interval", "0.2", "--log-level", "warning"], listening_socket(), "/health")
+    try:
+        per_pid: dict[int, int] = {}
+        sent = 0
+        for _ in range(80):  # bounded: stop once both processes served requests
+            with httpx.Client(timeout=10) as client:  # a fresh connection: either process may take it
+                r = client.post(fe.url + "/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+                assert r.status_code == 200
+                sent += 1
+            with httpx.Client(timeout=10) as client:
+                stats = client.get(fe.url + "/stats").json()
+                per_pid[stats["pid"]] = stats["requests"]
+            if len(per_pid) == 2 and all(per_pid.values()):
+                break
+        assert len(per_pid) == 2 and all(per_pid.values()), per_pid
+        for _ in range(4):  # whichever process answers, the same totals
+            with httpx.Client(timeout=10) as client:
+                resp = client.get(fe.url + "/metrics")
+            samples = {}
+            for fam in text_string_to_metric_families(resp.text):
+                for s in fam.samples:
+                    samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            assert value(samples, "asgi_generate_requests_total", format="sglang", route="/generate",
+                         status="ok", code="200") == sent
+            assert value(samples, "asgi_generate_generation_tokens_total", format="sglang") == 2 * sent
+            assert value(samples, "asgi_generate_requests_in_flight") == 0.0
+    finally:
+        fe.stop()
+        sim.stop()
