@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from .codec import Attempt
+from .tracecontext import TraceContext
 
 
 @dataclass(slots=True)
@@ -55,6 +56,9 @@ class RequestState:
     t_done: float | None = None
     attempts: list[Attempt] = field(default_factory=list)
     migrations: int = 0
+    #: Its W3C trace context, made at its first engine leg (or at export)
+    #: when OpenTelemetry export is on; ``None`` otherwise.
+    trace: TraceContext | None = None
     response_started: bool = False
     response_complete: bool = False
 

@@ -91,11 +91,14 @@ class App:
         self.metrics = Metrics()
         # Tracing off: no tracer at all, so finishing a request only counts.
         self.tracer = None
-        if settings.trace_file or settings.trace_stderr:
+        if settings.trace_file or settings.trace_stderr or settings.otlp_endpoint:
             from .tracing import Tracer
 
             self.tracer = Tracer(settings)
             self.tracer.metrics = self.metrics
+        #: OpenTelemetry export (``--otlp-endpoint``): stamps each engine
+        #: leg with a ``traceparent``; ``None`` (no work at all) when off.
+        self.otel = self.tracer.otlp if self.tracer is not None else None
         #: The handler keeps delivered output ids only for a trace parser.
         self.trace_output_ids = self.tracer is not None and self.tracer.wants_output_ids
 

@@ -231,6 +231,11 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", default=d.tool_call_parser, metavar="NAME",
                        help="record tool-call names and the tool_calls finish reason in traces: hermes or "
                             "an installed parser")
+    serve.add_argument("--otlp-endpoint", default=d.otlp_endpoint, metavar="URL",
+                       help="OTLP/HTTP collector (http://HOST:4318): a span per request, a child span per "
+                            "engine leg, a traceparent to each engine; the OTEL_* variables apply")
+    serve.add_argument("--trace-otlp", action=argparse.BooleanOptionalAction, default=d.trace_otlp,
+                       help="also export the request-end records to --otlp-endpoint as OTLP log records")
     serve.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info",
                        help="logging level (default %(default)s)")
 
@@ -338,6 +343,8 @@ def _settings(args: argparse.Namespace, d: Settings) -> Settings:
         tokenizer=args.tokenizer,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
+        otlp_endpoint=args.otlp_endpoint,
+        trace_otlp=args.trace_otlp,
     )
 
 
@@ -348,7 +355,7 @@ def _fail(message: str) -> int:
 
 def _serve(args: argparse.Namespace, d: Settings) -> int:
     from .app import App
-    from .metrics import MetricsSetupError
+    from .metrics import MetricsSetupError, multiproc_dir
     from .registry import CodecLoadError, load_codecs
     from .supervisor import listening_socket, supervise
     from .tracing import Tracer, TraceSetupError
@@ -359,6 +366,8 @@ def _serve(args: argparse.Namespace, d: Settings) -> int:
     # codecs load, a simulator starts or hypercorn runs.
     try:
         settings.check()
+        if args.workers == 1:  # N processes get a folder of serve's own
+            multiproc_dir()
     except ValueError as exc:
         return _fail(str(exc))
     try:
@@ -372,7 +381,7 @@ def _serve(args: argparse.Namespace, d: Settings) -> int:
             codecs = load_codecs(settings.skip_broken_codecs)
             if args.workers == 1:
                 app = App(settings, codecs)
-            elif settings.trace_file or settings.trace_stderr:
+            elif settings.trace_file or settings.trace_stderr or settings.otlp_endpoint:
                 Tracer(settings)  # fails here, once, rather than in every worker process
         except (CodecLoadError, TraceSetupError, MetricsSetupError) as exc:
             _report_problems(str(exc).splitlines())

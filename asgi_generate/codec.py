@@ -151,6 +151,9 @@ class Attempt:
         local_prefill: a vLLM decode leg sent without the prefill leg's
             ``kv_transfer_params`` (it answered none, and ``--pd-fallback``
             let the decode worker prefill alone).
+        span_id: with OpenTelemetry export on, the leg's span id (sent to
+            the engine in its ``traceparent``), else 0; ``t_sent``/``t_ended``
+            the leg's start and end (``time.monotonic()``), then only.
     """
 
     engine_id: str
@@ -165,6 +168,9 @@ class Attempt:
     resumes: list[int] | None = None
     tokens: int = 0
     local_prefill: bool = False
+    span_id: int = 0
+    t_sent: float | None = None
+    t_ended: float | None = None
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ import os
 import pathlib
 from dataclasses import dataclass, field, fields
 from typing import Mapping
+from urllib.parse import urlsplit
 
 from .budget import default_budget_bytes
 from .workers.router import DISAGGREGATION_MODES, parse_worker_spec
@@ -125,6 +126,12 @@ class Settings:
             output with, for the parsers below (their only use).
         reasoning_parser, tool_call_parser: output parsers for the trace
             (``qwen3``/``deepseek_r1``, ``hermes``, or installed ones).
+        otlp_endpoint: an OTLP/HTTP collector's base URL
+            (``http://collector:4318``): each request becomes a span with a
+            child per engine leg, and engines get a ``traceparent``
+            (:mod:`asgi_generate.tracing.otlp`); ``None``: off.
+        trace_otlp: also export the request-end records to that collector
+            as OTLP log records.
     """
 
     workers: list[tuple[str, str]] = field(default_factory=list)
@@ -168,6 +175,8 @@ class Settings:
     disaggregation: str = "auto"
     pd_fallback: bool = False
     embedded_pd: bool = False
+    otlp_endpoint: str | None = None
+    trace_otlp: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
@@ -250,9 +259,17 @@ class Settings:
             if not (self.reasoning_parser or self.tool_call_parser):
                 raise ValueError("--tokenizer is only used by --reasoning-parser and --tool-call-parser "
                                  "(trace output parsers): give one, or drop --tokenizer")
-        if (self.reasoning_parser or self.tool_call_parser) and not (self.trace_file or self.trace_stderr):
+        if (self.reasoning_parser or self.tool_call_parser) and not (
+                self.trace_file or self.trace_stderr or self.otlp_endpoint):
             raise ValueError("--reasoning-parser and --tool-call-parser only annotate trace records: "
-                             "give --trace-file or --trace-stderr")
+                             "give --trace-file, --trace-stderr or --otlp-endpoint")
+        if self.otlp_endpoint is not None:
+            parts = urlsplit(self.otlp_endpoint)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"--otlp-endpoint ({env_name('otlp_endpoint')}) must be an http(s)://HOST[:PORT] "
+                                 f"URL, not {self.otlp_endpoint!r}")
+        if self.trace_otlp and not self.otlp_endpoint:
+            raise ValueError("--trace-otlp exports records to the --otlp-endpoint collector: give one")
 
     def to_env(self) -> dict[str, str]:
         """The environment variables that reproduce these settings."""

@@ -116,6 +116,8 @@ class Generation(ClientStream):
             finally:
                 self.release_body()
             self.st.attempts.append(attempt)
+            if self.app.otel is not None:
+                self.stamp(attempt, wreq)
             self.lost = None
             worker.inflight.add(self)
             try:
@@ -125,6 +127,12 @@ class Generation(ClientStream):
             if not retry:
                 return
             tried.append(worker)
+
+    def stamp(self, attempt: Attempt, wreq: WorkerRequest) -> None:
+        """With OpenTelemetry export on, give the leg its span id and the
+        engine its ``traceparent`` (off: nothing)."""
+        if self.app.otel is not None:
+            self.app.otel.stamp(self.st, attempt, wreq)
 
     def release_body(self) -> None:
         """Give the request's share of the body budget back (once its first
@@ -255,6 +263,8 @@ class Generation(ClientStream):
             return False
         finally:
             self.leg = None
+            if attempt.span_id:
+                attempt.t_ended = time.monotonic()
         # Only a cancelled leg gets here: the health probe gave the worker up.
         # Its record is written at once: a lost worker's leg gets no abort.
         attempt.outcome = "worker_lost"

@@ -62,6 +62,33 @@ class MetricsSetupError(ValueError):
     """``PROMETHEUS_MULTIPROC_DIR`` names no folder."""
 
 
+def multiproc_dir() -> str | None:
+    """``PROMETHEUS_MULTIPROC_DIR`` when set (multiprocess mode), else ``None``.
+
+    Raises:
+        MetricsSetupError: it is set but names no folder.
+    """
+    folder = os.environ.get(MULTIPROC_ENV) or None
+    if folder is not None and not os.path.isdir(folder):
+        raise MetricsSetupError(f"{MULTIPROC_ENV}={folder!r} is not a folder")
+    return folder
+
+
+class _Children(dict):
+    """Label values (a tuple, or one string) -> the metric's child, looked up
+    once: ``labels()`` takes a lock and checks the values on every call."""
+
+    __slots__ = ("metric",)
+
+    def __init__(self, metric) -> None:
+        super().__init__()
+        self.metric = metric
+
+    def __missing__(self, key):
+        child = self[key] = self.metric.labels(*key) if isinstance(key, tuple) else self.metric.labels(key)
+        return child
+
+
 class Metrics:
     """One process's metrics.
 
@@ -74,9 +101,7 @@ class Metrics:
     """
 
     def __init__(self) -> None:
-        self.multiproc_dir = os.environ.get(MULTIPROC_ENV) or None
-        if self.multiproc_dir is not None and not os.path.isdir(self.multiproc_dir):
-            raise MetricsSetupError(f"{MULTIPROC_ENV}={self.multiproc_dir!r} is not a folder")
+        self.multiproc_dir = multiproc_dir()
         # A _created sample per series doubles the output for nothing a
         # dashboard reads (and multiprocess mode has none).
         prometheus_client.disable_created_metrics()
@@ -120,6 +145,11 @@ class Metrics:
         self.trace_dropped = Counter(p + "trace_records_dropped_total", "Request-end records lost, by cause "
                                      "(queue_full, sink_error, build_error, closed).", ("cause",), registry=reg)
 
+        self._requests, self._ttft, self._tpot, self._e2e, self._prompt, self._generation, self._body, \
+            self._migrations, self._legs, self._failures, self._aborts = map(_Children, (
+                self.requests, self.ttft, self.tpot, self.e2e, self.prompt_tokens, self.generation_tokens,
+                self.body_bytes, self.migrations, self.legs, self.worker_failures, self.aborts))
+
     # -- updates -------------------------------------------------------------
 
     def request_started(self) -> None:
@@ -130,32 +160,32 @@ class Metrics:
         """Count a finished request (``t_done`` and ``status`` set)."""
         fmt = st.format
         self.in_flight.dec()
-        self.requests.labels(fmt, st.route, st.status or "unknown",
-                             "" if st.http_status is None else str(st.http_status)).inc()
-        self.e2e.labels(fmt).observe(st.t_done - st.t_received)
+        self._requests[fmt, st.route, st.status or "unknown",
+                       "" if st.http_status is None else str(st.http_status)].inc()
+        self._e2e[fmt].observe(st.t_done - st.t_received)
         first, n = st.t_first_token, st.output_tokens
         if first is not None:
-            self.ttft.labels(fmt).observe(first - st.t_received)
+            self._ttft[fmt].observe(first - st.t_received)
             if n > 1 and st.t_last_token is not None:
-                self.tpot.labels(fmt).observe((st.t_last_token - first) / (n - 1))
+                self._tpot[fmt].observe((st.t_last_token - first) / (n - 1))
         prompt = st.input_length if st.input_length is not None else st.prompt_tokens
         if prompt:
-            self.prompt_tokens.labels(fmt).inc(prompt)
+            self._prompt[fmt].inc(prompt)
         if n:
-            self.generation_tokens.labels(fmt).inc(n)
+            self._generation[fmt].inc(n)
         if st.body_bytes:
-            self.body_bytes.labels(fmt).inc(st.body_bytes)
+            self._body[fmt].inc(st.body_bytes)
         if st.migrations:
-            self.migrations.labels(fmt).inc(st.migrations)
+            self._migrations[fmt].inc(st.migrations)
         for a in st.attempts:
             outcome = a.outcome or "none"
-            self.legs.labels(a.role, outcome).inc()
+            self._legs[a.role, outcome].inc()
             if outcome in WORKER_FAILURES:
-                self.worker_failures.labels(a.worker_id, getattr(a.worker, "url", ""), outcome).inc()
+                self._failures[a.worker_id, getattr(a.worker, "url", ""), outcome].inc()
 
     def abort(self, result: str) -> None:
         """Count one abort and its result (``acked``, ``unacknowledged``, ``lost``)."""
-        self.aborts.labels(ABORT_RESULTS[result]).inc()
+        self._aborts[ABORT_RESULTS[result]].inc()
 
     def refresh(self, app: "App") -> None:
         """Set the worker gauges from ``app``'s router."""

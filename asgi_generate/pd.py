@@ -119,6 +119,8 @@ async def _run_pair(gen: "Generation", prefill: Worker, decode: Worker, room: in
     finally:
         gen.release_body()
     st.attempts += (p_att, d_att)
+    gen.stamp(p_att, p_req)
+    gen.stamp(d_att, d_req)
     result = _PrefillLeg()
     gate = anyio.Event()
     gen.prefill_gate = gate if ex.waits_for_prefill else None
@@ -165,6 +167,7 @@ async def _run_sequential(gen: "Generation", prefill: Worker, decode: Worker) ->
     finally:
         gen.release_body()
     st.attempts.append(p_att)
+    gen.stamp(p_att, p_req)
     result = _PrefillLeg()
     prefill.inflight.add(result)
     try:
@@ -189,6 +192,7 @@ async def _run_sequential(gen: "Generation", prefill: Worker, decode: Worker) ->
         await gen.fail(exc, "engine_error")
         return []
     st.attempts.append(d_att)
+    gen.stamp(d_att, d_req)
     decode.inflight.add(gen)
     try:
         retry = await gen._attempt(decode, d_att, d_req)
@@ -286,6 +290,8 @@ async def _prefill_leg(
         if (result.retry or result.error is not None) and not gen.st.response_started and not gen.pending:
             decode_scope.cancel()
         gate.set()
+        if attempt.span_id:
+            attempt.t_ended = time.monotonic()
 
 
 def _settle(attempt: Attempt, event: Event, result: _PrefillLeg) -> None:

@@ -68,7 +68,8 @@ def test_help_documents_every_serve_flag():
                  "--inter-token-timeout", "--read-timeout", "--request-timeout", "--health-interval",
                  "--health-timeout", "--health-failures",
                  "--sse-keepalive", "--abort-timeout", "--slow-client-timeout", "--shutdown-grace",
-                 "--embedded-workers", "--trace-file", "--skip-broken-codecs"):
+                 "--embedded-workers", "--trace-file", "--skip-broken-codecs", "--otlp-endpoint URL",
+                 "--trace-otlp"):
         assert flag in out
 
 
@@ -245,7 +246,13 @@ TOKENIZER = str(pathlib.Path(__file__).parent.parent / "asgi_generate" / "assets
      "parsers): give one, or drop --tokenizer"),
     (["--tokenizer", TOKENIZER, "--reasoning-parser", "qwen3"], {},
      "asgi-generate: --reasoning-parser and --tool-call-parser only annotate trace records: give "
-     "--trace-file or --trace-stderr"),
+     "--trace-file, --trace-stderr or --otlp-endpoint"),
+    (["--trace-otlp"], {}, "asgi-generate: --trace-otlp exports records to the --otlp-endpoint collector: give one"),
+    (["--otlp-endpoint", "collector:4318"], {},
+     "asgi-generate: --otlp-endpoint (ASGI_GENERATE_OTLP_ENDPOINT) must be an http(s)://HOST[:PORT] URL, not "
+     "'collector:4318'"),
+    ([], {"PROMETHEUS_MULTIPROC_DIR": "{tmp}/missing"},
+     "asgi-generate: PROMETHEUS_MULTIPROC_DIR='{tmp}/missing' is not a folder"),
     ([], {"ASGI_GENERATE_READ_TIMEOUT": "soon"}, "asgi-generate: ASGI_GENERATE_READ_TIMEOUT='soon' is not a number"),
     ([], {"ASGI_GENERATE_TRACE_STDERR": "maybe"},
      "asgi-generate: ASGI_GENERATE_TRACE_STDERR='maybe' is not a boolean (1/0, true/false, yes/no, on/off)"),
@@ -254,6 +261,7 @@ TOKENIZER = str(pathlib.Path(__file__).parent.parent / "asgi_generate" / "assets
 ])
 def test_a_bad_start_is_one_line_and_exit_2_before_anything_starts(tmp_path, args, env, line):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    env = {k: v.replace("{tmp}", str(tmp_path)) for k, v in env.items()}
     out = subprocess.run([sys.executable, "-m", "asgi_generate", "serve", "--port", "0", *args],
                          capture_output=True, text=True, timeout=30, env={**os.environ, **env})
     assert (out.returncode, out.stderr, out.stdout) == (2, line.replace("{tmp}", str(tmp_path)) + "\n", "")

@@ -242,7 +242,7 @@ async def test_a_cancelled_writer_finishes_its_batch_and_counts_the_rest():
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({}, "tracing needs --trace-file or --trace-stderr"),
+    ({}, "tracing needs --trace-file, --trace-stderr or --otlp-endpoint"),
     ({"trace_stderr": True, "trace_queue_size": 0}, "--trace-queue-size and --trace-block-size must be at least 1"),
     ({"trace_stderr": True, "trace_block_size": 0}, "--trace-queue-size and --trace-block-size must be at least 1"),
     ({"trace_stderr": True, "reasoning_parser": "qwen3"}, "--reasoning-parser and --tool-call-parser need --tokenizer"),

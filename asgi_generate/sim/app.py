@@ -24,6 +24,11 @@ bootstrap listener on ``bootstrap_port``) or ``decode``
 (:mod:`asgi_generate.sim.disagg`); ``/sim/stats`` then also shows the role,
 the rooms waiting for their KV and the transfers done and timed out.
 
+Either mode keeps, per request id (``rid``, vLLM ``request_id``), the last
+W3C ``traceparent`` header a generate request carried, for tests of trace
+propagation: ``/sim/stats`` ``traceparents`` (the newest
+:data:`MAX_TRACEPARENTS`).
+
 Either mode reports the engine version it plays (``engine_version``): vLLM in
 ``GET /version``, SGLang in ``/get_server_info`` ``version``.
 """
@@ -53,6 +58,8 @@ NOT_FOUND = orjson.dumps({"detail": "Not Found"})
 #: hermes tool call (``<think>`` and ``<tool_call>`` are single tokens).
 MARKER_TEXT = '<think>Checking.</think><tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
 MAX_BODY = 1 << 30
+#: Request ids whose last ``traceparent`` /sim/stats keeps (the newest).
+MAX_TRACEPARENTS = 4096
 
 
 class SimApp:
@@ -153,6 +160,7 @@ class SimApp:
         )
         self.admin = SimAdmin(self.engine, protocol)
         self.engine_version = engine_version
+        self.traceparents: dict[str, str] = {}
         self.model_name = model_name
         self.model_path = str(ASSETS_DIR)
         self.parent_pid = parent_pid
@@ -173,6 +181,7 @@ class SimApp:
             self.engine.generate_requests += 1
             body = await self._body(receive, send)
             if body is not None:
+                self._note_traceparent(scope, body)
                 await p.generate(body, receive, send)
         elif path == "/abort_request" and method == "POST":
             body = await self._body(receive, send)
@@ -200,9 +209,26 @@ class SimApp:
         else:
             await send_unary(send, 404, NOT_FOUND)
 
+    def _note_traceparent(self, scope: dict, body: bytes) -> None:
+        """Keep the ``traceparent`` a generate request carried, by its id."""
+        value = next((v for k, v in scope["headers"] if k == b"traceparent"), None)
+        if value is None:
+            return
+        try:
+            obj = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return
+        rid = obj.get("rid") or obj.get("request_id") if isinstance(obj, dict) else None
+        if isinstance(rid, str):
+            self.traceparents.pop(rid, None)
+            self.traceparents[rid] = value.decode("latin-1")
+            if len(self.traceparents) > MAX_TRACEPARENTS:
+                del self.traceparents[next(iter(self.traceparents))]
+
     def _stats(self) -> dict:
         stats = self.engine.stats()
         stats["admin_calls"] = dict(self.admin.calls)
+        stats["traceparents"] = dict(self.traceparents)
         d = self.disagg
         if d is not None:
             stats["role"] = "prefill" if isinstance(d, PrefillRooms) else "decode"
@@ -226,6 +252,7 @@ class SimApp:
                 refused = error("The engine is sleeping; POST /wake_up first.", "ServiceUnavailableError", 503)
                 await send_unary(send, 503, orjson.dumps(refused.body))
             elif body is not None:
+                self._note_traceparent(scope, body)
                 await p.generate(body, dict(scope["headers"]), receive, send)
         elif path == "/abort_requests" and method == "POST":
             body = await self._body(receive, send)

@@ -1,5 +1,5 @@
 """Where serialized trace records go: a size-rotated JSONL file per server
-process, and stderr.
+process, and stderr (OTLP spans and log records: :mod:`.otlp`).
 
 A sink receives a batch as one ``bytes`` of complete JSONL lines and writes
 it from the trace writer's worker thread, never from the event loop, so a
@@ -23,6 +23,8 @@ class Sink:
     """
 
     name = ""
+    #: Takes built records (:meth:`write_records`) rather than JSONL bytes.
+    takes_records = False
 
     def __init__(self) -> None:
         self.written = 0
@@ -37,6 +39,15 @@ class Sink:
 
     def write(self, data: bytes) -> None:
         """Write ``data``, complete JSONL lines.
+
+        Raises:
+            OSError: the write failed; nothing is retried.
+        """
+        raise NotImplementedError
+
+    def write_records(self, batch: list) -> None:
+        """Write ``batch``, ``(RequestState, record, JSON line)`` triples
+        (only when :attr:`takes_records`).
 
         Raises:
             OSError: the write failed; nothing is retried.

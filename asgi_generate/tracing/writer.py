@@ -47,9 +47,10 @@ class Tracer:
     """Request-end tracing for one server process.
 
     Args:
-        settings: uses ``trace_file``, ``trace_stderr``, ``trace_queue_size``,
-            ``trace_rotate_bytes``, ``trace_block_size``, ``tokenizer``,
-            ``reasoning_parser`` and ``tool_call_parser``.
+        settings: uses ``trace_file``, ``trace_stderr``, ``otlp_endpoint``,
+            ``trace_otlp``, ``trace_queue_size``, ``trace_rotate_bytes``,
+            ``trace_block_size``, ``tokenizer``, ``reasoning_parser`` and
+            ``tool_call_parser``.
 
     Raises:
         TraceSetupError: no sink is configured; a size is below 1; a parser
@@ -59,11 +60,14 @@ class Tracer:
     Attributes:
         wants_output_ids: the handler must keep the delivered output ids
             (a parser will read them).
+        otlp: with ``otlp_endpoint``, the OpenTelemetry exporter
+            (:class:`~asgi_generate.tracing.otlp.Otlp`), whose span and log
+            sinks are among :attr:`sinks`; else ``None``.
     """
 
     def __init__(self, settings: Settings) -> None:
-        if not (settings.trace_file or settings.trace_stderr):
-            raise TraceSetupError("tracing needs --trace-file or --trace-stderr")
+        if not (settings.trace_file or settings.trace_stderr or settings.otlp_endpoint):
+            raise TraceSetupError("tracing needs --trace-file, --trace-stderr or --otlp-endpoint")
         if settings.trace_queue_size < 1 or settings.trace_block_size < 1 or settings.trace_rotate_bytes < 0:
             raise TraceSetupError(
                 "--trace-queue-size and --trace-block-size must be at least 1, --trace-rotate-bytes at least 0"
@@ -86,6 +90,17 @@ class Tracer:
             self.sinks.append(JsonlFileSink(settings.trace_file, settings.trace_rotate_bytes))
         if settings.trace_stderr:
             self.sinks.append(StderrSink())
+        self.otlp = None
+        if settings.otlp_endpoint:
+            try:
+                from .otlp import LogSink, Otlp, SpanSink
+            except ImportError as exc:
+                raise TraceSetupError(f"--otlp-endpoint needs the OpenTelemetry SDK and its OTLP exporter "
+                                      f"(pip install 'asgi-generate[otlp]'): {exc}") from None
+            self.otlp = Otlp(settings)
+            self.sinks.append(SpanSink(self.otlp))
+            if settings.trace_otlp:
+                self.sinks.append(LogSink(self.otlp))
         self._send, self._receive = anyio.create_memory_object_stream[RequestState](settings.trace_queue_size)
         self.submitted = 0
         self.records = 0
@@ -170,24 +185,29 @@ class Tracer:
         self._receive.close()
 
     def _write_batch(self, batch: list[RequestState]) -> None:
-        lines = []
+        built = []
         for st in batch:
             try:
-                lines.append(orjson.dumps(build_record(st, self.block_size, self.analyzer)))
+                rec = build_record(st, self.block_size, self.analyzer)
+                built.append((st, rec, orjson.dumps(rec)))
             except Exception:
                 self._drop("build_error")
                 log.exception("trace: cannot build the record of request %s", st.request_id)
-        if not lines:
+        if not built:
             return
+        lines = [line for _, _, line in built]
         self.records += len(lines)
         data = b"\n".join(lines) + b"\n"
         for sink in self.sinks:
             try:
-                sink.write(data)
+                if sink.takes_records:
+                    sink.write_records(built)
+                else:
+                    sink.write(data)
                 sink.written += len(lines)
                 if self.metrics is not None:
                     self.metrics.trace_written.labels(sink.name).inc(len(lines))
-            except OSError as exc:
+            except Exception as exc:  # OSError; anything else is a bug, still counted
                 if not sink.failed:
                     log.error("trace: the %s sink failed: %r; its records are dropped and counted", sink.name, exc)
                 sink.failed += len(lines)

@@ -1,0 +1,117 @@
+"""What the observability hooks cost per request, in process, side by side.
+
+- Prometheus: ``App.request_started`` + ``App.request_finished`` of a
+  finished one-leg streamed request, with the real metrics and with a no-op
+  stand-in, in one process (values in memory) and, in a child process, in
+  prometheus-client's multiprocess mode (values in mmap'd files, as under
+  ``serve --workers N``).
+- OpenTelemetry: the response-path part (``Otlp.stamp`` of one engine leg,
+  minting the request's trace context on the way) with ``--otlp-endpoint``
+  set, against the ``app.otel is None`` check it costs when off.
+
+    .venv/bin/python bench/bench_observability.py        # about 20 seconds
+
+Prints one Markdown table (microseconds per request and the ratios).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+N = 100_000
+
+
+def _state():
+    from asgi_generate.accounting import RequestState
+    from asgi_generate.codec import Attempt
+
+    st = RequestState("0" * 32, "sglang", "/generate", "POST")
+    st.status, st.http_status, st.stream = "ok", 200, True
+    st.input_length, st.output_tokens, st.body_bytes = 128, 16, 900
+    st.t_first_token, st.t_last_token, st.t_done = st.t_received + 0.05, st.t_received + 0.2, st.t_received + 0.21
+    st.attempts.append(Attempt("1" * 32, "aggregated", "w0", outcome="finished", tokens=16))
+    return st
+
+
+class _NoMetrics:
+    def request_started(self) -> None:
+        pass
+
+    def request_finished(self, st) -> None:
+        pass
+
+
+def per_request_us(fn, n: int = N) -> float:
+    """Best of three runs of ``n`` calls, in microseconds per call."""
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, time.perf_counter() - t)
+    return best / n * 1e6
+
+
+def metrics_us() -> tuple[float, float]:
+    """(with metrics, with the no-op stand-in) for this process's mode."""
+    from asgi_generate.app import App
+    from asgi_generate.config import Settings
+
+    app = App(Settings(workers=[("sglang", "http://127.0.0.1:9")]))
+    st = _state()
+
+    def one() -> None:
+        app.request_started()
+        app.request_finished(st)
+
+    with_metrics = per_request_us(one)
+    app.metrics = _NoMetrics()
+    return with_metrics, per_request_us(one)
+
+
+def otel_us() -> tuple[float, float]:
+    """(stamp with OTel on, the check with it off)."""
+    from asgi_generate.codec import Attempt, WorkerRequest
+    from asgi_generate.config import Settings
+    from asgi_generate.tracing.otlp import Otlp
+
+    otlp = Otlp(Settings(otlp_endpoint="http://127.0.0.1:9"))
+    base = _state()
+
+    def on() -> None:
+        base.trace = None  # every request mints its trace context at its first leg
+        otlp.stamp(base, Attempt("1" * 32), WorkerRequest(b"/generate", b"{}"))
+
+    app_otel = None
+
+    def off() -> None:
+        if app_otel is not None:
+            raise AssertionError
+        Attempt("1" * 32), WorkerRequest(b"/generate", b"{}")
+
+    return per_request_us(on), per_request_us(off)
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--child"]:
+        print(*metrics_us())
+        return
+    single = metrics_us()
+    with tempfile.TemporaryDirectory() as folder:
+        out = subprocess.run([sys.executable, __file__, "--child"], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": folder}).stdout
+    multi = tuple(float(x) for x in out.split())
+    on, off = otel_us()
+    print("| hook | on (µs/request) | off (µs/request) | added (µs) | on/off |")
+    print("|---|---:|---:|---:|---:|")
+    for name, (a, b) in (("metrics, one process", single), ("metrics, multiprocess mode", multi),
+                         ("OTel stamp of one leg", (on, off))):
+        print(f"| {name} | {a:.2f} | {b:.2f} | {a - b:.2f} | {a / b:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
