@@ -59,8 +59,9 @@ SCOPE = "asgi_generate"
 #: Outcomes (the record's ``status``) that make the request's span an error.
 ERROR_STATUSES = frozenset({"engine_error", "unavailable", "timeout", "shutdown"})
 ERROR_OUTCOMES = frozenset({"error", "connect_failed", "worker_lost", "timeout"})
-#: Record fields not copied into span attributes: legs are child spans,
-#: block hashes may be thousands of numbers (and 64-bit unsigned).
+#: Record fields not copied into span attributes: legs are child spans, the
+#: other two are the same in every record. (Replay block hashes are left out
+#: too: thousands of numbers, 64-bit unsigned, which OTLP ints are not.)
 _SKIP = frozenset({"attempts", "schema", "event_type"})
 
 
