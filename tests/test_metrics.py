@@ -4,6 +4,7 @@ requests, and one merged view under ``serve --workers 2``."""
 from __future__ import annotations
 
 import pathlib
+import tempfile
 
 import httpx
 import orjson
@@ -157,7 +158,9 @@ def test_worker_failures_and_failover_counted(fleet):
 
 def test_metrics_merged_across_worker_processes(tmp_path):
     """``serve --workers 2``: every process counts its own requests (/stats),
-    and /metrics from any of them shows the sum."""
+    /metrics from any of them shows the sum, and the folder the processes
+    shared is gone once serve stopped."""
+    folders = set(pathlib.Path(tempfile.gettempdir()).glob("asgi-generate-metrics-*"))
     sim = start_sim("sglang")
     fe = Proc("frontend-workers", ["serve", "--workers", "2", "--worker", f"sglang={sim.url}",
                                    "--health-interval", "0.2", "--log-level", "warning"], listening_socket(), "/health")
@@ -186,6 +189,13 @@ def test_metrics_merged_across_worker_processes(tmp_path):
                          status="ok", code="200") == sent
             assert value(samples, "asgi_generate_generation_tokens_total", format="sglang") == 2 * sent
             assert value(samples, "asgi_generate_requests_in_flight") == 0.0
+            assert value(samples, "asgi_generate_worker_up", worker="w0", url=sim.url, protocol="sglang",
+                         role="aggregated") == 1.0
+        new = set(pathlib.Path(tempfile.gettempdir()).glob("asgi-generate-metrics-*")) - folders
+        # One folder, written by both processes (prometheus-client names its files KIND_PID.db).
+        assert len(new) == 1
+        assert {f.stem.rsplit("_", 1)[1] for f in next(iter(new)).iterdir()} == {str(pid) for pid in per_pid}
     finally:
         fe.stop()
         sim.stop()
+    assert set(pathlib.Path(tempfile.gettempdir()).glob("asgi-generate-metrics-*")) == folders
