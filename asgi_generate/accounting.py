@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from .codec import Attempt
 from .tracecontext import TraceContext
@@ -34,7 +35,7 @@ class RequestState:
     public_id: str | None = None
     stream: bool | None = None
     input_length: int | None = None
-    input_ids: list[int] | None = None
+    input_ids: Sequence[int] | None = None  # a list, or the codec's array('I')
     replay_excluded: str | None = None
     model: str | None = None
     headers: dict[bytes, bytes] = field(default_factory=dict)

@@ -3,14 +3,20 @@ block included)."""
 
 from __future__ import annotations
 
+import array
 import math
+import pathlib
 import struct
 
+import orjson
 import pytest
 import xxhash
+from asgi_generate_sglang.codec import SGLangCodec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asgi_generate.codec import Attempt
+from asgi_generate.token_ids import pack_token_ids
 from asgi_generate.tracing.hashing import SEED, TokenIdOutOfRange, block_hashes
 
 token_ids = st.lists(st.integers(0, 2**32 - 1), max_size=300)
@@ -95,3 +101,50 @@ def test_matches_the_definition_and_counts_ceil(ids, bs):
 def test_full_blocks_of_a_shared_prefix_hash_equal(prefix, tail, bs):
     full = len(prefix) // bs
     assert block_hashes(prefix + tail, bs)[:full] == block_hashes(prefix, bs)[:full]
+
+
+# trace/README.md documents these; a faster hashing path must keep them.
+KNOWN_PROMPT = list(range(200))
+KNOWN_HASHES = [3480597578098033343, 2575318956255022795, 15087857196529367026, 16370012624106061344]
+
+
+def test_known_prompt_hashes_to_the_documented_values():
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "trace" / "README.md").read_text()
+    assert "`0, 1, ..., 199` at block size 64" in readme
+    assert all(f"`{h}`" in readme for h in KNOWN_HASHES)
+    assert block_hashes(KNOWN_PROMPT, 64) == KNOWN_HASHES
+    assert block_hashes(array.array("I", KNOWN_PROMPT), 64) == KNOWN_HASHES
+    assert by_hand(KNOWN_PROMPT, 64) == KNOWN_HASHES
+
+
+def test_the_codecs_packed_prompt_hashes_as_the_list():
+    request = SGLangCodec().decode(orjson.dumps({"input_ids": KNOWN_PROMPT}), {})
+    assert request.input_ids == KNOWN_PROMPT
+    assert type(request.input_ids_u32) is array.array
+    assert request.input_ids_u32.tolist() == KNOWN_PROMPT
+    assert block_hashes(request.input_ids_u32, 64) == KNOWN_HASHES
+
+
+elements = st.one_of(st.integers(-(2**70), 2**70), st.integers(0, 2**32 - 1), st.booleans(), st.floats(), st.none(),
+                     st.text(max_size=3), st.lists(st.integers(0, 9), max_size=2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(elements, max_size=40))
+def test_pack_token_ids_packs_exactly_the_in_range_int_lists(ids):
+    valid = all(type(t) is int and 0 <= t < 2**32 for t in ids)
+    packed = pack_token_ids(ids)
+    if not valid:
+        assert packed is None
+    else:
+        assert packed is not None
+        assert packed[0].typecode == "I" and packed[0].tolist() == ids
+        assert packed[0].tobytes() == struct.pack(f"<{len(ids)}I", *ids)
+        assert packed[1] == orjson.dumps(ids)
+
+
+def test_the_engine_gets_the_same_body_bytes_from_the_packed_prompt():
+    body = {"input_ids": KNOWN_PROMPT, "sampling_params": {"max_new_tokens": 3}}
+    exchange = SGLangCodec().exchange(SGLangCodec().decode(orjson.dumps(body), {}), "e" * 32)
+    sent = exchange.worker_request(Attempt("e" * 32)).body
+    assert sent == orjson.dumps({**body, "rid": "e" * 32})

@@ -80,6 +80,7 @@ from asgi_generate.codec import (
     dump_body,
     engine_error_page,
 )
+from asgi_generate.token_ids import pack_token_ids
 
 # Set by the frontend for P/D; a client setting them could stall a decode
 # engine waiting on a bootstrap room nobody fills, or read another
@@ -163,7 +164,7 @@ class SGLangCodec(Codec):
             text is not None and input_ids is not None and embeds is not None
         ):
             raise refuse("Either text, input_ids or input_embeds should be provided.")
-        ids, excluded = None, None
+        ids, ids_u32, excluded = None, None, None
         if text is not None:
             if type(text) is list:
                 raise refuse("Batch requests (a list of texts) are not supported.")
@@ -177,15 +178,19 @@ class SGLangCodec(Codec):
                 raise refuse("input_ids cannot be empty.")
             if type(input_ids[0]) is list:
                 raise refuse("Batch requests (a list of input_ids lists) are not supported.")
-            if not all(type(t) is int for t in input_ids):
-                raise SchemaError("input_ids: Input should be a valid list of integers")
-            if min(input_ids) < 0:
-                raise refuse(f"input_ids: token id {min(input_ids)} is negative.")
+            packed = pack_token_ids(input_ids)
+            if packed is None:
+                if not all(type(t) is int for t in input_ids):
+                    raise SchemaError("input_ids: Input should be a valid list of integers")
+                if min(input_ids) < 0:
+                    raise refuse(f"input_ids: token id {min(input_ids)} is negative.")
+            else:  # forwarded as already serialized
+                ids_u32, obj["input_ids"] = packed[0], orjson.Fragment(packed[1])
             ids = input_ids
         else:
             excluded = "embeddings"
         if any(obj.get(k) is not None for k in MULTIMODAL):
-            ids, excluded = None, "multimodal"
+            ids, ids_u32, excluded = None, None, "multimodal"
         if max_new is not None and max_new < 0:
             raise refuse(f"max_new_tokens must be at least 0, got {max_new}.")
         if n not in (1, None):
@@ -197,6 +202,7 @@ class SGLangCodec(Codec):
             stream=in_band,
             public_id=rid,
             input_ids=ids,
+            input_ids_u32=ids_u32,
             max_new_tokens=max_new,
             model=None,
             replay_excluded=excluded,
