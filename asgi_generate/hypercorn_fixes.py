@@ -39,6 +39,13 @@ server (hypercorn 0.18.0; both worker classes), installed by :func:`install`.
    the app's first ``receive()`` (as uvicorn does) by :class:`_LazyContinue`,
    and never if the app answers without reading.
 
+And one saving: hypercorn writes a response's head as soon as the app sends
+``http.response.start``, then its body in a second write: two ``send``
+syscalls and two loopback segments per unary answer. For a response with a
+``content-length`` (whose body the app sends right behind its start) the head
+waits for the body's bytes and both go out in one write (:class:`_H11Protocol`);
+a streamed head still goes out at once.
+
 And one policy: a client that closes its sending side (``shutdown(SHUT_WR)``)
 has disconnected, as nginx treats it. hypercorn already hands the app
 ``http.disconnect`` on end of stream, with two exceptions that
@@ -62,10 +69,11 @@ from dataclasses import dataclass
 import h11
 from hypercorn.asyncio import run as asyncio_run
 from hypercorn.asyncio.tcp_server import TCPServer as AsyncioTCPServer
-from hypercorn.events import Event, Updated
+from hypercorn.events import Event, RawData, Updated
 from hypercorn import protocol
 from hypercorn.protocol import h11 as protocol_h11
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.events import Body, EndBody
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio import run as trio_run
@@ -189,6 +197,9 @@ class _H11Protocol(H11Protocol):
             h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
         )
 
+    #: A fixed-length response's head, held for its body's write.
+    _head: bytes | None = None
+
     async def stream_send(self, event: StreamEvent) -> None:
         if isinstance(event, _Continue):
             # Still owed only if the client sent no body byte and no final
@@ -198,7 +209,31 @@ class _H11Protocol(H11Protocol):
                     h11.InformationalResponse(status_code=100, headers=self.config.response_headers("h11"))
                 )
             return
+        if self._head is not None and not isinstance(event, (Body, EndBody)):
+            head, self._head = self._head, None  # no body came: the head alone
+            await self.send(RawData(data=head))
         await super().stream_send(event)
+
+    async def _send_h11_event(self, event) -> None:
+        if type(event) is h11.Response and any(name == b"content-length" for name, _ in event.headers):
+            try:
+                self._head = self.connection.send(event)
+            except h11.LocalProtocolError:
+                if self.connection.their_state != h11.ERROR:
+                    raise
+            return
+        if self._head is None:
+            await super()._send_h11_event(event)
+            return
+        head, self._head = self._head, None
+        try:
+            data = self.connection.send(event)
+        except h11.LocalProtocolError:
+            await self.send(RawData(data=head))
+            if self.connection.their_state != h11.ERROR:
+                raise
+        else:
+            await self.send(RawData(data=head + data))
 
 
 def install(send_errors: bool) -> None:

@@ -18,7 +18,9 @@ from hypercorn.config import Config
 
 from . import hypercorn_fixes
 
-WORKER_CLASSES = ("trio", "asyncio")
+#: hypercorn worker classes; ``uvloop`` is hypercorn's asyncio worker on
+#: uvloop's event loop (hypercorn's own ``--worker-class uvloop``).
+WORKER_CLASSES = ("trio", "asyncio", "uvloop")
 log = logging.getLogger("asgi_generate")
 
 
@@ -98,7 +100,7 @@ def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
     is gone (:func:`asgi_generate.hypercorn_fixes.install`).
 
     Raises:
-        ValueError: ``worker_class`` is neither ``trio`` nor ``asyncio``.
+        ValueError: ``worker_class`` is not one of :data:`WORKER_CLASSES`.
     """
     if worker_class not in WORKER_CLASSES:
         raise ValueError(f"worker class must be one of {WORKER_CLASSES}, not {worker_class!r}")
@@ -126,4 +128,7 @@ def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
 
             await serve(app, config, shutdown_trigger=first_signal)
 
-    anyio.run(main, backend=worker_class)
+    if worker_class == "uvloop":
+        anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
+    else:
+        anyio.run(main, backend=worker_class)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import os
 import pathlib
+import re
 import socket
 import time
 
@@ -149,7 +150,7 @@ def fast_sim():
     sim.stop()
 
 
-@pytest.fixture(scope="module", params=WORKER_CLASSES)
+@pytest.fixture(scope="module", params=[*WORKER_CLASSES, "uvloop"])
 def fe(request, fast_sim, tmp_path_factory):
     traced = Traced(tmp_path_factory, "edge", fast_sim, request.param)
     yield traced
@@ -462,3 +463,53 @@ def test_tokens_counted_are_tokens_written_when_the_client_leaves_at_a_write(bac
     assert counts == list(range(1, len(counts) + 1)) and len(counts) >= gone_at - 1
     assert (st.status, st.output_tokens) == ("client_disconnect", counts[-1])
     assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+
+
+# -- one write per fixed-length answer ------------------------------------------
+
+
+def _protocol_writes(events: list) -> list[bytes]:
+    """The bytes our H11 protocol writes for a GET answered with ``events``."""
+    import anyio
+    from hypercorn.asyncio.worker_context import WorkerContext
+    from hypercorn.config import Config
+    from hypercorn.events import RawData
+
+    from asgi_generate.hypercorn_fixes import _H11Protocol
+
+    writes: list[bytes] = []
+
+    async def send(event) -> None:
+        if isinstance(event, RawData) and event.data:
+            writes.append(event.data)
+
+    async def main() -> None:
+        proto = _H11Protocol(None, Config(), WorkerContext(None), None, None, False, None, None, send)
+        proto.connection.receive_data(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert type(proto.connection.next_event()) is h11.Request
+        for event in events:
+            await proto.stream_send(event)
+
+    anyio.run(main)
+    return writes
+
+
+def test_a_fixed_length_answer_leaves_in_one_write_a_streamed_head_at_once():
+    from hypercorn.protocol.events import Body, EndBody, Response, StreamClosed
+
+    fixed = _protocol_writes([Response(stream_id=1, headers=[(b"content-length", b"5")], status_code=200),
+                              Body(stream_id=1, data=b"hello"), EndBody(stream_id=1)])
+    assert len(fixed) == 1
+    head = rb"HTTP/1\.1 %d \r\n%sdate: [^\r]+\r\nserver: hypercorn-h11\r\n\r\n"
+    assert re.fullmatch(head % (200, rb"content-length: 5\r\n") + b"hello", fixed[0])
+    empty = _protocol_writes([Response(stream_id=1, headers=[(b"content-length", b"0")], status_code=204),
+                              EndBody(stream_id=1)])
+    assert len(empty) == 1 and re.fullmatch(head % (204, rb"content-length: 0\r\n"), empty[0])
+    streamed = _protocol_writes([Response(stream_id=1, headers=[(b"content-type", b"text/event-stream")],
+                                          status_code=200)])
+    assert len(streamed) == 1  # not held for a body
+    assert re.fullmatch(rb"HTTP/1\.1 200 \r\ncontent-type: text/event-stream\r\ndate: [^\r]+\r\n"
+                        rb"server: hypercorn-h11\r\nTransfer-Encoding: chunked\r\n\r\n", streamed[0])
+    abandoned = _protocol_writes([Response(stream_id=1, headers=[(b"content-length", b"5")], status_code=200),
+                                  StreamClosed(stream_id=1)])
+    assert len(abandoned) == 1 and re.fullmatch(head % (200, rb"content-length: 5\r\n"), abandoned[0])
