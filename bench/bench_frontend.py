@@ -51,6 +51,7 @@ ROUTER_REQUIREMENT = "sglang-router>=0.3,<0.4"
 HOPS = {
     "trio": "asgi-generate (trio)",
     "asyncio": "asgi-generate (asyncio)",
+    "uvloop": "asgi-generate (uvloop)",
     "router": "sglang-router",
 }
 DIRECT = "direct (simulator)"
@@ -258,6 +259,26 @@ def print_report(results: list[HopResult], args: argparse.Namespace, context: li
         worst = min((v for v in vs_router if v is not None), default=None)
         print(f"- throughput within 2x of sglang-router: lowest ours/router {_fmt(worst)} "
               f"-> {'met' if worst is not None and worst >= 0.5 else 'NOT met'}")
+    if router is not None:  # issue 16
+        for r in ours:
+            cpu = [_ratio(r.load[wl].cpu_ms_per_request("hop"), router.load[wl].cpu_ms_per_request("hop"))
+                   for wl in ("unary", "sse")]
+            met = cpu[0] is not None and cpu[0] <= 2.5 and cpu[1] is not None and cpu[1] <= 1.5
+            print(f"- {r.label}: hop CPU per request ours/router at most 2.5 unary, 1.5 SSE: "
+                  f"{_fmt(cpu[0])} / {_fmt(cpu[1])} -> {'met' if met else 'NOT met'}")
+    by_label = {r.label: r for r in ours}
+    trio = by_label.get(HOPS["trio"])
+    for other in ("asyncio", "uvloop"):
+        base = by_label.get(HOPS[other])
+        if trio is not None and base is not None:
+            cpu = [_ratio(trio.load[wl].cpu_ms_per_request("hop"), base.load[wl].cpu_ms_per_request("hop"))
+                   for wl in ("unary", "sse")]
+            met = all(c is not None and c <= 1.2 for c in cpu)
+            print(f"- trio CPU per request at most 1.2x {other}'s: {_fmt(cpu[0])} unary / {_fmt(cpu[1])} SSE "
+                  f"-> {'met' if met else 'NOT met'}")
+    for r in ours:
+        extra = added(r, "unary", "p50_ms")
+        print(f"- {r.label}: added unary p50 at most +0.3 ms: {extra:+.3f} ms -> {'met' if extra <= 0.3 else 'NOT met'}")
     print(f"- never loses or reorders an event: {checked:,} responses checked under load "
           f"(count, order, final output_ids), {samples} sampled answers compared event for event "
           f"with the direct answer -> {'met' if not bad and not problems else 'NOT met'}")
@@ -265,6 +286,46 @@ def print_report(results: list[HopResult], args: argparse.Namespace, context: li
         print(f"  - {label} {name}: {lr.bad} bad responses ({lr.first_bad or 'n/a'}), {lr.errors} wrk errors")
     for label, problem in problems:
         print(f"  - {label}: {problem}")
+
+
+def median_result(runs: list[HopResult]) -> HopResult:
+    """One hop's repetitions folded: per workload, the load cell with the
+    median hop CPU per request and the latency cell with the median p50."""
+    def pick(cells: list[LoadResult], key: Callable[[LoadResult], float]) -> LoadResult:
+        return sorted(cells, key=key)[len(cells) // 2]
+
+    out = HopResult(runs[0].label, samples=sum(r.samples for r in runs),
+                    sample_problems=[p for r in runs for p in r.sample_problems])
+    for wl in runs[0].load:
+        out.load[wl] = pick([r.load[wl] for r in runs], lambda lr: lr.cpu_ms_per_request("hop"))
+        out.latency[wl] = pick([r.latency[wl] for r in runs], lambda lr: lr.p50_ms)
+    return out
+
+
+def print_spread(reps: dict[str, list[HopResult]], args: argparse.Namespace) -> None:
+    """Per repetition: each hop's CPU per request and added unary p50, and
+    ours/router CPU per request, so the spread shows next to the medians."""
+    print(f"Spread over {args.reps} interleaved repetitions (per repetition, in order; others = cores' "
+          "worth of the pinned cores that other processes took, unary / SSE):")
+    print()
+    print("| path | hop CPU ms/req unary | hop CPU ms/req SSE | unary p50 ms | ours/router CPU unary | "
+          "ours/router CPU SSE | others unary / SSE |")
+    print("|---|---|---|---|---|---|---|")
+    router = reps.get("router")
+    for hop, runs in reps.items():
+        def per(f: Callable[[HopResult], float | None], digits: int = 3) -> str:
+            return ", ".join(_fmt(f(r), digits) for r in runs)
+
+        vs = ["-", "-"]
+        if router is not None and hop != "router":
+            vs = [", ".join(_fmt(_ratio(r.load[wl].cpu_ms_per_request("hop"),
+                                        q.load[wl].cpu_ms_per_request("hop")))
+                            for r, q in zip(runs, router)) for wl in ("unary", "sse")]
+        others = ", ".join(f"{r.load['unary'].others_busy():.2f} / {r.load['sse'].others_busy():.2f}" for r in runs)
+        print(f"| {HOPS[hop]} | {per(lambda r: r.load['unary'].cpu_ms_per_request('hop'))} "
+              f"| {per(lambda r: r.load['sse'].cpu_ms_per_request('hop'))} "
+              f"| {per(lambda r: r.latency['unary'].p50_ms)} | {vs[0]} | {vs[1]} | {others} |")
+    print()
 
 
 def measure(
@@ -327,8 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-seconds", type=int, default=5, help="measured seconds per latency cell")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured seconds before each throughput cell")
     p.add_argument("--concurrency", type=int, default=32, help="wrk keep-alive connections for throughput")
+    p.add_argument("--reps", type=int, default=1,
+                   help="interleaved repetitions of every hop's cells (medians reported, spread listed)")
     p.add_argument("--hops", default="trio,asyncio,router",
-                   help="comma-separated hops to measure besides direct: trio, asyncio, router")
+                   help="comma-separated hops to measure besides direct: trio, asyncio, uvloop, router")
     p.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
     p.add_argument("--unary-tokens", type=int, default=16, help="output tokens of a unary request")
     p.add_argument("--sse-tokens", type=int, default=256, help="output tokens (= events) of an SSE request")
@@ -413,13 +476,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{DIRECT}:", file=sys.stderr)
             results.append(measure(DIRECT, sim_port, {"sim": sim.cpu_seconds}, args, wrk, scripts,
                                    log_dir, samples))
-            for hop in hops:
-                print(f"{HOPS[hop]}:", file=sys.stderr)
-                with contextlib.ExitStack() as hop_stack:
-                    child, port = start_hop(hop_stack, hop, sim_port, hop_cpus, log_dir, router_python, probe)
+            started = {hop: start_hop(stack, hop, sim_port, hop_cpus, log_dir, router_python, probe) for hop in hops}
+            reps: dict[str, list[HopResult]] = {hop: [] for hop in hops}
+            for rep in range(args.reps):  # interleaved: the order rotates every repetition
+                for hop in hops[rep % len(hops):] + hops[:rep % len(hops)]:
+                    print(f"{HOPS[hop]} (repetition {rep + 1} of {args.reps}):", file=sys.stderr)
+                    child, port = started[hop]
                     meters = {"sim": sim.cpu_seconds, "hop": child.cpu_seconds}
-                    results.append(measure(HOPS[hop], port, meters, args, wrk, scripts, log_dir, samples))
+                    reps[hop].append(measure(HOPS[hop], port, meters, args, wrk, scripts, log_dir, samples))
+            results += [median_result(reps[hop]) for hop in hops]
         print_report(results, args, _context(args, wrk, router_version, load_before))
+        if args.reps > 1:
+            print_spread(reps, args)
+        results += [r for hop in hops for r in reps[hop]]
         ok = all(not r.sample_problems and all(lr.bad == 0 and lr.errors == 0
                                               for lr in [*r.load.values(), *r.latency.values()])
                  for r in results)

@@ -1,21 +1,25 @@
 """What request-end tracing costs: the frontend with tracing off vs on.
 
-One simulated SGLang worker (zero TTFT and ITL) serves two asgi-generate
-frontends (hypercorn, trio) side by side:
+One simulated SGLang worker (zero TTFT and ITL) serves three asgi-generate
+frontends (hypercorn, ``--worker-class``, asyncio by default) side by side:
 
 - ``off``: no tracing (the default);
-- ``on``: ``--trace-file`` (JSONL) with ``--tokenizer`` (the bundled
-  tokenizer.json), ``--reasoning-parser qwen3`` and ``--tool-call-parser
-  hermes``, so every record is hashed, decoded and parsed.
+- ``on``: ``--trace-file`` (JSONL): every record built, replay-hashed,
+  serialized and written;
+- ``parsers``: as ``on``, plus ``--tokenizer`` (the bundled tokenizer.json),
+  ``--reasoning-parser qwen3`` and ``--tool-call-parser hermes``, so every
+  record's output is also decoded and parsed.
 
 For each input size (128 and 16384 token ids; 32 output tokens with
-``ignore_eos``, unary, with an ``x-session-id`` header) it runs three
-repetitions, alternating ``off`` and ``on`` within each (the order flips
-every repetition), each a closed loop of ``--seconds`` at ``--concurrency``
-keep-alive connections from an asyncio client in this process. Measured per
-cell: completed requests/s, and the frontend process's CPU seconds (user +
-system, all threads, from ``/proc/<pid>/stat``) per request. It prints a
-table per size and the on/off ratios, and checks that the ``on`` frontend
+``ignore_eos``, unary, with an ``x-session-id`` header) it runs ``--reps``
+repetitions (3), each a closed loop of ``--seconds`` at ``--concurrency``
+keep-alive connections from an asyncio client in this process against each
+frontend in turn (the order rotates every repetition). Measured per cell:
+completed requests/s, the frontend process's CPU seconds (user + system, all
+threads, ``/proc/<pid>/task/*/schedstat``, nanoseconds) per request, and the
+1-minute load average. It prints per size the cells, then on/off and
+parsers/off ratios of the medians with the spread of the ratios paired
+within each repetition (min-max), and checks that the tracing frontends
 wrote one record per request and dropped none.
 
 Side by side on a shared machine, CPU per request moves by several percent
@@ -25,13 +29,14 @@ batches of 16 as under load) with ``time.process_time``, and prints it as a
 share of the ``off`` frontend's CPU per request: a figure that other load on
 the machine barely moves.
 
-Usage: ``.venv/bin/python bench/bench_tracing.py [--seconds 5] [--concurrency 8]``.
+Usage: ``.venv/bin/python bench/bench_tracing.py [--seconds 5] [--concurrency 8] [--reps 3]``.
 Linux only (``/proc``).
 """
 
 from __future__ import annotations
 
 import argparse
+import array
 import asyncio
 import os
 import pathlib
@@ -46,7 +51,6 @@ import orjson
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from _procs import tree_cpu_seconds  # noqa: E402
 from support import Proc, start_frontend, start_sim  # noqa: E402
 
 from asgi_generate.accounting import RequestState  # noqa: E402
@@ -91,30 +95,51 @@ async def connection(port: int, request: bytes, stop_at: float, done: list[int])
         writer.close()
 
 
-def measure(fe: Proc, request: bytes, seconds: float, concurrency: int) -> tuple[float, float]:
-    """Run one cell; return (requests/s, frontend CPU ms per request)."""
+def thread_cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds of ``pid``'s main thread (the event loop) and of all its
+    other threads together (the trace writer's, the tokenizer's), from the
+    scheduler's nanosecond counters (``/proc/<pid>/task/*/schedstat``)."""
+    loop = others = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+        except (OSError, ValueError):
+            continue  # a thread that just ended
+        if int(tid) == pid:
+            loop += ns
+        else:
+            others += ns
+    return loop / 1e9, others / 1e9
+
+
+def measure(fe: Proc, request: bytes, seconds: float, concurrency: int) -> tuple[float, float, float]:
+    """Run one cell; return (requests/s, frontend CPU ms per request, of
+    which ms per request in threads other than the event loop's)."""
     done = [0]
 
     async def main() -> None:
         stop_at = time.monotonic() + seconds
         await asyncio.gather(*(connection(fe.port, request, stop_at, done) for _ in range(concurrency)))
 
-    cpu0, t0 = tree_cpu_seconds(fe.proc.pid), time.monotonic()
+    (loop0, others0), t0 = thread_cpu_seconds(fe.proc.pid), time.monotonic()
     asyncio.run(main())
-    cpu1, t1 = tree_cpu_seconds(fe.proc.pid), time.monotonic()
-    return done[0] / (t1 - t0), (cpu1 - cpu0) * 1000.0 / done[0]
+    (loop1, others1), t1 = thread_cpu_seconds(fe.proc.pid), time.monotonic()
+    n = done[0]
+    return n / (t1 - t0), (loop1 - loop0 + others1 - others0) * 1000.0 / n, (others1 - others0) * 1000.0 / n
 
 
-def writer_cpu_us(input_len: int, tmp: pathlib.Path, records: int = 2000) -> float:
+def writer_cpu_us(input_len: int, tmp: pathlib.Path, parsers: bool, records: int = 2000) -> float:
     """CPU microseconds the trace writer spends per record of this shape:
-    build (hash, decode, parse), serialize, write, in batches of 16."""
-    analyzer = OutputAnalyzer(str(TOKENIZER_PATH), "qwen3", "hermes")
-    sink = JsonlFileSink(str(tmp / f"direct-{input_len}.jsonl"), 0)
+    build (hash; with ``parsers`` also decode and parse), serialize, write,
+    in batches of 16. The prompt is packed, as the SGLang codec hands it on."""
+    analyzer = OutputAnalyzer(str(TOKENIZER_PATH), "qwen3", "hermes") if parsers else None
+    sink = JsonlFileSink(str(tmp / f"direct-{input_len}-{parsers}.jsonl"), 0)
     sink.open()
     states = []
     for i in range(16):
         st = RequestState(f"{i:032x}", "sglang", "/generate", "POST", t_received=1.0, stream=False,
-                          input_ids=input_ids(input_len), input_length=input_len, status="ok", http_status=200,
+                          input_ids=array.array("I", input_ids(input_len)), input_length=input_len, status="ok", http_status=200,
                           finish_reason="length", output_tokens=OUTPUT_TOKENS,
                           output_ids=list(range(500, 500 + OUTPUT_TOKENS)), engine_completion_tokens=OUTPUT_TOKENS,
                           prompt_tokens=input_len, cached_tokens=0, headers={b"x-session-id": b"bench"},
@@ -129,65 +154,91 @@ def writer_cpu_us(input_len: int, tmp: pathlib.Path, records: int = 2000) -> flo
     return spent * 1e6 / (records // len(states) * len(states))
 
 
+MODES = ("off", "on", "parsers")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds per cell (default %(default)s)")
     parser.add_argument("--concurrency", type=int, default=8, help="connections (default %(default)s)")
+    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default %(default)s)")
+    parser.add_argument("--worker-class", default="asyncio", help="hypercorn worker class (default %(default)s)")
     args = parser.parse_args()
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-tracing-"))
+    load_before = os.getloadavg()[0]
     sim = start_sim()
     fronts: dict[str, Proc] = {}
+    extra = {
+        "off": [],
+        "on": ["--trace-file", str(tmp / "on" / "trace.jsonl")],
+        "parsers": ["--trace-file", str(tmp / "parsers" / "trace.jsonl"), "--tokenizer", str(TOKENIZER_PATH),
+                    "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes"],
+    }
     try:
-        fronts["off"] = start_frontend([f"sglang={sim.url}"], extra=DEFAULT_HEALTH)
-        fronts["on"] = start_frontend([f"sglang={sim.url}"], extra=[
-            *DEFAULT_HEALTH, "--trace-file", str(tmp / "trace.jsonl"), "--tokenizer", str(TOKENIZER_PATH),
-            "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes",
-        ])
-        results: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        for mode in MODES:
+            (tmp / mode).mkdir()
+            fronts[mode] = start_frontend([f"sglang={sim.url}"], worker_class=args.worker_class,
+                                          extra=[*DEFAULT_HEALTH, *extra[mode]])
+        results: dict[tuple[int, str], list[tuple[float, float, float, float]]] = {}
         for size in SIZES:
             request = request_bytes(size)
             for fe in fronts.values():  # warm up: connections, caches
                 measure(fe, request, min(1.0, args.seconds), args.concurrency)
-            for rep in range(3):
-                order = ("off", "on") if rep % 2 == 0 else ("on", "off")
+            for rep in range(args.reps):
+                order = MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]
                 for mode in order:
-                    results.setdefault((size, mode), []).append(
-                        measure(fronts[mode], request, args.seconds, args.concurrency))
-        trace = httpx.get(fronts["on"].url + "/stats", timeout=10).json()["trace"]
+                    rps, cpu, threads = measure(fronts[mode], request, args.seconds, args.concurrency)
+                    results.setdefault((size, mode), []).append((rps, cpu, os.getloadavg()[0], threads))
+        traces = {m: httpx.get(fronts[m].url + "/stats", timeout=10).json()["trace"] for m in ("on", "parsers")}
     finally:
         for fe in fronts.values():
             fe.stop()
         sim.stop()
 
     print(f"# tracing off vs on: {OUTPUT_TOKENS} output tokens, unary, concurrency {args.concurrency}, "
-          f"{args.seconds:g} s per cell, 3 interleaved repetitions, {os.cpu_count()} CPUs\n")
-    print("| input tokens | mode | req/s (per rep) | frontend CPU ms/req (per rep) |")
+          f"{args.seconds:g} s per cell, {args.reps} interleaved repetitions, {os.cpu_count()} CPUs, "
+          f"worker class {args.worker_class}; 1-min load average {load_before:.2f} before, "
+          f"{os.getloadavg()[0]:.2f} after\n")
+    print("| input tokens | mode | req/s median (per rep) | frontend CPU ms/req median (per rep) "
+          "| of which other threads µs/req (per rep) | load (per rep) |")
+    print("|---|---|---|---|---|---|")
+    for size in SIZES:
+        for mode in MODES:
+            cells = results[(size, mode)]
+            rps = " ".join(f"{c[0]:.1f}" for c in cells)
+            cpu = " ".join(f"{c[1]:.3f}" for c in cells)
+            threads = " ".join(f"{c[3] * 1000:.1f}" for c in cells)
+            load = " ".join(f"{c[2]:.1f}" for c in cells)
+            print(f"| {size} | {mode} | {statistics.median(c[0] for c in cells):.1f} ({rps}) | "
+                  f"{statistics.median(c[1] for c in cells):.3f} ({cpu}) | "
+                  f"{statistics.median(c[3] for c in cells) * 1000:.1f} ({threads}) | {load} |")
+    print("\n| input tokens | mode | CPU/request vs off: median ratio (paired per rep, min-max) "
+          "| throughput vs off: median ratio (paired, min-max) |")
     print("|---|---|---|---|")
     for size in SIZES:
-        for mode in ("off", "on"):
-            cells = results[(size, mode)]
-            rps = " ".join(f"{r:.1f}" for r, _ in cells)
-            cpu = " ".join(f"{c:.3f}" for _, c in cells)
-            print(f"| {size} | {mode} | {statistics.median(r for r, _ in cells):.1f} ({rps}) | "
-                  f"{statistics.median(c for _, c in cells):.3f} ({cpu}) |")
-    print("\n| input tokens | CPU/request on/off | throughput on/off |")
-    print("|---|---|---|")
+        off = results[(size, "off")]
+        for mode in ("on", "parsers"):
+            on = results[(size, mode)]
+            cpu = statistics.median(c[1] for c in on) / statistics.median(c[1] for c in off)
+            tput = statistics.median(c[0] for c in on) / statistics.median(c[0] for c in off)
+            pcpu = [a[1] / b[1] for a, b in zip(on, off)]
+            ptput = [a[0] / b[0] for a, b in zip(on, off)]
+            print(f"| {size} | {mode}/off | {cpu:.3f} ({(cpu - 1) * 100:+.1f}%; {min(pcpu):.3f}-{max(pcpu):.3f}) | "
+                  f"{tput:.3f} ({(tput - 1) * 100:+.1f}%; {min(ptput):.3f}-{max(ptput):.3f}) |")
+    print("\n| input tokens | mode | writer CPU µs/record (in process) | share of the off frontend's CPU/request |")
+    print("|---|---|---|---|")
     for size in SIZES:
-        off, on = results[(size, "off")], results[(size, "on")]
-        cpu_ratio = statistics.median(c for _, c in on) / statistics.median(c for _, c in off)
-        tput_ratio = statistics.median(r for r, _ in on) / statistics.median(r for r, _ in off)
-        print(f"| {size} | {cpu_ratio:.3f} ({(cpu_ratio - 1) * 100:+.1f}%) | "
-              f"{tput_ratio:.3f} ({(tput_ratio - 1) * 100:+.1f}%) |")
-    print("\n| input tokens | writer CPU µs/record (in process) | share of the off frontend's CPU/request |")
-    print("|---|---|---|")
-    for size in SIZES:
-        us = writer_cpu_us(size, tmp)
-        off_ms = statistics.median(c for _, c in results[(size, "off")])
-        print(f"| {size} | {us:.1f} | {us / 10 / off_ms:+.1f}% |")
-    records = sum(len(p.read_bytes().splitlines()) for p in tmp.glob("trace.*.jsonl"))
-    print(f"\ntrace (on): {trace['submitted']} requests, {records} records in files, dropped {trace['dropped']}")
-    return 0 if records == trace["submitted"] and not any(trace["dropped"].values()) else 1
+        off_ms = statistics.median(c[1] for c in results[(size, "off")])
+        for mode in ("on", "parsers"):
+            us = writer_cpu_us(size, tmp, parsers=mode == "parsers")
+            print(f"| {size} | {mode} | {us:.1f} | {us / 10 / off_ms:+.2f}% |")
+    ok = True
+    for mode, trace in traces.items():
+        records = sum(len(p.read_bytes().splitlines()) for p in (tmp / mode).glob("trace.*.jsonl"))
+        print(f"\ntrace ({mode}): {trace['submitted']} requests, {records} records in files, dropped {trace['dropped']}")
+        ok = ok and records == trace["submitted"] and not any(trace["dropped"].values())
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
