@@ -22,11 +22,12 @@ Per request the handler calls, in order::
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import orjson
+
+from .token_ids import PackedIds
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +113,9 @@ class GenerateRequest:
         public_id: the client's own request id (``rid``, ``request_id``,
             ``X-Request-Id``), echoed back to it; ``None`` if it gave none.
         input_ids: prompt token ids when the input is token-only, else ``None``.
-        input_ids_u32: ``input_ids`` as an ``array('I')`` of little-endian
-            u32 (:func:`asgi_generate.token_ids.pack_token_ids`) when the
-            codec packed them while checking them, else ``None``.
+        input_ids_packed: ``input_ids`` packed as u32 and as JSON text
+            (:func:`asgi_generate.token_ids.pack_token_ids`) when the codec
+            packed them while checking them, else ``None``.
         max_new_tokens: the output cap in tokens, ``None`` if uncapped.
         model: the model named by the request, if any.
         replay_excluded: why the input cannot be replayed from token ids
@@ -125,7 +126,7 @@ class GenerateRequest:
     stream: bool
     public_id: str | None = None
     input_ids: list[int] | None = None
-    input_ids_u32: array | None = None
+    input_ids_packed: PackedIds | None = None
     max_new_tokens: int | None = None
     model: str | None = None
     replay_excluded: str | None = None

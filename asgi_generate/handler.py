@@ -168,7 +168,8 @@ async def _generate(
     st.public_id = request.public_id
     st.stream = request.stream
     # The packed ids, when the codec made them: no list of ints kept for the trace.
-    st.input_ids = request.input_ids if request.input_ids_u32 is None else request.input_ids_u32
+    packed = request.input_ids_packed
+    st.input_ids = request.input_ids if packed is None else packed.u32
     st.input_length = len(request.input_ids) if request.input_ids is not None else None
     st.replay_excluded = request.replay_excluded
     st.model = request.model

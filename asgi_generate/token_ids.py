@@ -14,24 +14,37 @@ from __future__ import annotations
 
 import array
 import sys
+from dataclasses import dataclass
 
 import orjson
 
 _LITTLE = sys.byteorder == "little"
 
 
-def pack_token_ids(ids: list) -> tuple[array.array, bytes] | None:
+@dataclass(frozen=True, slots=True)
+class PackedIds:
+    """A checked token prompt, two ways.
+
+    Attributes:
+        u32: the ids as an ``array('I')``, whose bytes are little-endian u32
+            (4 bytes per id).
+        json: the ids' JSON text, ``orjson.dumps(ids)``.
+    """
+
+    u32: array.array
+    json: bytes
+
+
+def pack_token_ids(ids: list) -> PackedIds | None:
     """``ids`` packed and serialized, when each is an ``int`` in ``[0, 2**32)``.
 
     Args:
         ids: a decoded JSON list (any element types).
 
     Returns:
-        ``(packed, text)``: ``packed`` an ``array('I')`` of the ids, whose
-        bytes are little-endian u32 (4 bytes per id); ``text`` the list's
-        JSON (``orjson.dumps(ids)``). ``None`` when an element is not an
-        ``int`` (a bool included), is negative or at least ``2**32``, or the
-        host is big-endian: the caller then checks the list itself.
+        The :class:`PackedIds`; ``None`` when an element is not an ``int``
+        (a bool included), is negative or at least ``2**32``, or the host is
+        big-endian: the caller then checks the list itself.
     """
     if not _LITTLE:
         return None
@@ -42,4 +55,4 @@ def pack_token_ids(ids: list) -> tuple[array.array, bytes] | None:
     text = orjson.dumps(ids)
     if b"e" in text:  # ints serialize as digits only: this is a true or false
         return None
-    return packed, text
+    return PackedIds(packed, text)

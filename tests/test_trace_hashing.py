@@ -120,9 +120,10 @@ def test_known_prompt_hashes_to_the_documented_values():
 def test_the_codecs_packed_prompt_hashes_as_the_list():
     request = SGLangCodec().decode(orjson.dumps({"input_ids": KNOWN_PROMPT}), {})
     assert request.input_ids == KNOWN_PROMPT
-    assert type(request.input_ids_u32) is array.array
-    assert request.input_ids_u32.tolist() == KNOWN_PROMPT
-    assert block_hashes(request.input_ids_u32, 64) == KNOWN_HASHES
+    assert request.input_ids_packed == pack_token_ids(KNOWN_PROMPT)
+    assert type(request.input_ids_packed.u32) is array.array
+    assert request.input_ids_packed.u32.tolist() == KNOWN_PROMPT
+    assert block_hashes(request.input_ids_packed.u32, 64) == KNOWN_HASHES
 
 
 elements = st.one_of(st.integers(-(2**70), 2**70), st.integers(0, 2**32 - 1), st.booleans(), st.floats(), st.none(),
@@ -138,9 +139,9 @@ def test_pack_token_ids_packs_exactly_the_in_range_int_lists(ids):
         assert packed is None
     else:
         assert packed is not None
-        assert packed[0].typecode == "I" and packed[0].tolist() == ids
-        assert packed[0].tobytes() == struct.pack(f"<{len(ids)}I", *ids)
-        assert packed[1] == orjson.dumps(ids)
+        assert packed.u32.typecode == "I" and packed.u32.tolist() == ids
+        assert packed.u32.tobytes() == struct.pack(f"<{len(ids)}I", *ids)
+        assert packed.json == orjson.dumps(ids)
 
 
 def test_the_engine_gets_the_same_body_bytes_from_the_packed_prompt():

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from asgi_generate.codec import Attempt, GenerateRequest, RequestError
 from asgi_generate.ids import mint
+from asgi_generate.token_ids import pack_token_ids
 
 ZSTD = {b"content-type": b"application/zstd"}
 MiB = 1024 * 1024
@@ -80,7 +81,8 @@ def test_content_type_missing_or_wrong_is_415_in_sglang_shape():
 def test_content_type_is_case_insensitive_and_ignores_parameters():
     codec = ZstdCodec()
     body = encode_request({"input_ids": [1, 2]})
-    want = GenerateRequest(stream=False, input_ids=[1, 2], max_new_tokens=128, native={"input_ids": [1, 2]})
+    want = GenerateRequest(stream=False, input_ids=[1, 2], max_new_tokens=128, native={"input_ids": [1, 2]},
+                           input_ids_packed=pack_token_ids([1, 2]))
     assert codec.decode(body, {b"content-type": b" Application/ZSTD ; q=1"}) == want
 
 

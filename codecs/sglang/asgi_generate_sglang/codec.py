@@ -164,7 +164,7 @@ class SGLangCodec(Codec):
             text is not None and input_ids is not None and embeds is not None
         ):
             raise refuse("Either text, input_ids or input_embeds should be provided.")
-        ids, ids_u32, excluded = None, None, None
+        ids, packed, excluded = None, None, None
         if text is not None:
             if type(text) is list:
                 raise refuse("Batch requests (a list of texts) are not supported.")
@@ -184,13 +184,11 @@ class SGLangCodec(Codec):
                     raise SchemaError("input_ids: Input should be a valid list of integers")
                 if min(input_ids) < 0:
                     raise refuse(f"input_ids: token id {min(input_ids)} is negative.")
-            else:  # forwarded as already serialized
-                ids_u32, obj["input_ids"] = packed[0], orjson.Fragment(packed[1])
             ids = input_ids
         else:
             excluded = "embeddings"
         if any(obj.get(k) is not None for k in MULTIMODAL):
-            ids, ids_u32, excluded = None, None, "multimodal"
+            ids, packed, excluded = None, None, "multimodal"
         if max_new is not None and max_new < 0:
             raise refuse(f"max_new_tokens must be at least 0, got {max_new}.")
         if n not in (1, None):
@@ -202,7 +200,7 @@ class SGLangCodec(Codec):
             stream=in_band,
             public_id=rid,
             input_ids=ids,
-            input_ids_u32=ids_u32,
+            input_ids_packed=packed,
             max_new_tokens=max_new,
             model=None,
             replay_excluded=excluded,
@@ -313,6 +311,8 @@ class SGLangExchange(Exchange):
         if not info.get("allow_auto_truncate"):
             check_prompt_length(self.request.input_ids, info.get("max_model_len"), self.request.stream)
         body = dict(self.request.native)
+        if self.request.input_ids_packed is not None:  # already serialized by decode's check
+            body["input_ids"] = orjson.Fragment(self.request.input_ids_packed.json)
         body["rid"] = attempt.engine_id
         if attempt.resumes:
             self._resume(body, attempt.resumes)
