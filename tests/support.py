@@ -31,6 +31,24 @@ CONTINUATION = [
 ]
 
 
+def sampled(prompt: list[int], sample: int, count: int) -> list[int]:
+    """The simulator model's parallel sample ``sample`` of ``prompt``: its
+    first ``count`` tokens (fewer when it ends with EOS first); sample 0 is
+    the greedy continuation."""
+    from asgi_generate.sim.model import Model
+    from asgi_generate.sim.tokenizer import SimTokenizer
+
+    tok = SimTokenizer()
+    model = Model(tok.vocab_size, tok.eos_id, tok.num_special)
+    state, out = model.fold(prompt), []
+    while len(out) < count:
+        out.append(model.step(model.sampled(state, sample)).token)
+        state = model.advance(state, out[-1])
+        if out[-1] == tok.eos_id:
+            break
+    return out
+
+
 def free_port() -> int:
     """A loopback port nothing listens on (a worker that refuses connections)."""
     sock = socket.socket()

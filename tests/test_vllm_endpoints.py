@@ -38,7 +38,7 @@ import orjson
 import pytest
 
 from asgi_generate.workers.versions import VLLM_VERSIONS, vllm_behaviour
-from support import CONTINUATION, PROMPT, same, start_frontend, start_sim
+from support import CONTINUATION, PROMPT, same, sampled, start_frontend, start_sim
 
 GEN = "/inference/v1/generate"
 JSON = {"content-type": "application/json"}
@@ -171,7 +171,9 @@ def test_n_choices_unary(served, n):
     status, answer = ask(served, sp(max_tokens=3, n=n))
     assert status == 200
     assert sorted(c["index"] for c in answer["choices"]) == list(range(n))
-    assert all(c["token_ids"] == CONTINUATION[:3] for c in answer["choices"])
+    # Choice i is the model's parallel sample i: choice 0 the n = 1 answer, the others differ.
+    assert [c["token_ids"] for c in answer["choices"]] == [sampled(PROMPT, i, 3) for i in range(n)]
+    assert CONTINUATION[:3] == sampled(PROMPT, 0, 3) != sampled(PROMPT, 1, 3)
     assert answer["usage"]["completion_tokens"] == 3 * n
 
 
@@ -180,7 +182,7 @@ def test_n_choices_stream(served):
     status, chunks = ask(served, body)
     assert status == 200
     assert [(c["choices"][0]["index"], c["choices"][0]["token_ids"]) for c in chunks[:-1]] == [
-        (0, [2358]), (1, [2358]), (0, [1262]), (1, [1262])]
+        (0, [2358]), (1, [3390]), (0, [1262]), (1, [101])]
     assert chunks[-1]["usage"] == {"prompt_tokens": 4, "total_tokens": 8, "completion_tokens": 4}
 
 

@@ -48,6 +48,9 @@ class Job:
     refused: tuple[int, str] | None = None
     prefilled: int | None = None
     fail_after: int | None = None
+    #: The parallel sample this job draws (see :meth:`Model.sampled`); 0
+    #: for every ``n`` = 1 request.
+    sample: int = 0
     aborted: bool = False
     abort_event: anyio.Event = field(default_factory=anyio.Event)
 
@@ -113,6 +116,10 @@ class SimEngine:
         self.faults_fired = 0
         #: A fault fired: health routes answer 503 until the faults are cleared.
         self.down = False
+        #: Requests carrying several items (an SGLang batch or ``n`` > 1, a
+        #: vLLM ``n`` > 1) and the items (entries, choices) they carried.
+        self.batch_requests = 0
+        self.batch_items = 0
         #: Scheduling held (SGLang ``/pause_generation``, vLLM ``/pause``):
         #: running and new jobs make no progress until :meth:`release`.
         self.held = False
@@ -216,17 +223,27 @@ class SimEngine:
                 await job.abort_event.wait()
 
     async def tokens(self, job: Job) -> AsyncIterator[Token]:
-        """Generate ``job``'s tokens, honouring TTFT, ITL and aborts.
+        """Generate ``job``'s tokens (its own ``sample``), honouring TTFT,
+        ITL and aborts.
 
         Stops after the finishing token; stops early (yielding nothing more)
         when the job is aborted, leaving ``job.aborted`` set.
         """
+        async for step in self.samples(job, (job.sample,)):
+            yield step[0][1]
+
+    async def samples(self, job: Job, samples: tuple[int, ...]) -> AsyncIterator[list[tuple[int, Token]]]:
+        """Generate the parallel ``samples`` of ``job`` in lockstep (vLLM's
+        ``n`` children share one engine step): each step yields ``(sample,
+        token)`` for every sample still running, in the order given. Timing,
+        holds, faults and aborts as :meth:`tokens`.
+        """
         model = self.model
-        state = model.fold(job.input_ids)
+        start = model.fold(job.input_ids)
+        states = dict.fromkeys(samples, start)
         script = self.script[self._script_start(job.input_ids) :]
         if job.prefilled is None:
             await self._pause(job, self.ttft_s)
-        eos = model.eos_id
         for i in range(job.max_new_tokens):
             if self.held:
                 await self._while_held(job)
@@ -236,31 +253,43 @@ class SimEngine:
                 self.faults_fired += 1
                 self.down = True
                 raise SimFault(f"simulated worker failure after {i} tokens (POST /sim/faults)")
-            step = model.step(state)
-            if job.logit_bias:
-                step = model.biased(step, job.logit_bias)
-            if i < len(script):
-                step = model.forced(step, script[i])
-            if i == 0 and job.prefilled is not None:
-                step = model.forced(step, job.prefilled)
-            tok = step.token
-            state = model.advance(state, tok)
-            if tok in job.stop_token_ids or (tok == eos and not job.ignore_eos):
-                finish: tuple[str, object] | None = ("stop", tok)
-            elif i + 1 == self.abort_after:
-                message = f"simulated abort after {i + 1} tokens (sim --abort-after)"
-                finish = ("abort", (self.abort_status, message))
-            elif i + 1 == job.max_new_tokens:
-                finish = ("length", job.max_new_tokens)
-            else:
-                finish = None
-            yield Token(tok, step, finish)
-            if finish is not None:
+            step = []
+            for sample, state in states.items():
+                token = self._draw(job, state, sample, i, script)
+                states[sample] = model.advance(state, token.token_id)
+                step.append((sample, token))
+            yield step
+            for sample, token in step:
+                if token.finish is not None:
+                    del states[sample]
+            if not states:
                 return
             if self.itl_s > 0:
                 await self._pause(job, self.itl_s)
             else:  # a batching engine serves everyone: never hog the loop
                 await anyio.lowlevel.checkpoint()
+
+    def _draw(self, job: Job, state: int, sample: int, i: int, script: tuple[int, ...]) -> Token:
+        """The ``i``-th token of ``sample`` at the prefix of ``state``."""
+        model = self.model
+        step = model.step(model.sampled(state, sample))
+        if job.logit_bias:
+            step = model.biased(step, job.logit_bias)
+        if i < len(script):
+            step = model.forced(step, script[i])
+        if i == 0 and job.prefilled is not None:
+            step = model.forced(step, job.prefilled)
+        tok = step.token
+        if tok in job.stop_token_ids or (tok == model.eos_id and not job.ignore_eos):
+            finish: tuple[str, object] | None = ("stop", tok)
+        elif i + 1 == self.abort_after:
+            message = f"simulated abort after {i + 1} tokens (sim --abort-after)"
+            finish = ("abort", (self.abort_status, message))
+        elif i + 1 == job.max_new_tokens:
+            finish = ("length", job.max_new_tokens)
+        else:
+            finish = None
+        return Token(tok, step, finish)
 
     def _script_start(self, prompt: list[int]) -> int:
         """How much of the script ``prompt`` already ends with."""
@@ -284,6 +313,8 @@ class SimEngine:
             "disconnect_aborted_rids": list(self.disconnect_aborted_rids),
             "abort_named_ids": list(self.abort_named_ids),
             "seen_rids": list(self.seen_rids),
+            "batch_requests": self.batch_requests,
+            "batch_items": self.batch_items,
             "faults_armed": len(self.faults),
             "faults_fired": self.faults_fired,
             "down": self.down,

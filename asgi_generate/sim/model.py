@@ -9,6 +9,12 @@ value for value.
 The prefix state is a 64-bit fold over the tokens (a SplitMix64-style mixer),
 computed incrementally, so a resumed prefix reaches the same state as the
 original run token by token.
+
+Parallel samples (SGLang and vLLM ``n`` > 1) stand for independent random
+draws: sample ``i`` ranks its next token at the prefix state mixed with
+``i`` (:meth:`Model.sampled`), so its output is a pure function of the
+prefix and ``i``; sample 0 is the prefix's own state, the output every
+``n`` = 1 request gets.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ _GOLDEN = 0x9E3779B97F4A7C15
 
 #: Candidates the model ranks at each step (the largest top-k it can return).
 NUM_CANDIDATES = 20
+#: Mixed with a sample index > 0 into the state its next token is drawn at.
+_SAMPLE_SALT = 0x5A3D1E0000
 
 
 def _mix(h: int, x: int) -> int:
@@ -92,6 +100,12 @@ class Model:
     def advance(state: int, token_id: int) -> int:
         """The state after appending ``token_id`` to the prefix of ``state``."""
         return _mix(state, token_id + 1)
+
+    @staticmethod
+    def sampled(state: int, sample: int) -> int:
+        """The state parallel sample ``sample`` draws its next token at, for
+        the prefix of ``state`` (sample 0: ``state`` itself)."""
+        return state if sample == 0 else _mix(state, _SAMPLE_SALT + sample)
 
     def fold(self, token_ids: list[int], state: int | None = None) -> int:
         """The state after the whole of ``token_ids`` (from ``state`` or empty)."""

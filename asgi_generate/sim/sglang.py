@@ -39,6 +39,7 @@ import orjson
 from ..framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
 from .disagg import DecodeKV, PrefillRooms, bootstrap_failed, transfer_failed
 from .engine import DuplicateRequestId, Job, SimEngine, Token
+from .sglang_batch import is_batch, serve_batch
 from .sglang_checks import DEFAULT_MAX_NEW_TOKENS, SGLangError, field, schema_error, value_error, verify_sampling
 from .tokenizer import SimTokenizer
 
@@ -121,10 +122,6 @@ class SGLangProtocol:
             raise value_error("The simulator does not serve input_embeds.")
         if isinstance(input_ids, list) and not input_ids and text is None:
             raise value_error("input_ids cannot be empty.")
-        if isinstance(text, list) or (
-            text is None and isinstance(input_ids, list) and isinstance(input_ids[0], list)
-        ):
-            raise value_error("The simulator does not serve batch requests.")
         if text is not None:  # SGLang reads text first
             if not isinstance(text, str):
                 raise schema_error("text: expected str")
@@ -135,14 +132,11 @@ class SGLangProtocol:
             raise schema_error("input_ids: expected a list of integers")
         if any(t < 0 or t >= self.tok.vocab_size for t in input_ids):
             raise value_error(f"Token id out of range [0, {self.tok.vocab_size}).")
-        if isinstance(obj.get("sampling_params"), list):
-            raise value_error("The simulator does not serve batch requests.")
         sp = field(obj, "sampling_params", (dict,), {})
         max_new = field(sp, "max_new_tokens", (int,), None)
         if "max_new_tokens" not in sp:
             max_new = DEFAULT_MAX_NEW_TOKENS
-        if field(sp, "n", (int,), 1) != 1:
-            raise value_error("The simulator does not serve n > 1.")
+        field(sp, "n", (int,), 1)  # a batch entry's; n > 1 is expanded by sglang_batch
         if len(input_ids) >= CONTEXT_LENGTH:
             raise value_error(
                 f"The input ({len(input_ids)} tokens) is longer than the model's context length "
@@ -316,6 +310,9 @@ class SGLangProtocol:
         room = None
         try:
             obj = self.load(body)
+            if is_batch(obj):
+                await serve_batch(self, obj, receive, send)
+                return
             job, opts = self.parse(obj)
             if isinstance(self.disagg, PrefillRooms):
                 try:
@@ -331,20 +328,7 @@ class SGLangProtocol:
         except (SGLangError, DuplicateRequestId) as exc:
             if isinstance(exc, DuplicateRequestId):
                 exc = value_error(f"Duplicate request ID: {exc}")
-            stream = obj.get("stream") is True
-            if exc.body is None:  # an unhandled exception inside SGLang
-                if stream:  # its generator raises after the 200: the stream breaks
-                    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-                    raise RuntimeError("simulated unhandled engine exception")
-                await send_unary(send, 500, b"Internal Server Error", b"text/plain; charset=utf-8")
-            elif "error" in exc.body and stream:
-                # SGLang validates inside the streaming generator: the 200 is
-                # already out, so value errors travel in-band.
-                await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-                data = sse_event(orjson.dumps(exc.body)) + DONE
-                await send({"type": "http.response.body", "body": data, "more_body": False})
-            else:
-                await send_unary(send, exc.status, orjson.dumps(exc.body))
+            await self.refuse(exc, obj.get("stream") is True, send)
             return
         done = [False]
         opts["room"] = room
@@ -357,6 +341,23 @@ class SGLangProtocol:
             self.engine.finish(job)
             if room is not None:
                 self.disagg.release(opts["pd"][2], room)
+
+    @staticmethod
+    async def refuse(exc: SGLangError, stream: bool, send: Send) -> None:
+        """Answer a request refused before generating, as SGLang does."""
+        if exc.body is None:  # an unhandled exception inside SGLang
+            if stream:  # its generator raises after the 200: the stream breaks
+                await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+                raise RuntimeError("simulated unhandled engine exception")
+            await send_unary(send, 500, b"Internal Server Error", b"text/plain; charset=utf-8")
+        elif "error" in exc.body and stream:
+            # SGLang validates inside the streaming generator: the 200 is
+            # already out, so value errors travel in-band.
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            data = sse_event(orjson.dumps(exc.body)) + DONE
+            await send({"type": "http.response.body", "body": data, "more_body": False})
+        else:
+            await send_unary(send, exc.status, orjson.dumps(exc.body))
 
     async def _watch_disconnect(self, receive: Receive, job: Job, done: list[bool]) -> None:
         while (await receive())["type"] != "http.disconnect":

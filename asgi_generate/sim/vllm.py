@@ -21,8 +21,12 @@ in :mod:`asgi_generate.workers.versions`):
   is the played version's (0.32 added ``stop_reason``, ``sampling_mask``,
   ``weight_versions``, ``output_mode`` and the prompt fields).
 - ``n`` choices (``sampling_params.n``, at most the server's ``max_num_seqs``,
-  256): the model is greedy, so every choice carries the same tokens; usage
-  counts all of them.
+  256): choice ``i`` is the model's parallel sample ``i`` (choice 0 is the
+  ``n`` = 1 answer, the others differ: :meth:`Model.sampled`), all drawn in
+  lockstep under the one request id (vLLM's ``ParentRequest``: aborting the
+  id aborts every child); a stream sends, per engine step, one chunk per
+  choice that has tokens due, in index order; usage counts every choice's
+  tokens (continuous usage: the chunk's own choice's).
 - Logprobs, before 0.32: ``"token_id:N"`` labels with ``bytes`` null;
   from 0.32: ``GenerateLogProb`` entries (integer ``token_id``, ``logprob``,
   ``rank``). ``top_logprobs`` is the sampled token, then the top-k without
@@ -388,12 +392,13 @@ class VLLMProtocol:
     async def _run(self, job: Job, opts: Options, send: Send) -> list[dict]:
         """Generate, sending all but the answer's last messages, which it returns."""
         prompt = len(job.input_ids)
-        out: list[int] = []
-        content: list[dict] = []
-        finish: str | None = None
-        stop_reason: int | None = None
+        n = opts.n
+        out: list[list[int]] = [[] for _ in range(n)]
+        content: list[list[dict]] = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        stop_reason: list[int | None] = [None] * n
         k = opts.logprobs
-        pending: list[int] = []  # streamed tokens not yet sent, with their entries
+        pending: list[list[int]] = [[] for _ in range(n)]  # streamed tokens not yet sent
         if opts.stream:
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         params = opts.kv_transfer_params
@@ -402,57 +407,61 @@ class VLLMProtocol:
         start = 0
         if isinstance(self.kv, KVConsumer) and params and params.get("do_remote_prefill"):
             start = prompt if await self.kv.load(params, job.input_ids) else 0
-        experts = None
-        async for token in self.engine.tokens(job):
-            out.append(token.token_id)
-            finish = token.finish[0] if token.finish is not None else None
-            # vLLM names a matched stop token; EOS (checked first) and caps have none.
-            if finish == "stop" and token.token_id in job.stop_token_ids and not (
-                token.token_id == self.engine.model.eos_id and not job.ignore_eos
-            ):
-                stop_reason = token.token_id
-            entry = self._logprobs(token, k) if k is not None else None
-            if entry is not None:
-                content.append(entry)
-            if finish is not None and self.routed_experts:
-                experts = self._experts(job.input_ids + out, start)
-            if not opts.stream:
-                continue
-            pending.append(token.token_id)
-            if finish is None and len(pending) < self.stream_interval:
-                continue
-            logprobs = {"content": content[-len(pending):]} if k is not None else None
-            for i in range(opts.n):  # one chunk per choice and step
-                choice = self._choice(i, logprobs, finish, stop_reason, pending, experts)
-                # Continuous usage counts this choice's tokens (vLLM's num_generated_tokens[i]).
-                usage = _usage(prompt, len(out)) if opts.continuous_usage else None
-                await self._send_chunk(send, self._chunk(job.rid, [choice], usage))
-            pending = []
-        if job.aborted and finish is None:
-            finish = "abort"
-            # The aborted output carries the tokens not sent yet; without any,
-            # versions before 0.32 skip it and later ones send it anyway.
-            if opts.stream and (pending or self.behaviour.generate_schema):
-                logprobs = {"content": content[-len(pending):]} if k is not None and pending else None
-                for i in range(opts.n):
-                    usage = _usage(prompt, len(out)) if opts.continuous_usage else None
-                    choice = self._choice(i, logprobs, finish, None, pending)
-                    await self._send_chunk(send, self._chunk(job.rid, [choice], usage))
+        experts: list[str | None] = [None] * n
+        if n > 1:
+            self.engine.batch_requests += 1
+            self.engine.batch_items += n
+        eos = self.engine.model.eos_id
+        async for step in self.engine.samples(job, tuple(range(n))):
+            for i, token in step:
+                out[i].append(token.token_id)
+                finish[i] = token.finish[0] if token.finish is not None else None
+                # vLLM names a matched stop token; EOS (checked first) and caps have none.
+                if finish[i] == "stop" and token.token_id in job.stop_token_ids and not (
+                    token.token_id == eos and not job.ignore_eos
+                ):
+                    stop_reason[i] = token.token_id
+                if k is not None:
+                    content[i].append(self._logprobs(token, k))
+                if finish[i] is not None and self.routed_experts:
+                    experts[i] = self._experts(job.input_ids + out[i], start)
+                if not opts.stream:
+                    continue
+                pending[i].append(token.token_id)
+                if finish[i] is None and len(pending[i]) < self.stream_interval:
+                    continue
+                await self._stream_choice(send, job.rid, opts, i, pending[i], content[i], finish[i], stop_reason[i],
+                                          prompt, len(out[i]), experts[i])
+                pending[i] = []
+        if job.aborted:
+            for i in range(n):
+                if finish[i] is not None:
+                    continue
+                finish[i] = "abort"
+                # The aborted output carries the tokens not sent yet; without any,
+                # versions before 0.32 skip it and later ones send it anyway.
+                if opts.stream and (pending[i] or self.behaviour.generate_schema):
+                    await self._stream_choice(send, job.rid, opts, i, pending[i], content[i], "abort", None,
+                                              prompt, len(out[i]))
+        completion = sum(len(o) for o in out)
         if opts.stream:
             tail = b""
             if opts.include_usage and self.usage_chunk:
                 # The closing chunk leaves out null fields (vLLM's exclude_none).
-                usage = _usage(prompt, len(out) * opts.n)
+                usage = _usage(prompt, completion)
                 del usage["prompt_tokens_details"]
                 tail = sse_event(orjson.dumps(self._chunk(job.rid, [], usage)))
             return [{"type": "http.response.body", "body": tail + DONE, "more_body": False}]
         pk = opts.prompt_logprobs
         kv_out = None
         if isinstance(self.kv, KVProducer) and params and params.get("do_remote_decode") and not job.aborted:
-            kv_out = self.kv.finished(job.rid, job.input_ids, finish == "length")
-        logprobs = {"content": content} if k is not None else None
-        choices = [self._choice(i, logprobs, finish or "stop", stop_reason, out, experts) for i in range(opts.n)]
-        usage = _usage(prompt, len(out) * opts.n)
+            kv_out = self.kv.finished(job.rid, job.input_ids, finish[0] == "length")
+        choices = [
+            self._choice(i, {"content": content[i]} if k is not None else None, finish[i] or "stop", stop_reason[i],
+                         out[i], experts[i])
+            for i in range(n)
+        ]
+        usage = _usage(prompt, completion)
         # A consumer that read the prompt's KV computed no prompt position.
         prompt_logprobs = self._prompt_logprobs(job.input_ids, pk) if pk is not None and start == 0 else None
         head = {"request_id": job.rid, "model": self.model_name, "created": int(time.time())}
@@ -476,6 +485,18 @@ class VLLMProtocol:
             },
             {"type": "http.response.body", "body": body, "more_body": False},
         ]
+
+    async def _stream_choice(
+        self, send: Send, rid: str, opts: Options, index: int, ids: list[int], content: list[dict],
+        finish: str | None, stop_reason: int | None, prompt: int, generated: int, experts: str | None = None,
+    ) -> None:
+        """One chunk of choice ``index``: its tokens ``ids`` (the last of
+        ``content``'s entries), with continuous usage counting that choice's
+        ``generated`` tokens (vLLM's ``num_generated_tokens[i]``)."""
+        logprobs = {"content": content[-len(ids):]} if opts.logprobs is not None and ids else None
+        choice = self._choice(index, logprobs, finish, stop_reason, ids, experts)
+        usage = _usage(prompt, generated) if opts.continuous_usage else None
+        await self._send_chunk(send, self._chunk(rid, [choice], usage))
 
     @staticmethod
     async def _send_chunk(send: Send, chunk: dict) -> None:
