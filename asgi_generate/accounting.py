@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .codec import Attempt
 from .tracecontext import TraceContext
@@ -62,6 +62,14 @@ class RequestState:
     trace: TraceContext | None = None
     response_started: bool = False
     response_complete: bool = False
+    #: An item of a request that carried several: the request's id, the
+    #: item's index in its answer, and how many items it carried.
+    batch_id: str | None = None
+    batch_index: int | None = None
+    batch_size: int | None = None
+    #: For a request with items: makes their states, each recorded in
+    #: place of this one (see :mod:`asgi_generate.batches`).
+    expand: Callable[[], list["RequestState"]] | None = None
 
     def fail(self, status: str, http_status: int | None, error_type: str, message: str) -> None:
         """Record a failed outcome (the first one recorded wins)."""

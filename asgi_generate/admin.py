@@ -35,8 +35,9 @@ of ``{"worker", "status", "body"}`` per worker (``status`` ``null`` and
 ``POST /abort_request`` ``{"abort_all": true}`` fans out as above. With
 ``{"rid": R}`` it aborts the frontend's own live SGLang requests whose
 public id starts with ``R`` (SGLang's scheduler matches by prefix), each by
-its minted engine id on whichever workers run its legs; their clients see the
-engine's abort finish. An empty ``rid`` aborts nothing, as SGLang does.
+its minted engine id on whichever workers run its legs (a batch's items each
+by their own public id, ``rid_0``, ``rid_1``, ..., so ``rid`` ends every
+unfinished item); their clients see the engine's abort finish. An empty ``rid`` aborts nothing, as SGLang does.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from starlette.responses import Response
 from starlette.routing import Route, Router
 
 from . import ids
+from .batches import named_legs
 from .framing import BodyTimeout, BodyTooLarge, ClientDisconnected, read_body
 from .workers.aborts import ACKED
 from .workers.http import WorkerError
@@ -222,11 +224,11 @@ def _abort_request(app: "App") -> Endpoint:
         if abort_all:
             return await _to_every_worker(app, "sglang", request, body)
         legs = [
-            (a.worker, a.engine_id)
+            (worker, engine_id)
             for gen in list(app.inflight.values())
-            if gen.codec.worker_protocol == "sglang" and rid and (gen.st.public_id or "").startswith(rid)
-            for a in gen.st.attempts
-            if a.live
+            if gen.codec.worker_protocol == "sglang" and rid
+            for public, worker, engine_id in named_legs(gen)
+            if (public or "").startswith(rid)
         ]
 
         async def abort(worker: Worker, engine_id: str) -> _Answer:

@@ -204,6 +204,9 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--embedded-pd", action=argparse.BooleanOptionalAction, default=d.embedded_pd,
                        help="with the simulated workers, also start a prefill and a decode simulator per "
                             "protocol, so requests run as P/D pairs (default %(default)s)")
+    serve.add_argument("--split-batches", action=argparse.BooleanOptionalAction, default=d.split_batches,
+                       help="spread a batch's prompts over the workers instead of sending it to one worker as "
+                            "one engine request (default %(default)s)")
     serve.add_argument("--embedded-ttft-ms", type=float, default=d.embedded_ttft_ms,
                        help="simulated workers' time to first token in ms (default %(default)s)")
     serve.add_argument("--embedded-itl-ms", type=float, default=d.embedded_itl_ms,
@@ -335,6 +338,7 @@ def _settings(args: argparse.Namespace, d: Settings) -> Settings:
         embedded_ttft_ms=args.embedded_ttft_ms,
         embedded_itl_ms=args.embedded_itl_ms,
         embedded_pd=args.embedded_pd,
+        split_batches=args.split_batches,
         skip_broken_codecs=args.skip_broken_codecs,
         trace_file=args.trace_file,
         trace_stderr=args.trace_stderr,

@@ -27,10 +27,12 @@ if TYPE_CHECKING:
 
 
 def finish_record(app: "App", st: RequestState) -> None:
-    """Hand ``st`` to the app exactly once per request."""
+    """Hand ``st`` to the app exactly once per request (a request with
+    items: each item's state, see :mod:`asgi_generate.batches`)."""
     if st.t_done is None:
         st.t_done = time.monotonic()
-        app.request_finished(st)
+        for state in st.expand() if st.expand is not None else (st,):
+            app.request_finished(state)
 
 
 async def send_in_band_error(codec: Codec, send: Send, st: RequestState, err: RequestError) -> None:
@@ -272,11 +274,33 @@ async def abort_live_legs(app: "App", st: RequestState) -> None:
 
 async def _abort_leg(app: "App", attempt: Attempt) -> None:
     attempt.live = False
+    if attempt.entry_ids is not None:  # a batch leg: each unfinished item by its own id
+        await _abort_entries(app, attempt)
+        return
     # A worker marked down (dead, or given up by its probe) gets no abort:
     # the queue answers "lost" at once, so the record is not held up.
     result = await app.abort_engine_request(attempt.worker, attempt.engine_id)
     attempt.abort_acked = result == ACKED
     if result == LOST:
+        attempt.outcome = attempt.outcome or "worker_lost"
+    elif attempt.outcome is None:
+        attempt.outcome = "aborted"
+
+
+async def _abort_entries(app: "App", attempt: Attempt) -> None:
+    acked: dict[int, bool] = {}
+    results: dict[int, str] = {}
+
+    async def one(j: int) -> None:
+        results[j] = await app.abort_engine_request(attempt.worker, attempt.entry_ids[j])
+        acked[j] = results[j] == ACKED
+
+    async with anyio.create_task_group() as tg:
+        for j in sorted(attempt.unfinished or ()):
+            tg.start_soon(one, j)
+    attempt.entry_acked = acked
+    attempt.abort_acked = all(acked.values())
+    if LOST in results.values():
         attempt.outcome = attempt.outcome or "worker_lost"
     elif attempt.outcome is None:
         attempt.outcome = "aborted"

@@ -105,6 +105,27 @@ def engine_error_page(
 
 
 @dataclass(slots=True)
+class BatchItem:
+    """One item of a request that carries several (an SGLang batch entry, a
+    parallel sample, a vLLM choice), in the client's answer order.
+
+    Attributes:
+        public_id: the id the client knows the item by (SGLang ``rid_i`` or
+            ``rid[i]``), ``None`` where the engine would mint one.
+        input_ids: the item's prompt token ids, ``None`` when not token-only.
+        replay_excluded: why its input cannot be replayed, else ``None``.
+        group: items with the same group share a prompt; ``--split-batches``
+            keeps a group on one worker (its prefix is cached there, and a
+            deterministic engine draws its samples in order).
+    """
+
+    public_id: str | None
+    input_ids: list[int] | None
+    replay_excluded: str | None = None
+    group: int = 0
+
+
+@dataclass(slots=True)
 class GenerateRequest:
     """The normalized request: what the handler may know about a request.
 
@@ -121,6 +142,9 @@ class GenerateRequest:
         replay_excluded: why the input cannot be replayed from token ids
             (``"text"``, ``"multimodal"``, ``"embeddings"``), else ``None``.
         native: codec-private parsed payload; the handler never reads it.
+        items: the items of a request that carries several (a batch, or
+            ``n`` > 1), in answer order; ``None`` for one prompt, one answer.
+            The exchange's events then carry ``entries``.
     """
 
     stream: bool
@@ -131,6 +155,7 @@ class GenerateRequest:
     model: str | None = None
     replay_excluded: str | None = None
     native: Any = None
+    items: list[BatchItem] | None = None
 
 
 @dataclass(slots=True)
@@ -177,6 +202,16 @@ class Attempt:
     span_id: int = 0
     t_sent: float | None = None
     t_ended: float | None = None
+    #: Batch legs: the items (indices into ``GenerateRequest.items``) this
+    #: leg carries, in the order the worker body lists them.
+    entries: list[int] | None = None
+    #: Batch legs whose items the engine runs under ids of their own (SGLang
+    #: entries): item index -> the id minted for it, what aborts it.
+    entry_ids: dict[int, str] | None = None
+    #: Batch legs: the carried items not finished yet (the handler's).
+    unfinished: set[int] | None = None
+    #: Batch legs: item index -> whether the engine acknowledged its abort.
+    entry_acked: dict[int, bool] | None = None
 
 
 @dataclass(slots=True)
@@ -216,6 +251,10 @@ class Event:
             reported, when it did.
         matched: with ``stop``, the stop token id or string that matched,
             when the engine says (SGLang ``matched``, vLLM ``stop_reason``).
+        entries: for a request with ``items``: ``(item index, that item's
+            event)`` for each item this event is about (``token_ids`` is
+            then all of theirs, and ``finish_reason`` is set only once every
+            item finished).
     """
 
     token_ids: list[int]
@@ -225,6 +264,13 @@ class Event:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     matched: int | str | None = None
+    entries: list[tuple[int, "Event"]] | None = None
+
+
+#: ``Event.finish_reason`` of a batch leg's end when every item it carried
+#: finished while other legs of the request still run: nothing more to
+#: deliver, and the request is not finished (see :mod:`asgi_generate.batches`).
+LEG_DONE = "leg_done"
 
 
 class Exchange:

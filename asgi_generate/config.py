@@ -111,6 +111,9 @@ class Settings:
         embedded_workers: simulators started per protocol when no worker is given.
         embedded_pd: with the embedded simulators, also one prefill and one
             decode simulator per protocol (P/D pairs).
+        split_batches: spread a batch's prompts over the healthy workers
+            (one engine request per worker) instead of sending the whole
+            batch to one worker as one engine request.
         embedded_ttft_ms, embedded_itl_ms: their time to first token and
             inter-token latency.
         skip_broken_codecs: start even if an installed codec fails to load.
@@ -177,6 +180,7 @@ class Settings:
     embedded_pd: bool = False
     otlp_endpoint: str | None = None
     trace_otlp: bool = False
+    split_batches: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":

@@ -30,6 +30,7 @@ from .budget import Lease
 from .client_stream import abort_live_legs, finish_record, send_in_band_error
 from .codec import Codec, GenerateRequest, RequestError
 from .framing import BodyTimeout, BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
+from .batches import BatchGeneration
 from .generation import Generation
 
 if TYPE_CHECKING:
@@ -173,7 +174,8 @@ async def _generate(
     st.input_length = len(request.input_ids) if request.input_ids is not None else None
     st.replay_excluded = request.replay_excluded
     st.model = request.model
-    gen = Generation(app, codec, codec.exchange(request, st.request_id), request, st, send)
+    kind = Generation if request.items is None else BatchGeneration
+    gen = kind(app, codec, codec.exchange(request, st.request_id), request, st, send)
     gen.lease = lease
     async with anyio.create_task_group() as tg:
         gen.scope = tg.cancel_scope

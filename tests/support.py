@@ -7,6 +7,7 @@ is stopped by the fixture that started it.
 
 from __future__ import annotations
 
+import functools
 import glob
 import math
 import os
@@ -31,20 +32,25 @@ CONTINUATION = [
 ]
 
 
-def sampled(prompt: list[int], sample: int, count: int) -> list[int]:
-    """The simulator model's parallel sample ``sample`` of ``prompt``: its
-    first ``count`` tokens (fewer when it ends with EOS first); sample 0 is
-    the greedy continuation."""
+@functools.lru_cache(maxsize=1)
+def _sim_model():
     from asgi_generate.sim.model import Model
     from asgi_generate.sim.tokenizer import SimTokenizer
 
     tok = SimTokenizer()
-    model = Model(tok.vocab_size, tok.eos_id, tok.num_special)
+    return Model(tok.vocab_size, tok.eos_id, tok.num_special), tok.eos_id
+
+
+def sampled(prompt: list[int], sample: int, count: int, ignore_eos: bool = False) -> list[int]:
+    """The simulator model's parallel sample ``sample`` of ``prompt``: its
+    first ``count`` tokens (fewer when it ends with EOS first, unless
+    ``ignore_eos``); sample 0 is the greedy continuation."""
+    model, eos = _sim_model()
     state, out = model.fold(prompt), []
     while len(out) < count:
         out.append(model.step(model.sampled(state, sample)).token)
         state = model.advance(state, out[-1])
-        if out[-1] == tok.eos_id:
+        if out[-1] == eos and not ignore_eos:
             break
     return out
 

@@ -94,7 +94,7 @@ def run(url: str, p: dict) -> dict:
                 "json": b'{"input_ids": [1, 2',
                 "empty": orjson.dumps({**body, "input_ids": []}),
                 "too_large": orjson.dumps({**body, "input_ids": [7] * 40000}),
-                "n": orjson.dumps({**body, "sampling_params": {"n": 2}}),
+                "n": orjson.dumps({**body, "sampling_params": {"n": 0}}),
             }[bad]
             r = httpx.post(url + "/generate", content=content, headers=headers, timeout=30)
         return {"status": r.status_code, "tokens": 0}

@@ -79,6 +79,10 @@ def build_record(st: RequestState, block_size: int, analyzer: OutputAnalyzer | N
     }
     if st.public_id is not None:
         rec["public_id"] = st.public_id[:MAX_ID_CHARS]
+    if st.batch_id is not None:
+        rec["batch_id"] = st.batch_id
+        rec["batch_index"] = st.batch_index
+        rec["batch_size"] = st.batch_size
     x_request_id = _header(st.headers, b"x-request-id")
     if x_request_id is not None:
         rec["x_request_id"] = x_request_id

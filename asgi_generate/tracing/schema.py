@@ -57,6 +57,13 @@ SCHEMA: dict[str, Any] = {
             "The frontend's internal id, unique per request across processes.",
         ),
         "public_id": _d(_ID, "The client's own id (SGLang rid, vLLM request_id)."),
+        "batch_id": _d(
+            {"type": "string", "pattern": "^[0-9a-f]{32}$"},
+            "For one item of a request that carried several (an SGLang batch entry or parallel sample, a vLLM "
+            "choice): the request's frontend id, shared by the records of all its items.",
+        ),
+        "batch_index": _d(_COUNT, "With batch_id: the item's index in the request's answer."),
+        "batch_size": _d({"type": "integer", "minimum": 1}, "With batch_id: how many items the request carried."),
         "x_request_id": _d(_ID, "The client's X-Request-Id header."),
         "format": _d({"type": "string", "minLength": 1}, "The codec's name: sglang, vllm, ..."),
         "route": _d({"type": "string"}, "The request path."),

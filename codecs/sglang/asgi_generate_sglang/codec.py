@@ -4,11 +4,13 @@ Wire format: SGLang ``python/sglang/srt/entrypoints/http_server.py``
 (``generate_request``) and ``managers/io_struct.py`` (``GenerateReqInput``).
 The frontend checks only the fields it relies on itself: the input
 (``text``/``input_ids``, read for accounting and replay), ``stream``,
-``rid``, ``sampling_params`` as one object, ``max_new_tokens`` (recorded),
-``n`` (one answer object per request) and the bootstrap fields it owns for
+``rid``, ``sampling_params``, ``max_new_tokens`` (recorded), ``n`` and the
+bootstrap fields it owns for
 prefill/decode. Every other field, top level or inside ``sampling_params``,
 passes to the engine untouched for the engine to judge, so a newer engine's
-fields and defaults work without a frontend release.
+fields and defaults work without a frontend release. Batches (a list
+``text``, a list of lists ``input_ids``) and ``n`` > 1 are
+:mod:`asgi_generate_sglang.batch`'s.
 
 Refusals are answered as SGLang answers them: a field of the wrong type is
 FastAPI's 400 schema error (before any stream starts); a bad value is a
@@ -82,6 +84,8 @@ from asgi_generate.codec import (
 )
 from asgi_generate.token_ids import pack_token_ids
 
+from .batch import SGLangBatchExchange, decode_batch, is_batch
+
 # Set by the frontend for P/D; a client setting them could stall a decode
 # engine waiting on a bootstrap room nobody fills, or read another
 # request's KV.
@@ -136,19 +140,28 @@ class SGLangCodec(Codec):
         stream = obj.get("stream")
         if stream is not None and type(stream) is not bool:
             raise SchemaError(f"stream: Input should be a valid boolean, got {_shown(stream)}")
-        rid = obj.get("rid")
-        if rid is not None and type(rid) is not str:
-            raise SchemaError(f"rid: Input should be a valid string, got {_shown(rid)}")
         in_band = stream is True
 
         def refuse(message: str) -> RequestError:
             return RequestError(400, message, in_band=in_band)
 
+        if is_batch(obj):
+            for key in FRONTEND_OWNED:
+                if obj.get(key) is not None:
+                    raise refuse(f"{key} is set by the frontend for prefill/decode routing; do not send it.")
+            items = decode_batch(obj, refuse, SchemaError)
+            rid = obj.get("rid")
+            return GenerateRequest(
+                stream=in_band, public_id=rid if type(rid) is str else None, input_ids=None,
+                replay_excluded=items[0].replay_excluded, native=obj, items=items,
+            )
+        rid = obj.get("rid")
+        if rid is not None and type(rid) is not str:
+            raise SchemaError(f"rid: Input should be a valid string, got {_shown(rid)}")
+
         sp = obj.get("sampling_params")
         if sp is None:
             sp = {}
-        elif type(sp) is list:
-            raise refuse("Batch requests (a list of sampling_params) are not supported.")
         elif type(sp) is not dict:
             raise SchemaError(f"sampling_params: Input should be a valid dictionary, got {_shown(sp)}")
         max_new = sp.get("max_new_tokens", 128)
@@ -166,8 +179,6 @@ class SGLangCodec(Codec):
             raise refuse("Either text, input_ids or input_embeds should be provided.")
         ids, packed, excluded = None, None, None
         if text is not None:
-            if type(text) is list:
-                raise refuse("Batch requests (a list of texts) are not supported.")
             if type(text) is not str:
                 raise SchemaError(f"text: Input should be a valid string, got {_shown(text)}")
             excluded = "text"
@@ -176,8 +187,6 @@ class SGLangCodec(Codec):
                 raise SchemaError(f"input_ids: Input should be a valid list, got {_shown(input_ids)}")
             if not input_ids:
                 raise refuse("input_ids cannot be empty.")
-            if type(input_ids[0]) is list:
-                raise refuse("Batch requests (a list of input_ids lists) are not supported.")
             packed = pack_token_ids(input_ids)
             if packed is None:
                 if not all(type(t) is int for t in input_ids):
@@ -191,8 +200,8 @@ class SGLangCodec(Codec):
             ids, packed, excluded = None, None, "multimodal"
         if max_new is not None and max_new < 0:
             raise refuse(f"max_new_tokens must be at least 0, got {max_new}.")
-        if n not in (1, None):
-            raise refuse("n > 1 is not supported by asgi-generate yet; send n separate requests.")
+        if type(n) is int and n < 1:
+            raise refuse(f"n must be at least 1, got {n}.")
         for key in FRONTEND_OWNED:
             if obj.get(key) is not None:
                 raise refuse(f"{key} is set by the frontend for prefill/decode routing; do not send it.")
@@ -207,8 +216,10 @@ class SGLangCodec(Codec):
             native=obj,
         )
 
-    def exchange(self, request: GenerateRequest, request_id: str) -> "SGLangExchange":
+    def exchange(self, request: GenerateRequest, request_id: str) -> "SGLangExchange | SGLangBatchExchange":
         """Per-request state; the client sees ``rid``, or ``request_id`` if it sent none."""
+        if request.items is not None:
+            return SGLangBatchExchange(request)
         public = request.public_id
         return SGLangExchange(request, public if public is not None else request_id)
 

@@ -93,6 +93,7 @@ import orjson
 from asgi_generate.codec import (
     NO_KV_TRANSFER,
     Attempt,
+    BatchItem,
     Codec,
     EngineError,
     Event,
@@ -193,14 +194,20 @@ class VLLMCodec(Codec):
             continuous_usage=include and bool(so.get("continuous_usage_stats")),
             n=sp.get("n", 1),
         )
+        input_ids = token_ids if features is None else None
+        excluded = "multimodal" if features is not None else None
+        n = native.n
         return GenerateRequest(
             stream=bool(obj.get("stream")),
             public_id=public_id,
-            input_ids=token_ids if features is None else None,
+            input_ids=input_ids,
             max_new_tokens=max_tokens if max_tokens is not None and max_tokens > 0 else None,
             model=obj.get("model"),
-            replay_excluded="multimodal" if features is not None else None,
+            replay_excluded=excluded,
             native=native,
+            # n > 1: one item per choice, for their records (the engine runs
+            # them under the one request id, which aborts them all).
+            items=[BatchItem(public_id, input_ids, excluded) for _ in range(n)] if type(n) is int and n > 1 else None,
         )
 
     def exchange(self, request: GenerateRequest, request_id: str) -> "VLLMExchange":
@@ -493,7 +500,14 @@ class VLLMExchange(Exchange):
                 obj["request_id"] = self.stream_id
                 joined = True
             self.out = orjson.dumps(obj) if joined else payload
-            return _usage_event(ids, finish, obj.get("usage"), _stop_reason(attempt, choices[0]))
+            event = _usage_event(ids, finish, obj.get("usage"), _stop_reason(attempt, choices[0]))
+            if self.native.n != 1:
+                event.entries = [
+                    (c.get("index", i), Event(_token_ids(c, what), c.get("finish_reason") or "stop",
+                                              matched=_stop_reason(attempt, c)))
+                    for i, c in enumerate(choices)
+                ]
+            return event
         obj["request_id"] = self.stream_id
         if self.resumed:
             self._uninterrupted(obj.get("usage"))
@@ -505,6 +519,7 @@ class VLLMExchange(Exchange):
             # vLLM before 0.32 drops the finish-only chunk of an aborted request.
             return _usage_event([], self.finish or "abort", usage, self.matched)
         ids = []
+        entries = []
         for choice in choices:
             got = _token_ids(choice, what)
             ids += got
@@ -512,20 +527,21 @@ class VLLMExchange(Exchange):
             if attempt.role == "decode":
                 self.choice_tokens[index] = self.choice_tokens.get(index, 0) + len(got)
             finish = choice.get("finish_reason")
-            if finish is None:
-                continue
-            if type(finish) is not str:
-                raise _bad(what, "has a finish_reason that is not a string")
-            if attempt.role == "decode":
-                rows = choice.get("routed_experts")
-                joined = self._experts(index, rows, self.choice_tokens[index], finish)
-                if joined is not rows:  # a build without the field keeps its layout
-                    choice["routed_experts"] = joined
-            self.finished.add(index)
-            if index == 0:
-                self.finish, self.matched = finish, _stop_reason(attempt, choice)
+            if finish is not None:
+                if type(finish) is not str:
+                    raise _bad(what, "has a finish_reason that is not a string")
+                if attempt.role == "decode":
+                    rows = choice.get("routed_experts")
+                    joined = self._experts(index, rows, self.choice_tokens[index], finish)
+                    if joined is not rows:  # a build without the field keeps its layout
+                        choice["routed_experts"] = joined
+                self.finished.add(index)
+                if index == 0:
+                    self.finish, self.matched = finish, _stop_reason(attempt, choice)
+            if self.native.n != 1 and type(index) is int:
+                entries.append((index, Event(got, finish, matched=_stop_reason(attempt, choice) if finish else None)))
         self.out = orjson.dumps(obj)
-        return Event(ids)
+        return Event(ids, entries=entries if self.native.n != 1 else None)
 
     def _join_unary(self, obj: dict, choices: list) -> bool:
         """A decode leg's unary answer completed from its prefill leg: the

@@ -1,0 +1,268 @@
+"""Requests that carry several items: SGLang batches and ``n`` > 1, vLLM ``n`` > 1.
+
+A request with ``GenerateRequest.items`` runs as :class:`BatchGeneration`:
+
+- **Legs.** By default the whole request is one engine request on one worker
+  (its prompts' prefixes are cached there). With ``--split-batches`` its
+  prompt groups (``BatchItem.group``: a prompt and its samples) are spread
+  over the healthy workers of the protocol, one leg per worker, run at once;
+  the client's answer is the same (a unary list joined in item order, SSE
+  chunks as they come with each item's index). Batches run aggregated (no
+  P/D pair) and never migrate; a leg that cannot connect fails over to
+  another worker before anything reached the client.
+- **Aborts.** Where the engine runs each item under an id of its own (SGLang
+  entries, samples included), the codec sends the ids the frontend minted per
+  item (``Attempt.entry_ids``), so a disconnect aborts exactly the unfinished
+  items, each acknowledged; vLLM's ``n`` choices run under the request's one
+  id, whose abort ends them all.
+- **Accounting.** Each item keeps its own count of the tokens its client
+  was sent (counted when the write carrying them was taken), its finish,
+  usage and token timing; at the end the request's one state becomes one
+  record per item (:meth:`BatchGeneration.item_states`), each with the
+  batch's id, its index and the batch size, its own attempts (the leg that
+  carried it, under the item's engine id) and, for an item that had not
+  finished, the request's outcome (a disconnect records every unfinished
+  item as ``client_disconnect``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import anyio
+
+from . import ids
+from .accounting import RequestState
+from .codec import LEG_DONE, Attempt, Codec, Event, Exchange, GenerateRequest, RequestError
+from .framing import Send
+from .generation import Generation
+
+if TYPE_CHECKING:
+    from .app import App
+
+
+@dataclass(slots=True)
+class ItemTally:
+    """One item's share of the answer (what its record says)."""
+
+    request_id: str
+    delivered: int = 0
+    finish_reason: str | None = None
+    matched: int | str | None = None
+    finish_sent: bool = False
+    error: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    t_first_token: float | None = None
+    t_last_token: float | None = None
+
+
+class BatchGeneration(Generation):
+    """Drives a request with items; see the module docstring."""
+
+    __slots__ = ("items", "tallies", "outbox_items", "pending_items", "write_lock")
+
+    def __init__(
+        self, app: "App", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
+    ) -> None:
+        super().__init__(app, codec, ex, req, st, send)
+        self.sent_ids = None  # batches never migrate
+        self.items = req.items
+        self.tallies = [ItemTally(ids.mint()) for _ in self.items]
+        #: (item, tokens, finished) of the events in the outbox / of a unary answer.
+        self.outbox_items: list[tuple[int, int, bool]] = []
+        self.pending_items: list[tuple[int, int, bool]] = []
+        #: Legs run at once (``--split-batches``) share the client.
+        self.write_lock = anyio.Lock()
+        st.expand = self.item_states
+
+    # -- legs ---------------------------------------------------------------
+
+    async def run(self) -> None:
+        protocol = self.codec.worker_protocol
+        router = self.app.router
+        parts = [list(range(len(self.items)))]
+        if self.app.settings.split_batches:
+            workers = max(1, sum(1 for w in router.workers if w.healthy and w.protocol.name == protocol
+                                 and w.role == "aggregated"))
+            groups: dict[int, list[int]] = {}
+            for j, item in enumerate(self.items):
+                groups.setdefault(item.group, []).append(j)
+            parts = [[] for _ in range(min(workers, len(groups)))]
+            for k, members in enumerate(groups.values()):
+                parts[k % len(parts)].extend(members)
+        if len(parts) == 1:
+            await self._leg(parts[0], [])
+            return
+        spread: list = []  # workers already given a leg: the next leg prefers another
+        async with anyio.create_task_group() as tg:
+            for part in parts:
+                tg.start_soon(self._leg_then_check, part, spread, tg.cancel_scope)
+
+    async def _leg_then_check(self, entries: list[int], spread: list, scope: anyio.CancelScope) -> None:
+        await self._leg(entries, spread)
+        if self.st.response_complete:  # an error ended the answer: stop the other legs
+            scope.cancel()
+
+    async def _leg(self, entries: list[int], spread: list) -> None:
+        """Run the items ``entries`` as one engine request, failing over to
+        another worker while nothing reached the client."""
+        router = self.app.router
+        protocol = self.codec.worker_protocol
+        tried: list = []
+        while not self.st.response_complete:
+            worker = router.pick(protocol, [*tried, *spread]) or router.pick(protocol, tried)
+            if worker is None:
+                why = "no healthy worker" if router.has_protocol(protocol) else "no worker configured"
+                await self.fail(RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"), "unavailable")
+                return
+            spread.append(worker)
+            attempt = Attempt(ids.mint(), "aggregated", worker.id, worker.info, worker)
+            attempt.entries = entries
+            attempt.unfinished = set(entries)
+            if getattr(self.ex, "names_entries", False):
+                attempt.entry_ids = {j: ids.mint() for j in entries}
+            try:
+                wreq = self.ex.worker_request(attempt)
+            except RequestError as exc:  # nothing was sent to any engine
+                await self.refuse(exc)
+                return
+            finally:
+                self.release_body()
+            self.st.attempts.append(attempt)
+            worker.inflight.add(self)
+            try:
+                retry = await self._attempt(worker, attempt, wreq)
+            finally:
+                worker.inflight.discard(self)
+            if not retry:
+                return
+            spread.remove(worker)
+            tried.append(worker)
+
+    async def _settle(self, attempt: Attempt, event: Event) -> None:
+        attempt.tokens += len(event.token_ids)
+        for j, sub in event.entries or ():
+            if sub.finish_reason is not None or sub.error is not None:
+                attempt.unfinished.discard(j)
+        if event.error is not None:
+            attempt.live = False
+            attempt.outcome = "error"
+        elif event.finish_reason is not None or (attempt.entry_ids is not None and not attempt.unfinished):
+            attempt.live = False
+            attempt.outcome = "finished"
+        if event.finish_reason != LEG_DONE:  # else: its items finished while other legs run
+            await self._deliver(event)
+
+    # -- the client's answer, per item -----------------------------------------
+
+    async def _write(self, message: dict) -> None:
+        async with self.write_lock:
+            await super()._write(message)
+
+    async def _deliver(self, event: Event) -> None:
+        now = time.monotonic()
+        for j, sub in event.entries or ():
+            tally = self.tallies[j]
+            n = len(sub.token_ids)
+            if n and self.timed:
+                if tally.t_first_token is None:
+                    tally.t_first_token = now
+                tally.t_last_token = now
+            for name in ("prompt_tokens", "completion_tokens", "cached_tokens"):
+                value = getattr(sub, name)
+                if value is not None:
+                    setattr(tally, name, value)
+            finished = sub.finish_reason is not None
+            if finished:
+                tally.finish_reason, tally.matched = sub.finish_reason, sub.matched
+            if sub.error is not None:
+                tally.error = sub.error.message
+            (self.outbox_items if self.req.stream else self.pending_items).append((j, n, finished))
+        await super()._deliver(event)
+        if not self.req.stream and self.st.response_complete and not self.gone and self.st.http_status == 200:
+            self._credit(self.pending_items)
+
+    async def _flush(self, more: bool = True) -> None:
+        taken, self.outbox_items = self.outbox_items, []
+        await super()._flush(more)
+        if not self.gone:
+            self._credit(taken)
+
+    def _credit(self, taken: list[tuple[int, int, bool]]) -> None:
+        for j, n, finished in taken:
+            tally = self.tallies[j]
+            tally.delivered += n
+            tally.finish_sent = tally.finish_sent or finished
+        taken.clear()
+
+    # -- records ----------------------------------------------------------------
+
+    def item_states(self) -> list[RequestState]:
+        """One finished state per item (see the module docstring)."""
+        st = self.st
+        out = []
+        size = len(self.items)
+        for j, (item, tally) in enumerate(zip(self.items, self.tallies)):
+            s = RequestState(tally.request_id, st.format, st.route, st.method)
+            s.received_unix_ms, s.t_received, s.headers = st.received_unix_ms, st.t_received, st.headers
+            s.public_id = item.public_id
+            s.stream, s.model = st.stream, st.model
+            s.input_ids = item.input_ids
+            s.input_length = len(item.input_ids) if item.input_ids is not None else None
+            s.replay_excluded = st.replay_excluded if st.replay_excluded == "rejected" else item.replay_excluded
+            s.batch_id, s.batch_index, s.batch_size = st.request_id, j, size
+            ok = tally.finish_sent if st.stream else (st.status == "ok" and tally.finish_reason is not None)
+            if ok and tally.error is None:
+                s.status, s.http_status = "ok", st.http_status
+            elif tally.error is not None and (tally.finish_sent or st.status == "ok"):
+                s.fail("engine_error", st.http_status, "engine", tally.error)
+            else:
+                s.status, s.http_status = st.status, st.http_status
+                s.error_type, s.error_message = st.error_type, st.error_message
+            if ok:
+                s.finish_reason, s.finish_matched = tally.finish_reason, tally.matched
+            s.output_tokens = tally.delivered
+            s.prompt_tokens = tally.prompt_tokens if tally.prompt_tokens is not None else st.prompt_tokens
+            s.engine_completion_tokens = tally.completion_tokens
+            s.cached_tokens = tally.cached_tokens if tally.cached_tokens is not None else st.cached_tokens
+            s.t_dispatched, s.t_done = st.t_dispatched, st.t_done
+            s.t_first_token, s.t_last_token = tally.t_first_token, tally.t_last_token
+            s.attempts = list(_item_attempts(st.attempts, j, tally))
+            s.response_started, s.response_complete = st.response_started, st.response_complete
+            out.append(s)
+        return out
+
+
+def _item_attempts(attempts: list[Attempt], j: int, tally: ItemTally) -> Iterator[Attempt]:
+    """The legs that carried item ``j``, each as the item's own attempt (its
+    own engine id where it had one, its abort acknowledgement, its tokens on
+    the leg that served it)."""
+    carrying = [a for a in attempts if a.entries is not None and j in a.entries]
+    for k, a in enumerate(carrying):
+        last = k == len(carrying) - 1
+        outcome = "finished" if last and tally.finish_reason is not None else a.outcome
+        if a.entry_ids is not None:
+            engine_id, acked = a.entry_ids[j], (a.entry_acked or {}).get(j)
+        else:
+            engine_id, acked = a.engine_id, a.abort_acked
+        yield Attempt(engine_id, a.role, a.worker_id, outcome=outcome, abort_acked=acked,
+                      tokens=tally.delivered if last else 0)
+
+
+def named_legs(gen: Generation) -> Iterator[tuple[str | None, object, str]]:
+    """``(public id, worker, engine id)`` of every live engine leg of
+    ``gen`` a client id can name: a batch's unfinished items each under
+    their own id, else the request's live attempts."""
+    if isinstance(gen, BatchGeneration):
+        for a in gen.st.attempts:
+            if a.live and a.entry_ids is not None:
+                for j in sorted(a.unfinished or ()):
+                    yield gen.items[j].public_id, a.worker, a.entry_ids[j]
+        return
+    for a in gen.st.attempts:
+        if a.live:
+            yield gen.st.public_id, a.worker, a.engine_id
