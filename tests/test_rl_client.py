@@ -24,7 +24,7 @@ PROMPTS = [[7, 8, 9], [10, 11, 12, 13]]
 @pytest.fixture(scope="module")
 def rollout():
     # A long first token: every stream is running before the trainer pauses.
-    timing = {"ttft_ms": 5000, "itl_ms": 5}
+    timing = {"ttft_ms": 8000, "itl_ms": 5}
     sims = [start_sim(**timing), start_sim(**timing), start_sim("vllm", **timing), start_sim("vllm", **timing)]
     fe = start_frontend([f"sglang={s.url}" for s in sims[:2]] + [f"vllm={s.url}" for s in sims[2:]],
                         worker_class="asyncio")
