@@ -94,54 +94,73 @@ class BatchGeneration(Generation):
             parts = [[] for _ in range(min(workers, len(groups)))]
             for k, members in enumerate(groups.values()):
                 parts[k % len(parts)].extend(members)
+        spread: list = []  # workers given a leg: the next leg prefers another
+        # Every leg's body is built (and checked) before any is sent: a
+        # refused item refuses the whole batch before an engine sees it.
+        first = []
+        for part in parts:
+            prepared = await self._prepare(part, spread, [])
+            if prepared is None:
+                return
+            first.append(prepared)
         if len(parts) == 1:
-            await self._leg(parts[0], [])
+            await self._leg(parts[0], spread, first[0])
             return
-        spread: list = []  # workers already given a leg: the next leg prefers another
         async with anyio.create_task_group() as tg:
-            for part in parts:
-                tg.start_soon(self._leg_then_check, part, spread, tg.cancel_scope)
+            for part, prepared in zip(parts, first):
+                tg.start_soon(self._leg_then_check, part, spread, prepared, tg.cancel_scope)
 
-    async def _leg_then_check(self, entries: list[int], spread: list, scope: anyio.CancelScope) -> None:
-        await self._leg(entries, spread)
+    async def _leg_then_check(self, entries: list[int], spread: list, prepared: tuple,
+                              scope: anyio.CancelScope) -> None:
+        await self._leg(entries, spread, prepared)
         if self.st.response_complete:  # an error ended the answer: stop the other legs
             scope.cancel()
 
-    async def _leg(self, entries: list[int], spread: list) -> None:
-        """Run the items ``entries`` as one engine request, failing over to
-        another worker while nothing reached the client."""
+    async def _prepare(self, entries: list[int], spread: list, tried: list) -> tuple | None:
+        """A worker, attempt and worker request for the items ``entries``;
+        ``None`` once the client was answered (no worker, or refused)."""
         router = self.app.router
         protocol = self.codec.worker_protocol
-        tried: list = []
-        while not self.st.response_complete:
-            worker = router.pick(protocol, [*tried, *spread]) or router.pick(protocol, tried)
-            if worker is None:
-                why = "no healthy worker" if router.has_protocol(protocol) else "no worker configured"
-                await self.fail(RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"), "unavailable")
-                return
-            spread.append(worker)
-            attempt = Attempt(ids.mint(), "aggregated", worker.id, worker.info, worker)
-            attempt.entries = entries
-            attempt.unfinished = set(entries)
-            if getattr(self.ex, "names_entries", False):
-                attempt.entry_ids = {j: ids.mint() for j in entries}
-            try:
-                wreq = self.ex.worker_request(attempt)
-            except RequestError as exc:  # nothing was sent to any engine
+        worker = router.pick(protocol, [*tried, *spread]) or router.pick(protocol, tried)
+        if worker is None:
+            why = "no healthy worker" if router.has_protocol(protocol) else "no worker configured"
+            await self.fail(RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"), "unavailable")
+            return None
+        spread.append(worker)
+        attempt = Attempt(ids.mint(), "aggregated", worker.id, worker.info, worker)
+        attempt.entries = entries
+        attempt.unfinished = set(entries)
+        if getattr(self.ex, "names_entries", False):
+            attempt.entry_ids = {j: ids.mint() for j in entries}
+        try:
+            wreq = self.ex.worker_request(attempt)
+        except RequestError as exc:  # nothing was sent to any engine
+            if not self.st.response_started:
                 await self.refuse(exc)
-                return
-            finally:
-                self.release_body()
+            return None
+        finally:
+            self.release_body()
+        return worker, attempt, wreq
+
+    async def _leg(self, entries: list[int], spread: list, prepared: tuple) -> None:
+        """Run the items ``entries`` as one engine request, failing over to
+        another worker while nothing reached the client."""
+        tried: list = []
+        while True:
+            worker, attempt, wreq = prepared
             self.st.attempts.append(attempt)
             worker.inflight.add(self)
             try:
                 retry = await self._attempt(worker, attempt, wreq)
             finally:
                 worker.inflight.discard(self)
-            if not retry:
+            if not retry or self.st.response_complete:
                 return
             spread.remove(worker)
             tried.append(worker)
+            prepared = await self._prepare(entries, spread, tried)
+            if prepared is None:
+                return
 
     async def _settle(self, attempt: Attempt, event: Event) -> None:
         attempt.tokens += len(event.token_ids)
