@@ -60,6 +60,8 @@ class RequestState:
     #: Its W3C trace context, made at its first engine leg (or at export)
     #: when OpenTelemetry export is on; ``None`` otherwise.
     trace: TraceContext | None = None
+    replays: int = 0
+    not_migrated: str | None = None
     response_started: bool = False
     response_complete: bool = False
     #: An item of a request that carried several: the request's id, the

@@ -33,6 +33,7 @@ from .framing import Receive, Send, send_unary
 from .handler import handle_generate, reject_method
 from .metrics import Metrics
 from .registry import LoadedCodec, load_codecs
+from .text import PromptTokenizer
 from .workers.aborts import ACKED, LOST, UNACKNOWLEDGED, AbortQueue
 from .workers.router import Router, Worker
 
@@ -63,8 +64,10 @@ class App:
         self.codecs = load_codecs(settings.skip_broken_codecs) if codecs is None else codecs
         self.routes: dict[tuple[str, str], Codec] = {}
         self.paths: dict[str, list[str]] = {}
+        tokenizer = PromptTokenizer(settings.tokenizer) if settings.tokenizer else None
         for item in self.codecs:
             item.codec.max_body_bytes = settings.max_body_bytes
+            item.codec.tokenizer = tokenizer
             for route in item.codec.routes:
                 self.routes[(route.method, route.path)] = item.codec
                 self.paths.setdefault(route.path, []).append(route.method)
@@ -86,6 +89,9 @@ class App:
             "aborts_acknowledged": 0,
             "aborts_unacknowledged": 0,
             "aborts_worker_lost": 0,
+            "migrations": 0,
+            "replays": 0,
+            "not_migrated": 0,
         }
         self.by_status: dict[str, int] = {}
         self.metrics = Metrics()
@@ -265,7 +271,12 @@ class App:
 
     def request_finished(self, st: RequestState) -> None:
         """Called once per request on the handler's way out."""
-        self.counters["requests"] += 1
+        counters = self.counters
+        counters["requests"] += 1
+        if st.migrations or st.replays or st.not_migrated is not None:
+            counters["migrations"] += st.migrations
+            counters["replays"] += st.replays
+            counters["not_migrated"] += st.not_migrated is not None
         self.metrics.request_finished(st)
         self.by_status[st.status or "unknown"] = self.by_status.get(st.status or "unknown", 0) + 1
         if self.tracer is not None:

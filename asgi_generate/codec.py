@@ -23,11 +23,14 @@ Per request the handler calls, in order::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import orjson
 
 from .token_ids import PackedIds
+
+if TYPE_CHECKING:
+    from .text import PromptTokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +169,10 @@ class Attempt:
         engine_id: the id minted for the engine, unique per attempt, fixed
             width (so no minted id is a prefix of another: SGLang aborts by
             prefix).
-        role: ``aggregated``, ``prefill``, ``decode`` or ``resumed`` (a
-            migrated continuation of a request another worker dropped).
+        role: ``aggregated``, ``prefill``, ``decode``, ``resumed`` (a
+            migrated continuation of a stream another worker dropped) or
+            ``replayed`` (a unary request run again from scratch after its
+            worker died mid-answer).
         worker_id: the worker's id in the router.
         worker_info: the worker's server info (e.g. SGLang ``/get_server_info``).
         live: the engine may be running this leg (set by the handler).
@@ -175,6 +180,12 @@ class Attempt:
             ``aborted``, ``error``, ``connect_failed``, ``worker_lost``.
         abort_acked: the engine acknowledged an abort of this leg.
         worker: the router's worker object (the handler's; codecs ignore it).
+        resumes: for a migrated leg (``resumed``, or a P/D leg of a
+            migration), the output token ids already sent to the client,
+            which the leg's prompt carries after the original one.
+        tokens: output tokens this leg contributed to the client's answer.
+        backoff_ms: milliseconds the request waited before this leg (the
+            migration backoff).
         bootstrap: for an SGLang P/D leg, ``(bootstrap_host, bootstrap_port,
             bootstrap_room)`` joining it to the other leg of its pair (the
             prefill worker's host and bootstrap port, a room minted per
@@ -212,6 +223,7 @@ class Attempt:
     unfinished: set[int] | None = None
     #: Batch legs: item index -> whether the engine acknowledged its abort.
     entry_acked: dict[int, bool] | None = None
+    backoff_ms: int = 0
 
 
 @dataclass(slots=True)
@@ -255,6 +267,9 @@ class Event:
             event)`` for each item this event is about (``token_ids`` is
             then all of theirs, and ``finish_reason`` is set only once every
             item finished).
+        cut: the codec finished the answer before the engine did (a stop
+            string straddling a migration seam): the leg still runs and is
+            aborted.
     """
 
     token_ids: list[int]
@@ -265,6 +280,7 @@ class Event:
     cached_tokens: int | None = None
     matched: int | str | None = None
     entries: list[tuple[int, "Event"]] | None = None
+    cut: bool = False
 
 
 #: ``Event.finish_reason`` of a batch leg's end when every item it carried
@@ -352,6 +368,10 @@ class Codec:
     #: The frontend's body cap in bytes, set by the app before serving; a
     #: codec that expands bodies (decompression) must not exceed it.
     max_body_bytes: int = 32 * 1024 * 1024
+    #: The model's tokenizer (``--tokenizer``), set by the app before
+    #: serving, else ``None``: what a migration needs to resume a text
+    #: prompt and to check stop strings across the seam.
+    tokenizer: "PromptTokenizer | None" = None
 
     def decode(self, body: bytes, headers: Mapping[bytes, bytes]) -> GenerateRequest:
         """Parse and check a request body; ``headers`` has lower-case names.

@@ -125,8 +125,10 @@ class Settings:
             are dropped and counted.
         trace_rotate_bytes: start a new trace file past this size (0: never).
         trace_block_size: tokens per replay block hash.
-        tokenizer: a Hugging Face ``tokenizer.json`` the trace writer decodes
-            output with, for the parsers below (their only use).
+        tokenizer: the model's Hugging Face ``tokenizer.json``: a migrated
+            stream's text prompt is tokenized with it and its stop strings
+            checked across the seam; the trace parsers below decode output
+            with it.
         reasoning_parser, tool_call_parser: output parsers for the trace
             (``qwen3``/``deepseek_r1``, ``hermes``, or installed ones).
         otlp_endpoint: an OTLP/HTTP collector's base URL
@@ -232,8 +234,7 @@ class Settings:
         Every number must be zero or more (and not NaN), and above zero for
         :data:`POSITIVE` ones. ``trace_file`` must name a file in an existing
         folder (the folder is not created: a typo should not scatter trace
-        files). ``tokenizer``, when given, must load, and is only accepted
-        with a parser and a trace sink, its sole users.
+        files). ``tokenizer``, when given, must load.
 
         Raises:
             ValueError: one line naming the flag and variable at fault.
@@ -260,9 +261,6 @@ class Settings:
             except Exception as exc:  # tokenizers raises a bare Exception
                 first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 raise ValueError(f"--tokenizer: cannot load {self.tokenizer!r}: {first}") from None
-            if not (self.reasoning_parser or self.tool_call_parser):
-                raise ValueError("--tokenizer is only used by --reasoning-parser and --tool-call-parser "
-                                 "(trace output parsers): give one, or drop --tokenizer")
         if (self.reasoning_parser or self.tool_call_parser) and not (
                 self.trace_file or self.trace_stderr or self.otlp_endpoint):
             raise ValueError("--reasoning-parser and --tool-call-parser only annotate trace records: "

@@ -33,6 +33,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("asgi_generate.handler")
 DONE = b"[DONE]"
+#: Seconds a request waits before its k-th resumed or replayed attempt:
+#: ``MIGRATION_BACKOFF_S * 2 ** (k - 1)``, at most ``MIGRATION_BACKOFF_MAX_S``
+#: (50, 100, 200 ms for the default limit of 3). A crash-looping fleet thus
+#: sees each request come back at most ``--migration-limit`` times, ever
+#: more slowly, never in a tight loop.
+MIGRATION_BACKOFF_S = 0.05
+MIGRATION_BACKOFF_MAX_S = 1.0
+
+
+def migration_backoff(k: int) -> float:
+    """Seconds to wait before a request's ``k``-th (1-based) resumed or
+    replayed attempt."""
+    return min(MIGRATION_BACKOFF_S * 2 ** (k - 1), MIGRATION_BACKOFF_MAX_S)
 
 
 class Generation(ClientStream):
@@ -80,14 +93,24 @@ class Generation(ClientStream):
         tried = self.tried
         protocol = self.codec.worker_protocol
         while True:
-            if self.resuming:  # a resumed leg runs aggregated
+            backoff = 0.0
+            if self.resuming and self.st.migrations + self.st.replays >= self.app.settings.migration_limit:
+                # Only a resumed leg that could not even connect gets here.
+                await self.fail(RequestError(502, self._failed(tried[-1], "could not be reached"), "engine"),
+                                "engine_error")
+                return
+            if self.resuming:  # migration or replay: bounded, backing off
+                backoff = migration_backoff(self.st.migrations + self.st.replays + 1)
+                await anyio.sleep(backoff)
+                # A resumed leg runs aggregated, else on a new pair.
                 worker = router.pick(protocol, tried)
-                plan = None if worker is None else (worker,)
+                plan = (worker,) if worker is not None else router.plan(protocol, tried)
             else:
                 plan = router.plan(protocol, tried)
             if plan is None and self.resuming:
+                moved = self.st.migrations + self.st.replays
                 await self.fail(RequestError(
-                    502, f"no worker left to resume on after {self.st.migrations} migration(s)", "worker_lost"
+                    502, f"no worker left to resume on after {moved} migration(s)", "worker_lost"
                 ), "engine_error")
                 return
             if plan is None:
@@ -97,17 +120,16 @@ class Generation(ClientStream):
                 )
                 return
             if len(plan) == 2:  # a prefill/decode pair
-                failed = await run_pair(self, *plan)
+                failed = await run_pair(self, *plan, self._next_role(), backoff)
                 if not failed:
                     return
                 tried += failed
                 continue
             worker = plan[0]
-            if self.resuming:  # migration: continue where the client's answer stands
-                self.st.migrations += 1
-                attempt = Attempt(ids.mint(), "resumed", worker.id, worker.info, worker, resumes=list(self.sent_ids))
-            else:
-                attempt = Attempt(ids.mint(), "aggregated", worker.id, worker.info, worker)
+            attempt = Attempt(ids.mint(), self._next_role(), worker.id, worker.info, worker)
+            attempt.backoff_ms = round(backoff * 1000)
+            if attempt.role == "resumed":  # continue where the client's answer stands
+                attempt.resumes = list(self.sent_ids)
             try:
                 wreq = self.ex.worker_request(attempt)
             except RequestError as exc:  # nothing was sent to any engine
@@ -133,6 +155,18 @@ class Generation(ClientStream):
         engine its ``traceparent`` (off: nothing)."""
         if self.app.otel is not None:
             self.app.otel.stamp(self.st, attempt, wreq)
+
+    def _next_role(self) -> str:
+        """The next attempt's role, counting it: ``resumed`` (a stream
+        continues), ``replayed`` (a unary request starts over), else
+        ``aggregated``."""
+        if not self.resuming:
+            return "aggregated"
+        if self.sent_ids is None:
+            self.st.replays += 1
+            return "replayed"
+        self.st.migrations += 1
+        return "resumed"
 
     def release_body(self) -> None:
         """Give the request's share of the body budget back (once its first
@@ -217,6 +251,8 @@ class Generation(ClientStream):
                                     await self._feed(attempt, payload)
                             if self.outbox:
                                 await self._flush()
+                            if attempt.live and st.response_complete:
+                                break  # the frontend ended the answer (a stop string across a seam)
                     if not st.response_complete:
                         event = ex.end_of_stream(attempt)
                         if event is None or (event.error is None and event.finish_reason is None):
@@ -251,8 +287,8 @@ class Generation(ClientStream):
                 )
                 return False
             attempt.outcome = "worker_lost"
-            if not self.st.response_started and self.pending == 0:
-                return True
+            if self.req.stream and not self.st.response_started and self.pending == 0:
+                return True  # nothing reached the client: a plain failover
             if await self._held_finish(attempt) or self._migrate(attempt, str(exc)):
                 return not st.response_complete
             await self.fail(RequestError(502, self._failed(worker, f"failed: {exc}"), "engine"), "engine_error")
@@ -274,31 +310,41 @@ class Generation(ClientStream):
         return False
 
     def _migrate(self, attempt: Attempt, why: str) -> bool:
-        """Whether the request, whose aggregated ``attempt`` failed
-        mid-answer for a migratable reason (``why``), continues on another
-        worker: migration is on, the answer is a stream the codec can
-        resume, another worker is up, and the request's ``migration_limit``
-        is not spent. (P/D
-        legs fail over by :mod:`asgi_generate.pd`'s rules.)"""
+        """Whether the request, whose ``attempt`` (aggregated, resumed,
+        replayed or a P/D decode leg) failed mid-answer for a migratable
+        reason (``why``), continues on another worker: migration is on,
+        the codec can resume the stream (or, unary, replay the request from
+        scratch), another worker is up, and the request's
+        ``migration_limit`` is not spent. (A P/D prefill leg fails over by
+        :mod:`asgi_generate.pd`'s rules.)"""
         st = self.st
-        if self.sent_ids is None or attempt.role not in ("aggregated", "resumed"):
+        limit = self.app.settings.migration_limit
+        if limit == 0 or attempt.role == "prefill":
             return False
-        if self.ex.resume_refusal() is not None:
+        refusal = self.ex.resume_refusal() if self.sent_ids is not None else None
+        if refusal is not None:
+            st.not_migrated = refusal
             return False
-        if self.app.router.pick(self.codec.worker_protocol, [*self.tried, attempt.worker]) is None:
+        if st.response_started and self.sent_ids is None:
+            return False  # a unary answer already went out
+        if self.app.router.plan(self.codec.worker_protocol, [*self.tried, attempt.worker]) is None:
             return False  # nowhere to go: the failure itself is the answer
-        if st.migrations >= self.app.settings.migration_limit:
+        if st.migrations + st.replays >= limit:
             return False
         self.resuming = True
-        log.info("request %s: worker %s %s; resuming after %d tokens (migration %d)",
-                 st.request_id, attempt.worker_id, why, len(self.sent_ids), st.migrations + 1)
+        if self.sent_ids is None:
+            log.info("request %s: worker %s %s; replaying the unary request from scratch (attempt %d)",
+                     st.request_id, attempt.worker_id, why, st.migrations + st.replays + 2)
+        else:
+            log.info("request %s: worker %s %s; resuming after %d tokens (migration %d)",
+                     st.request_id, attempt.worker_id, why, len(self.sent_ids), st.migrations + 1)
         return True
 
     def _failed(self, worker: Worker, what: str) -> str:
         """The client's message for a worker failure that ends the request,
         saying so when the migration limit was what ended it."""
         limit = self.app.settings.migration_limit
-        spent = self.sent_ids is not None and self.st.migrations >= limit > 0
+        spent = self.st.migrations + self.st.replays >= limit > 0
         return f"worker {worker.id} {what}" + (f" (migration limit {limit} reached)" if spent else "")
 
     async def _held_finish(self, attempt: Attempt) -> bool:
@@ -323,7 +369,7 @@ class Generation(ClientStream):
 
     async def _settle(self, attempt: Attempt, event: Event) -> None:
         attempt.tokens += len(event.token_ids)
-        if event.error is not None or event.finish_reason is not None:
+        if (event.error is not None or event.finish_reason is not None) and not event.cut:
             attempt.live = False
             attempt.outcome = "finished" if event.error is None else "error"
         await self._deliver(event)

@@ -89,27 +89,42 @@ class _PrefillLeg:
             self.scope.cancel()
 
 
-async def run_pair(gen: "Generation", prefill: Worker, decode: Worker) -> list[Worker]:
-    """Run one P/D attempt of ``gen``'s request on ``prefill`` and ``decode``.
+async def run_pair(
+    gen: "Generation", prefill: Worker, decode: Worker, role: str = "aggregated", backoff: float = 0.0
+) -> list[Worker]:
+    """Run one P/D attempt of ``gen``'s request on ``prefill`` and ``decode``;
+    ``role`` ``resumed`` makes it a migration (both legs carry the prompt
+    plus the output sent so far), ``backoff`` the seconds waited before it.
 
     Returns the workers to leave out of the next attempt (empty: the request
-    is answered, successfully or with its error).
+    is answered, successfully or with its error). A decode leg that dies
+    mid-answer returns its worker with ``gen.resuming`` set: the request
+    migrates (:meth:`Generation._migrate`).
     """
+    resumes = list(gen.sent_ids) if role == "resumed" else None
     if prefill.protocol.pd_legs == "sequential":
-        return await _run_sequential(gen, prefill, decode)
+        return await _run_sequential(gen, prefill, decode, resumes, backoff)
     room = mint_room()
     _live_rooms.add(room)
     try:
-        return await _run_pair(gen, prefill, decode, room)
+        return await _run_pair(gen, prefill, decode, room, resumes, backoff)
     finally:
         _live_rooms.discard(room)
 
 
-async def _run_pair(gen: "Generation", prefill: Worker, decode: Worker, room: int) -> list[Worker]:
+def _legs(engine_ids: tuple[str, str], prefill: Worker, decode: Worker, resumes: list[int] | None,
+          backoff: float, bootstrap: tuple[str, int, int] | None = None) -> tuple[Attempt, Attempt]:
+    p_att = Attempt(engine_ids[0], "prefill", prefill.id, prefill.info, prefill, bootstrap=bootstrap, resumes=resumes)
+    d_att = Attempt(engine_ids[1], "decode", decode.id, decode.info, decode, bootstrap=bootstrap, resumes=resumes)
+    p_att.backoff_ms = d_att.backoff_ms = round(backoff * 1000)
+    return p_att, d_att
+
+
+async def _run_pair(gen: "Generation", prefill: Worker, decode: Worker, room: int, resumes: list[int] | None,
+                    backoff: float) -> list[Worker]:
     st, ex = gen.st, gen.ex
     bootstrap = (bootstrap_host(prefill), prefill.bootstrap_port, room)
-    p_att = Attempt(ids.mint(), "prefill", prefill.id, prefill.info, prefill, bootstrap=bootstrap)
-    d_att = Attempt(ids.mint(), "decode", decode.id, decode.info, decode, bootstrap=bootstrap)
+    p_att, d_att = _legs((ids.mint(), ids.mint()), prefill, decode, resumes, backoff, bootstrap)
     try:
         p_req = ex.worker_request(p_att)
         d_req = ex.worker_request(d_att)
@@ -142,6 +157,9 @@ async def _run_pair(gen: "Generation", prefill: Worker, decode: Worker, room: in
         decode.inflight.discard(gen)
     if retry_decode or result.retry:
         if st.response_started or gen.pending:
+            if retry_decode and gen.resuming:  # the decode leg died mid-answer: migrate
+                await _abort_pair(gen)
+                return [decode]
             # The decode leg already answered the client (in part): no retry.
             if not st.response_complete:
                 await gen.fail(RequestError(502, "a P/D leg failed mid-answer", "engine"), "engine_error")
@@ -154,11 +172,11 @@ async def _run_pair(gen: "Generation", prefill: Worker, decode: Worker, room: in
     return []
 
 
-async def _run_sequential(gen: "Generation", prefill: Worker, decode: Worker) -> list[Worker]:
+async def _run_sequential(gen: "Generation", prefill: Worker, decode: Worker, resumes: list[int] | None,
+                          backoff: float) -> list[Worker]:
     st, ex = gen.st, gen.ex
     engine_id = ids.mint()  # one id on both legs, as vLLM's proxies send it
-    p_att = Attempt(engine_id, "prefill", prefill.id, prefill.info, prefill)
-    d_att = Attempt(engine_id, "decode", decode.id, decode.info, decode)
+    p_att, d_att = _legs((engine_id, engine_id), prefill, decode, resumes, backoff)
     try:
         p_req = ex.worker_request(p_att)
     except RequestError as exc:  # nothing was sent to any engine

@@ -241,9 +241,6 @@ TOKENIZER = str(pathlib.Path(__file__).parent.parent / "asgi_generate" / "assets
      "asgi-generate: --trace-file (ASGI_GENERATE_TRACE_FILE): folder '{tmp}/missing' does not exist"),
     (["--tokenizer", "{tmp}/nope.json", "--reasoning-parser", "qwen3", "--trace-stderr"], {},
      "asgi-generate: --tokenizer: cannot load '{tmp}/nope.json': No such file or directory (os error 2)"),
-    (["--tokenizer", TOKENIZER], {},
-     "asgi-generate: --tokenizer is only used by --reasoning-parser and --tool-call-parser (trace output "
-     "parsers): give one, or drop --tokenizer"),
     (["--tokenizer", TOKENIZER, "--reasoning-parser", "qwen3"], {},
      "asgi-generate: --reasoning-parser and --tool-call-parser only annotate trace records: give "
      "--trace-file, --trace-stderr or --otlp-endpoint"),

@@ -22,7 +22,9 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from support import PROMPT, RawClient, sse, start_frontend, start_sim, stats, wait_until, without_timing
+from support import PROMPT, RawClient, post, sse, start_frontend, start_sim, stats, wait_until, without_timing
+
+from asgi_generate.assets import TOKENIZER_PATH
 
 VARIANTS = ("sglang", "sglang-incremental", "vllm")
 GEN = {"sglang": "/generate", "vllm": "/inference/v1/generate"}
@@ -47,7 +49,7 @@ class Fleet:
             self.base = str(tmp / "trace")
             self.fe = start_frontend(
                 [f"{self.protocol}={s.url}" for s in self.sims], worker_class=worker_class,
-                extra=["--trace-file", self.base + ".jsonl", *extra],
+                extra=["--trace-file", self.base + ".jsonl", "--tokenizer", str(TOKENIZER_PATH), *extra],
             )
         except BaseException:
             self.stop()
@@ -59,13 +61,16 @@ class Fleet:
         for s in self.sims:
             s.stop()
 
-    def body(self, budget: int, logprobs: bool, rid: str) -> tuple[dict, dict]:
-        """A streamed request of ``budget`` tokens (EOS ignored) and its headers."""
+    def body(self, budget: int, logprobs: bool, rid: str, experts: bool = False) -> tuple[dict, dict]:
+        """A streamed request of ``budget`` tokens (EOS ignored) and its
+        headers; SGLang: with ``experts``, routed experts from position 1."""
         if self.protocol == "sglang":
             body = {"input_ids": PROMPT, "stream": True, "rid": rid,
                     "sampling_params": {"max_new_tokens": budget, "ignore_eos": True}}
             if logprobs:
                 body.update(return_logprob=True, top_logprobs_num=2, token_ids_logprob=[5, 9])
+            if experts:
+                body.update(return_routed_experts=True, routed_experts_start_len=1)
             return body, {}
         sp = {"max_tokens": budget, "ignore_eos": True}
         if logprobs:
@@ -116,15 +121,16 @@ def _values(events: list[bytes]) -> list:
     return [without_timing(orjson.loads(e)) if e != b"[DONE]" else e for e in events]
 
 
-def _migrated(fleet: Fleet, budget: int, logprobs: bool, fails: list[int]) -> tuple[list, list, dict]:
+def _migrated(fleet: Fleet, budget: int, logprobs: bool, fails: list[int],
+              experts: bool = False) -> tuple[list, list, dict]:
     """Run one request uninterrupted, then with a failure after each
     ``fails[k]`` tokens of leg ``k``; return both answers and the record."""
     rid = f"m{next(_rids)}"
-    body, headers = fleet.body(budget, logprobs, rid)
+    body, headers = fleet.body(budget, logprobs, rid, experts)
     reference = fleet.stream(body, headers)
     fleet.record(rid)
     rid = f"m{next(_rids)}"
-    body, headers = fleet.body(budget, logprobs, rid)
+    body, headers = fleet.body(budget, logprobs, rid, experts)
     at = len(PROMPT)
     for t in fails:
         fleet.arm(t, at)
@@ -137,8 +143,10 @@ def _migrated(fleet: Fleet, budget: int, logprobs: bool, fails: list[int]) -> tu
     return _values(reference), _values(got), rec
 
 
-def _check_law(fleet: Fleet, budget: int, logprobs: bool, fails: list[int]) -> None:
-    reference, got, rec = _migrated(fleet, budget, logprobs, fails)
+def _check_law(fleet: Fleet, budget: int, logprobs: bool, fails: list[int], experts: bool = False) -> None:
+    reference, got, rec = _migrated(fleet, budget, logprobs, fails, experts)
+    if experts:
+        assert "routed_experts" in reference[-2]["meta_info"]
     if fleet.protocol == "sglang":
         for e in got[:-1]:
             e["meta_info"]["id"] = reference[0]["meta_info"]["id"]  # the two runs' rids
@@ -154,6 +162,8 @@ def _check_law(fleet: Fleet, budget: int, logprobs: bool, fails: list[int]) -> N
     assert len({a["worker_id"] for a in rec["attempts"]}) == n + 1
     assert len({a["engine_id"] for a in rec["attempts"]}) == n + 1
     assert all("abort_acked" in a for a in rec["attempts"][:-1])
+    # The backoff: 50 ms before the first resumed leg, doubling.
+    assert [a.get("backoff_ms", 0) for a in rec["attempts"]] == [0, 50, 100, 200][: n + 1]
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -161,12 +171,15 @@ def _check_law(fleet: Fleet, budget: int, logprobs: bool, fails: list[int]) -> N
 def test_law_any_failure_point(fleet, data, budget, logprobs):
     """For a failure after any T in [1, budget - 1] tokens (and sometimes a
     second one on the resumed leg), the client's answer equals the
-    uninterrupted answer value for value, and the record lists every leg."""
+    uninterrupted answer value for value, and the record lists every leg;
+    SGLang answers with routed experts too (the resumed leg keeps the
+    client's ``routed_experts_start_len``: its rows are the whole answer's)."""
     first = data.draw(st.integers(1, budget - 1), label="T")
     fails = [first]
     if budget - first > 1 and data.draw(st.booleans(), label="second failure"):
         fails.append(data.draw(st.integers(1, budget - first - 1), label="T2"))
-    _check_law(fleet, budget, logprobs, fails)
+    experts = fleet.protocol == "sglang" and data.draw(st.booleans(), label="routed experts")
+    _check_law(fleet, budget, logprobs, fails, experts)
 
 
 @pytest.mark.parametrize("budget,fails", [(8, [1]), (8, [7]), (8, [3, 4]), (256, [255])],
@@ -260,8 +273,8 @@ def test_no_worker_left_ends_in_band_with_every_attempt(fleet):
     assert events[-2:] == [_in_band(fleet, message), b"[DONE]"]
     assert (rec["status"], rec["error"], rec["output_tokens"], rec["migrations"]) == (
         "engine_error", {"type": "engine", "message": message}, 6, 2)
-    assert [(a["role"], a["outcome"], a.get("tokens")) for a in rec["attempts"]] == [
-        ("aggregated", "worker_lost", 2), ("resumed", "worker_lost", 3), ("resumed", "worker_lost", 1)]
+    assert [(a["role"], a["outcome"], a.get("tokens"), a.get("backoff_ms")) for a in rec["attempts"]] == [
+        ("aggregated", "worker_lost", 2, None), ("resumed", "worker_lost", 3, 50), ("resumed", "worker_lost", 1, 100)]
 
 
 def test_engine_refusal_is_not_migrated(fleet):
@@ -373,3 +386,220 @@ def test_silence_past_the_inter_token_timeout_migrates(worker_class, tmp_path):
 
 def _all_records(base: str) -> list[dict]:
     return [orjson.loads(line) for f in sorted(glob.glob(base + ".*.jsonl")) for line in open(f, "rb")]
+
+
+def test_routed_experts_rows_equal_the_uninterrupted_rows(fleet):
+    """SGLang ``return_routed_experts``: a resumed answer's final rows are
+    the uninterrupted rows, none duplicated or missing (two failures)."""
+    if fleet.protocol != "sglang":
+        pytest.skip("the vLLM simulator answers no routed experts (routed_experts is null)")
+    _check_law(fleet, 9, True, [3, 2], experts=True)
+
+
+def _next_sim(fleet: Fleet) -> int:
+    """Which simulator the router picks next: every worker is idle, so the
+    pick goes round-robin after the last request's worker."""
+    rid = f"m{next(_rids)}"
+    body, headers = fleet.body(1, False, rid)
+    fleet.stream(body, headers)
+    return (int(fleet.record(rid)["attempts"][0]["worker_id"][1:]) + 1) % 3
+
+
+def _unary(fleet: Fleet, budget: int, rid: str) -> tuple[dict, dict]:
+    body, headers = fleet.body(budget, True, rid)
+    body["stream"] = False
+    if fleet.protocol == "vllm":
+        body.pop("stream_options")
+        body["sampling_params"]["prompt_logprobs"] = 1
+    return body, headers
+
+
+def test_unary_request_is_replayed_from_scratch(fleet):
+    """A unary leg shows no tokens before its answer, and a streamed leg
+    would cost it over twice the CPU (bench/bench_unary_leg.py), so a unary
+    request whose worker dies mid-answer runs again from scratch on another
+    worker (role ``replayed``, counted in ``replays``, after the backoff):
+    the answer is the uninterrupted one, SGLang ``meta_info`` and vLLM
+    ``usage`` and ``prompt_logprobs`` included."""
+    rid = f"m{next(_rids)}"
+    body, headers = _unary(fleet, 6, rid)
+    reference = post(fleet.fe.url, body, fleet.path, headers=headers)
+    assert reference.status_code == 200
+    fleet.record(rid)
+    doomed = fleet.sims[_next_sim(fleet)]
+    fired = stats(doomed)["faults_fired"]
+    httpx.post(doomed.url + "/sim/faults", json={"after_tokens": 3, "input_len": len(PROMPT)},
+               timeout=5).raise_for_status()
+    rid = f"m{next(_rids)}"
+    body, headers = _unary(fleet, 6, rid)
+    try:
+        got = post(fleet.fe.url, body, fleet.path, headers=headers)
+        rec = fleet.record(rid)
+        assert stats(doomed)["faults_fired"] == fired + 1
+    finally:
+        fleet.heal()
+    assert got.status_code == 200
+    want, have = without_timing(reference.json()), without_timing(got.json())
+    if fleet.protocol == "sglang":
+        want["meta_info"]["id"] = have["meta_info"]["id"]
+    else:  # vLLM answers a unary request with the engine's own id
+        want["request_id"] = have["request_id"]
+        want["created"] = have["created"]
+    assert have == want
+    assert (rec["status"], rec["output_tokens"], rec.get("replays"), rec.get("migrations")) == ("ok", 6, 1, None)
+    assert [(a["role"], a["outcome"], a.get("backoff_ms")) for a in rec["attempts"]] == [
+        ("aggregated", "worker_lost", None), ("replayed", "finished", 50)]
+
+
+def test_a_crash_looping_fleet_backs_off_and_the_limit_holds(fleet, limited):
+    """Every worker drops every request after one token: the request backs
+    off before each new leg, tries each worker once, and under
+    ``--migration-limit 1`` stops after one resumed leg with the limit's
+    in-band error; the workers saw exactly two legs."""
+    proc, base = limited
+    rid = f"m{next(_rids)}"
+    body, headers = fleet.body(8, False, rid)
+    fired = sum(stats(s)["faults_fired"] for s in fleet.sims)
+    for s in fleet.sims:
+        httpx.post(s.url + "/sim/faults", json={"count": 50, "after_tokens": 1}, timeout=5).raise_for_status()
+    try:
+        status, events = sse(proc.url, body, fleet.path, headers=headers)
+        view = Fleet.__new__(Fleet)
+        view.base = base
+        rec = view.record(rid)
+        fired = sum(stats(s)["faults_fired"] for s in fleet.sims) - fired
+    finally:
+        fleet.heal()
+        wait_until(lambda: httpx.get(proc.url + "/health", timeout=5).json()["healthy_workers"] == 3)
+    message = f"worker {rec['attempts'][1]['worker_id']} failed: {DROPPED} (migration limit 1 reached)"
+    assert status == 200 and events[-2:] == [_in_band(fleet, message), b"[DONE]"]
+    assert fired == 2
+    assert (rec["status"], rec["output_tokens"], rec["migrations"]) == ("engine_error", 2, 1)
+    assert [(a["role"], a.get("tokens"), a.get("backoff_ms")) for a in rec["attempts"]] == [
+        ("aggregated", 1, None), ("resumed", 1, 50)]
+
+
+@pytest.fixture(scope="module")
+def plain(fleet, tmp_path_factory):
+    """A frontend over the same simulators without ``--tokenizer``."""
+    base = str(tmp_path_factory.mktemp("plain") / "trace")
+    proc = start_frontend([f"{fleet.protocol}={s.url}" for s in fleet.sims], extra=["--trace-file", base + ".jsonl"])
+    view = Fleet.__new__(Fleet)
+    view.base = base
+    yield proc, view
+    proc.stop()
+
+
+def _straddling_stop(fleet: Fleet, budget: int, seam: int) -> str:
+    """A stop string made of the end of output token ``seam - 1``'s text
+    and the start of token ``seam``'s, so that it straddles a seam after
+    ``seam`` tokens."""
+    from asgi_generate.sim.tokenizer import SimTokenizer
+
+    rid = f"m{next(_rids)}"
+    body, headers = fleet.body(budget, False, rid)
+    chunks = [orjson.loads(e)["output_ids"] for e in fleet.stream(body, headers)[:-1]]
+    ids = [t for c in chunks for t in c] if fleet.variant == "sglang-incremental" else chunks[-1]
+    tok = SimTokenizer()
+    before, after = tok.decode(ids[:seam]), tok.decode(ids[: seam + 1])
+    stop = before[-2:] + after[len(before):][:2]
+    assert len(stop) >= 2 and tok.decode(ids[:seam - 1]).find(stop) < 0
+    return stop
+
+
+@pytest.mark.parametrize("trim", [True, False], ids=["trimmed", "no_stop_trim"])
+def test_stop_string_across_the_seam_stops_as_uninterrupted(fleet, plain, trim):
+    """A stop string begun before the seam and completed after it: the
+    engine of the resumed leg cannot see it, the frontend (``--tokenizer``)
+    does, and ends the answer exactly where the uninterrupted engine did
+    (the resumed leg is aborted). Without a tokenizer the request is not
+    migrated: today's in-band error, ``not_migrated`` in the record and
+    ``/stats``."""
+    if fleet.protocol != "sglang":
+        pytest.skip("a vLLM tokens-only server refuses stop strings")
+    seam = 4
+    stop = _straddling_stop(fleet, 12, seam)
+    rid = f"m{next(_rids)}"
+    body, headers = fleet.body(12, True, rid)
+    body["sampling_params"].update(stop=[stop], no_stop_trim=not trim)
+    reference = _values(fleet.stream(body, headers))
+    assert reference[-2]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert reference[-2]["meta_info"]["completion_tokens"] == seam + 1
+    rid = f"m{next(_rids)}"
+    body["rid"] = rid
+    fleet.arm(seam, len(PROMPT))
+    try:
+        got = _values(fleet.stream(body, headers))
+        rec = fleet.record(rid)
+    finally:
+        fleet.heal()
+    for e in got[:-1]:
+        e["meta_info"]["id"] = reference[0]["meta_info"]["id"]
+    assert got == reference
+    assert (rec["status"], rec["output_tokens"], rec["migrations"]) == ("ok", seam + 1, 1)
+    assert [(a["role"], a["outcome"], a.get("tokens")) for a in rec["attempts"]] == [
+        ("aggregated", "worker_lost", seam), ("resumed", "aborted", 1)]
+    assert rec["attempts"][1]["abort_acked"] is True  # the frontend ended it: aborted at the engine
+
+    proc, view = plain
+    rid = f"m{next(_rids)}"
+    body["rid"] = rid
+    before = httpx.get(proc.url + "/stats", timeout=5).json()["not_migrated"]
+    fleet.arm(seam, len(PROMPT))
+    try:
+        status, events = sse(proc.url, body)
+        rec = view.record(rid)
+    finally:
+        fleet.heal()
+        wait_until(lambda: httpx.get(proc.url + "/health", timeout=5).json()["healthy_workers"] == 3)
+    message = f"worker {rec['attempts'][0]['worker_id']} failed: {DROPPED}"
+    assert status == 200 and events[-2:] == [_in_band(fleet, message), b"[DONE]"] and len(events) == seam + 2
+    assert (rec["status"], rec["output_tokens"], rec["not_migrated"]) == (
+        "engine_error", seam, "a stop string could straddle the seam (no --tokenizer to check it)")
+    assert httpx.get(proc.url + "/stats", timeout=5).json()["not_migrated"] == before + 1
+
+
+def test_text_prompt_migrates_with_a_tokenizer_only(fleet, plain):
+    """A text prompt resumes as its token ids, tokenized as SGLang does
+    (special tokens added by the tokenizer's post-processor, specials in
+    the text parsed): the answer equals the uninterrupted one. Without
+    ``--tokenizer`` it ends with today's in-band error, counted."""
+    if fleet.protocol != "sglang":
+        pytest.skip("vLLM's native route takes token ids only")
+    from asgi_generate.text import PromptTokenizer
+
+    text = "<|im_start|>user\nHello there<|im_end|>"
+    length = len(PromptTokenizer(str(TOKENIZER_PATH)).encode(text))
+    rid = f"m{next(_rids)}"
+    body, headers = fleet.body(7, True, rid)
+    del body["input_ids"]
+    body["text"] = text
+    reference = _values(fleet.stream(body, headers))
+    assert reference[-2]["meta_info"]["prompt_tokens"] == length
+    rid = f"m{next(_rids)}"
+    body["rid"] = rid
+    fleet.arm(3, length)
+    try:
+        got = _values(fleet.stream(body, headers))
+        rec = fleet.record(rid)
+    finally:
+        fleet.heal()
+    for e in got[:-1]:
+        e["meta_info"]["id"] = reference[0]["meta_info"]["id"]
+    assert got == reference
+    assert (rec["status"], rec["output_tokens"], rec["migrations"]) == ("ok", 7, 1)
+
+    proc, view = plain
+    rid = f"m{next(_rids)}"
+    body["rid"] = rid
+    fleet.arm(3, length)
+    try:
+        status, events = sse(proc.url, body)
+        rec = view.record(rid)
+    finally:
+        fleet.heal()
+        wait_until(lambda: httpx.get(proc.url + "/health", timeout=5).json()["healthy_workers"] == 3)
+    message = f"worker {rec['attempts'][0]['worker_id']} failed: {DROPPED}"
+    assert status == 200 and events[-2:] == [_in_band(fleet, message), b"[DONE]"]
+    assert (rec["status"], rec["output_tokens"], rec["not_migrated"]) == (
+        "engine_error", 3, "a text prompt needs --tokenizer to resume")

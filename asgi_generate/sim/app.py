@@ -47,7 +47,7 @@ from ..workers.versions import VLLM_DEFAULT_VERSION
 from .disagg import DEFAULT_TIMEOUT_S, DecodeKV, PrefillRooms
 from .kvconnector import DEFAULT_EXPIRY_S, KVConsumer, KVProducer
 from .admin import SimAdmin
-from .engine import SimEngine
+from .engine import SimEngine, SimFault
 from .model import Model
 from .sglang import SGLangProtocol
 from .tokenizer import SimTokenizer
@@ -182,7 +182,7 @@ class SimApp:
             body = await self._body(receive, send)
             if body is not None:
                 self._note_traceparent(scope, body)
-                await p.generate(body, receive, send)
+                await _crashing(lambda tracked: p.generate(body, receive, tracked), send)
         elif path == "/abort_request" and method == "POST":
             body = await self._body(receive, send)
             if body is not None:
@@ -253,7 +253,7 @@ class SimApp:
                 await send_unary(send, 503, orjson.dumps(refused.body))
             elif body is not None:
                 self._note_traceparent(scope, body)
-                await p.generate(body, dict(scope["headers"]), receive, send)
+                await _crashing(lambda tracked: p.generate(body, dict(scope["headers"]), receive, tracked), send)
         elif path == "/abort_requests" and method == "POST":
             body = await self._body(receive, send)
             if body is not None:
@@ -346,3 +346,27 @@ class SimApp:
         while os.getppid() == self.parent_pid:
             await anyio.sleep(0.5)
         os._exit(0)
+
+
+def _tracked(send: Send) -> Send:
+    """``send`` that remembers (as ``send.started``) whether the response began."""
+    async def tracked(message: dict) -> None:
+        tracked.started = True
+        await send(message)
+    tracked.started = False
+    return tracked
+
+
+async def _crashing(generate, send: Send) -> None:
+    """Run ``generate(send)``; a fired fault (``POST /sim/faults``) drops the
+    connection, as a crashing engine does: mid-body when the response
+    began, else after a head promising a body that never comes (a server
+    would otherwise answer the exception with a 500 of its own)."""
+    tracked = _tracked(send)
+    try:
+        await generate(tracked)
+    except* SimFault:  # raised inside the protocol's task group
+        if not tracked.started:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", b"1")]})
+        raise

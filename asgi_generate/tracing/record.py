@@ -126,6 +126,10 @@ def build_record(st: RequestState, block_size: int, analyzer: OutputAnalyzer | N
 
     if st.migrations:
         rec["migrations"] = st.migrations
+    if st.replays:
+        rec["replays"] = st.replays
+    if st.not_migrated is not None:
+        rec["not_migrated"] = st.not_migrated
     attempts = []
     for a in st.attempts:
         row = {"engine_id": a.engine_id, "worker_id": a.worker_id, "role": a.role}
@@ -137,6 +141,8 @@ def build_record(st: RequestState, block_size: int, analyzer: OutputAnalyzer | N
             row["abort_acked"] = a.abort_acked
         if a.local_prefill:
             row["local_prefill"] = True
+        if a.backoff_ms:
+            row["backoff_ms"] = a.backoff_ms
         attempts.append(row)
     rec["attempts"] = attempts
 

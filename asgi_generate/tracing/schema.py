@@ -25,7 +25,7 @@ STATUSES = (
     "ok", "client_disconnect", "rejected", "engine_error", "unavailable", "timeout", "shutdown", "slow_client",
 )
 ATTEMPT_OUTCOMES = ("finished", "aborted", "error", "connect_failed", "worker_lost", "timeout")
-ROLES = ("aggregated", "prefill", "decode", "resumed")
+ROLES = ("aggregated", "prefill", "decode", "resumed", "replayed")
 
 _COUNT = {"type": "integer", "minimum": 0}
 _MS = {"type": "number", "minimum": 0}
@@ -115,6 +115,14 @@ SCHEMA: dict[str, Any] = {
             _COUNT, "Times the request continued on another worker mid-answer (resumed attempts); "
             "absent when none.",
         ),
+        "replays": _d(
+            _COUNT, "Times a unary request ran again from scratch on another worker after its worker died "
+            "mid-answer (replayed attempts); absent when none.",
+        ),
+        "not_migrated": _d(
+            {"type": "string"}, "Why a stream cut by a dead worker could not continue on another one "
+            "(e.g. a text prompt without --tokenizer); absent otherwise.",
+        ),
         "attempts": {
             "description": "Every engine leg, in order: aggregated, or prefill and decode, plus retries "
             "and migrations (a resumed leg carries the prompt plus the output sent before it).",
@@ -141,6 +149,10 @@ SCHEMA: dict[str, Any] = {
                     "local_prefill": _d(
                         {"const": True}, "A vLLM decode leg that prefilled the prompt itself: its prefill leg "
                         "answered no kv_transfer_params and --pd-fallback allowed it; absent otherwise.",
+                    ),
+                    "backoff_ms": _d(
+                        _COUNT, "Milliseconds the request waited before this leg (migration backoff); "
+                        "absent when none.",
                     ),
                 },
             },

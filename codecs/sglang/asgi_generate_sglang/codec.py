@@ -52,12 +52,26 @@ the output logprob lists across the seam, incremental chunks continue with
 deltas; ``prompt_tokens`` stays the original prompt's, ``completion_tokens``
 counts all output (and a ``length`` finish names the client's cap), the input
 logprob lists are the first attempt's.
-Not resumable (:meth:`SGLangExchange.resume_refusal`): unary requests, text,
-embedding or multimodal prompts (the re-issue needs the prompt's token ids),
-constrained decoding (``json_schema``, ``regex``, ``ebnf``,
-``structural_tag``: the grammar state is the engine's), stop strings (one
-could straddle the seam), penalties (they count the output tokens, which a
-re-issue turns into prompt) and routed experts.
+The resumed leg keeps the client's ``routed_experts_start_len``: the first
+leg's rows never reached the client (SGLang sends them in the final chunk
+only), and the resumed prompt holds every position the uninterrupted request
+had, so its rows are exactly the uninterrupted rows.
+
+With the frontend's tokenizer (``Codec.tokenizer``, ``--tokenizer``) a
+``text`` prompt resumes as its token ids (tokenized as SGLang does, see
+:class:`asgi_generate.text.PromptTokenizer`), and stop strings are checked
+across the seam (:mod:`asgi_generate_sglang.seam`): the engine only looks in
+its own output, so a stop string begun before the seam is the frontend's to
+find; the answer then ends there as the engine would have ended it, and the
+leg is aborted.
+Not resumable (:meth:`SGLangExchange.resume_refusal`): embedding or
+multimodal prompts, text prompts and stop strings without a tokenizer,
+``stop_regex``, stop strings with routed experts (an answer the frontend ends
+has no expert rows), constrained decoding (``json_schema``, ``regex``,
+``ebnf``, ``structural_tag``: the grammar state is the engine's) and
+penalties (they count the output tokens, which a re-issue turns into
+prompt). A unary request never resumes: its leg shows no tokens before its
+end, so it is replayed from scratch (:mod:`asgi_generate.generation`).
 """
 
 from __future__ import annotations
@@ -83,6 +97,9 @@ from asgi_generate.codec import (
     engine_error_page,
 )
 from asgi_generate.token_ids import pack_token_ids
+from asgi_generate.text import PromptTokenizer, StopWatch
+
+from .seam import OUTPUT_LOGPROBS, stop_across_seam
 
 from .batch import SGLangBatchExchange, decode_batch, is_batch
 
@@ -93,7 +110,6 @@ FRONTEND_OWNED = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstr
 MULTIMODAL = ("image_data", "video_data", "audio_data")
 #: What only the prefill leg computes, put into the client's answer.
 PREFILL_LOGPROBS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
-OUTPUT_LOGPROBS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
 CONSTRAINED = ("json_schema", "regex", "ebnf", "structural_tag")
 #: Sampling parameters whose default makes them inert, and that otherwise
 #: depend on the output so far (SGLang's penalizers count output tokens).
@@ -221,7 +237,7 @@ class SGLangCodec(Codec):
         if request.items is not None:
             return SGLangBatchExchange(request)
         public = request.public_id
-        return SGLangExchange(request, public if public is not None else request_id)
+        return SGLangExchange(request, public if public is not None else request_id, self.tokenizer)
 
     def error_body(self, error: RequestError) -> bytes:
         """SGLang's error shapes: FastAPI-style for schema errors and statuses
@@ -270,11 +286,16 @@ class SGLangExchange(Exchange):
 
     __slots__ = (
         "request", "public_id", "seen", "last", "incremental", "payload", "engine_tag", "public_tag",
-        "waits_for_prefill", "prefill_meta", "decode_chunks", "base",
+        "waits_for_prefill", "prefill_meta", "decode_chunks", "base", "tokenizer", "prompt_ids", "watch",
     )
 
-    def __init__(self, request: GenerateRequest, public_id: str) -> None:
+    def __init__(self, request: GenerateRequest, public_id: str, tokenizer: PromptTokenizer | None = None) -> None:
         self.request = request
+        self.tokenizer = tokenizer
+        #: A text prompt's token ids, made once, when it first resumes.
+        self.prompt_ids: list[int] | None = None
+        #: Stop strings over the whole output, once the stream resumed.
+        self.watch: StopWatch | None = None
         native = request.native
         self.waits_for_prefill = native.get("return_logprob") is True or native.get("return_routed_experts") is True
         self.prefill_meta: dict | None = None
@@ -294,18 +315,22 @@ class SGLangExchange(Exchange):
         """Why this request cannot resume mid-answer (see the module docstring)."""
         obj = self.request.native
         sp = obj.get("sampling_params") or {}
-        if not self.request.stream:
-            return "a unary engine answer shows no tokens before it ends"
-        if self.request.replay_excluded is not None:
-            return f"a {self.request.replay_excluded} prompt has no token ids to resume from"
+        excluded = self.request.replay_excluded
+        if excluded == "text" and self.tokenizer is None:
+            return "a text prompt needs --tokenizer to resume"
+        if excluded not in (None, "text"):
+            return f"a {excluded} prompt has no token ids to resume from"
         if any(sp.get(k) is not None for k in CONSTRAINED):
             return "constrained decoding cannot be resumed exactly"
-        if sp.get("stop") or sp.get("stop_regex"):
-            return "a stop string could straddle the seam"
+        if sp.get("stop_regex"):
+            return "a stop regex could straddle the seam"
+        if sp.get("stop"):
+            if self.tokenizer is None:
+                return "a stop string could straddle the seam (no --tokenizer to check it)"
+            if obj.get("return_routed_experts"):
+                return "an answer ended at a stop string across the seam would have no routed experts"
         if any(sp.get(k, d) != d for k, d in PENALTIES):
             return "penalties count the output tokens a resumed attempt re-feeds as prompt"
-        if obj.get("return_routed_experts"):
-            return "routed experts are not resumed yet"
         return None
 
     def worker_request(self, attempt: Attempt) -> WorkerRequest:
@@ -340,8 +365,20 @@ class SGLangExchange(Exchange):
 
     def _resume(self, body: dict, resumes: list[int]) -> None:
         k = len(resumes)
-        body["input_ids"] = self.request.input_ids + resumes
+        prompt = self.request.input_ids
+        if prompt is None:  # a text prompt (resume_refusal: only with a tokenizer)
+            if self.prompt_ids is None:
+                self.prompt_ids = self.tokenizer.encode(body["text"])
+            prompt = self.prompt_ids
+            del body["text"]
+        body["input_ids"] = prompt + resumes
         sp = body["sampling_params"] = dict(body.get("sampling_params") or {})
+        stop = sp.get("stop")
+        if stop and self.tokenizer is not None:
+            stops = tuple([stop] if type(stop) is str else stop)
+            self.watch = self.tokenizer.stop_watch(
+                stops, resumes, sp.get("skip_special_tokens", True) is not False, sp.get("no_stop_trim") is not True
+            )
         max_new = sp.get("max_new_tokens", 128)
         if max_new is not None:
             sp["max_new_tokens"] = max(0, max_new - k)
@@ -406,6 +443,12 @@ class SGLangExchange(Exchange):
         if attempt.resumes:
             ids = self._stitch(chunk, meta, ids)
         new = ids if self.incremental else ids[self.seen :]
+        cut = False
+        if self.watch is not None and attempt.resumes:
+            keep = stop_across_seam(self.watch, chunk, meta, new, self.seen, self.incremental)
+            if keep is not None:
+                new, cut = new[:keep], True
+                self.payload = b""
         self.seen += len(new)
         self.last = chunk
         finish = meta.get("finish_reason")
@@ -417,6 +460,7 @@ class SGLangExchange(Exchange):
             prompt_tokens=meta.get("prompt_tokens"),
             completion_tokens=meta.get("completion_tokens"),
             cached_tokens=meta.get("cached_tokens"),
+            cut=cut,
         )
 
     def _prefill_event(self, chunk: dict, meta: object) -> Event:

@@ -74,12 +74,18 @@ their count (the latter saturating at 0), and ``prompt_logprobs`` is dropped
 (a stream never carries them). Its chunks continue the choice's
 ``token_ids`` and logprobs; every ``usage`` is rewritten as the
 uninterrupted request's (``prompt_tokens`` the original prompt,
-``completion_tokens`` all output; ``total_tokens`` is unchanged). Not
-resumable (:meth:`VLLMExchange.resume_refusal`): unary requests, ``n`` > 1,
-multimodal prompts, structured outputs (``structured_outputs``, older
-``guided_decoding``: the grammar state is the engine's) and penalties
-(vLLM's count output tokens, ``sampling_params.py``). Stop strings need no
-rule: a tokens-only server refuses them.
+``completion_tokens`` all output; ``total_tokens`` is unchanged;
+``prompt_tokens_details`` the first leg's when a continuous-usage chunk
+showed it, else its ``cached_tokens`` capped at the original prompt: what
+a resumed engine found cached past it is re-fed output). A P/D pair resumes
+the same way, both legs carrying the longer prompt. Not resumable
+(:meth:`VLLMExchange.resume_refusal`): ``n`` > 1, multimodal prompts,
+structured outputs (``structured_outputs``, older ``guided_decoding``: the
+grammar state is the engine's) and penalties (vLLM's count output tokens,
+``sampling_params.py``). Stop strings need no rule: a tokens-only server
+refuses them. A unary request never resumes (its leg shows no tokens before
+its end): it is replayed from scratch, so ``prompt_logprobs`` and ``usage``
+are the replayed leg's own, the uninterrupted values.
 """
 
 from __future__ import annotations
@@ -331,7 +337,7 @@ class VLLMExchange(Exchange):
 
     __slots__ = (
         "native", "stream", "stream_id", "finish", "matched", "finished", "out", "status", "kv_params", "input_ids",
-        "resumed", "pre_prompt_logprobs", "pre_experts", "choice_tokens",
+        "resumed", "pre_prompt_logprobs", "pre_experts", "choice_tokens", "details",
     )
 
     def __init__(self, request: GenerateRequest, request_id: str) -> None:
@@ -360,12 +366,12 @@ class VLLMExchange(Exchange):
         self.input_ids = request.input_ids
         #: Output tokens re-fed to the running (resumed) attempt as prompt.
         self.resumed = 0
+        #: The first leg's ``prompt_tokens_details``, when a usage chunk showed it.
+        self.details: Any = None
 
     def resume_refusal(self) -> str | None:
         """Why this request cannot resume mid-answer (see the module docstring)."""
         sp = self.native.body.get("sampling_params") or {}
-        if not self.stream:
-            return "a unary engine answer shows no tokens before it ends"
         if self.input_ids is None:
             return "a multimodal prompt cannot be resumed"
         if self.native.n != 1:
@@ -402,6 +408,8 @@ class VLLMExchange(Exchange):
         body = dict(self.native.body)
         body["request_id"] = attempt.engine_id
         headers = [_JSON, (b"x-request-id", attempt.engine_id.encode())]
+        if attempt.resumes:  # a migration: both legs of a pair carry the longer prompt
+            self._resume(body, attempt.resumes)
         if attempt.role == "prefill":
             self.kv_params, self.pre_prompt_logprobs, self.pre_experts = None, None, {}
             sp = dict(body.get("sampling_params") or {})
@@ -417,8 +425,6 @@ class VLLMExchange(Exchange):
                     raise RequestError(502, "the prefill worker answered no kv_transfer_params", NO_KV_TRANSFER)
                 body["kv_transfer_params"] = self.kv_params
         self.resumed = len(attempt.resumes or ())
-        if attempt.resumes:
-            self._resume(body, attempt.resumes)
         if not self.stream:
             return WorkerRequest(PATH.encode(), dump_body(body), headers, stream=False)
         body["stream_options"] = {
@@ -446,6 +452,11 @@ class VLLMExchange(Exchange):
             usage["prompt_tokens"] -= self.resumed
             if type(usage.get("completion_tokens")) is int:
                 usage["completion_tokens"] += self.resumed
+            details = usage.get("prompt_tokens_details")
+            if self.details is not None:
+                usage["prompt_tokens_details"] = self.details
+            elif type(details) is dict and type(details.get("cached_tokens")) is int:
+                details["cached_tokens"] = min(details["cached_tokens"], usage["prompt_tokens"])
 
     def feed(self, attempt: Attempt, payload: bytes) -> Event:
         """A streaming leg: one vLLM stream chunk, giving its new token ids
@@ -511,6 +522,8 @@ class VLLMExchange(Exchange):
         obj["request_id"] = self.stream_id
         if self.resumed:
             self._uninterrupted(obj.get("usage"))
+        elif type(obj.get("usage")) is dict and self.details is None:
+            self.details = obj["usage"].get("prompt_tokens_details")
         if not choices:  # the closing usage chunk
             usage = obj.get("usage")
             if type(usage) is not dict:

@@ -1,0 +1,51 @@
+"""Stop strings across a migration seam, for a resumed SGLang stream.
+
+SGLang looks for stop strings in the output of its own request only
+(``managers/schedule_batch.py``, ``Req.check_finished``, over the decoded
+tail of ``output_ids``), so a resumed leg never sees a stop string that
+began before the seam. The frontend, which has the whole output, checks each
+token after the seam as the uninterrupted engine would
+(:class:`asgi_generate.text.StopWatch`) and, on a hit the engine did not
+report, ends the answer there: the chunk is cut after the token that
+completed the string and made the engine's final chunk (``finish_reason``
+``{"type": "stop", "matched": s}``, ``text`` cut where the string begins
+unless ``no_stop_trim``, ``completion_tokens`` and the output logprob lists
+up to that token; no ``e2e_latency``, which only the engine can time).
+"""
+
+from __future__ import annotations
+
+from asgi_generate.text import StopWatch
+
+OUTPUT_LOGPROBS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+
+
+def stop_across_seam(
+    watch: StopWatch, chunk: dict, meta: dict, new: list[int], seen: int, incremental: bool
+) -> int | None:
+    """Check the chunk's ``new`` output ids (``seen`` were sent before it)
+    for a stop string the engine missed; on one, rewrite ``chunk`` (in the
+    client's view: cumulative, or a delta when ``incremental``) as the final
+    chunk and return how many of ``new`` it keeps, else ``None``."""
+    before = len(watch.text)
+    finish = meta.get("finish_reason")
+    for j, token_id in enumerate(new):
+        hit = watch.step(token_id)
+        if hit is None:
+            continue
+        if j == len(new) - 1 and finish is not None:
+            return None  # the engine finished at this token: its reason wins, as uninterrupted
+        matched, at = hit
+        keep = j + 1
+        text = watch.text[:at] if watch.trim else watch.text
+        upto = keep if incremental else seen + keep
+        chunk["output_ids"] = chunk["output_ids"][:upto]
+        chunk["text"] = text[before:] if incremental else text
+        for key in OUTPUT_LOGPROBS:
+            if type(meta.get(key)) is list:
+                meta[key] = meta[key][:upto]
+        meta["finish_reason"] = {"type": "stop", "matched": matched}
+        meta["completion_tokens"] = seen + keep
+        meta.pop("e2e_latency", None)
+        return keep
+    return None
