@@ -224,8 +224,11 @@ class Generation(ClientStream):
                         body = await resp.read(deadline)
                         attempt.live = False
                         attempt.outcome = "error"
-                        if resp.status == 503 and self._migrate(attempt, f"answered {resp.status}"):
-                            return True  # the worker is going away
+                        if resp.status == 503:  # the worker is going away
+                            if not st.response_started and self.pending == 0:
+                                return True  # before any token: the next worker, as a failover
+                            if self._migrate(attempt, f"answered {resp.status}"):
+                                return True
                         status, body = ex.worker_error(resp.status, body)
                         st.fail(
                             "engine_error" if status >= 500 else "rejected",
@@ -327,7 +330,7 @@ class Generation(ClientStream):
             return False
         if st.response_started and self.sent_ids is None:
             return False  # a unary answer already went out
-        if self.app.router.plan(self.codec.worker_protocol, [*self.tried, attempt.worker]) is None:
+        if not self.app.router.can_plan(self.codec.worker_protocol, [*self.tried, attempt.worker]):
             return False  # nowhere to go: the failure itself is the answer
         if st.migrations + st.replays >= limit:
             return False

@@ -33,7 +33,7 @@ class FakeWorker:
 
     ``mode``: ``stall`` (headers, one event, then only ``: ping`` comments),
     ``no_headers`` (never answers), ``headers_only`` (headers, then only
-    comments). Setting ``blackhole`` makes it answer nothing more at all,
+    comments), ``unavailable`` (503). Setting ``blackhole`` makes it answer nothing more at all,
     health probes included, while still accepting connections.
     ``generates`` and ``aborts`` list the rids it was sent.
     """
@@ -112,6 +112,9 @@ class FakeWorker:
     async def _generate(self, stream, conn, rid: str) -> None:
         if self.mode == "no_headers":
             await anyio.sleep_forever()
+        if self.mode == "unavailable":  # an engine going away (SGLang while shutting down)
+            await self._reply(stream, conn, b'{"error": {"message": "shutting down"}}', 503)
+            return
         head = h11.Response(status_code=200, headers=[("content-type", "text/event-stream")])
         await stream.send(conn.send(head))
         if self.mode == "stall":
@@ -229,14 +232,15 @@ def test_black_hole_worker_ends_its_requests_when_the_probe_gives_up(worker_clas
     """A healthy worker turns into a black hole (accepts, never answers): its
     in-flight request ends with 502 'worker lost' within one health interval
     of the probe marking it down, not at a read timeout; new requests go to
-    the other worker."""
+    the other worker. (Migration off: with it, the unary request is replayed
+    on the other worker, ``test_migration.py``.)"""
     sim = start_sim()
     interval = 1.0
     with FakeWorker("no_headers") as fake:
         fe = start_frontend(
             [f"sglang={fake.url}", f"sglang={sim.url}"], worker_class=worker_class,
             extra=["--health-interval", str(interval), "--health-timeout", "0.3", "--health-failures", "2",
-                   "--abort-timeout", "0.3", "--trace-file", str(tmp_path / "t.jsonl")])
+                   "--abort-timeout", "0.3", "--migration-limit", "0", "--trace-file", str(tmp_path / "t.jsonl")])
         try:
             result: dict = {}
 

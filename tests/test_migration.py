@@ -603,3 +603,218 @@ def test_text_prompt_migrates_with_a_tokenizer_only(fleet, plain):
     assert status == 200 and events[-2:] == [_in_band(fleet, message), b"[DONE]"]
     assert (rec["status"], rec["output_tokens"], rec["not_migrated"]) == (
         "engine_error", 3, "a text prompt needs --tokenizer to resume")
+
+
+_PLAIN: dict[str, list[int]] = {}
+
+
+def _plain_ids(fleet: Fleet) -> list[int]:
+    """The model's output for PROMPT, 12 tokens, no stop: its prefix is every
+    shorter answer's (the simulator's output depends on the prefix only)."""
+    if fleet.variant not in _PLAIN:
+        rid = f"m{next(_rids)}"
+        body, headers = fleet.body(12, False, rid)
+        body["stream"] = False
+        body.pop("stream_options", None)
+        answer = post(fleet.fe.url, body, fleet.path, headers=headers).json()
+        _PLAIN[fleet.variant] = answer["output_ids"] if fleet.protocol == "sglang" else answer["choices"][0]["token_ids"]
+    return _PLAIN[fleet.variant]
+
+
+def _answer(fleet: Fleet, body: dict, headers: dict, unary: bool) -> tuple[list, int]:
+    """The answer's values (ids and timing left out) and its output tokens."""
+    if unary:
+        resp = post(fleet.fe.url, body, fleet.path, headers=headers)
+        v = without_timing(resp.json())
+        if fleet.protocol == "sglang":
+            v["meta_info"].pop("id")
+            return [resp.status_code, v], len(v["output_ids"])
+        v.pop("request_id"), v.pop("created")
+        return [resp.status_code, v], sum(len(c["token_ids"]) for c in v["choices"])
+    values = _values(fleet.stream(body, headers))
+    for v in values[:-1]:
+        (v["meta_info"] if fleet.protocol == "sglang" else v).pop("id" if fleet.protocol == "sglang" else "request_id")
+    if fleet.variant == "sglang":
+        n = len(values[-2]["output_ids"])
+    elif fleet.variant == "sglang-incremental":
+        n = sum(len(v["output_ids"]) for v in values[:-1])
+    else:
+        n = sum(len(v["choices"][0]["token_ids"]) for v in values[:-1] if v.get("choices"))
+    return values, n
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), budget=st.integers(2, 12))
+def test_law_with_stops_top_k_and_unary(fleet, data, budget):
+    """The law over more of the request space: unary (replayed from scratch,
+    T from 0) or SSE (resumed, T from 1), top-k logprobs, a stop token, an
+    SGLang stop string (checked across the seam with ``--tokenizer``), one
+    or two failures anywhere before the answer ends: the client's answer
+    equals the uninterrupted answer value for value."""
+    from asgi_generate.sim.tokenizer import SimTokenizer
+
+    unary = data.draw(st.booleans(), label="unary")
+    rid = f"m{next(_rids)}"
+    body, headers = _unary(fleet, budget, rid) if unary else fleet.body(budget, False, rid)
+    k = data.draw(st.sampled_from([0, 1, 3]), label="top-k")
+    if k and fleet.protocol == "sglang":
+        body.update(return_logprob=True, top_logprobs_num=k)
+    elif k:
+        body["sampling_params"]["logprobs"] = k
+    ids = _plain_ids(fleet)
+    if data.draw(st.booleans(), label="stop token"):
+        body["sampling_params"]["stop_token_ids"] = [ids[data.draw(st.integers(0, budget - 1), label="at")]]
+    if fleet.protocol == "sglang" and data.draw(st.booleans(), label="stop string"):
+        text = SimTokenizer().decode(ids[:budget])
+        at = data.draw(st.integers(0, max(0, len(text) - 2)), label="string at")
+        if text[at:at + 2].strip():
+            body["sampling_params"]["stop"] = [text[at:at + 2]]
+    reference, n = _answer(fleet, body, headers, unary)
+    if n < (1 if unary else 2):
+        return  # the answer ends before any failure point
+    first = data.draw(st.integers(0 if unary else 1, n - 1), label="T")
+    fails = [first]
+    if n - first > 1 and data.draw(st.booleans(), label="second failure"):
+        fails.append(data.draw(st.integers(0 if unary else 1, n - first - 1 if not unary else n - 1), label="T2"))
+    rid = f"m{next(_rids)}"
+    if fleet.protocol == "sglang":
+        body["rid"] = rid
+    else:
+        headers["x-request-id"] = rid
+    if unary:  # the replay has the same prompt: arm the workers it will meet, in router order
+        nxt = _next_sim(fleet)
+        for j, t in enumerate(fails):
+            httpx.post(fleet.sims[(nxt + j) % 3].url + "/sim/faults", json={"after_tokens": t, "input_len": len(PROMPT)},
+                       timeout=5).raise_for_status()
+    else:
+        at = len(PROMPT)
+        for t in fails:
+            fleet.arm(t, at)
+            at += t
+    try:
+        got, _ = _answer(fleet, body, headers, unary)
+        rec = fleet.record(rid)
+    finally:
+        fleet.heal()
+    assert got == reference
+    assert (rec["status"], rec["output_tokens"]) == ("ok", n)
+    role = "replayed" if unary else "resumed"
+    assert [a["role"] for a in rec["attempts"]] == ["aggregated"] + [role] * len(fails)
+    assert rec.get("replays" if unary else "migrations") == len(fails)
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_engine_abort_finish_is_not_migrated(protocol, tmp_path):
+    """An engine that ends the request with an ``abort`` finish (here after
+    3 tokens, status 503, ``sim --abort-after``) answered about the request
+    itself: the client gets that answer, no second leg is sent anywhere."""
+    sims = [start_sim(protocol, extra=["--abort-after", "3", "--abort-status", "503"]) for _ in range(2)]
+    try:
+        fe = start_frontend([f"{protocol}={s.url}" for s in sims], extra=["--trace-file", str(tmp_path / "t.jsonl")])
+        try:
+            view = Fleet.__new__(Fleet)
+            view.protocol, view.path, view.base, view.fe = protocol, GEN[protocol], str(tmp_path / "t"), fe
+            body, headers = Fleet.body(view, 8, False, "ab1")
+            events = view.stream(body, headers)
+            rec = view.record("ab1")
+        finally:
+            fe.stop()
+        received = sum(stats(s)["received"] for s in sims)
+    finally:
+        for s in sims:
+            s.stop()
+    assert events[-1] == b"[DONE]"
+    assert received == 1
+    assert (rec["output_tokens"], rec["finish"]["backend_finish_reason"]) == (3, "abort")
+    assert [(a["role"], a.get("tokens")) for a in rec["attempts"]] == [("aggregated", 3)]
+    assert "migrations" not in rec and "not_migrated" not in rec
+
+
+def _direct_continuation(sim) -> list:
+    """The simulator's own stream for the stall fake's request continued
+    after its one token (``[11, 12, 13]`` + ``[5]``, 5 tokens left)."""
+    from test_engine_timing import STREAM
+
+    resumed = {**STREAM, "input_ids": [11, 12, 13, 5], "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+    return _values(sse(sim.url, resumed)[1])
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_a_worker_the_probe_gives_up_mid_stream_migrates(worker_class, tmp_path):
+    """A worker that stops answering everything, its health probes
+    included, after one token (connection open, no error): the probe gives
+    it up, its leg is cancelled at once (record ``worker_lost``), and the
+    stream continues on the other worker from that token."""
+    from test_engine_timing import STREAM, FakeWorker
+
+    sim = start_sim("sglang")
+    try:
+        with FakeWorker("stall") as fake:
+            fe = start_frontend([f"sglang={fake.url}", f"sglang={sim.url}"], worker_class=worker_class,
+                                extra=["--health-timeout", "0.3", "--health-failures", "1",
+                                       "--trace-file", str(tmp_path / "t.jsonl")])
+            try:
+                events = []
+                for _ in range(2):  # the router may pick the simulator first
+                    client = RawClient(fe.url)
+                    client.send(orjson.dumps(STREAM))
+                    events = client.events(1)
+                    if fake.generates:
+                        fake.blackhole = True
+                        events += client.events(100)
+                        client.close()
+                        break
+                    events += client.events(100)
+                    client.close()
+                recs = wait_until(lambda: (r := _all_records(str(tmp_path / "t"))) and r[-1]["attempts"][0][
+                    "worker_id"] == "w0" and r)
+            finally:
+                fe.stop()
+        direct = _direct_continuation(sim)
+    finally:
+        sim.stop()
+    rec = recs[-1]
+    expected = [{"text": "a", "output_ids": [5],
+                 "meta_info": {"id": "mine", "finish_reason": None, "prompt_tokens": 3, "completion_tokens": 1}}]
+    for e in direct[:-1]:
+        meta = e["meta_info"]
+        meta.update(prompt_tokens=3, completion_tokens=1 + meta["completion_tokens"])
+        if meta["finish_reason"] is not None:
+            meta["finish_reason"]["length"] = 6
+        expected.append({"text": "a" + e["text"], "output_ids": [5, *e["output_ids"]], "meta_info": meta})
+    assert _values(events) == [*expected, b"[DONE]"]
+    assert (rec["status"], rec["output_tokens"], rec["migrations"]) == ("ok", 6, 1)
+    assert [(a["worker_id"], a["role"], a["outcome"], a.get("tokens"), a.get("abort_acked")) for a in rec["attempts"]] == [
+        ("w0", "aggregated", "worker_lost", 1, False), ("w1", "resumed", "finished", 5, None)]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "unary"])
+def test_503_before_any_token_is_a_failover(stream, tmp_path):
+    """A worker answering 503 (going away) before any token: the request
+    simply runs on the next worker (no migration or replay counted, no
+    backoff), and the answer is that worker's."""
+    from test_engine_timing import STREAM, FakeWorker
+
+    body = {**STREAM, "stream": stream}
+    sim = start_sim("sglang")
+    try:
+        with FakeWorker("unavailable") as fake:
+            fe = start_frontend([f"sglang={fake.url}", f"sglang={sim.url}"],
+                                extra=["--trace-file", str(tmp_path / "t.jsonl")])
+            try:
+                for sent in (1, 2):  # the router may pick the simulator first
+                    got = _values(sse(fe.url, body)[1]) if stream else without_timing(post(fe.url, body).json())
+                    if fake.generates:
+                        break
+                recs = wait_until(lambda: len(r := _all_records(str(tmp_path / "t"))) >= sent and r)
+            finally:
+                fe.stop()
+        direct = _values(sse(sim.url, body)[1]) if stream else without_timing(post(sim.url, body).json())
+    finally:
+        sim.stop()
+    assert len(fake.generates) == 1
+    assert got == direct
+    rec = recs[-1]
+    assert "migrations" not in rec and "replays" not in rec and rec["status"] == "ok"
+    assert [(a["worker_id"], a["role"], a["outcome"], a.get("backoff_ms")) for a in rec["attempts"]] == [
+        ("w0", "aggregated", "error", None), ("w1", "aggregated", "finished", None)]

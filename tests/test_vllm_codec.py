@@ -519,3 +519,38 @@ def test_decode_only_ever_rejects_with_a_vllm_error_and_accepts_a_fair_share():
     # branch (the pass-through law) to be exercised, not only the rejects.
     assert len(ACCEPTED) == 300
     assert sum(ACCEPTED) >= 60, f"only {sum(ACCEPTED)} of 300 bodies were accepted"
+
+
+def _usage_payload(rid: str, prompt: int, completion: int, cached: int | None, ids=()) -> bytes:
+    details = None if cached is None else {"cached_tokens": cached}
+    choices = [{"index": 0, "logprobs": None, "finish_reason": None, "token_ids": list(ids)}] if ids else []
+    return orjson.dumps({"request_id": rid, "choices": choices, "usage": {
+        "prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
+        "prompt_tokens_details": details}})
+
+
+@pytest.mark.parametrize("first_cached,resumed_cached,shown", [
+    (2, 7, {"cached_tokens": 2}),   # the first leg's, from its continuous usage
+    (None, 7, {"cached_tokens": 3}),  # unknown: the resumed leg's, capped at the original prompt
+    (None, 1, {"cached_tokens": 1}),
+])
+def test_resumed_usage_reads_as_the_uninterrupted_requests(first_cached, resumed_cached, shown):
+    """A resumed stream's usage: prompt_tokens the original prompt (3),
+    completion_tokens all output, total unchanged, and cached tokens the
+    first leg's when a continuous-usage chunk showed them, else the resumed
+    leg's capped at the original prompt (what it found cached past it is
+    re-fed output, which the uninterrupted request computed)."""
+    ex = exchange({"token_ids": [1, 2, 3], "stream": True, "sampling_params": {"max_tokens": 6},
+                   "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    first = Attempt("a" * 32, "aggregated")
+    ex.worker_request(first)
+    rid = "generate-tokens-" + "a" * 32
+    if first_cached is not None:
+        ex.feed(first, _usage_payload(rid, 3, 1, first_cached, [10]))
+    resumed = Attempt("b" * 32, "resumed", resumes=[10, 11])
+    body = orjson.loads(ex.worker_request(resumed).body)
+    assert (body["token_ids"], body["sampling_params"]["max_tokens"]) == ([1, 2, 3, 10, 11], 4)
+    event = ex.feed(resumed, _usage_payload("generate-tokens-" + "b" * 32, 5, 4, resumed_cached))
+    usage = orjson.loads(ex.client_event(event))["usage"]
+    assert usage == {"prompt_tokens": 3, "total_tokens": 9, "completion_tokens": 6, "prompt_tokens_details": shown}
+    assert (event.prompt_tokens, event.completion_tokens, event.cached_tokens) == (3, 6, shown["cached_tokens"])

@@ -225,6 +225,18 @@ class Router:
             self._next[key] = (best.index + 1) % n
         return best
 
+    def can_plan(self, protocol: str, exclude: Iterable[Worker] = ()) -> bool:
+        """Whether :meth:`plan` would find workers now, without moving the
+        round-robin (a migration asks this before it decides)."""
+        exclude = list(exclude)
+
+        def up(role: str) -> bool:
+            return any(w.healthy and w not in exclude for w in self._groups.get((protocol, role), ()))
+
+        if self.disaggregation != "never" and up("prefill") and up("decode"):
+            return True
+        return self.disaggregation != "always" and up("aggregated")
+
     def plan(self, protocol: str, exclude: Iterable[Worker] = ()) -> tuple[Worker, ...] | None:
         """The workers of a request's next attempt, per ``disaggregation``:
         ``(prefill, decode)`` or ``(aggregated,)``; ``None`` when no healthy
