@@ -51,7 +51,7 @@ def request_bytes(stream: bool, tokens: int) -> bytes:
 
 async def connection(port: int, request: bytes, stream: bool, stop_at: float, done: list[int]) -> None:
     """One keep-alive connection sending ``request`` until ``stop_at``."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
     try:
         while time.monotonic() < stop_at:
             writer.write(request)

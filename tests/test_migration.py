@@ -45,7 +45,9 @@ class Fleet:
         self.fe = None
         try:
             for _ in range(3):
-                self.sims.append(start_sim(self.protocol, incremental=variant == "sglang-incremental"))
+                sim_extra = ["--enable-return-routed-experts"] if variant == "vllm" else []
+                self.sims.append(start_sim(self.protocol, incremental=variant == "sglang-incremental",
+                                           extra=sim_extra))
             self.base = str(tmp / "trace")
             self.fe = start_frontend(
                 [f"{self.protocol}={s.url}" for s in self.sims], worker_class=worker_class,
@@ -145,8 +147,11 @@ def _migrated(fleet: Fleet, budget: int, logprobs: bool, fails: list[int],
 
 def _check_law(fleet: Fleet, budget: int, logprobs: bool, fails: list[int], experts: bool = False) -> None:
     reference, got, rec = _migrated(fleet, budget, logprobs, fails, experts)
-    if experts:
+    if experts and fleet.protocol == "sglang":
         assert "routed_experts" in reference[-2]["meta_info"]
+    elif experts:  # vLLM: on the finishing chunk (the simulator runs --enable-return-routed-experts)
+        finishing = [e for e in reference[:-1] if e["choices"] and e["choices"][0]["finish_reason"]]
+        assert finishing[0]["choices"][0]["routed_experts"]
     if fleet.protocol == "sglang":
         for e in got[:-1]:
             e["meta_info"]["id"] = reference[0]["meta_info"]["id"]  # the two runs' rids
@@ -389,10 +394,10 @@ def _all_records(base: str) -> list[dict]:
 
 
 def test_routed_experts_rows_equal_the_uninterrupted_rows(fleet):
-    """SGLang ``return_routed_experts``: a resumed answer's final rows are
-    the uninterrupted rows, none duplicated or missing (two failures)."""
-    if fleet.protocol != "sglang":
-        pytest.skip("the vLLM simulator answers no routed experts (routed_experts is null)")
+    """Routed experts (SGLang ``return_routed_experts``; vLLM
+    ``--enable-return-routed-experts``, rows of every forwarded position):
+    a resumed answer's final rows are the uninterrupted rows, none
+    duplicated or missing (two failures)."""
     _check_law(fleet, 9, True, [3, 2], experts=True)
 
 
