@@ -823,3 +823,39 @@ def test_503_before_any_token_is_a_failover(stream, tmp_path):
     assert "migrations" not in rec and "replays" not in rec and rec["status"] == "ok"
     assert [(a["worker_id"], a["role"], a["outcome"], a.get("backoff_ms")) for a in rec["attempts"]] == [
         ("w0", "aggregated", "error", None), ("w1", "aggregated", "finished", None)]
+
+
+def test_text_across_a_seam_that_splits_a_character(fleet):
+    """A seam right after a token holding only the first bytes of a
+    character: the resumed engine would decode the rest alone (U+FFFD); the
+    frontend's one decoder over the whole output (``--tokenizer``) gives
+    the uninterrupted ``text`` in every chunk."""
+    if fleet.protocol != "sglang":
+        pytest.skip("vLLM's native route answers no text")
+    from asgi_generate.sim.tokenizer import SimTokenizer
+
+    tok = SimTokenizer()
+    for last in range(400, 600):  # a prompt whose answer splits a character early
+        prompt = [1, 2, 3, last]
+        ids = post(fleet.fe.url, {"input_ids": prompt, "sampling_params": {"max_new_tokens": 20,
+                                                                           "ignore_eos": True}}).json()["output_ids"]
+        seam = next((i + 1 for i in range(1, 18) if tok.decode(ids[: i + 1]).endswith("\ufffd")
+                     and not tok.decode(ids[: i + 2]).endswith("\ufffd")), None)
+        if seam is not None:
+            break
+    assert seam is not None
+    rid = f"m{next(_rids)}"
+    body = {"input_ids": prompt, "stream": True, "rid": rid, "sampling_params": {"max_new_tokens": 20,
+                                                                                 "ignore_eos": True}}
+    reference = _values(fleet.stream(body, {}))
+    body["rid"] = rid = f"m{next(_rids)}"
+    fleet.arm(seam, len(prompt))
+    try:
+        got = _values(fleet.stream(body, {}))
+        rec = fleet.record(rid)
+    finally:
+        fleet.heal()
+    for e in got[:-1]:
+        e["meta_info"]["id"] = reference[0]["meta_info"]["id"]
+    assert got == reference
+    assert (rec["migrations"], rec["attempts"][0]["tokens"]) == (1, seam)

@@ -63,7 +63,8 @@ With the frontend's tokenizer (``Codec.tokenizer``, ``--tokenizer``) a
 across the seam (:mod:`asgi_generate_sglang.seam`): the engine only looks in
 its own output, so a stop string begun before the seam is the frontend's to
 find; the answer then ends there as the engine would have ended it, and the
-leg is aborted.
+leg is aborted. The ``text`` of a resumed stream is then decoded over the
+whole output (exact even when a character's bytes straddle the seam).
 Not resumable (:meth:`SGLangExchange.resume_refusal`): embedding or
 multimodal prompts, text prompts and stop strings without a tokenizer,
 ``stop_regex``, stop strings with routed experts (an answer the frontend ends
@@ -99,7 +100,7 @@ from asgi_generate.codec import (
 from asgi_generate.token_ids import pack_token_ids
 from asgi_generate.text import PromptTokenizer, StopWatch
 
-from .seam import OUTPUT_LOGPROBS, stop_across_seam
+from .seam import OUTPUT_LOGPROBS, across_seam
 
 from .batch import SGLangBatchExchange, decode_batch, is_batch
 
@@ -373,11 +374,11 @@ class SGLangExchange(Exchange):
             del body["text"]
         body["input_ids"] = prompt + resumes
         sp = body["sampling_params"] = dict(body.get("sampling_params") or {})
-        stop = sp.get("stop")
-        if stop and self.tokenizer is not None:
-            stops = tuple([stop] if type(stop) is str else stop)
+        if self.tokenizer is not None:  # the text (and stop strings) across the seam
+            stop = sp.get("stop") or ()
             self.watch = self.tokenizer.stop_watch(
-                stops, resumes, sp.get("skip_special_tokens", True) is not False, sp.get("no_stop_trim") is not True
+                tuple([stop] if type(stop) is str else stop), resumes,
+                sp.get("skip_special_tokens", True) is not False, sp.get("no_stop_trim") is not True,
             )
         max_new = sp.get("max_new_tokens", 128)
         if max_new is not None:
@@ -445,10 +446,9 @@ class SGLangExchange(Exchange):
         new = ids if self.incremental else ids[self.seen :]
         cut = False
         if self.watch is not None and attempt.resumes:
-            keep = stop_across_seam(self.watch, chunk, meta, new, self.seen, self.incremental)
+            keep = across_seam(self.watch, chunk, meta, new, self.seen, self.incremental)
             if keep is not None:
                 new, cut = new[:keep], True
-                self.payload = b""
         self.seen += len(new)
         self.last = chunk
         finish = meta.get("finish_reason")
