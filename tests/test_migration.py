@@ -495,6 +495,23 @@ def plain(fleet, tmp_path_factory):
     proc.stop()
 
 
+def _sglang_cut(fleet: Fleet, body: dict, seam: int, prompt_len: int) -> tuple[list, list, dict]:
+    """SGLang: ``body`` streamed uninterrupted, then again (a new rid) with
+    its first worker dropping it after ``seam`` tokens; returns both
+    answers' values (ids aligned) and the second one's record."""
+    reference = _values(fleet.stream(body, {}))
+    body["rid"] = rid = f"m{next(_rids)}"
+    fleet.arm(seam, prompt_len)
+    try:
+        got = _values(fleet.stream(body, {}))
+        rec = fleet.record(rid)
+    finally:
+        fleet.heal()
+    for e in got[:-1]:
+        e["meta_info"]["id"] = reference[0]["meta_info"]["id"]
+    return reference, got, rec
+
+
 def _straddling_stop(fleet: Fleet, budget: int, seam: int) -> str:
     """A stop string made of the end of output token ``seam - 1``'s text
     and the start of token ``seam``'s, so that it straddles a seam after
@@ -527,19 +544,9 @@ def test_stop_string_across_the_seam_stops_as_uninterrupted(fleet, plain, trim):
     rid = f"m{next(_rids)}"
     body, headers = fleet.body(12, True, rid)
     body["sampling_params"].update(stop=[stop], no_stop_trim=not trim)
-    reference = _values(fleet.stream(body, headers))
+    reference, got, rec = _sglang_cut(fleet, body, seam, len(PROMPT))
     assert reference[-2]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert reference[-2]["meta_info"]["completion_tokens"] == seam + 1
-    rid = f"m{next(_rids)}"
-    body["rid"] = rid
-    fleet.arm(seam, len(PROMPT))
-    try:
-        got = _values(fleet.stream(body, headers))
-        rec = fleet.record(rid)
-    finally:
-        fleet.heal()
-    for e in got[:-1]:
-        e["meta_info"]["id"] = reference[0]["meta_info"]["id"]
     assert got == reference
     assert (rec["status"], rec["output_tokens"], rec["migrations"]) == ("ok", seam + 1, 1)
     assert [(a["role"], a["outcome"], a.get("tokens")) for a in rec["attempts"]] == [
@@ -579,18 +586,8 @@ def test_text_prompt_migrates_with_a_tokenizer_only(fleet, plain):
     body, headers = fleet.body(7, True, rid)
     del body["input_ids"]
     body["text"] = text
-    reference = _values(fleet.stream(body, headers))
+    reference, got, rec = _sglang_cut(fleet, body, 3, length)
     assert reference[-2]["meta_info"]["prompt_tokens"] == length
-    rid = f"m{next(_rids)}"
-    body["rid"] = rid
-    fleet.arm(3, length)
-    try:
-        got = _values(fleet.stream(body, headers))
-        rec = fleet.record(rid)
-    finally:
-        fleet.heal()
-    for e in got[:-1]:
-        e["meta_info"]["id"] = reference[0]["meta_info"]["id"]
     assert got == reference
     assert (rec["status"], rec["output_tokens"], rec["migrations"]) == ("ok", 7, 1)
 
@@ -847,15 +844,6 @@ def test_text_across_a_seam_that_splits_a_character(fleet):
     rid = f"m{next(_rids)}"
     body = {"input_ids": prompt, "stream": True, "rid": rid, "sampling_params": {"max_new_tokens": 20,
                                                                                  "ignore_eos": True}}
-    reference = _values(fleet.stream(body, {}))
-    body["rid"] = rid = f"m{next(_rids)}"
-    fleet.arm(seam, len(prompt))
-    try:
-        got = _values(fleet.stream(body, {}))
-        rec = fleet.record(rid)
-    finally:
-        fleet.heal()
-    for e in got[:-1]:
-        e["meta_info"]["id"] = reference[0]["meta_info"]["id"]
+    reference, got, rec = _sglang_cut(fleet, body, seam, len(prompt))
     assert got == reference
     assert (rec["migrations"], rec["attempts"][0]["tokens"]) == (1, seam)
