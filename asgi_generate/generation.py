@@ -224,10 +224,14 @@ class Generation(ClientStream):
                         body = await resp.read(deadline)
                         attempt.live = False
                         attempt.outcome = "error"
-                        if resp.status == 503:  # the worker is going away
+                        # A stream's 503 is the worker going away (an engine ends a
+                        # stream's own abort in-band); a unary 503 may be the
+                        # engine's abort of this request, its answer.
+                        if resp.status == 503 and wreq.stream:
                             if not st.response_started and self.pending == 0:
-                                return True  # before any token: the next worker, as a failover
-                            if self._migrate(attempt, f"answered {resp.status}"):
+                                if self.app.router.can_plan(self.codec.worker_protocol, [*self.tried, worker]):
+                                    return True  # before any token: the next worker, as a failover
+                            elif self._migrate(attempt, f"answered {resp.status}"):
                                 return True
                         status, body = ex.worker_error(resp.status, body)
                         st.fail(

@@ -792,9 +792,11 @@ def test_a_worker_the_probe_gives_up_mid_stream_migrates(worker_class, tmp_path)
 
 @pytest.mark.parametrize("stream", [True, False], ids=["sse", "unary"])
 def test_503_before_any_token_is_a_failover(stream, tmp_path):
-    """A worker answering 503 (going away) before any token: the request
-    simply runs on the next worker (no migration or replay counted, no
-    backoff), and the answer is that worker's."""
+    """A worker answering a stream 503 (going away) before any token: the
+    request simply runs on the next worker (no migration or replay counted,
+    no backoff), and the answer is that worker's. A unary 503 may be the
+    engine's own abort of the request (SGLang ``_wait_one_response``): it is
+    the answer, passed through, with no second leg."""
     from test_engine_timing import STREAM, FakeWorker
 
     body = {**STREAM, "stream": stream}
@@ -815,9 +817,14 @@ def test_503_before_any_token_is_a_failover(stream, tmp_path):
     finally:
         sim.stop()
     assert len(fake.generates) == 1
-    assert got == direct
     rec = recs[-1]
-    assert "migrations" not in rec and "replays" not in rec and rec["status"] == "ok"
+    assert "migrations" not in rec and "replays" not in rec
+    if not stream:
+        assert got == {"error": {"message": "shutting down"}}
+        assert (rec["status"], rec["http_status"]) == ("engine_error", 503)
+        assert [(a["worker_id"], a["outcome"]) for a in rec["attempts"]] == [("w0", "error")]
+        return
+    assert got == direct and rec["status"] == "ok"
     assert [(a["worker_id"], a["role"], a["outcome"], a.get("backoff_ms")) for a in rec["attempts"]] == [
         ("w0", "aggregated", "error", None), ("w1", "aggregated", "finished", None)]
 
