@@ -84,6 +84,10 @@ PATHS = frozenset({*INFO_PATHS, "/health_generate", "/abort_request", *(p for p,
 JSON = "application/json"
 
 
+#: Admin routes that empty the engines' prefix caches.
+CACHE_RESETS = ("/flush_cache", "/reset_prefix_cache")
+
+
 def _error(status: int, message: str) -> Response:
     """SGLang's error shape (``_create_error_response``)."""
     return Response(orjson.dumps({"error": {"message": message}}), status, media_type=JSON)
@@ -207,6 +211,10 @@ async def _to_every_worker(app: "App", protocol: str, request: Request, body: by
         return _error(503, f"no worker configured for protocol {protocol!r}")
     target, headers = _target(request), _content_headers(request)
     answers = await _gather([(lambda w=w: _call(app, w, request.method, target, body, headers)) for w in workers])
+    if request.url.path in CACHE_RESETS:
+        for a in answers:
+            if a.status == 200:  # that engine's prefix cache is empty now
+                app.router.policy.forget(a.worker)
     return _combined(answers)
 
 

@@ -35,6 +35,7 @@ from .metrics import Metrics
 from .registry import LoadedCodec, load_codecs
 from .text import PromptTokenizer
 from .workers.aborts import ACKED, LOST, UNACKNOWLEDGED, AbortQueue
+from .workers.policies import build_policy
 from .workers.router import Router, Worker
 
 log = logging.getLogger("asgi_generate")
@@ -174,6 +175,7 @@ class App:
                     connect_timeout=self.settings.connect_timeout,
                     health_timeout=self.settings.health_timeout,
                     health_failures=self.settings.health_failures,
+                    policy=build_policy(self.settings),
                 )
                 stack.push_async_callback(self.router.aclose)
                 async with anyio.create_task_group() as probes:
@@ -312,7 +314,8 @@ class App:
     def stats(self) -> dict[str, Any]:
         """The ``/stats`` body: request and abort counters, bodies being read
         (``reading_body``) and the body budget (bytes reserved, requests
-        waiting for room), pool figures, of this process (``pid``; ``serve
+        waiting for room), the routing policy's decisions (``routing``),
+        pool figures, of this process (``pid``; ``serve
         --workers N`` runs N of them, each with its own budget)."""
         return {
             "pid": os.getpid(),
@@ -325,6 +328,7 @@ class App:
                 "waiting": self.body_budget.waiting,
             },
             "trace": self.tracer.stats() if self.tracer is not None else {"enabled": False},
+            "routing": self.router.policy.stats(),
             "workers": {
                 w.id: {
                     "role": w.role,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from . import __version__
 from .config import Settings
 from .serving import WORKER_CLASSES, hold_signals, hypercorn_config, run
+from .workers.policies import POLICIES
 from .workers.router import DISAGGREGATION_MODES, parse_worker_spec
 from .workers.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS
 
@@ -121,6 +122,30 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                        help="vLLM P/D: when the prefill worker answers no kv_transfer_params (it stopped "
                             "before its one-token cap), let the decode worker prefill alone (recorded as "
                             "local_prefill) instead of failing the request (default %(default)s)")
+    serve.add_argument("--policy", choices=POLICIES, default=d.policy,
+                       help="routing policy: least outstanding requests, session affinity (rendezvous "
+                            "hashing on a session header, bounded load) or cache-aware (longest prefix "
+                            "match, least outstanding when load is imbalanced) (default %(default)s)")
+    serve.add_argument("--session-headers", default=d.session_headers, metavar="NAMES",
+                       help="session policy: comma-separated headers the session key is read from, the "
+                            "first present wins (default %(default)s)")
+    serve.add_argument("--session-balance-epsilon", type=float, default=d.session_balance_epsilon,
+                       metavar="E",
+                       help="session policy: a worker takes keyed requests while its outstanding count is "
+                            "below ceil((1 + E) x (all outstanding + 1) / workers) (default %(default)s)")
+    serve.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
+                       help="cache-aware policy: share of the prompt (0-1) the longest cached prefix must "
+                            "exceed to route by it (default %(default)s)")
+    serve.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
+                       help="cache-aware policy: load is imbalanced when the most and fewest outstanding "
+                            "requests differ by more than this... (default %(default)s)")
+    serve.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
+                       help="...and the most exceeds this times the fewest (default %(default)s)")
+    serve.add_argument("--max-tree-tokens", type=int, default=d.max_tree_tokens,
+                       help="cache-aware policy: tokens (text: characters) each worker's prefix tree holds; "
+                            "least recently used leaves are evicted past it (default %(default)s)")
+    serve.add_argument("--max-tree-nodes", type=int, default=d.max_tree_nodes,
+                       help="cache-aware policy: nodes each worker's prefix tree holds (default %(default)s)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     serve.add_argument("--port", type=PORT, default=8000, help="port to listen on (default %(default)s)")
     serve.add_argument("--fd", type=_bounded(int, 0), default=None,
@@ -293,6 +318,14 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     sim.add_argument("--disconnect-abort-s", type=_bounded(float, 0), default=2.0, metavar="S",
                      help="SGLang: seconds after a client vanished before the engine aborts its request "
                           "itself, as SGLang's background abort does (default %(default)s)")
+    sim.add_argument("--cache-tokens", type=_bounded(int, 0), default=0, metavar="N",
+                     help="prefix cache capacity in tokens, LRU (SGLang radix cache, vLLM prefix caching in "
+                          "16-token blocks); 0 = no cache (default %(default)s)")
+    sim.add_argument("--prefill-us-per-token", type=_bounded(float, 0), default=0.0, metavar="US",
+                     help="prefill compute per uncached prompt token in microseconds, one prefill after "
+                          "another, added to --ttft-ms (default %(default)s)")
+    sim.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="vLLM: report usage.prompt_tokens_details.cached_tokens (vLLM's server flag)")
     sim.add_argument("--model-name", default="sim", help="served model name (default %(default)s)")
     sim.add_argument("--parent-pid", type=_bounded(int, 1), default=None, help="exit when this process exits")
     sim.add_argument("--worker-class", choices=WORKER_CLASSES, default="asyncio",
@@ -311,6 +344,14 @@ def _settings(args: argparse.Namespace, d: Settings) -> Settings:
         decode=args.decode if args.decode is not None else d.decode,
         disaggregation=args.disaggregation,
         pd_fallback=args.pd_fallback,
+        policy=args.policy,
+        session_headers=args.session_headers,
+        session_balance_epsilon=args.session_balance_epsilon,
+        cache_threshold=args.cache_threshold,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold,
+        max_tree_tokens=args.max_tree_tokens,
+        max_tree_nodes=args.max_tree_nodes,
         max_body_bytes=args.max_body_bytes,
         body_budget_bytes=args.body_budget_bytes,
         body_budget_wait=args.body_budget_wait,
@@ -463,6 +504,9 @@ def _sim_app(args: argparse.Namespace) -> "SimApp":
         kv_expiry_s=args.kv_expiry_s,
         disconnect_abort_s=args.disconnect_abort_s,
         routed_experts=args.enable_return_routed_experts,
+        cache_tokens=args.cache_tokens,
+        prefill_us_per_token=args.prefill_us_per_token,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
 
 

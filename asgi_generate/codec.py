@@ -140,6 +140,8 @@ class GenerateRequest:
         input_ids_packed: ``input_ids`` packed as u32 and as JSON text
             (:func:`asgi_generate.token_ids.pack_token_ids`) when the codec
             packed them while checking them, else ``None``.
+        prompt_text: the prompt when it is one text, else ``None`` (what
+            cache-aware routing matches when there are no token ids).
         max_new_tokens: the output cap in tokens, ``None`` if uncapped.
         model: the model named by the request, if any.
         replay_excluded: why the input cannot be replayed from token ids
@@ -159,6 +161,7 @@ class GenerateRequest:
     replay_excluded: str | None = None
     native: Any = None
     items: list[BatchItem] | None = None
+    prompt_text: str | None = None
 
 
 @dataclass(slots=True)

@@ -16,6 +16,8 @@ from typing import Mapping
 from urllib.parse import urlsplit
 
 from .budget import default_budget_bytes
+from .workers.policies import POLICIES
+from .workers.policies.session import DEFAULT_HEADERS
 from .workers.router import DISAGGREGATION_MODES, parse_worker_spec
 
 ENV_PREFIX = "ASGI_GENERATE_"
@@ -25,6 +27,7 @@ POSITIVE = frozenset({
     "health_timeout", "health_failures", "abort_timeout", "admin_timeout",
     "abort_concurrency", "abort_queue_size", "abort_batch", "abort_deadline",
     "slow_client_timeout", "embedded_workers", "trace_queue_size", "trace_block_size",
+    "max_tree_tokens", "max_tree_nodes",
 })
 #: Old variable names still read, and the setting each now sets.
 ENV_ALIASES = {"READ_TIMEOUT": "inter_token_timeout"}
@@ -137,6 +140,20 @@ class Settings:
             (:mod:`asgi_generate.tracing.otlp`); ``None``: off.
         trace_otlp: also export the request-end records to that collector
             as OTLP log records.
+        policy: the routing policy, ``least-outstanding``, ``session`` or
+            ``cache-aware`` (:mod:`asgi_generate.workers.policies`).
+        session_headers: ``session``: comma-separated headers the session
+            key is read from, the first present wins.
+        session_balance_epsilon: ``session``: a worker takes keyed requests
+            while below ``ceil((1 + epsilon) * (outstanding + 1) / workers)``.
+        cache_threshold: ``cache-aware``: share of the prompt the longest
+            match must exceed to route by it (0 to 1).
+        balance_abs_threshold, balance_rel_threshold: ``cache-aware``: load
+            is imbalanced (least outstanding wins) when the most and fewest
+            outstanding requests differ by more than the first and the most
+            exceeds the second times the fewest.
+        max_tree_tokens, max_tree_nodes: ``cache-aware``: each worker's
+            prefix tree bounds, least recently used leaves evicted past them.
     """
 
     workers: list[tuple[str, str]] = field(default_factory=list)
@@ -183,6 +200,14 @@ class Settings:
     otlp_endpoint: str | None = None
     trace_otlp: bool = False
     split_batches: bool = False
+    policy: str = "least-outstanding"
+    session_headers: str = DEFAULT_HEADERS
+    session_balance_epsilon: float = 1.0
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    max_tree_tokens: int = 1 << 20
+    max_tree_nodes: int = 1 << 16
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
@@ -242,6 +267,14 @@ class Settings:
         if self.disaggregation not in DISAGGREGATION_MODES:
             raise ValueError(f"--disaggregation ({env_name('disaggregation')}) must be one of "
                              f"{', '.join(DISAGGREGATION_MODES)}, not {self.disaggregation!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy ({env_name('policy')}) must be one of {', '.join(POLICIES)}, "
+                             f"not {self.policy!r}")
+        if not any(h.strip() for h in self.session_headers.split(",")):
+            raise ValueError(f"--session-headers ({env_name('session_headers')}) names no header")
+        if not self.cache_threshold <= 1:
+            raise ValueError(f"--cache-threshold ({env_name('cache_threshold')}) must be between 0 and 1, "
+                             f"not {self.cache_threshold!r}")
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type not in ("int", "float"):

@@ -92,6 +92,7 @@ class Generation(ClientStream):
         router = self.app.router
         tried = self.tried
         protocol = self.codec.worker_protocol
+        key = router.routing_key(self.req, self.st.headers)  # the policy's, once per request
         while True:
             backoff = 0.0
             if self.resuming and self.st.migrations + self.st.replays >= self.app.settings.migration_limit:
@@ -103,10 +104,10 @@ class Generation(ClientStream):
                 backoff = migration_backoff(self.st.migrations + self.st.replays + 1)
                 await anyio.sleep(backoff)
                 # A resumed leg runs aggregated, else on a new pair.
-                worker = router.pick(protocol, tried)
-                plan = (worker,) if worker is not None else router.plan(protocol, tried)
+                worker = router.pick(protocol, tried, key=key)
+                plan = (worker,) if worker is not None else router.plan(protocol, tried, key)
             else:
-                plan = router.plan(protocol, tried)
+                plan = router.plan(protocol, tried, key)
             if plan is None and self.resuming:
                 moved = self.st.migrations + self.st.replays
                 await self.fail(RequestError(

@@ -4,8 +4,8 @@ SGLang (``python/sglang/srt/entrypoints/http_server.py``):
 
 - ``GET``/``POST /flush_cache``: 200 with SGLang's ``Cache flushed.`` text,
   or the same text with 400 while requests are running or waiting (the
-  scheduler's ``flush_cache`` refuses then). The simulator has no prefix
-  cache: a flush is only counted.
+  scheduler's ``flush_cache`` refuses then); a flush empties the prefix
+  cache.
 - ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}``
   (``PauseGenerationReqInput``, default ``abort``): holds scheduling; ``abort``
   also aborts everything running. ``POST /continue_generation`` lets it go
@@ -19,8 +19,8 @@ SGLang (``python/sglang/srt/entrypoints/http_server.py``):
 vLLM dev routes (``vllm/entrypoints/serve/dev/``; ``rlhf/api_router.py``,
 ``sleep/``, ``cache/``):
 
-- ``POST /reset_prefix_cache``, ``POST /sleep?level=N``, ``POST /wake_up``:
-  200 with an empty body; a sleeping server refuses generation with 503
+- ``POST /reset_prefix_cache`` (empties the prefix cache),
+  ``POST /sleep?level=N``, ``POST /wake_up``: 200 with an empty body; a sleeping server refuses generation with 503
   until woken (the message is the simulator's own).
 - ``GET /is_sleeping``: ``{"is_sleeping": bool}``.
 - ``POST /pause?mode=abort|wait|keep``: ``{"status": "paused"}``, holding
@@ -109,7 +109,10 @@ class SimAdmin:
     # -- SGLang ---------------------------------------------------------------
 
     def _flush_cache(self, args: dict, obj: dict) -> tuple[int, bytes]:
-        return (400 if self.engine.running else 200), FLUSHED
+        if self.engine.running:
+            return 400, FLUSHED
+        self.engine.flush_cache()
+        return 200, FLUSHED
 
     def _pause_generation(self, args: dict, obj: dict) -> tuple[int, dict]:
         mode = obj.get("mode", "abort")
@@ -139,6 +142,7 @@ class SimAdmin:
     # -- vLLM -----------------------------------------------------------------
 
     def _reset_prefix_cache(self, args: dict, obj: dict) -> tuple[int, bytes]:
+        self.engine.flush_cache()
         return 200, b""
 
     def _sleep(self, args: dict, obj: dict) -> tuple[int, bytes]:

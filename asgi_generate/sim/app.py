@@ -92,6 +92,11 @@ class SimApp:
         disconnect_abort_s: SGLang: seconds after its client vanished that a
             request is aborted by the engine itself (SGLang's background abort
             task); tests raise it so only the frontend's abort can stop a job.
+        cache_tokens: prefix cache capacity in tokens (0: none; see
+            :class:`~asgi_generate.sim.engine.SimEngine`).
+        prefill_us_per_token: prefill compute per uncached prompt token.
+        enable_prompt_tokens_details: vLLM's server flag: usage reports
+            ``prompt_tokens_details.cached_tokens`` when the cache served any.
 
     Raises:
         ValueError: unknown protocol, or a vLLM version that is not one.
@@ -118,6 +123,9 @@ class SimApp:
         kv_expiry_s: float = DEFAULT_EXPIRY_S,
         disconnect_abort_s: float = 2.0,
         routed_experts: bool = False,
+        cache_tokens: int = 0,
+        prefill_us_per_token: float = 0.0,
+        enable_prompt_tokens_details: bool = False,
     ) -> None:
         if protocol not in ("sglang", "vllm"):
             raise ValueError(f"unknown simulator protocol {protocol!r}")
@@ -147,12 +155,15 @@ class SimApp:
         self.engine = SimEngine(
             model, ttft_ms / 1000.0, itl_ms / 1000.0,
             script=script, abort_after=abort_after, abort_status=abort_status,
+            cache_tokens=cache_tokens, cache_block=16 if protocol == "vllm" else 1,
+            prefill_us_per_token=prefill_us_per_token,
         )
         self.protocol: SGLangProtocol | VLLMProtocol = (
             VLLMProtocol(
                 self.engine, self.tokenizer.vocab_size, model_name, usage_chunk,
                 engine_version or VLLM_DEFAULT_VERSION, stream_interval=stream_interval, kv=self.kv,
                 routed_experts=routed_experts,
+                prompt_tokens_details=enable_prompt_tokens_details,
             )
             if protocol == "vllm"
             else SGLangProtocol(self.engine, self.tokenizer, incremental_streaming_output, model_name,

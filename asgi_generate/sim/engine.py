@@ -13,6 +13,7 @@ from typing import AsyncIterator
 
 import anyio
 
+from ..workers.prefix_tree import PrefixTree, token_key
 from .model import Model, Step
 
 
@@ -53,6 +54,9 @@ class Job:
     sample: int = 0
     aborted: bool = False
     abort_event: anyio.Event = field(default_factory=anyio.Event)
+    cached_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    prefill_done: bool = False
 
 
 @dataclass(slots=True)
@@ -81,6 +85,26 @@ class SimEngine:
             ``abort`` finish carrying ``abort_status`` (``sim --abort-after``),
             as SGLang ends a request whose KV transfer failed.
         abort_status: the HTTP status of that abort.
+        cache_tokens: the prefix cache's capacity in tokens (``sim
+            --cache-tokens``; 0: no cache, every prompt computed whole).
+        cache_block: the cache's unit: a hit counts whole blocks only (1 for
+            SGLang's radix cache at page size 1; 16 for vLLM's default block
+            size, ``vllm/v1/core/kv_cache_manager.py``).
+        prefill_us_per_token: prefill compute per uncached prompt token, in
+            microseconds (``sim --prefill-us-per-token``). Prefills share
+            one compute unit, one after another in arrival order, as a busy
+            engine's batches do: a request's first token comes after the
+            prefills before it, its own, then ``ttft_s``.
+
+    The prefix cache (a :class:`~asgi_generate.workers.prefix_tree.PrefixTree`
+    over token ids, LRU) is matched when a prefill starts and takes the
+    prompt once its prefill is done, and the
+    prompt with its output when the request ends, aborted or not, as
+    SGLang's ``cache_unfinished_req``/``cache_finished_req`` do. A prompt's
+    hit is the longest prefix held, at most all but its last token (SGLang
+    ``Req._compute_max_prefix_len``, vLLM ``max_cache_hit_length``: the
+    last token is computed for its logits), in whole ``cache_block``
+    blocks. Running requests' prefixes are not pinned against eviction.
     """
 
     def __init__(
@@ -92,8 +116,22 @@ class SimEngine:
         script: tuple[int, ...] = (),
         abort_after: int | None = None,
         abort_status: int = 503,
+        cache_tokens: int = 0,
+        cache_block: int = 1,
+        prefill_us_per_token: float = 0.0,
     ) -> None:
         self.model = model
+        # One more character than tokens: the key's kind marker.
+        self.cache = PrefixTree(cache_tokens + 1, cache_tokens + 1) if cache_tokens > 0 else None
+        self.cache_tokens = cache_tokens
+        self.cache_block = cache_block
+        self.prefill_s_per_token = prefill_us_per_token / 1e6
+        #: One prefill computes at a time (a busy engine's prefill batches).
+        self._prefill_unit = anyio.Lock()
+        #: Prompt tokens prefilled here, and how many of them the cache served.
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.cache_flushes = 0
         self.ttft_s = ttft_s
         self.itl_s = itl_s
         self.script = script
@@ -158,6 +196,44 @@ class SimEngine:
         if self.running.get(job.rid) is job:
             del self.running[job.rid]
             self.completed += 1
+            self._cache_finished(job)
+
+    def _cache_finished(self, job: Job) -> None:
+        if self.cache is not None and job.prefill_done:
+            self.cache.insert(token_key([*job.input_ids, *job.output_ids]))
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache (SGLang ``/flush_cache``, vLLM
+        ``/reset_prefix_cache``)."""
+        self.cache_flushes += 1
+        if self.cache is not None:
+            self.cache.clear()
+
+    async def _prefill(self, job: Job) -> None:
+        """Run ``job``'s prefill: match its prompt against the cache (setting
+        ``cached_tokens``), spend the compute of its uncached tokens, one
+        prefill at a time in arrival order, and cache the prompt. The match
+        is taken when the prefill starts, as SGLang's scheduler takes it
+        when it schedules a request: a prompt queued behind its twin hits."""
+        if self.prefill_s_per_token > 0:
+            async with self._prefill_unit:
+                if not job.aborted:
+                    self._match(job)
+                    await self._pause(job, (len(job.input_ids) - job.cached_tokens) * self.prefill_s_per_token)
+        else:
+            self._match(job)
+        if self.cache is not None and not job.aborted:
+            job.prefill_done = True
+            self.cache.insert(token_key(job.input_ids))
+
+    def _match(self, job: Job) -> None:
+        prompt = len(job.input_ids)
+        if self.cache is not None and prompt:
+            held = self.cache.match(token_key(job.input_ids)) - 1
+            block = self.cache_block
+            job.cached_tokens = max(0, min(held, prompt - 1)) // block * block
+        self.prompt_tokens += prompt
+        self.cached_tokens += job.cached_tokens
 
     def abort(self, rid: str | None, abort_all: bool = False) -> list[str]:
         """Abort every running job whose rid starts with ``rid`` (SGLang's
@@ -196,6 +272,7 @@ class SimEngine:
             self.completed += 1
             job.aborted = True
             job.abort_event.set()
+            self._cache_finished(job)
         self.aborted_rids.extend(hit)
         return hit
 
@@ -243,6 +320,7 @@ class SimEngine:
         states = dict.fromkeys(samples, start)
         script = self.script[self._script_start(job.input_ids) :]
         if job.prefilled is None:
+            await self._prefill(job)
             await self._pause(job, self.ttft_s)
         for i in range(job.max_new_tokens):
             if self.held:
@@ -258,6 +336,8 @@ class SimEngine:
                 token = self._draw(job, state, sample, i, script)
                 states[sample] = model.advance(state, token.token_id)
                 step.append((sample, token))
+            if self.cache is not None:  # the first sample's output is what gets cached
+                job.output_ids.append(step[0][1].token_id)
             yield step
             for sample, token in step:
                 if token.finish is not None:
@@ -318,4 +398,12 @@ class SimEngine:
             "faults_armed": len(self.faults),
             "faults_fired": self.faults_fired,
             "down": self.down,
+            "cache": {
+                "capacity_tokens": self.cache_tokens,
+                "tokens": self.cache.tokens - (self.cache.tokens > 0) if self.cache is not None else 0,
+                "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens,
+                "evicted_tokens": self.cache.evicted_tokens if self.cache is not None else 0,
+                "flushes": self.cache_flushes,
+            },
         }

@@ -408,7 +408,7 @@ class SGLangProtocol:
                 "prompt_tokens": len(job.input_ids),
                 "weight_version": "default",
                 "completion_tokens": len(out_ids),
-                "cached_tokens": 0,
+                "cached_tokens": job.cached_tokens,
             }
             if rl:
                 first = not incremental or sent_lps == 0

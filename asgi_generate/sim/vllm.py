@@ -145,6 +145,10 @@ class VLLMProtocol:
         stream_interval: tokens per streamed chunk.
         kv: the P/D KV connector, if any.
         routed_experts: answer each finished choice's ``routed_experts``.
+        prompt_tokens_details: vLLM's ``--enable-prompt-tokens-details``:
+            the final usage carries ``prompt_tokens_details.cached_tokens``
+            when the prefix cache served any (``ServingTokens`` in
+            ``vllm/entrypoints/serve/disagg/serving.py``).
 
     Raises:
         ValueError: ``version`` is not a version the simulator can play.
@@ -160,6 +164,7 @@ class VLLMProtocol:
         stream_interval: int = 1,
         kv: KVProducer | KVConsumer | None = None,
         routed_experts: bool = False,
+        prompt_tokens_details: bool = False,
     ) -> None:
         behaviour = vllm_behaviour(version)
         if behaviour is None:
@@ -177,6 +182,7 @@ class VLLMProtocol:
         self.kv = kv
         #: vLLM ``--enable-return-routed-experts``.
         self.routed_experts = routed_experts
+        self.prompt_tokens_details = prompt_tokens_details
 
     @property
     def version(self) -> str:
@@ -349,6 +355,14 @@ class VLLMProtocol:
         return {"index": index, "finish_reason": finish, "stop_reason": stop_reason, "token_ids": ids,
                 "routed_experts": experts, "sampling_mask": None, "weight_versions": None, "logprobs": logprobs}
 
+    def _final_usage(self, job: Job, completion: int) -> dict:
+        """The answer's usage: with ``prompt_tokens_details`` on and a cache
+        hit, ``{"cached_tokens": N}`` in ``prompt_tokens_details``."""
+        usage = _usage(len(job.input_ids), completion)
+        if self.prompt_tokens_details and job.cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": job.cached_tokens}
+        return usage
+
     def _chunk(self, rid: str, choices: list[dict], usage: dict | None) -> dict:
         """A stream chunk (``GenerateStreamResponse``; newer versions leave
         out the prompt fields a token-bearing chunk lacks)."""
@@ -448,8 +462,9 @@ class VLLMProtocol:
             tail = b""
             if opts.include_usage and self.usage_chunk:
                 # The closing chunk leaves out null fields (vLLM's exclude_none).
-                usage = _usage(prompt, completion)
-                del usage["prompt_tokens_details"]
+                usage = self._final_usage(job, completion)
+                if usage["prompt_tokens_details"] is None:
+                    del usage["prompt_tokens_details"]
                 tail = sse_event(orjson.dumps(self._chunk(job.rid, [], usage)))
             return [{"type": "http.response.body", "body": tail + DONE, "more_body": False}]
         pk = opts.prompt_logprobs
@@ -461,7 +476,7 @@ class VLLMProtocol:
                          out[i], experts[i])
             for i in range(n)
         ]
-        usage = _usage(prompt, completion)
+        usage = self._final_usage(job, completion)
         # A consumer that read the prompt's KV computed no prompt position.
         prompt_logprobs = self._prompt_logprobs(job.input_ids, pk) if pk is not None and start == 0 else None
         head = {"request_id": job.rid, "model": self.model_name, "created": int(time.time())}

@@ -1,10 +1,12 @@
 """Workers and the router that spreads requests over them.
 
-Policy: least outstanding requests among healthy workers of the protocol a
-codec rides on; ties go round-robin. Workers have a role: ``aggregated``, or
-``prefill``/``decode`` for prefill/decode disaggregation (P/D), where a
-request runs as a pair of legs, each role picked by the same policy
-(:meth:`Router.plan`).
+Among the healthy workers of the protocol a codec rides on, the routing
+policy (``--policy``, :mod:`asgi_generate.workers.policies`) picks one:
+least outstanding requests, ties round-robin, by default. Workers have a
+role: ``aggregated``, or ``prefill``/``decode`` for prefill/decode
+disaggregation (P/D), where a request runs as a pair of legs
+(:meth:`Router.plan`): the policy picks the prefill worker, the decode
+worker is least outstanding.
 
 Slow is not dead: a worker leaves the rotation for a failed connect or a
 broken connection (reported by the handler through :meth:`Router.mark_down`)
@@ -29,6 +31,7 @@ import anyio
 import orjson
 
 from .http import ConnectFailed, ConnectionPool, WorkerDisconnected, WorkerError
+from .policies import Policy
 from .protocols import PROTOCOLS, WorkerProtocol, read_model_card
 
 log = logging.getLogger("asgi_generate.router")
@@ -171,6 +174,7 @@ class Router:
         health_failures: failed probes in a row that take an up worker out
             of the rotation (a probe that cannot connect, or whose connection
             breaks, takes it out at once).
+        policy: the routing policy (default: least outstanding).
     """
 
     def __init__(
@@ -183,7 +187,9 @@ class Router:
         connect_timeout: float = 5.0,
         health_timeout: float = 30.0,
         health_failures: int = 3,
+        policy: Policy | None = None,
     ) -> None:
+        self.policy = policy if policy is not None else Policy()
         self.workers: list[Worker] = []
         self.disaggregation = disaggregation
         self._groups: dict[tuple[str, str], list[Worker]] = {}
@@ -207,22 +213,33 @@ class Router:
         """Whether any worker (up or down, any role) speaks ``protocol``."""
         return any(p == protocol for p, _ in self._groups)
 
-    def pick(self, protocol: str, exclude: Iterable[Worker] = (), role: str = "aggregated") -> Worker | None:
-        """The healthy ``role`` worker of ``protocol`` with the fewest
-        outstanding requests, ties round-robin; ``None`` if none is left."""
-        key = (protocol, role)
-        group = self._groups.get(key)
+    def routing_key(self, request: Any, headers: Any) -> Any:
+        """What the policy routes a request by (see
+        :meth:`~asgi_generate.workers.policies.Policy.routing_key`)."""
+        return self.policy.routing_key(request, headers)
+
+    def pick(
+        self, protocol: str, exclude: Iterable[Worker] = (), role: str = "aggregated", key: Any = None
+    ) -> Worker | None:
+        """A healthy ``role`` worker of ``protocol`` outside ``exclude``;
+        ``None`` if none is left. The policy chooses for a ``key``
+        (:meth:`routing_key`) unless ``role`` is ``decode``; otherwise, and
+        always as the policy's fallback: the fewest outstanding requests,
+        ties round-robin. Without a key, picking changes no policy state
+        (a pick may be asked only to learn whether a worker is left)."""
+        group = self._groups.get((protocol, role))
         if not group:
             return None
         n = len(group)
-        start = self._next.get(key, 0)
-        best = None
-        for i in range(n):
-            w = group[(start + i) % n]
-            if w.healthy and (best is None or w.outstanding < best.outstanding) and w not in exclude:
-                best = w
-        if best is not None:
-            self._next[key] = (best.index + 1) % n
+        start = self._next.get((protocol, role), 0)
+        candidates = [w for w in (group[(start + i) % n] for i in range(n)) if w.healthy and w not in exclude]
+        if not candidates:
+            return None
+        if key is None or role == "decode":
+            best = _least(candidates)
+        else:
+            best = self.policy.choose(candidates, key, _least)
+        self._next[(protocol, role)] = (best.index + 1) % n
         return best
 
     def can_plan(self, protocol: str, exclude: Iterable[Worker] = ()) -> bool:
@@ -237,19 +254,21 @@ class Router:
             return True
         return self.disaggregation != "always" and up("aggregated")
 
-    def plan(self, protocol: str, exclude: Iterable[Worker] = ()) -> tuple[Worker, ...] | None:
+    def plan(self, protocol: str, exclude: Iterable[Worker] = (), key: Any = None) -> tuple[Worker, ...] | None:
         """The workers of a request's next attempt, per ``disaggregation``:
-        ``(prefill, decode)`` or ``(aggregated,)``; ``None`` when no healthy
-        worker (pair) is left outside ``exclude``."""
+        ``(prefill, decode)`` or ``(aggregated,)``, the policy choosing for
+        ``key`` (:meth:`pick`); ``None`` when no healthy worker (pair) is
+        left outside ``exclude``."""
         exclude = list(exclude)
         if self.disaggregation != "never":
-            prefill = self.pick(protocol, exclude, "prefill")
-            decode = self.pick(protocol, exclude, "decode") if prefill is not None else None
+            # Decode first: the policy only chooses (and learns) when a pair runs.
+            decode = self.pick(protocol, exclude, "decode")
+            prefill = self.pick(protocol, exclude, "prefill", key) if decode is not None else None
             if prefill is not None and decode is not None:
                 return prefill, decode
             if self.disaggregation == "always":
                 return None
-        worker = self.pick(protocol, exclude)
+        worker = self.pick(protocol, exclude, key=key)
         return (worker,) if worker is not None else None
 
     def mark_down(self, worker: Worker, reason: str) -> None:
@@ -262,9 +281,11 @@ class Router:
         worker.last_error = reason
 
     def worker_lost(self, worker: Worker, reason: str) -> None:
-        """The probe gave ``worker`` up: mark it down and tell every request
-        riding it (:meth:`InFlight.worker_lost`) at once."""
+        """The probe gave ``worker`` up: mark it down, make the policy
+        forget its cache, and tell every request riding it
+        (:meth:`InFlight.worker_lost`) at once."""
         self.mark_down(worker, reason)
+        self.policy.forget(worker)
         for request in list(worker.inflight):
             request.worker_lost(worker, reason)
 
@@ -366,3 +387,13 @@ class Router:
         for w in self.workers:
             await w.pool.aclose()
             await w.probe_pool.aclose()
+
+
+def _least(candidates: list[Worker]) -> Worker:
+    """The first of ``candidates`` (in round-robin order) with the fewest
+    outstanding requests."""
+    return min(candidates, key=_outstanding)
+
+
+def _outstanding(worker: Worker) -> int:
+    return worker.outstanding

@@ -231,6 +231,7 @@ class SGLangCodec(Codec):
             model=None,
             replay_excluded=excluded,
             native=obj,
+            prompt_text=text,
         )
 
     def exchange(self, request: GenerateRequest, request_id: str) -> "SGLangExchange | SGLangBatchExchange":

@@ -1,0 +1,102 @@
+"""Routing policies: which worker of a role a request goes to.
+
+The router (:class:`~asgi_generate.workers.router.Router`) hands a policy
+the healthy workers a request may use (its role, its protocol, none it
+already failed on) and a ``least`` function: least outstanding requests,
+ties round-robin, today's rule and every policy's fallback. Policies:
+
+- ``least-outstanding`` (:class:`Policy`, the default): ``least``.
+- ``session`` (:mod:`.session`): rendezvous hashing on a session key
+  header, with bounded load.
+- ``cache-aware`` (:mod:`.cache_aware`): longest prefix match against an
+  approximate prefix tree per worker, least outstanding when load is
+  imbalanced.
+
+In P/D the policy picks the prefill worker; the decode worker is always
+least outstanding. A policy only chooses the worker: answers and trace
+records are the same whichever it picks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from ...codec import GenerateRequest
+    from ...config import Settings
+    from ..router import Worker
+
+    Least = Callable[[Sequence[Worker]], Worker]
+
+POLICIES = ("least-outstanding", "session", "cache-aware")
+
+
+class Policy:
+    """Least outstanding requests, ties round-robin (``least-outstanding``);
+    the base of the other policies.
+
+    A request whose key is ``None`` never reaches :meth:`choose`: the
+    router sends it to ``least`` itself.
+
+    Attributes:
+        name: the ``--policy`` value.
+        requests: requests keyed so far (:meth:`routing_key` calls).
+        keyless: those without a key.
+    """
+
+    name = "least-outstanding"
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.keyless = 0
+
+    def routing_key(self, request: "GenerateRequest", headers: Mapping[bytes, bytes]) -> Any:
+        """What the policy routes ``request`` by, computed once per request
+        (``headers`` has lower-case names); ``None``: least outstanding."""
+        self.requests += 1
+        key = self._key(request, headers)
+        if key is None:
+            self.keyless += 1
+        return key
+
+    def _key(self, request: "GenerateRequest", headers: Mapping[bytes, bytes]) -> Any:
+        return None
+
+    def choose(self, candidates: Sequence["Worker"], key: Any, least: "Least") -> "Worker":
+        """The worker for a request with ``key`` (not ``None``) among
+        ``candidates`` (healthy, never empty)."""
+        return least(candidates)
+
+    def forget(self, worker: "Worker") -> None:
+        """``worker``'s engine lost its prefix cache (flushed, or the worker
+        was lost and may come back restarted): drop what the policy knows
+        of it."""
+
+    def stats(self) -> dict[str, Any]:
+        """The policy's block of ``/stats``: its name and counters."""
+        return {"policy": self.name, "requests": self.requests, "keyless": self.keyless}
+
+
+def build_policy(settings: "Settings") -> Policy:
+    """The policy ``settings.policy`` names, configured from ``settings``.
+
+    Raises:
+        ValueError: an unknown policy name.
+    """
+    if settings.policy == "least-outstanding":
+        return Policy()
+    if settings.policy == "session":
+        from .session import SessionPolicy
+
+        return SessionPolicy(settings.session_headers, settings.session_balance_epsilon)
+    if settings.policy == "cache-aware":
+        from .cache_aware import CacheAwarePolicy
+
+        return CacheAwarePolicy(
+            cache_threshold=settings.cache_threshold,
+            balance_abs_threshold=settings.balance_abs_threshold,
+            balance_rel_threshold=settings.balance_rel_threshold,
+            max_tree_tokens=settings.max_tree_tokens,
+            max_tree_nodes=settings.max_tree_nodes,
+        )
+    raise ValueError(f"unknown policy {settings.policy!r} (known: {', '.join(POLICIES)})")

@@ -1,0 +1,134 @@
+"""Cache-aware routing: send a prompt where its longest prefix went.
+
+The frontend keeps, per worker, an approximate prefix tree of the prompts
+it routed there (:class:`~asgi_generate.workers.prefix_tree.PrefixTree`):
+token ids, or the characters of a text prompt. For each request, over the
+candidates (healthy workers of the role):
+
+1. Load imbalanced, ``max - min > balance_abs_threshold`` and
+   ``max > balance_rel_threshold * min`` (outstanding requests): the least
+   outstanding worker.
+2. Else, when the longest prefix any candidate's tree holds covers more
+   than ``cache_threshold`` of the prompt: the least outstanding of the
+   candidates holding that longest prefix (an affinity hit).
+3. Else (a miss): the least outstanding worker.
+
+The chosen worker's tree then takes the prompt (also in case 1, so the
+tree follows where prompts really went). A request with no prompt the
+frontend can read (embeddings) is least outstanding, as the router sends
+every keyless request.
+
+Learned from sglang-router's ``cache_aware`` policy (``sgl-router/src/
+policies/cache_aware.rs`` and ``tree.rs``), with the same three steps and
+threshold meanings and defaults (0.3, 64, 1.5). Where it differs:
+
+- one tree per worker, over token ids when the request has them (the
+  router matches the text of the ids joined with spaces, in one tree whose
+  nodes list the workers);
+- among workers holding the longest prefix, the least outstanding (the
+  router takes the first listed); on a miss, the least outstanding (the
+  router takes the worker with the smallest tree);
+- bounded at every insert (``max_tree_tokens`` tokens and
+  ``max_tree_nodes`` nodes per worker, LRU leaves evicted at once) rather
+  than by a periodic eviction thread, so memory never overshoots;
+- a worker's tree is emptied when its cache is flushed through the
+  frontend (``/flush_cache``, ``/reset_prefix_cache``) and when the health
+  probe gives the worker up (it may come back restarted, its cache empty).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from ..prefix_tree import PrefixTree, text_key, token_key
+from . import Policy
+
+if TYPE_CHECKING:
+    from ...codec import GenerateRequest
+    from ..router import Worker
+    from . import Least
+
+
+class CacheAwarePolicy(Policy):
+    """``--policy cache-aware`` (see the module docstring).
+
+    Args:
+        cache_threshold: share of the prompt (0 to 1) the longest match
+            must exceed for an affinity hit.
+        balance_abs_threshold, balance_rel_threshold: the imbalance test,
+            on outstanding requests.
+        max_tree_tokens, max_tree_nodes: each worker's tree bounds.
+
+    Attributes:
+        hits, misses, imbalanced: decisions by case.
+        trees: worker id to its tree.
+    """
+
+    name = "cache-aware"
+
+    def __init__(
+        self,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        max_tree_tokens: int = 1 << 20,
+        max_tree_nodes: int = 1 << 16,
+    ) -> None:
+        super().__init__()
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.max_tree_tokens = max_tree_tokens
+        self.max_tree_nodes = max_tree_nodes
+        self.trees: dict[str, PrefixTree] = {}
+        self.hits = self.misses = self.imbalanced = 0
+
+    def _key(self, request: "GenerateRequest", headers: Mapping[bytes, bytes]) -> str | None:
+        """The prompt's tree key: its token ids, else its text, else (or
+        when empty) ``None``."""
+        if request.input_ids:
+            return token_key(request.input_ids)
+        if request.prompt_text:
+            return text_key(request.prompt_text)
+        return None
+
+    def tree(self, worker: "Worker") -> PrefixTree:
+        """``worker``'s tree (made on first use)."""
+        tree = self.trees.get(worker.id)
+        if tree is None:
+            tree = self.trees[worker.id] = PrefixTree(self.max_tree_tokens, self.max_tree_nodes)
+        return tree
+
+    def forget(self, worker: "Worker") -> None:
+        """Empty ``worker``'s tree."""
+        self.trees.pop(worker.id, None)
+
+    def choose(self, candidates: Sequence["Worker"], key: Any, least: "Least") -> "Worker":
+        """See the module docstring."""
+        loads = [w.outstanding for w in candidates]
+        high, low = max(loads), min(loads)
+        if high - low > self.balance_abs_threshold and high > self.balance_rel_threshold * low:
+            self.imbalanced += 1
+            worker = least(candidates)
+        else:
+            trees = self.trees
+            matched = [t.match(key) if (t := trees.get(w.id)) is not None else 0 for w in candidates]
+            best = max(matched)
+            # The key's first character is its kind marker, not prompt.
+            if (best - 1) / (len(key) - 1) > self.cache_threshold:
+                self.hits += 1
+                worker = least([w for w, m in zip(candidates, matched) if m == best])
+            else:
+                self.misses += 1
+                worker = least(candidates)
+        self.tree(worker).insert(key)
+        return worker
+
+    def stats(self) -> dict[str, Any]:
+        """Decisions by case, and each worker's tree size."""
+        return {
+            **super().stats(),
+            "affinity_hits": self.hits, "misses": self.misses, "imbalanced": self.imbalanced,
+            "trees": {wid: {"tokens": t.tokens, "nodes": t.nodes, "evicted_tokens": t.evicted_tokens}
+                      for wid, t in sorted(self.trees.items())},
+        }

@@ -1,0 +1,427 @@
+"""Routing for prefix reuse on a multi-turn workload: asgi-generate's three
+policies and sglang-router's cache_aware and round_robin, side by side on
+the same simulated fleet.
+
+Fleet: ``--workers`` (4) simulated SGLang workers, each with a prefix cache
+of ``--cache-tokens`` tokens (LRU) and a prefill cost of
+``--prefill-us-per-token`` per uncached prompt token (prefills one after
+another per worker, on top of ``--ttft-ms``), ``--itl-ms`` between tokens.
+
+Workload (built once, the same for every router): ``--sessions`` (64)
+conversations of ``--turns`` (8) turns; a turn's prompt is the previous
+turn's prompt, its answer and a new user chunk (``--first-tokens`` 512 for
+the first turn, ``--turn-tokens`` 128 after), ``--output-tokens`` (64)
+tokens answered (``ignore_eos``), streamed. ``--concurrency`` (16) clients
+take the next waiting conversation, send its next turn, and put it back at
+the end of the line, so every conversation stays open the whole run (as an
+RL rollout's agents do) and a worker can only keep the conversations it
+serves in its cache. Every turn carries ``X-Session-ID``. With
+``--mooncake FILE`` the requests are instead the rows of a Mooncake trace
+(``input_length``, ``output_length``, ``hash_ids``: each hash id a
+512-token block, equal ids equal blocks), sent in order at the same
+concurrency, the first hash id as session key.
+
+Routers, in turn, each in front of the same simulators, their caches
+flushed between routers: asgi-generate ``--policy least-outstanding``,
+``session``, ``cache-aware`` (asyncio worker class), sglang-router
+``--policy cache_aware`` (its defaults) and ``round_robin``.
+
+With ``--repeat N`` each router runs N times, the routers interleaved
+(A B C ... A B C ...), and its figures pool all N runs: on a shared
+machine the noise between runs is larger than the hop's own cost.
+
+Per router: the cache-hit ratio (cached / prompt tokens, from the
+simulators' ``/sim/stats``), mean and p99 TTFT at the client (request sent
+to first token event), throughput (requests and output tokens per second),
+and requests per worker (max/min). Every answer is checked: status 200,
+``--output-tokens`` tokens, and the same tokens under every router.
+
+Usage: ``.venv/bin/python bench/bench_routing.py [--sessions 64 --turns 8
+--concurrency 16] [--routers ours,sglang-router]``. sglang-router is
+installed on first use into ``bench/.venv-router``, as bench_frontend.py does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import pathlib
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import httpx
+import orjson
+
+from _procs import Child, free_port, http_request, listening_socket, wait_ready
+from bench_frontend import HERE, ID_LOW, ID_SPAN, ensure_router
+
+ROUTERS = {
+    "least-outstanding": ("ours", "least-outstanding"),
+    "session": ("ours", "session"),
+    "cache-aware": ("ours", "cache-aware"),
+    "sglang-router cache_aware": ("sglang-router", "cache_aware"),
+    "sglang-router round_robin": ("sglang-router", "round_robin"),
+}
+MOONCAKE_BLOCK = 512
+
+
+@dataclass
+class Request:
+    """One request of the workload: a conversation's turn or a trace row."""
+
+    session: str
+    prompt: list[int]
+    output_tokens: int
+
+
+@dataclass
+class RunResult:
+    label: str
+    ttft_ms: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    per_worker: list[int] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    answers: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    policy_stats: dict | None = None
+
+
+def chunk(rng: random.Random, n: int) -> list[int]:
+    return [ID_LOW + rng.randrange(ID_SPAN) for _ in range(n)]
+
+
+class Conversations:
+    """The multi-turn workload: each conversation's next prompt depends on
+    its previous answer, which the first run records (the simulator is
+    deterministic, so every run sends the same prompts)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        rng = random.Random(args.seed)
+        self.turns = args.turns
+        self.output_tokens = args.output_tokens
+        self.first = [chunk(rng, args.first_tokens) for _ in range(args.sessions)]
+        self.added = [[chunk(rng, args.turn_tokens) for _ in range(args.turns - 1)] for _ in range(args.sessions)]
+
+    def start(self) -> deque:
+        return deque((s, 0, self.first[s]) for s in range(len(self.first)))
+
+    def follow(self, s: int, turn: int, prompt: list[int], answer: list[int]) -> tuple[int, int, list[int]] | None:
+        if turn + 1 >= self.turns:
+            return None
+        return s, turn + 1, prompt + answer + self.added[s][turn]
+
+
+def mooncake_rows(path: pathlib.Path, limit_output: int) -> list[Request]:
+    """The trace's rows as requests: each hash id a deterministic 512-token block."""
+    blocks: dict[int, list[int]] = {}
+    out = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = orjson.loads(line)
+        ids: list[int] = []
+        for h in row["hash_ids"]:
+            if h not in blocks:
+                blocks[h] = chunk(random.Random(h), MOONCAKE_BLOCK)
+            ids += blocks[h]
+        ids = ids[: row["input_length"]] or chunk(random.Random(-1), 1)
+        key = str(row["hash_ids"][0]) if row["hash_ids"] else "none"
+        out.append(Request(key, ids, max(1, min(row["output_length"], limit_output))))
+    return out
+
+
+async def one_turn(client: httpx.AsyncClient, url: str, req: Request, result: RunResult) -> list[int] | None:
+    """Send one streamed request; record its TTFT; return its output ids."""
+    body = orjson.dumps({"input_ids": req.prompt, "stream": True,
+                         "sampling_params": {"max_new_tokens": req.output_tokens, "ignore_eos": True}})
+    headers = {"content-type": "application/json", "x-session-id": req.session}
+    t0 = time.perf_counter()
+    first = None
+    buf = b""
+    async with client.stream("POST", url + "/generate", content=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            result.problems.append(f"status {resp.status_code}: {(await resp.aread())[:200]!r}")
+            return None
+        async for data in resp.aiter_raw():
+            if first is None and b"data: {" in data:
+                first = time.perf_counter()
+            buf += data
+    events = [e[6:] for e in buf.split(b"\n\n") if e.startswith(b"data: ")]
+    if len(events) < 2 or events[-1] != b"[DONE]":
+        result.problems.append("stream did not end with [DONE]")
+        return None
+    ids = orjson.loads(events[-2]).get("output_ids")
+    if first is None or not isinstance(ids, list) or len(ids) != req.output_tokens:
+        result.problems.append(f"answer has {len(ids) if isinstance(ids, list) else ids} tokens")
+        return None
+    result.ttft_ms.append((first - t0) * 1000)
+    result.output_tokens += len(ids)
+    return ids
+
+
+async def drive(url: str, args: argparse.Namespace, work, result: RunResult) -> None:
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        if isinstance(work, Conversations):
+            line = work.start()
+            active = 0
+            wake = asyncio.Event()
+
+            async def client_loop() -> None:
+                nonlocal active
+                while True:
+                    while not line:
+                        if active == 0:
+                            return
+                        wake.clear()
+                        await wake.wait()
+                    s, turn, prompt = line.popleft()
+                    active += 1
+                    try:
+                        ids = await one_turn(client, url, Request(f"session-{s}", prompt, work.output_tokens), result)
+                        if ids is not None:
+                            result.answers[(f"session-{s}", turn)] = ids
+                            nxt = work.follow(s, turn, prompt, ids)
+                            if nxt is not None:
+                                line.append(nxt)
+                    finally:
+                        active -= 1
+                        wake.set()
+
+            await asyncio.gather(*(client_loop() for _ in range(args.concurrency)))
+        else:
+            queue = deque(enumerate(work))
+
+            async def row_loop() -> None:
+                while queue:
+                    i, req = queue.popleft()
+                    ids = await one_turn(client, url, req, result)
+                    if ids is not None:
+                        result.answers[(req.session, i)] = ids
+
+            await asyncio.gather(*(row_loop() for _ in range(args.concurrency)))
+
+
+def sim_stats(port: int) -> dict:
+    status, body = http_request(port, "GET", "/sim/stats")
+    assert status == 200, body
+    return orjson.loads(body)
+
+
+def start_sims(stack: contextlib.ExitStack, args: argparse.Namespace, log_dir: pathlib.Path) -> list[int]:
+    ports = []
+    for i in range(args.workers):
+        sock = listening_socket()
+        port = sock.getsockname()[1]
+        argv = [sys.executable, "-m", "asgi_generate", "sim", "--protocol", "sglang", "--fd", str(sock.fileno()),
+                "--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms),
+                "--cache-tokens", str(args.cache_tokens), "--prefill-us-per-token", str(args.prefill_us_per_token),
+                "--disconnect-abort-s", "60"]
+        sim = Child(f"sim{i}", argv, None, log_dir, pass_fds=(sock.fileno(),))
+        sock.close()
+        stack.callback(sim.stop)
+        wait_ready(sim, port, "GET", "/health")
+        ports.append(port)
+    return ports
+
+
+def start_router(stack: contextlib.ExitStack, kind: str, policy: str, sim_ports: list[int],
+                 args: argparse.Namespace, log_dir: pathlib.Path, router_python: str | None) -> int:
+    urls = [f"http://127.0.0.1:{p}" for p in sim_ports]
+    probe = orjson.dumps({"input_ids": [ID_LOW], "sampling_params": {"max_new_tokens": 1}})
+    if kind == "sglang-router":
+        port = free_port()
+        argv = [router_python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                "--worker-urls", *urls, "--policy", policy, "--log-level", "warn",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        child = Child(f"sglang-router-{policy}", argv, None, log_dir)
+        stack.callback(child.stop)
+        wait_ready(child, port, "POST", "/generate", probe)
+        # The router registers workers in the background: wait for all of them.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            status, body = http_request(port, "GET", "/workers")
+            if status == 200 and sum(w.get("is_healthy", False) for w in orjson.loads(body)["workers"]) == len(urls):
+                break
+            time.sleep(0.2)
+        return port
+    sock = listening_socket()
+    port = sock.getsockname()[1]
+    argv = [sys.executable, "-m", "asgi_generate", "serve", "--fd", str(sock.fileno()), "--worker-class", "asyncio",
+            "--log-level", "warning", "--policy", policy,
+            "--session-balance-epsilon", str(args.session_balance_epsilon)]
+    for u in urls:
+        argv += ["--worker", f"sglang={u}"]
+    child = Child(f"asgi-generate-{policy}", argv, None, log_dir, pass_fds=(sock.fileno(),))
+    sock.close()
+    stack.callback(child.stop)
+    wait_ready(child, port, "GET", "/health")
+    deadline = time.monotonic() + 30
+    while orjson.loads(http_request(port, "GET", "/health")[1])["healthy_workers"] < len(urls):
+        assert time.monotonic() < deadline, "workers never all up"
+        time.sleep(0.1)
+    return port
+
+
+def run_one(label: str, kind: str, policy: str, sim_ports: list[int], args: argparse.Namespace, work,
+            log_dir: pathlib.Path, router_python: str | None) -> RunResult:
+    result = RunResult(label)
+    with contextlib.ExitStack() as stack:
+        port = start_router(stack, kind, policy, sim_ports, args, log_dir, router_python)
+        for p in sim_ports:  # the probe and warm-up requests' prefixes too
+            status, body = http_request(p, "POST", "/flush_cache")
+            assert status == 200, body
+        before = [sim_stats(p) for p in sim_ports]
+        t0 = time.perf_counter()
+        asyncio.run(drive(f"http://127.0.0.1:{port}", args, work, result))
+        result.seconds = time.perf_counter() - t0
+        after = [sim_stats(p) for p in sim_ports]
+        if kind == "ours":
+            result.policy_stats = orjson.loads(http_request(port, "GET", "/stats")[1])["routing"]
+    for b, a in zip(before, after):
+        result.prompt_tokens += a["cache"]["prompt_tokens"] - b["cache"]["prompt_tokens"]
+        result.cached_tokens += a["cache"]["cached_tokens"] - b["cache"]["cached_tokens"]
+        result.per_worker.append(a["received"] - b["received"])
+    return result
+
+
+def pooled(runs: list[RunResult]) -> RunResult:
+    """One router's runs as one: every TTFT, summed tokens, seconds and
+    requests per worker; the first run's answers, and each run's problems
+    (with a note when a run's answers differ from the first's)."""
+    out = RunResult(runs[0].label, answers=runs[0].answers, policy_stats=runs[-1].policy_stats,
+                    per_worker=[0] * len(runs[0].per_worker))
+    for r in runs:
+        out.ttft_ms += r.ttft_ms
+        out.seconds += r.seconds
+        out.output_tokens += r.output_tokens
+        out.prompt_tokens += r.prompt_tokens
+        out.cached_tokens += r.cached_tokens
+        out.per_worker = [a + b for a, b in zip(out.per_worker, r.per_worker)]
+        out.problems += r.problems + (["answers differ between runs"] if r.answers != out.answers else [])
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def report(results: list[RunResult], args: argparse.Namespace, context: list[str]) -> None:
+    print("\n".join(context))
+    print()
+    print("| router | hit ratio | mean TTFT ms | p99 TTFT ms | req/s | output tok/s | requests per worker | max/min |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|")
+    for r in results:
+        n = len(r.ttft_ms)
+        hit = r.cached_tokens / r.prompt_tokens if r.prompt_tokens else float("nan")
+        spread = (max(r.per_worker) / min(r.per_worker)) if min(r.per_worker, default=0) > 0 else float("inf")
+        print(f"| {r.label} | {hit:.3f} | {statistics.fmean(r.ttft_ms) if n else float('nan'):.1f} "
+              f"| {pct(r.ttft_ms, 0.99):.1f} | {n / r.seconds:.1f} | {r.output_tokens / r.seconds:,.0f} "
+              f"| {' / '.join(map(str, r.per_worker))} | {spread:.2f} |")
+    print()
+    ours = [r for r in results if ROUTERS[r.label][0] == "ours"]
+    ref = next((r for r in results if r.label == "sglang-router cache_aware"), None)
+    if ours and ref is not None and ref.ttft_ms:
+        best = min(ours, key=lambda r: statistics.fmean(r.ttft_ms) if r.ttft_ms else float("inf"))
+        hit = best.cached_tokens / best.prompt_tokens
+        ref_hit = ref.cached_tokens / ref.prompt_tokens
+        print(f"Best of ours by mean TTFT: {best.label}: hit ratio {hit:.3f} vs sglang-router cache_aware "
+              f"{ref_hit:.3f} ({hit / ref_hit:.2f}x); mean TTFT {statistics.fmean(best.ttft_ms):.1f} vs "
+              f"{statistics.fmean(ref.ttft_ms):.1f} ms ({statistics.fmean(best.ttft_ms) / statistics.fmean(ref.ttft_ms):.2f}x); "
+              f"p99 {pct(best.ttft_ms, 0.99):.1f} vs {pct(ref.ttft_ms, 0.99):.1f} ms")
+    for r in ours:
+        print(f"- {r.label} decisions (last run): {orjson.dumps(r.policy_stats).decode()}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--sessions", type=int, default=64)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--first-tokens", type=int, default=512)
+    p.add_argument("--turn-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--mooncake", type=pathlib.Path, default=None, help="replay this Mooncake trace (JSONL) instead")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--cache-tokens", type=int, default=32768, help="each simulator's prefix cache")
+    p.add_argument("--prefill-us-per-token", type=float, default=100.0)
+    p.add_argument("--ttft-ms", type=float, default=5.0)
+    p.add_argument("--itl-ms", type=float, default=4.0)
+    p.add_argument("--session-balance-epsilon", type=float, default=1.0, help="ours, --policy session")
+    p.add_argument("--routers", default=",".join(ROUTERS),
+                   help=f"comma-separated, from: {', '.join(ROUTERS)}; 'ours' and 'sglang-router' name groups")
+    p.add_argument("--repeat", type=int, default=1, help="runs per router, interleaved, pooled")
+    p.add_argument("--seed", type=int, default=12)
+    p.add_argument("--router-venv", type=pathlib.Path, default=HERE / ".venv-router")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    names = []
+    for item in (s.strip() for s in args.routers.split(",") if s.strip()):
+        group = [k for k, (kind, _) in ROUTERS.items() if kind == item]
+        if not group and item not in ROUTERS:
+            print(f"unknown router {item!r}; choose from {list(ROUTERS)}", file=sys.stderr)
+            return 2
+        names += group or [item]
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    router_python, router_version = (ensure_router(args.router_venv) if any(ROUTERS[n][0] == "sglang-router"
+                                                                           for n in names) else (None, None))
+    work = mooncake_rows(args.mooncake, args.output_tokens) if args.mooncake else Conversations(args)
+    log_dir = pathlib.Path(tempfile.mkdtemp(prefix="asgi-generate-bench-routing-"))
+    results: list[RunResult] = []
+    ok = False
+    try:
+        with contextlib.ExitStack() as stack:
+            sim_ports = start_sims(stack, args, log_dir)
+            runs: dict[str, list[RunResult]] = {name: [] for name in names}
+            for round_ in range(args.repeat):
+                for name in names:
+                    kind, policy = ROUTERS[name]
+                    print(f"{name} (run {round_ + 1} of {args.repeat}) ...", file=sys.stderr)
+                    runs[name].append(run_one(name, kind, policy, sim_ports, args, work, log_dir, router_python))
+            results = [pooled(r) for r in runs.values()]
+        reference = results[0].answers if results else {}
+        for r in results:
+            if r.answers != reference:
+                r.problems.append(f"answers differ from {results[0].label}'s")
+        load = os.getloadavg()[0]
+        shape = (f"Mooncake trace {args.mooncake.name}: {len(work)} requests" if args.mooncake else
+                 f"{args.sessions} sessions x {args.turns} turns ({args.first_tokens}-token first turn, "
+                 f"+{args.turn_tokens} tokens a turn, {args.output_tokens} output tokens)")
+        report(results, args, [
+            f"Workload: {shape}, concurrency {args.concurrency}, streamed; {args.repeat} run(s) per router, "
+            f"interleaved, pooled.",
+            f"Fleet: {args.workers} simulated SGLang workers, prefix cache {args.cache_tokens} tokens each (LRU), "
+            f"prefill {args.prefill_us_per_token:g} us per uncached token (one prefill at a time per worker) + "
+            f"TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms. sglang-router {router_version or 'not run'} "
+            f"(defaults: cache-threshold 0.3, balance 64 / 1.5). {os.cpu_count()} CPUs, load before {load:.2f}.",
+        ])
+        problems = [f"{r.label}: {p}" for r in results for p in r.problems[:3]]
+        for p in problems:
+            print(f"PROBLEM {p}", file=sys.stderr)
+        ok = not problems
+    finally:
+        if ok:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        else:
+            print(f"logs kept in {log_dir}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
