@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import anyio
 import orjson
@@ -36,6 +36,8 @@ from .registry import LoadedCodec, load_codecs
 from .text import PromptTokenizer
 from .workers.aborts import ACKED, LOST, UNACKNOWLEDGED, AbortQueue
 from .workers.policies import build_policy
+from .workers.discovery import Discovery, Resolver, resolve
+from .workers.membership import Membership
 from .workers.router import Router, Worker
 
 log = logging.getLogger("asgi_generate")
@@ -49,6 +51,7 @@ class App:
         settings: the configuration.
         codecs: the codecs to serve; by default every installed one
             (:func:`asgi_generate.registry.load_codecs`).
+        resolver: the DNS lookup of ``dns://`` workers (tests pass a fake).
 
     Raises:
         CodecLoadError: installed codecs cannot be served together.
@@ -60,8 +63,11 @@ class App:
     #: what it carried is not counted as sent.
     handles_send_errors = True
 
-    def __init__(self, settings: Settings, codecs: list[LoadedCodec] | None = None) -> None:
+    def __init__(
+        self, settings: Settings, codecs: list[LoadedCodec] | None = None, resolver: Resolver = resolve
+    ) -> None:
         self.settings = settings
+        self.resolver = resolver
         self.codecs = load_codecs(settings.skip_broken_codecs) if codecs is None else codecs
         self.routes: dict[tuple[str, str], Codec] = {}
         self.paths: dict[str, list[str]] = {}
@@ -77,6 +83,9 @@ class App:
         self.aborts: dict[str, AbortQueue] = {}
         self.admin = admin.build(self)
         self.inflight: dict[str, Any] = {}
+        #: Every request from its start to its record (its aborts
+        #: included), by its minted id.
+        self.open_requests: dict[str, RequestState] = {}
         self.body_budget = BodyBudget(settings.body_budget_bytes)
         #: Requests whose body is being read now (granted their budget).
         self.reading_body = 0
@@ -154,39 +163,42 @@ class App:
         started = False
         try:
             async with AsyncExitStack() as stack:
-                specs, prefill, decode = self.settings.workers, self.settings.prefill, self.settings.decode
-                if not (specs or prefill or decode):
+                st = self.settings
+                specs, prefill, decode = st.workers, st.prefill, st.decode
+                if not (specs or prefill or decode or st.workers_file):
                     # Simulators for each protocol a served codec rides on,
                     # so every route answers.
                     specs, prefill, decode = await stack.enter_async_context(
                         embedded_fleet(
                             {item.codec.worker_protocol for item in self.codecs},
-                            self.settings.embedded_workers,
-                            self.settings.embedded_ttft_ms,
-                            self.settings.embedded_itl_ms,
-                            self.settings.embedded_pd,
+                            st.embedded_workers,
+                            st.embedded_ttft_ms,
+                            st.embedded_itl_ms,
+                            st.embedded_pd,
                         )
                     )
                 self.router = Router(
-                    specs,
-                    prefill=prefill,
-                    decode=decode,
-                    disaggregation=self.settings.disaggregation,
-                    connect_timeout=self.settings.connect_timeout,
-                    health_timeout=self.settings.health_timeout,
-                    health_failures=self.settings.health_failures,
-                    policy=build_policy(self.settings),
+                    [],
+                    disaggregation=st.disaggregation,
+                    connect_timeout=st.connect_timeout,
+                    health_timeout=st.health_timeout,
+                    health_failures=st.health_failures,
+                    policy=build_policy(st),
                 )
                 stack.push_async_callback(self.router.aclose)
-                async with anyio.create_task_group() as probes:
-                    for worker in self.router.workers:
-                        probes.start_soon(self.router.probe, worker)
+                listed = [*(("aggregated", s) for s in specs), *(("prefill", s) for s in prefill),
+                          *(("decode", s) for s in decode)]
+                membership = Membership(
+                    self.router,
+                    Discovery(listed, st.workers_file, self.resolver),
+                    interval=st.discovery_interval,
+                    health_interval=st.health_interval,
+                    busy=self._worker_busy,
+                    services=self._start_aborts,
+                    on_remove=lambda worker: self.aborts.pop(worker.id, None),
+                )
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(self.router.watch, self.settings.health_interval)
-                    for worker in self.router.workers:
-                        queue = self._abort_queue(worker)
-                        self.aborts[worker.id] = queue
-                        tg.start_soon(queue.run)
+                    await tg.start(membership.run)
                     if self.tracer is not None:
                         await tg.start(self.tracer.run)
                     if self.metrics.multiproc_dir is not None:
@@ -238,9 +250,10 @@ class App:
             self._decode_limiter = anyio.CapacityLimiter(1)
         return self._decode_limiter
 
-    def _abort_queue(self, worker: Worker) -> AbortQueue:
+    def _start_aborts(self, worker: Worker) -> Callable[[], Awaitable[None]]:
+        """A joining worker's abort queue (kept in :attr:`aborts`), to run."""
         st = self.settings
-        return AbortQueue(
+        queue = self.aborts[worker.id] = AbortQueue(
             worker,
             concurrency=st.abort_concurrency,
             queue_size=st.abort_queue_size,
@@ -249,6 +262,16 @@ class App:
             deadline=st.abort_deadline,
             on_lost=self.router.worker_lost,
         )
+        return queue.run
+
+    def _worker_busy(self, worker: Worker) -> bool:
+        """Whether a draining ``worker`` is still used: requests ride it,
+        an engine leg on it may still need its abort, or aborts for it are
+        queued or being sent."""
+        queue = self.aborts.get(worker.id)
+        if worker.inflight or (queue is not None and (queue.queued or queue.in_flight)):
+            return True
+        return any(a.live and a.worker is worker for st in self.open_requests.values() for a in st.attempts)
 
     async def abort_engine_request(self, worker: Worker, engine_id: str) -> str:
         """Ask ``worker``'s engine to abort ``engine_id`` through the worker's
@@ -331,7 +354,9 @@ class App:
             "routing": self.router.policy.stats(),
             "workers": {
                 w.id: {
+                    "url": w.url,
                     "role": w.role,
+                    "state": w.describe()["state"],
                     "outstanding": w.outstanding,
                     "idle_connections": w.pool.idle,
                     "connections_opened": w.pool.opened,

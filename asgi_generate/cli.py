@@ -104,8 +104,8 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                            description="Serve the frontend. Every setting flag also reads its "
                                        "ASGI_GENERATE_* variable (the flag wins); see README.md.")
     serve.add_argument("--worker", action="append", type=_worker_spec, default=None, metavar="PROTOCOL=URL",
-                       help="an engine worker, PROTOCOL sglang or vllm, e.g. sglang=http://127.0.0.1:30000 "
-                            "(repeat for more); with none, simulated workers are started (default: "
+                       help="an engine worker, PROTOCOL sglang or vllm, e.g. sglang=http://127.0.0.1:30000, or "
+                            "sglang=dns://NAME:PORT for every address NAME resolves to (repeat for more); with none, simulated workers are started (default: "
                             + (",".join(f"{p}={u}" for p, u in d.workers) or "none") + ")")
     serve.add_argument("--prefill", action="append", type=_prefill_spec, default=None, metavar="PROTOCOL=URL",
                        help="a P/D prefill worker, e.g. sglang=http://127.0.0.1:30000?bootstrap_port=8998 "
@@ -146,6 +146,12 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                             "least recently used leaves are evicted past it (default %(default)s)")
     serve.add_argument("--max-tree-nodes", type=int, default=d.max_tree_nodes,
                        help="cache-aware policy: nodes each worker's prefix tree holds (default %(default)s)")
+    serve.add_argument("--workers-file", default=d.workers_file, metavar="PATH",
+                       help="a JSON (or .toml) file with lists workers, prefill and decode of PROTOCOL=URL "
+                            "specs, reread when it changes; workers that leave it drain")
+    serve.add_argument("--discovery-interval", type=float, default=d.discovery_interval, metavar="S",
+                       help="seconds between DNS lookups of dns:// workers and checks of --workers-file "
+                            "(default %(default)s)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     serve.add_argument("--port", type=PORT, default=8000, help="port to listen on (default %(default)s)")
     serve.add_argument("--fd", type=_bounded(int, 0), default=None,
@@ -352,6 +358,8 @@ def _settings(args: argparse.Namespace, d: Settings) -> Settings:
         balance_rel_threshold=args.balance_rel_threshold,
         max_tree_tokens=args.max_tree_tokens,
         max_tree_nodes=args.max_tree_nodes,
+        workers_file=args.workers_file,
+        discovery_interval=args.discovery_interval,
         max_body_bytes=args.max_body_bytes,
         body_budget_bytes=args.body_budget_bytes,
         body_budget_wait=args.body_budget_wait,

@@ -31,6 +31,7 @@ def finish_record(app: "App", st: RequestState) -> None:
     items: each item's state, see :mod:`asgi_generate.batches`)."""
     if st.t_done is None:
         st.t_done = time.monotonic()
+        app.open_requests.pop(st.request_id, None)
         for state in st.expand() if st.expand is not None else (st,):
             app.request_finished(state)
 

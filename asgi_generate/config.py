@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 from .budget import default_budget_bytes
 from .workers.policies import POLICIES
 from .workers.policies.session import DEFAULT_HEADERS
+from .workers.discovery import read_workers_file
 from .workers.router import DISAGGREGATION_MODES, parse_worker_spec
 
 ENV_PREFIX = "ASGI_GENERATE_"
@@ -26,7 +27,7 @@ POSITIVE = frozenset({
     "max_body_bytes", "body_budget_bytes", "body_read_timeout", "connect_timeout", "health_interval",
     "health_timeout", "health_failures", "abort_timeout", "admin_timeout",
     "abort_concurrency", "abort_queue_size", "abort_batch", "abort_deadline",
-    "slow_client_timeout", "embedded_workers", "trace_queue_size", "trace_block_size",
+    "slow_client_timeout", "embedded_workers", "trace_queue_size", "trace_block_size", "discovery_interval",
     "max_tree_tokens", "max_tree_nodes",
 })
 #: Old variable names still read, and the setting each now sets.
@@ -62,6 +63,11 @@ class Settings:
             ``kv_transfer_params`` lets the decode leg prefill alone
             (recorded as the decode attempt's ``local_prefill``) instead of
             failing the request.
+        workers_file: a JSON or TOML file listing more workers
+            (:func:`asgi_generate.workers.discovery.read_workers_file`),
+            reread when it changes; ``None``: none.
+        discovery_interval: seconds between reads of the fleet's members
+            (``dns://`` names resolved, the workers file checked for changes).
         max_body_bytes: request body cap; larger bodies get 413.
         body_budget_bytes: request body bytes that may be read and decoded
             at once, over all requests (a chunked body counts as
@@ -208,13 +214,15 @@ class Settings:
     balance_rel_threshold: float = 1.5
     max_tree_tokens: int = 1 << 20
     max_tree_nodes: int = 1 << 16
+    workers_file: str | None = None
+    discovery_interval: float = 5.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
         """Settings from ``ASGI_GENERATE_*`` variables; unset or empty ones
         keep their defaults. ``ASGI_GENERATE_WORKERS`` (``..._PREFILL``,
         ``..._DECODE``) is a comma-separated list of
-        ``PROTOCOL=http://HOST:PORT``; booleans are ``1/0``,
+        ``PROTOCOL=http://HOST:PORT`` (or ``dns://NAME:PORT``); booleans are ``1/0``,
         ``true/false``, ``yes/no`` or ``on/off``. ``ASGI_GENERATE_READ_TIMEOUT``
         (the old name) sets ``inter_token_timeout`` unless that is set too.
 
@@ -282,6 +290,11 @@ class Settings:
             least = "above 0" if f.name in POSITIVE else "0 or more"
             if math.isnan(value) or value < 0 or (value == 0 and f.name in POSITIVE):
                 raise ValueError(f"{flag_name(f.name)} ({env_name(f.name)}) must be {least}, not {value!r}")
+        if self.workers_file is not None:
+            try:
+                read_workers_file(self.workers_file)
+            except ValueError as exc:
+                raise ValueError(f"--workers-file ({env_name('workers_file')}): {exc}") from None
         if self.trace_file is not None:
             folder = pathlib.Path(self.trace_file).expanduser().absolute().parent
             if not folder.is_dir():

@@ -50,6 +50,7 @@ async def handle_generate(app: "App", codec: Codec, scope: dict, receive: Receiv
     """Serve one request on a codec's route; always leaves one RequestState."""
     st = RequestState(ids.mint(), codec.name, scope["path"], scope["method"])
     app.request_started()
+    app.open_requests[st.request_id] = st
     try:
         await _serve(app, codec, scope, receive, send, st)
     except OSError:  # an error answer's write: the client is gone (ASGI send exception)

@@ -68,7 +68,7 @@ def supervise(
     async def main() -> int:
         async with AsyncExitStack() as stack:
             fleet = settings
-            if not (settings.workers or settings.prefill or settings.decode):
+            if not (settings.workers or settings.prefill or settings.decode or settings.workers_file):
                 specs, prefill, decode = await stack.enter_async_context(
                     embedded_fleet(protocols, settings.embedded_workers,
                                    settings.embedded_ttft_ms, settings.embedded_itl_ms, settings.embedded_pd)

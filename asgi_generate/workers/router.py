@@ -23,6 +23,7 @@ info was read (SGLang's streaming mode is a server flag the codec needs).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any, Iterable, Protocol
 from urllib.parse import parse_qsl, urlsplit
@@ -56,8 +57,8 @@ class Worker:
     """One engine worker.
 
     Attributes:
-        id: ``w0``, ``w1``, ... in configuration order.
-        url: its base URL, ``http://host:port``.
+        id: ``w0``, ``w1``, ... in the order workers joined (never reused).
+        url: its base URL, ``http://host:port`` or ``https://host:port``.
         protocol: the native protocol it speaks.
         pool: its keep-alive connection pool for requests and aborts.
         probe_pool: the health probe's own connection, so probes never wait
@@ -71,6 +72,8 @@ class Worker:
         last_error: why it was last marked down.
         role: ``aggregated``, ``prefill`` or ``decode``.
         bootstrap_port: an SGLang prefill worker's bootstrap port, else ``None``.
+        draining: left the fleet: gets no new requests, its in-flight ones
+            finish (:meth:`Router.drain`).
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class Worker:
         self.info: dict[str, Any] = {}
         self.last_error: str | None = None
         self.index = 0
+        self.draining = False
 
     @property
     def outstanding(self) -> int:
@@ -104,7 +108,7 @@ class Worker:
             "protocol": self.protocol.name,
             "role": self.role,
             **({"bootstrap_port": self.bootstrap_port} if self.bootstrap_port is not None else {}),
-            "state": "up" if self.healthy else "down",
+            "state": "draining" if self.draining else "up" if self.healthy else "down",
             "outstanding": self.outstanding,
             "model": self.info.get("served_model_name") or self.info.get("model_path"),
             "engine_version": self.info.get("version"),
@@ -113,15 +117,21 @@ class Worker:
         }
 
 
+#: URL schemes of a worker spec: a worker, or a DNS name whose every
+#: address is one (:mod:`asgi_generate.workers.discovery`).
+WORKER_SCHEMES = ("http", "dns")
+
+
 def parse_worker_spec(spec: str, role: str = "aggregated") -> tuple[str, str]:
-    """Split ``PROTOCOL=http://HOST:PORT`` into protocol and URL. An SGLang
+    """Split ``PROTOCOL=http://HOST:PORT`` (or ``PROTOCOL=dns://NAME:PORT``:
+    every address NAME resolves to) into protocol and URL. An SGLang
     prefill worker's URL may end ``?bootstrap_port=B`` (kept in the URL;
     :func:`split_worker_url` reads it). IPv6 hosts are bracketed.
 
     Raises:
-        ValueError: unknown protocol, not an ``http://host:port`` URL, a
-            query other than a prefill's bootstrap port, or a protocol
-            without P/D support in a P/D role.
+        ValueError: unknown protocol, not an ``http://`` or ``dns://``
+            ``HOST:PORT`` URL, a query other than a prefill's bootstrap port,
+            or a protocol without P/D support in a P/D role.
     """
     protocol, sep, url = spec.partition("=")
     if not sep:
@@ -135,8 +145,8 @@ def parse_worker_spec(spec: str, role: str = "aggregated") -> tuple[str, str]:
         port = parts.port
     except ValueError:
         port = None
-    if parts.scheme != "http" or not parts.hostname or not port:
-        raise ValueError(f"worker {spec!r}: expected an http://HOST:PORT URL")
+    if parts.scheme not in WORKER_SCHEMES or not parts.hostname or not port:
+        raise ValueError(f"worker {spec!r}: expected an http://HOST:PORT or dns://NAME:PORT URL")
     if parts.query:
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
         bootstrap = query.pop("bootstrap_port", None)
@@ -194,20 +204,60 @@ class Router:
         self.disaggregation = disaggregation
         self._groups: dict[tuple[str, str], list[Worker]] = {}
         self._next: dict[tuple[str, str], int] = {}
+        self._ids = itertools.count()
+        self.connect_timeout = connect_timeout
         self.health_timeout = health_timeout
         self.health_failures = max(1, health_failures)
-        listed = [*(("aggregated", s) for s in specs), *(("prefill", s) for s in prefill),
-                  *(("decode", s) for s in decode)]
-        for i, (role, (protocol, url)) in enumerate(listed):
-            base, bootstrap_port = split_worker_url(url, role, protocol)
-            parts = urlsplit(base)
-            pool = ConnectionPool(parts.hostname, parts.port, connect_timeout=connect_timeout)
-            probe_pool = ConnectionPool(parts.hostname, parts.port, connect_timeout=connect_timeout, max_idle=1)
-            worker = Worker(f"w{i}", PROTOCOLS[protocol], base, pool, probe_pool, role, bootstrap_port)
-            group = self._groups.setdefault((protocol, role), [])
-            worker.index = len(group)
-            group.append(worker)
-            self.workers.append(worker)
+        for role, listed in (("aggregated", specs), ("prefill", prefill), ("decode", decode)):
+            for protocol, url in listed:
+                self.add(protocol, url, role)
+
+    def add(self, protocol: str, url: str, role: str = "aggregated") -> Worker:
+        """Register a worker (``url`` as :func:`parse_worker_spec` accepts
+        it, a prefill's bootstrap port included) under the next free id. It
+        is routable once a :meth:`probe` passes.
+
+        Raises:
+            KeyError: ``protocol`` is unknown.
+        """
+        base, bootstrap_port = split_worker_url(url, role, protocol)
+        parts = urlsplit(base)
+        pool = ConnectionPool(parts.hostname, parts.port, connect_timeout=self.connect_timeout)
+        probe_pool = ConnectionPool(parts.hostname, parts.port, connect_timeout=self.connect_timeout, max_idle=1)
+        worker = Worker(f"w{next(self._ids)}", PROTOCOLS[protocol], base, pool, probe_pool, role, bootstrap_port)
+        self.workers.append(worker)
+        self._join_group(worker)
+        return worker
+
+    def _join_group(self, worker: Worker) -> None:
+        group = self._groups.setdefault((worker.protocol.name, worker.role), [])
+        worker.index = len(group)
+        group.append(worker)
+
+    def drain(self, worker: Worker) -> None:
+        """Stop routing new requests to ``worker``; the requests riding it
+        carry on (and its probes and aborts go on) until :meth:`remove`."""
+        if worker.draining:
+            return
+        worker.draining = True
+        key = (worker.protocol.name, worker.role)
+        group = self._groups[key]
+        group.remove(worker)
+        for i, w in enumerate(group):
+            w.index = i
+        self._next[key] = self._next.get(key, 0) % len(group) if group else 0
+
+    def undrain(self, worker: Worker) -> None:
+        """Route to a draining ``worker`` again (it came back before it was
+        removed)."""
+        if worker.draining:
+            worker.draining = False
+            self._join_group(worker)
+
+    def remove(self, worker: Worker) -> None:
+        """Forget ``worker`` (drained first); the caller closes its pools."""
+        self.drain(worker)
+        self.workers.remove(worker)
 
     def has_protocol(self, protocol: str) -> bool:
         """Whether any worker (up or down, any role) speaks ``protocol``."""
@@ -362,25 +412,10 @@ class Router:
         except (WorkerError, orjson.JSONDecodeError):
             return None
 
-    async def watch(self, interval: float) -> None:
-        """Forever: probe each worker ``interval`` seconds after its last
-        probe ended, every worker in its own loop (a hung worker's probe
-        never delays another's), so a down worker comes back and an up one
-        that stopped answering (hung, not refusing connections) leaves the
-        rotation."""
-        async with anyio.create_task_group() as tg:
-            for w in self.workers:
-                tg.start_soon(self._watch_one, w, interval)
-
-    async def _watch_one(self, worker: Worker, interval: float) -> None:
-        while True:
-            await self.probe(worker)
-            await anyio.sleep(interval)
-
     @property
     def healthy_count(self) -> int:
-        """Workers routable now."""
-        return sum(w.healthy for w in self.workers)
+        """Workers routable now (up and not draining)."""
+        return sum(w.healthy and not w.draining for w in self.workers)
 
     async def aclose(self) -> None:
         """Close every idle worker connection."""
