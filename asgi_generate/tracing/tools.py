@@ -19,6 +19,10 @@ Subcommands (each takes one or more JSONL files, e.g. every
   appearance, so equal ids mean an equal prefix. Only records with block
   hashes that reached an engine are exported; all must share one block
   size, which is reported on stderr with the counts.
+- ``replay FILE... --url URL``: send the records' (or a Mooncake trace's)
+  requests to a frontend again at their arrival times, with a progress bar,
+  a summary and an optional HTML report (:mod:`.replay`, :mod:`.report`);
+  exits 1 when any request failed, 2 on unusable input.
 """
 
 from __future__ import annotations
@@ -152,11 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     ):
         sub.add_parser(name, help=help_).add_argument("files", nargs="+", metavar="FILE")
     sub.add_parser("schema", help="print the record JSON Schema")
+    _replay_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "schema":
         sys.stdout.buffer.write(schema_json())
         return 0
     try:
+        if args.command == "replay":
+            return cmd_replay(args)
         if args.command == "validate":
             return cmd_validate(args.files)
         if args.command == "summarize":
@@ -166,6 +173,87 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"asgi-generate-trace: {exc}", file=sys.stderr)
         return 2
+
+
+def _replay_parser(sub) -> None:
+    rp = sub.add_parser("replay", help="send recorded requests to a frontend again, at their arrival times",
+                        description="Replay request_end records or a Mooncake trace against a frontend.")
+    rp.add_argument("files", nargs="+", metavar="FILE", help="request_end JSONL files, or one Mooncake trace")
+    rp.add_argument("--url", required=True, help="the frontend's base URL, e.g. http://127.0.0.1:8000")
+    rp.add_argument("--format", choices=("sglang", "vllm"), default="sglang",
+                    help="native route to send to (default %(default)s)")
+    rp.add_argument("--speedup", type=_above_zero, default=1.0,
+                    help="divide the recorded arrival times by this (default %(default)s)")
+    rp.add_argument("--block-size", type=_count(1), default=None, metavar="N",
+                    help="tokens per hash id of a Mooncake trace (default 512; records carry their own)")
+    rp.add_argument("--vocab-size", type=_count(101), default=4096, metavar="N",
+                    help="synthesized token ids are below this, and from 100 up (default %(default)s)")
+    rp.add_argument("--max-concurrency", type=_count(1), default=256, metavar="N",
+                    help="requests in flight at most; later arrivals wait (default %(default)s)")
+    rp.add_argument("--timeout", type=_above_zero, default=600.0, metavar="S",
+                    help="seconds a request may wait for any one read (default %(default)s)")
+    rp.add_argument("--report", default=None, metavar="PATH", help="write an HTML report with plots there")
+    rp.add_argument("--ca-file", default=None, metavar="PATH", help="CA bundle to verify an https:// frontend")
+    rp.add_argument("--insecure", action="store_true", help="do not verify an https:// frontend's certificate")
+    rp.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _count(least: int):
+    def parse(value: str) -> int:
+        if not value.isdigit() or int(value) < least:
+            raise argparse.ArgumentTypeError(f"must be an integer of at least {least}, not {value}")
+        return int(value)
+
+    return parse
+
+
+def _above_zero(value: str) -> float:
+    number = float(value)
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {value}")
+    return number
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Replay, print the summary; 0 when every request was ok, 1 when any
+    failed, 2 on unusable input or report."""
+    import anyio
+    from tqdm import tqdm
+
+    from . import replay
+
+    try:
+        rows, block_size, skipped = replay.load_rows(args.files, args.block_size)
+    except ValueError as exc:
+        print(f"asgi-generate-trace: {exc}", file=sys.stderr)
+        return 2
+    print(f"replaying {len(rows)} requests (block_size {block_size}, {skipped} record"
+          f"{'' if skipped == 1 else 's'} skipped) against {args.url}, speedup {args.speedup:g}", file=sys.stderr)
+    bar = tqdm(total=len(rows), unit="req", disable=args.no_progress, file=sys.stderr)
+    failed = 0
+
+    def progress(result: "replay.Result") -> None:
+        nonlocal failed
+        failed += result.error is not None
+        bar.update(1)
+        bar.set_postfix(errors=failed, refresh=False)
+
+    verify = False if args.insecure else (args.ca_file or True)
+    with bar:
+        results, wall = anyio.run(lambda: replay.replay(
+            rows, block_size, args.url, fmt=args.format, speedup=args.speedup, max_concurrency=args.max_concurrency,
+            timeout=args.timeout, vocab_size=args.vocab_size, verify=verify, progress=progress))
+    text = replay.summary(results, rows, wall)
+    print(text)
+    if args.report:
+        from .report import ReportUnavailable, write_report
+
+        try:
+            write_report(args.report, f"asgi-generate replay of {', '.join(args.files)}", text, results)
+        except (ReportUnavailable, OSError) as exc:
+            print(f"asgi-generate-trace: {exc}", file=sys.stderr)
+            return 2
+    return 1 if any(r.error is not None for r in results) else 0
 
 
 if __name__ == "__main__":

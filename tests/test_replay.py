@@ -1,0 +1,162 @@
+"""``asgi-generate-trace replay``: a recorded campaign replayed against a
+traced frontend keeps its request count, lengths and prefix-sharing
+structure (the replayed records' block hashes, numbered in order of first
+appearance, are the original rows' hash ids)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import orjson
+from hypothesis import given, settings, strategies as hs
+
+from asgi_generate.tracing.hashing import block_hashes
+from asgi_generate.tracing.replay import Row, prompt_tokens
+from asgi_generate.tracing.tools import mooncake_rows
+from support import post, free_port, sse, start_frontend, start_sim
+
+BLOCK = 16
+P1 = list(range(500, 540))  # 2 full blocks and 8 tokens
+P2 = list(range(700, 724))
+
+
+def _campaign() -> list[dict]:
+    bodies = []
+    for i in range(4):  # one shared prefix, suffixes of several lengths
+        bodies.append({"input_ids": P1 + [900 + i] * (5 * i + 1), "sampling_params": {"max_new_tokens": 3 + i},
+                       "stream": i % 2 == 0})
+    for i in range(3):
+        bodies.append({"input_ids": P2 + [950 + i] * 10, "sampling_params": {"max_new_tokens": 5}, "stream": True})
+    bodies.append({"input_ids": P1, "sampling_params": {"max_new_tokens": 6}})  # the prefix alone
+    bodies.append({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}})  # under one block
+    bodies.append({"text": "not replayable", "sampling_params": {"max_new_tokens": 2}})  # no token ids
+    return bodies
+
+
+def _records(tmp_path, name: str) -> list[dict]:
+    return [orjson.loads(line) for f in sorted(tmp_path.glob(f"{name}.*.jsonl"))
+            for line in f.read_bytes().splitlines()]
+
+
+def _renumbered(hash_lists: list[list[int]]) -> list[list[int]]:
+    ids: dict[int, int] = {}
+    return [[ids.setdefault(h, len(ids)) for h in hashes] for hashes in hash_lists]
+
+
+def _replay(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "asgi_generate.tracing.tools", "replay", *args, "--no-progress"],
+                          capture_output=True, text=True, timeout=50)
+
+
+def _check_replayed(replayed: list[dict], rows: list[Row]) -> None:
+    """One ok record per row, named after it, with its lengths, and the
+    rows' prefix-sharing structure exactly."""
+    by_row = {rec["public_id"]: rec for rec in replayed}
+    assert sorted(by_row) == sorted(f"replay-{i}" for i in range(len(rows))) and len(replayed) == len(rows)
+    ordered = [by_row[f"replay-{i}"] for i in range(len(rows))]
+    assert [r["status"] for r in ordered] == ["ok"] * len(rows)
+    assert [r["replay"]["input_length"] for r in ordered] == [row.input_length for row in rows]
+    assert [r["output_tokens"] for r in ordered] == [max(1, row.output_length) for row in rows]
+    assert _renumbered([r["replay"]["block_hashes"] for r in ordered]) == [row.hash_ids for row in rows]
+
+
+def test_a_recorded_campaign_replays_with_its_prefix_structure(tmp_path):
+    sim = start_sim("sglang")
+    try:
+        rec = start_frontend([f"sglang={sim.url}"], extra=["--trace-file", str(tmp_path / "a.jsonl"),
+                                                            "--trace-block-size", str(BLOCK)])
+        try:
+            for body in _campaign():
+                status = sse(rec.url, body)[0] if body.get("stream") else post(rec.url, body).status_code
+                assert status == 200
+                time.sleep(0.02)
+        finally:
+            rec.stop()  # flushes the records
+        original = _records(tmp_path, "a")
+        exported, skipped, size = mooncake_rows(original)
+        rows = [Row(r["timestamp"], r["input_length"], r["output_length"], r["hash_ids"]) for r in exported]
+        assert (len(original), len(rows), skipped, size) == (10, 9, 1, BLOCK)
+        # The campaign's structure: P1's two full blocks shared by five rows.
+        assert [row.hash_ids[:2] for row in rows].count([0, 1]) == 5
+
+        target = start_frontend([f"sglang={sim.url}"], extra=["--trace-file", str(tmp_path / "b.jsonl"),
+                                                               "--trace-block-size", str(BLOCK)])
+        try:
+            files = [str(f) for f in sorted(tmp_path.glob("a.*.jsonl"))]
+            done = _replay(*files, "--url", target.url, "--speedup", "2", "--report", str(tmp_path / "r.html"))
+        finally:
+            target.stop()
+    finally:
+        sim.stop()
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "sent 9, ok 9, errors 0"
+    assert [line.split()[:2] for line in lines[3:6]] == [["ttft", "9"], ["itl", str(_gaps(rows))], ["e2e", "9"]]
+    assert done.stderr.splitlines()[0] == (
+        f"replaying 9 requests (block_size {BLOCK}, 1 record skipped) against {target.url}, speedup 2")
+    _check_replayed(_records(tmp_path, "b"), rows)
+    report = (tmp_path / "r.html").read_text()
+    assert report.count('src="data:image/png;base64,') == 3
+    assert "sent 9, ok 9, errors 0" in report
+
+
+def _gaps(rows: list[Row]) -> int:
+    """ITL samples of the replay: SGLang streams one event per token."""
+    return sum(max(1, row.output_length) - 1 for row in rows)
+
+
+def test_a_mooncake_trace_replays_with_its_block_size(tmp_path):
+    rows = [Row(0, 10, 3, [0, 1, 2]), Row(10, 12, 2, [0, 1, 3]), Row(20, 4, 1, [4]), Row(30, 8, 4, [0, 1])]
+    path = tmp_path / "mooncake.jsonl"
+    path.write_bytes(b"".join(orjson.dumps({"timestamp": r.timestamp, "input_length": r.input_length,
+                                            "output_length": r.output_length, "hash_ids": r.hash_ids}) + b"\n"
+                              for r in rows))
+    sim = start_sim("sglang")
+    try:
+        target = start_frontend([f"sglang={sim.url}"], extra=["--trace-file", str(tmp_path / "m.jsonl"),
+                                                               "--trace-block-size", "4"])
+        try:
+            done = _replay(str(path), "--url", target.url, "--block-size", "4")
+        finally:
+            target.stop()
+    finally:
+        sim.stop()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "sent 4, ok 4, errors 0"
+    _check_replayed(_records(tmp_path, "m"), rows)
+
+
+def test_unreachable_frontend_counts_every_request_as_an_error(tmp_path):
+    path = tmp_path / "mooncake.jsonl"
+    path.write_text("".join(f'{{"timestamp": {i}, "input_length": 5, "output_length": 2, "hash_ids": [{i}]}}\n'
+                            for i in range(3)))
+    done = _replay(str(path), "--url", f"http://127.0.0.1:{free_port()}")
+    assert done.returncode == 1
+    lines = done.stdout.splitlines()
+    assert lines[0] == "sent 3, ok 0, errors 3"
+    assert lines[-2:] == ["errors:", f"  {'connect':<24} {3:>8}"]
+
+
+def test_bad_input_is_one_line(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"timestamp": 0}\n')
+    done = _replay(str(path), "--url", "http://127.0.0.1:1")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"asgi-generate-trace: {path}:1: neither a request_end record nor a Mooncake row "
+                           "(timestamp, input_length, output_length, hash_ids)\n")
+
+
+@settings(max_examples=25, deadline=None)
+@given(hs.lists(hs.lists(hs.integers(0, 2), min_size=1, max_size=5), min_size=1, max_size=8),
+       hs.integers(1, 8))
+def test_synthesized_prompts_share_exactly_the_prefixes_their_hash_ids_share(paths, block_size):
+    # Each row is a path down a tree of blocks; a node's id stands for its
+    # whole prefix, as chained block hashes do.
+    nodes: dict[tuple, int] = {}
+    rows = [Row(0, len(p) * block_size, 1, [nodes.setdefault(tuple(p[:k + 1]), len(nodes)) for k in range(len(p))])
+            for p in paths]
+    hashed = [block_hashes(prompt_tokens(row, block_size, 4096), block_size) for row in rows]
+    assert _renumbered(hashed) == _renumbered([row.hash_ids for row in rows])
+    assert all(100 <= t < 4096 for row in rows for t in prompt_tokens(row, block_size, 4096))
