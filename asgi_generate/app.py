@@ -37,6 +37,7 @@ from .text import PromptTokenizer
 from .workers.aborts import ACKED, LOST, UNACKNOWLEDGED, AbortQueue
 from .workers.policies import build_policy
 from .workers.discovery import Discovery, Resolver, resolve
+from .workers.http import tls_context
 from .workers.membership import Membership
 from .workers.router import Router, Worker
 
@@ -184,6 +185,7 @@ class App:
                     health_timeout=st.health_timeout,
                     health_failures=st.health_failures,
                     policy=build_policy(st),
+                    ssl_context=tls_context(st.worker_ca_file, st.worker_insecure),
                 )
                 stack.push_async_callback(self.router.aclose)
                 listed = [*(("aggregated", s) for s in specs), *(("prefill", s) for s in prefill),

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from . import __version__
 from .config import Settings
-from .serving import WORKER_CLASSES, hold_signals, hypercorn_config, run
+from .serving import WORKER_CLASSES, ServerTLS, hold_signals, hypercorn_config, run
 from .workers.policies import POLICIES
 from .workers.router import DISAGGREGATION_MODES, parse_worker_spec
 from .workers.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS
@@ -152,10 +152,16 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--discovery-interval", type=float, default=d.discovery_interval, metavar="S",
                        help="seconds between DNS lookups of dns:// workers and checks of --workers-file "
                             "(default %(default)s)")
+    serve.add_argument("--worker-ca-file", default=d.worker_ca_file, metavar="PATH",
+                       help="PEM CA bundle that https:// workers' certificates are verified against (only it "
+                            "is trusted; default: the system's CAs)")
+    serve.add_argument("--worker-insecure", action=argparse.BooleanOptionalAction, default=d.worker_insecure,
+                       help="do not verify https:// workers' certificates (testing only; logged as a warning)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     serve.add_argument("--port", type=PORT, default=8000, help="port to listen on (default %(default)s)")
     serve.add_argument("--fd", type=_bounded(int, 0), default=None,
                        help="serve an inherited listening socket instead of --host/--port")
+    _tls_flags(serve)
     serve.add_argument("--worker-class", choices=WORKER_CLASSES, default="asyncio",
                        help="hypercorn worker class; asyncio measured faster than trio, uvloop (asyncio on "
                             "uvloop's loop) faster still (bench/) (default %(default)s)")
@@ -279,6 +285,7 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     sim.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     sim.add_argument("--port", type=PORT, default=30000, help="port to listen on (default %(default)s)")
     sim.add_argument("--fd", type=_bounded(int, 0), default=None, help="serve an inherited listening socket instead")
+    _tls_flags(sim, mutual=False)
     sim.add_argument("--ttft-ms", type=_bounded(float, 0), default=0.0, help="time to first token in ms")
     sim.add_argument("--itl-ms", type=_bounded(float, 0), default=0.0, help="inter-token latency in ms")
     sim.add_argument("--incremental-streaming-output", action="store_true",
@@ -343,6 +350,23 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _tls_flags(parser: argparse.ArgumentParser, mutual: bool = True) -> None:
+    parser.add_argument("--certfile", default=None, metavar="PATH",
+                        help="serve HTTPS with this PEM certificate chain (with --keyfile)")
+    parser.add_argument("--keyfile", default=None, metavar="PATH", help="the certificate's PEM private key")
+    if mutual:
+        parser.add_argument("--ca-certs", default=None, metavar="PATH",
+                            help="require client certificates signed by these PEM CAs (mutual TLS)")
+        parser.add_argument("--ciphers", default=None, metavar="LIST",
+                            help="OpenSSL cipher list for TLS 1.2 (default: hypercorn's ECDHE+AESGCM)")
+
+
+def _server_tls(args: argparse.Namespace) -> ServerTLS | None:
+    """Raises ValueError: see :meth:`ServerTLS.from_flags`."""
+    return ServerTLS.from_flags(args.certfile, args.keyfile, getattr(args, "ca_certs", None),
+                                getattr(args, "ciphers", None))
+
+
 def _settings(args: argparse.Namespace, d: Settings) -> Settings:
     return Settings(
         workers=args.worker if args.worker is not None else d.workers,
@@ -360,6 +384,8 @@ def _settings(args: argparse.Namespace, d: Settings) -> Settings:
         max_tree_nodes=args.max_tree_nodes,
         workers_file=args.workers_file,
         discovery_interval=args.discovery_interval,
+        worker_ca_file=args.worker_ca_file,
+        worker_insecure=args.worker_insecure,
         max_body_bytes=args.max_body_bytes,
         body_budget_bytes=args.body_budget_bytes,
         body_budget_wait=args.body_budget_wait,
@@ -422,6 +448,7 @@ def _serve(args: argparse.Namespace, d: Settings) -> int:
         settings.check()
         if args.workers == 1:  # N processes get a folder of serve's own
             multiproc_dir()
+        tls = _server_tls(args)
     except ValueError as exc:
         return _fail(str(exc))
     try:
@@ -446,15 +473,15 @@ def _serve(args: argparse.Namespace, d: Settings) -> int:
             except OSError as exc:
                 pid_file = None
                 return _fail(f"--pid-file: cannot write {args.pid_file!r}: {exc.strerror or exc}")
-        log.info("asgi-generate %s: pid %d, listening on %s", __version__, os.getpid(), _where(sock))
+        log.info("asgi-generate %s: pid %d, listening on %s", __version__, os.getpid(), _where(sock, tls))
         if args.workers > 1:
             protocols = {item.codec.worker_protocol for item in codecs}
             return supervise(settings, sock, args.workers, args.worker_class, args.shutdown_grace, protocols,
-                             log_level=args.log_level, access_log=args.access_log)
+                             log_level=args.log_level, access_log=args.access_log, tls=tls)
         # hypercorn's own deadline only backs up the app's: grace, then
         # aborts. hypercorn serves (and closes) the descriptor itself.
         config = hypercorn_config(fd=sock.detach(), graceful_timeout=settings.shutdown_grace + 15.0,
-                                  log_level=args.log_level, access_log=args.access_log)
+                                  log_level=args.log_level, access_log=args.access_log, tls=tls)
         run(app, config, args.worker_class)
         return 0
     finally:
@@ -463,9 +490,10 @@ def _serve(args: argparse.Namespace, d: Settings) -> int:
             pid_file.unlink(missing_ok=True)
 
 
-def _where(sock: socket.socket) -> str:
+def _where(sock: socket.socket, tls: ServerTLS | None = None) -> str:
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "https" if tls is not None else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def _sim(args: argparse.Namespace) -> int:
@@ -475,11 +503,12 @@ def _sim(args: argparse.Namespace) -> int:
 
     try:
         app = _sim_app(args)
+        tls = _server_tls(args)
     except ValueError as exc:
         print(f"asgi-generate sim: {exc}", file=sys.stderr)
         return 2
     config = hypercorn_config(host=args.host, port=args.port, fd=args.fd, graceful_timeout=1.0,
-                              log_level=args.log_level, access_log=False)
+                              log_level=args.log_level, access_log=False, tls=tls)
     run(app, config, args.worker_class)
     return 0
 

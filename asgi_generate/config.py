@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import ssl
 from dataclasses import dataclass, field, fields
 from typing import Mapping
 from urllib.parse import urlsplit
@@ -68,6 +69,10 @@ class Settings:
             reread when it changes; ``None``: none.
         discovery_interval: seconds between reads of the fleet's members
             (``dns://`` names resolved, the workers file checked for changes).
+        worker_ca_file: PEM CA bundle ``https://`` workers' certificates are
+            verified against (only it is trusted); ``None``: the system's CAs.
+        worker_insecure: do not verify ``https://`` workers' certificates
+            (testing only; logged as a warning).
         max_body_bytes: request body cap; larger bodies get 413.
         body_budget_bytes: request body bytes that may be read and decoded
             at once, over all requests (a chunked body counts as
@@ -216,6 +221,8 @@ class Settings:
     max_tree_nodes: int = 1 << 16
     workers_file: str | None = None
     discovery_interval: float = 5.0
+    worker_ca_file: str | None = None
+    worker_insecure: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
@@ -295,6 +302,13 @@ class Settings:
                 read_workers_file(self.workers_file)
             except ValueError as exc:
                 raise ValueError(f"--workers-file ({env_name('workers_file')}): {exc}") from None
+        if self.worker_ca_file is not None:
+            try:
+                ssl.create_default_context(cafile=self.worker_ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                why = getattr(exc, "reason", None) or exc.strerror or exc
+                raise ValueError(f"--worker-ca-file ({env_name('worker_ca_file')}): cannot load "
+                                 f"{self.worker_ca_file!r}: {why}") from None
         if self.trace_file is not None:
             folder = pathlib.Path(self.trace_file).expanduser().absolute().parent
             if not folder.is_dir():

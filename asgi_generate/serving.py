@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import resource
 import signal
+import ssl
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -46,6 +48,66 @@ def raise_fd_limit() -> int:
     return soft
 
 
+@dataclass(frozen=True, slots=True)
+class ServerTLS:
+    """HTTPS for a served port (hypercorn's own TLS options).
+
+    Attributes:
+        certfile: PEM certificate chain.
+        keyfile: PEM private key (unencrypted).
+        ca_certs: PEM CAs of client certificates; given, every client must
+            present one they signed (mutual TLS).
+        ciphers: OpenSSL cipher list (TLS 1.2; hypercorn's default
+            ``ECDHE+AESGCM``).
+    """
+
+    certfile: str
+    keyfile: str
+    ca_certs: str | None = None
+    ciphers: str | None = None
+
+    @classmethod
+    def from_flags(cls, certfile: str | None, keyfile: str | None, ca_certs: str | None = None,
+                   ciphers: str | None = None) -> "ServerTLS | None":
+        """The TLS the flags describe (``None``: plain HTTP), checked by
+        building the context hypercorn will build.
+
+        Raises:
+            ValueError: one line: half a pair, options without a
+                certificate, or files that do not load.
+        """
+        if certfile is None and keyfile is None:
+            if ca_certs is not None or ciphers is not None:
+                raise ValueError("--ca-certs and --ciphers need --certfile and --keyfile")
+            return None
+        if certfile is None or keyfile is None:
+            raise ValueError("--certfile and --keyfile go together")
+        tls = cls(certfile, keyfile, ca_certs, ciphers)
+        try:
+            tls.apply(Config()).create_ssl_context()
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot serve HTTPS with --certfile {certfile!r} --keyfile {keyfile!r}"
+                             f"{f' --ca-certs {ca_certs!r}' if ca_certs else ''}: "
+                             f"{getattr(exc, 'reason', None) or exc.strerror or exc}") from None
+        return tls
+
+    def apply(self, config: Config) -> Config:
+        """Set these options on a hypercorn ``config``; returns it."""
+        config.certfile, config.keyfile = self.certfile, self.keyfile
+        if self.ca_certs is not None:
+            config.ca_certs = self.ca_certs
+            config.verify_mode = ssl.CERT_REQUIRED
+        if self.ciphers is not None:
+            config.ciphers = self.ciphers
+        return config
+
+    def argv(self) -> list[str]:
+        """The flags that give these options again (for child processes)."""
+        out = ["--certfile", self.certfile, "--keyfile", self.keyfile]
+        out += ["--ca-certs", self.ca_certs] if self.ca_certs is not None else []
+        return out + (["--ciphers", self.ciphers] if self.ciphers is not None else [])
+
+
 def hypercorn_config(
     *,
     host: str = "127.0.0.1",
@@ -54,13 +116,14 @@ def hypercorn_config(
     graceful_timeout: float = 30.0,
     log_level: str = "info",
     access_log: bool = False,
+    tls: ServerTLS | None = None,
 ) -> Config:
     """A hypercorn config bound to ``host:port``, or to an inherited listening
     socket ``fd``; hypercorn logs through the process's logging configuration
 (``hypercorn.error``, ``hypercorn.access``). With ``access_log``, hypercorn's access lines (its default
     format: client, request line, status, bytes, referer, user agent) go to
     ``hypercorn.access`` at INFO; off when ``log_level`` hides INFO anyway, so
-    nothing is formatted for nobody."""
+    nothing is formatted for nobody. With ``tls`` it serves HTTPS."""
     config = Config()
     config.bind = [f"fd://{fd}"] if fd is not None else [f"{host}:{port}"]
     config.graceful_timeout = graceful_timeout
@@ -69,7 +132,7 @@ def hypercorn_config(
     config.accesslog = logging.getLogger("hypercorn.access") if access_log and shown else None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.keep_alive_timeout = 75
-    return config
+    return tls.apply(config) if tls is not None else config
 
 
 #: SIGINT/SIGTERM that arrived between :func:`hold_signals` and a signal

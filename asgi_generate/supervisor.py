@@ -35,7 +35,7 @@ from prometheus_client import multiprocess
 from .config import Settings
 from .embedded import embedded_fleet
 from .metrics import MULTIPROC_ENV
-from .serving import held_signal, hold_signals
+from .serving import ServerTLS, held_signal, hold_signals
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -59,11 +59,13 @@ def supervise(
     *,
     log_level: str = "info",
     access_log: bool = True,
+    tls: ServerTLS | None = None,
 ) -> int:
     """Run ``processes`` frontend children on ``sock`` until they exit
     (embedded simulators for ``protocols`` when no worker is configured);
     returns the first non-zero exit code, else 0. ``log_level`` and
-    ``access_log`` are the children's (see :func:`serving.hypercorn_config`)."""
+    ``access_log`` are the children's (see :func:`serving.hypercorn_config`), as is ``tls``
+    (HTTPS)."""
 
     async def main() -> int:
         async with AsyncExitStack() as stack:
@@ -79,7 +81,8 @@ def supervise(
             env = {**os.environ, **fleet.to_env(), MULTIPROC_ENV: metrics_dir}
             cmd = [sys.executable, "-m", "asgi_generate.supervisor", "--fd", str(sock.fileno()),
                    "--worker-class", worker_class, "--shutdown-grace", str(shutdown_grace),
-                   "--parent-pid", str(os.getpid()), "--log-level", log_level, "--access-log" if access_log else "--no-access-log"]
+                   "--parent-pid", str(os.getpid()), "--log-level", log_level, "--access-log" if access_log else "--no-access-log",
+                   *(tls.argv() if tls is not None else [])]
             children = [
                 await anyio.open_process(cmd, pass_fds=[sock.fileno()], env=env, start_new_session=True,
                                          stdin=subprocess.DEVNULL, stdout=None, stderr=None)
@@ -144,6 +147,8 @@ def _child() -> int:
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--log-level", required=True)
     parser.add_argument("--access-log", action=argparse.BooleanOptionalAction, required=True)
+    for flag in ("--certfile", "--keyfile", "--ca-certs", "--ciphers"):
+        parser.add_argument(flag, default=None)
     hold_signals()  # a stop forwarded while this child still imports is kept, not fatal
     args = parser.parse_args()
     _die_with_parent()
@@ -151,8 +156,9 @@ def _child() -> int:
         return 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = App(Settings.from_env())
+    tls = ServerTLS(args.certfile, args.keyfile, args.ca_certs, args.ciphers) if args.certfile else None
     config = hypercorn_config(fd=args.fd, graceful_timeout=args.shutdown_grace + 15.0,
-                              log_level=args.log_level, access_log=args.access_log)
+                              log_level=args.log_level, access_log=args.access_log, tls=tls)
     run(app, config, args.worker_class)
     return 0
 

@@ -13,6 +13,7 @@ import math
 import os
 import pathlib
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -77,10 +78,12 @@ def listening_socket(port: int = 0) -> socket.socket:
 class Proc:
     """A server process on ``url``; :meth:`stop` ends it."""
 
-    def __init__(self, name: str, args: list[str], sock: socket.socket, health: str) -> None:
+    def __init__(self, name: str, args: list[str], sock: socket.socket, health: str, verify: str | None = None) -> None:
         self.name = name
         self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        #: With ``verify`` (the CA file its certificate chains to) it serves HTTPS.
+        self.verify = verify
+        self.url = f"{'https' if verify else 'http'}://127.0.0.1:{self.port}"
         self.log_path = LOG_DIR / f"{name}-{self.port}.log"
         self._log = open(self.log_path, "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -106,12 +109,16 @@ class Proc:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited {self.proc.returncode}: {self.log()}")
             try:
-                if httpx.get(self.url + path, timeout=1.0).status_code == 200:
+                if httpx.get(self.url + path, timeout=1.0, verify=self.tls()).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
         raise RuntimeError(f"{self.name} not ready after {timeout} s: {self.log()}")
+
+    def tls(self) -> ssl.SSLContext | bool:
+        """What httpx's ``verify`` takes to reach this process."""
+        return ssl.create_default_context(cafile=self.verify) if self.verify else True
 
     def log(self) -> str:
         """What the process printed so far."""
@@ -142,27 +149,31 @@ def start_sim(
     incremental: bool = False,
     port: int = 0,
     extra: list[str] = (),
+    verify: str | None = None,
 ) -> Proc:
-    """Start a simulator process and wait for its ``/health``."""
+    """Start a simulator process and wait for its ``/health`` (over HTTPS,
+    checked against the CA file ``verify``, when given)."""
     args = ["sim", "--protocol", protocol, "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms), *extra]
     if incremental:
         args.append("--incremental-streaming-output")
-    return Proc(f"sim-{protocol}", args, listening_socket(port), "/health")
+    return Proc(f"sim-{protocol}", args, listening_socket(port), "/health", verify)
 
 
 def start_frontend(
-    workers: list[str], *, worker_class: str = "trio", extra: list[str] = (), health: str = "/health"
+    workers: list[str], *, worker_class: str = "trio", extra: list[str] = (), health: str = "/health",
+    verify: str | None = None,
 ) -> Proc:
-    """Start ``asgi-generate serve`` in front of ``workers`` (``PROTOCOL=URL``)."""
+    """Start ``asgi-generate serve`` in front of ``workers`` (``PROTOCOL=URL``);
+    ``verify`` as for :func:`start_sim`."""
     args = ["serve", "--worker-class", worker_class, "--health-interval", "0.2", "--log-level", "warning"]
     for w in workers:
         args += ["--worker", w]
-    return Proc(f"frontend-{worker_class}", [*args, *extra], listening_socket(), health)
+    return Proc(f"frontend-{worker_class}", [*args, *extra], listening_socket(), health, verify)
 
 
 def stats(sim: Proc) -> dict:
     """The simulator's ``/sim/stats``."""
-    return httpx.get(sim.url + "/sim/stats", timeout=5).json()
+    return httpx.get(sim.url + "/sim/stats", timeout=5, verify=sim.tls()).json()
 
 
 JSON_HEADERS = {"content-type": "application/json"}

@@ -242,7 +242,7 @@ def test_workers_file_json_and_toml(tmp_path):
     ("w.json", '{"worker": []}', "unknown key 'worker' (known: workers, prefill, decode)"),
     ("w.json", '{"workers": "sglang=http://h:1"}', "workers must be a list of PROTOCOL=URL strings"),
     ("w.json", '{"workers": ["sglang=ftp://h:1"]}',
-     "worker 'sglang=ftp://h:1': expected an http://HOST:PORT or dns://NAME:PORT URL"),
+     "worker 'sglang=ftp://h:1': expected an http(s)://HOST:PORT or dns://NAME:PORT URL"),
 ])
 def test_bad_workers_files_are_one_line(tmp_path, name, text, error):
     path = tmp_path / name

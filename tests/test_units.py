@@ -112,8 +112,8 @@ def test_router_least_outstanding_then_round_robin():
 @pytest.mark.parametrize("spec,error", [
     ("sglang", "worker 'sglang': expected PROTOCOL=http://HOST:PORT"),
     ("tgi=http://h:1", "worker 'tgi=http://h:1': unknown protocol 'tgi' (known: sglang, vllm)"),
-    ("sglang=https://h:1", "worker 'sglang=https://h:1': expected an http://HOST:PORT or dns://NAME:PORT URL"),
-    ("sglang=http://h", "worker 'sglang=http://h': expected an http://HOST:PORT or dns://NAME:PORT URL"),
+    ("sglang=ftp://h:1", "worker 'sglang=ftp://h:1': expected an http(s)://HOST:PORT or dns://NAME:PORT URL"),
+    ("sglang=http://h", "worker 'sglang=http://h': expected an http(s)://HOST:PORT or dns://NAME:PORT URL"),
 ])
 def test_bad_worker_specs(spec, error):
     with pytest.raises(ValueError) as exc:

@@ -113,6 +113,8 @@ class AbortQueue:
             # Keep-alives idle past the engine server's own timeout are
             # reopened: hypercorn and uvicorn close them after 5 s.
             idle_timeout=worker.pool.idle_timeout,
+            ssl_context=worker.pool.ssl_context,
+            tls_hostname=worker.pool.tls_hostname,
         )
         self._waiting: deque[_Abort] = deque()
         self._wake = anyio.Event()

@@ -6,6 +6,11 @@ message cleanly (h11 ``DONE``/``DONE``); any response not read to its end,
 any error and any cancellation retires the connection instead, so a later
 request never reads a stale tail. Wire format: RFC 9112 (via h11).
 
+A pool for an ``https://`` worker speaks TLS over anyio's TLS stream
+(:func:`anyio.connect_tcp` with an :class:`ssl.SSLContext`, from
+:func:`tls_context`: certificate and host name verified unless told
+otherwise); a failed handshake is a failed connect.
+
 Waits for the worker take absolute deadlines on anyio's clock
 (``anyio.current_time()``) chosen by the caller, who knows the phase
 (headers, first token, between tokens); a passed deadline is
@@ -14,8 +19,10 @@ Waits for the worker take absolute deadlines on anyio's clock
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import ssl
 import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Iterable
@@ -23,6 +30,7 @@ from typing import AsyncIterator, Iterable
 import anyio
 import h11
 
+log = logging.getLogger("asgi_generate.workers")
 RECEIVE_SIZE = 65536
 #: What a socket stream raises when the connection is gone.
 _BROKEN = (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError)
@@ -45,6 +53,25 @@ class TimedOut(Exception):
 
     Not a :class:`WorkerError`: a slow worker is not a dead one.
     """
+
+
+def tls_context(ca_file: str | None = None, insecure: bool = False) -> ssl.SSLContext:
+    """The client TLS context for ``https://`` workers: certificates and
+    host names verified against ``ca_file`` (a PEM bundle; only it is
+    trusted when given), else the system's CAs; ``insecure`` verifies
+    nothing (for testing; logged as a WARNING). ALPN offers HTTP/1.1 only.
+
+    Raises:
+        OSError: ``ca_file`` cannot be read.
+        ssl.SSLError: ``ca_file`` holds no usable certificate.
+    """
+    context = ssl.create_default_context(cafile=ca_file)
+    context.set_alpn_protocols(["http/1.1"])
+    if insecure:
+        log.warning("--worker-insecure: TLS certificates of https:// workers are NOT verified")
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
 
 
 class _Connection:
@@ -158,7 +185,11 @@ class ConnectionPool:
 
     Args:
         host, port: the worker's address.
-        connect_timeout: seconds to open a TCP connection.
+        connect_timeout: seconds to open a TCP connection (and, with TLS,
+            to finish the handshake).
+        ssl_context: speak TLS with this context (an ``https://`` worker);
+            ``None``: plain HTTP.
+        tls_hostname: the name the certificate must carry (default ``host``).
         max_idle: idle connections kept; more are closed on release.
         idle_timeout: seconds an idle connection is trusted; older ones are
             closed rather than reused (servers close idle keep-alives, 5 s for
@@ -173,9 +204,13 @@ class ConnectionPool:
         connect_timeout: float = 5.0,
         max_idle: int = 256,
         idle_timeout: float = 4.0,
+        ssl_context: ssl.SSLContext | None = None,
+        tls_hostname: str | None = None,
     ) -> None:
         self.host = host
         self.port = port
+        self.ssl_context = ssl_context
+        self.tls_hostname = tls_hostname
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle
         self.idle_timeout = idle_timeout
@@ -192,9 +227,20 @@ class ConnectionPool:
     async def _connect(self) -> _Connection:
         try:
             with anyio.fail_after(self.connect_timeout):
-                stream = await anyio.connect_tcp(self.host, self.port)
+                if self.ssl_context is None:
+                    stream = await anyio.connect_tcp(self.host, self.port)
+                else:
+                    # Not standard-compatible: HTTP frames its own messages,
+                    # and servers often close without a TLS close_notify.
+                    stream = await anyio.connect_tcp(
+                        self.host, self.port, ssl_context=self.ssl_context, tls_standard_compatible=False,
+                        tls_hostname=self.tls_hostname or self.host)
         except TimeoutError:
             raise ConnectFailed(f"connect to {self.host}:{self.port} timed out") from None
+        except ssl.SSLError as exc:
+            raise ConnectFailed(f"TLS handshake with {self.host}:{self.port} failed: {_tls_reason(exc)}") from None
+        except (anyio.BrokenResourceError, anyio.EndOfStream):
+            raise ConnectFailed(f"TLS handshake with {self.host}:{self.port} failed: connection closed") from None
         except OSError as exc:
             raise ConnectFailed(f"connect to {self.host}:{self.port} failed: {_os_reason(exc)}") from None
         self.opened += 1
@@ -288,6 +334,14 @@ class ConnectionPool:
         idle, self._idle = self._idle, []
         for conn in idle:
             await conn.aclose()
+
+
+def _tls_reason(exc: ssl.SSLError) -> str:
+    # "certificate verify failed: unable to get local issuer certificate"
+    # rather than "[SSL: CERTIFICATE_VERIFY_FAILED] ... (_ssl.c:1006)".
+    if isinstance(exc, ssl.SSLCertVerificationError) and exc.verify_message:
+        return f"certificate verify failed: {exc.verify_message}"
+    return exc.reason.lower().replace("_", " ") if exc.reason else str(exc)
 
 
 def _os_reason(exc: OSError) -> str:

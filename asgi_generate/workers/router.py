@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import ssl
 from typing import Any, Iterable, Protocol
 from urllib.parse import parse_qsl, urlsplit
 
 import anyio
 import orjson
 
-from .http import ConnectFailed, ConnectionPool, WorkerDisconnected, WorkerError
+from .http import ConnectFailed, ConnectionPool, WorkerDisconnected, WorkerError, tls_context
 from .policies import Policy
 from .protocols import PROTOCOLS, WorkerProtocol, read_model_card
 
@@ -119,19 +120,20 @@ class Worker:
 
 #: URL schemes of a worker spec: a worker, or a DNS name whose every
 #: address is one (:mod:`asgi_generate.workers.discovery`).
-WORKER_SCHEMES = ("http", "dns")
+WORKER_SCHEMES = ("http", "https", "dns")
 
 
 def parse_worker_spec(spec: str, role: str = "aggregated") -> tuple[str, str]:
-    """Split ``PROTOCOL=http://HOST:PORT`` (or ``PROTOCOL=dns://NAME:PORT``:
-    every address NAME resolves to) into protocol and URL. An SGLang
+    """Split ``PROTOCOL=http://HOST:PORT`` (``https://`` for TLS, or
+    ``dns://NAME:PORT``: every address NAME resolves to) into protocol and
+    URL. An SGLang
     prefill worker's URL may end ``?bootstrap_port=B`` (kept in the URL;
     :func:`split_worker_url` reads it). IPv6 hosts are bracketed.
 
     Raises:
-        ValueError: unknown protocol, not an ``http://`` or ``dns://``
-            ``HOST:PORT`` URL, a query other than a prefill's bootstrap port,
-            or a protocol without P/D support in a P/D role.
+        ValueError: unknown protocol, not an ``http://``, ``https://`` or
+            ``dns://`` ``HOST:PORT`` URL, a query other than a prefill's
+            bootstrap port, or a protocol without P/D support in a P/D role.
     """
     protocol, sep, url = spec.partition("=")
     if not sep:
@@ -146,7 +148,7 @@ def parse_worker_spec(spec: str, role: str = "aggregated") -> tuple[str, str]:
     except ValueError:
         port = None
     if parts.scheme not in WORKER_SCHEMES or not parts.hostname or not port:
-        raise ValueError(f"worker {spec!r}: expected an http://HOST:PORT or dns://NAME:PORT URL")
+        raise ValueError(f"worker {spec!r}: expected an http(s)://HOST:PORT or dns://NAME:PORT URL")
     if parts.query:
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
         bootstrap = query.pop("bootstrap_port", None)
@@ -185,6 +187,9 @@ class Router:
             of the rotation (a probe that cannot connect, or whose connection
             breaks, takes it out at once).
         policy: the routing policy (default: least outstanding).
+        ssl_context: the TLS context of ``https://`` workers (default:
+            :func:`~asgi_generate.workers.http.tls_context`, verifying
+            against the system's CAs).
     """
 
     def __init__(
@@ -198,9 +203,11 @@ class Router:
         health_timeout: float = 30.0,
         health_failures: int = 3,
         policy: Policy | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.policy = policy if policy is not None else Policy()
         self.workers: list[Worker] = []
+        self.ssl_context = ssl_context
         self.disaggregation = disaggregation
         self._groups: dict[tuple[str, str], list[Worker]] = {}
         self._next: dict[tuple[str, str], int] = {}
@@ -213,17 +220,25 @@ class Router:
                 self.add(protocol, url, role)
 
     def add(self, protocol: str, url: str, role: str = "aggregated") -> Worker:
-        """Register a worker (``url`` as :func:`parse_worker_spec` accepts
-        it, a prefill's bootstrap port included) under the next free id. It
-        is routable once a :meth:`probe` passes.
+        """Register a worker (an ``http://`` or ``https://`` ``url`` as
+        :func:`parse_worker_spec` gives it, a prefill's bootstrap port
+        included; ``dns://`` names are resolved by
+        :mod:`~asgi_generate.workers.discovery` first) under the next free
+        id. It is routable once a :meth:`probe` passes.
 
         Raises:
             KeyError: ``protocol`` is unknown.
         """
         base, bootstrap_port = split_worker_url(url, role, protocol)
         parts = urlsplit(base)
-        pool = ConnectionPool(parts.hostname, parts.port, connect_timeout=self.connect_timeout)
-        probe_pool = ConnectionPool(parts.hostname, parts.port, connect_timeout=self.connect_timeout, max_idle=1)
+        tls = None
+        if parts.scheme == "https":
+            if self.ssl_context is None:
+                self.ssl_context = tls_context()
+            tls = self.ssl_context
+        pool = ConnectionPool(parts.hostname, parts.port, connect_timeout=self.connect_timeout, ssl_context=tls)
+        probe_pool = ConnectionPool(parts.hostname, parts.port, connect_timeout=self.connect_timeout, max_idle=1,
+                                    ssl_context=tls)
         worker = Worker(f"w{next(self._ids)}", PROTOCOLS[protocol], base, pool, probe_pool, role, bootstrap_port)
         self.workers.append(worker)
         self._join_group(worker)
