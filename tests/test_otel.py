@@ -202,7 +202,10 @@ def test_collector_refusing_counts_drops_and_answers_stay_whole(tmp_path):
         for _ in range(3):
             resp = post(fe.url, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
             assert resp.status_code == 200 and resp.json()["output_ids"] == CONTINUATION[:2]
-        trace = wait_until(lambda: (t := httpx.get(fe.url + "/stats").json()["trace"])["records"] == 3 and t)
+        # The exporter's failures are counted after the records are built:
+        # wait for both, not for the records alone.
+        trace = wait_until(lambda: (t := httpx.get(fe.url + "/stats").json()["trace"])["records"] == 3
+                           and t["dropped"]["sink_error"] == 6 and t)
         assert trace["dropped"] == {"queue_full": 0, "sink_error": 6, "build_error": 0, "closed": 0}
         assert trace["sinks"] == {"otlp_spans": {"written": 0, "failed": 3}, "otlp_logs": {"written": 0, "failed": 3}}
         assert {"/v1/traces", "/v1/logs"} <= set(refusing.posts)
