@@ -194,7 +194,7 @@ class Metrics:
             self.worker_outstanding.clear()
         for w in app.router.workers:
             labels = (w.id, w.url, w.protocol.name, w.role)
-            self.worker_up.labels(*labels).set(1 if w.healthy else 0)
+            self.worker_up.labels(*labels).set(1 if w.healthy and not w.draining else 0)
             self.worker_outstanding.labels(*labels).set(w.outstanding)
 
     async def refresh_every(self, app: "App") -> None:

@@ -162,6 +162,8 @@ async def test_dns_workers_join_after_their_probe_and_vanished_ones_drain(three_
         draining = f.app.models()["workers"][0]
         assert (draining["id"], draining["state"]) == ("w0", "draining")
         assert draining["outstanding"] > 0  # its streams carry on
+        f.app.metrics.refresh(f.app)  # out of the rotation: not "up" in /metrics either
+        assert f.app.metrics.worker_up.labels("w0", a.url, "sglang", "aggregated")._value.get() == 0
         await f.until(lambda: f.workers() == [("w1", b.url, "up"), ("w2", c.url, "up")])
         assert sorted(f.app.stats()["workers"]) == sorted(f.app.aborts) == ["w1", "w2"]
         n = len(f.results)
