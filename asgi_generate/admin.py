@@ -146,7 +146,7 @@ async def _call(app: "App", worker: Worker, method: str, target: bytes, body: by
         with anyio.fail_after(timeout):
             async with worker.pool.request(method.encode(), target, body, headers) as resp:
                 data = await resp.read()
-                ctype = next((v.decode("latin-1") for k, v in resp.headers if k.lower() == b"content-type"), None)
+                ctype = None if resp.content_type is None else resp.content_type.decode("latin-1")
                 return _Answer(worker, resp.status, data, ctype)
     except TimeoutError:
         return _Answer(worker, None, f"no answer within {timeout:g} s".encode())

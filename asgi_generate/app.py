@@ -34,6 +34,7 @@ from .handler import handle_generate, reject_method
 from .metrics import Metrics
 from .registry import LoadedCodec, load_codecs
 from .text import PromptTokenizer
+from .watchdog import Watchdog
 from .workers.aborts import ACKED, LOST, UNACKNOWLEDGED, AbortQueue
 from .workers.policies import build_policy
 from .workers.discovery import Discovery, Resolver, resolve
@@ -87,6 +88,8 @@ class App:
         #: Every request from its start to its record (its aborts
         #: included), by its minted id.
         self.open_requests: dict[str, RequestState] = {}
+        #: Client timers of the requests served without a guard task.
+        self.watchdog = Watchdog()
         self.body_budget = BodyBudget(settings.body_budget_bytes)
         #: Requests whose body is being read now (granted their budget).
         self.reading_body = 0
@@ -201,6 +204,7 @@ class App:
                 )
                 async with anyio.create_task_group() as tg:
                     await tg.start(membership.run)
+                    tg.start_soon(self.watchdog.run, time.monotonic)
                     if self.tracer is not None:
                         await tg.start(self.tracer.run)
                     if self.metrics.multiproc_dir is not None:

@@ -54,7 +54,7 @@ class ClientStream:
     __slots__ = (
         "app", "codec", "ex", "req", "st", "send", "pending", "in_send", "last_send",
         "scope", "shutdown", "write_timeout", "send_started", "timed", "outbox", "outbox_tokens",
-        "leg", "lost", "gone", "sent_ids",
+        "leg", "lost", "gone", "sent_ids", "keepalive", "cutting_off",
     )
 
     def __init__(
@@ -85,6 +85,10 @@ class ClientStream:
         #: attempt continues from; ``None`` when migration is off or the
         #: answer is unary (its engine leg shows no tokens before the end).
         self.sent_ids: list[int] | None = [] if req.stream and app.settings.migration_limit > 0 else None
+        #: Seconds of silence before an SSE keep-alive comment (0 = none).
+        self.keepalive = app.settings.sse_keepalive if req.stream else 0.0
+        #: Set once a slow-client cut-off started by the watchdog is done.
+        self.cutting_off: anyio.Event | None = None
 
     async def _write(self, message: dict) -> None:
         """Hand ``message`` to the server. A client is only ever owed the
@@ -202,60 +206,102 @@ class ClientStream:
             self.outbox.append(sse_event(self.codec.in_band_error(err)) + self.codec.sse_terminal)
             await self._flush(more=False)
 
-    async def guard(self, receive: Receive, keepalive: float) -> None:
+    async def guard(self, receive: Receive) -> None:
         """Watch the client for the whole request, in one task.
 
         - ``http.disconnect`` before the answer is complete makes the request
           a ``client_disconnect`` and cancels it (the handler then aborts
-          every live engine leg).
+          every live engine leg): :meth:`client_gone`.
         - A write the client has left untaken for ``slow_client_timeout``
           seconds makes it a ``slow_client``: the engine legs are aborted
           and the record handed over at once, then the request is cancelled.
           (hypercorn's trio worker shields its socket writes, so the stuck
           write itself may only end when the client reads or hangs up.)
-        - With ``keepalive`` > 0, an SSE comment goes out after that many
-          seconds of silence, committing to the 200 if nothing was sent yet.
+        - With :attr:`keepalive` > 0, an SSE comment goes out after that
+          many seconds of silence, committing to the 200 if nothing was
+          sent yet.
 
         Waiting on ``receive()`` under a timeout loses nothing: ASGI servers
-        hand messages over through cancellation-safe queues.
+        hand messages over through cancellation-safe queues. Served by our
+        hypercorn, the app's :class:`asgi_generate.watchdog.Watchdog` and a
+        disconnect callback do the same without this task (:meth:`due`).
         """
-        st = self.st
         timeout = self.write_timeout
         while True:
             now = time.monotonic()
-            if self.in_send:
-                wake = self.send_started + timeout
-                if now >= wake:
-                    await self._cut_off_slow_client()
+            action, wake = self.timers(now)
+            if action is not None:
+                await action()
+                if action == self._cut_off_slow_client:
                     return
-            elif keepalive > 0 and not st.response_complete:
-                wake = self.last_send + keepalive
-                if now >= wake:
-                    await self._start_stream()
-                    await self._send(KEEPALIVE, True)
-                    continue
-            else:
-                wake = now + timeout
+                continue
             # A write may start while we wait: look again within `timeout`.
             with anyio.move_on_after(max(0.01, min(wake - now, timeout))):
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    if not st.response_complete:
-                        st.status = "client_disconnect"
-                        if self.scope is not None:
-                            self.scope.cancel()
+                    self.client_gone()
                     return
+
+    def timers(self, now: float):
+        """``(action due now or None, when to look again)`` for the
+        slow-client cut-off and the keep-alive comments."""
+        timeout = self.write_timeout
+        if self.in_send:
+            wake = self.send_started + timeout
+            return (self._cut_off_slow_client if now >= wake else None), wake
+        if self.keepalive > 0 and not self.st.response_complete:
+            wake = self.last_send + self.keepalive
+            return (self._keepalive if now >= wake else None), min(wake, now + timeout)
+        return None, now + timeout
+
+    def due(self, now: float, spawn) -> float | None:
+        """The guard's timers, for :class:`asgi_generate.watchdog.Watchdog`:
+        starts what is due at ``now`` with ``spawn``; when to look again,
+        ``None`` once cut off."""
+        action, wake = self.timers(now)
+        if action is None:
+            return wake
+        if action == self._cut_off_slow_client:
+            self.cutting_off = anyio.Event()
+            spawn(action)
+            return None
+        spawn(action)
+        # The comment's write starts within a turn of the loop; a stuck one
+        # is found by the in-send check at most `write_timeout` later.
+        return now + min(self.keepalive, self.write_timeout)
+
+    def client_gone(self) -> None:
+        """The client's connection closed: before the answer is complete,
+        the request is a ``client_disconnect`` and is cancelled."""
+        if not self.st.response_complete:
+            self.st.status = "client_disconnect"
+            if self.scope is not None:
+                self.scope.cancel()
+
+    async def _keepalive(self) -> None:
+        # Started by the watchdog a turn of the loop ago: the answer may
+        # have ended or a write begun since.
+        if self.in_send or self.scope is None or self.scope.cancel_called:
+            return
+        if not self.st.response_complete:
+            await self._start_stream()
+        if not self.st.response_complete:
+            await self._send(KEEPALIVE, True)
 
     async def _cut_off_slow_client(self) -> None:
         st = self.st
         st.status = None
         st.fail("slow_client", st.http_status, "slow_client",
                 f"client left a write untaken for {self.write_timeout:g} s")
-        with anyio.CancelScope(shield=True):
-            await abort_live_legs(self.app, st)
-        finish_record(self.app, st)
-        if self.scope is not None:
-            self.scope.cancel()
+        try:
+            with anyio.CancelScope(shield=True):
+                await abort_live_legs(self.app, st)
+            finish_record(self.app, st)
+            if self.scope is not None:
+                self.scope.cancel()
+        finally:
+            if self.cutting_off is not None:
+                self.cutting_off.set()
 
 
 

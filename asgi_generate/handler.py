@@ -6,7 +6,9 @@ For every registered format::
     read body (size-capped, within the body-read deadline) -> codec.decode
         (large bodies in a worker thread) -> GenerateRequest
     pick a worker -> attempt -> stream worker events -> codec -> client
-    watch receive() for http.disconnect the whole time
+    watch the client the whole time: a guard task on receive() for
+        http.disconnect, or (under our hypercorn) a disconnect callback
+        and the app's shared watchdog for the timers
     finally (shielded): abort every live engine leg, await its ack,
                         hand the finished RequestState to the trace sink
 
@@ -20,6 +22,7 @@ before it keep their real status; errors after it travel in-band.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import anyio
@@ -32,6 +35,7 @@ from .codec import Codec, GenerateRequest, RequestError
 from .framing import BodyTimeout, BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
 from .batches import BatchGeneration
 from .generation import Generation
+from .watchdog import DISCONNECT_WATCH
 
 if TYPE_CHECKING:
     from .app import App
@@ -120,7 +124,7 @@ async def _serve(app: "App", codec: Codec, scope: dict, receive: Receive, send: 
     try:
         request = await _read_and_decode(app, codec, receive, send, st, headers, length)
         if request is not None:
-            await _generate(app, codec, request, receive, send, st, lease)
+            await _generate(app, codec, request, scope, receive, send, st, lease)
     finally:
         lease.release()
 
@@ -165,7 +169,8 @@ async def _read_and_decode(
 
 
 async def _generate(
-    app: "App", codec: Codec, request: GenerateRequest, receive: Receive, send: Send, st: RequestState, lease: Lease
+    app: "App", codec: Codec, request: GenerateRequest, scope: dict, receive: Receive, send: Send,
+    st: RequestState, lease: Lease,
 ) -> None:
     st.public_id = request.public_id
     st.stream = request.stream
@@ -178,16 +183,46 @@ async def _generate(
     kind = Generation if request.items is None else BatchGeneration
     gen = kind(app, codec, codec.exchange(request, st.request_id), request, st, send)
     gen.lease = lease
-    async with anyio.create_task_group() as tg:
-        gen.scope = tg.cancel_scope
-        app.inflight[st.request_id] = gen
-        try:
-            tg.start_soon(gen.guard, receive, app.settings.sse_keepalive if request.stream else 0.0)
-            await gen.run()
-            tg.cancel_scope.cancel()
-        finally:
-            del app.inflight[st.request_id]
+    watch = scope.get("extensions", {}).get(DISCONNECT_WATCH)
+    if watch is not None and app.watchdog.running:
+        await _run_watched(app, gen, watch)
+    else:
+        await _run_guarded(app, gen, receive)
     if gen.shutdown and not st.response_complete:
         # The grace period ran out: end the answer cleanly, in-band if begun.
         st.status = None
         await gen.fail(RequestError(503, "server is shutting down", "shutdown"), "shutdown")
+
+
+async def _run_guarded(app: "App", gen: Generation, receive: Receive) -> None:
+    """Run ``gen`` beside its guard task, which watches ``receive()``."""
+    async with anyio.create_task_group() as tg:
+        gen.scope = tg.cancel_scope
+        app.inflight[gen.st.request_id] = gen
+        try:
+            tg.start_soon(gen.guard, receive)
+            await gen.run()
+            tg.cancel_scope.cancel()
+        finally:
+            del app.inflight[gen.st.request_id]
+
+
+async def _run_watched(app: "App", gen: Generation, watch) -> None:
+    """Run ``gen`` with no task of its own: the server calls
+    :meth:`~asgi_generate.client_stream.ClientStream.client_gone` when the
+    client's connection closes, and the app's watchdog keeps its timers
+    (see :mod:`asgi_generate.watchdog`)."""
+    with anyio.CancelScope() as gen.scope:
+        app.inflight[gen.st.request_id] = gen
+        now = time.monotonic()
+        key = app.watchdog.watch(gen, gen.timers(now)[1])
+        try:
+            watch(gen.client_gone)
+            await gen.run()
+        finally:
+            watch(None)
+            app.watchdog.forget(key)
+            del app.inflight[gen.st.request_id]
+    if gen.cutting_off is not None:  # the record is the cut-off's to write
+        with anyio.CancelScope(shield=True):
+            await gen.cutting_off.wait()

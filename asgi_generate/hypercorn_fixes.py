@@ -39,7 +39,14 @@ server (hypercorn 0.18.0; both worker classes), installed by :func:`install`.
    the app's first ``receive()`` (as uvicorn does) by :class:`_LazyContinue`,
    and never if the app answers without reading.
 
-And one saving: hypercorn writes a response's head as soon as the app sends
+One addition: hypercorn tells an app of a closed connection only through
+``receive()``, so an app must keep a task waiting on it per request just to
+notice a disconnect. The scope's extension ``asgi_generate.disconnect_watch``
+(:data:`asgi_generate.watchdog.DISCONNECT_WATCH`) takes a callback instead,
+called once when the connection closes (at once if it is closed already;
+``None`` stops the watch); ``http.disconnect`` still reaches ``receive()``.
+
+One saving: hypercorn writes a response's head as soon as the app sends
 ``http.response.start``, then its body in a second write: two ``send``
 syscalls and two loopback segments per unary answer. For a response with a
 ``content-length`` (whose body the app sends right behind its start) the head
@@ -78,6 +85,9 @@ from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio import run as trio_run
 from hypercorn.trio.tcp_server import TCPServer as TrioTCPServer
+
+from . import hypercorn_lean
+from .watchdog import DISCONNECT_WATCH
 
 #: Bytes of empty lines behind a request that do not stop hypercorn reading.
 STRAY_CRLF_BYTES = 4
@@ -156,7 +166,9 @@ class _Continue(StreamEvent):
 
 class _LazyContinue:
     """Wraps hypercorn's app wrapper so the app's first ``receive()`` asks
-    the protocol for the ``100 Continue`` (bug 4 above)."""
+    the protocol for the ``100 Continue`` (bug 4 above). A plain call that
+    returns the app's coroutine: no frame of its own stays alive for as
+    long as the request does."""
 
     __slots__ = ("app", "stream")
 
@@ -164,23 +176,46 @@ class _LazyContinue:
         self.app = app
         self.stream = stream
 
-    async def __call__(self, scope, receive, send, sync_spawn, call_soon) -> None:
-        asked = False
+    def __call__(self, scope, receive, send, sync_spawn, call_soon):
+        scope.setdefault("extensions", {})[DISCONNECT_WATCH] = self.stream.watch_disconnect
+        return self.app(scope, _FirstReceive(self.stream, receive), send, sync_spawn, call_soon)
 
-        async def first_receive():
-            nonlocal asked
-            if not asked:
-                asked = True
-                await self.stream.send(_Continue(stream_id=self.stream.stream_id))
-            return await receive()
 
-        await self.app(scope, first_receive, send, sync_spawn, call_soon)
+class _FirstReceive:
+    """``receive()`` that sends a pending 100 first, once."""
+
+    __slots__ = ("stream", "receive")
+
+    def __init__(self, stream: HTTPStream, receive) -> None:
+        self.stream = stream
+        self.receive = receive
+
+    async def __call__(self):
+        if self.stream is not None:
+            stream, self.stream = self.stream, None
+            await stream.send(_Continue(stream_id=stream.stream_id))
+        return await self.receive()
 
 
 class _LazyContinueStream(HTTPStream):
     def __init__(self, app, *args, **kwargs) -> None:
         super().__init__(app, *args, **kwargs)
         self.app = _LazyContinue(app, self)
+        self.on_disconnect = None
+
+    def watch_disconnect(self, callback) -> None:
+        """Call ``callback()`` once the connection closes (the disconnect
+        watch above); ``None`` stops watching."""
+        if callback is not None and self.closed:
+            callback()
+        else:
+            self.on_disconnect = callback
+
+    async def handle(self, event: StreamEvent) -> None:
+        await super().handle(event)
+        if self.closed and self.on_disconnect is not None:
+            callback, self.on_disconnect = self.on_disconnect, None
+            callback()
 
 
 class _HTTPStream(_LazyContinueStream):
@@ -241,7 +276,10 @@ def install(send_errors: bool) -> None:
     ``send_errors``, a ``send()`` to a client that is gone raises
     :class:`ClientGone` (bug 3), for apps that handle it. Must run before
     hypercorn accepts connections: ``asgi_generate.serving`` calls it, and
-    so does importing ``asgi_generate.asgi`` under a hypercorn you run."""
+    so does importing ``asgi_generate.asgi`` under a hypercorn you run.
+    Also installs the leaner asyncio objects of
+    :mod:`asgi_generate.hypercorn_lean`."""
+    hypercorn_lean.install()
     trio_run.TCPServer = _TrioTCPServer
     asyncio_run.TCPServer = _AsyncioTCPServer
     protocol.H11Protocol = _H11Protocol

@@ -5,7 +5,8 @@ snapshot; SIGUSR1 writes what was allocated since, as JSON to the file named
 by ``TRACED_OUT``: one row per allocating source line and *owner*, the
 nearest caller in asgi-generate (a codec or a module of the core, not the
 launcher that starts hypercorn), else in hypercorn, else the library that
-allocated.
+allocated; with the bytes of each whole call stack under ``stacks``, for
+reading where a row's memory comes from.
 """
 
 from __future__ import annotations
@@ -47,13 +48,16 @@ def _owner(tb: tracemalloc.Traceback) -> str:
 def _dump(*_: object) -> None:
     snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
     diff = snap.compare_to(_base[0], "traceback") if _base else snap.statistics("traceback")
-    rows: dict[tuple[str, str], list[int]] = {}
+    rows: dict[tuple[str, str], list] = {}
     for s in diff:
         where = f"{s.traceback[-1].filename}:{s.traceback[-1].lineno}"
-        acc = rows.setdefault((_owner(s.traceback), where), [0, 0])
-        acc[0] += s.size_diff if _base else s.size
+        acc = rows.setdefault((_owner(s.traceback), where), [0, 0, {}])
+        size = s.size_diff if _base else s.size
+        acc[0] += size
         acc[1] += s.count_diff if _base else s.count
-    out = [{"owner": o, "where": w, "bytes": b, "count": c} for (o, w), (b, c) in rows.items()]
+        stack = " < ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in reversed(s.traceback))
+        acc[2][stack] = acc[2].get(stack, 0) + size
+    out = [{"owner": o, "where": w, "bytes": b, "count": c, "stacks": st} for (o, w), (b, c, st) in rows.items()]
     target = os.environ["TRACED_OUT"]
     with open(target + ".part", "wb") as f:
         f.write(orjson.dumps(out))

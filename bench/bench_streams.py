@@ -13,12 +13,14 @@ RSS, and how fast an abort storm is acknowledged.
   fewer when the hard open-file limit cannot hold two sockets per stream)
   streams held open in one frontend; measured: the frontend's RSS
   (``VmRSS``) before and with them open, as KB per stream.
-- **Where the memory goes** (``--profile N``, asyncio): the frontend runs
-  under tracemalloc (bench/_traced.py); the allocations still live with N
-  streams open, minus those before, grouped by source line, per stream.
+- **Where the memory goes** (``--profile N``, per worker class): the
+  frontend runs under tracemalloc (bench/_traced.py); the allocations still
+  live with N streams open, minus those before, grouped by nearest caller
+  and by source line, per stream.
 
 Usage: ``python bench/bench_streams.py [--storm 5000] [--streams 10000]
-[--profile 2000] [--worker-classes asyncio,trio]``. Linux only (``/proc``).
+[--profile 2000] [--worker-classes asyncio,trio]``; ``--storm 0`` or
+``--profile 0`` skips that part. Linux only (``/proc``).
 Every process it starts is stopped at the end.
 """
 
@@ -61,6 +63,19 @@ def rss_kb(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise RuntimeError("no VmRSS")
+
+
+def raise_hard_fd_limit(need: int) -> int:
+    """Raise this process's open-file limits (inherited by the frontend) to
+    ``need`` where allowed (``CAP_SYS_RESOURCE``, e.g. root), else the soft
+    one to the hard one; return the hard limit."""
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < need:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, need))
+        except (ValueError, OSError):
+            pass
+    return raise_fd_limit()
 
 
 def open_fds(pid: int) -> int:
@@ -171,9 +186,9 @@ async def capacity(tmp: pathlib.Path, worker_class: str, n: int) -> dict:
         stack.stop()
 
 
-async def profile(tmp: pathlib.Path, n: int) -> list[dict]:
-    out = tmp / "traced.json"
-    stack = Stack(tmp, "profile", "sglang", "asyncio", traced=out)
+async def profile(tmp: pathlib.Path, worker_class: str, n: int) -> list[dict]:
+    out = tmp / f"traced-{worker_class}.json"
+    stack = Stack(tmp, "profile", "sglang", worker_class, traced=out)
     try:
         warm, _ = await stack.open(100)
         warm.close_all()
@@ -206,26 +221,7 @@ def short(where: str) -> str:
     return where.rsplit("/python3.", 1)[-1].split("/", 1)[-1]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--storm", type=int, default=5000, help="streams that hang up at once (default %(default)s)")
-    parser.add_argument("--streams", type=int, default=10000, help="streams held open (default %(default)s)")
-    parser.add_argument("--profile", type=int, default=2000, help="streams open under tracemalloc; 0 = skip")
-    parser.add_argument("--top", type=int, default=25, help="source lines listed by the profile")
-    parser.add_argument("--worker-classes", default="asyncio,trio", help="hypercorn worker classes")
-    parser.add_argument("--protocols", default="sglang,vllm", help="engine protocols for the storm")
-    args = parser.parse_args()
-    hard = raise_fd_limit()
-    most = (hard - FD_MARGIN) // 2
-    streams = min(args.streams, most)
-    classes = args.worker_classes.split(",")
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-streams-"))
-    print(f"bench_streams.py, {time.strftime('%Y-%m-%dT%H:%M:%S')}: {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.2f}, Python {platform.python_version()}; "
-          f"open-file hard limit {hard}")
-    if streams < args.streams:
-        print(f"- {args.streams} streams need {2 * args.streams + FD_MARGIN} fds in the frontend (a client and an "
-              f"engine socket each); the hard limit allows {streams}")
+def storms(args: argparse.Namespace, tmp: pathlib.Path, classes: list[str]) -> None:
     print(f"\nAbort storm: {args.storm} SSE streams hang up at once\n")
     print("| protocol | worker class | open all (s) | all aborts answered (s) | acknowledged | unacknowledged "
           "| worker lost | abort requests | most in flight | abort connections opened | request during the storm "
@@ -241,6 +237,50 @@ def main() -> int:
             print(f"| {protocol} | {wc} | {r['opened_s']:.1f} | {r['acked_s']:.2f} | {r['acked']:,} | {r['unacked']} "
                   f"| {r['lost']} | {r['requests']:,} | {r['peak']} | {r['conns']} "
                   f"| {r['during_status']} in {r['during_s']:.2f} s | {r['worker']} |", flush=True)
+
+
+def print_profile(worker_class: str, n: int, rows: list[dict], top: int) -> None:
+    by_owner: dict[str, list[int]] = {}
+    for r in rows:
+        acc = by_owner.setdefault(r["owner"], [0, 0])
+        acc[0] += r["bytes"]
+        acc[1] += r["count"]
+    total = sum(r["bytes"] for r in rows)
+    print(f"\nWhere the memory goes (tracemalloc, {worker_class}, {n} streams): "
+          f"{total / n / 1024:.1f} KB of Python allocations per stream\n")
+    print("| nearest caller (asgi-generate, else hypercorn) | bytes per stream | objects per stream |")
+    print("|---|---:|---:|")
+    for name, (size, count) in sorted(by_owner.items(), key=lambda kv: -kv[1][0]):
+        if size / n >= 64:
+            print(f"| {name} | {size / n:.0f} | {count / n:.1f} |")
+    print("\n| source line | nearest caller | bytes per stream | objects per stream |")
+    print("|---|---|---:|---:|")
+    for r in rows[:top]:
+        print(f"| {short(r['where'])} | {r['owner']} | {r['bytes'] / n:.0f} | {r['count'] / n:.1f} |", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--storm", type=int, default=5000, help="streams that hang up at once (default %(default)s)")
+    parser.add_argument("--streams", type=int, default=10000, help="streams held open (default %(default)s)")
+    parser.add_argument("--profile", type=int, default=2000, help="streams open under tracemalloc; 0 = skip")
+    parser.add_argument("--top", type=int, default=25, help="source lines listed by the profile")
+    parser.add_argument("--worker-classes", default="asyncio,trio", help="hypercorn worker classes")
+    parser.add_argument("--protocols", default="sglang,vllm", help="engine protocols for the storm")
+    args = parser.parse_args()
+    hard = raise_hard_fd_limit(2 * args.streams + FD_MARGIN)
+    most = (hard - FD_MARGIN) // 2
+    streams = min(args.streams, most)
+    classes = args.worker_classes.split(",")
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-streams-"))
+    print(f"bench_streams.py, {time.strftime('%Y-%m-%dT%H:%M:%S')}: {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.2f}, Python {platform.python_version()}; "
+          f"open-file hard limit {hard}")
+    if streams < args.streams:
+        print(f"- {args.streams} streams need {2 * args.streams + FD_MARGIN} fds in the frontend (a client and an "
+              f"engine socket each); the hard limit allows {streams}")
+    if args.storm:
+        storms(args, tmp, classes)
     print(f"\nOpen-stream capacity: {streams} SSE streams held open in one frontend process\n")
     print("| worker class | streams | open all (s) | RSS before (MB) | RSS open (MB) | KB per stream | fds open "
           "| all hung up and aborted (s) |")
@@ -253,26 +293,8 @@ def main() -> int:
             continue
         print(f"| {wc} | {r['streams']:,} | {r['opened_s']:.1f} | {r['base_mb']:.1f} | {r['loaded_mb']:.1f} "
               f"| {r['kb_per_stream']:.1f} | {r['fds']:,} | {r['closed_s']:.1f} |", flush=True)
-    if args.profile:
-        n = args.profile
-        rows = asyncio.run(profile(tmp, n))
-        by_owner: dict[str, list[int]] = {}
-        for r in rows:
-            acc = by_owner.setdefault(r["owner"], [0, 0])
-            acc[0] += r["bytes"]
-            acc[1] += r["count"]
-        total = sum(r["bytes"] for r in rows)
-        print(f"\nWhere the memory goes (tracemalloc, asyncio, {n} streams): "
-              f"{total / n / 1024:.1f} KB of Python allocations per stream\n")
-        print("| nearest caller (asgi-generate, else hypercorn) | bytes per stream | objects per stream |")
-        print("|---|---:|---:|")
-        for name, (size, count) in sorted(by_owner.items(), key=lambda kv: -kv[1][0]):
-            if size / n >= 64:
-                print(f"| {name} | {size / n:.0f} | {count / n:.1f} |")
-        print("\n| source line | nearest caller | bytes per stream | objects per stream |")
-        print("|---|---|---:|---:|")
-        for r in rows[: args.top]:
-            print(f"| {short(r['where'])} | {r['owner']} | {r['bytes'] / n:.0f} | {r['count'] / n:.1f} |")
+    for wc in classes if args.profile else ():
+        print_profile(wc, args.profile, asyncio.run(profile(tmp, wc, args.profile)), args.top)
     print(f"\nlogs: {tmp}; load average at the end {os.getloadavg()[0]:.2f}")
     return 0
 

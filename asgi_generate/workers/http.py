@@ -1,13 +1,15 @@
 """HTTP/1.1 client for engine workers: h11 over anyio streams, pooled.
 
-One :class:`ConnectionPool` per worker keeps idle keep-alive connections.
+One :class:`ConnectionPool` per worker keeps idle keep-alive connections
+(bare sockets for ``http://`` workers, :mod:`asgi_generate.workers.sockets`).
 A connection goes back to the pool only when both sides finished their
 message cleanly (h11 ``DONE``/``DONE``); any response not read to its end,
 any error and any cancellation retires the connection instead, so a later
 request never reads a stale tail. Wire format: RFC 9112 (via h11).
 
 A pool for an ``https://`` worker speaks TLS over anyio's TLS stream
-(:func:`anyio.connect_tcp` with an :class:`ssl.SSLContext`, from
+(:class:`~asgi_generate.workers.sockets.TLSConnection` around
+:func:`anyio.connect_tcp` with an :class:`ssl.SSLContext`, from
 :func:`tls_context`: certificate and host name verified unless told
 otherwise); a failed handshake is a failed connect.
 
@@ -24,16 +26,15 @@ import math
 import os
 import ssl
 import time
-from contextlib import asynccontextmanager
-from typing import AsyncIterator, Iterable
+from typing import Iterable
 
 import anyio
 import h11
 
+from .sockets import TCPConnection, TLSConnection, connect
+
 log = logging.getLogger("asgi_generate.workers")
 RECEIVE_SIZE = 65536
-#: What a socket stream raises when the connection is gone.
-_BROKEN = (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError)
 
 
 class WorkerError(Exception):
@@ -77,17 +78,17 @@ def tls_context(ca_file: str | None = None, insecure: bool = False) -> ssl.SSLCo
 class _Connection:
     __slots__ = ("stream", "h11", "idle_since")
 
-    def __init__(self, stream: anyio.abc.ByteStream) -> None:
+    def __init__(self, stream: TCPConnection | TLSConnection) -> None:
         self.stream = stream
         self.h11 = h11.Connection(h11.CLIENT)
         self.idle_since = 0.0
 
     async def aclose(self) -> None:
-        with anyio.CancelScope(shield=True):
-            try:
-                await self.stream.aclose()
-            except _BROKEN:
-                pass
+        stream = self.stream
+        if type(stream) is TCPConnection:
+            stream.close()
+        else:
+            await stream.aclose()
 
 
 class Response:
@@ -95,15 +96,17 @@ class Response:
 
     Attributes:
         status: HTTP status code.
-        headers: ``(name, value)`` byte pairs, names lower-case.
+        content_type: the ``content-type`` header's value, ``None`` if absent
+            (the other headers are not kept: an open stream holds its
+            response for its whole life).
         complete: the body was read to its end.
     """
 
-    __slots__ = ("status", "headers", "_conn", "complete")
+    __slots__ = ("status", "content_type", "_conn", "complete")
 
     def __init__(self, conn: _Connection, head: h11.Response) -> None:
         self.status = head.status_code
-        self.headers = list(head.headers)
+        self.content_type = next((v for k, v in head.headers if k == b"content-type"), None)
         self._conn = conn
         self.complete = False
 
@@ -153,9 +156,7 @@ async def _receive(conn: _Connection, deadline: float) -> None:
     with anyio.CancelScope(deadline=deadline) as wait:
         try:
             data = await conn.stream.receive(RECEIVE_SIZE)
-        except anyio.EndOfStream:
-            data = b""
-        except _BROKEN as exc:
+        except OSError as exc:
             raise WorkerDisconnected(f"connection to worker lost: {exc!r}") from None
     if wait.cancelled_caught:
         raise TimedOut("deadline passed waiting for the worker")
@@ -228,13 +229,13 @@ class ConnectionPool:
         try:
             with anyio.fail_after(self.connect_timeout):
                 if self.ssl_context is None:
-                    stream = await anyio.connect_tcp(self.host, self.port)
+                    stream = await connect(self.host, self.port)
                 else:
                     # Not standard-compatible: HTTP frames its own messages,
                     # and servers often close without a TLS close_notify.
-                    stream = await anyio.connect_tcp(
+                    stream = TLSConnection(await anyio.connect_tcp(
                         self.host, self.port, ssl_context=self.ssl_context, tls_standard_compatible=False,
-                        tls_hostname=self.tls_hostname or self.host)
+                        tls_hostname=self.tls_hostname or self.host))
         except TimeoutError:
             raise ConnectFailed(f"connect to {self.host}:{self.port} timed out") from None
         except ssl.SSLError as exc:
@@ -263,19 +264,19 @@ class ConnectionPool:
         data += conn.h11.send(h11.EndOfMessage())
         try:
             await conn.stream.send(data)
-        except _BROKEN as exc:
+        except OSError as exc:
             raise WorkerDisconnected(f"connection to worker lost: {exc!r}") from None
 
-    @asynccontextmanager
-    async def request(
+    def request(
         self,
         method: bytes,
         path: bytes,
         body: bytes = b"",
         headers: Iterable[tuple[bytes, bytes]] = (),
         head_deadline: float = math.inf,
-    ) -> AsyncIterator[Response]:
-        """Send one request and yield its :class:`Response` once the head is in.
+    ) -> "_Exchange":
+        """``async with pool.request(...) as response``: send one request
+        and get its :class:`Response` once the head is in.
 
         The connection returns to the pool only if the caller read the body to
         its end; otherwise (error, cancellation, early exit) it is closed.
@@ -290,19 +291,57 @@ class ConnectionPool:
             WorkerDisconnected: the connection broke before the response ended.
             TimedOut: ``head_deadline`` passed before the head arrived.
         """
+        return _Exchange(self, (method, path, body, headers, head_deadline))
+
+    async def _release(self, conn: _Connection, ok: bool) -> None:
+        if ok and conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
+            conn.h11.start_next_cycle()
+            if len(self._idle) < self.max_idle:
+                conn.idle_since = time.monotonic()
+                self._idle.append(conn)
+            else:
+                await conn.aclose()
+        else:
+            self.retired += 1
+            await conn.aclose()
+
+    async def aclose(self) -> None:
+        """Close every idle connection."""
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await conn.aclose()
+
+
+class _Exchange:
+    """One request on a pooled connection, as an async context manager
+    (:meth:`ConnectionPool.request`). A class rather than a generator: an
+    open stream holds it for its whole life, and it keeps neither the
+    request body nor its headers once they are sent."""
+
+    __slots__ = ("pool", "args", "conn", "response")
+
+    def __init__(self, pool: ConnectionPool, args: tuple) -> None:
+        self.pool = pool
+        self.args: tuple | None = args
+        self.conn: _Connection | None = None
+        self.response: Response | None = None
+
+    async def __aenter__(self) -> Response:
+        pool = self.pool
+        method, path, body, headers, head_deadline = self.args
+        self.args = None
         all_headers = [
-            (b"host", self._host_header),
+            (b"host", pool._host_header),
             (b"content-length", str(len(body)).encode()),
             *headers,
         ]
-        conn = await self._take_idle()
+        conn = await pool._take_idle()
         reused = conn is not None
         if conn is None:
-            conn = await self._connect()
-        ok = False
+            conn = await pool._connect()
         try:
             try:
-                await self._send(conn, method, path, all_headers, body)
+                await pool._send(conn, method, path, all_headers, body)
                 head = await _next_response(conn, head_deadline)
             except WorkerDisconnected:
                 if not reused:
@@ -310,30 +349,19 @@ class ConnectionPool:
                 # A kept-alive connection the worker closed while idle: retry
                 # once, fresh; the worker never saw this request.
                 await conn.aclose()
-                self.retired += 1
-                conn = await self._connect()
-                await self._send(conn, method, path, all_headers, body)
+                pool.retired += 1
+                conn = await pool._connect()
+                await pool._send(conn, method, path, all_headers, body)
                 head = await _next_response(conn, head_deadline)
-            response = Response(conn, head)
-            yield response
-            ok = response.complete
-        finally:
-            if ok and conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
-                conn.h11.start_next_cycle()
-                if len(self._idle) < self.max_idle:
-                    conn.idle_since = time.monotonic()
-                    self._idle.append(conn)
-                else:
-                    await conn.aclose()
-            else:
-                self.retired += 1
-                await conn.aclose()
+        except BaseException:
+            await pool._release(conn, False)
+            raise
+        self.conn = conn
+        self.response = Response(conn, head)
+        return self.response
 
-    async def aclose(self) -> None:
-        """Close every idle connection."""
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            await conn.aclose()
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        await self.pool._release(self.conn, exc_type is None and self.response.complete)
 
 
 def _tls_reason(exc: ssl.SSLError) -> str:
@@ -345,8 +373,11 @@ def _tls_reason(exc: ssl.SSLError) -> str:
 
 
 def _os_reason(exc: OSError) -> str:
-    # anyio reports a failed connect as "All connection attempts failed",
-    # with the first address's own error (or a group of them) as the cause.
+    if exc.errno is not None:
+        return os.strerror(exc.errno)
+    # anyio (a TLS worker's connect) reports a failed connect as "All
+    # connection attempts failed", with the first address's own error (or
+    # a group of them) as the cause.
     cause = exc.__cause__
     if isinstance(cause, BaseExceptionGroup):
         cause = cause.exceptions[0]

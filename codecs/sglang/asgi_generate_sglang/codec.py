@@ -95,6 +95,7 @@ from asgi_generate.codec import (
     Route,
     WorkerRequest,
     dump_body,
+    dumps_compact,
     engine_error_page,
 )
 from asgi_generate.token_ids import pack_token_ids
@@ -308,7 +309,7 @@ class SGLangExchange(Exchange):
         self.incremental = False
         self.payload = b""
         self.engine_tag = b""
-        self.public_tag = orjson.dumps(public_id)
+        self.public_tag = dumps_compact(public_id)
         #: A resumed attempt's starting point: the client's view at the
         #: seam (the last chunk sent, and the output count).
         self.base: tuple[dict, int] | None = None
@@ -361,7 +362,7 @@ class SGLangExchange(Exchange):
             self.prefill_meta = None
         else:
             self.incremental = stream and bool(attempt.worker_info.get("incremental_streaming_output"))
-            self.engine_tag = orjson.dumps(attempt.engine_id)
+            self.engine_tag = dumps_compact(attempt.engine_id)
             self.decode_chunks = 0
         return WorkerRequest(b"/generate", dump_body(body), stream=stream)
 

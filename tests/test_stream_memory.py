@@ -1,0 +1,172 @@
+"""The pieces that keep an open stream small (bench/bench_streams.py
+measures the whole): compact orjson results, the bare-socket worker
+connection, hypercorn's lean asyncio queue and event, the shared watchdog."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import tracemalloc
+
+import anyio
+import orjson
+import pytest
+
+from asgi_generate.codec import dumps_compact
+from asgi_generate.hypercorn_lean import AppQueue, LeanEvent
+from asgi_generate.watchdog import Watchdog
+from asgi_generate.workers.sockets import TCPConnection, connect
+
+
+def test_dumps_compact_keeps_no_spare_buffer():
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        plain = [orjson.dumps(f"rid-{i}") for i in range(200)]
+        mid = tracemalloc.get_traced_memory()[0]
+        compact = [dumps_compact(f"rid-{i}") for i in range(200)]
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert compact == plain
+    assert compact[7] == b'"rid-7"'
+    assert (mid - before) / 200 > 1024  # orjson 3.11's buffer: the reason for dumps_compact
+    assert (after - mid) / 200 < 64
+    big = list(range(1000))
+    assert dumps_compact(big) == orjson.dumps(big)
+
+
+# -- the worker connection: a bare socket on both backends -------------------
+
+
+@pytest.fixture(params=["trio", "asyncio"])
+def anyio_backend(request):
+    return request.param
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+async def test_bare_socket_round_trip(host):
+    big = bytes(range(256)) * 8192  # 2 MiB: more than a socket buffer takes at once
+
+    async def serve(stream) -> None:
+        async with stream:
+            got = b""
+            while len(got) < len(big):
+                got += await stream.receive()
+            await stream.send(b"ok:%d" % (got == big))
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, serve)
+        conn = await connect(host, port)
+        assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        await conn.send(big)
+        assert await conn.receive(100) == b"ok:1"
+        assert await conn.receive(100) == b""  # the server closed its side
+        conn.close()
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_bare_socket_receive_waits_and_is_cancellable():
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    conn = TCPConnection(a)
+    with anyio.move_on_after(0.1) as scope:
+        await conn.receive(10)
+    assert scope.cancelled_caught
+    b.send(b"late")
+    assert await conn.receive(10) == b"late"
+    conn.close()
+    b.close()
+
+
+# -- hypercorn's asyncio app queue and event ----------------------------------
+
+
+def test_app_queue_is_fifo_bounded_and_cancellation_safe():
+    async def main() -> list:
+        q = AppQueue(2)
+        seen = []
+        await q.put(1)
+        await q.put(2)
+        put3 = asyncio.ensure_future(q.put(3))  # waits: the queue is full
+        await asyncio.sleep(0)
+        seen.append(put3.done())
+        seen.append(await q.get())
+        await asyncio.sleep(0)
+        seen.append(put3.done())
+        seen += [await q.get(), await q.get()]
+        # A get cancelled while waiting loses nothing.
+        waiting = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)
+        waiting.cancel()
+        await asyncio.sleep(0)
+        await q.put(4)
+        seen.append(await asyncio.wait_for(q.get(), 1))
+        # A get cancelled after being woken passes the item on.
+        first, second = asyncio.ensure_future(q.get()), asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)
+        await q.put(5)
+        first.cancel()
+        seen.append(await asyncio.wait_for(second, 1))
+        return seen
+
+    assert asyncio.run(main()) == [False, 1, True, 2, 3, 4, 5]
+
+
+def test_lean_event_wakes_every_waiter():
+    async def main() -> list:
+        ev = LeanEvent()
+        waiters = [asyncio.ensure_future(ev.wait()) for _ in range(3)]
+        await asyncio.sleep(0)
+        before = [w.done() for w in waiters]
+        await ev.set()
+        await asyncio.wait_for(asyncio.gather(*waiters), 1)
+        await ev.wait()  # set: returns at once
+        await ev.clear()
+        return [before, ev.is_set()]
+
+    assert asyncio.run(main()) == [[False, False, False], False]
+
+
+# -- the watchdog ---------------------------------------------------------------
+
+
+class _Item:
+    def __init__(self, name: str, every: float, times: int, log: list) -> None:
+        self.name, self.every, self.left, self.log = name, every, times, log
+
+    def due(self, now, spawn):
+        self.log.append(self.name)
+        self.left -= 1
+        if self.left == 0:
+            async def last() -> None:
+                self.log.append(self.name + "!")
+                raise RuntimeError("an action that fails is logged, the watchdog goes on")
+
+            spawn(last)
+            return None
+        return now + self.every
+
+
+@pytest.mark.anyio
+async def test_watchdog_runs_timers_in_order_and_forgets():
+    log: list[str] = []
+    dog = Watchdog()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(dog.run, time.monotonic)
+        await anyio.sleep(0.01)
+        assert dog.running
+        now = time.monotonic()
+        dog.watch(_Item("a", 0.05, 2, log), now + 0.05)
+        dog.watch(_Item("b", 0.02, 3, log), now + 0.02)
+        gone = dog.watch(_Item("c", 0.01, 9, log), now + 0.03)
+        dog.forget(gone)
+        await anyio.sleep(0.3)
+        tg.cancel_scope.cancel()
+    assert not dog.running
+    assert log == ["b", "b", "a", "b", "b!", "a", "a!"]
