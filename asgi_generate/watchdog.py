@@ -25,6 +25,8 @@ from typing import Awaitable, Callable, Protocol
 import anyio
 
 log = logging.getLogger("asgi_generate.watchdog")
+#: Seconds: the soonest an item is looked at again (as the guard task's wait).
+MIN_STEP = 0.01
 
 #: The ASGI scope extension our hypercorn offers (``hypercorn_fixes``): a
 #: function taking a callback (or ``None`` to stop), called once when the
@@ -91,11 +93,15 @@ class Watchdog:
                         item = self._watched.get(key)
                         if item is None:
                             continue
-                        again = item.due(now, self._spawn)
+                        try:
+                            again = item.due(now, self._spawn)
+                        except Exception:  # a bug in one item: it alone stops being watched
+                            log.exception("watchdog item %r failed", item)
+                            again = None
                         if again is None:
                             del self._watched[key]
-                        else:
-                            heapq.heappush(heap, (again, key))
+                        else:  # never sooner than MIN_STEP: no item can spin the loop
+                            heapq.heappush(heap, (max(again, now + MIN_STEP), key))
                     delay = heap[0][0] - now if heap else math.inf
                     self._wakeup = anyio.Event()
                     with anyio.move_on_after(delay):

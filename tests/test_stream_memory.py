@@ -170,3 +170,42 @@ async def test_watchdog_runs_timers_in_order_and_forgets():
         tg.cancel_scope.cancel()
     assert not dog.running
     assert log == ["b", "b", "a", "b", "b!", "a", "a!"]
+
+
+class _Broken:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def due(self, now, spawn):
+        self.log.append("broken")
+        raise RuntimeError("a bug in one item")
+
+
+class _Eager:
+    """Asks to be looked at again at once, every time."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def due(self, now, spawn):
+        self.log.append("eager")
+        return now
+
+
+@pytest.mark.anyio
+async def test_watchdog_survives_a_failing_item_and_paces_an_eager_one():
+    log: list[str] = []
+    dog = Watchdog()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(dog.run, time.monotonic)
+        await anyio.sleep(0.01)
+        now = time.monotonic()
+        dog.watch(_Broken(log), now)
+        dog.watch(_Eager(log), now)
+        dog.watch(_Item("late", 0.05, 1, log), now + 0.05)
+        await anyio.sleep(0.2)
+        tg.cancel_scope.cancel()
+    assert log.count("broken") == 1
+    assert "late!" in log
+    # At most one look per MIN_STEP (0.01 s) over about 0.2 s.
+    assert 5 <= log.count("eager") <= 21
