@@ -209,3 +209,23 @@ async def test_watchdog_survives_a_failing_item_and_paces_an_eager_one():
     assert "late!" in log
     # At most one look per MIN_STEP (0.01 s) over about 0.2 s.
     assert 5 <= log.count("eager") <= 21
+
+
+@pytest.mark.anyio
+async def test_connect_is_a_checkpoint_even_when_refused_at_once():
+    # A P/D pair starts its prefill leg, then connects its decode leg: a
+    # refusal must not come back before the prefill task got its turn.
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    ran: list[int] = []
+
+    async def mark() -> None:
+        ran.append(1)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(mark)
+        with pytest.raises(ConnectionRefusedError):
+            await connect("127.0.0.1", port)
+        assert ran == [1]

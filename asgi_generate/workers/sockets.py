@@ -109,10 +109,16 @@ async def connect(host: str, port: int) -> TCPConnection:
     ``TCP_NODELAY`` set: a request goes out in one write and must not wait
     for an ACK.
 
+    Always a checkpoint, as ``anyio.connect_tcp`` is: a loopback connect
+    may succeed or be refused at once, and callers rely on other tasks
+    getting a turn before its outcome (a P/D pair's prefill leg starts
+    while its decode leg connects).
+
     Raises:
         OSError: no address could be connected (the last address's error,
             with its ``errno``), or the name did not resolve.
     """
+    await checkpoint()
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
