@@ -132,14 +132,19 @@ def test_prefix_sharing_and_duplicate_rids_abort_only_the_disconnected(fe, slow_
     assert set(stats(slow_sim)["aborted_rids"]) - aborted_before == newly
 
 
+@pytest.mark.parametrize("items", [1, 2])  # 2: a batch, each item aborted by its own id
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
-def test_slow_reader_is_cut_off_and_the_engine_aborted(worker_class):
+def test_slow_reader_is_cut_off_and_the_engine_aborted(worker_class, items):
     sim = start_sim()
     fe = start_frontend([f"sglang={sim.url}"], worker_class=worker_class, extra=["--slow-client-timeout", "1"])
     try:
         c = RawClient(fe.url, rcvbuf=4096)
-        c.send(_body(True, n=20000))
-        rid = wait_until(lambda: stats(sim)["seen_rids"])[0]
+        if items == 1:
+            c.send(_body(True, n=20000))
+        else:
+            c.send(orjson.dumps({"input_ids": [[5, 6], [7, 8]], "rid": "slow", "stream": True,
+                                 "sampling_params": {"max_new_tokens": 20000, "ignore_eos": True}}))
+        rids = wait_until(lambda: len(r := stats(sim)["seen_rids"]) == items and r)
         t0 = time.monotonic()
         # Read one byte per second: far slower than the stream.
         while time.monotonic() - t0 < 8:
@@ -153,8 +158,8 @@ def test_slow_reader_is_cut_off_and_the_engine_aborted(worker_class):
             time.sleep(1)
         assert time.monotonic() - t0 < 8
         wait_until(lambda: stats(sim)["running"] == 0)
-        assert stats(sim)["aborted_rids"] == [rid]
-        assert httpx.get(fe.url + "/stats").json()["by_status"] == {"slow_client": 1}
+        assert sorted(stats(sim)["aborted_rids"]) == sorted(rids)
+        assert httpx.get(fe.url + "/stats").json()["by_status"] == {"slow_client": items}
         c.close()
     finally:
         fe.stop()

@@ -146,13 +146,14 @@ def test_same_rid_concurrently_each_gets_its_own_output(two_sims):
         fe.stop()
 
 
-def test_keepalive_comments_while_the_engine_is_silent():
+@pytest.mark.parametrize("prompt", [[1, 2], [[1, 2], [3, 4]]], ids=["one", "batch"])
+def test_keepalive_comments_while_the_engine_is_silent(prompt):
     # Keep-alives due at 1 s and 2 s, the first token at 2.5 s: each may be
     # 0.5 s late before the count changes.
     sim = start_sim(ttft_ms=2500)
     fe = start_frontend([f"sglang={sim.url}"], extra=["--sse-keepalive", "1"])
     try:
-        body = {"input_ids": [1, 2], "stream": True, "sampling_params": {"max_new_tokens": 2}}
+        body = {"input_ids": prompt, "stream": True, "sampling_params": {"max_new_tokens": 2}}
         with httpx.stream("POST", fe.url + "/generate", content=orjson.dumps(body), timeout=10) as resp:
             raw = b"".join(resp.iter_bytes())
         assert resp.status_code == 200
