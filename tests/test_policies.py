@@ -15,6 +15,7 @@ from asgi_generate.config import Settings
 from asgi_generate.workers.policies import build_policy
 from asgi_generate.workers.policies.cache_aware import CacheAwarePolicy
 from asgi_generate.workers.policies.session import SessionPolicy
+from asgi_generate.token_ids import pack_token_ids
 from asgi_generate.workers.prefix_tree import PrefixTree, token_key
 from asgi_generate.workers.router import Router
 
@@ -235,6 +236,14 @@ def test_tree_eviction_is_lru():
 def test_token_keys_one_character_per_id():
     assert token_key([0, 65, 0xD800, 0x10FFFF]) == "\x01\x00A\ud800\U0010ffff"
     assert token_key([0x110000 + 65, 1 << 40]) == "\x01A\U00010000"  # past the code points: folded
+
+
+def test_token_keys_read_the_codecs_packed_prompt():
+    ids = [0, 65, 0xD800, 0x10FFFF, 151643]
+    packed = pack_token_ids(ids)
+    assert token_key(packed.u32) == token_key(ids) == "\x01\x00A\ud800\U0010ffff\U0002505b"
+    request = GenerateRequest(stream=False, input_ids=ids, input_ids_packed=packed)
+    assert CacheAwarePolicy().routing_key(request, {}) == token_key(ids)
 
 
 def _walk(t: PrefixTree):

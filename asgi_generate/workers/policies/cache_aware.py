@@ -87,7 +87,8 @@ class CacheAwarePolicy(Policy):
         """The prompt's tree key: its token ids, else its text, else (or
         when empty) ``None``."""
         if request.input_ids:
-            return token_key(request.input_ids)
+            packed = request.input_ids_packed
+            return token_key(packed.u32 if packed is not None else request.input_ids)
         if request.prompt_text:
             return text_key(request.prompt_text)
         return None
