@@ -22,8 +22,8 @@ from .accounting import RequestState
 from .budget import Lease
 from .client_stream import ClientStream, send_in_band_error
 from .codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError, WorkerRequest
-from .deadlines import deadline_in, opening_phase, timeout_message
 from .framing import Send, SSEDecoder
+from .legs import Leg
 from .pd import run_pair
 from .workers.http import ConnectFailed, TimedOut, WorkerError
 from .workers.router import Worker
@@ -206,35 +206,24 @@ class Generation(ClientStream):
         engine's own error or abort finish never does.
         """
         st, ex, settings = self.st, self.ex, self.app.settings
-        if st.t_dispatched is None:
-            st.t_dispatched = time.monotonic()
-        attempt.live = True
-        phase, limit = opening_phase(settings, wreq.stream)
-        deadline = deadline_in(limit)
+        leg = Leg(st, settings, worker, attempt, wreq)
         try:
             with anyio.CancelScope() as self.leg:
                 if self.lost is not None:  # lost before the leg began
                     self.leg.cancel()
-                async with worker.pool.request(
-                    b"POST", wreq.path, wreq.body, wreq.headers, head_deadline=deadline
-                ) as resp:
-                    if wreq.stream:
-                        phase, limit = "first_token", settings.first_token_timeout
-                        deadline = deadline_in(limit)
-                    if resp.status != 200:
-                        body = await resp.read(deadline)
-                        attempt.live = False
-                        attempt.outcome = "error"
+                async with leg as resp:
+                    if leg.page is not None:
+                        status, body = leg.page
                         # A stream's 503 is the worker going away (an engine ends a
                         # stream's own abort in-band); a unary 503 may be the
                         # engine's abort of this request, its answer.
-                        if resp.status == 503 and wreq.stream:
+                        if status == 503 and wreq.stream:
                             if not st.response_started and self.pending == 0:
                                 if self.app.router.can_plan(self.codec.worker_protocol, [*self.tried, worker]):
                                     return True  # before any token: the next worker, as a failover
-                            elif self._migrate(attempt, f"answered {resp.status}"):
+                            elif self._migrate(attempt, f"answered {status}"):
                                 return True
-                        status, body = ex.worker_error(resp.status, body)
+                        status, body = ex.worker_error(status, body)
                         st.fail(
                             "engine_error" if status >= 500 else "rejected",
                             status,
@@ -244,16 +233,16 @@ class Generation(ClientStream):
                         await self._unary(status, body)
                         return False
                     if not wreq.stream:
-                        await self._feed_whole(attempt, await resp.read(deadline))
+                        await self._feed_whole(attempt, await resp.read(leg.deadline))
                     else:
                         decoder = SSEDecoder()
                         between = settings.inter_token_timeout
+                        deadline = leg.deadline
                         while (data := await resp.read_some(deadline)) is not None:
                             payloads = decoder.feed(data)
                             if not payloads:  # only comments or part of an event
                                 continue
-                            phase, limit = "inter_token", between
-                            deadline = deadline_in(between)
+                            deadline = leg.enter("inter_token", between)
                             for payload in payloads:
                                 if not st.response_complete and payload != DONE:
                                     await self._feed(attempt, payload)
@@ -275,11 +264,11 @@ class Generation(ClientStream):
         except TimedOut:
             if st.response_complete:  # only the drain after the answer was slow
                 return False
-            if phase == "inter_token" and self._migrate(attempt, f"sent no token for {limit:g} s"):
+            if leg.phase == "inter_token" and self._migrate(attempt, f"sent no token for {leg.limit:g} s"):
                 attempt.outcome = "timeout"  # still live: aborted when the request ends
                 return True
             # Slow is not dead: the leg stays live so that it is aborted.
-            await self.fail(RequestError(504, timeout_message(worker.id, phase, limit), "timeout"), "timeout")
+            await self.fail(RequestError(504, leg.timeout_message(), "timeout"), "timeout")
             return False
         except WorkerError as exc:
             if self.st.response_complete:  # only the drain after the answer failed

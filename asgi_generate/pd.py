@@ -40,8 +40,8 @@ import anyio
 from . import ids
 from .codec import NO_KV_TRANSFER, Attempt, Event, RequestError, WorkerRequest
 from .client_stream import abort_live_legs
-from .deadlines import deadline_in, opening_phase, timeout_message
 from .framing import SSEDecoder
+from .legs import Leg
 from .workers.http import ConnectFailed, TimedOut, WorkerError
 from .workers.router import Worker
 
@@ -252,31 +252,19 @@ async def _prefill_leg(
     so a streamed leg's one event is its first token). A failure before the
     client got anything cancels the decode leg (which the pair runner then
     aborts); the gate opens however the leg ends."""
-    ex, settings = gen.ex, gen.app.settings
-    if gen.st.t_dispatched is None:
-        gen.st.t_dispatched = time.monotonic()
-    attempt.live = True
-    phase, limit = opening_phase(settings, wreq.stream)
-    deadline = deadline_in(limit)
+    ex = gen.ex
+    leg = Leg(gen.st, gen.app.settings, worker, attempt, wreq)
     try:
         with result.scope:
-            async with worker.pool.request(
-                b"POST", wreq.path, wreq.body, wreq.headers, head_deadline=deadline
-            ) as resp:
-                if wreq.stream:
-                    phase, limit = "first_token", settings.first_token_timeout
-                    deadline = deadline_in(limit)
-                if resp.status != 200:
-                    body = await resp.read(deadline)
-                    attempt.live = False
-                    attempt.outcome = "error"
-                    result.page = ex.worker_error(resp.status, body)
+            async with leg as resp:
+                if leg.page is not None:
+                    result.page = ex.worker_error(*leg.page)
                     result.error = RequestError(result.page[0], "prefill leg failed", "engine")
                 elif not wreq.stream:
-                    _settle(attempt, ex.feed(attempt, await resp.read(deadline)), result)
+                    _settle(attempt, ex.feed(attempt, await resp.read(leg.deadline)), result)
                 else:
                     decoder = SSEDecoder()
-                    while (data := await resp.read_some(deadline)) is not None:
+                    while (data := await resp.read_some(leg.deadline)) is not None:
                         for payload in decoder.feed(data):
                             if payload != DONE and attempt.live:
                                 _settle(attempt, ex.feed(attempt, payload), result)
@@ -286,7 +274,7 @@ async def _prefill_leg(
             attempt.outcome = "worker_lost"
             result.retry = True
     except TimedOut:  # slow is not dead: the leg stays live, so it is aborted
-        result.error = RequestError(504, timeout_message(worker.id, phase, limit), "timeout")
+        result.error = RequestError(504, leg.timeout_message(), "timeout")
     except ConnectFailed as exc:
         attempt.live = False
         attempt.outcome = "connect_failed"
