@@ -13,9 +13,12 @@ import ctypes
 import http.client
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -39,6 +42,26 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class LogDir:
+    """A fresh folder (``path``) for a benchmark's child logs and scratch
+    files: ``with LogDir(prefix) as logs:``, setting ``logs.ok`` once every
+    answer checked out. On leaving, the folder is removed when ``ok``, else
+    kept and named on stderr (a failed or interrupted run keeps its logs)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.path = pathlib.Path(tempfile.mkdtemp(prefix=prefix))
+        self.ok = False
+
+    def __enter__(self) -> "LogDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.ok:
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:
+            print(f"logs kept in {self.path}", file=sys.stderr)
 
 
 class Child:

@@ -30,11 +30,9 @@ import datetime
 import os
 import pathlib
 import platform
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from importlib.metadata import version
@@ -44,7 +42,7 @@ import orjson
 
 from _check import answer, check_direct, compare
 from _loadgen import WRK_INSTALL, LoadResult, run_wrk, write_script, wrk_path
-from _procs import Child, cpus_busy_seconds, free_port, listening_socket, wait_ready
+from _procs import Child, LogDir, cpus_busy_seconds, free_port, listening_socket, wait_ready
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROUTER_REQUIREMENT = "sglang-router>=0.3,<0.4"
@@ -450,11 +448,11 @@ def main(argv: list[str] | None = None) -> int:
     router_python, router_version = ensure_router(args.router_venv) if "router" in hops else (None, None)
     sim_cpus = {args.sim_cpu} if args.sim_cpu is not None else None
     hop_cpus = {args.hop_cpu} if args.hop_cpu is not None else None
-    log_dir = pathlib.Path(tempfile.mkdtemp(prefix="asgi-generate-bench-"))
+    logs = LogDir("asgi-generate-bench-")
+    log_dir = logs.path
     workloads = [Workload("unary", False, args.unary_tokens), Workload("sse", True, args.sse_tokens)]
     results: list[HopResult] = []
-    ok = False
-    try:
+    with logs:
         with contextlib.ExitStack() as stack:
             sim_port, sim = start_sim(stack, sim_cpus, log_dir)
             scripts: dict[str, pathlib.Path] = {}
@@ -489,15 +487,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.reps > 1:
             print_spread(reps, args)
         results += [r for hop in hops for r in reps[hop]]
-        ok = all(not r.sample_problems and all(lr.bad == 0 and lr.errors == 0
-                                              for lr in [*r.load.values(), *r.latency.values()])
-                 for r in results)
-    finally:
-        if ok:
-            shutil.rmtree(log_dir, ignore_errors=True)
-        else:
-            print(f"logs kept in {log_dir}", file=sys.stderr)
-    return 0 if ok else 1
+        logs.ok = all(not r.sample_problems and all(lr.bad == 0 and lr.errors == 0
+                                                   for lr in [*r.load.values(), *r.latency.values()])
+                      for r in results)
+    return 0 if logs.ok else 1
 
 
 if __name__ == "__main__":

@@ -49,11 +49,9 @@ import contextlib
 import os
 import pathlib
 import random
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -61,7 +59,7 @@ from dataclasses import dataclass, field
 import httpx
 import orjson
 
-from _procs import Child, free_port, http_request, listening_socket, wait_ready
+from _procs import Child, LogDir, free_port, http_request, listening_socket, wait_ready
 from bench_frontend import HERE, ID_LOW, ID_SPAN, ensure_router
 
 ROUTERS = {
@@ -382,10 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     router_python, router_version = (ensure_router(args.router_venv) if any(ROUTERS[n][0] == "sglang-router"
                                                                            for n in names) else (None, None))
     work = mooncake_rows(args.mooncake, args.output_tokens) if args.mooncake else Conversations(args)
-    log_dir = pathlib.Path(tempfile.mkdtemp(prefix="asgi-generate-bench-routing-"))
+    logs = LogDir("asgi-generate-bench-routing-")
+    log_dir = logs.path
     results: list[RunResult] = []
-    ok = False
-    try:
+    with logs:
         with contextlib.ExitStack() as stack:
             sim_ports = start_sims(stack, args, log_dir)
             runs: dict[str, list[RunResult]] = {name: [] for name in names}
@@ -414,13 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         problems = [f"{r.label}: {p}" for r in results for p in r.problems[:3]]
         for p in problems:
             print(f"PROBLEM {p}", file=sys.stderr)
-        ok = not problems
-    finally:
-        if ok:
-            shutil.rmtree(log_dir, ignore_errors=True)
-        else:
-            print(f"logs kept in {log_dir}", file=sys.stderr)
-    return 0 if ok else 1
+        logs.ok = not problems
+    return 0 if logs.ok else 1
 
 
 if __name__ == "__main__":
