@@ -129,13 +129,9 @@ def measure(fe: Proc, request: bytes, seconds: float, concurrency: int) -> tuple
     return n / (t1 - t0), (loop1 - loop0 + others1 - others0) * 1000.0 / n, (others1 - others0) * 1000.0 / n
 
 
-def writer_cpu_us(input_len: int, tmp: pathlib.Path, parsers: bool, records: int = 2000) -> float:
-    """CPU microseconds the trace writer spends per record of this shape:
-    build (hash; with ``parsers`` also decode and parse), serialize, write,
-    in batches of 16. The prompt is packed, as the SGLang codec hands it on."""
-    analyzer = OutputAnalyzer(str(TOKENIZER_PATH), "qwen3", "hermes") if parsers else None
-    sink = JsonlFileSink(str(tmp / f"direct-{input_len}-{parsers}.jsonl"), 0)
-    sink.open()
+def trace_states(input_len: int) -> list[RequestState]:
+    """16 finished requests of this shape, as the writer gets them: the
+    prompt packed (as the SGLang codec hands it on), 32 output tokens."""
     states = []
     for i in range(16):
         st = RequestState(f"{i:032x}", "sglang", "/generate", "POST", t_received=1.0, stream=False,
@@ -146,12 +142,30 @@ def writer_cpu_us(input_len: int, tmp: pathlib.Path, parsers: bool, records: int
                           t_dispatched=1.001, t_first_token=1.01, t_last_token=1.05, t_done=1.06)
         st.attempts.append(Attempt(f"{i + 100:032x}", "aggregated", "w0", outcome="finished"))
         states.append(st)
-    t0 = time.process_time()
-    for _ in range(records // len(states)):
+    return states
+
+
+def write_records(states: list[RequestState], analyzer: OutputAnalyzer | None, sink: JsonlFileSink, rounds: int) -> None:
+    """The writer's work for ``rounds`` batches of ``states``: build (hash;
+    with an analyzer also decode and parse), serialize, write."""
+    for _ in range(rounds):
         sink.write(b"\n".join(orjson.dumps(build_record(st, 64, analyzer)) for st in states) + b"\n")
+
+
+def writer_cpu_us(input_len: int, tmp: pathlib.Path, parsers: bool, records: int = 2000) -> float:
+    """CPU microseconds the trace writer spends per record of this shape:
+    build (hash; with ``parsers`` also decode and parse), serialize, write,
+    in batches of 16 (:func:`trace_states`, :func:`write_records`)."""
+    analyzer = OutputAnalyzer(str(TOKENIZER_PATH), "qwen3", "hermes") if parsers else None
+    sink = JsonlFileSink(str(tmp / f"direct-{input_len}-{parsers}.jsonl"), 0)
+    sink.open()
+    states = trace_states(input_len)
+    rounds = records // len(states)
+    t0 = time.process_time()
+    write_records(states, analyzer, sink, rounds)
     spent = time.process_time() - t0
     sink.close()
-    return spent * 1e6 / (records // len(states) * len(states))
+    return spent * 1e6 / (rounds * len(states))
 
 
 MODES = ("off", "on", "parsers")

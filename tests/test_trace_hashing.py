@@ -1,5 +1,6 @@
 """The replay block hash chain (Dynamo's KV-router scheme, partial last
-block included)."""
+block included): the package's C loop (``_hashchain``) against ``by_hand``,
+the chain written out in Python from its definition."""
 
 from __future__ import annotations
 
@@ -17,10 +18,13 @@ from hypothesis import strategies as st
 
 from asgi_generate.codec import Attempt
 from asgi_generate.token_ids import pack_token_ids
+from asgi_generate.tracing._hashchain import NOGIL_BYTES, chain
 from asgi_generate.tracing.hashing import SEED, TokenIdOutOfRange, block_hashes
 
 token_ids = st.lists(st.integers(0, 2**32 - 1), max_size=300)
-block_sizes = st.integers(1, 70)
+# Over 60 tokens (240 bytes) a block takes XXH3's long-input path, where the C
+# loop uses a secret derived once from the seed.
+block_sizes = st.integers(1, 130)
 
 
 def by_hand(ids: list[int], bs: int) -> list[int]:
@@ -85,6 +89,8 @@ def test_out_of_range_ids_and_bad_block_size():
         block_hashes([-1], 4)
     with pytest.raises(ValueError, match="block_size must be at least 1, not 0"):
         block_hashes([1], 0)
+    with pytest.raises(TypeError):
+        block_hashes([1, "2"], 4)
 
 
 @settings(max_examples=200, deadline=None)
@@ -149,3 +155,44 @@ def test_the_engine_gets_the_same_body_bytes_from_the_packed_prompt():
     exchange = SGLangCodec().exchange(SGLangCodec().decode(orjson.dumps(body), {}), "e" * 32)
     sent = exchange.worker_request(Attempt("e" * 32)).body
     assert sent == orjson.dumps({**body, "rid": "e" * 32})
+
+
+@settings(max_examples=200, deadline=None)
+@given(token_ids, block_sizes)
+def test_the_c_loop_reads_any_buffer_of_little_endian_u32(ids, bs):
+    data = struct.pack(f"<{len(ids)}I", *ids)
+    expected = by_hand(ids, bs)
+    assert chain(data, bs) == expected
+    assert chain(bytearray(data), bs) == expected
+    assert chain(memoryview(data), bs) == expected
+
+
+@pytest.mark.parametrize("tokens", [NOGIL_BYTES // 4 - 1, NOGIL_BYTES // 4, NOGIL_BYTES // 4 + 100])
+def test_long_prompts_hash_the_same_without_the_gil(tokens):
+    # From NOGIL_BYTES (16K ids) on the loop runs with the GIL released.
+    ids = [(i * 2654435761) % 2**32 for i in range(tokens)]
+    packed = array.array("I", ids)
+    assert NOGIL_BYTES == 65536
+    assert block_hashes(packed, 64) == by_hand(ids, 64)
+    assert block_hashes(packed, 1000) == by_hand(ids, 1000)
+    assert len(block_hashes(packed, 64)) == math.ceil(tokens / 64)
+
+
+def test_a_huge_block_size_is_one_block():
+    assert chain(struct.pack("<3I", 1, 2, 3), 2**62) == by_hand([1, 2, 3], 3)
+    assert chain(b"", 2**62) == []
+
+
+def test_the_c_loop_refuses_what_is_not_packed_u32():
+    with pytest.raises(ValueError, match="^5 bytes are not whole u32 token ids$"):
+        chain(b"12345", 4)
+    with pytest.raises(ValueError, match="^block_size must be at least 1, not -3$"):
+        chain(b"1234", -3)
+    with pytest.raises(TypeError):
+        chain([1, 2, 3], 4)
+    with pytest.raises(TypeError):
+        chain(b"1234", 4.0)
+    with pytest.raises(TypeError, match="^chain\\(\\) takes 2 arguments \\(1 given\\)$"):
+        chain(b"1234")
+    with pytest.raises(BufferError):
+        chain(memoryview(b"12345678" * 2)[::2], 1)  # not contiguous

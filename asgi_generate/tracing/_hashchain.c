@@ -1,0 +1,157 @@
+/* The replay block hash chain in one C loop (asgi_generate.tracing._hashchain).
+ *
+ * Hashing from Python cost two XXH3 calls per block through the interpreter
+ * (~180 ns a block, 65 us for a 16K-token prompt); here the whole chain runs
+ * over the packed prompt's bytes in place, with the GIL released for long
+ * prompts. The scheme is documented in hashing.py and trace/README.md; XXH3
+ * itself is xxHash's (asgi_generate/_vendor/xxhash, v0.8.4, BSD-2).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+
+#define SEED 1337
+/* Bytes from which the GIL is released while hashing: 64 KiB (16K tokens)
+ * take ~10 us, long enough for the event loop thread to use; below, the
+ * release and re-acquire cost more than they free. */
+#define NOGIL_BYTES 65536
+
+/* XXH3's secret for SEED, derived once: with it XXH3_64bits_withSecretandSeed
+ * equals XXH3_64bits_withSeed(SEED) and skips re-deriving it for every block
+ * over 240 bytes (blocks of more than 60 tokens). */
+static unsigned char secret[XXH3_SECRET_DEFAULT_SIZE];
+
+static void
+put_le64(unsigned char *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) {
+        p[i] = (unsigned char)(v >> (8 * i));
+    }
+}
+
+/* out[i] = the sequence hash of block i; n blocks of step bytes, the last
+ * one possibly shorter (len bytes in all). */
+static void
+chain(const unsigned char *data, size_t len, size_t step, uint64_t *out, Py_ssize_t n)
+{
+    unsigned char pair[16];
+    uint64_t parent = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        size_t start = (size_t)i * step;
+        size_t size = len - start < step ? len - start : step;
+        uint64_t h = XXH3_64bits_withSecretandSeed(data + start, size, secret, sizeof secret, SEED);
+        if (i > 0) {
+            put_le64(pair, parent);
+            put_le64(pair + 8, h);
+            h = XXH3_64bits_withSeed(pair, sizeof pair, SEED);
+        }
+        parent = h;
+        out[i] = h;
+    }
+}
+
+PyDoc_STRVAR(chain_doc,
+"chain(data, block_size, /)\n--\n\n"
+"The chained replay block hashes of packed token ids.\n\n"
+"data: a contiguous buffer of little-endian u32 token ids (4 bytes each,\n"
+"e.g. an array('I') on a little-endian host); block_size: tokens per block,\n"
+"at least 1. Returns ceil(len(data) / 4 / block_size) ints in [0, 2**64):\n"
+"block i's sequence hash (XXH3-64, seed 1337, of its bytes; from block 1\n"
+"on, of the parent's sequence hash and that hash as two little-endian u64).\n"
+"Raises ValueError when block_size < 1 or len(data) is not a multiple of 4,\n"
+"TypeError when data is not a contiguous buffer.");
+
+static PyObject *
+chain_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "chain() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
+    if (block_size == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (block_size < 1) {
+        PyErr_Format(PyExc_ValueError, "block_size must be at least 1, not %zd", block_size);
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    uint64_t *hashes = NULL;
+    size_t len = (size_t)view.len;
+    if (len % 4 != 0) {
+        PyErr_Format(PyExc_ValueError, "%zd bytes are not whole u32 token ids", view.len);
+        goto done;
+    }
+    size_t tokens = len / 4;
+    Py_ssize_t n = (Py_ssize_t)((tokens + (size_t)block_size - 1) / (size_t)block_size);
+    size_t step = (size_t)block_size > SIZE_MAX / 4 ? SIZE_MAX : (size_t)block_size * 4;
+    if (n > 0 && (hashes = PyMem_Malloc((size_t)n * sizeof *hashes)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (len >= NOGIL_BYTES) {
+        /* The exporter (array, bytearray) cannot resize while the view is held. */
+        Py_BEGIN_ALLOW_THREADS
+        chain(view.buf, len, step, hashes, n);
+        Py_END_ALLOW_THREADS
+    } else {
+        chain(view.buf, len, step, hashes, n);
+    }
+    if ((result = PyList_New(n)) == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyLong_FromUnsignedLongLong(hashes[i]);
+        if (h == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, h);
+    }
+done:
+    PyMem_Free(hashes);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"chain", (PyCFunction)(void (*)(void))chain_py, METH_FASTCALL, chain_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static int
+exec_module(PyObject *module)
+{
+    XXH3_generateSecret_fromSeed(secret, SEED);
+    return PyModule_AddIntConstant(module, "NOGIL_BYTES", NOGIL_BYTES);
+}
+
+static PyModuleDef_Slot slots[] = {
+    {Py_mod_exec, exec_module},
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "asgi_generate.tracing._hashchain",
+    .m_doc = "The replay block hash chain over packed u32 token ids, in C (see hashing.py).",
+    .m_size = 0,
+    .m_methods = methods,
+    .m_slots = slots,
+};
+
+PyMODINIT_FUNC
+PyInit__hashchain(void)
+{
+    return PyModuleDef_Init(&module_def);
+}
