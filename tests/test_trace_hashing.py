@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from asgi_generate.codec import Attempt
 from asgi_generate.token_ids import pack_token_ids
-from asgi_generate.tracing._hashchain import NOGIL_BYTES, chain
-from asgi_generate.tracing.hashing import SEED, TokenIdOutOfRange, block_hashes
+from asgi_generate.tracing._hashchain import NOGIL_BYTES, chain, chain_json
+from asgi_generate.tracing.hashing import SEED, TokenIdOutOfRange, block_hashes, block_hashes_json
 
 token_ids = st.lists(st.integers(0, 2**32 - 1), max_size=300)
 # Over 60 tokens (240 bytes) a block takes XXH3's long-input path, where the C
@@ -91,6 +91,10 @@ def test_out_of_range_ids_and_bad_block_size():
         block_hashes([1], 0)
     with pytest.raises(TypeError):
         block_hashes([1, "2"], 4)
+    with pytest.raises(TokenIdOutOfRange):
+        block_hashes_json([1, 2**32], 4)
+    with pytest.raises(ValueError, match="block_size must be at least 1, not 0"):
+        block_hashes_json([1], 0)
 
 
 @settings(max_examples=200, deadline=None)
@@ -165,6 +169,17 @@ def test_the_c_loop_reads_any_buffer_of_little_endian_u32(ids, bs):
     assert chain(data, bs) == expected
     assert chain(bytearray(data), bs) == expected
     assert chain(memoryview(data), bs) == expected
+    assert chain_json(data, bs) == orjson.dumps(expected)
+    assert block_hashes_json(ids, bs) == orjson.dumps(expected)
+
+
+def test_the_json_text_of_extreme_hashes():
+    # These 3,000 one-token blocks hash to values of 16 to 20 digits.
+    assert chain_json(b"", 4) == b"[]"
+    ids = list(range(3000))
+    hashes = by_hand(ids, 1)
+    assert {len(str(h)) for h in hashes} == {16, 17, 18, 19, 20}
+    assert chain_json(array.array("I", ids), 1) == orjson.dumps(hashes)
 
 
 @pytest.mark.parametrize("tokens", [NOGIL_BYTES // 4 - 1, NOGIL_BYTES // 4, NOGIL_BYTES // 4 + 100])
@@ -175,6 +190,7 @@ def test_long_prompts_hash_the_same_without_the_gil(tokens):
     assert NOGIL_BYTES == 65536
     assert block_hashes(packed, 64) == by_hand(ids, 64)
     assert block_hashes(packed, 1000) == by_hand(ids, 1000)
+    assert block_hashes_json(packed, 64) == orjson.dumps(by_hand(ids, 64))
     assert len(block_hashes(packed, 64)) == math.ceil(tokens / 64)
 
 
@@ -194,5 +210,9 @@ def test_the_c_loop_refuses_what_is_not_packed_u32():
         chain(b"1234", 4.0)
     with pytest.raises(TypeError, match="^chain\\(\\) takes 2 arguments \\(1 given\\)$"):
         chain(b"1234")
+    with pytest.raises(TypeError, match="^chain_json\\(\\) takes 2 arguments \\(3 given\\)$"):
+        chain_json(b"1234", 1, 2)
+    with pytest.raises(ValueError, match="^6 bytes are not whole u32 token ids$"):
+        chain_json(b"123456", 4)
     with pytest.raises(BufferError):
         chain(memoryview(b"12345678" * 2)[::2], 1)  # not contiguous

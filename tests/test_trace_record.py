@@ -25,6 +25,11 @@ ANALYZER = OutputAnalyzer(str(TOKENIZER_PATH), "qwen3", "hermes")
 RID = "0123456789abcdef0000000000000001"
 
 
+def built(s: RequestState, bs: int, analyzer: OutputAnalyzer | None = None) -> dict:
+    """The record of ``s`` as the sinks get it: its JSON text, parsed."""
+    return orjson.loads(orjson.dumps(build_record(s, bs, analyzer)))
+
+
 def valid(*records: dict) -> None:
     """Every record passes the schema and the accounting laws."""
     count, problems = check_records((f"r{i}", r) for i, r in enumerate(records))
@@ -50,7 +55,7 @@ def finished_ok() -> RequestState:
 
 
 def test_exact_record():
-    rec = build_record(finished_ok(), 64)
+    rec = built(finished_ok(), 64)
     assert rec == {
         "schema": "asgi_generate.request_trace.v1",
         "event_type": "request_end",
@@ -80,12 +85,21 @@ def test_exact_record():
     }
     assert len(rec["replay"]["block_hashes"]) == 3
     valid(rec)
-    assert orjson.loads(orjson.dumps(rec)) == rec  # u64 hashes survive JSON
+
+
+def test_the_block_hashes_text_is_what_orjson_makes_of_the_list():
+    # The writer serializes the hashes in C (an orjson.Fragment): the line
+    # must be byte for byte the one orjson writes for the list of ints.
+    rec = build_record(finished_ok(), 64)
+    assert type(rec["replay"]["block_hashes"]) is orjson.Fragment
+    listed = {**rec, "replay": {**rec["replay"], "block_hashes": block_hashes(list(range(10, 140)), 64)}}
+    assert orjson.dumps(rec) == orjson.dumps(listed)
+    assert orjson.loads(orjson.dumps(rec)) == listed  # u64 hashes survive JSON
 
 
 def test_minimal_record_has_no_empty_fields():
     s = state(status="client_disconnect", t_done=100.25)
-    assert build_record(s, 64) == {
+    assert built(s, 64) == {
         "schema": "asgi_generate.request_trace.v1",
         "event_type": "request_end",
         "event_time_unix_ms": 1_700_000_000_250,
@@ -100,15 +114,15 @@ def test_minimal_record_has_no_empty_fields():
         "attempts": [],
         "replay": {"excluded": "not_decoded"},
     }
-    valid(build_record(s, 64))
+    valid(built(s, 64))
 
 
 def test_matched_stop_is_kept_and_a_long_stop_string_cut():
     s = finished_ok()
     s.finish_matched = 2
-    assert build_record(s, 64)["finish"] == {"finish_reason": "stop", "backend_finish_reason": "stop", "matched": 2}
+    assert built(s, 64)["finish"] == {"finish_reason": "stop", "backend_finish_reason": "stop", "matched": 2}
     s.finish_matched = "x" * 300
-    rec = build_record(s, 64)
+    rec = built(s, 64)
     assert rec["finish"]["matched"] == "x" * 256
     valid(rec)
 
@@ -116,27 +130,27 @@ def test_matched_stop_is_kept_and_a_long_stop_string_cut():
 def test_engine_completion_tokens_only_when_they_differ():
     s = finished_ok()
     s.engine_completion_tokens = 7
-    assert build_record(s, 64)["engine_completion_tokens"] == 7
+    assert built(s, 64)["engine_completion_tokens"] == 7
     s.engine_completion_tokens = 5
-    assert "engine_completion_tokens" not in build_record(s, 64)
+    assert "engine_completion_tokens" not in built(s, 64)
 
 
 def test_input_tokens_fall_back_to_the_engine_prompt_tokens_for_text():
     s = finished_ok()
     s.input_ids, s.input_length, s.replay_excluded = None, None, "text"
-    rec = build_record(s, 64)
+    rec = built(s, 64)
     assert (rec["input_tokens"], rec["replay"]) == (130, {"excluded": "text"})
     valid(rec)
 
 
 def test_replay_exclusions():
-    assert build_record(state(status="ok", t_done=101.0, replay_excluded="multimodal"), 64)["replay"] == {
+    assert built(state(status="ok", t_done=101.0, replay_excluded="multimodal"), 64)["replay"] == {
         "excluded": "multimodal"
     }
     big = state(status="rejected", t_done=101.0, input_ids=[1, 2**32], input_length=2)
-    assert build_record(big, 64)["replay"] == {"excluded": "token_id_out_of_range"}
+    assert built(big, 64)["replay"] == {"excluded": "token_id_out_of_range"}
     empty = state(status="rejected", t_done=101.0, input_ids=[], input_length=0)
-    assert build_record(empty, 4)["replay"] == {"block_size": 4, "input_length": 0, "block_hashes": []}
+    assert built(empty, 4)["replay"] == {"block_size": 4, "input_length": 0, "block_hashes": []}
 
 
 def test_session_fields_only_for_headers_sent():
@@ -152,7 +166,7 @@ def test_session_fields_only_for_headers_sent():
 def test_client_ids_are_cut_and_errors_bounded():
     s = state(public_id="p" * 1000, headers={b"x-request-id": b"\xff" * 3}, t_done=100.5)
     s.fail("rejected", 400, "invalid_request", "m" * 5000)
-    rec = build_record(s, 64)
+    rec = built(s, 64)
     assert rec["public_id"] == "p" * 256
     assert rec["x_request_id"] == "\ufffd" * 3
     assert rec["error"] == {"type": "invalid_request", "message": "m" * 1024}
@@ -164,18 +178,18 @@ def test_tool_calls_rewrite_a_natural_stop():
     ids = ANALYZER.tokenizer.encode(text, add_special_tokens=False).ids
     s = finished_ok()
     s.output_ids, s.output_tokens, s.engine_completion_tokens = ids, len(ids), len(ids)
-    rec = build_record(s, 64, ANALYZER)
+    rec = built(s, 64, ANALYZER)
     assert rec["finish"] == {"finish_reason": "tool_calls", "backend_finish_reason": "stop",
                              "tool_calls": [{"index": 0, "name": "get_weather"}]}
     assert rec["reasoning_tokens"] == 0
     valid(rec)
     s.finish_reason = "length"
-    assert build_record(s, 64, ANALYZER)["finish"] == {
+    assert built(s, 64, ANALYZER)["finish"] == {
         "finish_reason": "length", "backend_finish_reason": "length",
         "tool_calls": [{"index": 0, "name": "get_weather"}],
     }
     s.finish_reason, s.status = None, "client_disconnect"
-    rec = build_record(s, 64, ANALYZER)
+    rec = built(s, 64, ANALYZER)
     assert "finish" not in rec
     valid(rec)
 
@@ -186,9 +200,9 @@ def test_only_delivered_output_is_parsed():
     # A unary answer cut short: the engine sent tokens, the client got none.
     s.output_ids, s.output_tokens, s.status, s.finish_reason = ids, 0, "client_disconnect", None
     s.engine_completion_tokens = len(ids)
-    assert build_record(s, 64, ANALYZER)["reasoning_tokens"] == 0
+    assert built(s, 64, ANALYZER)["reasoning_tokens"] == 0
     s.output_tokens = 3
-    assert build_record(s, 64, ANALYZER)["reasoning_tokens"] == 3
+    assert built(s, 64, ANALYZER)["reasoning_tokens"] == 3
 
 
 def test_published_schema_file_is_current():
@@ -205,7 +219,7 @@ def test_example_records_are_valid():
 
 
 def test_validator_reports_each_violation():
-    good = build_record(finished_ok(), 64)
+    good = built(finished_ok(), 64)
     bad_hashes = {**good, "request_id": "f" * 32, "replay": {**good["replay"], "block_hashes": [1]}}
     too_much_reasoning = {**good, "request_id": "e" * 32, "reasoning_tokens": 6}
     wrong_finish = {**good, "request_id": "d" * 32,
@@ -273,7 +287,7 @@ def request_states(draw) -> RequestState:
 @settings(max_examples=300, deadline=None)
 @given(request_states(), st.integers(1, 80))
 def test_accounting_laws(s, bs):
-    rec = build_record(s, bs, ANALYZER)
+    rec = built(s, bs, ANALYZER)
     valid(rec)
     assert rec["output_tokens"] == s.output_tokens
     assert 0 <= rec["reasoning_tokens"] <= rec["output_tokens"]

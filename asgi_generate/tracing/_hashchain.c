@@ -55,22 +55,46 @@ chain(const unsigned char *data, size_t len, size_t step, uint64_t *out, Py_ssiz
     }
 }
 
-PyDoc_STRVAR(chain_doc,
-"chain(data, block_size, /)\n--\n\n"
-"The chained replay block hashes of packed token ids.\n\n"
-"data: a contiguous buffer of little-endian u32 token ids (4 bytes each,\n"
-"e.g. an array('I') on a little-endian host); block_size: tokens per block,\n"
-"at least 1. Returns ceil(len(data) / 4 / block_size) ints in [0, 2**64):\n"
-"block i's sequence hash (XXH3-64, seed 1337, of its bytes; from block 1\n"
-"on, of the parent's sequence hash and that hash as two little-endian u64).\n"
-"Raises ValueError when block_size < 1 or len(data) is not a multiple of 4,\n"
-"TypeError when data is not a contiguous buffer.");
+/* Writes v in decimal at p; returns the digits written (1 to 20). */
+static size_t
+put_decimal(char *p, uint64_t v)
+{
+    char tmp[20];
+    size_t n = 0;
+    do {
+        tmp[n++] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    for (size_t i = 0; i < n; i++) {
+        p[i] = tmp[n - 1 - i];
+    }
+    return n;
+}
 
+/* The JSON array of the n hashes at out (room for 2 + 21 n bytes); returns
+ * its length. */
+static size_t
+put_json(char *out, const uint64_t *hashes, Py_ssize_t n)
+{
+    char *p = out;
+    *p++ = '[';
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i > 0) {
+            *p++ = ',';
+        }
+        p += put_decimal(p, hashes[i]);
+    }
+    *p++ = ']';
+    return (size_t)(p - out);
+}
+
+/* chain() and chain_json(): the arguments checked, the chain run (without
+ * the GIL from NOGIL_BYTES on, the JSON text included), the result built. */
 static PyObject *
-chain_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+hash_chain(PyObject *const *args, Py_ssize_t nargs, const char *name, int as_json)
 {
     if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "chain() takes 2 arguments (%zd given)", nargs);
+        PyErr_Format(PyExc_TypeError, "%s() takes 2 arguments (%zd given)", name, nargs);
         return NULL;
     }
     Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
@@ -87,7 +111,8 @@ chain_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *result = NULL;
     uint64_t *hashes = NULL;
-    size_t len = (size_t)view.len;
+    char *text = NULL;
+    size_t len = (size_t)view.len, text_len = 0;
     if (len % 4 != 0) {
         PyErr_Format(PyExc_ValueError, "%zd bytes are not whole u32 token ids", view.len);
         goto done;
@@ -95,7 +120,9 @@ chain_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     size_t tokens = len / 4;
     Py_ssize_t n = (Py_ssize_t)((tokens + (size_t)block_size - 1) / (size_t)block_size);
     size_t step = (size_t)block_size > SIZE_MAX / 4 ? SIZE_MAX : (size_t)block_size * 4;
-    if (n > 0 && (hashes = PyMem_Malloc((size_t)n * sizeof *hashes)) == NULL) {
+    hashes = PyMem_Malloc(((size_t)n + 1) * sizeof *hashes);
+    text = as_json ? PyMem_Malloc(2 + 21 * (size_t)n) : NULL;
+    if (hashes == NULL || (as_json && text == NULL)) {
         PyErr_NoMemory();
         goto done;
     }
@@ -103,9 +130,19 @@ chain_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         /* The exporter (array, bytearray) cannot resize while the view is held. */
         Py_BEGIN_ALLOW_THREADS
         chain(view.buf, len, step, hashes, n);
+        if (as_json) {
+            text_len = put_json(text, hashes, n);
+        }
         Py_END_ALLOW_THREADS
     } else {
         chain(view.buf, len, step, hashes, n);
+        if (as_json) {
+            text_len = put_json(text, hashes, n);
+        }
+    }
+    if (as_json) {
+        result = PyBytes_FromStringAndSize(text, (Py_ssize_t)text_len);
+        goto done;
     }
     if ((result = PyList_New(n)) == NULL) {
         goto done;
@@ -119,13 +156,45 @@ chain_py(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyList_SET_ITEM(result, i, h);
     }
 done:
+    PyMem_Free(text);
     PyMem_Free(hashes);
     PyBuffer_Release(&view);
     return result;
 }
 
+PyDoc_STRVAR(chain_doc,
+"chain(data, block_size, /)\n--\n\n"
+"The chained replay block hashes of packed token ids.\n\n"
+"data: a contiguous buffer of little-endian u32 token ids (4 bytes each,\n"
+"e.g. an array('I') on a little-endian host); block_size: tokens per block,\n"
+"at least 1. Returns ceil(len(data) / 4 / block_size) ints in [0, 2**64):\n"
+"block i's sequence hash (XXH3-64, seed 1337, of its bytes; from block 1\n"
+"on, of the parent's sequence hash and that hash as two little-endian u64).\n"
+"Raises ValueError when block_size < 1 or len(data) is not a multiple of 4,\n"
+"TypeError when data is not a buffer or block_size not an int, BufferError\n"
+"when data is not contiguous.");
+
+static PyObject *
+chain_py(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    return hash_chain(args, nargs, "chain", 0);
+}
+
+PyDoc_STRVAR(chain_json_doc,
+"chain_json(data, block_size, /)\n--\n\n"
+"chain(data, block_size) as the ASCII bytes of a JSON array of decimal\n"
+"integers, no spaces (b'[]' for no data): what orjson.dumps gives for the\n"
+"list, without a Python int per hash. Same arguments and errors as chain().");
+
+static PyObject *
+chain_json_py(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    return hash_chain(args, nargs, "chain_json", 1);
+}
+
 static PyMethodDef methods[] = {
     {"chain", (PyCFunction)(void (*)(void))chain_py, METH_FASTCALL, chain_doc},
+    {"chain_json", (PyCFunction)(void (*)(void))chain_json_py, METH_FASTCALL, chain_json_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -21,7 +21,7 @@ import array
 import sys
 from typing import Sequence
 
-from ._hashchain import chain
+from ._hashchain import chain, chain_json
 
 SEED = 1337  # the C loop's (_hashchain.c), named here for readers and tests
 
@@ -52,6 +52,20 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
         TypeError: a token id is not an int.
         ValueError: ``block_size`` is less than 1.
     """
+    return chain(_packed(token_ids), block_size)
+
+
+def block_hashes_json(token_ids: Sequence[int], block_size: int) -> bytes:
+    """:func:`block_hashes` as the text ``orjson.dumps`` gives for it (a JSON
+    array of decimal integers, no spaces), written in C: orjson spends about
+    45 ns on each integer over 30 bits, more than hashing its block.
+
+    Args and Raises: as :func:`block_hashes`.
+    """
+    return chain_json(_packed(token_ids), block_size)
+
+
+def _packed(token_ids: Sequence[int]) -> array.array:
     if type(token_ids) is array.array and token_ids.typecode == "I":
         packed = token_ids
     else:
@@ -62,4 +76,4 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     if sys.byteorder == "big":
         packed = array.array("I", packed)
         packed.byteswap()
-    return chain(packed, block_size)
+    return packed

@@ -8,9 +8,11 @@ the response is over.
 
 from __future__ import annotations
 
+import orjson
+
 from ..accounting import RequestState
 from .analysis import OutputAnalyzer, final_finish_reason
-from .hashing import TokenIdOutOfRange, block_hashes
+from .hashing import TokenIdOutOfRange, block_hashes_json
 from .schema import EVENT_TYPE, SCHEMA_ID
 
 #: Client-chosen ids (body or header) are cut to this many characters, so a
@@ -49,11 +51,16 @@ def session_fields(headers: dict[bytes, bytes]) -> dict | None:
 
 
 def replay_fields(st: RequestState, block_size: int) -> dict:
-    """The ``replay`` object: block hashes of ``st.input_ids``, or why not."""
+    """The ``replay`` object: block hashes of ``st.input_ids``, or why not.
+
+    ``block_hashes`` is an ``orjson.Fragment``: the JSON array's text, made
+    in C (:func:`~asgi_generate.tracing.hashing.block_hashes_json`), which
+    ``orjson.dumps`` copies as it is.
+    """
     if st.input_ids is None:
         return {"excluded": st.replay_excluded or "not_decoded"}
     try:
-        hashes = block_hashes(st.input_ids, block_size)
+        hashes = orjson.Fragment(block_hashes_json(st.input_ids, block_size))
     except TokenIdOutOfRange:
         return {"excluded": "token_id_out_of_range"}
     return {"block_size": block_size, "input_length": len(st.input_ids), "block_hashes": hashes}
@@ -68,7 +75,10 @@ def build_record(st: RequestState, block_size: int, analyzer: OutputAnalyzer | N
         analyzer: tokenizer and parsers; without one, no output analysis.
 
     Returns:
-        A dict that matches the v1 schema and serializes with orjson.
+        A dict for ``orjson.dumps``, whose JSON text is a v1 record; its
+        ``replay.block_hashes`` is that array's text (an ``orjson.Fragment``),
+        so ``orjson.loads(orjson.dumps(record))`` is the record as the sinks
+        and the schema see it.
     """
     total_s = st.t_done - st.t_received
     rec: dict = {
