@@ -7,11 +7,12 @@ bundled tokenizer with the qwen3 reasoning and hermes tool-call parsers) this
 runs ``write_records`` (build, serialize, write, in batches of 16) in a child
 under ``valgrind --tool=callgrind`` twice, for ``--records`` and for none,
 and prints the difference per record: the process start, imports and setup
-cancel out. ``--part hashes`` counts only the replay block hashes of the
+cancel out. ``--part hashes`` counts only the replay block hashes (as the
+record makes them: JSON text, :func:`block_hashes_json`) of the
 same prompts, ``--part dumps`` only ``orjson.dumps`` of built records.
 
 Usage: ``.venv/bin/python bench/bench_trace_instructions.py [--records 160]``
-(about 1 minute; needs valgrind on PATH). Linux only.
+(a few minutes; needs valgrind on PATH). Linux only.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def child(size: int, mode: str, part: str, records: int) -> None:
 
     from asgi_generate.assets import TOKENIZER_PATH
     from asgi_generate.tracing.analysis import OutputAnalyzer
-    from asgi_generate.tracing.hashing import block_hashes
+    from asgi_generate.tracing.hashing import block_hashes_json
     from asgi_generate.tracing.record import build_record
     from asgi_generate.tracing.sinks import JsonlFileSink
 
@@ -55,7 +56,7 @@ def child(size: int, mode: str, part: str, records: int) -> None:
     elif part == "hashes":
         for _ in range(rounds):
             for st in states:
-                block_hashes(st.input_ids, 64)
+                block_hashes_json(st.input_ids, 64)
     else:
         for _ in range(rounds):
             for rec in built:

@@ -3,8 +3,10 @@
  * Hashing from Python cost two XXH3 calls per block through the interpreter
  * (~180 ns a block, 65 us for a 16K-token prompt); here the whole chain runs
  * over the packed prompt's bytes in place, with the GIL released for long
- * prompts. The scheme is documented in hashing.py and trace/README.md; XXH3
- * itself is xxHash's (asgi_generate/_vendor/xxhash, v0.8.4, BSD-2).
+ * prompts, and chain_json() also writes the hashes as the record's JSON text
+ * (orjson spent ~45 ns on each of these 64-bit ints). The scheme is
+ * documented in hashing.py and trace/README.md; XXH3 itself is xxHash's
+ * (asgi_generate/_vendor/xxhash, v0.8.4, BSD-2).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -17,8 +19,8 @@
 
 #define SEED 1337
 /* Bytes from which the GIL is released while hashing: 64 KiB (16K tokens)
- * take ~10 us, long enough for the event loop thread to use; below, the
- * release and re-acquire cost more than they free. */
+ * take ~7-10 us, long enough for the event loop thread to use (a loop
+ * thread next to a hashing thread did 7-9 M steps/s instead of 5-6 M). */
 #define NOGIL_BYTES 65536
 
 /* XXH3's secret for SEED, derived once: with it XXH3_64bits_withSecretandSeed
@@ -55,20 +57,70 @@ chain(const unsigned char *data, size_t len, size_t step, uint64_t *out, Py_ssiz
     }
 }
 
-/* Writes v in decimal at p; returns the digits written (1 to 20). */
+/* "00" to "99": two digits per division, half the divisions of one at a time. */
+static const char DIGIT_PAIRS[201] =
+    "0001020304050607080910111213141516171819"
+    "2021222324252627282930313233343536373839"
+    "4041424344454647484950515253545556575859"
+    "6061626364656667686970717273747576777879"
+    "8081828384858687888990919293949596979899";
+
+/* Writes x (< 10**8) in decimal at p, without leading zeros; returns the
+ * digits written. */
+static size_t
+put_u32(char *p, uint32_t x)
+{
+    char tmp[8];
+    size_t pos = sizeof tmp;
+    while (x >= 100) {
+        uint32_t pair = (x % 100) * 2;
+        x /= 100;
+        tmp[--pos] = DIGIT_PAIRS[pair + 1];
+        tmp[--pos] = DIGIT_PAIRS[pair];
+    }
+    if (x >= 10) {
+        tmp[--pos] = DIGIT_PAIRS[x * 2 + 1];
+        tmp[--pos] = DIGIT_PAIRS[x * 2];
+    } else {
+        tmp[--pos] = (char)('0' + x);
+    }
+    memcpy(p, tmp + pos, sizeof tmp - pos);
+    return sizeof tmp - pos;
+}
+
+/* Writes x (< 10**8) at p as exactly 8 digits. */
+static void
+put_8_digits(char *p, uint32_t x)
+{
+    for (int pos = 6; pos >= 0; pos -= 2) {
+        uint32_t pair = (x % 100) * 2;
+        x /= 100;
+        p[pos] = DIGIT_PAIRS[pair];
+        p[pos + 1] = DIGIT_PAIRS[pair + 1];
+    }
+}
+
+/* Writes v in decimal at p; returns the digits written (1 to 20). Two
+ * 64-bit divisions at most, the digits themselves in 32-bit arithmetic. */
 static size_t
 put_decimal(char *p, uint64_t v)
 {
-    char tmp[20];
-    size_t n = 0;
-    do {
-        tmp[n++] = (char)('0' + v % 10);
-        v /= 10;
-    } while (v);
-    for (size_t i = 0; i < n; i++) {
-        p[i] = tmp[n - 1 - i];
+    const uint64_t e8 = 100000000;
+    if (v < e8) {
+        return put_u32(p, (uint32_t)v);
     }
-    return n;
+    uint64_t high = v / e8;
+    uint32_t low = (uint32_t)(v % e8);
+    size_t n;
+    if (high < e8) {
+        n = put_u32(p, (uint32_t)high);
+    } else {  /* v >= 10**16: at most 4 leading digits, then 8 */
+        n = put_u32(p, (uint32_t)(high / e8));
+        put_8_digits(p + n, (uint32_t)(high % e8));
+        n += 8;
+    }
+    put_8_digits(p + n, low);
+    return n + 8;
 }
 
 /* The JSON array of the n hashes at out (room for 2 + 21 n bytes); returns

@@ -37,10 +37,9 @@ class Qwen3ReasoningParser(ReasoningParser):
     def reasoning_length(self, output_ids: Sequence[int]) -> int:
         """Tokens through ``</think>``; all if ``<think>`` opened and never
         closed; else 0."""
-        try:
+        if self.end_id in output_ids:  # a scan in C is cheaper than index()'s ValueError
             return output_ids.index(self.end_id) + 1
-        except ValueError:
-            return len(output_ids) if self.start_id in output_ids else 0
+        return len(output_ids) if self.start_id in output_ids else 0
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
@@ -56,7 +55,6 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 
     def reasoning_length(self, output_ids: Sequence[int]) -> int:
         """Tokens through ``</think>``; all of them if it never came."""
-        try:
+        if self.end_id in output_ids:
             return output_ids.index(self.end_id) + 1
-        except ValueError:
-            return len(output_ids)
+        return len(output_ids)
