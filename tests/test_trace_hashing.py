@@ -8,6 +8,8 @@ import array
 import math
 import pathlib
 import struct
+import subprocess
+import sys
 
 import orjson
 import pytest
@@ -216,3 +218,12 @@ def test_the_c_loop_refuses_what_is_not_packed_u32():
         chain_json(b"123456", 4)
     with pytest.raises(BufferError):
         chain(memoryview(b"12345678" * 2)[::2], 1)  # not contiguous
+
+
+def test_an_unbuilt_extension_says_how_to_build_it():
+    code = ("import sys\nsys.modules['asgi_generate.tracing._hashchain'] = None  # as if never built\n"
+            "try:\n    import asgi_generate.tracing.hashing\nexcept ImportError as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True).stdout
+    assert out == ("asgi_generate's C extension (tracing/_hashchain.c) is not built: run `pip install -r "
+                   "requirements.txt` (or `pip install -e .`) again (import of asgi_generate.tracing._hashchain "
+                   "halted; None in sys.modules)\n")

@@ -21,7 +21,11 @@ import array
 import sys
 from typing import Sequence
 
-from ._hashchain import chain, chain_json
+try:
+    from ._hashchain import chain, chain_json
+except ImportError as exc:  # a checkout updated without reinstalling: say what to do
+    raise ImportError(f"asgi_generate's C extension (tracing/_hashchain.c) is not built: "
+                      f"run `pip install -r requirements.txt` (or `pip install -e .`) again ({exc})") from exc
 
 SEED = 1337  # the C loop's (_hashchain.c), named here for readers and tests
 
