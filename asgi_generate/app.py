@@ -300,8 +300,14 @@ class App:
         """Called once per request the handler accepts, before anything else."""
         self.metrics.request_started()
 
+    def request_ended(self) -> None:
+        """Called once per request :meth:`request_started` counted, when its
+        record is handed over (before :meth:`request_finished`)."""
+        self.metrics.request_ended()
+
     def request_finished(self, st: RequestState) -> None:
-        """Called once per request on the handler's way out."""
+        """Called once per record on the handler's way out (a request with
+        several items: once per item)."""
         counters = self.counters
         counters["requests"] += 1
         if st.migrations or st.replays or st.not_migrated is not None:

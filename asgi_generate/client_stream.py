@@ -32,6 +32,7 @@ def finish_record(app: "App", st: RequestState) -> None:
     if st.t_done is None:
         st.t_done = time.monotonic()
         app.open_requests.pop(st.request_id, None)
+        app.request_ended()
         for state in st.expand() if st.expand is not None else (st,):
             app.request_finished(state)
 

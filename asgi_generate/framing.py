@@ -63,26 +63,22 @@ async def read_body(
         raise BodyTooLarge(limit)
     chunks: list[bytes] = []
     size = 0
-    deadline = anyio.current_time() + timeout
-    while True:
-        # ASGI servers hand messages over through queues: a receive() cut
-        # short by the deadline loses nothing.
-        message = None
-        with anyio.move_on_after(deadline - anyio.current_time()):
+    # One deadline for the whole body. ASGI servers hand messages over
+    # through queues: a receive() cut short by the deadline loses nothing.
+    with anyio.move_on_after(timeout):
+        while True:
             message = await receive()
-        if message is None:
-            raise BodyTimeout()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnected()
-        chunk = message.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge(limit)
-            chunks.append(chunk)
-        if not message.get("more_body", False):
-            break
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnected()
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(limit)
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    raise BodyTimeout()
 
 
 async def send_unary(

@@ -66,8 +66,9 @@ async def handle_generate(app: "App", codec: Codec, scope: dict, receive: Receiv
             with anyio.CancelScope(shield=True):
                 await _send_error(codec, send, st, RequestError(500, "internal error", "internal"))
     finally:
-        with anyio.CancelScope(shield=True):
-            await abort_live_legs(app, st)
+        if any(a.live for a in st.attempts):  # most requests end with none: no scope to enter
+            with anyio.CancelScope(shield=True):
+                await abort_live_legs(app, st)
         if st.status is None:  # cancelled from outside, e.g. server shutdown
             st.status = "shutdown"
         finish_record(app, st)

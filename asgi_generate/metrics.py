@@ -3,7 +3,10 @@
 Everything a request contributes is counted once, when it ends, from its
 finished :class:`~asgi_generate.accounting.RequestState` (O(1) per request,
 O(legs) for the per-leg counters; nothing per token); aborts and trace
-records are counted where they happen. Worker gauges are read from the router
+records are counted where they happen. A request's counts are plain
+additions (a few dict updates, no lock, no prometheus-client call), moved into the prometheus-client metrics when
+``/metrics`` is scraped (one process), or at once (several processes: a
+scrape of another process reads this one's files). Worker gauges are read from the router
 when ``/metrics`` is scraped (and, with several processes, every
 :data:`REFRESH_S` seconds by each of them).
 
@@ -25,6 +28,7 @@ start (``serve`` makes and removes one itself).
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
 from typing import TYPE_CHECKING
 
 import anyio
@@ -76,17 +80,54 @@ def multiproc_dir() -> str | None:
 
 class _Children(dict):
     """Label values (a tuple, or one string) -> the metric's child, looked up
-    once: ``labels()`` takes a lock and checks the values on every call."""
+    once: ``labels()`` takes a lock and checks the values on every call.
 
-    __slots__ = ("metric",)
+    ``pending`` holds what ended requests added since the last
+    :meth:`flush` (a plain addition per request: no lock, no
+    prometheus-client call); for a histogram (``bounds`` given), per label
+    values, the count per bucket, then the sum of the observations."""
 
-    def __init__(self, metric) -> None:
+    __slots__ = ("metric", "bounds", "pending")
+
+    def __init__(self, metric, bounds: tuple[float, ...] | None = None) -> None:
         super().__init__()
         self.metric = metric
+        self.bounds = bounds
+        self.pending: dict = {}
 
     def __missing__(self, key):
         child = self[key] = self.metric.labels(*key) if isinstance(key, tuple) else self.metric.labels(key)
         return child
+
+    def add(self, key, amount: float) -> None:
+        """Count ``amount`` more for the label values ``key``."""
+        pending = self.pending
+        pending[key] = pending.get(key, 0) + amount
+
+    def observe(self, key, value: float) -> None:
+        """Observe ``value`` for the label values ``key`` (a histogram)."""
+        slot = self.pending.get(key)
+        if slot is None:
+            slot = self.pending[key] = [0] * (len(self.bounds) + 1) + [0.0]
+        slot[bisect_left(self.bounds, value)] += 1  # the first bucket whose bound is >= value
+        slot[-1] += value
+
+    def flush(self) -> None:
+        """Move what is pending into the metric."""
+        pending, self.pending = self.pending, {}
+        if self.bounds is None:
+            for key, amount in pending.items():
+                self[key].inc(amount)
+            return
+        # prometheus-client's Histogram keeps one value per bucket (not
+        # cumulative; its buckets end with +Inf) in ``_buckets`` and the sum
+        # in ``_sum`` (see its ``observe``): a batch goes in the same way.
+        for key, slot in pending.items():
+            child = self[key]
+            for bucket, count in zip(child._buckets, slot):
+                if count:
+                    bucket.inc(count)
+            child._sum.inc(slot[-1])
 
 
 class Metrics:
@@ -145,50 +186,84 @@ class Metrics:
         self.trace_dropped = Counter(p + "trace_records_dropped_total", "Request-end records lost, by cause "
                                      "(queue_full, sink_error, build_error, closed).", ("cause",), registry=reg)
 
-        self._requests, self._ttft, self._tpot, self._e2e, self._prompt, self._generation, self._body, \
-            self._migrations, self._legs, self._failures, self._aborts = map(_Children, (
-                self.requests, self.ttft, self.tpot, self.e2e, self.prompt_tokens, self.generation_tokens,
-                self.body_bytes, self.migrations, self.legs, self.worker_failures, self.aborts))
+        self._requests, self._prompt, self._generation, self._body, self._migrations, self._legs, \
+            self._failures, self._aborts = map(_Children, (
+                self.requests, self.prompt_tokens, self.generation_tokens, self.body_bytes, self.migrations,
+                self.legs, self.worker_failures, self.aborts))
+        self._ttft = _Children(self.ttft, TTFT_BUCKETS)
+        self._tpot = _Children(self.tpot, TPOT_BUCKETS)
+        self._e2e = _Children(self.e2e, E2E_BUCKETS)
+        #: What request ends counted, moved into the metrics by :meth:`flush`.
+        self._counted = (self._requests, self._prompt, self._generation, self._body, self._migrations,
+                         self._legs, self._failures, self._ttft, self._tpot, self._e2e)
+        #: Requests started minus ended since the last :meth:`flush`.
+        self._in_flight = 0
+        #: Several processes: every request's counts go to the files at once.
+        self._at_once = self.multiproc_dir is not None
 
     # -- updates -------------------------------------------------------------
 
     def request_started(self) -> None:
-        """A request was accepted (its end calls :meth:`request_finished`)."""
-        self.in_flight.inc()
+        """A request was accepted (its end calls :meth:`request_ended`)."""
+        self._in_flight += 1
+        if self._at_once:
+            self.flush()
+
+    def request_ended(self) -> None:
+        """A request accepted by :meth:`request_started` ended (once, also
+        for a request with several items, each counted by
+        :meth:`request_finished`)."""
+        self._in_flight -= 1
+        if self._at_once:
+            self.flush()
+
+    def flush(self) -> None:
+        """Move what ended requests counted into the metrics (a scrape
+        calls it; with several processes every request end does)."""
+        for children in self._counted:
+            if children.pending:
+                children.flush()
+        if self._in_flight:
+            self.in_flight.inc(self._in_flight)
+            self._in_flight = 0
 
     def request_finished(self, st: RequestState) -> None:
-        """Count a finished request (``t_done`` and ``status`` set)."""
+        """Count a finished request, or an item of one (``t_done`` and
+        ``status`` set)."""
         fmt = st.format
-        self.in_flight.dec()
-        self._requests[fmt, st.route, st.status or "unknown",
-                       "" if st.http_status is None else str(st.http_status)].inc()
-        self._e2e[fmt].observe(st.t_done - st.t_received)
+        self._requests.add((fmt, st.route, st.status or "unknown",
+                            "" if st.http_status is None else str(st.http_status)), 1)
+        self._e2e.observe(fmt, st.t_done - st.t_received)
         first, n = st.t_first_token, st.output_tokens
         if first is not None:
-            self._ttft[fmt].observe(first - st.t_received)
+            self._ttft.observe(fmt, first - st.t_received)
             if n > 1 and st.t_last_token is not None:
-                self._tpot[fmt].observe((st.t_last_token - first) / (n - 1))
+                self._tpot.observe(fmt, (st.t_last_token - first) / (n - 1))
         prompt = st.input_length if st.input_length is not None else st.prompt_tokens
         if prompt:
-            self._prompt[fmt].inc(prompt)
+            self._prompt.add(fmt, prompt)
         if n:
-            self._generation[fmt].inc(n)
+            self._generation.add(fmt, n)
         if st.body_bytes:
-            self._body[fmt].inc(st.body_bytes)
+            self._body.add(fmt, st.body_bytes)
         if st.migrations:
-            self._migrations[fmt].inc(st.migrations)
+            self._migrations.add(fmt, st.migrations)
         for a in st.attempts:
             outcome = a.outcome or "none"
-            self._legs[a.role, outcome].inc()
+            self._legs.add((a.role, outcome), 1)
             if outcome in WORKER_FAILURES:
-                self._failures[a.worker_id, getattr(a.worker, "url", ""), outcome].inc()
+                self._failures.add((a.worker_id, getattr(a.worker, "url", ""), outcome), 1)
+        if self._at_once:
+            self.flush()
 
     def abort(self, result: str) -> None:
         """Count one abort and its result (``acked``, ``unacknowledged``, ``lost``)."""
         self._aborts[ABORT_RESULTS[result]].inc()
 
     def refresh(self, app: "App") -> None:
-        """Set the worker gauges from ``app``'s router."""
+        """Set the worker gauges from ``app``'s router; move the ended
+        requests' counts into the metrics."""
+        self.flush()
         if self.registry is not None:  # one process: exactly the workers there are now
             self.worker_up.clear()
             self.worker_outstanding.clear()

@@ -1,5 +1,6 @@
 """Side-by-side benchmark: the simulator directly, through asgi-generate
-(hypercorn trio and asyncio worker classes) and through sglang-router.
+(hypercorn trio, asyncio and uvloop worker classes), through sglang-router,
+and the floor: hypercorn alone serving a fixed answer.
 
 One run starts one simulated SGLang worker (zero TTFT and ITL) and, for each
 hop in turn, measures with wrk:
@@ -15,6 +16,14 @@ is checked by the wrk script (status, event count and order, final
 event for event, with the simulator's direct answer. It prints Markdown
 tables and ratios: through/direct, ours/router, added latency ours/router,
 and the frontend's CPU per request.
+
+The ``floor-*`` hops (``bench/_floor.py``) are hypercorn with each worker
+class, configured as ``serve`` configures it, answering the simulator's own
+answer (recorded once) with no engine behind it: what hypercorn and the event
+loop cost per request; a hop's CPU per request minus its worker class's
+floor is ours (handler, codec, worker client, pool, metrics). The sampled
+answers are not compared for the floor (it has one answer for every prompt);
+every response under load is checked as for the other hops.
 
 Usage: ``.venv/bin/python bench/bench_frontend.py [--seconds 10]
 [--concurrency 32]`` (see ``--help``). sglang-router is installed on first
@@ -42,7 +51,7 @@ import orjson
 
 from _check import answer, check_direct, compare
 from _loadgen import WRK_INSTALL, LoadResult, run_wrk, write_script, wrk_path
-from _procs import Child, LogDir, cpus_busy_seconds, free_port, listening_socket, wait_ready
+from _procs import Child, LogDir, cpus_busy_seconds, free_port, http_request, listening_socket, wait_ready
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROUTER_REQUIREMENT = "sglang-router>=0.3,<0.4"
@@ -51,7 +60,11 @@ HOPS = {
     "asyncio": "asgi-generate (asyncio)",
     "uvloop": "asgi-generate (uvloop)",
     "router": "sglang-router",
+    "floor-trio": "floor: hypercorn alone (trio)",
+    "floor-asyncio": "floor: hypercorn alone (asyncio)",
+    "floor-uvloop": "floor: hypercorn alone (uvloop)",
 }
+FLOOR = "floor-"
 DIRECT = "direct (simulator)"
 # Token ids well inside the bundled tokenizer's 4096-entry vocabulary.
 ID_LOW, ID_SPAN = 100, 3900
@@ -120,6 +133,17 @@ def start_sim(stack: contextlib.ExitStack, cpus: set[int] | None, log_dir: pathl
     return port, sim
 
 
+def python_args(hop: str, sim_port: int, fd: int, log_dir: pathlib.Path) -> list[str]:
+    """The Python arguments that serve ``hop`` (ours or a ``floor-*`` hop,
+    which answers ``log_dir``'s recorded ``unary.json`` / ``sse.txt``) on
+    the listening socket ``fd``, in front of the simulator at ``sim_port``."""
+    if hop.startswith(FLOOR):
+        return [str(HERE / "_floor.py"), "--fd", str(fd), "--worker-class", hop[len(FLOOR):],
+                "--unary", str(log_dir / "unary.json"), "--sse", str(log_dir / "sse.txt")]
+    return ["-m", "asgi_generate", "serve", "--worker", f"sglang=http://127.0.0.1:{sim_port}",
+            "--fd", str(fd), "--worker-class", hop, "--log-level", "warning"]
+
+
 def start_hop(
     stack: contextlib.ExitStack,
     hop: str,
@@ -129,8 +153,10 @@ def start_hop(
     router_python: str | None,
     probe_body: bytes,
 ) -> tuple[Child, int]:
-    """Start ``hop`` (``trio``, ``asyncio`` or ``router``) in front of the
-    simulator; return it and its port once it serves."""
+    """Start ``hop`` (``trio``, ``asyncio``, ``uvloop``, ``router``, or a
+    ``floor-*`` hop answering the recorded ``unary.json`` / ``sse.txt`` in
+    ``log_dir``) in front of the simulator; return it and its port once it
+    serves."""
     worker = f"http://127.0.0.1:{sim_port}"
     if hop == "router":
         port = free_port()
@@ -145,8 +171,7 @@ def start_hop(
         return child, port
     sock = listening_socket()
     port = sock.getsockname()[1]
-    argv = [sys.executable, "-m", "asgi_generate", "serve", "--worker", f"sglang={worker}",
-            "--fd", str(sock.fileno()), "--worker-class", hop, "--log-level", "warning"]
+    argv = [sys.executable, *python_args(hop, sim_port, sock.fileno(), log_dir)]
     child = Child(f"asgi-generate-{hop}", argv, cpus, log_dir, pass_fds=(sock.fileno(),))
     sock.close()
     stack.callback(child.stop)
@@ -173,7 +198,8 @@ def print_report(results: list[HopResult], args: argparse.Namespace, context: li
     direct = results[0]
     hops = results[1:]
     router = next((r for r in hops if r.label == HOPS["router"]), None)
-    ours = [r for r in hops if r is not router]
+    floors = {r.label: r for r in hops if r.label.startswith("floor")}
+    ours = [r for r in hops if r is not router and r.label not in floors]
 
     print("\n".join(f"- {line}" for line in context))
     print()
@@ -215,7 +241,7 @@ def print_report(results: list[HopResult], args: argparse.Namespace, context: li
     def added(r: HopResult, wl: str, pct: str) -> float:
         return getattr(r.latency[wl], pct) - getattr(direct.latency[wl], pct)
 
-    for r in hops:
+    for r in [*ours, *([router] if router else [])]:
         cells = [_fmt(_ratio(r.load[wl].rps if wl == "unary" else r.load[wl].eps,
                              direct.load[wl].rps if wl == "unary" else direct.load[wl].eps))
                  for wl in ("unary", "sse")]
@@ -233,6 +259,8 @@ def print_report(results: list[HopResult], args: argparse.Namespace, context: li
                 for wl in ("unary", "sse")))
         print(f"| {r.label} | " + " | ".join(cells) + " |")
     print()
+    if floors:
+        print_floor(ours, floors, router)
 
     checked = sum(lr.ok + lr.bad for r in results for lr in [*r.load.values(), *r.latency.values()])
     bad = [(r.label, name, lr) for r in results for name, lr in [*r.load.items(), *r.latency.items()]
@@ -284,6 +312,30 @@ def print_report(results: list[HopResult], args: argparse.Namespace, context: li
         print(f"  - {label} {name}: {lr.bad} bad responses ({lr.first_bad or 'n/a'}), {lr.errors} wrk errors")
     for label, problem in problems:
         print(f"  - {label}: {problem}")
+
+
+def print_floor(ours: list[HopResult], floors: dict[str, HopResult], router: HopResult | None) -> None:
+    """hypercorn alone (the floor) against each hop of its worker class:
+    what is hypercorn's and what is ours, in CPU ms per request."""
+    print("hypercorn alone (floor: a fixed answer, no engine) and what is ours "
+          "(hop CPU ms/req minus its worker class's floor):")
+    print()
+    print("| worker class | floor CPU ms/req unary / SSE | hop CPU ms/req unary / SSE "
+          "| ours = hop - floor, unary / SSE | floor/router unary / SSE |")
+    print("|---|---:|---:|---:|---:|")
+    for key in ("trio", "asyncio", "uvloop"):
+        floor = floors.get(HOPS[FLOOR + key])
+        if floor is None:
+            continue
+        hop = next((r for r in ours if r.label == HOPS[key]), None)
+        f = [floor.load[wl].cpu_ms_per_request("hop") for wl in ("unary", "sse")]
+        h = [hop.load[wl].cpu_ms_per_request("hop") for wl in ("unary", "sse")] if hop else [None, None]
+        mine = [None if a is None else a - b for a, b in zip(h, f)]
+        vs = [_ratio(a, router.load[wl].cpu_ms_per_request("hop")) if router else None
+              for a, wl in zip(f, ("unary", "sse"))]
+        print(f"| {key} | {_fmt(f[0], 3)} / {_fmt(f[1])} | {_fmt(h[0], 3)} / {_fmt(h[1])} "
+              f"| {_fmt(mine[0], 3)} / {_fmt(mine[1])} | {_fmt(vs[0])} / {_fmt(vs[1])} |")
+    print()
 
 
 def median_result(runs: list[HopResult]) -> HopResult:
@@ -339,9 +391,9 @@ def measure(
     """Check a sample, then run every workload's load and latency cells
     against ``port``."""
     result = HopResult(label)
-    bodies, expected = samples
+    bodies, expected = samples if not label.startswith("floor") else ([], [])
     result.samples = len(bodies)
-    result.sample_problems = compare(port, bodies, expected, min(len(bodies), args.concurrency))
+    result.sample_problems = compare(port, bodies, expected, min(len(bodies), args.concurrency)) if bodies else []
     loadgen = {args.loadgen_cpu} if args.loadgen_cpu is not None else None
     cores = {c for c in (args.sim_cpu, args.hop_cpu, args.loadgen_cpu) if c is not None} or os.sched_getaffinity(0)
     cell_meters = {**meters, "cores": lambda: cpus_busy_seconds(cores)}
@@ -388,8 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=32, help="wrk keep-alive connections for throughput")
     p.add_argument("--reps", type=int, default=1,
                    help="interleaved repetitions of every hop's cells (medians reported, spread listed)")
-    p.add_argument("--hops", default="trio,asyncio,router",
-                   help="comma-separated hops to measure besides direct: trio, asyncio, uvloop, router")
+    p.add_argument("--hops", default="trio,asyncio,uvloop,router,floor-trio,floor-asyncio,floor-uvloop",
+                   help="comma-separated hops to measure besides direct: trio, asyncio, uvloop, router, "
+                        "floor-trio, floor-asyncio, floor-uvloop")
     p.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
     p.add_argument("--unary-tokens", type=int, default=16, help="output tokens of a unary request")
     p.add_argument("--sse-tokens", type=int, default=256, help="output tokens (= events) of an SSE request")
@@ -462,6 +515,10 @@ def main(argv: list[str] | None = None) -> int:
                 events = answer(sim_port, request_body(args.input_len, wl.tokens, wl.stream, 0))
                 check_direct(events, wl.tokens, wl.stream)
                 final = events[0] if not wl.stream else events[-2]
+                # The floor hops answer the simulator's own bytes.
+                raw = http_request(sim_port, "POST", "/generate",
+                                   request_body(args.input_len, wl.tokens, wl.stream, 0))[1]
+                (log_dir / ("sse.txt" if wl.stream else "unary.json")).write_bytes(raw)
                 scripts[wl.name] = log_dir / f"{wl.name}.lua"
                 write_script(scripts[wl.name], request_body(args.input_len, wl.tokens, wl.stream, 0),
                              wl.stream, wl.tokens, final["output_ids"])

@@ -202,3 +202,23 @@ def test_metrics_merged_across_worker_processes(tmp_path):
         fe.stop()
         sim.stop()
     assert set(pathlib.Path(tempfile.gettempdir()).glob("asgi-generate-metrics-*")) == folders
+
+
+def test_batch_items_leave_nothing_in_flight():
+    """A request with two items is one request in flight and two counted
+    ends (one per item record); once answered, nothing is in flight (each
+    item's end used to subtract one: -1 after a batch of two)."""
+    sim = start_sim("sglang")
+    fe = start_frontend([f"sglang={sim.url}"])
+    try:
+        resp = post(fe.url, {"input_ids": [PROMPT, [5, 6, 7]], "sampling_params": {"max_new_tokens": 2}})
+        assert resp.status_code == 200 and len(resp.json()) == 2
+        m = scrape(fe.url)
+        assert value(m, "asgi_generate_requests_in_flight") == 0.0
+        assert value(m, "asgi_generate_requests_total", format="sglang", route="/generate", status="ok",
+                     code="200") == 2.0
+        assert value(m, "asgi_generate_e2e_request_latency_seconds_count", format="sglang") == 2.0
+        assert value(m, "asgi_generate_generation_tokens_total", format="sglang") == 4.0
+    finally:
+        fe.stop()
+        sim.stop()

@@ -152,14 +152,16 @@ class Response:
 
 
 async def _receive(conn: _Connection, deadline: float) -> None:
-    # An infinite deadline arms no timer: the default costs nothing.
-    with anyio.CancelScope(deadline=deadline) as wait:
-        try:
+    try:
+        if deadline == math.inf:  # no deadline (a unary leg by default): no scope to enter
             data = await conn.stream.receive(RECEIVE_SIZE)
-        except OSError as exc:
-            raise WorkerDisconnected(f"connection to worker lost: {exc!r}") from None
-    if wait.cancelled_caught:
-        raise TimedOut("deadline passed waiting for the worker")
+        else:
+            with anyio.CancelScope(deadline=deadline) as wait:
+                data = await conn.stream.receive(RECEIVE_SIZE)
+            if wait.cancelled_caught:
+                raise TimedOut("deadline passed waiting for the worker")
+    except OSError as exc:
+        raise WorkerDisconnected(f"connection to worker lost: {exc!r}") from None
     conn.h11.receive_data(data)
 
 

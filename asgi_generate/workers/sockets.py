@@ -54,8 +54,19 @@ class TCPConnection:
                 continue
 
     async def send(self, data: bytes) -> None:
-        """All of ``data``, waiting while the socket's buffer is full."""
-        view = memoryview(data)
+        """All of ``data``, waiting while the socket's buffer is full.
+
+        Not a checkpoint when the socket takes it all at once: the worker
+        client sends a request and then waits for its answer, which is one
+        (:meth:`receive`); a yield here would cost a turn of the event loop
+        per request for nothing."""
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent == len(data):
+            return
+        view = memoryview(data)[sent:]
         while view:
             try:
                 sent = self.sock.send(view)
@@ -63,7 +74,6 @@ class TCPConnection:
                 await anyio.wait_writable(self.sock)
                 continue
             view = view[sent:]
-        await checkpoint()
 
     def close(self) -> None:
         """Close the socket (idempotent)."""

@@ -1,0 +1,184 @@
+"""Where a hop's CPU goes, per request, in measures other load does not move.
+
+Starts one simulated SGLang worker (zero TTFT/ITL) and one hop in front of
+it (``asgi-generate serve --worker-class X``, or bench_frontend.py's
+``floor``: hypercorn serving a fixed answer), sends ``--warmup`` requests,
+then ``--requests`` more over ``--concurrency`` keep-alive connections
+(the bench_frontend.py bodies: 128-token ``input_ids``, unary 16 tokens or
+SSE 256 events), every answer checked for status and size, and reports:
+
+- ``--tool callgrind``: the hop runs under ``valgrind --tool=callgrind``;
+  its counters are zeroed after the warm-up and dumped after the measured
+  requests (``callgrind_control``): instructions per request, and the
+  functions with the most (exclusive, and inclusive) per request.
+- ``--tool cprofile``: the hop runs under cProfile (``bench/_profiled.py``)
+  for the measured requests only: calls per request (exact) and each
+  function's share of the profiled time (own and cumulative).
+
+Usage: ``.venv/bin/python bench/profile_hop.py --hop asyncio --workload
+unary --tool callgrind`` (see ``--help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import pathlib
+import pstats
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import h11
+
+from _procs import Child, http_request, listening_socket, wait_ready
+from bench_frontend import HOPS, python_args, request_body, start_sim
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+async def _one_connection(port: int, body: bytes, count: int, want_bytes: int, failures: list[str]) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    conn = h11.Connection(h11.CLIENT)
+    headers = [("host", "127.0.0.1"), ("content-type", "application/json"), ("content-length", str(len(body)))]
+    try:
+        for _ in range(count):
+            writer.write(conn.send(h11.Request(method="POST", target="/generate", headers=headers))
+                         + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+            size, status = 0, None
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(await reader.read(65536))
+                elif isinstance(event, h11.Response):
+                    status = event.status_code
+                elif isinstance(event, h11.Data):
+                    size += len(event.data)
+                elif isinstance(event, h11.EndOfMessage):
+                    break
+            if status != 200 or size < want_bytes:
+                failures.append(f"status {status}, {size} bytes")
+            conn.start_next_cycle()
+    finally:
+        writer.close()
+
+
+def send_requests(port: int, body: bytes, requests: int, concurrency: int, want_bytes: int) -> list[str]:
+    """``requests`` POSTs of ``body`` over ``concurrency`` connections;
+    the failures (status other than 200 or a short body)."""
+    failures: list[str] = []
+
+    async def main() -> None:
+        per = [requests // concurrency + (i < requests % concurrency) for i in range(concurrency)]
+        await asyncio.gather(*(_one_connection(port, body, n, want_bytes, failures) for n in per if n))
+
+    asyncio.run(main())
+    return failures
+
+
+def callgrind_report(out: pathlib.Path, requests: int, top: int) -> None:
+    """Print instructions per request and the top functions of a dump."""
+    text = out.read_text(errors="replace")
+    total = int(re.search(r"^summary:\s+(\d+)", text, re.M).group(1))
+    print(f"instructions per request: {total / requests:,.0f} ({total:,} for {requests} requests)")
+    for inclusive in ("no", "yes"):
+        ann = subprocess.run(["callgrind_annotate", f"--inclusive={inclusive}", "--threshold=90", str(out)],
+                             capture_output=True, text=True, check=True).stdout
+        rows = [line for line in ann.splitlines() if re.match(r"^\s*[\d,]+ \(", line)][1:top + 1]
+        print(f"\ntop {top} functions, {'inclusive' if inclusive == 'yes' else 'exclusive'}, per request:")
+        for line in rows:
+            count, rest = line.strip().split(" ", 1)
+            print(f"{int(count.replace(',', '')) / requests:>12,.0f}  {rest}")
+
+
+def cprofile_report(out: pathlib.Path, requests: int, top: int) -> None:
+    """Print calls per request and time shares of a pstats dump."""
+    stats = pstats.Stats(str(out))
+    total = stats.total_tt or 1.0
+    print(f"function calls per request: {stats.total_calls / requests:,.1f}")
+    rows = stats.stats  # (file, line, name) -> (primitive calls, calls, tottime, cumtime, callers)
+    for key, label in ((2, "own"), (3, "cumulative")):
+        print(f"\ntop {top} by {label} time (share of profiled time; calls per request):")
+        for func, data in sorted(rows.items(), key=lambda kv: -kv[1][key])[:top]:
+            file, line, name = func
+            where = f"{pathlib.Path(file).parent.name}/{pathlib.Path(file).name}:{line}" if line else file
+            print(f"{100 * data[key] / total:6.1f}%  {data[1] / requests:8.2f}  {name}  {where}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--hop", default="asyncio", choices=[h for h in HOPS if h != "router"],
+                   help="asgi-generate's worker class, or a floor hop (hypercorn alone, bench_frontend.py)")
+    p.add_argument("--workload", choices=("unary", "sse"), default="unary")
+    p.add_argument("--tool", choices=("callgrind", "cprofile"), default="callgrind")
+    p.add_argument("--requests", type=int, default=None, help="measured requests (default 400 unary, 40 SSE)")
+    p.add_argument("--warmup", type=int, default=None, help="requests before measuring (default 100 / 10)")
+    p.add_argument("--concurrency", type=int, default=8, help="keep-alive connections")
+    p.add_argument("--top", type=int, default=30, help="functions listed")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--unary-tokens", type=int, default=16)
+    p.add_argument("--sse-tokens", type=int, default=256)
+    args = p.parse_args(argv)
+    stream = args.workload == "sse"
+    requests = args.requests or (40 if stream else 400)
+    warmup = args.warmup if args.warmup is not None else (10 if stream else 100)
+    tokens = args.sse_tokens if stream else args.unary_tokens
+    body = request_body(args.input_len, tokens, stream, 0)
+    log_dir = pathlib.Path(tempfile.mkdtemp(prefix="asgi-generate-profile-"))
+    out = log_dir / ("callgrind.out" if args.tool == "callgrind" else "profile.pstats")
+    with contextlib.ExitStack() as stack:
+        sim_port, _sim = start_sim(stack, None, log_dir)
+        sse_answer = http_request(sim_port, "POST", "/generate", request_body(args.input_len, args.sse_tokens,
+                                                                            True, 0))[1]
+        unary_answer = http_request(sim_port, "POST", "/generate", request_body(args.input_len,
+                                                                              args.unary_tokens, False, 0))[1]
+        want = len(sse_answer if stream else unary_answer) * 9 // 10
+        sock = listening_socket()
+        port = sock.getsockname()[1]
+        (log_dir / "unary.json").write_bytes(unary_answer)
+        (log_dir / "sse.txt").write_bytes(sse_answer)
+        cmd = python_args(args.hop, sim_port, sock.fileno(), log_dir)
+        if args.tool == "callgrind":
+            argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-instr=no",
+                    "--collect-atstart=yes", sys.executable, *cmd]
+        else:
+            argv = [sys.executable, str(HERE / "_profiled.py"), *cmd]
+        os.environ["PROFILED_OUT"] = str(out)
+        hop = Child(f"hop-{args.hop}", argv, None, log_dir, pass_fds=(sock.fileno(),))
+        sock.close()
+        stack.callback(hop.stop, 60.0)
+        wait_ready(hop, port, "GET", "/health", timeout=600.0)
+        failures = send_requests(port, body, warmup, args.concurrency, want)
+        if args.tool == "callgrind":
+            subprocess.run(["callgrind_control", "--zero", str(hop.pid)], check=True, capture_output=True)
+        else:
+            os.kill(hop.pid, signal.SIGUSR1)
+            time.sleep(0.5)
+        started = time.monotonic()
+        failures += send_requests(port, body, requests, args.concurrency, want)
+        elapsed = time.monotonic() - started
+        if args.tool == "callgrind":
+            subprocess.run(["callgrind_control", "--dump", str(hop.pid)], check=True, capture_output=True)
+            dumps = sorted(log_dir.glob("callgrind.out*"), key=lambda f: f.stat().st_mtime)
+            out = dumps[-1]
+        else:
+            os.kill(hop.pid, signal.SIGUSR2)
+            deadline = time.monotonic() + 30
+            while not out.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+    print(f"hop {args.hop}, {args.workload}, {args.tool}: {requests} requests after {warmup} warm-up, "
+          f"{args.concurrency} connections, {elapsed:.1f} s; 1-min load average {os.getloadavg()[0]:.2f}; "
+          f"failures: {len(failures)}{' (' + failures[0] + ')' if failures else ''}")
+    (callgrind_report if args.tool == "callgrind" else cprofile_report)(out, requests, args.top)
+    print(f"(dump kept: {out})")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
