@@ -131,38 +131,62 @@ class ClientStream:
         st.response_complete = True
         await send_unary(self._write, status, body, self.codec.content_type)
 
-    async def _deliver(self, event: Event) -> None:
-        st, ex = self.st, self.ex
-        now = time.monotonic()
+    def _count(self, event: Event) -> bool:
+        """The request's accounting of ``event`` (times, ids, usage, finish);
+        whether it ends the answer."""
+        st = self.st
         n = len(event.token_ids)
-        if n and self.timed:
-            if st.t_first_token is None:
-                st.t_first_token = now
-            st.t_last_token = now
-        if n and self.sent_ids is not None:
-            self.sent_ids += event.token_ids
-        if n and self.app.trace_output_ids:  # only for a trace parser; default path skips it
-            if st.output_ids is None:
-                st.output_ids = []
-            st.output_ids.extend(event.token_ids)
+        if n:
+            if self.timed:
+                now = time.monotonic()
+                if st.t_first_token is None:
+                    st.t_first_token = now
+                st.t_last_token = now
+            if self.sent_ids is not None:
+                self.sent_ids += event.token_ids
+            if self.app.trace_output_ids:  # only for a trace parser; default path skips it
+                if st.output_ids is None:
+                    st.output_ids = []
+                st.output_ids.extend(event.token_ids)
         if event.completion_tokens is not None:
             st.engine_completion_tokens = event.completion_tokens
         if event.prompt_tokens is not None:
             st.prompt_tokens = event.prompt_tokens
         if event.cached_tokens is not None:
             st.cached_tokens = event.cached_tokens
-        done = event.error is not None or event.finish_reason is not None
         if event.error is not None:
             st.fail("engine_error", None, "engine", event.error.message)
-        elif done:
+            return True
+        if event.finish_reason is not None:
             st.finish_reason = event.finish_reason
             st.finish_matched = event.matched
+            return True
+        return False
+
+    def _queue(self, event: Event) -> None:
+        """A streamed event's bytes into the outbox (sent by :meth:`_flush`)."""
+        data = self.ex.client_event(event)
+        if data is not None:
+            self.outbox.append(sse_event(data))
+        self.outbox_tokens += len(event.token_ids)
+
+    def _queued(self, event: Event) -> bool:
+        """Take a running stream's event that does not end it with no await
+        (O(1), the common case); ``False``: :meth:`_deliver` must take it."""
+        if not self.st.response_started or not self.req.stream or event.error is not None \
+                or event.finish_reason is not None:
+            return False
+        self._count(event)
+        self._queue(event)
+        return True
+
+    async def _deliver(self, event: Event) -> None:
+        st = self.st
+        done = self._count(event)
         if self.req.stream:
-            await self._start_stream()
-            data = ex.client_event(event)
-            if data is not None:
-                self.outbox.append(sse_event(data))
-            self.outbox_tokens += n
+            if not st.response_started:
+                await self._start_stream()
+            self._queue(event)
             if done:
                 self.outbox.append(self.codec.sse_terminal)
                 # Complete once the last bytes are handed over: a client that
@@ -170,9 +194,9 @@ class ClientStream:
                 st.response_complete = True
                 await self._flush(more=False)
         else:
-            self.pending += n
+            self.pending += len(event.token_ids)
             if done:
-                status, body = ex.unary_body()
+                status, body = self.ex.unary_body()
                 if st.http_status is None:
                     st.http_status = status
                 await self._unary(status, body)

@@ -119,12 +119,17 @@ class SSEDecoder:
 
     Lines may end ``\\n``, ``\\r\\n`` or ``\\r``; several ``data:`` lines in one
     event are joined with ``\\n``; comments and other fields are ignored.
+    Engines send one ``data:`` line per event, which is taken in one step
+    (a search for its line end, a check for the blank line, one slice);
+    everything else goes line by line.
     """
 
     __slots__ = ("_buf", "_data")
 
     def __init__(self) -> None:
+        #: The line not yet ended.
         self._buf = b""
+        #: ``data`` values of the event being read.
         self._data: list[bytes] = []
 
     def feed(self, chunk: bytes) -> list[bytes]:
@@ -137,28 +142,29 @@ class SSEDecoder:
             buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         out: list[bytes] = []
         start = 0
-        while True:
-            end = buf.find(b"\n", start)
-            if end < 0:
-                break
-            line = buf[start:end]
+        while (end := buf.find(b"\n", start)) >= 0:
+            if buf[end + 1 : end + 2] == b"\n" and not self._data and buf.startswith(b"data:", start):
+                # A whole one-line event: its value, then past the blank line.
+                out.append(buf[start + 6 if buf[start + 5 : start + 6] == b" " else start + 5 : end])
+                start = end + 2
+                continue
+            self._line(buf[start:end], out)
             start = end + 1
-            if not line:
-                if self._data:
-                    out.append(self._data[0] if len(self._data) == 1 else b"\n".join(self._data))
-                    self._data = []
-            elif line.startswith(b"data:"):
-                value = line[5:]
-                self._data.append(value[1:] if value.startswith(b" ") else value)
         self._buf = buf[start:] + tail
         return out
 
+    def _line(self, line: bytes, out: list[bytes]) -> None:
+        if not line:
+            if self._data:
+                out.append(self._data[0] if len(self._data) == 1 else b"\n".join(self._data))
+                self._data = []
+        elif line.startswith(b"data:"):
+            self._data.append(line[6:] if line[5:6] == b" " else line[5:])
+
     def close(self) -> list[bytes]:
         """End of body: return an event left without its blank line, if any."""
-        if self._buf.startswith(b"data:"):
-            value = self._buf[5:]
-            self._data.append(value[1:] if value.startswith(b" ") else value)
+        out: list[bytes] = []
+        self._line(self._buf.rstrip(b"\r"), out)
+        self._line(b"", out)
         self._buf = b""
-        out = [b"\n".join(self._data)] if self._data else []
-        self._data = []
         return out

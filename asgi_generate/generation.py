@@ -356,7 +356,11 @@ class Generation(ClientStream):
     async def _feed(self, attempt: Attempt, payload: bytes) -> None:
         if self.prefill_gate is not None and attempt.role == "decode":
             await self.prefill_gate.wait()
-        await self._settle(attempt, self.ex.feed(attempt, payload))
+        event = self.ex.feed(attempt, payload)
+        if self._queued(event):  # a running stream's event: counted and queued, no await
+            attempt.tokens += len(event.token_ids)
+            return
+        await self._settle(attempt, event)
 
     async def _feed_whole(self, attempt: Attempt, body: bytes) -> None:
         # One unary worker answer carries no token timing: TTFT and ITL

@@ -34,6 +34,44 @@ def test_sse_decoder_is_split_invariant(events, cuts, crlf):
     assert out == events
 
 
+def _sse_reference(body: bytes) -> list[bytes]:
+    """The WHATWG rules, line by line over the whole body (the decoder's oracle)."""
+    out, data = [], []
+    for line in body.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n"):
+        if not line:
+            if data:
+                out.append(b"\n".join(data))
+            data = []
+        elif line.startswith(b"data:"):
+            data.append(line[6:] if line[5:6] == b" " else line[5:])
+    return out + ([b"\n".join(data)] if data else [])
+
+
+sse_lines = st.lists(st.one_of(
+    st.builds(lambda p: b"data: " + p, st.binary(max_size=12).filter(lambda b: b"\n" not in b and b"\r" not in b)),
+    st.builds(lambda p: b"data:" + p, st.binary(max_size=12).filter(lambda b: b"\n" not in b and b"\r" not in b)),
+    st.sampled_from([b"", b"", b": keep-alive", b"event: x", b"id: 7", b"data", b"retry: 5"]),
+), max_size=20)
+
+
+@settings(max_examples=400, deadline=None)
+@given(sse_lines, st.lists(st.sampled_from([b"\n", b"\r\n", b"\r"]), min_size=1, max_size=20),
+       st.lists(st.integers(min_value=1, max_value=30), max_size=20))
+def test_sse_decoder_follows_the_line_rules(lines, endings, cuts):
+    """Any mix of data lines (one or several per event), comments, other
+    fields, blank lines and line endings, cut anywhere: the payloads of the
+    line-by-line rules, in order (the one-line-event fast path included)."""
+    body = b"".join(line + endings[i % len(endings)] for i, line in enumerate(lines))
+    dec = SSEDecoder()
+    out, pos = [], 0
+    for c in cuts:
+        out += dec.feed(body[pos : pos + c])
+        pos += c
+    out += dec.feed(body[pos:])
+    out += dec.close()
+    assert out == _sse_reference(body)
+
+
 def test_sse_decoder_fields_and_comments():
     dec = SSEDecoder()
     got = dec.feed(b": keep-alive\n\nevent: x\ndata: a\ndata:b\nid: 7\n\ndata: [DONE]\n\n")
