@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="asgi-generate's worker class, or a floor hop (hypercorn alone, bench_frontend.py)")
     p.add_argument("--workload", choices=("unary", "sse"), default="unary")
     p.add_argument("--tool", choices=("callgrind", "cprofile"), default="callgrind")
-    p.add_argument("--requests", type=int, default=None, help="measured requests (default 400 unary, 40 SSE)")
-    p.add_argument("--warmup", type=int, default=None, help="requests before measuring (default 100 / 10)")
+    p.add_argument("--requests", type=int, default=None, help="measured requests (default 300 unary, 40 SSE)")
+    p.add_argument("--warmup", type=int, default=None, help="requests before measuring (default 60 / 10)")
     p.add_argument("--concurrency", type=int, default=8, help="keep-alive connections")
     p.add_argument("--top", type=int, default=30, help="functions listed")
     p.add_argument("--input-len", type=int, default=128)
@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sse-tokens", type=int, default=256)
     args = p.parse_args(argv)
     stream = args.workload == "sse"
-    requests = args.requests or (40 if stream else 400)
-    warmup = args.warmup if args.warmup is not None else (10 if stream else 100)
+    requests = args.requests or (40 if stream else 300)
+    warmup = args.warmup if args.warmup is not None else (10 if stream else 60)
     tokens = args.sse_tokens if stream else args.unary_tokens
     body = request_body(args.input_len, tokens, stream, 0)
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="asgi-generate-profile-"))

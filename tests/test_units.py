@@ -17,6 +17,16 @@ payloads = st.lists(st.binary(min_size=1, max_size=40).filter(lambda b: b"\n" no
                     max_size=12)
 
 
+def _decode_cut(body: bytes, cuts: list[int]) -> list[bytes]:
+    """Every payload of ``body`` fed to one decoder in pieces of the ``cuts``' sizes."""
+    dec = SSEDecoder()
+    out, pos = [], 0
+    for c in cuts:
+        out += dec.feed(body[pos : pos + c])
+        pos += c
+    return out + dec.feed(body[pos:]) + dec.close()
+
+
 @settings(max_examples=300, deadline=None)
 @given(payloads, st.lists(st.integers(min_value=1, max_value=50), max_size=30), st.booleans())
 def test_sse_decoder_is_split_invariant(events, cuts, crlf):
@@ -24,14 +34,7 @@ def test_sse_decoder_is_split_invariant(events, cuts, crlf):
     body = b"".join(sse_event(e) for e in events)
     if crlf:
         body = body.replace(b"\n", b"\r\n")
-    dec = SSEDecoder()
-    out, pos = [], 0
-    for c in cuts:
-        out += dec.feed(body[pos : pos + c])
-        pos += c
-    out += dec.feed(body[pos:])
-    out += dec.close()
-    assert out == events
+    assert _decode_cut(body, cuts) == events
 
 
 def _sse_reference(body: bytes) -> list[bytes]:
@@ -62,14 +65,7 @@ def test_sse_decoder_follows_the_line_rules(lines, endings, cuts):
     fields, blank lines and line endings, cut anywhere: the payloads of the
     line-by-line rules, in order (the one-line-event fast path included)."""
     body = b"".join(line + endings[i % len(endings)] for i, line in enumerate(lines))
-    dec = SSEDecoder()
-    out, pos = [], 0
-    for c in cuts:
-        out += dec.feed(body[pos : pos + c])
-        pos += c
-    out += dec.feed(body[pos:])
-    out += dec.close()
-    assert out == _sse_reference(body)
+    assert _decode_cut(body, cuts) == _sse_reference(body)
 
 
 def test_sse_decoder_fields_and_comments():
