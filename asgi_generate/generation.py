@@ -245,7 +245,10 @@ class Generation(ClientStream):
                             deadline = leg.enter("inter_token", between)
                             for payload in payloads:
                                 if not st.response_complete and payload != DONE:
-                                    await self._feed(attempt, payload)
+                                    if self.prefill_gate is not None:  # P/D: after the prefill's answer
+                                        await self._feed(attempt, payload)
+                                    elif (event := self._take(attempt, payload)) is not None:
+                                        await self._settle(attempt, event)  # else taken with no await
                             if self.outbox:
                                 await self._flush()
                             if attempt.live and st.response_complete:
@@ -356,11 +359,17 @@ class Generation(ClientStream):
     async def _feed(self, attempt: Attempt, payload: bytes) -> None:
         if self.prefill_gate is not None and attempt.role == "decode":
             await self.prefill_gate.wait()
+        if (event := self._take(attempt, payload)) is not None:
+            await self._settle(attempt, event)
+
+    def _take(self, attempt: Attempt, payload: bytes) -> Event | None:
+        """The event of one worker payload, for :meth:`_settle`; ``None``
+        once a running stream's event was counted and queued (no await)."""
         event = self.ex.feed(attempt, payload)
-        if self._queued(event):  # a running stream's event: counted and queued, no await
+        if self._queued(event):
             attempt.tokens += len(event.token_ids)
-            return
-        await self._settle(attempt, event)
+            return None
+        return event
 
     async def _feed_whole(self, attempt: Attempt, body: bytes) -> None:
         # One unary worker answer carries no token timing: TTFT and ITL
