@@ -19,8 +19,8 @@ RSS, and how fast an abort storm is acknowledged.
   and by source line, per stream.
 
 Usage: ``python bench/bench_streams.py [--storm 5000] [--streams 10000]
-[--profile 2000] [--worker-classes asyncio,trio]``; ``--storm 0`` or
-``--profile 0`` skips that part. Linux only (``/proc``).
+[--profile 2000] [--worker-classes asyncio,trio]``; ``--storm 0``,
+``--streams 0`` or ``--profile 0`` skips that part. Linux only (``/proc``).
 Every process it starts is stopped at the end.
 """
 
@@ -190,13 +190,13 @@ async def profile(tmp: pathlib.Path, worker_class: str, n: int) -> list[dict]:
     out = tmp / f"traced-{worker_class}.json"
     stack = Stack(tmp, "profile", "sglang", worker_class, traced=out)
     try:
-        warm, _ = await stack.open(100)
-        warm.close_all()
-        await stack.settle(100)
+        # The baseline is taken with n/2 streams open, so what the first
+        # streams build once (imports, pools, table growth) is not counted.
+        half, _ = await stack.open(n // 2)
         await asyncio.sleep(0.5)
         os.kill(stack.fe.pid, signal.SIGUSR2)
         await asyncio.sleep(1.0)
-        swarm, _ = await stack.open(n)
+        swarm, _ = await stack.open(n - n // 2)
         await asyncio.sleep(0.5)
         os.kill(stack.fe.pid, signal.SIGUSR1)
         for _ in range(3000):
@@ -205,6 +205,7 @@ async def profile(tmp: pathlib.Path, worker_class: str, n: int) -> list[dict]:
                 break
         rows = orjson.loads(out.read_bytes())
         swarm.close_all()
+        half.close_all()
     finally:
         stack.stop()
     rows.sort(key=lambda r: -r["bytes"])
@@ -239,14 +240,29 @@ def storms(args: argparse.Namespace, tmp: pathlib.Path, classes: list[str]) -> N
                   f"| {r['during_status']} in {r['during_s']:.2f} s | {r['worker']} |", flush=True)
 
 
-def print_profile(worker_class: str, n: int, rows: list[dict], top: int) -> None:
+def capacities(tmp: pathlib.Path, classes: list[str], streams: int) -> None:
+    print(f"\nOpen-stream capacity: {streams} SSE streams held open in one frontend process\n")
+    print("| worker class | streams | open all (s) | RSS before (MB) | RSS open (MB) | KB per stream | fds open "
+          "| all hung up and aborted (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for wc in classes:
+        try:
+            r = asyncio.run(capacity(tmp, wc, streams))
+        except Exception as exc:
+            print(f"| {wc} | {streams:,} | failed: {exc!r} |", flush=True)
+            continue
+        print(f"| {wc} | {r['streams']:,} | {r['opened_s']:.1f} | {r['base_mb']:.1f} | {r['loaded_mb']:.1f} "
+              f"| {r['kb_per_stream']:.1f} | {r['fds']:,} | {r['closed_s']:.1f} |", flush=True)
+
+
+def print_profile(worker_class: str, total_open: int, n: int, rows: list[dict], top: int) -> None:
     by_owner: dict[str, list[int]] = {}
     for r in rows:
         acc = by_owner.setdefault(r["owner"], [0, 0])
         acc[0] += r["bytes"]
         acc[1] += r["count"]
     total = sum(r["bytes"] for r in rows)
-    print(f"\nWhere the memory goes (tracemalloc, {worker_class}, {n} streams): "
+    print(f"\nWhere the memory goes (tracemalloc, {worker_class}, {total_open - n} to {total_open} streams): "
           f"{total / n / 1024:.1f} KB of Python allocations per stream\n")
     print("| nearest caller (asgi-generate, else hypercorn) | bytes per stream | objects per stream |")
     print("|---|---:|---:|")
@@ -281,20 +297,12 @@ def main() -> int:
               f"engine socket each); the hard limit allows {streams}")
     if args.storm:
         storms(args, tmp, classes)
-    print(f"\nOpen-stream capacity: {streams} SSE streams held open in one frontend process\n")
-    print("| worker class | streams | open all (s) | RSS before (MB) | RSS open (MB) | KB per stream | fds open "
-          "| all hung up and aborted (s) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for wc in classes:
-        try:
-            r = asyncio.run(capacity(tmp, wc, streams))
-        except Exception as exc:
-            print(f"| {wc} | {streams:,} | failed: {exc!r} |", flush=True)
-            continue
-        print(f"| {wc} | {r['streams']:,} | {r['opened_s']:.1f} | {r['base_mb']:.1f} | {r['loaded_mb']:.1f} "
-              f"| {r['kb_per_stream']:.1f} | {r['fds']:,} | {r['closed_s']:.1f} |", flush=True)
+    if streams:
+        capacities(tmp, classes, streams)
     for wc in classes if args.profile else ():
-        print_profile(wc, args.profile, asyncio.run(profile(tmp, wc, args.profile)), args.top)
+        # Allocations live with the profile's streams open minus those with half of them open.
+        print_profile(wc, args.profile, args.profile - args.profile // 2,
+                      asyncio.run(profile(tmp, wc, args.profile)), args.top)
     print(f"\nlogs: {tmp}; load average at the end {os.getloadavg()[0]:.2f}")
     return 0
 
