@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import orjson
 
+from .compact import dumps_compact  # re-exported: codecs import it from here
 from .token_ids import PackedIds
 
 if TYPE_CHECKING:
@@ -72,23 +73,6 @@ class RequestError(Exception):
         self.message = message
         self.kind = kind
         self.in_band = in_band
-
-
-#: orjson 3.11 builds every result in a buffer of at least 1 KiB and hands
-#: it over unshrunk; results below this size are copied to their own size.
-_COMPACT_BELOW = 1024
-
-
-def dumps_compact(obj: Any) -> bytes:
-    """``orjson.dumps(obj)`` without the 1 KiB buffer orjson 3.11 keeps
-    behind a short result: for serialized values a request holds while it
-    streams (tags, worker bodies), about 1 KB of RSS each per open stream.
-
-    Raises:
-        orjson.JSONEncodeError: as :func:`orjson.dumps`.
-    """
-    data = orjson.dumps(obj)
-    return bytes(memoryview(data)) if len(data) < _COMPACT_BELOW else data
 
 
 def dump_body(obj: Any) -> bytes:

@@ -16,7 +16,7 @@ import array
 import sys
 from dataclasses import dataclass
 
-import orjson
+from .compact import dumps_compact
 
 _LITTLE = sys.byteorder == "little"
 
@@ -28,7 +28,8 @@ class PackedIds:
     Attributes:
         u32: the ids as an ``array('I')``, whose bytes are little-endian u32
             (4 bytes per id).
-        json: the ids' JSON text, ``orjson.dumps(ids)``.
+        json: the ids' JSON text, ``orjson.dumps(ids)`` (copied to its size
+            when short, :func:`asgi_generate.compact.dumps_compact`).
     """
 
     u32: array.array
@@ -52,7 +53,7 @@ def pack_token_ids(ids: list) -> PackedIds | None:
         packed = array.array("I", ids)  # 4-byte items on every CPython platform
     except (TypeError, OverflowError):
         return None
-    text = orjson.dumps(ids)
+    text = dumps_compact(ids)  # held for the request's life
     if b"e" in text:  # ints serialize as digits only: this is a true or false
         return None
     return PackedIds(packed, text)

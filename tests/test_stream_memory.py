@@ -15,6 +15,7 @@ import pytest
 
 from asgi_generate.codec import dumps_compact
 from asgi_generate.hypercorn_lean import AppQueue, LeanEvent
+from asgi_generate.token_ids import pack_token_ids
 from asgi_generate.watchdog import Watchdog
 from asgi_generate.workers.sockets import TCPConnection, connect
 
@@ -35,6 +36,24 @@ def test_dumps_compact_keeps_no_spare_buffer():
     assert (after - mid) / 200 < 64
     big = list(range(1000))
     assert dumps_compact(big) == orjson.dumps(big)
+
+
+
+def test_packed_prompt_keeps_no_spare_buffer():
+    # A request holds its packed prompt while it streams: a 4-token prompt
+    # is its 4 ids and 13 bytes of JSON, not orjson's 1 KiB buffer.
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        packed = [pack_token_ids([11, 12, 13, i]) for i in range(200)]
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert packed[7].json == b"[11,12,13,7]"
+    assert list(packed[7].u32) == [11, 12, 13, 7]
+    assert (after - before) / 200 < 320
+
+
 
 
 # -- the worker connection: a bare socket on both backends -------------------
@@ -116,6 +135,8 @@ def test_app_queue_is_fifo_bounded_and_cancellation_safe():
         return seen
 
     assert asyncio.run(main()) == [False, 1, True, 2, 3, 4, 5]
+
+
 
 
 def test_lean_event_wakes_every_waiter():
