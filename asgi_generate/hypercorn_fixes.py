@@ -75,7 +75,6 @@ from dataclasses import dataclass
 
 import h11
 from hypercorn.asyncio import run as asyncio_run
-from hypercorn.asyncio.tcp_server import TCPServer as AsyncioTCPServer
 from hypercorn.events import Event, RawData, Updated
 from hypercorn import protocol
 from hypercorn.protocol import h11 as protocol_h11
@@ -84,7 +83,6 @@ from hypercorn.protocol.events import Body, EndBody
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio import run as trio_run
-from hypercorn.trio.tcp_server import TCPServer as TrioTCPServer
 
 from . import hypercorn_lean
 from .watchdog import DISCONNECT_WATCH
@@ -110,11 +108,11 @@ class _ReleaseOnEOF:
         await super().protocol_send(event)
 
 
-class _TrioTCPServer(_ReleaseOnEOF, TrioTCPServer):
+class _TrioTCPServer(_ReleaseOnEOF, hypercorn_lean.TrioTCPServer):
     pass
 
 
-class _AsyncioTCPServer(_ReleaseOnEOF, AsyncioTCPServer):
+class _AsyncioTCPServer(_ReleaseOnEOF, hypercorn_lean.AsyncioTCPServer):
     pass
 
 

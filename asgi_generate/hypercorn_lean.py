@@ -1,30 +1,64 @@
-"""Leaner per-connection objects for hypercorn's asyncio worker class
-(hypercorn 0.18.0), installed by :func:`install` (from
-:func:`asgi_generate.hypercorn_fixes.install`).
+"""Leaner per-connection objects for hypercorn's worker classes (hypercorn
+0.18.0), installed by :func:`install` (from
+:func:`asgi_generate.hypercorn_fixes.install`). An open SSE stream keeps its
+client connection's objects for its whole life; each saving below is
+measured per stream by bench/bench_streams.py (its README section).
 
-Every ``collections.deque`` allocates a 64-slot block on creation, about
-700 bytes, and asyncio's ``Queue`` holds four of them (its items, getters,
-putters and the ``Event`` behind ``join()``), ``Event`` one. hypercorn
-creates per connection one ``asyncio.Queue`` for the ASGI app's messages
-(``TaskGroup.spawn_app`` in ``hypercorn/asyncio/task_group.py``) and one
-``asyncio.Event`` (``H11Protocol.can_read``, from
-``WorkerContext.event_class`` in ``hypercorn/asyncio/worker_context.py``):
-about 3.4 KB of an open SSE stream's memory. :class:`AppQueue` and
-:class:`LeanEvent` keep the same behaviour in lists that stay empty, and a
-future only while someone waits.
+asyncio:
+
+- Every ``collections.deque`` allocates a 64-slot block on creation, about
+  700 bytes, and asyncio's ``Queue`` holds four of them (its items, getters,
+  putters and the ``Event`` behind ``join()``), ``Event`` one. hypercorn
+  creates per connection one ``asyncio.Queue`` for the ASGI app's messages
+  (``TaskGroup.spawn_app`` in ``hypercorn/asyncio/task_group.py``) and one
+  ``asyncio.Event`` (``H11Protocol.can_read``, from
+  ``WorkerContext.event_class`` in ``hypercorn/asyncio/worker_context.py``):
+  about 3.4 KB. :class:`AppQueue` and :class:`LeanEvent` keep the same
+  behaviour in lists that stay empty, and a future only while someone waits.
+  The two helpers hypercorn makes per request for the app call (a thread
+  spawner and a loop caller) are made once per loop.
+- asyncio's ``StreamReaderProtocol`` (``FlowControlMixin`` in
+  ``asyncio/streams.py``) keeps a deque of ``drain()`` waiters per
+  connection, empty unless a write waits for the socket's buffer: a list
+  does the same (it is only appended to, removed from and iterated).
+- ``TCPServer._read_data`` awaits every read through ``asyncio.wait_for``,
+  a coroutine frame more on a parked connection, even with no
+  ``read_timeout`` (hypercorn's default): without one, the read is awaited
+  directly.
+
+trio:
+
+- hypercorn hands the app its messages through a trio memory channel
+  (``TaskGroup.spawn_app`` in ``hypercorn/trio/task_group.py``): a channel
+  state with a deque and two ordered dicts, and two channel ends each with a
+  set, about 1.6 KB. :class:`TrioAppQueue` keeps lists of items and of
+  parked tasks.
+- ``TCPServer._read_data`` (``hypercorn/trio/tcp_server.py``) reads under
+  ``trio.fail_after(read_timeout or inf)``: a cancel scope, its status and
+  a context-manager generator per parked connection, about 1.2 KB, for no
+  deadline at all by default. Without a ``read_timeout`` there is none.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import weakref
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
+import trio
 from hypercorn.asyncio import run as asyncio_run
 from hypercorn.asyncio import tcp_server as asyncio_tcp_server
 from hypercorn.asyncio.task_group import TaskGroup, _handle
 from hypercorn.asyncio.worker_context import WorkerContext
+from hypercorn.events import Closed, RawData
+from hypercorn.trio import tcp_server as trio_tcp_server
+from hypercorn.trio import task_group as trio_task_group
+
+#: Bytes asked of one socket read (hypercorn's ``MAX_RECV``).
+MAX_RECV = 2**16
 
 
 async def _wait(waiters: list[asyncio.Future]) -> None:
@@ -114,19 +148,35 @@ class LeanEvent:
         return self._set
 
 
+class _LoopCalls:
+    """The ``sync_spawn`` and ``call_soon`` hypercorn hands every app call,
+    made once per event loop rather than per request (two closures, about
+    320 bytes of each open stream)."""
+
+    __slots__ = ("loop", "sync_spawn")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.sync_spawn = partial(loop.run_in_executor, None)
+
+    def call_soon(self, func: Callable, *args: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(func(*args), self.loop).result()
+
+
+#: One :class:`_LoopCalls` per live event loop.
+_LOOP_CALLS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopCalls]" = weakref.WeakKeyDictionary()
+
+
 class _AsyncioTaskGroup(TaskGroup):
     async def spawn_app(
         self, app: Any, config: Any, scope: dict, send: Callable[[Any], Awaitable[None]]
     ) -> Callable[[Any], Awaitable[None]]:
-        # As hypercorn's, with AppQueue for asyncio.Queue.
+        # As hypercorn's, with AppQueue for asyncio.Queue and the loop's calls shared.
         app_queue = AppQueue(config.max_app_queue_size)
-
-        def _call_soon(func: Callable, *args: Any) -> Any:
-            return asyncio.run_coroutine_threadsafe(func(*args), self._loop).result()
-
-        self.spawn(
-            _handle, app, config, scope, app_queue.get, send, partial(self._loop.run_in_executor, None), _call_soon
-        )
+        calls = _LOOP_CALLS.get(self._loop)
+        if calls is None:
+            calls = _LOOP_CALLS[self._loop] = _LoopCalls(self._loop)
+        self.spawn(_handle, app, config, scope, app_queue.get, send, calls.sync_spawn, calls.call_soon)
         return app_queue.put
 
 
@@ -134,7 +184,116 @@ class _AsyncioWorkerContext(WorkerContext):
     event_class = LeanEvent
 
 
+class AsyncioTCPServer(asyncio_tcp_server.TCPServer):
+    """hypercorn's asyncio connection with a list of drain waiters and, with
+    no ``read_timeout``, reads awaited without ``asyncio.wait_for``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        protocol = self.writer.transport.get_protocol()
+        waiters = getattr(protocol, "_drain_waiters", None)
+        if type(waiters) is collections.deque and not waiters:
+            protocol._drain_waiters = []
+
+    async def _read_data(self) -> None:
+        if self.config.read_timeout is not None:
+            await super()._read_data()
+            return
+        reader = self.reader
+        while not reader.at_eof():
+            try:
+                data = await reader.read(MAX_RECV)
+            except OSError:  # ConnectionError, TimeoutError and ssl.SSLError among them
+                break
+            await self.protocol.handle(RawData(data))
+        await self.protocol.handle(Closed())
+
+
+class TrioAppQueue:
+    """A FIFO queue of ASGI messages with a trio memory channel's ``send``
+    (:meth:`put`) and ``receive`` (:meth:`get`) semantics: ``put`` waits
+    while ``maxsize`` items are queued (``maxsize`` <= 0: unbounded); both are
+    checkpoints and cancellable, and a cancelled ``get`` loses no item."""
+
+    __slots__ = ("_maxsize", "_items", "_getters", "_putters")
+
+    def __init__(self, maxsize: int) -> None:
+        self._maxsize = maxsize
+        self._items: list[Any] = []
+        self._getters: list = []
+        self._putters: list = []
+
+    async def put(self, item: Any) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while 0 < self._maxsize <= len(self._items):
+            await _park(self._putters)
+        self._items.append(item)
+        _unpark_one(self._getters)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    async def get(self) -> Any:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while not self._items:
+            await _park(self._getters)
+        item = self._items.pop(0)
+        _unpark_one(self._putters)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return item
+
+
+async def _park(tasks: list) -> None:
+    """Sleep in ``tasks`` until :func:`_unpark_one` wakes this task (a
+    wake-up is final in trio: a task woken is never also cancelled here)."""
+    task = trio.lowlevel.current_task()
+    tasks.append(task)
+
+    def abort(_raise_cancel: Any) -> trio.lowlevel.Abort:
+        tasks.remove(task)
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    await trio.lowlevel.wait_task_rescheduled(abort)
+
+
+def _unpark_one(tasks: list) -> None:
+    if tasks:
+        trio.lowlevel.reschedule(tasks.pop(0))
+
+
+class _TrioTaskGroup(trio_task_group.TaskGroup):
+    async def spawn_app(
+        self, app: Any, config: Any, scope: dict, send: Callable[[Any], Awaitable[None]]
+    ) -> Callable[[Any], Awaitable[None]]:
+        # As hypercorn's, with TrioAppQueue for the memory channel.
+        queue = TrioAppQueue(config.max_app_queue_size)
+        self._nursery.start_soon(
+            trio_task_group._handle, app, config, scope, queue.get, send, trio.to_thread.run_sync, trio.from_thread.run
+        )
+        return queue.put
+
+
+class TrioTCPServer(trio_tcp_server.TCPServer):
+    """hypercorn's trio connection, reading under no deadline when it has no
+    ``read_timeout``."""
+
+    async def _read_data(self) -> None:
+        if self.config.read_timeout is not None:
+            await super()._read_data()
+            return
+        stream = self.stream
+        while True:
+            try:
+                data = await stream.receive_some(MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                break
+            await self.protocol.handle(RawData(bytes(data)))
+            if not data:
+                break
+        await self.protocol.handle(Closed())
+
+
 def install() -> None:
-    """Make hypercorn's asyncio worker class use the lean classes (idempotent)."""
+    """Make hypercorn's worker classes use the lean classes (idempotent);
+    :mod:`asgi_generate.hypercorn_fixes` subclasses the TCP servers."""
     asyncio_tcp_server.TaskGroup = _AsyncioTaskGroup
     asyncio_run.WorkerContext = _AsyncioWorkerContext
+    trio_tcp_server.TaskGroup = _TrioTaskGroup

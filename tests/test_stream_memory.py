@@ -12,9 +12,11 @@ import tracemalloc
 import anyio
 import orjson
 import pytest
+import trio
+import trio.testing
 
 from asgi_generate.codec import dumps_compact
-from asgi_generate.hypercorn_lean import AppQueue, LeanEvent
+from asgi_generate.hypercorn_lean import AppQueue, LeanEvent, TrioAppQueue
 from asgi_generate.token_ids import pack_token_ids
 from asgi_generate.watchdog import Watchdog
 from asgi_generate.workers.sockets import TCPConnection, connect
@@ -137,6 +139,54 @@ def test_app_queue_is_fifo_bounded_and_cancellation_safe():
     assert asyncio.run(main()) == [False, 1, True, 2, 3, 4, 5]
 
 
+
+def test_trio_app_queue_is_fifo_bounded_and_cancellation_safe():
+    async def main() -> list:
+        q = TrioAppQueue(2)
+        seen = []
+        async with trio.open_nursery() as nursery:
+            await q.put(1)
+            await q.put(2)
+            put3 = trio.Event()
+
+            async def put(item) -> None:
+                await q.put(item)
+                put3.set()
+
+            nursery.start_soon(put, 3)  # waits: the queue is full
+            await trio.testing.wait_all_tasks_blocked()
+            seen.append(put3.is_set())
+            seen.append(await q.get())
+            await trio.testing.wait_all_tasks_blocked()
+            seen.append(put3.is_set())
+            seen += [await q.get(), await q.get()]
+            # A get cancelled while waiting loses nothing.
+            with trio.move_on_after(0.05) as scope:
+                await q.get()
+            seen.append(scope.cancelled_caught)
+            await q.put(4)
+            with trio.fail_after(1):
+                seen.append(await q.get())
+            # Two getters parked: one item wakes the first, the second one the other.
+            got: list = []
+
+            async def get() -> None:
+                got.append(await q.get())
+
+            nursery.start_soon(get)
+            nursery.start_soon(get)
+            await trio.testing.wait_all_tasks_blocked()
+            await q.put(5)
+            await q.put(6)
+        seen.append(sorted(got))
+        # A cancelled caller does not put or get at all (trio's checkpoints).
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await q.put(7)
+        seen.append(q._items)
+        return seen
+
+    assert trio.run(main) == [False, 1, True, 2, 3, True, 4, [5, 6], []]
 
 
 def test_lean_event_wakes_every_waiter():
