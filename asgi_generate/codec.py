@@ -23,7 +23,7 @@ Per request the handler calls, in order::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import orjson
 
@@ -137,7 +137,10 @@ class GenerateRequest:
         stream: the client asked for SSE.
         public_id: the client's own request id (``rid``, ``request_id``,
             ``X-Request-Id``), echoed back to it; ``None`` if it gave none.
-        input_ids: prompt token ids when the input is token-only, else ``None``.
+        input_ids: prompt token ids when the input is token-only, else
+            ``None``: a list, or the packed ``array('I')`` once a codec that
+            packed them built its first worker request (no list of ints
+            held while the request streams).
         input_ids_packed: ``input_ids`` packed as u32 and as JSON text
             (:func:`asgi_generate.token_ids.pack_token_ids`) when the codec
             packed them while checking them, else ``None``.
@@ -155,7 +158,7 @@ class GenerateRequest:
 
     stream: bool
     public_id: str | None = None
-    input_ids: list[int] | None = None
+    input_ids: Sequence[int] | None = None
     input_ids_packed: PackedIds | None = None
     max_new_tokens: int | None = None
     model: str | None = None

@@ -4,6 +4,7 @@ connection, hypercorn's lean asyncio queue and event, the shared watchdog."""
 
 from __future__ import annotations
 
+import array
 import asyncio
 import socket
 import time
@@ -15,11 +16,12 @@ import pytest
 import trio
 import trio.testing
 
-from asgi_generate.codec import dumps_compact
+from asgi_generate.codec import Attempt, dumps_compact
 from asgi_generate.hypercorn_lean import AppQueue, LeanEvent, TrioAppQueue
 from asgi_generate.token_ids import pack_token_ids
 from asgi_generate.watchdog import Watchdog
 from asgi_generate.workers.sockets import TCPConnection, connect
+from asgi_generate_sglang.codec import SGLangCodec
 
 
 def test_dumps_compact_keeps_no_spare_buffer():
@@ -56,6 +58,38 @@ def test_packed_prompt_keeps_no_spare_buffer():
     assert (after - before) / 200 < 320
 
 
+
+def test_sglang_request_keeps_its_prompt_packed_once_sent():
+    # A 2,000-token prompt held as a list of Python ints costs ~36 bytes an
+    # id for as long as the request streams; packed, 4 and its JSON text.
+    codec = SGLangCodec()
+    prompt = list(range(1000, 3000))
+    body = orjson.dumps({"input_ids": prompt, "stream": True, "sampling_params": {"max_new_tokens": 9}})
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        held = []
+        for i in range(20):
+            req = codec.decode(body, {})
+            ex = codec.exchange(req, f"r{i}")
+            first = ex.worker_request(Attempt("a" * 32, "aggregated"))
+            held.append((req, ex))
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert (after - before) / 20 < 24_000  # ~73 KB each with the list kept
+    req, ex = held[0]
+    assert type(req.input_ids) is array.array and req.input_ids.tolist() == prompt
+    assert req.input_ids_packed.u32 is req.input_ids
+    sent = orjson.loads(first.body)
+    assert sent["input_ids"] == prompt and sent["rid"] == "a" * 32
+    again = orjson.loads(ex.worker_request(Attempt("b" * 32, "aggregated")).body)
+    assert again == {"input_ids": prompt, "stream": True, "sampling_params": {"max_new_tokens": 9}, "rid": "b" * 32}
+    resumed = Attempt("c" * 32, "resumed")
+    resumed.resumes = [7, 8]
+    out = orjson.loads(ex.worker_request(resumed).body)
+    assert out["input_ids"] == prompt + [7, 8]
+    assert out["sampling_params"] == {"max_new_tokens": 7}
 
 
 # -- the worker connection: a bare socket on both backends -------------------

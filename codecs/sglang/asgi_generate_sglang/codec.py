@@ -364,7 +364,22 @@ class SGLangExchange(Exchange):
             self.incremental = stream and bool(attempt.worker_info.get("incremental_streaming_output"))
             self.engine_tag = dumps_compact(attempt.engine_id)
             self.decode_chunks = 0
-        return WorkerRequest(b"/generate", dump_body(body), stream=stream)
+        wreq = WorkerRequest(b"/generate", dump_body(body), stream=stream)
+        self._keep_packed_prompt()
+        return wreq
+
+    def _keep_packed_prompt(self) -> None:
+        """Once a worker request was built (the request is decoded, checked
+        and routed), keep a token prompt in its packed form only: its ids as
+        ``array('I')`` in ``request.input_ids`` and its JSON text in the
+        native body, rather than a list of Python ints (about 36 bytes per
+        id against 4 + the text's, for as long as the request streams);
+        later attempts and resumes read those."""
+        request = self.request
+        packed = request.input_ids_packed
+        if packed is not None and type(request.input_ids) is list:
+            request.input_ids = packed.u32
+            request.native["input_ids"] = orjson.Fragment(packed.json)
 
     def _resume(self, body: dict, resumes: list[int]) -> None:
         k = len(resumes)
@@ -374,7 +389,7 @@ class SGLangExchange(Exchange):
                 self.prompt_ids = self.tokenizer.encode(body["text"])
             prompt = self.prompt_ids
             del body["text"]
-        body["input_ids"] = prompt + resumes
+        body["input_ids"] = [*prompt, *resumes]  # the prompt may be packed (array('I'))
         sp = body["sampling_params"] = dict(body.get("sampling_params") or {})
         if self.tokenizer is not None:  # the text (and stop strings) across the seam
             stop = sp.get("stop") or ()
