@@ -1,8 +1,9 @@
 """What the observability hooks cost per request, in process, side by side.
 
-- Prometheus: ``App.request_started`` + ``App.request_finished`` of a
-  finished one-leg streamed request, with the real metrics and with a no-op
-  stand-in, in one process (values in memory) and, in a child process, in
+- Prometheus: ``App.request_started`` + ``request_ended`` +
+  ``request_finished`` of a finished one-leg streamed request, with the real
+  metrics and with a no-op stand-in, in one process (counts added up in
+  memory, moved into prometheus-client on scrape) and, in a child process, in
   prometheus-client's multiprocess mode (values in mmap'd files, as under
   ``serve --workers N``).
 - OpenTelemetry: the response-path part (``Otlp.stamp`` of one engine leg,
@@ -41,6 +42,9 @@ class _NoMetrics:
     def request_started(self) -> None:
         pass
 
+    def request_ended(self) -> None:
+        pass
+
     def request_finished(self, st) -> None:
         pass
 
@@ -66,6 +70,7 @@ def metrics_us() -> tuple[float, float]:
 
     def one() -> None:
         app.request_started()
+        app.request_ended()
         app.request_finished(st)
 
     with_metrics = per_request_us(one)
