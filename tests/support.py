@@ -76,7 +76,10 @@ def listening_socket(port: int = 0) -> socket.socket:
 
 
 class Proc:
-    """A server process on ``url``; :meth:`stop` ends it."""
+    """A server process on ``url``; :meth:`stop` ends it. Its ``TMPDIR`` is
+    a folder of its own (:attr:`tmp`), so a test that looks at what a server
+    left in the temporary folder never sees another test's or another
+    suite's files."""
 
     def __init__(self, name: str, args: list[str], sock: socket.socket, health: str, verify: str | None = None) -> None:
         self.name = name
@@ -86,7 +89,9 @@ class Proc:
         self.url = f"{'https' if verify else 'http'}://127.0.0.1:{self.port}"
         self.log_path = LOG_DIR / f"{name}-{self.port}.log"
         self._log = open(self.log_path, "wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.tmp = LOG_DIR / f"{name}-{self.port}.tmp"
+        self.tmp.mkdir()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "asgi_generate", *args, "--fd", str(sock.fileno())],
             pass_fds=[sock.fileno()],

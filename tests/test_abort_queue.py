@@ -57,37 +57,40 @@ def _ids(n: int, tag: str) -> list[str]:
     return [f"{tag}{i:030d}" for i in range(n)]
 
 
-def test_vllm_aborts_waiting_together_go_in_one_request(sims):
-    sim = sims["vllm"]
+def _acked(sim, protocol: str, ids: list[str], **queue_args) -> tuple[AbortQueue, int, list[str]]:
+    """Abort ``ids`` through a new queue (``queue_args``) to ``sim``, each
+    acknowledged; return the queue, and the abort requests ``sim`` got and
+    the ids they named, in order."""
     before = stats(sim)
-    queue = AbortQueue(_worker("vllm", sim.port), concurrency=1, batch=512)
-    ids = _ids(300, "v")
-    assert anyio.run(_abort_all, queue, ids) == ["acked"] * 300
+    queue = AbortQueue(_worker(protocol, sim.port), **queue_args)
+    assert anyio.run(_abort_all, queue, ids) == ["acked"] * len(ids)
     after = stats(sim)
-    assert after["abort_requests"] - before["abort_requests"] == 1
-    assert after["abort_named_ids"][len(before["abort_named_ids"]):] == [f"generate-tokens-{i}" for i in ids]
+    return (queue, after["abort_requests"] - before["abort_requests"],
+            after["abort_named_ids"][len(before["abort_named_ids"]):])
+
+
+def test_vllm_aborts_waiting_together_go_in_one_request(sims):
+    ids = _ids(300, "v")
+    queue, requests, named = _acked(sims["vllm"], "vllm", ids, concurrency=1, batch=512)
+    assert requests == 1
+    assert named == [f"generate-tokens-{i}" for i in ids]
     assert (queue.requests, queue.pool.opened) == (1, 1)
 
 
 def test_vllm_batches_are_capped(sims):
-    sim = sims["vllm"]
-    before = stats(sim)["abort_requests"]
-    queue = AbortQueue(_worker("vllm", sim.port), concurrency=2, batch=40)
-    assert anyio.run(_abort_all, queue, _ids(100, "c")) == ["acked"] * 100
+    ids = _ids(100, "c")
+    queue, requests, named = _acked(sims["vllm"], "vllm", ids, concurrency=2, batch=40)
     # 40 + 40 + 20 ids, over at most two connections.
-    assert stats(sim)["abort_requests"] - before == 3
+    assert requests == 3
+    assert sorted(named) == [f"generate-tokens-{i}" for i in ids]
     assert queue.pool.opened <= 2
 
 
 def test_sglang_sends_one_rid_per_request_over_at_most_concurrency_connections(sims):
-    sim = sims["sglang"]
-    before = stats(sim)
-    queue = AbortQueue(_worker("sglang", sim.port), concurrency=3, batch=512)
     ids = _ids(60, "s")
-    assert anyio.run(_abort_all, queue, ids) == ["acked"] * 60
-    after = stats(sim)
-    assert after["abort_requests"] - before["abort_requests"] == 60
-    assert sorted(after["abort_named_ids"][len(before["abort_named_ids"]):]) == ids
+    queue, requests, named = _acked(sims["sglang"], "sglang", ids, concurrency=3, batch=512)
+    assert requests == 60
+    assert sorted(named) == ids
     assert queue.pool.opened <= 3 and queue.peak_in_flight <= 3 and queue.requests == 60
 
 

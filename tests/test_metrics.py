@@ -4,7 +4,6 @@ requests, and one merged view under ``serve --workers 2``."""
 from __future__ import annotations
 
 import pathlib
-import tempfile
 
 import httpx
 import orjson
@@ -162,8 +161,8 @@ def test_worker_failures_and_failover_counted(fleet):
 def test_metrics_merged_across_worker_processes(tmp_path):
     """``serve --workers 2``: every process counts its own requests (/stats),
     /metrics from any of them shows the sum, and the folder the processes
-    shared is gone once serve stopped."""
-    folders = set(pathlib.Path(tempfile.gettempdir()).glob("asgi-generate-metrics-*"))
+    shared is gone once serve stopped. (The frontend's TMPDIR is its own:
+    suites running side by side make folders of the same name.)"""
     sim = start_sim("sglang")
     fe = Proc("frontend-workers", ["serve", "--workers", "2", "--worker", f"sglang={sim.url}",
                                    "--health-interval", "0.2", "--log-level", "warning"], listening_socket(), "/health")
@@ -194,14 +193,14 @@ def test_metrics_merged_across_worker_processes(tmp_path):
             assert value(samples, "asgi_generate_requests_in_flight") == 0.0
             assert value(samples, "asgi_generate_worker_up", worker="w0", url=sim.url, protocol="sglang",
                          role="aggregated") == 1.0
-        new = set(pathlib.Path(tempfile.gettempdir()).glob("asgi-generate-metrics-*")) - folders
         # One folder, written by both processes (prometheus-client names its files KIND_PID.db).
-        assert len(new) == 1
-        assert {f.stem.rsplit("_", 1)[1] for f in next(iter(new)).iterdir()} == {str(pid) for pid in per_pid}
+        (folder,) = fe.tmp.iterdir()
+        assert folder.name.startswith("asgi-generate-metrics-")
+        assert {f.stem.rsplit("_", 1)[1] for f in folder.iterdir()} == {str(pid) for pid in per_pid}
     finally:
         fe.stop()
         sim.stop()
-    assert set(pathlib.Path(tempfile.gettempdir()).glob("asgi-generate-metrics-*")) == folders
+    assert list(fe.tmp.iterdir()) == []
 
 
 def test_batch_items_leave_nothing_in_flight():

@@ -64,22 +64,8 @@ class Fleet:
             s.stop()
 
     def body(self, budget: int, logprobs: bool, rid: str, experts: bool = False) -> tuple[dict, dict]:
-        """A streamed request of ``budget`` tokens (EOS ignored) and its
-        headers; SGLang: with ``experts``, routed experts from position 1."""
-        if self.protocol == "sglang":
-            body = {"input_ids": PROMPT, "stream": True, "rid": rid,
-                    "sampling_params": {"max_new_tokens": budget, "ignore_eos": True}}
-            if logprobs:
-                body.update(return_logprob=True, top_logprobs_num=2, token_ids_logprob=[5, 9])
-            if experts:
-                body.update(return_routed_experts=True, routed_experts_start_len=1)
-            return body, {}
-        sp = {"max_tokens": budget, "ignore_eos": True}
-        if logprobs:
-            sp["logprobs"] = 2
-        body = {"token_ids": PROMPT, "stream": True, "sampling_params": sp,
-                "stream_options": {"include_usage": True, "continuous_usage_stats": logprobs}}
-        return body, {"x-request-id": rid}
+        """:func:`_body` in this fleet's protocol."""
+        return _body(self.protocol, budget, logprobs, rid, experts)
 
     def arm(self, after_tokens: int, input_len: int) -> None:
         for s in self.sims:
@@ -98,15 +84,61 @@ class Fleet:
         return events
 
     def record(self, rid: str) -> dict:
-        def find():
-            for f in glob.glob(self.base + ".*.jsonl"):
-                with open(f, "rb") as fh:
-                    for line in fh:
-                        rec = orjson.loads(line)
-                        if rec.get("public_id") == rid:
-                            return rec
-            return None
-        return wait_until(find)
+        return _record(self.base, rid)
+
+
+def _body(protocol: str, budget: int, logprobs: bool, rid: str, experts: bool = False) -> tuple[dict, dict]:
+    """A streamed request of ``budget`` tokens (EOS ignored) and its
+    headers; SGLang: with ``experts``, routed experts from position 1."""
+    if protocol == "sglang":
+        body = {"input_ids": PROMPT, "stream": True, "rid": rid,
+                "sampling_params": {"max_new_tokens": budget, "ignore_eos": True}}
+        if logprobs:
+            body.update(return_logprob=True, top_logprobs_num=2, token_ids_logprob=[5, 9])
+        if experts:
+            body.update(return_routed_experts=True, routed_experts_start_len=1)
+        return body, {}
+    sp = {"max_tokens": budget, "ignore_eos": True}
+    if logprobs:
+        sp["logprobs"] = 2
+    body = {"token_ids": PROMPT, "stream": True, "sampling_params": sp,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": logprobs}}
+    return body, {"x-request-id": rid}
+
+
+def _record(base: str, rid: str) -> dict:
+    """The record of public id ``rid`` in the trace files ``base.*.jsonl``, once written."""
+    def find():
+        for f in glob.glob(base + ".*.jsonl"):
+            with open(f, "rb") as fh:
+                for line in fh:
+                    rec = orjson.loads(line)
+                    if rec.get("public_id") == rid:
+                        return rec
+        return None
+    return wait_until(find)
+
+
+class Beside:
+    """A second traced frontend over a fleet's simulators, with ``extra`` flags."""
+
+    def __init__(self, fleet: Fleet, tmp, extra: list[str]) -> None:
+        self.fleet = fleet
+        self.base = str(tmp / "trace")
+        self.proc = start_frontend([f"{fleet.protocol}={s.url}" for s in fleet.sims],
+                                   extra=["--trace-file", self.base + ".jsonl", *extra])
+
+    def faulted(self, body: dict, headers: dict, rid: str) -> tuple[int, list[bytes], dict]:
+        """Stream ``body`` through this frontend (its faults armed by the
+        caller): its status, events and record. Then heal the fleet and wait
+        until this frontend has every worker up again."""
+        try:
+            status, events = sse(self.proc.url, body, self.fleet.path, headers=headers)
+            rec = _record(self.base, rid)
+        finally:
+            self.fleet.heal()
+            wait_until(lambda: httpx.get(self.proc.url + "/health", timeout=5).json()["healthy_workers"] == 3)
+        return status, events, rec
 
 
 @pytest.fixture(scope="module", params=[(v, c) for v in VARIANTS for c in ("trio", "asyncio")],
@@ -316,27 +348,17 @@ def test_client_disconnect_is_not_migrated(fleet):
 @pytest.fixture(scope="module")
 def limited(fleet, tmp_path_factory):
     """A second frontend over the same simulators with ``--migration-limit 1``."""
-    base = str(tmp_path_factory.mktemp("limited") / "trace")
-    proc = start_frontend([f"{fleet.protocol}={s.url}" for s in fleet.sims],
-                          extra=["--trace-file", base + ".jsonl", "--migration-limit", "1"])
-    yield proc, base
-    proc.stop()
+    second = Beside(fleet, tmp_path_factory.mktemp("limited"), ["--migration-limit", "1"])
+    yield second
+    second.proc.stop()
 
 
 def test_limit_exhausted_ends_in_band_with_every_attempt(fleet, limited):
-    proc, base = limited
     rid = f"m{next(_rids)}"
     body, headers = fleet.body(8, True, rid)
     fleet.arm(3, 4)
     fleet.arm(2, 7)
-    try:
-        status, events = sse(proc.url, body, fleet.path, headers=headers)
-        view = Fleet.__new__(Fleet)
-        view.base = base
-        rec = view.record(rid)
-    finally:
-        fleet.heal()
-        wait_until(lambda: httpx.get(proc.url + "/health", timeout=5).json()["healthy_workers"] == 3)
+    status, events, rec = limited.faulted(body, headers, rid)
     wid = rec["attempts"][1]["worker_id"]
     message = f"worker {wid} failed: {DROPPED} (migration limit 1 reached)"
     assert status == 200 and events[-2:] == [_in_band(fleet, message), b"[DONE]"]
@@ -369,21 +391,12 @@ def test_silence_past_the_inter_token_timeout_migrates(worker_class, tmp_path):
                 wait_until(lambda: fake.aborts == fake.generates)
             finally:
                 fe.stop()
-        resumed = {**STREAM, "input_ids": [11, 12, 13, 5], "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
-        _, direct = sse(sim.url, resumed)
+        expected = _stalled_and_continued(sim)
     finally:
         sim.stop()
     assert len(fake.generates) == 1
     rec = recs[-1]
-    expected = [{"text": "a", "output_ids": [5],
-                 "meta_info": {"id": "mine", "finish_reason": None, "prompt_tokens": 3, "completion_tokens": 1}}]
-    for e in _values(direct)[:-1]:
-        meta = e["meta_info"]
-        meta.update(prompt_tokens=3, completion_tokens=1 + meta["completion_tokens"])
-        if meta["finish_reason"] is not None:
-            meta["finish_reason"]["length"] = 6
-        expected.append({"text": "a" + e["text"], "output_ids": [5, *e["output_ids"]], "meta_info": meta})
-    assert _values(events) == [*expected, b"[DONE]"]
+    assert _values(events) == expected
     assert (rec["status"], rec["output_tokens"], rec["migrations"]) == ("ok", 6, 1)
     assert [(a["role"], a["outcome"], a.get("tokens"), a.get("abort_acked")) for a in rec["attempts"]] == [
         ("aggregated", "timeout", 1, True), ("resumed", "finished", 5, None)]
@@ -391,6 +404,25 @@ def test_silence_past_the_inter_token_timeout_migrates(worker_class, tmp_path):
 
 def _all_records(base: str) -> list[dict]:
     return [orjson.loads(line) for f in sorted(glob.glob(base + ".*.jsonl")) for line in open(f, "rb")]
+
+
+def _stalled_and_continued(sim) -> list:
+    """What the client of the stall fake's request gets once it migrates to
+    ``sim``: the fake's one token (``[5]``), then the simulator's own stream
+    of ``[11, 12, 13]`` + ``[5]`` (5 tokens left) as the continuation of the
+    first (ids, text, counts and the length finish over all 6 tokens)."""
+    from test_engine_timing import STREAM
+
+    resumed = {**STREAM, "input_ids": [11, 12, 13, 5], "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+    expected = [{"text": "a", "output_ids": [5],
+                 "meta_info": {"id": "mine", "finish_reason": None, "prompt_tokens": 3, "completion_tokens": 1}}]
+    for e in _values(sse(sim.url, resumed)[1])[:-1]:
+        meta = e["meta_info"]
+        meta.update(prompt_tokens=3, completion_tokens=1 + meta["completion_tokens"])
+        if meta["finish_reason"] is not None:
+            meta["finish_reason"]["length"] = 6
+        expected.append({"text": "a" + e["text"], "output_ids": [5, *e["output_ids"]], "meta_info": meta})
+    return [*expected, b"[DONE]"]
 
 
 def test_routed_experts_rows_equal_the_uninterrupted_rows(fleet):
@@ -461,21 +493,13 @@ def test_a_crash_looping_fleet_backs_off_and_the_limit_holds(fleet, limited):
     off before each new leg, tries each worker once, and under
     ``--migration-limit 1`` stops after one resumed leg with the limit's
     in-band error; the workers saw exactly two legs."""
-    proc, base = limited
     rid = f"m{next(_rids)}"
     body, headers = fleet.body(8, False, rid)
     fired = sum(stats(s)["faults_fired"] for s in fleet.sims)
     for s in fleet.sims:
         httpx.post(s.url + "/sim/faults", json={"count": 50, "after_tokens": 1}, timeout=5).raise_for_status()
-    try:
-        status, events = sse(proc.url, body, fleet.path, headers=headers)
-        view = Fleet.__new__(Fleet)
-        view.base = base
-        rec = view.record(rid)
-        fired = sum(stats(s)["faults_fired"] for s in fleet.sims) - fired
-    finally:
-        fleet.heal()
-        wait_until(lambda: httpx.get(proc.url + "/health", timeout=5).json()["healthy_workers"] == 3)
+    status, events, rec = limited.faulted(body, headers, rid)
+    fired = sum(stats(s)["faults_fired"] for s in fleet.sims) - fired
     message = f"worker {rec['attempts'][1]['worker_id']} failed: {DROPPED} (migration limit 1 reached)"
     assert status == 200 and events[-2:] == [_in_band(fleet, message), b"[DONE]"]
     assert fired == 2
@@ -487,12 +511,9 @@ def test_a_crash_looping_fleet_backs_off_and_the_limit_holds(fleet, limited):
 @pytest.fixture(scope="module")
 def plain(fleet, tmp_path_factory):
     """A frontend over the same simulators without ``--tokenizer``."""
-    base = str(tmp_path_factory.mktemp("plain") / "trace")
-    proc = start_frontend([f"{fleet.protocol}={s.url}" for s in fleet.sims], extra=["--trace-file", base + ".jsonl"])
-    view = Fleet.__new__(Fleet)
-    view.base = base
-    yield proc, view
-    proc.stop()
+    second = Beside(fleet, tmp_path_factory.mktemp("plain"), [])
+    yield second
+    second.proc.stop()
 
 
 def _sglang_cut(fleet: Fleet, body: dict, seam: int, prompt_len: int) -> tuple[list, list, dict]:
@@ -553,22 +574,16 @@ def test_stop_string_across_the_seam_stops_as_uninterrupted(fleet, plain, trim):
         ("aggregated", "worker_lost", seam), ("resumed", "aborted", 1)]
     assert rec["attempts"][1]["abort_acked"] is True  # the frontend ended it: aborted at the engine
 
-    proc, view = plain
     rid = f"m{next(_rids)}"
     body["rid"] = rid
-    before = httpx.get(proc.url + "/stats", timeout=5).json()["not_migrated"]
+    before = httpx.get(plain.proc.url + "/stats", timeout=5).json()["not_migrated"]
     fleet.arm(seam, len(PROMPT))
-    try:
-        status, events = sse(proc.url, body)
-        rec = view.record(rid)
-    finally:
-        fleet.heal()
-        wait_until(lambda: httpx.get(proc.url + "/health", timeout=5).json()["healthy_workers"] == 3)
+    status, events, rec = plain.faulted(body, {}, rid)
     message = f"worker {rec['attempts'][0]['worker_id']} failed: {DROPPED}"
     assert status == 200 and events[-2:] == [_in_band(fleet, message), b"[DONE]"] and len(events) == seam + 2
     assert (rec["status"], rec["output_tokens"], rec["not_migrated"]) == (
         "engine_error", seam, "a stop string could straddle the seam (no --tokenizer to check it)")
-    assert httpx.get(proc.url + "/stats", timeout=5).json()["not_migrated"] == before + 1
+    assert httpx.get(plain.proc.url + "/stats", timeout=5).json()["not_migrated"] == before + 1
 
 
 def test_text_prompt_migrates_with_a_tokenizer_only(fleet, plain):
@@ -591,16 +606,10 @@ def test_text_prompt_migrates_with_a_tokenizer_only(fleet, plain):
     assert got == reference
     assert (rec["status"], rec["output_tokens"], rec["migrations"]) == ("ok", 7, 1)
 
-    proc, view = plain
     rid = f"m{next(_rids)}"
     body["rid"] = rid
     fleet.arm(3, length)
-    try:
-        status, events = sse(proc.url, body)
-        rec = view.record(rid)
-    finally:
-        fleet.heal()
-        wait_until(lambda: httpx.get(proc.url + "/health", timeout=5).json()["healthy_workers"] == 3)
+    status, events, rec = plain.faulted(body, {}, rid)
     message = f"worker {rec['attempts'][0]['worker_id']} failed: {DROPPED}"
     assert status == 200 and events[-2:] == [_in_band(fleet, message), b"[DONE]"]
     assert (rec["status"], rec["output_tokens"], rec["not_migrated"]) == (
@@ -714,11 +723,10 @@ def test_engine_abort_finish_is_not_migrated(protocol, tmp_path):
     try:
         fe = start_frontend([f"{protocol}={s.url}" for s in sims], extra=["--trace-file", str(tmp_path / "t.jsonl")])
         try:
-            view = Fleet.__new__(Fleet)
-            view.protocol, view.path, view.base, view.fe = protocol, GEN[protocol], str(tmp_path / "t"), fe
-            body, headers = Fleet.body(view, 8, False, "ab1")
-            events = view.stream(body, headers)
-            rec = view.record("ab1")
+            body, headers = _body(protocol, 8, False, "ab1")
+            status, events = sse(fe.url, body, GEN[protocol], headers=headers)
+            assert status == 200
+            rec = _record(str(tmp_path / "t"), "ab1")
         finally:
             fe.stop()
         received = sum(stats(s)["received"] for s in sims)
@@ -730,15 +738,6 @@ def test_engine_abort_finish_is_not_migrated(protocol, tmp_path):
     assert (rec["output_tokens"], rec["finish"]["backend_finish_reason"]) == (3, "abort")
     assert [(a["role"], a.get("tokens")) for a in rec["attempts"]] == [("aggregated", 3)]
     assert "migrations" not in rec and "not_migrated" not in rec
-
-
-def _direct_continuation(sim) -> list:
-    """The simulator's own stream for the stall fake's request continued
-    after its one token (``[11, 12, 13]`` + ``[5]``, 5 tokens left)."""
-    from test_engine_timing import STREAM
-
-    resumed = {**STREAM, "input_ids": [11, 12, 13, 5], "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
-    return _values(sse(sim.url, resumed)[1])
 
 
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
@@ -772,19 +771,11 @@ def test_a_worker_the_probe_gives_up_mid_stream_migrates(worker_class, tmp_path)
                     "worker_id"] == "w0" and r)
             finally:
                 fe.stop()
-        direct = _direct_continuation(sim)
+        expected = _stalled_and_continued(sim)
     finally:
         sim.stop()
     rec = recs[-1]
-    expected = [{"text": "a", "output_ids": [5],
-                 "meta_info": {"id": "mine", "finish_reason": None, "prompt_tokens": 3, "completion_tokens": 1}}]
-    for e in direct[:-1]:
-        meta = e["meta_info"]
-        meta.update(prompt_tokens=3, completion_tokens=1 + meta["completion_tokens"])
-        if meta["finish_reason"] is not None:
-            meta["finish_reason"]["length"] = 6
-        expected.append({"text": "a" + e["text"], "output_ids": [5, *e["output_ids"]], "meta_info": meta})
-    assert _values(events) == [*expected, b"[DONE]"]
+    assert _values(events) == expected
     assert (rec["status"], rec["output_tokens"], rec["migrations"]) == ("ok", 6, 1)
     assert [(a["worker_id"], a["role"], a["outcome"], a.get("tokens"), a.get("abort_acked")) for a in rec["attempts"]] == [
         ("w0", "aggregated", "worker_lost", 1, False), ("w1", "resumed", "finished", 5, None)]

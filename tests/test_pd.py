@@ -394,27 +394,36 @@ def test_prefill_answering_an_error_fails_the_pair(tmp_path_factory):
         d.stop()
 
 
-def test_prefill_worker_down_goes_to_another_pair(tmp_path_factory):
+#: A request the failure tests send, and compare with the aggregated answer.
+FAILOVER = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6}, "return_logprob": True}
+
+
+def _aggregated_answer(fe, agg, answer: dict, legs: list[tuple]) -> dict:
+    """Check that ``answer`` (to :data:`FAILOVER`) is ``agg``'s, and that
+    its record is ``ok`` with ``legs`` (role, worker, outcome, abort
+    acknowledged); return the record."""
+    same(without_timing(answer), without_timing(_unid(post(agg.url, FAILOVER).json(), answer["meta_info"]["id"])))
+    (rec,) = fe.take()
+    assert rec["status"] == "ok"
+    assert [(a["role"], a["worker_id"], a["outcome"], a.get("abort_acked")) for a in rec["attempts"]] == legs
+    return rec
+
+
+def test_prefill_worker_down_goes_to_another_pair(sims, tmp_path_factory):
     """Two prefill workers; the first is gone (the router has not noticed:
     its probes are far apart). The request runs on the other pair with a new
     room; the first pair's decode leg is aborted. With no prefill left, the
     format's 503."""
-    p1, p2 = start_sim(extra=PREFILL), start_sim(extra=PREFILL)
-    d, agg = start_sim(extra=DECODE), start_sim()
+    p1, p2, d = start_sim(extra=PREFILL), start_sim(extra=PREFILL), start_sim(extra=DECODE)
     fe = Fleet(tmp_path_factory, [p1, p2], [d], extra=["--health-interval", "60"])
     try:
         p1.stop()
-        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6}, "return_logprob": True}
-        g = post(fe.url, body).json()
-        same(without_timing(g), without_timing(_unid(post(agg.url, body).json(), g["meta_info"]["id"])))
-        (rec,) = fe.take()
-        assert rec["status"] == "ok"
-        assert [(a["role"], a["worker_id"], a["outcome"], a.get("abort_acked")) for a in rec["attempts"]] == [
+        rec = _aggregated_answer(fe, sims["agg"], post(fe.url, FAILOVER).json(), [
             ("prefill", "w0", "connect_failed", None), ("decode", "w2", "aborted", True),
-            ("prefill", "w1", "finished", None), ("decode", "w2", "finished", None)]
+            ("prefill", "w1", "finished", None), ("decode", "w2", "finished", None)])
         assert stats(d)["aborted_rids"] == [rec["attempts"][1]["engine_id"]]
         p2.stop()
-        r = post(fe.url, body)
+        r = post(fe.url, FAILOVER)
         assert r.status_code == 503
         assert r.json()["message"] == "no healthy worker for protocol 'sglang'"
         (rec,) = fe.take()
@@ -425,7 +434,7 @@ def test_prefill_worker_down_goes_to_another_pair(tmp_path_factory):
         assert states == {"w0": "down", "w1": "down", "w2": "up"}
     finally:
         fe.stop()
-        for s in (p1, p2, d, agg):
+        for s in (p1, p2, d):
             s.stop()
 
 
@@ -470,23 +479,18 @@ def test_sglang_wire_audit_of_every_prefill_and_decode_body(sims, tmp_path_facto
         dp.stop()
 
 
-def test_decode_worker_down_goes_to_another_pair(tmp_path_factory):
+def test_decode_worker_down_goes_to_another_pair(sims, tmp_path_factory):
     """The first pair's decode worker is gone: its prefill leg, waiting for
     a decode that never comes, is aborted, and a new pair with a new room
     answers."""
     p = start_sim(extra=[*PREFILL, "--disaggregation-timeout-s", "30"])
-    d1, d2, agg = start_sim(extra=DECODE), start_sim(extra=DECODE), start_sim()
+    d1, d2 = start_sim(extra=DECODE), start_sim(extra=DECODE)
     fe = Fleet(tmp_path_factory, [p], [d1, d2], extra=["--health-interval", "60"])
     try:
         d1.stop()
-        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6}, "return_logprob": True}
-        g = post(fe.url, body).json()
-        same(without_timing(g), without_timing(_unid(post(agg.url, body).json(), g["meta_info"]["id"])))
-        (rec,) = fe.take()
-        assert rec["status"] == "ok"
-        assert [(a["role"], a["worker_id"], a["outcome"], a.get("abort_acked")) for a in rec["attempts"]] == [
+        rec = _aggregated_answer(fe, sims["agg"], post(fe.url, FAILOVER).json(), [
             ("prefill", "w0", "aborted", True), ("decode", "w1", "connect_failed", None),
-            ("prefill", "w0", "finished", None), ("decode", "w2", "finished", None)]
+            ("prefill", "w0", "finished", None), ("decode", "w2", "finished", None)])
         # The abort may reach the engine before the leg it names (the pair
         # failed at once); the leg, its client gone, then ends by itself.
         assert stats(p)["abort_named_ids"] == [rec["attempts"][0]["engine_id"]]
@@ -494,36 +498,32 @@ def test_decode_worker_down_goes_to_another_pair(tmp_path_factory):
         _clean(d2)
     finally:
         fe.stop()
-        for s in (p, d1, d2, agg):
+        for s in (p, d1, d2):
             s.stop()
 
 
-def test_prefill_worker_lost_to_the_health_probe_mid_request(tmp_path_factory):
+def test_prefill_worker_lost_to_the_health_probe_mid_request(sims, tmp_path_factory):
     """The prefill engine freezes mid-prefill (SIGSTOP): the health probe
     gives it up; the pair's decode leg is aborted and a new pair answers."""
     p1 = start_sim(ttft_ms=1000, extra=PREFILL)
-    p2, d, agg = start_sim(extra=PREFILL), start_sim(extra=DECODE), start_sim()
+    p2, d = start_sim(extra=PREFILL), start_sim(extra=DECODE)
     fe = Fleet(tmp_path_factory, [p1, p2], [d], extra=["--health-timeout", "0.3", "--health-failures", "2"])
     try:
-        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6}, "return_logprob": True}
         with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(post, fe.url, body)
+            answer = pool.submit(post, fe.url, FAILOVER)
             wait_until(lambda: stats(p1)["running"] == 1)
             p1.signal(signal.SIGSTOP)
             try:
                 g = answer.result(20).json()
             finally:
                 p1.signal(signal.SIGCONT)
-        same(without_timing(g), without_timing(_unid(post(agg.url, body).json(), g["meta_info"]["id"])))
-        (rec,) = fe.take()
-        assert rec["status"] == "ok"
-        assert [(a["role"], a["worker_id"], a["outcome"], a.get("abort_acked")) for a in rec["attempts"]] == [
+        _aggregated_answer(fe, sims["agg"], g, [
             ("prefill", "w0", "worker_lost", False), ("decode", "w2", "aborted", True),
-            ("prefill", "w1", "finished", None), ("decode", "w2", "finished", None)]
+            ("prefill", "w1", "finished", None), ("decode", "w2", "finished", None)])
         _clean(p2, d)
     finally:
         fe.stop()
-        for s in (p1, p2, d, agg):
+        for s in (p1, p2, d):
             s.stop()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import socket
 import time
 import tracemalloc
@@ -258,21 +259,29 @@ class _Item:
         return now + self.every
 
 
+@contextlib.asynccontextmanager
+async def _running(dog: Watchdog, seconds: float):
+    """Run ``dog`` (started: its loop runs) for ``seconds`` after the body
+    of the ``async with``, then stop it."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(dog.run, time.monotonic)
+        await anyio.sleep(0.01)
+        yield
+        await anyio.sleep(seconds)
+        tg.cancel_scope.cancel()
+
+
 @pytest.mark.anyio
 async def test_watchdog_runs_timers_in_order_and_forgets():
     log: list[str] = []
     dog = Watchdog()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(dog.run, time.monotonic)
-        await anyio.sleep(0.01)
+    async with _running(dog, 0.3):
         assert dog.running
         now = time.monotonic()
         dog.watch(_Item("a", 0.05, 2, log), now + 0.05)
         dog.watch(_Item("b", 0.02, 3, log), now + 0.02)
         gone = dog.watch(_Item("c", 0.01, 9, log), now + 0.03)
         dog.forget(gone)
-        await anyio.sleep(0.3)
-        tg.cancel_scope.cancel()
     assert not dog.running
     assert log == ["b", "b", "a", "b", "b!", "a", "a!"]
 
@@ -301,15 +310,11 @@ class _Eager:
 async def test_watchdog_survives_a_failing_item_and_paces_an_eager_one():
     log: list[str] = []
     dog = Watchdog()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(dog.run, time.monotonic)
-        await anyio.sleep(0.01)
+    async with _running(dog, 0.2):
         now = time.monotonic()
         dog.watch(_Broken(log), now)
         dog.watch(_Eager(log), now)
         dog.watch(_Item("late", 0.05, 1, log), now + 0.05)
-        await anyio.sleep(0.2)
-        tg.cancel_scope.cancel()
     assert log.count("broken") == 1
     assert "late!" in log
     # At most one look per MIN_STEP (0.01 s) over about 0.2 s.
