@@ -85,20 +85,20 @@ class _Spans(SpanProcessor):
     """Keeps ended spans for the sink to export as one batch."""
 
     def __init__(self) -> None:
-        self.ended: list[ReadableSpan] = []
+        self.kept: list[ReadableSpan] = []
 
     def on_end(self, span: ReadableSpan) -> None:
-        self.ended.append(span)
+        self.kept.append(span)
 
 
 class _Logs(LogRecordProcessor):
     """Keeps emitted log records for the sink to export as one batch."""
 
     def __init__(self) -> None:
-        self.emitted: list[ReadableLogRecord] = []
+        self.kept: list[ReadableLogRecord] = []
 
     def on_emit(self, log_record: ReadWriteLogRecord) -> None:
-        self.emitted.append(ReadableLogRecord(log_record.log_record, log_record.resource,
+        self.kept.append(ReadableLogRecord(log_record.log_record, log_record.resource,
                                               log_record.instrumentation_scope, log_record.limits))
 
     def shutdown(self) -> None:
@@ -278,55 +278,70 @@ def leg_attributes(a: "Attempt") -> dict:
     return attrs
 
 
-class SpanSink(Sink):
+class _Export(Sink):
+    """Exports each batch in one OTLP/HTTP request: what :meth:`make` turns
+    the batch's records into, kept by the signal's processor until then.
+
+    Args:
+        processor: the SDK processor that keeps what was made (its ``kept`` list).
+        exporter: the signal's OTLP exporter.
+    """
+
+    takes_records = True
+    #: What is exported, for the error message.
+    items = ""
+    #: The exporter's answer when the collector took the batch.
+    success: object = None
+
+    def __init__(self, otlp: Otlp, processor: "_Spans | _Logs", exporter) -> None:
+        super().__init__()
+        self.otlp, self.processor, self.exporter = otlp, processor, exporter
+
+    def make(self, st: RequestState, rec: dict, line: bytes) -> None:
+        """Make one record's items (the processor keeps them)."""
+        raise NotImplementedError
+
+    def write_records(self, batch: list[tuple[RequestState, dict, bytes]]) -> None:
+        """Make and export the items of ``batch``.
+
+        Raises:
+            OSError: the collector did not take them.
+        """
+        processor = self.processor
+        processor.kept = []  # nothing left over from a batch that failed half-way
+        for st, rec, line in batch:
+            self.make(st, rec, line)
+        made, processor.kept = processor.kept, []
+        if made and self.exporter.export(made) is not self.success:
+            raise OSError(f"the OTLP collector did not take {len(made)} {self.items}")
+
+    def close(self) -> None:
+        self.exporter.shutdown()
+
+
+class SpanSink(_Export):
     """Exports each batch's spans in one OTLP/HTTP request."""
 
     name = "otlp_spans"
-    takes_records = True
+    items = "spans"
+    success = SpanExportResult.SUCCESS
 
     def __init__(self, otlp: Otlp) -> None:
-        super().__init__()
-        self.otlp = otlp
+        super().__init__(otlp, otlp.spans, otlp.span_exporter)
 
-    def write_records(self, batch: list[tuple[RequestState, dict, bytes]]) -> None:
-        """Make and export the spans of ``batch``.
-
-        Raises:
-            OSError: the collector did not take them.
-        """
-        self.otlp.spans.ended = []  # nothing left over from a batch that failed half-way
-        for st, rec, _line in batch:
-            self.otlp.make_spans(st, rec)
-        spans, self.otlp.spans.ended = self.otlp.spans.ended, []
-        if spans and self.otlp.span_exporter.export(spans) is not SpanExportResult.SUCCESS:
-            raise OSError(f"the OTLP collector did not take {len(spans)} spans")
-
-    def close(self) -> None:
-        self.otlp.span_exporter.shutdown()
+    def make(self, st: RequestState, rec: dict, line: bytes) -> None:
+        self.otlp.make_spans(st, rec)
 
 
-class LogSink(Sink):
+class LogSink(_Export):
     """Exports each batch's records as OTLP log records in one request."""
 
     name = "otlp_logs"
-    takes_records = True
+    items = "log records"
+    success = LogRecordExportResult.SUCCESS
 
     def __init__(self, otlp: Otlp) -> None:
-        super().__init__()
-        self.otlp = otlp
+        super().__init__(otlp, otlp.logs, otlp.log_exporter)
 
-    def write_records(self, batch: list[tuple[RequestState, dict, bytes]]) -> None:
-        """Emit and export the log records of ``batch``.
-
-        Raises:
-            OSError: the collector did not take them.
-        """
-        self.otlp.logs.emitted = []
-        for st, rec, line in batch:
-            self.otlp.emit_log(st, rec, line)
-        logs, self.otlp.logs.emitted = self.otlp.logs.emitted, []
-        if self.otlp.log_exporter.export(logs) is not LogRecordExportResult.SUCCESS:
-            raise OSError(f"the OTLP collector did not take {len(logs)} log records")
-
-    def close(self) -> None:
-        self.otlp.log_exporter.shutdown()
+    def make(self, st: RequestState, rec: dict, line: bytes) -> None:
+        self.otlp.emit_log(st, rec, line)
