@@ -8,6 +8,7 @@ serves with the connection fixes of :mod:`asgi_generate.hypercorn_fixes`.
 
 from __future__ import annotations
 
+import gc
 import logging
 import resource
 import signal
@@ -191,6 +192,10 @@ def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
 
             await serve(app, config, shutdown_trigger=first_signal)
 
+    # What is alive now (modules, codecs, the app) lives as long as the
+    # process: out of the collector's sight, it is never traversed again,
+    # and the interpreter's exit skips it (0.2-0.6 s of collection otherwise).
+    gc.freeze()
     if worker_class == "uvloop":
         anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
     else:

@@ -15,7 +15,6 @@ attempts adding up), and at the end no simulator may be running anything.
 
 from __future__ import annotations
 
-import glob
 import random
 import signal
 import time
@@ -26,7 +25,7 @@ import anyio.to_thread
 import httpx
 import orjson
 
-from support import Proc, start_frontend, start_sim, stats, without_timing
+from support import Proc, start_frontend, start_sim, stats, without_timing, trace_records
 
 from asgi_generate.assets import TOKENIZER_PATH
 
@@ -96,12 +95,7 @@ async def _ask(client: httpx.AsyncClient, url: str, protocol: str, body: dict, h
 
 
 def _records(base: str) -> dict[str, dict]:
-    recs = {}
-    for f in glob.glob(base + ".*.jsonl"):
-        for line in open(f, "rb"):
-            rec = orjson.loads(line)
-            recs[rec.get("public_id")] = rec
-    return recs
+    return {rec.get("public_id"): rec for rec in trace_records(base + ".*.jsonl")}
 
 
 def _tokens(protocol: str, answer: list) -> int:

@@ -1,6 +1,12 @@
-"""2,000 SSE clients hang up at once: every engine leg's abort is
+"""1,000 SSE clients hang up at once: every engine leg's abort is
 acknowledged, the worker stays up, and a request sent during the storm is
 answered. (bench/bench_streams.py runs the same storm with 5,000.)
+
+1,000 is what the storm proves: two sockets a stream are past the common
+soft limit of 1,024 open files, vLLM's aborts take two batches of at most
+512, SGLang's 1,000 requests queue behind 8 in flight. The test measures no
+time: every wait is bounded (by a deadline made explicit here) only so that
+a hang fails, and the bounds hold on a machine loaded by other test runs.
 
 Each hypercorn worker class runs it once, against a different engine
 protocol (trio with SGLang, one abort per request; asyncio with vLLM,
@@ -11,6 +17,7 @@ these two do not cover.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import orjson
 import pytest
@@ -18,7 +25,10 @@ import pytest
 from support import start_frontend, start_sim, stats
 from swarm import Swarm, http_get, http_post, post_bytes, raise_fd_limit
 
-STREAMS = 2000
+STREAMS = 1000
+#: Seconds the request sent during the storm, and then the frontend's
+#: counters, may take (a loaded machine takes the disconnects in slowly).
+STORM_WAIT_S = 30.0
 PROMPT = [11, 12, 13, 14]
 
 
@@ -58,13 +68,15 @@ async def _storm(protocol: str, sim, fe) -> None:
     assert len(engine_ids) == STREAMS
 
     swarm.close_all()
-    # Sent while the frontend is taking the 2,000 disconnects in.
-    status, body = await http_post(fe.port, *_request(protocol, 1, False))
+    # Sent while the frontend is taking the 1,000 disconnects in.
+    status, body = await http_post(fe.port, *_request(protocol, 1, False), timeout=STORM_WAIT_S)
     assert status == 200 and _tokens(protocol, orjson.loads(body)) == expected
 
-    for _ in range(300):
+    deadline = time.monotonic() + STORM_WAIT_S
+    while True:
         fe_stats = await _json(fe.port, "/stats")
-        if fe_stats["aborts_sent"] == STREAMS and fe_stats["by_status"].get("client_disconnect") == STREAMS:
+        done = fe_stats["aborts_sent"] == STREAMS and fe_stats["by_status"].get("client_disconnect") == STREAMS
+        if done or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.1)
     assert {k: fe_stats[k] for k in ("aborts_sent", "aborts_acknowledged", "aborts_unacknowledged",

@@ -16,7 +16,19 @@ import orjson
 import pytest
 
 from asgi_generate.tracing.validate import check_records
-from support import PROMPT, RawClient, post, sampled, sse, start_frontend, start_sim, stats, wait_until, without_timing
+from support import (
+    PROMPT,
+    post,
+    RawClient,
+    sampled,
+    sse,
+    start_frontend,
+    start_sim,
+    stats,
+    trace_records,
+    wait_until,
+    without_timing,
+)
 
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 VLLM = "/inference/v1/generate"
@@ -157,12 +169,7 @@ def test_batch_refusals_are_sglangs_own(sims, front, body, message, stream):
 
 
 def _records(base: str) -> list[dict]:
-    import glob
-    import pathlib
-
-    # Whole lines only: the writer may be appending one as we read.
-    return [orjson.loads(line) for f in sorted(glob.glob(f"{base}.*.jsonl"))
-            for line in pathlib.Path(f).read_bytes().split(b"\n")[:-1]]
+    return trace_records(f"{base}.*.jsonl")
 
 
 @pytest.fixture(scope="module", params=["trio", "asyncio"])

@@ -24,7 +24,7 @@ import pytest
 from asgi_generate.budget import BodyBudget
 from asgi_generate.framing import BodyTimeout, read_body
 from asgi_generate.workers.protocols import SGLANG, VLLM, read_model_card
-from support import post, sse, start_frontend, start_sim, stats
+from support import post, sse, start_frontend, start_sim, stats, trace_records
 
 MiB = 1024 * 1024
 MAX_BODY = 4 * MiB
@@ -148,8 +148,7 @@ def fe_stats(fe) -> dict:
 
 
 def records(fe) -> list[dict]:
-    return [orjson.loads(line) for f in sorted(fe.trace_base.parent.glob("trace.*.jsonl"))
-            for line in f.read_bytes().splitlines()]
+    return trace_records(str(fe.trace_base.parent / "trace.*.jsonl"))
 
 
 def settled_records(fe) -> int:

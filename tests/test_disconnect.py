@@ -9,7 +9,7 @@ import httpx
 import orjson
 import pytest
 
-from support import RawClient, start_frontend, start_sim, stats, wait_until
+from support import RawClient, start_frontend, start_sim, stats, wait_until, trace_records
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +188,6 @@ def test_unacknowledged_abort_is_counted_and_recorded(tmp_path):
         sim.proc.send_signal(signal.SIGCONT)
         fe.stop()
         sim.stop()
-    (rec,) = [orjson.loads(line) for f in tmp_path.glob("t.*.jsonl") for line in f.read_bytes().splitlines()]
+    (rec,) = trace_records(str(tmp_path / "t.*.jsonl"))
     assert rec["status"] == "client_disconnect"
     assert [(a["outcome"], a["abort_acked"]) for a in rec["attempts"]] == [("aborted", False)]

@@ -9,7 +9,6 @@ The misbehaving engines are :class:`FakeWorker`: a small h11 server on
 from __future__ import annotations
 
 import functools
-import glob
 import pathlib
 import threading
 import time
@@ -22,7 +21,7 @@ import orjson
 import pytest
 
 from asgi_generate.workers.router import Router
-from support import post, sse, start_frontend, start_sim, stats, wait_until, without_timing
+from support import post, sse, start_frontend, start_sim, stats, wait_until, without_timing, trace_records
 
 BODY = {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}
 STREAM = {**BODY, "stream": True, "rid": "mine"}
@@ -132,8 +131,7 @@ def _states(fe) -> list[str]:
 
 def _records(base: pathlib.Path, n: int) -> list[dict]:
     def read():
-        recs = [orjson.loads(line) for f in sorted(glob.glob(f"{base}.*.jsonl"))
-                for line in pathlib.Path(f).read_bytes().splitlines()]
+        recs = trace_records(f"{base}.*.jsonl")
         return recs if len(recs) >= n else None
     return wait_until(read, timeout=10)
 
@@ -144,19 +142,19 @@ def worker_class(request):
 
 
 def test_slow_unary_engine_is_answered_once_and_stays_up(worker_class):
-    """TTFT 1.5 s and 1.25 s of decode, each past the old ``--read-timeout 1``
-    (which marked both workers down and answered 503): the answer comes, the
-    prompt went to one worker once, both stay up."""
-    sims = [start_sim(ttft_ms=1500, itl_ms=250), start_sim(ttft_ms=1500, itl_ms=250)]
+    """TTFT 0.5 s and 0.5 s of decode, each past the old ``--read-timeout``
+    (0.3 s here; it marked both workers down and answered 503): the answer
+    comes, the prompt went to one worker once, both stay up."""
+    sims = [start_sim(ttft_ms=500, itl_ms=100), start_sim(ttft_ms=500, itl_ms=100)]
     fast = start_sim()
     fe = None
     try:
         expected = without_timing(post(fast.url, {**BODY, "rid": "r"}).json())
         fe = start_frontend([f"sglang={s.url}" for s in sims], worker_class=worker_class,
-                            extra=["--read-timeout", "1"])
+                            extra=["--read-timeout", "0.3"])
         start = time.monotonic()
         resp = post(fe.url, {**BODY, "rid": "r"})
-        assert time.monotonic() - start >= 2.5
+        assert time.monotonic() - start >= 1.0
         assert resp.status_code == 200
         assert without_timing(resp.json()) == expected
         assert sorted(stats(s)["received"] for s in sims) == [0, 1]

@@ -9,7 +9,7 @@ import pytest
 
 from asgi_generate.workers.protocols import PROTOCOLS
 from asgi_generate.workers.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS, parse_version, vllm_behaviour
-from support import start_frontend, start_sim, stats, wait_until
+from support import start_frontend, start_sim, stats, wait_until, trace_lines
 
 GEN = "/inference/v1/generate"
 JSON = {"content-type": "application/json"}
@@ -140,7 +140,7 @@ def test_trace_matched_from_the_newer_version_only(tmp_path, sims):
         for _ in range(2):
             assert httpx.post(front.url + GEN, content=orjson.dumps(body), headers=JSON, timeout=30).status_code == 200
         def lines():
-            found = b"".join(p.read_bytes() for p in sorted(tmp_path.glob("t.*.jsonl"))).splitlines()
+            found = trace_lines(str(tmp_path / "t.*.jsonl"))
             return found if len(found) >= 2 else None
 
         records = wait_until(lines)

@@ -5,7 +5,6 @@ at every phase of a request, unknown routes."""
 
 from __future__ import annotations
 
-import glob
 import os
 import pathlib
 import re
@@ -17,7 +16,7 @@ import httpx
 import orjson
 import pytest
 
-from support import post, start_frontend, start_sim, stats, wait_until
+from support import post, start_frontend, start_sim, stats, wait_until, trace_records
 
 WORKER_CLASSES = ["trio", "asyncio"]
 
@@ -103,8 +102,7 @@ class Traced:
         self.url = self.proc.url
 
     def records(self) -> list[dict]:
-        files = sorted(glob.glob(f"{self.base}.*.jsonl"))
-        return [orjson.loads(line) for f in files for line in pathlib.Path(f).read_bytes().splitlines()]
+        return trace_records(f"{self.base}.*.jsonl")
 
     def next_record(self, seen: int) -> dict:
         """The record after the first ``seen`` ones (waits for it), and

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from support import (
     CONTINUATION, PROMPT, Proc, RawClient, free_port, listening_socket, post, sse, start_frontend, start_sim,
+    trace_records,
     wait_until,
 )
 
@@ -54,7 +55,7 @@ def fleet(tmp_path_factory):
 
 
 def records(trace: pathlib.Path) -> list[dict]:
-    return [orjson.loads(line) for f in sorted(trace.parent.glob("trace.*.jsonl")) for line in f.read_bytes().splitlines()]
+    return trace_records(str(trace.parent / "trace.*.jsonl"))
 
 
 def test_metrics_exact_after_known_requests(fleet):

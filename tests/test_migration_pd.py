@@ -9,13 +9,12 @@ to another pair, not a migration.
 
 from __future__ import annotations
 
-import glob
 
 import httpx
 import orjson
 import pytest
 
-from support import PROMPT, sse, start_frontend, start_sim, wait_until, without_timing
+from support import PROMPT, sse, start_frontend, start_sim, wait_until, without_timing, trace_records
 from test_pd import DECODE, PREFILL, prefill_spec
 
 
@@ -74,14 +73,8 @@ class PDFleet:
         return values
 
     def record(self, rid: str) -> dict:
-        def find():
-            for f in glob.glob(self.base + ".*.jsonl"):
-                for line in open(f, "rb"):
-                    rec = orjson.loads(line)
-                    if rec.get("public_id") == rid:
-                        return rec
-            return None
-        return wait_until(find)
+        return wait_until(lambda: next((r for r in trace_records(self.base + ".*.jsonl")
+                                        if r.get("public_id") == rid), None))
 
     def heal(self) -> None:
         for s in self.sims["prefill"] + self.sims["decode"]:

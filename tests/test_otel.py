@@ -13,7 +13,7 @@ from hypothesis import given, strategies as stb
 
 from asgi_generate.tracecontext import format_traceparent, parse_traceparent
 from otlp_receiver import Receiver, attributes
-from support import CONTINUATION, PROMPT, post, sse, start_frontend, start_sim, stats, wait_until
+from support import CONTINUATION, PROMPT, post, sse, start_frontend, start_sim, stats, wait_until, trace_lines
 
 from test_pd import DECODE, PREFILL, prefill_spec
 
@@ -38,10 +38,9 @@ def parent_id(span) -> int:
 def records(trace: pathlib.Path) -> dict[str, tuple[dict, bytes]]:
     """Trace-file records by request id, with their exact line."""
     out = {}
-    for f in sorted(trace.parent.glob(f"{trace.stem}.*.jsonl")):
-        for line in f.read_bytes().splitlines():
-            rec = orjson.loads(line)
-            out[rec["request_id"]] = (rec, line)
+    for line in trace_lines(str(trace.parent / f"{trace.stem}.*.jsonl")):
+        rec = orjson.loads(line)
+        out[rec["request_id"]] = (rec, line)
     return out
 
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as hs
 from asgi_generate.tracing.hashing import block_hashes
 from asgi_generate.tracing.replay import Row, prompt_tokens
 from asgi_generate.tracing.tools import mooncake_rows
-from support import post, free_port, sse, start_frontend, start_sim
+from support import post, free_port, sse, start_frontend, start_sim, trace_records
 
 BLOCK = 16
 P1 = list(range(500, 540))  # 2 full blocks and 8 tokens
@@ -36,8 +36,7 @@ def _campaign() -> list[dict]:
 
 
 def _records(tmp_path, name: str) -> list[dict]:
-    return [orjson.loads(line) for f in sorted(tmp_path.glob(f"{name}.*.jsonl"))
-            for line in f.read_bytes().splitlines()]
+    return trace_records(str(tmp_path / f"{name}.*.jsonl"))
 
 
 def _renumbered(hash_lists: list[list[int]]) -> list[list[int]]:

@@ -11,7 +11,7 @@ import httpx
 import orjson
 import pytest
 
-from support import free_port, post, sse, start_frontend, start_sim, stats, wait_until, without_timing
+from support import free_port, post, sse, start_frontend, start_sim, stats, wait_until, without_timing, trace_records
 
 BODY = {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 4}}
 
@@ -234,7 +234,7 @@ def test_a_connection_one_request_broke_leaves_the_worker_up(two_sims, worker_cl
         assert [stats(s)["received"] for s in two_sims] == [2, 2]
     finally:
         fe.stop()
-    (rec, *rest) = [orjson.loads(line) for f in sorted(tmp_path.glob("trace.*.jsonl")) for line in f.read_bytes().splitlines()]
+    (rec, *rest) = trace_records(str(tmp_path / "trace.*.jsonl"))
     assert len(rest) == 4
     assert (rec["status"], rec["http_status"], rec["error"]["type"]) == ("engine_error", 502, "engine")
     assert [a["outcome"] for a in rec["attempts"]] == ["error"]

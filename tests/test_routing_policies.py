@@ -5,15 +5,13 @@ cache reports cached tokens as SGLang and vLLM do, and the record carries them."
 
 from __future__ import annotations
 
-import glob
-import pathlib
 import time
 
 import httpx
 import orjson
 import pytest
 
-from support import post, sse, start_frontend, start_sim, stats, wait_until, without_timing
+from support import post, sse, start_frontend, start_sim, stats, wait_until, without_timing, trace_records
 
 BODY = {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
 
@@ -60,8 +58,7 @@ def test_two_frontend_processes_agree_on_every_key(two_sims):
 
 
 def _records(base: str) -> list[dict]:
-    return [orjson.loads(line) for f in sorted(glob.glob(f"{base}.*.jsonl"))
-            for line in pathlib.Path(f).read_bytes().splitlines()]
+    return trace_records(f"{base}.*.jsonl")
 
 
 def _comparable(rec: dict) -> dict:

@@ -13,7 +13,6 @@ validated and its records counted against the requests sent.
 from __future__ import annotations
 
 import glob
-import pathlib
 import re
 import signal
 import socket
@@ -29,7 +28,7 @@ import pytest
 from asgi_generate.assets import TOKENIZER_PATH
 from asgi_generate.tracing.hashing import block_hashes
 from asgi_generate.tracing.validate import check_records, read_jsonl
-from support import JSON_HEADERS, RawClient, post, sse, start_frontend, start_sim, stats, wait_until
+from support import JSON_HEADERS, RawClient, post, sse, start_frontend, start_sim, stats, wait_until, trace_records
 
 PARSERS = ["--tokenizer", str(TOKENIZER_PATH), "--reasoning-parser", "deepseek_r1", "--tool-call-parser", "hermes"]
 _EVENT = re.compile(rb"data: (.*?)\n\n", re.DOTALL)
@@ -93,7 +92,7 @@ class Traced:
         return sorted(glob.glob(f"{self.base}.*.jsonl"))
 
     def records(self) -> list[dict]:
-        return [orjson.loads(line) for f in self.files() for line in pathlib.Path(f).read_bytes().splitlines()]
+        return trace_records(f"{self.base}.*.jsonl")
 
     def take(self, n: int = 1) -> list[dict]:
         """The next ``n`` records (waits for them); counts them as expected."""

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from support import CONTINUATION, PROMPT, RawClient, same, start_frontend, start_sim, wait_until
+from support import CONTINUATION, PROMPT, RawClient, same, start_frontend, start_sim, wait_until, trace_lines
 
 GEN = "/inference/v1/generate"
 JSON = {"content-type": "application/json"}
@@ -797,7 +797,7 @@ def test_one_trace_record_per_vllm_request(tmp_path, vsim):
         assert post(front.url, b'{"token_ids": [1', GEN).status_code == 400
 
         def records():
-            lines = b"".join(p.read_bytes() for p in sorted(tmp_path.glob("t.*.jsonl"))).splitlines()
+            lines = trace_lines(str(tmp_path / "t.*.jsonl"))
             return [orjson.loads(line) for line in lines] if len(lines) >= 5 else None
 
         recs = wait_until(records)

@@ -11,7 +11,7 @@ import httpx
 import orjson
 import pytest
 
-from support import RawClient, start_frontend, start_sim, wait_until
+from support import RawClient, start_frontend, start_sim, wait_until, trace_records
 
 STREAMS = 8
 LOST = ("worker w0 failed: worker broke HTTP/1.1: peer closed connection without sending complete message "
@@ -19,7 +19,7 @@ LOST = ("worker w0 failed: worker broke HTTP/1.1: peer closed connection without
 
 
 def _records(tmp_path) -> list[dict]:
-    return [orjson.loads(line) for f in tmp_path.glob("t.*.jsonl") for line in f.read_bytes().splitlines()]
+    return trace_records(str(tmp_path / "t.*.jsonl"))
 
 
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
