@@ -37,7 +37,8 @@ class Leg:
     first token (``first_token``). A non-200 answer is read whole into
     :attr:`page` (status, body) and the attempt ends ``error``; otherwise
     :attr:`page` is ``None`` and the caller reads ``resp`` by
-    :attr:`deadline`.
+    :attr:`deadline`. ``wreq.body`` is handed to the worker's connection
+    pool and emptied: a streaming leg does not hold its prompt's bytes.
 
     Raises (on entering): what :meth:`ConnectionPool.request` and
     :meth:`Response.read` raise: ``ConnectFailed``, ``WorkerError``,
@@ -62,8 +63,10 @@ class Leg:
         )
         self.deadline = deadline_in(self.limit)
         self.page: tuple[int, bytes] | None = None
-        # Keeps the body only until it is sent.
+        # Keeps the body only until it is sent; the caller's request object
+        # lives as long as the leg, its body (the whole prompt) need not.
         self._exchange = worker.pool.request(b"POST", wreq.path, wreq.body, wreq.headers, head_deadline=self.deadline)
+        wreq.body = b""
 
     def enter(self, phase: str, limit: float) -> float:
         """Start ``phase``, ``limit`` seconds from now; return its deadline."""
