@@ -80,19 +80,24 @@ def request_bytes(input_len: int) -> bytes:
 
 
 async def connection(port: int, request: bytes, stop_at: float, done: list[int]) -> None:
-    """One keep-alive connection sending ``request`` until ``stop_at``."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        while time.monotonic() < stop_at:
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            if not head.startswith(b"HTTP/1.1 200"):
-                raise RuntimeError(f"bad answer: {head[:200]!r}")
-            length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
-            await reader.readexactly(length)
-            done[0] += 1
-    finally:
-        writer.close()
+    """One keep-alive client sending ``request`` until ``stop_at``; it
+    connects again when an answer says ``connection: close`` (hypercorn
+    closes a connection after ``keep_alive_max_requests``, 1,000)."""
+    while time.monotonic() < stop_at:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            while time.monotonic() < stop_at:
+                writer.write(request)
+                head = (await reader.readuntil(b"\r\n\r\n")).lower()
+                if not head.startswith(b"http/1.1 200"):
+                    raise RuntimeError(f"bad answer: {head[:200]!r}")
+                length = int(head.split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+                await reader.readexactly(length)
+                done[0] += 1
+                if b"\r\nconnection: close\r\n" in head:
+                    break
+        finally:
+            writer.close()
 
 
 def thread_cpu_seconds(pid: int) -> tuple[float, float]:

@@ -25,8 +25,11 @@ def _records(tmp_path) -> list[dict]:
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
 def test_dead_worker_streams_are_recorded_within_100_ms(tmp_path, worker_class):
     sim = start_sim(itl_ms=50)
+    # The streams' own reads must notice the death: a probe every 0.2 s
+    # (the suite's default) could give the worker up first and end them
+    # with its own reason (test_engine_timing covers that path).
     fe = start_frontend([f"sglang={sim.url}"], worker_class=worker_class,
-                        extra=["--trace-file", str(tmp_path / "t.jsonl")])
+                        extra=["--trace-file", str(tmp_path / "t.jsonl"), "--health-interval", "60"])
     clients = []
     try:
         body = orjson.dumps({"input_ids": [5, 6, 7], "stream": True,
