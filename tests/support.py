@@ -344,9 +344,15 @@ class Traced:
     def records(self) -> list[dict]:
         return trace_records(f"{self.base}.*.jsonl")
 
-    def take(self, n: int = 1) -> list[dict]:
-        """The next ``n`` records, once written (exactly ``n`` new ones)."""
-        recs = wait_until(lambda: (r := self.records()) and len(r) >= self.taken + n and r)
+    def take(self, n: int = 1, timeout: float = 10.0) -> list[dict]:
+        """The next ``n`` records, once written within ``timeout`` seconds
+        (exactly ``n`` new ones); a timeout names the requests still
+        missing (by ``public_id``)."""
+        try:
+            recs = wait_until(lambda: (r := self.records()) and len(r) >= self.taken + n and r, timeout)
+        except AssertionError:
+            have = sorted(str(r.get("public_id")) for r in self.records()[self.taken:])
+            raise AssertionError(f"{len(have)} of {n} records within {timeout} s; written: {have}") from None
         assert len(recs) == self.taken + n, "one record per request"
         new = recs[self.taken:]
         self.taken += n

@@ -151,7 +151,9 @@ def test_campaign(tmp_path_factory):
                     done.acquire()
                 finished = at
                 victim.stop()  # a prefill worker dies mid-run
-        records = fe.take(N)
+        # Hung-up requests end once their legs' aborts are answered or given
+        # up; 10 s was once not enough in a full CI run (not reproduced alone).
+        records = fe.take(N, timeout=30)
         by_id = {r["public_id"]: r for r in records}
         assert sorted(by_id) == sorted(f"c{i}" for i in range(N))  # one record per request
         n_vllm = sum(p["vllm"] for p in plans)
