@@ -36,6 +36,17 @@ class PackedIds:
     json: bytes
 
 
+def as_u32(ids: list[int] | array.array) -> array.array:
+    """``ids`` as an ``array('I')`` (native byte order): ``ids`` itself when it
+    is one (a :class:`PackedIds`' ``u32``), else a packed copy.
+
+    Raises:
+        OverflowError: an id is negative or at least ``2**32``.
+        TypeError: an id is not an int.
+    """
+    return ids if type(ids) is array.array and ids.typecode == "I" else array.array("I", ids)
+
+
 def pack_token_ids(ids: list) -> PackedIds | None:
     """``ids`` packed and serialized, when each is an ``int`` in ``[0, 2**32)``.
 

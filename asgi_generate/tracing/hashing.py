@@ -21,6 +21,8 @@ import array
 import sys
 from typing import Sequence
 
+from ..token_ids import as_u32
+
 try:
     from ._hashchain import chain, chain_json
 except ImportError as exc:  # a checkout updated without reinstalling: say what to do
@@ -70,13 +72,10 @@ def block_hashes_json(token_ids: Sequence[int], block_size: int) -> bytes:
 
 
 def _packed(token_ids: Sequence[int]) -> array.array:
-    if type(token_ids) is array.array and token_ids.typecode == "I":
-        packed = token_ids
-    else:
-        try:
-            packed = array.array("I", token_ids)  # 32-bit on every CPython platform
-        except OverflowError:
-            raise TokenIdOutOfRange("a token id is outside [0, 2**32)") from None
+    try:
+        packed = as_u32(token_ids)
+    except OverflowError:
+        raise TokenIdOutOfRange("a token id is outside [0, 2**32)") from None
     if sys.byteorder == "big":
         packed = array.array("I", packed)
         packed.byteswap()
