@@ -34,6 +34,7 @@ import orjson
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from _keepalive import keepalive_client  # noqa: E402
 from _procs import tree_cpu_seconds  # noqa: E402
 from support import Proc, start_frontend, start_sim  # noqa: E402
 
@@ -49,27 +50,6 @@ def request_bytes(stream: bool, tokens: int) -> bytes:
             b"content-length: %d\r\n\r\n" % len(body)) + body
 
 
-async def connection(port: int, request: bytes, stream: bool, stop_at: float, done: list[int]) -> None:
-    """One keep-alive connection sending ``request`` until ``stop_at``."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
-    try:
-        while time.monotonic() < stop_at:
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            if not head.startswith(b"HTTP/1.1 200"):
-                raise RuntimeError(f"bad answer: {head[:200]!r}")
-            if stream:  # chunked: read to the last chunk, check the terminal marker
-                body = await reader.readuntil(b"\r\n0\r\n\r\n")
-                if b"data: [DONE]\n\n" not in body[-64:]:
-                    raise RuntimeError(f"stream did not end with [DONE]: {body[-200:]!r}")
-            else:
-                length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
-                await reader.readexactly(length)
-            done[0] += 1
-    finally:
-        writer.close()
-
-
 def measure(fe: Proc, shape: str, seconds: float, concurrency: int) -> tuple[float, float]:
     """Run one cell; return (requests/s, frontend CPU ms per request)."""
     stream, tokens = SHAPES[shape]
@@ -78,7 +58,7 @@ def measure(fe: Proc, shape: str, seconds: float, concurrency: int) -> tuple[flo
 
     async def main() -> None:
         stop_at = time.monotonic() + seconds
-        await asyncio.gather(*(connection(fe.port, request, stream, stop_at, done) for _ in range(concurrency)))
+        await asyncio.gather(*(keepalive_client(fe.port, request, stop_at, done, stream) for _ in range(concurrency)))
 
     cpu0, t0 = tree_cpu_seconds(fe.proc.pid), time.monotonic()
     asyncio.run(main())

@@ -51,6 +51,7 @@ import orjson
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from _keepalive import keepalive_client  # noqa: E402
 from support import Proc, start_frontend, start_sim  # noqa: E402
 
 from asgi_generate.accounting import RequestState  # noqa: E402
@@ -79,27 +80,6 @@ def request_bytes(input_len: int) -> bytes:
             b"x-session-id: bench\r\ncontent-length: %d\r\n\r\n" % len(body)) + body
 
 
-async def connection(port: int, request: bytes, stop_at: float, done: list[int]) -> None:
-    """One keep-alive client sending ``request`` until ``stop_at``; it
-    connects again when an answer says ``connection: close`` (hypercorn
-    closes a connection after ``keep_alive_max_requests``, 1,000)."""
-    while time.monotonic() < stop_at:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            while time.monotonic() < stop_at:
-                writer.write(request)
-                head = (await reader.readuntil(b"\r\n\r\n")).lower()
-                if not head.startswith(b"http/1.1 200"):
-                    raise RuntimeError(f"bad answer: {head[:200]!r}")
-                length = int(head.split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
-                await reader.readexactly(length)
-                done[0] += 1
-                if b"\r\nconnection: close\r\n" in head:
-                    break
-        finally:
-            writer.close()
-
-
 def thread_cpu_seconds(pid: int) -> tuple[float, float]:
     """CPU seconds of ``pid``'s main thread (the event loop) and of all its
     other threads together (the trace writer's, the tokenizer's), from the
@@ -125,7 +105,7 @@ def measure(fe: Proc, request: bytes, seconds: float, concurrency: int) -> tuple
 
     async def main() -> None:
         stop_at = time.monotonic() + seconds
-        await asyncio.gather(*(connection(fe.port, request, stop_at, done) for _ in range(concurrency)))
+        await asyncio.gather(*(keepalive_client(fe.port, request, stop_at, done) for _ in range(concurrency)))
 
     (loop0, others0), t0 = thread_cpu_seconds(fe.proc.pid), time.monotonic()
     asyncio.run(main())
