@@ -240,6 +240,8 @@ class Generation(ClientStream):
                         deadline = leg.deadline
                         while (data := await resp.read_some(deadline)) is not None:
                             payloads = decoder.feed(data)
+                            # Nothing of this read is held while the next one waits.
+                            data = None
                             if not payloads:  # only comments or part of an event
                                 continue
                             deadline = leg.enter("inter_token", between)
@@ -249,6 +251,7 @@ class Generation(ClientStream):
                                         await self._feed(attempt, payload)
                                     elif (event := self._take(attempt, payload)) is not None:
                                         await self._settle(attempt, event)  # else taken with no await
+                            payloads = payload = event = None
                             if self.outbox:
                                 await self._flush()
                             if attempt.live and st.response_complete:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import math
 import socket
 import time
 import tracemalloc
@@ -14,6 +15,7 @@ import tracemalloc
 import anyio
 import orjson
 import pytest
+import sniffio
 import trio
 import trio.testing
 
@@ -21,6 +23,7 @@ from asgi_generate.codec import Attempt, dumps_compact
 from asgi_generate.hypercorn_lean import AppQueue, LeanEvent, TrioAppQueue
 from asgi_generate.token_ids import pack_token_ids
 from asgi_generate.watchdog import Watchdog
+from asgi_generate.workers import sockets
 from asgi_generate.workers.sockets import TCPConnection, connect
 from asgi_generate_sglang.codec import SGLangCodec
 
@@ -163,6 +166,78 @@ async def test_bare_socket_receive_waits_and_is_cancellable():
     assert scope.cancelled_caught
     b.send(b"late")
     assert await conn.receive(10) == b"late"
+    conn.close()
+    b.close()
+
+
+def _registrations(fd: int) -> tuple[bool, int]:
+    """(whether the running loop watches ``fd`` for reading, live timers
+    of the lean wait): asyncio only (trio: ``(False, 0)``)."""
+    if sniffio.current_async_library() != "asyncio":
+        return False, 0
+    loop = asyncio.get_running_loop()
+    try:
+        key = loop._selector.get_key(fd)
+    except KeyError:
+        reading = False
+    else:
+        reading = key.data[0] is not None
+    timers = sum(1 for h in loop._scheduled if not h.cancelled() and h._callback is sockets._wake)
+    return reading, timers
+
+
+@pytest.mark.anyio
+async def test_bare_socket_read_deadline_is_none_and_leaves_nothing_registered():
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    conn = TCPConnection(a)
+    start = anyio.current_time()
+    assert await conn.receive(10, start + 0.1) is None
+    assert 0.1 <= anyio.current_time() - start < 1.0
+    assert _registrations(a.fileno()) == (False, 0)
+    # Data before the deadline: returned, its timer gone.
+    b.send(b"x")
+    assert await conn.receive(10, anyio.current_time() + 5) == b"x"
+
+    async def later() -> None:
+        await anyio.sleep(0.05)
+        b.send(b"late")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(later)
+        assert await conn.receive(10, anyio.current_time() + 5) == b"late"
+    assert _registrations(a.fileno()) == (False, 0)
+    # A deadline already passed is None even with data waiting, which stays
+    # unread (as a cancel scope past its deadline cut the read before).
+    b.send(b"waiting")
+    await anyio.sleep(0.01)
+    assert await conn.receive(10, anyio.current_time() - 1) is None
+    assert await conn.receive(10) == b"waiting"
+    conn.close()
+    b.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("with_deadline", [False, True])
+async def test_bare_socket_wait_cancelled_removes_its_reader_and_timer(with_deadline):
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    conn = TCPConnection(a)
+    seen: list = []
+
+    async def look() -> None:
+        await anyio.sleep(0.05)
+        seen.append(_registrations(a.fileno()))
+        tg.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(look)
+        await conn.receive(10, anyio.current_time() + 30 if with_deadline else math.inf)
+    asyncio_loop = sniffio.current_async_library() == "asyncio"
+    assert seen == [(asyncio_loop, int(asyncio_loop and with_deadline))]
+    assert _registrations(a.fileno()) == (False, 0)
+    b.send(b"next")  # the socket is usable again: no stale registration
+    assert await conn.receive(10, anyio.current_time() + 5) == b"next"
     conn.close()
     b.close()
 

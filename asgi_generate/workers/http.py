@@ -127,19 +127,28 @@ class Response:
         if self.complete:
             return None
         conn = self._conn
-        parts: list[bytes] = []
+        parts: list[bytes] | None = None  # made once there is data: none is kept while waiting
         while True:
             event = _next_event(conn)
             kind = type(event)
             if kind is h11.Data:
-                parts.append(event.data)
+                if parts is None:
+                    parts = [event.data]
+                else:
+                    parts.append(event.data)
             elif kind is h11.EndOfMessage:
                 self.complete = True
                 return b"".join(parts) if parts else None
             elif event is h11.NEED_DATA:
                 if parts:
                     return b"".join(parts)
-                await _receive(conn, deadline)
+                # _receive's work, inline: one coroutine frame fewer per
+                # open stream while it waits for the worker.
+                try:
+                    data = await conn.stream.receive(RECEIVE_SIZE, deadline)
+                except OSError as exc:
+                    raise _lost(exc) from None
+                _take(conn, data)
             elif kind is h11.ConnectionClosed:
                 raise WorkerDisconnected("worker closed the connection mid-response")
 
@@ -153,15 +162,20 @@ class Response:
 
 async def _receive(conn: _Connection, deadline: float) -> None:
     try:
-        if deadline == math.inf:  # no deadline (a unary leg by default): no scope to enter
-            data = await conn.stream.receive(RECEIVE_SIZE)
-        else:
-            with anyio.CancelScope(deadline=deadline) as wait:
-                data = await conn.stream.receive(RECEIVE_SIZE)
-            if wait.cancelled_caught:
-                raise TimedOut("deadline passed waiting for the worker")
+        data = await conn.stream.receive(RECEIVE_SIZE, deadline)
     except OSError as exc:
-        raise WorkerDisconnected(f"connection to worker lost: {exc!r}") from None
+        raise _lost(exc) from None
+    _take(conn, data)
+
+
+def _lost(exc: OSError) -> WorkerDisconnected:
+    return WorkerDisconnected(f"connection to worker lost: {exc!r}")
+
+
+def _take(conn: _Connection, data: bytes | None) -> None:
+    """Feed what a read brought to h11 (``None``: the read's deadline passed)."""
+    if data is None:
+        raise TimedOut("deadline passed waiting for the worker")
     conn.h11.receive_data(data)
 
 
@@ -267,7 +281,7 @@ class ConnectionPool:
         try:
             await conn.stream.send(data)
         except OSError as exc:
-            raise WorkerDisconnected(f"connection to worker lost: {exc!r}") from None
+            raise _lost(exc) from None
 
     def request(
         self,

@@ -1,26 +1,85 @@
 """A TCP connection to a worker as a bare non-blocking socket, awaited
-through anyio (``anyio.wait_readable`` / ``wait_writable``).
+through the event loop's own readiness calls.
 
 An open SSE stream holds one engine connection for its whole life. anyio's
 own socket stream wraps it in more objects than the connection itself: on
 asyncio a transport plus a protocol holding a read queue and two events
 (three deques, about 3 KB per connection), on trio the socket wrappers of
-both libraries. :class:`TCPConnection` keeps the socket alone; while it
-waits, the backend holds one registration (asyncio: a future and a reader
-callback).
+both libraries. :class:`TCPConnection` keeps the socket alone. Even
+``anyio.wait_readable`` costs an open stream 1.7 KB on asyncio (its
+coroutine, a closure, a per-task dict entry) and the caller's deadline
+another anyio cancel scope (0.9 KB); a read here waits with what the loop
+itself needs (asyncio: one future, the reader callback and, with a
+deadline, one timer, awaited in :meth:`TCPConnection.receive`'s own frame;
+trio: ``trio.lowlevel.wait_readable`` in a ``trio.move_on_at`` scope). Writes and connects are short and still go
+through ``anyio.wait_writable``.
 :class:`TLSConnection` gives an ``https://`` worker's anyio TLS stream the
 same interface.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import errno
 import ipaddress
+import math
 import os
 import socket
 
 import anyio
+import sniffio
+import trio
 from anyio.lowlevel import checkpoint
+
+#: The (empty) context a read's deadline timer runs its callback in:
+#: without it, asyncio copies the task's context for each timer.
+_NO_CONTEXT = contextvars.Context()
+
+
+def _wake(waiter: asyncio.Future, readable: bool) -> None:
+    if not waiter.done():
+        waiter.set_result(readable)
+
+
+def _readable(
+    loop: asyncio.AbstractEventLoop, fd: int, deadline: float
+) -> tuple[asyncio.Future, asyncio.TimerHandle | None]:
+    """asyncio: a future set to ``True`` once ``fd`` is readable, ``False``
+    at ``deadline`` (the loop's clock, ``anyio.current_time()``), and the
+    deadline's timer; the caller awaits it, then hands both to
+    :func:`_forget` however the wait ended."""
+    waiter = loop.create_future()
+    loop.add_reader(fd, _wake, waiter, True)
+    timer = None if deadline == math.inf else loop.call_at(deadline, _wake, waiter, False, context=_NO_CONTEXT)
+    return waiter, timer
+
+
+def _forget(loop: asyncio.AbstractEventLoop, fd: int, timer: asyncio.TimerHandle | None) -> None:
+    loop.remove_reader(fd)
+    if timer is not None:
+        timer.cancel()
+
+
+async def _wait_trio(sock: socket.socket, deadline: float) -> bool:
+    """Whether ``sock`` became readable before ``deadline`` (trio's clock)."""
+    if deadline == math.inf:
+        await trio.lowlevel.wait_readable(sock)
+        return True
+    with trio.move_on_at(deadline) as scope:
+        await trio.lowlevel.wait_readable(sock)
+    return not scope.cancelled_caught
+
+
+def _recv(sock: socket.socket, max_bytes: int) -> bytes | None:
+    """What ``sock`` has (``b""``: the peer closed), ``None`` if nothing yet.
+    A function of its own: an exception raised in a coroutine's frame gives
+    it a frame object (about 200 bytes) that lives as long as the coroutine,
+    the open stream's whole life."""
+    try:
+        return sock.recv(max_bytes)
+    except BlockingIOError:
+        return None
 
 
 class TCPConnection:
@@ -35,23 +94,40 @@ class TCPConnection:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
 
-    async def receive(self, max_bytes: int) -> bytes:
-        """Up to ``max_bytes`` bytes, waiting for at least one; ``b""`` once
-        the peer closed its side. Always a checkpoint (cancellable), as
-        anyio's streams are, so a fast worker cannot starve other tasks."""
-        try:
-            data = self.sock.recv(max_bytes)
-        except BlockingIOError:
-            pass
-        else:
+    async def receive(self, max_bytes: int, deadline: float = math.inf) -> bytes | None:
+        """Up to ``max_bytes`` bytes, waiting for at least one until
+        ``deadline`` (``anyio.current_time()``'s clock); ``b""`` once the
+        peer closed its side, ``None`` when ``deadline`` passed first (also
+        when it had passed already, whatever has arrived). Always a
+        checkpoint (cancellable), as anyio's streams are, so a fast worker
+        cannot starve other tasks."""
+        if deadline != math.inf and anyio.current_time() >= deadline:
+            await checkpoint()
+            return None
+        sock = self.sock
+        data = _recv(sock, max_bytes)
+        if data is not None:
             await checkpoint()
             return data
+        if sniffio.current_async_library() != "asyncio":
+            while await _wait_trio(sock, deadline):
+                if (data := _recv(sock, max_bytes)) is not None:
+                    return data
+            return None
+        # asyncio: the wait inline, not a coroutine of its own (about 270
+        # bytes per open stream); cancellable, and the reader and timer are
+        # gone however it ends.
+        loop = asyncio.get_running_loop()
+        fd = sock.fileno()
         while True:
-            await anyio.wait_readable(self.sock)
+            waiter, timer = _readable(loop, fd, deadline)
             try:
-                return self.sock.recv(max_bytes)
-            except BlockingIOError:  # woken without data: wait again
-                continue
+                if not await waiter:
+                    return None
+            finally:
+                _forget(loop, fd, timer)
+            if (data := _recv(sock, max_bytes)) is not None:
+                return data
 
     async def send(self, data: bytes) -> None:
         """All of ``data``, waiting while the socket's buffer is full.
@@ -91,14 +167,16 @@ class TLSConnection:
     def __init__(self, stream: anyio.abc.ByteStream) -> None:
         self.stream = stream
 
-    async def receive(self, max_bytes: int) -> bytes:
+    async def receive(self, max_bytes: int, deadline: float = math.inf) -> bytes | None:
         """As :meth:`TCPConnection.receive`."""
-        try:
-            return await self.stream.receive(max_bytes)
-        except anyio.EndOfStream:
-            return b""
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-            raise ConnectionResetError(f"TLS connection broken: {exc!r}") from None
+        with anyio.CancelScope(deadline=deadline):
+            try:
+                return await self.stream.receive(max_bytes)
+            except anyio.EndOfStream:
+                return b""
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+                raise ConnectionResetError(f"TLS connection broken: {exc!r}") from None
+        return None
 
     async def send(self, data: bytes) -> None:
         """As :meth:`TCPConnection.send`."""

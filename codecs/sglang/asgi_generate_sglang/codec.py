@@ -538,7 +538,9 @@ class SGLangExchange(Exchange):
 
     def client_event(self, event: Event) -> bytes | None:
         """The worker's chunk, ``meta_info.id`` restored."""
-        return self._restored()
+        data = self._restored()
+        self.payload = b""  # sent: not held while the stream waits for its next chunk
+        return data
 
     def _restored(self) -> bytes:
         # The minted engine id is a unique 32-hex string, so swapping it in
