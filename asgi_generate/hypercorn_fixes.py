@@ -7,9 +7,10 @@ server (hypercorn 0.18.0; both worker classes), installed by :func:`install`.
    idle task (``_idle_timeout``) sits in that group for
    ``keep_alive_timeout`` seconds. A client that closes an idle keep-alive
    connection ends ``_read_data``, but the socket stays open until the idle
-   task times out. :class:`_TrioTCPServer` and :class:`_AsyncioTCPServer`
-   stop the idle task once the read loop has ended (and never restart it),
-   so the socket is closed as soon as the app's task, if any, is done.
+   task times out. :class:`_TrioTCPServer` stops the idle task once the
+   read loop has ended (and never restarts it), so the socket is closed as
+   soon as the app's task, if any, is done; the asyncio connection of
+   :mod:`asgi_generate.hypercorn_asyncio` does the same.
 
 2. **``Connection: close`` followed by more bytes.** Once a request that
    carries ``Connection: close`` is read, h11 puts the client in
@@ -74,9 +75,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import h11
-from hypercorn.asyncio import run as asyncio_run
 from hypercorn.events import Event, RawData, Updated
 from hypercorn import protocol
+from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.protocol import h11 as protocol_h11
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.events import Body, EndBody
@@ -84,16 +85,15 @@ from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 from hypercorn.trio import run as trio_run
 
-from . import hypercorn_lean
+from . import hypercorn_asyncio, hypercorn_lean
 from .watchdog import DISCONNECT_WATCH
 
 #: Bytes of empty lines behind a request that do not stop hypercorn reading.
 STRAY_CRLF_BYTES = 4
 
 
-class _ReleaseOnEOF:
-    """Mixin for hypercorn's ``TCPServer``: no keep-alive wait once the
-    client is gone (bug 1 above)."""
+class _TrioTCPServer(hypercorn_lean.TrioTCPServer):
+    """No keep-alive wait once the client is gone (bug 1 above)."""
 
     _reading_done = False
 
@@ -108,20 +108,16 @@ class _ReleaseOnEOF:
         await super().protocol_send(event)
 
 
-class _TrioTCPServer(_ReleaseOnEOF, hypercorn_lean.TrioTCPServer):
-    pass
-
-
-class _AsyncioTCPServer(_ReleaseOnEOF, hypercorn_lean.AsyncioTCPServer):
-    pass
-
-
 class _EdgeConnection(h11.Connection):
     """An h11 server connection that ignores what a client sends after the
     request that ended its keep-alive (bug 2 above; the bytes already
     buffered stay there, at most one socket read, until the connection
     closes, later ones are dropped on arrival), and sees every end of stream
     of a client it is answering (the half-close policy above)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._cstate = hypercorn_lean.LeanConnectionState()
 
     @property
     def they_are_waiting_for_100_continue(self) -> bool:
@@ -166,7 +162,8 @@ class _LazyContinue:
     """Wraps hypercorn's app wrapper so the app's first ``receive()`` asks
     the protocol for the ``100 Continue`` (bug 4 above). A plain call that
     returns the app's coroutine: no frame of its own stays alive for as
-    long as the request does."""
+    long as the request does, nor one of hypercorn's ``ASGIWrapper`` (its
+    ``__call__`` only awaits the app)."""
 
     __slots__ = ("app", "stream")
 
@@ -176,7 +173,10 @@ class _LazyContinue:
 
     def __call__(self, scope, receive, send, sync_spawn, call_soon):
         scope.setdefault("extensions", {})[DISCONNECT_WATCH] = self.stream.watch_disconnect
-        return self.app(scope, _FirstReceive(self.stream, receive), send, sync_spawn, call_soon)
+        receive = _FirstReceive(self.stream, receive)
+        if type(self.app) is ASGIWrapper:
+            return self.app.app(scope, receive, send)
+        return self.app(scope, receive, send, sync_spawn, call_soon)
 
 
 class _FirstReceive:
@@ -275,10 +275,10 @@ def install(send_errors: bool) -> None:
     :class:`ClientGone` (bug 3), for apps that handle it. Must run before
     hypercorn accepts connections: ``asgi_generate.serving`` calls it, and
     so does importing ``asgi_generate.asgi`` under a hypercorn you run.
-    Also installs the leaner asyncio objects of
-    :mod:`asgi_generate.hypercorn_lean`."""
+    Also installs the leaner objects of :mod:`asgi_generate.hypercorn_lean`
+    and the asyncio connection of :mod:`asgi_generate.hypercorn_asyncio`."""
     hypercorn_lean.install()
+    hypercorn_asyncio.install()
     trio_run.TCPServer = _TrioTCPServer
-    asyncio_run.TCPServer = _AsyncioTCPServer
     protocol.H11Protocol = _H11Protocol
     protocol_h11.HTTPStream = _HTTPStream if send_errors else _LazyContinueStream

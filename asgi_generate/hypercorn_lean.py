@@ -16,15 +16,14 @@ asyncio:
   about 3.4 KB. :class:`AppQueue` and :class:`LeanEvent` keep the same
   behaviour in lists that stay empty, and a future only while someone waits.
   The two helpers hypercorn makes per request for the app call (a thread
-  spawner and a loop caller) are made once per loop.
-- asyncio's ``StreamReaderProtocol`` (``FlowControlMixin`` in
-  ``asyncio/streams.py``) keeps a deque of ``drain()`` waiters per
-  connection, empty unless a write waits for the socket's buffer: a list
-  does the same (it is only appended to, removed from and iterated).
-- ``TCPServer._read_data`` awaits every read through ``asyncio.wait_for``,
-  a coroutine frame more on a parked connection, even with no
-  ``read_timeout`` (hypercorn's default): without one, the read is awaited
-  directly.
+  spawner and a loop caller) are made once per loop (:func:`loop_calls`).
+  The connection itself is :mod:`asgi_generate.hypercorn_asyncio`'s.
+
+both:
+
+- h11 keeps an empty ``set`` of protocol-switch proposals per connection,
+  and makes a new one for every response: :class:`LeanConnectionState`
+  shares one empty frozenset.
 
 trio:
 
@@ -42,16 +41,14 @@ trio:
 from __future__ import annotations
 
 import asyncio
-import collections
 import weakref
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
 import trio
+from h11._state import ConnectionState
 from hypercorn.asyncio import run as asyncio_run
-from hypercorn.asyncio import tcp_server as asyncio_tcp_server
-from hypercorn.asyncio.task_group import TaskGroup, _handle
 from hypercorn.asyncio.worker_context import WorkerContext
 from hypercorn.events import Closed, RawData
 from hypercorn.trio import tcp_server as trio_tcp_server
@@ -95,20 +92,31 @@ class AppQueue:
     def __init__(self, maxsize: int) -> None:
         self._maxsize = maxsize
         self._items: list[Any] = []
-        self._getters: list[asyncio.Future] = []
-        self._putters: list[asyncio.Future] = []
+        # Lists of waiters only while someone waits (an open stream has none).
+        self._getters: list[asyncio.Future] | None = None
+        self._putters: list[asyncio.Future] | None = None
 
     async def put(self, item: Any) -> None:
         while 0 < self._maxsize <= len(self._items):
+            if self._putters is None:
+                self._putters = []
             await _wait(self._putters)
+        if not self._putters:
+            self._putters = None
         self._items.append(item)
-        _wake_one(self._getters)
+        if self._getters:
+            _wake_one(self._getters)
 
     async def get(self) -> Any:
         while not self._items:
+            if self._getters is None:
+                self._getters = []
             await _wait(self._getters)
+        if not self._getters:
+            self._getters = None
         item = self._items.pop(0)
-        _wake_one(self._putters)
+        if self._putters:
+            _wake_one(self._putters)
         return item
 
 
@@ -167,46 +175,39 @@ class _LoopCalls:
 _LOOP_CALLS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopCalls]" = weakref.WeakKeyDictionary()
 
 
-class _AsyncioTaskGroup(TaskGroup):
-    async def spawn_app(
-        self, app: Any, config: Any, scope: dict, send: Callable[[Any], Awaitable[None]]
-    ) -> Callable[[Any], Awaitable[None]]:
-        # As hypercorn's, with AppQueue for asyncio.Queue and the loop's calls shared.
-        app_queue = AppQueue(config.max_app_queue_size)
-        calls = _LOOP_CALLS.get(self._loop)
-        if calls is None:
-            calls = _LOOP_CALLS[self._loop] = _LoopCalls(self._loop)
-        self.spawn(_handle, app, config, scope, app_queue.get, send, calls.sync_spawn, calls.call_soon)
-        return app_queue.put
+def loop_calls(loop: asyncio.AbstractEventLoop) -> _LoopCalls:
+    """The :class:`_LoopCalls` of ``loop``, made on first use."""
+    calls = _LOOP_CALLS.get(loop)
+    if calls is None:
+        calls = _LOOP_CALLS[loop] = _LoopCalls(loop)
+    return calls
+
+
+#: The empty set of switch proposals every :class:`LeanConnectionState` starts with.
+_NO_PROPOSALS: frozenset = frozenset()
+
+
+class LeanConnectionState(ConnectionState):
+    """h11's connection state machine (``h11/_state.py``) keeping its client's
+    protocol-switch proposals (Upgrade, CONNECT) in a frozenset: the empty one
+    shared, where h11 makes an empty ``set`` per connection and another per
+    response (about 430 bytes of every open stream)."""
+
+    @property
+    def pending_switch_proposals(self) -> frozenset:
+        return self._proposals
+
+    @pending_switch_proposals.setter
+    def pending_switch_proposals(self, proposals) -> None:
+        self._proposals = frozenset(proposals) if proposals else _NO_PROPOSALS
+
+    def process_client_switch_proposal(self, switch_event) -> None:
+        self._proposals = self._proposals | {switch_event}
+        self._fire_state_triggered_transitions()
 
 
 class _AsyncioWorkerContext(WorkerContext):
     event_class = LeanEvent
-
-
-class AsyncioTCPServer(asyncio_tcp_server.TCPServer):
-    """hypercorn's asyncio connection with a list of drain waiters and, with
-    no ``read_timeout``, reads awaited without ``asyncio.wait_for``."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        protocol = self.writer.transport.get_protocol()
-        waiters = getattr(protocol, "_drain_waiters", None)
-        if type(waiters) is collections.deque and not waiters:
-            protocol._drain_waiters = []
-
-    async def _read_data(self) -> None:
-        if self.config.read_timeout is not None:
-            await super()._read_data()
-            return
-        reader = self.reader
-        while not reader.at_eof():
-            try:
-                data = await reader.read(MAX_RECV)
-            except OSError:  # ConnectionError, TimeoutError and ssl.SSLError among them
-                break
-            await self.protocol.handle(RawData(data))
-        await self.protocol.handle(Closed())
 
 
 class TrioAppQueue:
@@ -294,6 +295,5 @@ class TrioTCPServer(trio_tcp_server.TCPServer):
 def install() -> None:
     """Make hypercorn's worker classes use the lean classes (idempotent);
     :mod:`asgi_generate.hypercorn_fixes` subclasses the TCP servers."""
-    asyncio_tcp_server.TaskGroup = _AsyncioTaskGroup
     asyncio_run.WorkerContext = _AsyncioWorkerContext
     trio_tcp_server.TaskGroup = _TrioTaskGroup

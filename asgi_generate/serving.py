@@ -176,7 +176,7 @@ def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
         if worker_class == "trio":
             from hypercorn.trio import serve
         else:
-            from hypercorn.asyncio import serve
+            from .hypercorn_asyncio import serve
         # Held open until hypercorn is done: a later signal lands in this
         # receiver's unread queue instead of the default handler.
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -111,6 +111,33 @@ def test_frontend_serves_https(pki, worker_class, processes):
         sim.stop()
 
 
+@pytest.mark.parametrize("worker_class", ["asyncio", "uvloop", "trio"])
+def test_frontend_speaks_h2_to_clients_that_offer_it(pki, worker_class):
+    # hypercorn picks h2 by ALPN; the asyncio worker's own connection
+    # (hypercorn_asyncio.Connection) hands such a connection to H2Protocol.
+    sim = start_sim("sglang")
+    try:
+        fe = start_frontend([f"sglang={sim.url}"], worker_class=worker_class, verify=str(pki / "ca.pem"),
+                            extra=_serve_tls(pki))
+        try:
+            with httpx.Client(verify=fe.tls(), http2=True) as client:
+                for _ in range(2):  # two requests, two streams of one connection
+                    r = client.post(fe.url + "/generate", json=UNARY, timeout=30)
+                    assert (r.http_version, r.status_code, r.json()["output_ids"]) == (
+                        "HTTP/2", 200, CONTINUATION[:8])
+                r = client.post(fe.url + "/generate", json={**UNARY, "stream": True}, timeout=30)
+                events = [line for line in r.text.split("\n\n") if line]
+                assert (r.http_version, r.status_code, events[-1]) == ("HTTP/2", 200, "data: [DONE]")
+                assert orjson.loads(events[-2][len("data: "):])["output_ids"] == CONTINUATION[:8]
+            with httpx.Client(verify=fe.tls()) as client:
+                r = client.post(fe.url + "/generate", json=UNARY, timeout=30)
+                assert (r.http_version, r.status_code) == ("HTTP/1.1", 200)
+        finally:
+            fe.stop()
+    finally:
+        sim.stop()
+
+
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request):
     return request.param

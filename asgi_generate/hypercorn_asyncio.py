@@ -1,0 +1,500 @@
+"""hypercorn's asyncio worker (hypercorn 0.18.0) with one ``asyncio.Protocol``
+per client connection, installed by :func:`install` (from
+:func:`asgi_generate.hypercorn_fixes.install`): on the asyncio and uvloop
+worker classes alike, whether ``asgi-generate serve`` or a ``hypercorn``
+command runs the app.
+
+hypercorn serves each connection with a ``StreamReader``/``StreamWriter``
+pair (``asyncio.start_server`` in ``hypercorn/asyncio/run.py``) and a task
+that loops reading it (``TCPServer`` in ``hypercorn/asyncio/tcp_server.py``),
+under an ``asyncio.TaskGroup``, with a send lock and a keep-alive task: about
+5 KB of every open SSE stream, parked in suspended frames
+(bench/bench_streams.py, its README section). :class:`Connection` is the
+same connection as a protocol: the transport calls it with the bytes read,
+it writes with ``transport.write`` and waits only while the transport has
+paused writing (a full socket buffer). hypercorn's protocol classes
+(``H11Protocol``, ``H2Protocol`` for ``h2`` by ALPN or upgrade, with
+:mod:`asgi_generate.hypercorn_fixes`' changes) are driven as before.
+
+Their ``handle()`` is a coroutine that nearly always finishes without
+suspending: :func:`_step` runs it to its end right in the transport's
+callback. When it does suspend (a write waiting for the socket's buffer, h11
+waiting for the answer before it parses a pipelined request), a task takes
+over where it stopped, the transport stops reading, and what arrives meanwhile
+(the end of the stream included) is handled by that task, in order, before
+reading resumes. Exceptions and cancellation reach the coroutine as they would
+in a task of its own.
+
+Kept from hypercorn: the keep-alive timeout (a timer while a connection is
+idle, none while it serves a request), ``connection: close`` and the
+per-connection request limit (the protocol's), a connection closed once the
+client's end of stream is read and the app is done (the fix of
+bug 1 of :mod:`asgi_generate.hypercorn_fixes`: no keep-alive wait for a client that is
+gone), a write to a closed connection reported to the protocol as
+``Closed``, TLS (hypercorn's SSL context and handshake timeout), graceful
+shutdown (idle connections close, busy ones close after their answer, for at
+most ``graceful_timeout`` seconds), the lifespan, ``max_requests``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections.abc
+import platform
+import random
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from hypercorn import protocol as hc_protocol
+from hypercorn.asyncio import run as asyncio_run
+from hypercorn.asyncio.lifespan import Lifespan
+from hypercorn.asyncio.statsd import StatsdLogger
+from hypercorn.asyncio.udp_server import UDPServer
+from hypercorn.asyncio.worker_context import WorkerContext
+from hypercorn.config import Config, Sockets
+from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.protocol.h2 import H2Protocol
+from hypercorn.protocol.h11 import H2CProtocolRequiredError, H2ProtocolAssumedError
+from hypercorn.utils import ShutdownError, parse_socket_addr, raise_shutdown, repr_socket_addr, wrap_app
+
+from . import hypercorn_lean
+
+#: "Nothing": a coroutine that finished (:func:`_step`), a yield handed on (:class:`_Resumed`).
+_NOTHING = object()
+
+
+def _step(coro: Coroutine) -> Any:
+    """Run ``coro`` until it finishes (``_NOTHING``) or suspends (what it
+    yielded, for :class:`_Resumed`). Its exception propagates."""
+    try:
+        return coro.send(None)
+    except StopIteration:
+        return _NOTHING
+
+
+class _Resumed(collections.abc.Coroutine):
+    """A task's coroutine that carries on ``coro``, which :func:`_step` left
+    suspended on ``yielded``: the task's first step gets that same yield,
+    then every send and throw (cancellation, also before the first step)
+    goes to ``coro``, as if the task had run it from its start."""
+
+    __slots__ = ("coro", "yielded")
+
+    def __init__(self, coro: Coroutine, yielded: Any) -> None:
+        self.coro = coro
+        self.yielded = yielded
+
+    def send(self, value: Any) -> Any:
+        if self.yielded is not _NOTHING:
+            yielded, self.yielded = self.yielded, _NOTHING
+            return yielded
+        return self.coro.send(value)
+
+    def throw(self, *exc: Any) -> Any:
+        self.yielded = _NOTHING
+        return self.coro.throw(*exc)
+
+    def close(self) -> None:
+        self.coro.close()
+
+    def __next__(self) -> Any:  # the task's send(None)
+        return self.send(None)
+
+    def __iter__(self) -> "_Resumed":
+        return self
+
+    def __await__(self) -> "_Resumed":
+        return self
+
+
+class _Worker:
+    """What every connection of one worker shares: the app, config, worker
+    context, lifespan state, the live connections (for the graceful
+    shutdown) and the canonical local addresses."""
+
+    __slots__ = ("app", "config", "context", "state", "loop", "live", "addresses", "emptied")
+
+    def __init__(self, app: Any, config: Config, context: WorkerContext, state: dict,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.app = app
+        self.config = config
+        self.context = context
+        self.state = state
+        self.loop = loop
+        self.live: set[Connection] = set()
+        self.addresses: dict[tuple, tuple] = {}
+        self.emptied: asyncio.Future | None = None
+
+    def forget(self, conn: "Connection") -> None:
+        self.live.discard(conn)
+        if not self.live and self.emptied is not None and not self.emptied.done():
+            self.emptied.set_result(None)
+
+    async def drain(self, timeout: float) -> None:
+        """Close the idle connections, then wait up to ``timeout`` seconds
+        for the others to finish their answers and close."""
+        for conn in list(self.live):
+            if conn._idle is not None:
+                conn._idle_timeout()
+        if self.live:
+            self.emptied = self.loop.create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(self.emptied), timeout)
+            except asyncio.TimeoutError:
+                pass
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: hypercorn's ``TCPServer`` (asyncio) as a
+    protocol, and the task group its protocol spawns the app calls in.
+
+    Events reach ``self.protocol.handle()`` in the order they happened; a
+    ``handle()`` that suspends runs on in a task (module docstring)."""
+
+    __slots__ = ("worker", "transport", "protocol", "_queued", "_tasks", "_idle", "_drain",
+                 "_writing_paused", "_reading_done", "_lost", "_ssl")
+
+    def __init__(self, worker: _Worker) -> None:
+        self.worker = worker
+        self.transport: asyncio.Transport | None = None
+        self.protocol: Any = None
+        #: Events that arrived while a handle() is suspended (None: none is).
+        self._queued: list[Event] | None = None
+        self._tasks: list[asyncio.Task] | None = None
+        #: The keep-alive timer while the connection is idle.
+        self._idle: asyncio.TimerHandle | None = None
+        #: Futures of writes waiting for the transport to resume writing.
+        self._drain: list[asyncio.Future] | None = None
+        self._writing_paused = False
+        self._reading_done = False
+        self._lost = False
+        self._ssl = False
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        worker = self.worker
+        worker.live.add(self)
+        sock = transport.get_extra_info("socket")
+        try:
+            client = parse_socket_addr(sock.family, sock.getpeername())
+            here = parse_socket_addr(sock.family, sock.getsockname())
+        except OSError:  # the client is gone already
+            transport.abort()
+            return
+        if client is not None:
+            client = (sys.intern(client[0]), client[1])
+        if here is not None:
+            here = worker.addresses.setdefault(here, here)
+        ssl_object = transport.get_extra_info("ssl_object")
+        self._ssl = ssl_object is not None
+        alpn = ssl_object.selected_alpn_protocol() if self._ssl else "http/1.1"
+        cls = H2Protocol if alpn == "h2" else hc_protocol.H11Protocol
+        self.protocol = cls(worker.app, worker.config, worker.context, self, worker.state, self._ssl,
+                            client, here, self.send)
+        self._run(self.protocol.initiate())
+        if worker.context.terminated.is_set():
+            self._idle_timeout()
+        elif not self._lost:
+            self._idle = worker.loop.call_later(worker.config.keep_alive_timeout, self._idle_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        self._feed(RawData(data))
+
+    def eof_received(self) -> bool:
+        self._end_of_stream()
+        return not self._ssl  # keep writing the answer after a half-close (not over TLS)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        self._writing_paused = False
+        waiters, self._drain = self._drain, None
+        for fut in waiters or ():
+            if not fut.done():
+                fut.set_exception(ConnectionResetError("Connection lost"))
+        self._end_of_stream()
+        self._finish()
+
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        waiters, self._drain = self._drain, None
+        for fut in waiters or ():
+            if not fut.done():
+                fut.set_result(None)
+
+    # Reading: events to the protocol, in order
+
+    def _end_of_stream(self) -> None:
+        if self._reading_done:
+            return
+        self._reading_done = True
+        self._stop_idle()
+        self._feed(RawData(b""))
+        self._feed(Closed())
+        self._finish()
+
+    def _feed(self, event: Event) -> None:
+        if self._queued is not None:
+            self._queued.append(event)
+        elif self.protocol is not None:
+            self._run(self._handle(event))
+
+    def _run(self, coro: Coroutine) -> bool:
+        # True: it finished; else it failed or runs on in a task, and events
+        # queue (reading paused) until that task is done.
+        try:
+            yielded = _step(coro)
+        except Exception as exc:
+            self._failed(exc)
+            return False
+        if yielded is _NOTHING:
+            return True
+        if self._queued is None:
+            self._queued = []
+            self.transport.pause_reading()
+        self.spawn(_Resumed, coro, yielded).add_done_callback(self._resumed)
+        return False
+
+    def _resumed(self, task: asyncio.Task) -> None:
+        # The suspended handle() is done (a failure is _task_done's): the
+        # events that came meanwhile, in order, then reading again.
+        if not task.cancelled() and task.exception() is None:
+            while self._queued:
+                if not self._run(self._handle(self._queued.pop(0))):
+                    return
+            if not self._reading_done:
+                self.transport.resume_reading()
+        self._queued = None
+        self._finish()
+
+    async def _handle(self, event: Event) -> None:
+        # hypercorn's ProtocolWrapper.handle: HTTP/1.1 turning into h2.
+        try:
+            await self.protocol.handle(event)
+        except (H2ProtocolAssumedError, H2CProtocolRequiredError) as error:
+            worker = self.worker
+            self.protocol = H2Protocol(worker.app, worker.config, worker.context, self, worker.state,
+                                       self._ssl, self.protocol.client, self.protocol.server, self.send)
+            if isinstance(error, H2CProtocolRequiredError):
+                await self.protocol.initiate(error.headers, error.settings)
+            else:
+                await self.protocol.initiate()
+            if error.data != b"":
+                await self.protocol.handle(RawData(data=error.data))
+
+    def _failed(self, exc: BaseException) -> None:
+        # As a failing TCPServer.run: the app calls cancelled, the socket closed.
+        if not isinstance(exc, OSError):
+            self.worker.loop.call_exception_handler(
+                {"message": "hypercorn connection failed", "exception": exc, "protocol": self})
+        for task in self._tasks or ():
+            task.cancel()
+        self._close()
+
+    # Writing: hypercorn's TCPServer.protocol_send
+
+    async def send(self, event: Event) -> None:
+        """hypercorn's ``TCPServer.protocol_send``: ``RawData`` written (then
+        waits while the transport's buffer is full), ``Closed`` closes the
+        connection, ``Updated`` starts or stops the keep-alive timer. A
+        write to a connection that is closed or closing tells the protocol
+        it is ``Closed``."""
+        if isinstance(event, RawData):
+            if self._lost or self.transport.is_closing():
+                await self.protocol.handle(Closed())
+                return
+            try:
+                self.transport.write(event.data)
+                if self._writing_paused:
+                    await self._wait_writable()
+            except (ConnectionError, RuntimeError):
+                await self.protocol.handle(Closed())
+        elif isinstance(event, Closed):
+            self._close()
+        elif isinstance(event, Updated):
+            self._stop_idle()
+            if event.idle and not self._reading_done:
+                if self.worker.context.terminated.is_set():
+                    self._idle_timeout()
+                else:
+                    self._idle = self.worker.loop.call_later(self.worker.config.keep_alive_timeout,
+                                                             self._idle_timeout)
+
+    async def _wait_writable(self) -> None:
+        fut = self.worker.loop.create_future()
+        if self._drain is None:
+            self._drain = []
+        self._drain.append(fut)
+        try:
+            await fut
+        finally:
+            if self._drain is not None and fut in self._drain:
+                self._drain.remove(fut)
+
+    def _close(self) -> None:
+        self._stop_idle()
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        try:
+            if transport.can_write_eof():
+                transport.write_eof()
+        except (NotImplementedError, OSError, RuntimeError):
+            pass
+        transport.close()
+
+    def _stop_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
+    def _idle_timeout(self) -> None:
+        # Idle past keep_alive_timeout, or the server is shutting down.
+        self._idle = None
+        self.transport.close()
+
+    def _finish(self) -> None:
+        # As TCPServer.run's end: once the client's end of stream is read and
+        # the app calls are done, the socket closes; once it has, it is gone.
+        if self._tasks or self._queued is not None:
+            return
+        if self._lost:
+            self.worker.forget(self)
+        elif self._reading_done:
+            self._close()
+
+    # hypercorn's TaskGroup
+
+    async def spawn_app(self, app: Any, config: Config, scope: dict,
+                        send: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+        """hypercorn's ``TaskGroup.spawn_app`` with
+        :mod:`asgi_generate.hypercorn_lean`'s queue and shared loop calls."""
+        queue = hypercorn_lean.AppQueue(config.max_app_queue_size)
+        calls = hypercorn_lean.loop_calls(self.worker.loop)
+        self.spawn(self._call_app, app(scope, queue.get, send, calls.sync_spawn, calls.call_soon), send)
+        return queue.put
+
+    async def _call_app(self, call: Awaitable[None], send: Callable[[Any], Awaitable[None]]) -> None:
+        # hypercorn's _handle (hypercorn/asyncio/task_group.py) with the app
+        # called already: a smaller frame for as long as the request lives.
+        try:
+            await call
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            await self.worker.config.log.exception("Error in ASGI Framework")
+        finally:
+            await send(None)
+
+    def spawn(self, func: Callable, *args: Any) -> asyncio.Task:
+        """Run ``func(*args)`` in a task of this connection: the connection
+        closes only once its tasks are done, and they are cancelled if it
+        fails."""
+        task = self.worker.loop.create_task(func(*args))
+        if self._tasks is None:
+            self._tasks = []
+        self._tasks.append(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.remove(task)
+        if not self._tasks:
+            self._tasks = None
+        if not task.cancelled() and task.exception() is not None:
+            self._failed(task.exception())
+        self._finish()
+
+
+async def worker_serve(app: Any, config: Config, *, sockets: Sockets | None = None,
+                       shutdown_trigger: Callable[..., Awaitable] | None = None) -> None:
+    """hypercorn's asyncio ``worker_serve`` with :class:`Connection` for its
+    TCP connections (``app`` is hypercorn's app wrapper; the rest as
+    hypercorn's). Without a ``shutdown_trigger`` it serves until SIGINT or
+    SIGTERM."""
+    config.set_statsd_logger_class(StatsdLogger)
+    loop = asyncio.get_running_loop()
+    if shutdown_trigger is None:
+        signal_event = asyncio.Event()
+        for name in ("SIGINT", "SIGTERM"):
+            loop.add_signal_handler(getattr(signal, name), signal_event.set)
+        shutdown_trigger = signal_event.wait
+
+    lifespan_state: dict = {}
+    lifespan = Lifespan(app, config, loop, lifespan_state)
+    lifespan_task = loop.create_task(lifespan.handle_lifespan())
+    await lifespan.wait_for_startup()
+    if lifespan_task.done():
+        exception = lifespan_task.exception()
+        if exception is not None:
+            raise exception
+
+    if sockets is None:
+        sockets = config.create_sockets()
+    ssl_context = config.create_ssl_context() if config.ssl_enabled else None
+    max_requests = None
+    if config.max_requests is not None:
+        max_requests = config.max_requests + random.randint(0, config.max_requests_jitter)
+    context = asyncio_run.WorkerContext(max_requests)
+    worker = _Worker(app, config, context, lifespan_state, loop)
+    udp_tasks: set[asyncio.Task] = set()
+
+    servers = []
+    for secure, socks in ((True, sockets.secure_sockets), (False, sockets.insecure_sockets)):
+        for sock in socks:
+            if config.workers > 1 and platform.system() == "Windows":
+                sock = asyncio_run._share_socket(sock)
+            tls = {"ssl": ssl_context, "ssl_handshake_timeout": config.ssl_handshake_timeout} if secure else {}
+            servers.append(await loop.create_server(lambda: Connection(worker), sock=sock,
+                                                    backlog=config.backlog, **tls))
+            bind = repr_socket_addr(sock.family, sock.getsockname())
+            await config.log.info(f"Running on {'https' if secure else 'http'}://{bind} (CTRL + C to quit)")
+    for sock in sockets.quic_sockets:
+        _, udp = await loop.create_datagram_endpoint(
+            lambda: UDPServer(app, loop, config, context, lifespan_state), sock=sock)
+        task = loop.create_task(udp.run())
+        udp_tasks.add(task)
+        task.add_done_callback(udp_tasks.discard)
+        bind = repr_socket_addr(sock.family, sock.getsockname())
+        await config.log.info(f"Running on https://{bind} (QUIC) (CTRL + C to quit)")
+
+    try:
+        async with asyncio.TaskGroup() as task_group:
+            task_group.create_task(raise_shutdown(shutdown_trigger))
+            task_group.create_task(raise_shutdown(context.terminate.wait))
+    except BaseExceptionGroup as error:
+        _, other_errors = error.split((ShutdownError, KeyboardInterrupt))
+        if other_errors is not None:
+            raise other_errors
+    except (ShutdownError, KeyboardInterrupt):
+        pass
+    finally:
+        await context.terminated.set()
+        for server in servers:
+            server.close()  # (its wait_closed() would wait for every connection on Python 3.12+)
+        try:
+            await worker.drain(config.graceful_timeout)
+            if udp_tasks:
+                await asyncio.wait(udp_tasks, timeout=config.graceful_timeout)
+        finally:
+            await lifespan.wait_for_shutdown()
+            lifespan_task.cancel()
+            await lifespan_task
+
+
+async def serve(app: Any, config: Config, *,
+                shutdown_trigger: Callable[..., Awaitable] | None = None) -> None:
+    """hypercorn's ``hypercorn.asyncio.serve`` on :func:`worker_serve`."""
+    await worker_serve(wrap_app(app, config.wsgi_max_body_size, None), config, shutdown_trigger=shutdown_trigger)
+
+
+def install() -> None:
+    """Make hypercorn's asyncio and uvloop workers (its ``asyncio_worker``
+    and ``uvloop_worker``) serve with :func:`worker_serve` (idempotent)."""
+    asyncio_run.worker_serve = worker_serve
