@@ -258,9 +258,11 @@ class SimEngine:
 
     def disconnected(self, job: Job) -> None:
         """The client of ``job`` went away: abort it, as an engine that
-        cancels on disconnect does (vLLM's ``with_cancellation``)."""
+        cancels on disconnect does (vLLM's ``with_cancellation``); it leaves
+        the running set at once, as every abort does (:meth:`_stop`)."""
         self.disconnects += 1
         self.disconnect_aborted_rids.append(job.rid)
+        self.finish(job)
         job.aborted = True
         job.abort_event.set()
 
