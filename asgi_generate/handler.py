@@ -56,7 +56,14 @@ async def handle_generate(app: "App", codec: Codec, scope: dict, receive: Receiv
     app.request_started()
     app.open_requests[st.request_id] = st
     try:
-        await _serve(app, codec, scope, receive, send, st)
+        admitted = await _admit(app, codec, scope, receive, send, st)
+        if admitted is not None:  # run from here: one coroutine frame fewer per open stream
+            request, lease = admitted
+            admitted = None
+            try:
+                await _generate(app, codec, request, scope, receive, send, st, lease)
+            finally:
+                lease.release()
     except OSError:  # an error answer's write: the client is gone (ASGI send exception)
         st.status = "client_disconnect"
     except Exception as exc:  # a bug: answer 500 rather than drop the client
@@ -99,7 +106,11 @@ async def _send_error(
     await send_unary(send, err.status, codec.error_body(err), headers=headers or ())
 
 
-async def _serve(app: "App", codec: Codec, scope: dict, receive: Receive, send: Send, st: RequestState) -> None:
+async def _admit(
+    app: "App", codec: Codec, scope: dict, receive: Receive, send: Send, st: RequestState
+) -> tuple[GenerateRequest, Lease] | None:
+    """The decoded request and its share of the body budget; ``None`` once
+    the client was answered (or left)."""
     headers = dict(scope["headers"])
     st.headers = headers
     settings = app.settings
@@ -108,26 +119,27 @@ async def _serve(app: "App", codec: Codec, scope: dict, receive: Receive, send: 
         length = int(declared) if declared is not None else None
     except ValueError:
         await _send_error(codec, send, st, RequestError(400, "invalid content-length header"), CLOSE)
-        return
+        return None
     if length is not None and length > settings.max_body_bytes:
         # Refused before the first receive(), unread: the connection cannot
         # be reused, so say it closes.
         err = RequestError(413, str(BodyTooLarge(settings.max_body_bytes)), "too_large")
         await _send_error(codec, send, st, err, CLOSE)
-        return
+        return None
     lease = await app.body_budget.reserve(
         settings.max_body_bytes if length is None else length, settings.body_budget_wait
     )
     if lease is None:
         err = RequestError(503, "too many request bodies in flight; retry later", "busy")
         await _send_error(codec, send, st, err, [(b"retry-after", RETRY_AFTER), *CLOSE])
-        return
+        return None
+    request = None
     try:
         request = await _read_and_decode(app, codec, receive, send, st, headers, length)
-        if request is not None:
-            await _generate(app, codec, request, scope, receive, send, st, lease)
     finally:
-        lease.release()
+        if request is None:
+            lease.release()
+    return None if request is None else (request, lease)
 
 
 async def _read_and_decode(

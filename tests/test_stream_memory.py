@@ -97,6 +97,53 @@ def test_sglang_request_keeps_its_prompt_packed_once_sent():
 
 
 
+@pytest.mark.parametrize("incremental", [False, True])
+def test_sglang_stream_keeps_only_what_a_resume_needs_of_its_last_chunk(incremental):
+    # An open stream waits with its last chunk held by the codec: only the
+    # part a resumed attempt continues from is kept, and the resumed
+    # attempt's chunk reads the same as when the whole chunk was kept.
+    codec = SGLangCodec()
+    body = orjson.dumps({"input_ids": [1, 2], "stream": True, "return_logprob": True,
+                         "sampling_params": {"max_new_tokens": 5}})
+    ex = codec.exchange(codec.decode(body, {}), "pub")
+    info = {"incremental_streaming_output": incremental}
+    first = Attempt("a" * 32, "aggregated", worker_info=info)
+    ex.worker_request(first)
+    meta = {"id": "a" * 32, "finish_reason": None, "prompt_tokens": 2, "weight_version": "default",
+            "completion_tokens": 2, "cached_tokens": 1, "input_token_logprobs": [[None, 1, None]],
+            "output_token_logprobs": [[-0.5, 7, None], [-0.25, 8, None]]}
+    chunk = {"text": "ab", "output_ids": [7, 8], "meta_info": meta}
+    event = ex.feed(first, orjson.dumps(chunk))
+    assert event.token_ids == [7, 8]
+    assert orjson.loads(ex.client_event(event)) == {**chunk, "meta_info": {**meta, "id": "pub"}}
+    if incremental:
+        assert ex.last == {"meta_info": {"prompt_tokens": 2, "cached_tokens": 1}}
+    else:
+        assert ex.last == {"text": "ab", "output_ids": [7, 8], "meta_info": {
+            "prompt_tokens": 2, "cached_tokens": 1, "input_token_logprobs": [[None, 1, None]],
+            "output_token_logprobs": [[-0.5, 7, None], [-0.25, 8, None]]}}
+    assert ex.payload == b""
+    resumed = Attempt("b" * 32, "resumed", worker_info=info, resumes=[7, 8])
+    sent = orjson.loads(ex.worker_request(resumed).body)
+    assert (sent["input_ids"], sent["sampling_params"]) == ([1, 2, 7, 8], {"max_new_tokens": 3})
+    # The resumed engine's own view: a 4-token prompt, its first new token.
+    own = {"id": "b" * 32, "finish_reason": {"type": "length", "length": 3}, "prompt_tokens": 4,
+           "weight_version": "default", "completion_tokens": 1, "cached_tokens": 3,
+           "input_token_logprobs": [[None, 1, None]] * 4, "output_token_logprobs": [[-0.125, 9, None]]}
+    event = ex.feed(resumed, orjson.dumps({"text": "c", "output_ids": [9], "meta_info": own}))
+    assert (event.token_ids, event.finish_reason, event.completion_tokens) == ([9], "length", 3)
+    out = orjson.loads(ex.client_event(event))
+    expect_meta = {"id": "pub", "finish_reason": {"type": "length", "length": 5}, "prompt_tokens": 2,
+                   "weight_version": "default", "completion_tokens": 3, "cached_tokens": 1}
+    if incremental:
+        assert out == {"text": "c", "output_ids": [9], "meta_info": {
+            **expect_meta, "input_token_logprobs": [], "output_token_logprobs": [[-0.125, 9, None]]}}
+    else:
+        assert out == {"text": "abc", "output_ids": [7, 8, 9], "meta_info": {
+            **expect_meta, "input_token_logprobs": [[None, 1, None]],
+            "output_token_logprobs": [[-0.5, 7, None], [-0.25, 8, None], [-0.125, 9, None]]}}
+
+
 @pytest.mark.anyio
 async def test_a_leg_does_not_hold_its_request_body():
     # The attempt loop keeps its WorkerRequest for the leg's whole life; the

@@ -539,7 +539,10 @@ class SGLangExchange(Exchange):
     def client_event(self, event: Event) -> bytes | None:
         """The worker's chunk, ``meta_info.id`` restored."""
         data = self._restored()
-        self.payload = b""  # sent: not held while the stream waits for its next chunk
+        # Sent: held while the stream waits for its next chunk is only what
+        # a resumed attempt continues from.
+        self.payload = b""
+        self.last = _resume_base(self.last, self.incremental)
         return data
 
     def _restored(self) -> bytes:
@@ -567,6 +570,27 @@ class SGLangExchange(Exchange):
         """SGLang workers answer in this format's shapes: pass through; a
         body that is not JSON (a bare server error page) gets SGLang's shape."""
         return engine_error_page(status, body, SGLangCodec().error_body)
+
+
+#: What :meth:`SGLangExchange._stitch` reads of the last chunk sent, besides
+#: (cumulative chunks only) its ``text``, ``output_ids`` and the logprob lists.
+_BASE_META = ("prompt_tokens", "cached_tokens")
+
+
+def _resume_base(chunk: dict, incremental: bool) -> dict:
+    """``chunk`` (the last one the client was sent) cut to what a resumed
+    attempt continues from (:meth:`SGLangExchange._stitch`): incremental
+    chunks need only its prompt and cached token counts; cumulative ones
+    also its text, output ids and logprob lists (the answer so far). An
+    error chunk (no ``meta_info``) ends the stream and is kept as it is."""
+    meta = chunk.get("meta_info")
+    if type(meta) is not dict:
+        return chunk
+    if incremental:
+        return {"meta_info": {k: meta[k] for k in _BASE_META if k in meta}}
+    base = {k: chunk[k] for k in ("text", "output_ids") if k in chunk}
+    base["meta_info"] = {k: meta[k] for k in (*_BASE_META, *PREFILL_LOGPROBS, *OUTPUT_LOGPROBS) if k in meta}
+    return base
 
 
 def _expert_bytes(value: object) -> bytes:
