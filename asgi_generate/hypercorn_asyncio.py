@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc
+import contextvars
 import platform
 import random
 import signal
@@ -60,6 +61,12 @@ from hypercorn.protocol.h11 import H2CProtocolRequiredError, H2ProtocolAssumedEr
 from hypercorn.utils import ShutdownError, parse_socket_addr, raise_shutdown, repr_socket_addr, wrap_app
 
 from . import hypercorn_lean
+
+#: The name of every connection task (asyncio's default, "Task-<n>", is a
+#: string per task); the context of their done callbacks (by default a copy
+#: per callback), which need no context variables.
+_TASK_NAME = "hypercorn connection"
+_CALLBACK_CONTEXT = contextvars.Context()
 
 #: "Nothing": a coroutine that finished (:func:`_step`), a yield handed on (:class:`_Resumed`).
 _NOTHING = object()
@@ -111,10 +118,10 @@ class _Resumed(collections.abc.Coroutine):
 
 class _Worker:
     """What every connection of one worker shares: the app, config, worker
-    context, lifespan state, the live connections (for the graceful
-    shutdown) and the canonical local addresses."""
+    context, lifespan state, the count of open connections and the idle
+    ones (for the graceful shutdown), the canonical local addresses."""
 
-    __slots__ = ("app", "config", "context", "state", "loop", "live", "addresses", "emptied")
+    __slots__ = ("app", "config", "context", "state", "loop", "open", "idle", "addresses", "emptied")
 
     def __init__(self, app: Any, config: Config, context: WorkerContext, state: dict,
                  loop: asyncio.AbstractEventLoop) -> None:
@@ -123,22 +130,23 @@ class _Worker:
         self.context = context
         self.state = state
         self.loop = loop
-        self.live: set[Connection] = set()
+        self.open = 0
+        #: Connections waiting for a request (a keep-alive timer each).
+        self.idle: set[Connection] = set()
         self.addresses: dict[tuple, tuple] = {}
         self.emptied: asyncio.Future | None = None
 
-    def forget(self, conn: "Connection") -> None:
-        self.live.discard(conn)
-        if not self.live and self.emptied is not None and not self.emptied.done():
+    def closed(self) -> None:
+        self.open -= 1
+        if not self.open and self.emptied is not None and not self.emptied.done():
             self.emptied.set_result(None)
 
     async def drain(self, timeout: float) -> None:
         """Close the idle connections, then wait up to ``timeout`` seconds
         for the others to finish their answers and close."""
-        for conn in list(self.live):
-            if conn._idle is not None:
-                conn._idle_timeout()
-        if self.live:
+        for conn in list(self.idle):
+            conn._idle_timeout()
+        if self.open:
             self.emptied = self.loop.create_future()
             try:
                 await asyncio.wait_for(asyncio.shield(self.emptied), timeout)
@@ -154,7 +162,7 @@ class Connection(asyncio.Protocol):
     ``handle()`` that suspends runs on in a task (module docstring)."""
 
     __slots__ = ("worker", "transport", "protocol", "_queued", "_tasks", "_idle", "_drain",
-                 "_writing_paused", "_reading_done", "_lost", "_ssl")
+                 "_writing_paused", "_reading_done", "_lost", "_ended", "_ssl")
 
     def __init__(self, worker: _Worker) -> None:
         self.worker = worker
@@ -162,7 +170,8 @@ class Connection(asyncio.Protocol):
         self.protocol: Any = None
         #: Events that arrived while a handle() is suspended (None: none is).
         self._queued: list[Event] | None = None
-        self._tasks: list[asyncio.Task] | None = None
+        #: Its live tasks: None, one, or a list of several.
+        self._tasks: asyncio.Task | list[asyncio.Task] | None = None
         #: The keep-alive timer while the connection is idle.
         self._idle: asyncio.TimerHandle | None = None
         #: Futures of writes waiting for the transport to resume writing.
@@ -170,6 +179,8 @@ class Connection(asyncio.Protocol):
         self._writing_paused = False
         self._reading_done = False
         self._lost = False
+        #: Lost, and its tasks done: no longer counted open.
+        self._ended = False
         self._ssl = False
 
     # asyncio.Protocol
@@ -177,7 +188,7 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
         worker = self.worker
-        worker.live.add(self)
+        worker.open += 1
         sock = transport.get_extra_info("socket")
         try:
             client = parse_socket_addr(sock.family, sock.getpeername())
@@ -199,7 +210,7 @@ class Connection(asyncio.Protocol):
         if worker.context.terminated.is_set():
             self._idle_timeout()
         elif not self._lost:
-            self._idle = worker.loop.call_later(worker.config.keep_alive_timeout, self._idle_timeout)
+            self._start_idle()
 
     def data_received(self, data: bytes) -> None:
         self._feed(RawData(data))
@@ -293,7 +304,7 @@ class Connection(asyncio.Protocol):
         if not isinstance(exc, OSError):
             self.worker.loop.call_exception_handler(
                 {"message": "hypercorn connection failed", "exception": exc, "protocol": self})
-        for task in self._tasks or ():
+        for task in self._task_list():
             task.cancel()
         self._close()
 
@@ -323,8 +334,7 @@ class Connection(asyncio.Protocol):
                 if self.worker.context.terminated.is_set():
                     self._idle_timeout()
                 else:
-                    self._idle = self.worker.loop.call_later(self.worker.config.keep_alive_timeout,
-                                                             self._idle_timeout)
+                    self._start_idle()
 
     async def _wait_writable(self) -> None:
         fut = self.worker.loop.create_future()
@@ -349,14 +359,19 @@ class Connection(asyncio.Protocol):
             pass
         transport.close()
 
+    def _start_idle(self) -> None:
+        self._idle = self.worker.loop.call_later(self.worker.config.keep_alive_timeout, self._idle_timeout)
+        self.worker.idle.add(self)
+
     def _stop_idle(self) -> None:
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None
+            self.worker.idle.discard(self)
 
     def _idle_timeout(self) -> None:
         # Idle past keep_alive_timeout, or the server is shutting down.
-        self._idle = None
+        self._stop_idle()
         self.transport.close()
 
     def _finish(self) -> None:
@@ -365,7 +380,9 @@ class Connection(asyncio.Protocol):
         if self._tasks or self._queued is not None:
             return
         if self._lost:
-            self.worker.forget(self)
+            if not self._ended:
+                self._ended = True
+                self.worker.closed()
         elif self._reading_done:
             self._close()
 
@@ -396,17 +413,27 @@ class Connection(asyncio.Protocol):
         """Run ``func(*args)`` in a task of this connection: the connection
         closes only once its tasks are done, and they are cancelled if it
         fails."""
-        task = self.worker.loop.create_task(func(*args))
+        task = self.worker.loop.create_task(func(*args), name=_TASK_NAME)
         if self._tasks is None:
-            self._tasks = []
-        self._tasks.append(task)
-        task.add_done_callback(self._task_done)
+            self._tasks = task
+        elif type(self._tasks) is list:
+            self._tasks.append(task)
+        else:
+            self._tasks = [self._tasks, task]
+        task.add_done_callback(self._task_done, context=_CALLBACK_CONTEXT)
         return task
 
+    def _task_list(self) -> list[asyncio.Task]:
+        tasks = self._tasks
+        return [] if tasks is None else tasks if type(tasks) is list else [tasks]
+
     def _task_done(self, task: asyncio.Task) -> None:
-        self._tasks.remove(task)
-        if not self._tasks:
+        if self._tasks is task:
             self._tasks = None
+        else:
+            self._tasks.remove(task)
+            if len(self._tasks) == 1:
+                self._tasks = self._tasks[0]
         if not task.cancelled() and task.exception() is not None:
             self._failed(task.exception())
         self._finish()

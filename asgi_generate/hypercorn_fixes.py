@@ -7,10 +7,10 @@ server (hypercorn 0.18.0; both worker classes), installed by :func:`install`.
    idle task (``_idle_timeout``) sits in that group for
    ``keep_alive_timeout`` seconds. A client that closes an idle keep-alive
    connection ends ``_read_data``, but the socket stays open until the idle
-   task times out. :class:`_TrioTCPServer` stops the idle task once the
-   read loop has ended (and never restarts it), so the socket is closed as
-   soon as the app's task, if any, is done; the asyncio connection of
-   :mod:`asgi_generate.hypercorn_asyncio` does the same.
+   task times out. Our connections (:mod:`asgi_generate.hypercorn_trio`,
+   :mod:`asgi_generate.hypercorn_asyncio`) stop the keep-alive wait once
+   the read loop has ended (and never restart it), so the socket is closed
+   as soon as the app's task, if any, is done.
 
 2. **``Connection: close`` followed by more bytes.** Once a request that
    carries ``Connection: close`` is read, h11 puts the client in
@@ -75,7 +75,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import h11
-from hypercorn.events import Event, RawData, Updated
+from hypercorn.events import RawData
 from hypercorn import protocol
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.protocol import h11 as protocol_h11
@@ -83,29 +83,12 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.events import Body, EndBody
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
-from hypercorn.trio import run as trio_run
 
-from . import hypercorn_asyncio, hypercorn_lean
+from . import hypercorn_asyncio, hypercorn_lean, hypercorn_trio
 from .watchdog import DISCONNECT_WATCH
 
 #: Bytes of empty lines behind a request that do not stop hypercorn reading.
 STRAY_CRLF_BYTES = 4
-
-
-class _TrioTCPServer(hypercorn_lean.TrioTCPServer):
-    """No keep-alive wait once the client is gone (bug 1 above)."""
-
-    _reading_done = False
-
-    async def _read_data(self) -> None:
-        await super()._read_data()  # returns when the client closed or broke the connection
-        self._reading_done = True
-        await self.idle_task.stop()
-
-    async def protocol_send(self, event: Event) -> None:
-        if self._reading_done and isinstance(event, Updated) and event.idle:
-            return  # nobody left to keep alive for
-        await super().protocol_send(event)
 
 
 class _EdgeConnection(h11.Connection):
@@ -276,9 +259,10 @@ def install(send_errors: bool) -> None:
     hypercorn accepts connections: ``asgi_generate.serving`` calls it, and
     so does importing ``asgi_generate.asgi`` under a hypercorn you run.
     Also installs the leaner objects of :mod:`asgi_generate.hypercorn_lean`
-    and the asyncio connection of :mod:`asgi_generate.hypercorn_asyncio`."""
+    and the connections of :mod:`asgi_generate.hypercorn_asyncio` and
+    :mod:`asgi_generate.hypercorn_trio`."""
     hypercorn_lean.install()
     hypercorn_asyncio.install()
-    trio_run.TCPServer = _TrioTCPServer
+    hypercorn_trio.install()
     protocol.H11Protocol = _H11Protocol
     protocol_h11.HTTPStream = _HTTPStream if send_errors else _LazyContinueStream

@@ -32,17 +32,21 @@ trio:
   state with a deque and two ordered dicts, and two channel ends each with a
   set, about 1.6 KB. :class:`TrioAppQueue` keeps lists of items and of
   parked tasks.
-- ``TCPServer._read_data`` (``hypercorn/trio/tcp_server.py``) reads under
-  ``trio.fail_after(read_timeout or inf)``: a cancel scope, its status and
-  a context-manager generator per parked connection, about 1.2 KB, for no
-  deadline at all by default. Without a ``read_timeout`` there is none.
+- A ``trio.Lock`` (a parking lot and its ordered dict, about 340 bytes)
+  guards each connection's writes, another its keep-alive task holder
+  (``TrioSingleTask``, 430 bytes in all), and a ``trio.Event`` behind a
+  wrapper (``EventWrapper``, 360 bytes) is H11Protocol's ``can_read``:
+  :class:`TrioLock`, :class:`TrioSingleTask` and :class:`TrioEvent` keep a
+  list of parked tasks only while one waits.
+- The connection itself (which reads under no deadline without a
+  ``read_timeout``) is :mod:`asgi_generate.hypercorn_trio`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -50,12 +54,8 @@ import trio
 from h11._state import ConnectionState
 from hypercorn.asyncio import run as asyncio_run
 from hypercorn.asyncio.worker_context import WorkerContext
-from hypercorn.events import Closed, RawData
-from hypercorn.trio import tcp_server as trio_tcp_server
-from hypercorn.trio import task_group as trio_task_group
-
-#: Bytes asked of one socket read (hypercorn's ``MAX_RECV``).
-MAX_RECV = 2**16
+from hypercorn.trio import run as trio_run
+from hypercorn.trio import worker_context as trio_worker_context
 
 
 async def _wait(waiters: list[asyncio.Future]) -> None:
@@ -221,29 +221,40 @@ class TrioAppQueue:
     def __init__(self, maxsize: int) -> None:
         self._maxsize = maxsize
         self._items: list[Any] = []
-        self._getters: list = []
-        self._putters: list = []
+        # Lists of parked tasks only while someone waits.
+        self._getters: list | None = None
+        self._putters: list | None = None
 
     async def put(self, item: Any) -> None:
         await trio.lowlevel.checkpoint_if_cancelled()
         while 0 < self._maxsize <= len(self._items):
-            await _park(self._putters)
+            if self._putters is None:
+                self._putters = []
+            await park(self._putters)
+        if not self._putters:
+            self._putters = None
         self._items.append(item)
-        _unpark_one(self._getters)
+        if self._getters:
+            unpark_one(self._getters)
         await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def get(self) -> Any:
         await trio.lowlevel.checkpoint_if_cancelled()
         while not self._items:
-            await _park(self._getters)
+            if self._getters is None:
+                self._getters = []
+            await park(self._getters)
+        if not self._getters:
+            self._getters = None
         item = self._items.pop(0)
-        _unpark_one(self._putters)
+        if self._putters:
+            unpark_one(self._putters)
         await trio.lowlevel.cancel_shielded_checkpoint()
         return item
 
 
-async def _park(tasks: list) -> None:
-    """Sleep in ``tasks`` until :func:`_unpark_one` wakes this task (a
+async def park(tasks: list) -> None:
+    """Sleep in ``tasks`` until :func:`unpark_one` wakes this task (a
     wake-up is final in trio: a task woken is never also cancelled here)."""
     task = trio.lowlevel.current_task()
     tasks.append(task)
@@ -255,45 +266,87 @@ async def _park(tasks: list) -> None:
     await trio.lowlevel.wait_task_rescheduled(abort)
 
 
-def _unpark_one(tasks: list) -> None:
+def unpark_one(tasks: list) -> None:
     if tasks:
         trio.lowlevel.reschedule(tasks.pop(0))
 
 
-class _TrioTaskGroup(trio_task_group.TaskGroup):
-    async def spawn_app(
-        self, app: Any, config: Any, scope: dict, send: Callable[[Any], Awaitable[None]]
-    ) -> Callable[[Any], Awaitable[None]]:
-        # As hypercorn's, with TrioAppQueue for the memory channel.
-        queue = TrioAppQueue(config.max_app_queue_size)
-        self._nursery.start_soon(
-            trio_task_group._handle, app, config, scope, queue.get, send, trio.to_thread.run_sync, trio.from_thread.run
-        )
-        return queue.put
+class TrioLock:
+    """``trio.Lock`` as hypercorn uses it (``async with``; FIFO, a checkpoint,
+    the lock handed to the next waiter on release), with a list of parked
+    tasks only while it is contended."""
 
+    __slots__ = ("_held", "_waiters")
 
-class TrioTCPServer(trio_tcp_server.TCPServer):
-    """hypercorn's trio connection, reading under no deadline when it has no
-    ``read_timeout``."""
+    def __init__(self) -> None:
+        self._held = False
+        self._waiters: list | None = None
 
-    async def _read_data(self) -> None:
-        if self.config.read_timeout is not None:
-            await super()._read_data()
+    async def __aenter__(self) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if not self._held:
+            self._held = True
+            await trio.lowlevel.cancel_shielded_checkpoint()
             return
-        stream = self.stream
-        while True:
-            try:
-                data = await stream.receive_some(MAX_RECV)
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                break
-            await self.protocol.handle(RawData(bytes(data)))
-            if not data:
-                break
-        await self.protocol.handle(Closed())
+        if self._waiters is None:
+            self._waiters = []
+        await park(self._waiters)  # woken holding the lock
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._waiters:
+            unpark_one(self._waiters)
+        else:
+            self._held = False
+            self._waiters = None
+
+
+class TrioEvent:
+    """hypercorn's trio ``IOEvent`` (``EventWrapper``) on a list of parked
+    tasks: ``wait`` is a checkpoint, ``set`` wakes every waiter, ``clear``
+    lets the next ``wait`` park."""
+
+    __slots__ = ("_set", "_waiters")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiters: list | None = None
+
+    async def clear(self) -> None:
+        self._set = False
+
+    async def wait(self) -> None:
+        if self._set:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._waiters is None:
+            self._waiters = []
+        await park(self._waiters)
+
+    async def set(self) -> None:
+        self._set = True
+        waiters, self._waiters = self._waiters, None
+        for task in waiters or ():
+            trio.lowlevel.reschedule(task)
+
+    def is_set(self) -> bool:
+        return self._set
+
+
+class TrioSingleTask(trio_worker_context.TrioSingleTask):
+    """hypercorn's keep-alive task holder with a :class:`TrioLock`."""
+
+    def __init__(self) -> None:
+        self._handle = None
+        self._lock = TrioLock()
+
+
+class _TrioWorkerContext(trio_worker_context.WorkerContext):
+    event_class = TrioEvent
 
 
 def install() -> None:
-    """Make hypercorn's worker classes use the lean classes (idempotent);
-    :mod:`asgi_generate.hypercorn_fixes` subclasses the TCP servers."""
+    """Make hypercorn's worker contexts use the lean events (idempotent);
+    the connections of :mod:`asgi_generate.hypercorn_asyncio` and
+    :mod:`asgi_generate.hypercorn_trio` use the rest."""
     asyncio_run.WorkerContext = _AsyncioWorkerContext
-    trio_tcp_server.TaskGroup = _TrioTaskGroup
+    trio_run.WorkerContext = _TrioWorkerContext

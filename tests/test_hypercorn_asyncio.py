@@ -101,7 +101,7 @@ async def settle() -> None:
 def test_a_suspended_handle_keeps_order_and_pauses_reading():
     async def main() -> None:
         conn, transport, proto, worker = connect()
-        assert worker.live == {conn}
+        assert (worker.open, worker.idle) == (1, {conn})  # idle until its first request
         conn.data_received(b"a")  # finishes in the callback: no task
         assert proto.log == ["start a", "end a"]
         assert (conn._tasks, transport.calls) == (None, [])
@@ -110,7 +110,7 @@ def test_a_suspended_handle_keeps_order_and_pauses_reading():
         conn.data_received(b"b")
         assert proto.log[2:] == ["start b"]
         assert transport.calls == ["pause_reading"]
-        assert len(conn._tasks) == 1
+        assert isinstance(conn._tasks, asyncio.Task)  # one task: the rest of b's handle()
         conn.data_received(b"c")  # arrived before the pause took: queued behind b
         conn.data_received(b"d")
         await settle()
@@ -130,7 +130,7 @@ def test_a_suspended_handle_keeps_order_and_pauses_reading():
         assert proto.log[-4:] == ["start EOF", "end EOF", "start Closed", "end Closed"]
         assert transport.calls == ["pause_reading", "resume_reading", "write_eof", "close"]
         conn.connection_lost(None)
-        assert worker.live == set()
+        assert (worker.open, worker.idle) == (0, set())
         assert proto.log.count("start Closed") == 1
 
     asyncio.run(main())
@@ -143,12 +143,12 @@ def test_the_end_of_stream_waits_behind_a_suspended_handle():
         conn.data_received(b"b")
         conn.connection_lost(ConnectionResetError())
         assert proto.log == ["start b"]
-        assert worker.live == {conn}  # its task still runs
+        assert worker.open == 1  # its task still runs
         gate.set_result(1)
         await settle()
         assert proto.log == ["start b", "got 1", "end b", "start EOF", "end EOF", "start Closed", "end Closed"]
         assert transport.calls == ["pause_reading"]  # no resume once the stream ended
-        assert (conn._tasks, worker.live) == (None, set())
+        assert (conn._tasks, worker.open) == (None, 0)
 
     asyncio.run(main())
 
@@ -177,7 +177,7 @@ def test_a_suspended_handle_is_cancelled_with_its_connection():
         conn, transport, proto, _worker = connect()
         proto.gates["b"] = asyncio.get_running_loop().create_future()
         conn.data_received(b"b")
-        (task,) = conn._tasks
+        task = conn._tasks
         task.cancel()
         await settle()
         assert proto.log == ["start b", "cancelled b"]
@@ -217,14 +217,15 @@ def test_writes_wait_while_the_transport_is_paused_and_a_lost_one_is_closed():
 def test_keep_alive_timer_only_while_idle():
     async def main() -> None:
         conn, transport, proto, worker = connect(keep_alive=0.05)
-        assert conn._idle is not None  # a new connection waits for its first request
+        assert worker.idle == {conn}  # a new connection waits for its first request
         await conn.send(Updated(idle=False))  # a request is being served
-        assert conn._idle is None
+        assert (conn._idle, worker.idle) == (None, set())
         await asyncio.sleep(0.1)
         assert transport.calls == []
         await conn.send(Updated(idle=True))
+        assert worker.idle == {conn}
         await asyncio.sleep(0.1)
-        assert transport.calls == ["close"]
+        assert (transport.calls, worker.idle) == (["close"], set())
         await conn.send(Closed())  # closing twice is closing once
         assert transport.calls == ["close"]
 

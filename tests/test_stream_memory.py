@@ -20,7 +20,7 @@ import trio
 import trio.testing
 
 from asgi_generate.codec import Attempt, dumps_compact
-from asgi_generate.hypercorn_lean import AppQueue, LeanEvent, TrioAppQueue
+from asgi_generate.hypercorn_lean import AppQueue, LeanEvent, TrioAppQueue, TrioEvent, TrioLock
 from asgi_generate.token_ids import pack_token_ids
 from asgi_generate.watchdog import Watchdog
 from asgi_generate.workers import sockets
@@ -371,6 +371,62 @@ def test_trio_app_queue_is_fifo_bounded_and_cancellation_safe():
         return seen
 
     assert trio.run(main) == [False, 1, True, 2, 3, True, 4, [5, 6], []]
+
+
+def test_trio_lock_is_fifo_handed_over_and_cancellation_safe():
+    async def main() -> list:
+        lock, log = TrioLock(), []
+
+        async def hold(name: str, entered: trio.Event | None = None) -> None:
+            async with lock:
+                log.append(f"in {name}")
+                if entered is not None:
+                    entered.set()
+                await trio.sleep(0.01)
+                log.append(f"out {name}")
+
+        async with trio.open_nursery() as nursery:
+            first = trio.Event()
+            nursery.start_soon(hold, "a", first)
+            await first.wait()
+            nursery.start_soon(hold, "b")
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.move_on_after(0.001) as scope:  # a waiter cancelled never holds it
+                await hold("cancelled")
+            log.append(f"cancelled caught {scope.cancelled_caught}")
+            nursery.start_soon(hold, "c")
+        log.append((lock._held, lock._waiters))
+        return log
+
+    assert trio.run(main) == ["in a", "cancelled caught True", "out a", "in b", "out b", "in c", "out c",
+                              (False, None)]
+
+
+def test_trio_event_wakes_every_waiter_and_is_a_checkpoint():
+    async def main() -> list:
+        ev, woken = TrioEvent(), []
+
+        async def wait(i: int) -> None:
+            await ev.wait()
+            woken.append(i)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(wait, i)
+            await trio.testing.wait_all_tasks_blocked()
+            before = list(woken)
+            await ev.set()
+        seen = [before, sorted(woken), ev.is_set(), ev._waiters]
+        with trio.CancelScope() as scope:  # set, yet a checkpoint: a cancelled caller is cancelled
+            scope.cancel()
+            await ev.wait()
+        seen.append(scope.cancelled_caught)
+        await ev.clear()
+        with trio.move_on_after(0.01) as scope:  # cleared: waits again
+            await ev.wait()
+        return seen + [scope.cancelled_caught, ev._waiters]
+
+    assert trio.run(main) == [[], [0, 1, 2], True, None, True, True, []]
 
 
 def test_lean_event_wakes_every_waiter():

@@ -1,0 +1,169 @@
+"""hypercorn's trio connection (hypercorn 0.18.0, ``TCPServer`` in
+``hypercorn/trio/tcp_server.py``) in one task with no nursery of its own,
+installed by :func:`install` (from :func:`asgi_generate.hypercorn_fixes.install`).
+
+hypercorn runs each connection's task under a nursery of its own (its trio
+``TaskGroup``) for the app call and the keep-alive task: a nursery, its
+cancel scope and a cancel status holding two sets, about 1.5 KB of every
+open SSE stream, and three coroutine frames deep in reading (``run``,
+``_read_data``, a subclass's). :class:`TCPServer` starts those tasks in the
+nursery that runs the connection itself (trio's ``serve_listeners`` handler
+nursery, which hypercorn's graceful shutdown already waits on, with its
+deadline), counts them, and waits for them before it closes the socket, as
+hypercorn's nursery did; it reads in ``run``'s own frame.
+
+Kept from hypercorn: the TLS handshake and its timeout, ALPN and the h2
+protocols (hypercorn's ``ProtocolWrapper``), ``read_timeout`` when set, the
+keep-alive task, the send lock, ``Closed`` for writes that fail, and (bug 1
+of :mod:`asgi_generate.hypercorn_fixes`) no keep-alive wait once the client's
+end of stream is read. Changed: a connection whose reading fails with an
+``OSError`` tells its protocol it is ``Closed`` (the app sees the
+disconnect) instead of cancelling the app's task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.protocol import ProtocolWrapper
+from hypercorn.trio import run as trio_run
+from hypercorn.trio import tcp_server as trio_tcp_server
+from hypercorn.utils import parse_socket_addr
+
+from . import hypercorn_lean
+
+#: Bytes asked of one socket read (hypercorn's ``MAX_RECV``).
+MAX_RECV = 2**16
+
+
+class TCPServer(trio_tcp_server.TCPServer):
+    """One client connection on trio, and the task group its protocol
+    starts the app calls in (module docstring)."""
+
+    def __init__(self, app: Any, config: Any, context: Any, state: Any, stream: Any) -> None:
+        # hypercorn's attributes, with hypercorn_lean's lock and keep-alive task holder.
+        self.app = app
+        self.config = config
+        self.context = context
+        self.state = state
+        self.stream = stream
+        self.protocol: ProtocolWrapper | None = None
+        self.send_lock = hypercorn_lean.TrioLock()
+        self.idle_task = hypercorn_lean.TrioSingleTask()
+        self._task_group = self
+        self._nursery: trio.Nursery | None = None
+        self._running = 0
+        self._waiters: list | None = None
+        self._reading_done = False
+
+    async def run(self) -> None:
+        stream = self.stream
+        if isinstance(stream, trio.SSLStream):
+            try:
+                with trio.fail_after(self.config.ssl_handshake_timeout):
+                    await stream.do_handshake()
+            except (trio.BrokenResourceError, trio.TooSlowError):
+                return  # handshake failed (hypercorn's own handling)
+            alpn, sock, ssl = stream.selected_alpn_protocol(), stream.transport_stream.socket, True
+        else:
+            alpn, sock, ssl = "http/1.1", stream.socket, False
+        self._nursery = trio.lowlevel.current_task().parent_nursery
+        try:
+            client = parse_socket_addr(sock.family, sock.getpeername())
+            server = parse_socket_addr(sock.family, sock.getsockname())
+            self.protocol = ProtocolWrapper(self.app, self.config, self.context, self, self.state, ssl,
+                                            client, server, self.protocol_send, alpn)
+            await self.protocol.initiate()
+            await self.idle_task.restart(self, self._idle_timeout)
+            timeout = self.config.read_timeout
+            while True:
+                try:
+                    if timeout is None:
+                        data = await stream.receive_some(MAX_RECV)
+                    else:
+                        with trio.fail_after(timeout):
+                            data = await stream.receive_some(MAX_RECV)
+                except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+                    break
+                await self.protocol.handle(RawData(bytes(data)))
+                if not data:
+                    break
+            await self.protocol.handle(Closed())
+            self._reading_done = True
+            await self.idle_task.stop()
+            await self._tasks_done()
+        except OSError:
+            if self.protocol is not None:
+                await self.protocol.handle(Closed())
+        finally:
+            await self._close()
+
+    async def protocol_send(self, event: Event) -> None:
+        if self._reading_done and isinstance(event, Updated) and event.idle:
+            return  # nobody left to keep alive for (bug 1)
+        await super().protocol_send(event)
+
+    # hypercorn's trio TaskGroup, on the connection's parent nursery
+
+    async def spawn_app(self, app: Any, config: Any, scope: dict,
+                        send: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+        """hypercorn's ``TaskGroup.spawn_app`` with
+        :class:`asgi_generate.hypercorn_lean.TrioAppQueue` for its memory
+        channel."""
+        queue = hypercorn_lean.TrioAppQueue(config.max_app_queue_size)
+        call = app(scope, queue.get, send, trio.to_thread.run_sync, trio.from_thread.run)
+        self._running += 1
+        self._nursery.start_soon(self._call_app, call, send)
+        return queue.put
+
+    def spawn(self, func: Callable, *args: Any) -> None:
+        """Run ``func(*args)`` in a task the connection waits for before it
+        closes."""
+        self._running += 1
+        self._nursery.start_soon(self._counted, func, args)
+
+    async def _counted(self, func: Callable, args: tuple) -> None:
+        try:
+            await func(*args)
+        finally:
+            self._task_ended()
+
+    async def _call_app(self, call: Awaitable[None], send: Callable[[Any], Awaitable[None]]) -> None:
+        # hypercorn's trio _handle (hypercorn/trio/task_group.py) with the app
+        # called already: one frame fewer for as long as the request lives.
+        try:
+            try:
+                await call
+            except trio.Cancelled:
+                raise
+            except BaseExceptionGroup as error:
+                _, other_errors = error.split(trio.Cancelled)
+                if other_errors is None:
+                    raise
+                await self.config.log.exception("Error in ASGI Framework")
+            except Exception:
+                await self.config.log.exception("Error in ASGI Framework")
+            finally:
+                await send(None)
+        finally:
+            self._task_ended()
+
+    def _task_ended(self) -> None:
+        self._running -= 1
+        if not self._running and self._waiters:
+            hypercorn_lean.unpark_one(self._waiters)
+
+    async def _tasks_done(self) -> None:
+        while self._running:
+            if self._waiters is None:
+                self._waiters = []
+            await hypercorn_lean.park(self._waiters)
+
+
+def install() -> None:
+    """Make hypercorn's trio worker serve connections with :class:`TCPServer`
+    (idempotent)."""
+    trio_run.TCPServer = TCPServer
