@@ -218,7 +218,8 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--sse-keepalive", type=float, default=d.sse_keepalive,
                        help="seconds of stream silence before a keep-alive comment; 0 = never (default %(default)s)")
     serve.add_argument("--abort-timeout", type=float, default=d.abort_timeout,
-                       help="seconds to wait for an engine's abort acknowledgement, per try (default %(default)s)")
+                       help="seconds an engine has to answer an abort request; a slow one is never re-sent, "
+                            "a non-200 answer is retried (default %(default)s)")
     serve.add_argument("--abort-concurrency", type=int, default=d.abort_concurrency,
                        help="abort requests in flight at once per worker, each on its own kept-alive "
                             "connection (default %(default)s)")

@@ -102,8 +102,9 @@ class Settings:
             of the rotation and end its in-flight requests.
         sse_keepalive: seconds of silence before an SSE keep-alive comment
             (0 disables them).
-        abort_timeout: seconds to wait for an engine's abort acknowledgement,
-            per try (three tries, with backoff).
+        abort_timeout: seconds an engine has to accept and answer an abort
+            request; an unanswered one is unacknowledged, never re-sent (a
+            non-200 answer is retried: three tries, with backoff).
         abort_concurrency: abort requests in flight at once per worker, each
             on its own kept-alive connection apart from generate and probe
             connections (see :mod:`asgi_generate.workers.aborts`).
@@ -182,7 +183,7 @@ class Settings:
     health_timeout: float = 30.0
     health_failures: int = 3
     sse_keepalive: float = 15.0
-    abort_timeout: float = 2.0
+    abort_timeout: float = 10.0
     abort_concurrency: int = 8
     abort_queue_size: int = 16384
     abort_batch: int = 512

@@ -1,6 +1,7 @@
 """The per-worker abort queue against real simulators: batching where the
 engine takes a list, bounded connections, a bounded queue, a deadline, and
-no retries against a worker known dead."""
+no retries against a worker known dead; against a scripted engine: a non-200
+answer is retried, a slow one is never sent twice."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import socket
 import time
 
 import anyio
+import h11
 import pytest
 from anyio import wait_all_tasks_blocked
 
@@ -149,3 +151,62 @@ def test_a_worker_marked_down_gets_no_abort(sims):
     assert anyio.run(_abort_all, queue, _ids(3, "m")) == ["lost"] * 3
     assert (queue.requests, queue.pool.opened) == (0, 0)
     assert stats(sim)["abort_requests"] == before
+
+
+async def _scripted_engine(answers: list[int | None], *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+    """A loopback engine that answers its n-th request with status
+    ``answers[n]`` (``None``: never answers); reports ``(port, requests)``,
+    ``requests`` the bodies it got, in order."""
+    requests: list[bytes] = []
+
+    async def serve(stream) -> None:
+        conn = h11.Connection(h11.SERVER)
+        async with stream:
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(await stream.receive())
+                elif isinstance(event, h11.Data):
+                    requests.append(bytes(event.data))
+                elif isinstance(event, h11.EndOfMessage):
+                    status = answers[len(requests) - 1]
+                    if status is None:
+                        await anyio.sleep_forever()
+                    await stream.send(conn.send(h11.Response(status_code=status, headers=[("content-length", "0")]))
+                                      + conn.send(h11.EndOfMessage()))
+                    conn.start_next_cycle()
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    task_status.started((listener.extra(anyio.abc.SocketAttribute.local_port), requests))
+    await listener.serve(serve)
+
+
+def _against_script(answers: list[int | None], timeout: float) -> tuple[str, list[bytes], AbortQueue, float]:
+    async def main():
+        async with anyio.create_task_group() as tg:
+            port, requests = await tg.start(_scripted_engine, answers)
+            queue = AbortQueue(_worker("sglang", port), concurrency=1, timeout=timeout)
+            t0 = time.monotonic()
+            (result,) = await _abort_all(queue, ["r" * 32])
+            took = time.monotonic() - t0
+            tg.cancel_scope.cancel()
+        return result, requests, queue, took
+
+    return anyio.run(main)
+
+
+def test_a_non_200_answer_is_retried_on_the_same_connection():
+    result, requests, queue, _ = _against_script([503, 503, 200], timeout=5)
+    assert result == "acked"
+    assert requests == [b'{"rid":"' + b"r" * 32 + b'"}'] * 3
+    assert (queue.requests, queue.pool.opened) == (3, 1)
+
+
+def test_an_abort_the_engine_is_slow_to_answer_is_never_sent_twice():
+    # Slow is not dead: past the timeout the abort is unacknowledged, and the
+    # engine, which has it, gets no copy (a retry used to resend it twice).
+    result, requests, queue, took = _against_script([None, 200, 200], timeout=0.3)
+    assert result == "unacknowledged"
+    assert requests == [b'{"rid":"' + b"r" * 32 + b'"}']
+    assert (queue.requests, queue.pool.opened) == (1, 1)
+    assert 0.3 <= took < 1.0

@@ -101,10 +101,7 @@ async def _storm(protocol: str, sim, fe) -> None:
 def test_abort_storm(worker_class, protocol):
     raise_fd_limit()
     sim = start_sim(protocol, itl_ms=60_000)
-    # A batch of 512 vLLM aborts can take the simulator more than the default
-    # 2 s on a machine loaded by other test runs; its retry would name those
-    # ids twice. Retries have their own test (test_disconnect.py).
-    fe = start_frontend([f"{protocol}={sim.url}"], worker_class=worker_class, extra=["--abort-timeout", "10"])
+    fe = start_frontend([f"{protocol}={sim.url}"], worker_class=worker_class)
     try:
         asyncio.run(_storm(protocol, sim, fe))
         # Once the sim drops the aborted legs, nothing of theirs runs on.

@@ -167,8 +167,9 @@ def test_slow_reader_is_cut_off_and_the_engine_aborted(worker_class, items):
 
 
 def test_unacknowledged_abort_is_counted_and_recorded(tmp_path):
-    """The engine freezes mid-stream and the client leaves: the abort is
-    retried, then reported (counter, record) instead of hanging the handler."""
+    """The engine freezes mid-stream and the client leaves: the abort, sent
+    once (a slow engine gets no copy), is reported unanswered after
+    ``--abort-timeout`` (counter, record) instead of hanging the handler."""
     import signal
 
     sim = start_sim(itl_ms=50)
@@ -184,6 +185,8 @@ def test_unacknowledged_abort_is_counted_and_recorded(tmp_path):
         wait_until(lambda: httpx.get(fe.url + "/stats").json()["aborts_unacknowledged"] == 1, timeout=10)
         fe_stats = httpx.get(fe.url + "/stats").json()
         assert (fe_stats["aborts_sent"], fe_stats["by_status"]) == (1, {"client_disconnect": 1})
+        (worker,) = fe_stats["workers"].values()
+        assert (worker["aborts"]["requests"], worker["state"]) == (1, "up")
     finally:
         sim.proc.send_signal(signal.SIGCONT)
         fe.stop()

@@ -19,8 +19,11 @@ engine. So each worker gets one :class:`AbortQueue`:
   SGLang's ``POST /abort_request`` takes one ``rid`` (or ``abort_all``)
   (``sglang/srt/entrypoints/http_server.py``, ``abort_request`` with an
   ``AbortReq``), so one id per request there;
-- a try that times out or is answered with a non-200 status is retried with
-  backoff, :data:`ABORT_TRIES` tries in all;
+- a try answered with a non-200 status is retried with backoff,
+  :data:`ABORT_TRIES` tries in all; a try the engine has not answered
+  within ``timeout`` ends unacknowledged and is never sent again: slow is
+  not dead, the engine has the request, and a copy would only add to the
+  load of an engine already slow to answer (and name the ids twice);
 - a refused connect or a broken connection means the worker is lost: that
   batch and everything queued behind it end at once as ``lost``, the worker
   is reported (``on_lost``: the router takes it out of the rotation and
@@ -46,7 +49,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("asgi_generate.aborts")
 
-#: Sends of one abort request before it counts as unacknowledged.
+#: Sends of one abort request answered with a non-200 status before it
+#: counts as unacknowledged (an unanswered one is sent once).
 ABORT_TRIES = 3
 #: Seconds before the first retry; each next one waits four times longer.
 FIRST_BACKOFF = 0.05
@@ -81,7 +85,8 @@ class AbortQueue:
             kept-alive connection (at least 1).
         queue_size: aborts that may wait; more are refused as unacknowledged.
         batch: engine ids per request where the route takes a list.
-        timeout: seconds per try (connect and answer).
+        timeout: seconds a try has to connect and be answered; past them
+            the abort is unacknowledged (not re-sent).
         deadline: seconds a caller waits for the answer, queueing included.
         on_lost: called with ``(worker, reason)`` when a connect is refused
             or a connection breaks.
@@ -221,11 +226,15 @@ class AbortQueue:
                 self._lose([])
                 return LOST
             except (TimedOut, TimeoutError):
-                pass
+                # Slow is not dead: an engine this slow to accept or answer
+                # gets no copy to add to its load; it may yet act on this one.
+                log.warning("worker %s did not answer the abort of %d request(s) within %g s",
+                            self.worker.id, len(batch), self.timeout)
+                return UNACKNOWLEDGED
             if tries < ABORT_TRIES:
                 await anyio.sleep(delay)
                 delay *= 4
-        log.warning("worker %s did not acknowledge the abort of %d request(s)", self.worker.id, len(batch))
+        log.warning("worker %s refused the abort of %d request(s) %d times", self.worker.id, len(batch), ABORT_TRIES)
         return UNACKNOWLEDGED
 
     def stats(self) -> dict:
