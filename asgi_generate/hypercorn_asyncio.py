@@ -7,9 +7,11 @@ command runs the app.
 hypercorn serves each connection with a ``StreamReader``/``StreamWriter``
 pair (``asyncio.start_server`` in ``hypercorn/asyncio/run.py``) and a task
 that loops reading it (``TCPServer`` in ``hypercorn/asyncio/tcp_server.py``),
-under an ``asyncio.TaskGroup``, with a send lock and a keep-alive task: about
-5 KB of every open SSE stream, parked in suspended frames
-(bench/bench_streams.py, its README section). :class:`Connection` is the
+under an ``asyncio.TaskGroup``, with a send lock and a keep-alive task. With
+:class:`Connection` instead (and :mod:`asgi_generate.hypercorn_lean`'s
+objects), the client connection's Python allocations per open SSE stream
+went from 12.6 to 6.6 KB (bench/bench_streams.py; bench/README.md, "The
+client connection"). :class:`Connection` is the
 same connection as a protocol: the transport calls it with the bytes read,
 it writes with ``transport.write`` and waits only while the transport has
 paused writing (a full socket buffer). hypercorn's protocol classes
@@ -44,7 +46,6 @@ import contextvars
 import platform
 import random
 import signal
-import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -58,7 +59,7 @@ from hypercorn.config import Config, Sockets
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H2CProtocolRequiredError, H2ProtocolAssumedError
-from hypercorn.utils import ShutdownError, parse_socket_addr, raise_shutdown, repr_socket_addr, wrap_app
+from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
 
 from . import hypercorn_lean
 
@@ -119,9 +120,9 @@ class _Resumed(collections.abc.Coroutine):
 class _Worker:
     """What every connection of one worker shares: the app, config, worker
     context, lifespan state, the count of open connections and the idle
-    ones (for the graceful shutdown), the canonical local addresses."""
+    ones (for the graceful shutdown)."""
 
-    __slots__ = ("app", "config", "context", "state", "loop", "open", "idle", "addresses", "emptied")
+    __slots__ = ("app", "config", "context", "state", "loop", "open", "idle", "emptied")
 
     def __init__(self, app: Any, config: Config, context: WorkerContext, state: dict,
                  loop: asyncio.AbstractEventLoop) -> None:
@@ -133,7 +134,6 @@ class _Worker:
         self.open = 0
         #: Connections waiting for a request (a keep-alive timer each).
         self.idle: set[Connection] = set()
-        self.addresses: dict[tuple, tuple] = {}
         self.emptied: asyncio.Future | None = None
 
     def closed(self) -> None:
@@ -189,17 +189,11 @@ class Connection(asyncio.Protocol):
         self.transport = transport
         worker = self.worker
         worker.open += 1
-        sock = transport.get_extra_info("socket")
         try:
-            client = parse_socket_addr(sock.family, sock.getpeername())
-            here = parse_socket_addr(sock.family, sock.getsockname())
+            client, here = hypercorn_lean.socket_addresses(transport.get_extra_info("socket"))
         except OSError:  # the client is gone already
             transport.abort()
             return
-        if client is not None:
-            client = (sys.intern(client[0]), client[1])
-        if here is not None:
-            here = worker.addresses.setdefault(here, here)
         ssl_object = transport.get_extra_info("ssl_object")
         self._ssl = ssl_object is not None
         alpn = ssl_object.selected_alpn_protocol() if self._ssl else "http/1.1"

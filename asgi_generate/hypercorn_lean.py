@@ -24,6 +24,8 @@ both:
 - h11 keeps an empty ``set`` of protocol-switch proposals per connection,
   and makes a new one for every response: :class:`LeanConnectionState`
   shares one empty frozenset.
+- The scope's ``client`` and ``server`` tuples: :func:`socket_addresses`
+  interns the client's host and shares one server tuple per local address.
 
 trio:
 
@@ -45,6 +47,7 @@ trio:
 from __future__ import annotations
 
 import asyncio
+import sys
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -55,6 +58,7 @@ from h11._state import ConnectionState
 from hypercorn.asyncio import run as asyncio_run
 from hypercorn.asyncio.worker_context import WorkerContext
 from hypercorn.trio import run as trio_run
+from hypercorn.utils import parse_socket_addr
 from hypercorn.trio import worker_context as trio_worker_context
 
 
@@ -204,6 +208,33 @@ class LeanConnectionState(ConnectionState):
     def process_client_switch_proposal(self, switch_event) -> None:
         self._proposals = self._proposals | {switch_event}
         self._fire_state_triggered_transitions()
+
+
+#: Local addresses kept to be shared (a server listens on few).
+LOCAL_ADDRESSES_KEPT = 64
+_local_addresses: dict[tuple, tuple] = {}
+
+
+def socket_addresses(sock: Any) -> tuple[tuple | None, tuple | None]:
+    """The scope's ``client`` and ``server`` of a connected socket, as
+    hypercorn's ``parse_socket_addr`` gives them, with the client's host
+    string interned and the server's tuple shared by every connection to
+    the same local address (a tuple and a string fewer per connection).
+
+    Raises:
+        OSError: the socket is no longer connected.
+    """
+    client = parse_socket_addr(sock.family, sock.getpeername())
+    server = parse_socket_addr(sock.family, sock.getsockname())
+    if client is not None:
+        client = (sys.intern(client[0]), client[1])
+    if server is not None:
+        shared = _local_addresses.get(server)
+        if shared is not None:
+            server = shared
+        elif len(_local_addresses) < LOCAL_ADDRESSES_KEPT:
+            _local_addresses[server] = server
+    return client, server
 
 
 class _AsyncioWorkerContext(WorkerContext):

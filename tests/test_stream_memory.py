@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import math
 import socket
+import sys
 import time
 import tracemalloc
 
@@ -20,7 +21,7 @@ import trio
 import trio.testing
 
 from asgi_generate.codec import Attempt, dumps_compact
-from asgi_generate.hypercorn_lean import AppQueue, LeanEvent, TrioAppQueue, TrioEvent, TrioLock
+from asgi_generate.hypercorn_lean import AppQueue, LeanEvent, TrioAppQueue, TrioEvent, TrioLock, socket_addresses
 from asgi_generate.token_ids import pack_token_ids
 from asgi_generate.watchdog import Watchdog
 from asgi_generate.workers import sockets
@@ -427,6 +428,23 @@ def test_trio_event_wakes_every_waiter_and_is_a_checkpoint():
         return seen + [scope.cancelled_caught, ev._waiters]
 
     assert trio.run(main) == [[], [0, 1, 2], True, None, True, True, []]
+
+
+def test_socket_addresses_share_the_server_tuple_and_intern_the_host():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        accepted = [listener.accept()[0] for _ in clients]
+        try:
+            (c1, s1), (c2, s2) = (socket_addresses(sock) for sock in accepted)
+            ports = [sock.getsockname()[1] for sock in clients]
+        finally:
+            for sock in clients + accepted:
+                sock.close()
+    assert (s1, s2) == (("127.0.0.1", port), ("127.0.0.1", port))
+    assert s1 is s2  # one tuple for every connection to that address
+    assert (c1, c2) == (("127.0.0.1", ports[0]), ("127.0.0.1", ports[1]))
+    assert c1[0] is c2[0] is sys.intern("127.0.0.1")
 
 
 def test_lean_event_wakes_every_waiter():
