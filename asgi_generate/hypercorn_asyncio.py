@@ -49,7 +49,6 @@ import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from hypercorn import protocol as hc_protocol
 from hypercorn.asyncio import run as asyncio_run
 from hypercorn.asyncio.lifespan import Lifespan
 from hypercorn.asyncio.statsd import StatsdLogger
@@ -57,8 +56,6 @@ from hypercorn.asyncio.udp_server import UDPServer
 from hypercorn.asyncio.worker_context import WorkerContext
 from hypercorn.config import Config, Sockets
 from hypercorn.events import Closed, Event, RawData, Updated
-from hypercorn.protocol.h2 import H2Protocol
-from hypercorn.protocol.h11 import H2CProtocolRequiredError, H2ProtocolAssumedError
 from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
 
 from . import hypercorn_lean
@@ -197,9 +194,7 @@ class Connection(asyncio.Protocol):
         ssl_object = transport.get_extra_info("ssl_object")
         self._ssl = ssl_object is not None
         alpn = ssl_object.selected_alpn_protocol() if self._ssl else "http/1.1"
-        cls = H2Protocol if alpn == "h2" else hc_protocol.H11Protocol
-        self.protocol = cls(worker.app, worker.config, worker.context, self, worker.state, self._ssl,
-                            client, here, self.send)
+        self.protocol = hypercorn_lean.new_protocol(alpn, worker, self, self._ssl, client, here, self.send)
         self._run(self.protocol.initiate())
         if worker.context.terminated.is_set():
             self._idle_timeout()
@@ -278,20 +273,8 @@ class Connection(asyncio.Protocol):
         self._queued = None
         self._finish()
 
-    async def _handle(self, event: Event) -> None:
-        # hypercorn's ProtocolWrapper.handle: HTTP/1.1 turning into h2.
-        try:
-            await self.protocol.handle(event)
-        except (H2ProtocolAssumedError, H2CProtocolRequiredError) as error:
-            worker = self.worker
-            self.protocol = H2Protocol(worker.app, worker.config, worker.context, self, worker.state,
-                                       self._ssl, self.protocol.client, self.protocol.server, self.send)
-            if isinstance(error, H2CProtocolRequiredError):
-                await self.protocol.initiate(error.headers, error.settings)
-            else:
-                await self.protocol.initiate()
-            if error.data != b"":
-                await self.protocol.handle(RawData(data=error.data))
+    def _handle(self, event: Event) -> Coroutine:
+        return hypercorn_lean.handle(self, event, self.worker, self._ssl, self.send)
 
     def _failed(self, exc: BaseException) -> None:
         # As a failing TCPServer.run: the app calls cancelled, the socket closed.

@@ -85,6 +85,7 @@ from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
 from . import hypercorn_asyncio, hypercorn_lean, hypercorn_trio
+from .h11_state import LeanConnectionState
 from .watchdog import DISCONNECT_WATCH
 
 #: Bytes of empty lines behind a request that do not stop hypercorn reading.
@@ -100,7 +101,7 @@ class _EdgeConnection(h11.Connection):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._cstate = hypercorn_lean.LeanConnectionState()
+        self._cstate = LeanConnectionState()
 
     @property
     def they_are_waiting_for_100_continue(self) -> bool:
@@ -146,7 +147,8 @@ class _LazyContinue:
     the protocol for the ``100 Continue`` (bug 4 above). A plain call that
     returns the app's coroutine: no frame of its own stays alive for as
     long as the request does, nor one of hypercorn's ``ASGIWrapper`` (its
-    ``__call__`` only awaits the app)."""
+    ``__call__`` only awaits the app), nor (through its ``dispatch``) one of
+    :class:`asgi_generate.app.App`'s."""
 
     __slots__ = ("app", "stream")
 
@@ -158,7 +160,10 @@ class _LazyContinue:
         scope.setdefault("extensions", {})[DISCONNECT_WATCH] = self.stream.watch_disconnect
         receive = _FirstReceive(self.stream, receive)
         if type(self.app) is ASGIWrapper:
-            return self.app.app(scope, receive, send)
+            app = self.app.app
+            # App's dispatch: the handler's coroutine itself, no frame of App's.
+            dispatch = getattr(app, "dispatch", app)
+            return dispatch(scope, receive, send)
         return self.app(scope, receive, send, sync_spawn, call_soon)
 
 

@@ -22,8 +22,9 @@ asyncio:
 both:
 
 - h11 keeps an empty ``set`` of protocol-switch proposals per connection,
-  and makes a new one for every response: :class:`LeanConnectionState`
-  shares one empty frozenset.
+  and makes a new one for every response:
+  :class:`asgi_generate.h11_state.LeanConnectionState` shares one empty
+  frozenset.
 - The scope's ``client`` and ``server`` tuples: :func:`socket_addresses`
   interns the client's host and shares one server tuple per local address.
 
@@ -54,9 +55,12 @@ from functools import partial
 from typing import Any
 
 import trio
-from h11._state import ConnectionState
+from hypercorn import protocol as hc_protocol
 from hypercorn.asyncio import run as asyncio_run
 from hypercorn.asyncio.worker_context import WorkerContext
+from hypercorn.events import Event, RawData
+from hypercorn.protocol.h2 import H2Protocol
+from hypercorn.protocol.h11 import H2CProtocolRequiredError, H2ProtocolAssumedError
 from hypercorn.trio import run as trio_run
 from hypercorn.utils import parse_socket_addr
 from hypercorn.trio import worker_context as trio_worker_context
@@ -187,29 +191,6 @@ def loop_calls(loop: asyncio.AbstractEventLoop) -> _LoopCalls:
     return calls
 
 
-#: The empty set of switch proposals every :class:`LeanConnectionState` starts with.
-_NO_PROPOSALS: frozenset = frozenset()
-
-
-class LeanConnectionState(ConnectionState):
-    """h11's connection state machine (``h11/_state.py``) keeping its client's
-    protocol-switch proposals (Upgrade, CONNECT) in a frozenset: the empty one
-    shared, where h11 makes an empty ``set`` per connection and another per
-    response (about 430 bytes of every open stream)."""
-
-    @property
-    def pending_switch_proposals(self) -> frozenset:
-        return self._proposals
-
-    @pending_switch_proposals.setter
-    def pending_switch_proposals(self, proposals) -> None:
-        self._proposals = frozenset(proposals) if proposals else _NO_PROPOSALS
-
-    def process_client_switch_proposal(self, switch_event) -> None:
-        self._proposals = self._proposals | {switch_event}
-        self._fire_state_triggered_transitions()
-
-
 #: Local addresses kept to be shared (a server listens on few).
 LOCAL_ADDRESSES_KEPT = 64
 _local_addresses: dict[tuple, tuple] = {}
@@ -235,6 +216,36 @@ def socket_addresses(sock: Any) -> tuple[tuple | None, tuple | None]:
         elif len(_local_addresses) < LOCAL_ADDRESSES_KEPT:
             _local_addresses[server] = server
     return client, server
+
+
+def new_protocol(alpn: str | None, owner: Any, conn: Any, ssl: bool, client: tuple | None,
+                 server: tuple | None, send: Callable) -> Any:
+    """What hypercorn's ``ProtocolWrapper`` (``hypercorn/protocol/__init__.py``)
+    wraps, without the wrapper (~250 bytes of every connection): an
+    ``H2Protocol`` for ALPN ``h2``, else an ``H11Protocol`` (the patched one
+    :mod:`asgi_generate.hypercorn_fixes` installs). ``owner`` has the
+    ``app``, ``config``, ``context`` and ``state``; ``conn`` is the task
+    group, and :func:`handle` its events."""
+    cls = H2Protocol if alpn == "h2" else hc_protocol.H11Protocol
+    return cls(owner.app, owner.config, owner.context, conn, owner.state, ssl, client, server, send)
+
+
+async def handle(conn: Any, event: Event, owner: Any, ssl: bool, send: Callable) -> None:
+    """``conn.protocol.handle(event)`` as ``ProtocolWrapper.handle`` does it:
+    HTTP/1.1 turning into h2 (prior knowledge, or an ``h2c`` upgrade) gets
+    ``conn.protocol`` replaced by an ``H2Protocol``, which then takes the
+    rest of the data (arguments as for :func:`new_protocol`)."""
+    try:
+        await conn.protocol.handle(event)
+    except (H2ProtocolAssumedError, H2CProtocolRequiredError) as error:
+        old = conn.protocol
+        conn.protocol = new_protocol("h2", owner, conn, ssl, old.client, old.server, send)
+        if isinstance(error, H2CProtocolRequiredError):
+            await conn.protocol.initiate(error.headers, error.settings)
+        else:
+            await conn.protocol.initiate()
+        if error.data != b"":
+            await conn.protocol.handle(RawData(data=error.data))
 
 
 class _AsyncioWorkerContext(WorkerContext):

@@ -18,7 +18,8 @@ stream: 14.9 KB before, 8.9 KB after (bench/README.md, "The client
 connection").
 
 Kept from hypercorn: the TLS handshake and its timeout, ALPN and the h2
-protocols (hypercorn's ``ProtocolWrapper``), ``read_timeout`` when set (reads
+protocols (hypercorn's ``ProtocolWrapper``'s work, without the wrapper:
+:func:`asgi_generate.hypercorn_lean.new_protocol`), ``read_timeout`` when set (reads
 through ``SocketStream.receive_some`` then, and over TLS), the
 keep-alive task, the send lock, ``Closed`` for writes that fail, and (bug 1
 of :mod:`asgi_generate.hypercorn_fixes`) no keep-alive wait once the client's
@@ -35,7 +36,6 @@ from typing import Any
 
 import trio
 from hypercorn.events import Closed, Event, RawData, Updated
-from hypercorn.protocol import ProtocolWrapper
 from hypercorn.trio import run as trio_run
 from hypercorn.trio import tcp_server as trio_tcp_server
 
@@ -66,7 +66,7 @@ class TCPServer(trio_tcp_server.TCPServer):
         self.context = context
         self.state = state
         self.stream = stream
-        self.protocol: ProtocolWrapper | None = None
+        self.protocol: Any = None  # H11Protocol or H2Protocol (hypercorn_lean.new_protocol)
         self.send_lock = hypercorn_lean.TrioLock()
         self.idle_task = hypercorn_lean.TrioSingleTask()
         self._task_group = self
@@ -89,8 +89,7 @@ class TCPServer(trio_tcp_server.TCPServer):
         self._nursery = trio.lowlevel.current_task().parent_nursery
         try:
             client, server = hypercorn_lean.socket_addresses(sock)
-            self.protocol = ProtocolWrapper(self.app, self.config, self.context, self, self.state, ssl,
-                                            client, server, self.protocol_send, alpn)
+            self.protocol = hypercorn_lean.new_protocol(alpn, self, self, ssl, client, server, self.protocol_send)
             await self.protocol.initiate()
             await self.idle_task.restart(self, self._idle_timeout)
             timeout = self.config.read_timeout
@@ -117,7 +116,7 @@ class TCPServer(trio_tcp_server.TCPServer):
                             data = await stream.receive_some(MAX_RECV)
                 except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError, OSError):
                     break
-                await self.protocol.handle(RawData(bytes(data)))
+                await hypercorn_lean.handle(self, RawData(bytes(data)), self, ssl, self.protocol_send)
                 if not data:
                     break
             await self.protocol.handle(Closed())

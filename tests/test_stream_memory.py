@@ -20,13 +20,33 @@ import sniffio
 import trio
 import trio.testing
 
+from asgi_generate.app import App
 from asgi_generate.codec import Attempt, dumps_compact
+from asgi_generate.config import Settings
+from asgi_generate.handler import handle_generate
 from asgi_generate.hypercorn_lean import AppQueue, LeanEvent, TrioAppQueue, TrioEvent, TrioLock, socket_addresses
 from asgi_generate.token_ids import pack_token_ids
 from asgi_generate.watchdog import Watchdog
 from asgi_generate.workers import sockets
 from asgi_generate.workers.sockets import TCPConnection, connect
 from asgi_generate_sglang.codec import SGLangCodec
+
+
+def test_app_dispatch_hands_a_stream_the_handlers_own_coroutine():
+    # No frame of App's stays alive under an open stream (288 B): the server
+    # awaits handle_generate's coroutine itself; other calls get _other_call's.
+    app = App(Settings(workers=[("sglang", "http://127.0.0.1:9")]))
+    calls = [
+        ({"type": "http", "method": "POST", "path": "/generate"}, handle_generate.__code__),
+        ({"type": "http", "method": "GET", "path": "/health"}, App._other_call.__code__),
+        ({"type": "lifespan"}, App._other_call.__code__),
+    ]
+    for scope, code in calls:
+        coro = app.dispatch(scope, None, None)
+        try:
+            assert coro.cr_code is code
+        finally:
+            coro.close()
 
 
 def test_dumps_compact_keeps_no_spare_buffer():

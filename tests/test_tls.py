@@ -138,6 +138,25 @@ def test_frontend_speaks_h2_to_clients_that_offer_it(pki, worker_class):
         sim.stop()
 
 
+@pytest.mark.parametrize("worker_class", ["asyncio", "trio"])
+def test_frontend_takes_cleartext_h2_with_prior_knowledge(worker_class):
+    # No TLS, no ALPN: the h2 preface on an HTTP/1.1 connection turns it
+    # into h2 (hypercorn's ProtocolWrapper switch, hypercorn_lean.handle).
+    sim = start_sim("sglang")
+    try:
+        fe = start_frontend([f"sglang={sim.url}"], worker_class=worker_class)
+        try:
+            with httpx.Client(http1=False, http2=True) as client:
+                for _ in range(2):  # two streams of one connection
+                    r = client.post(fe.url + "/generate", json=UNARY, timeout=30)
+                    assert (r.http_version, r.status_code, r.json()["output_ids"]) == (
+                        "HTTP/2", 200, CONTINUATION[:8])
+        finally:
+            fe.stop()
+    finally:
+        sim.stop()
+
+
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request):
     return request.param
