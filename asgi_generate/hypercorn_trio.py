@@ -30,7 +30,6 @@ disconnect) instead of cancelling the app's task.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -40,19 +39,10 @@ from hypercorn.trio import run as trio_run
 from hypercorn.trio import tcp_server as trio_tcp_server
 
 from . import hypercorn_lean
+from .workers.sockets import recv_nowait
 
 #: Bytes asked of one socket read (hypercorn's ``MAX_RECV``).
 MAX_RECV = 2**16
-
-
-def _recv(sock: socket.socket) -> bytes | None:
-    """What ``sock`` has (``b""``: end of stream), ``None`` if nothing yet;
-    a function of its own, so the ``BlockingIOError`` never passes through
-    (and gives a frame object to) the connection's long-lived coroutine."""
-    try:
-        return sock.recv(MAX_RECV)
-    except BlockingIOError:
-        return None
 
 
 class TCPServer(trio_tcp_server.TCPServer):
@@ -102,11 +92,11 @@ class TCPServer(trio_tcp_server.TCPServer):
                 try:
                     if raw is not None:  # trio's own checkpoints around a read
                         await trio.lowlevel.checkpoint_if_cancelled()
-                        data = _recv(raw)
+                        data = recv_nowait(raw, MAX_RECV)
                         if data is None:
                             while data is None:
                                 await trio.lowlevel.wait_readable(raw)
-                                data = _recv(raw)
+                                data = recv_nowait(raw, MAX_RECV)
                         else:
                             await trio.lowlevel.cancel_shielded_checkpoint()
                     elif timeout is None:

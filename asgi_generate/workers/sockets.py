@@ -61,11 +61,13 @@ def _forget(loop: asyncio.AbstractEventLoop, fd: int, timer: asyncio.TimerHandle
         timer.cancel()
 
 
-def _recv(sock: socket.socket, max_bytes: int) -> bytes | None:
-    """What ``sock`` has (``b""``: the peer closed), ``None`` if nothing yet.
-    A function of its own: an exception raised in a coroutine's frame gives
-    it a frame object (about 200 bytes) that lives as long as the coroutine,
-    the open stream's whole life."""
+def recv_nowait(sock: socket.socket, max_bytes: int) -> bytes | None:
+    """What the non-blocking ``sock`` has, up to ``max_bytes`` (``b""``: the
+    peer closed), ``None`` if nothing yet; other errors are the socket's
+    :class:`OSError`. A function of its own: an exception raised in a
+    coroutine's frame gives it a frame object (about 200 bytes) that lives
+    as long as the coroutine, the open stream's whole life (here an engine
+    read's, and :mod:`asgi_generate.hypercorn_trio`'s client connection's)."""
     try:
         return sock.recv(max_bytes)
     except BlockingIOError:
@@ -95,7 +97,7 @@ class TCPConnection:
             await checkpoint()
             return None
         sock = self.sock
-        data = _recv(sock, max_bytes)
+        data = recv_nowait(sock, max_bytes)
         if data is not None:
             await checkpoint()
             return data
@@ -110,7 +112,7 @@ class TCPConnection:
                         await trio.lowlevel.wait_readable(sock)
                     if scope.cancelled_caught:
                         return None
-                if (data := _recv(sock, max_bytes)) is not None:
+                if (data := recv_nowait(sock, max_bytes)) is not None:
                     return data
         # asyncio: cancellable, and the reader and timer are gone however it ends.
         loop = asyncio.get_running_loop()
@@ -122,7 +124,7 @@ class TCPConnection:
                     return None
             finally:
                 _forget(loop, fd, timer)
-            if (data := _recv(sock, max_bytes)) is not None:
+            if (data := recv_nowait(sock, max_bytes)) is not None:
                 return data
 
     async def send(self, data: bytes) -> None:
