@@ -70,6 +70,10 @@ _CALLBACK_CONTEXT = contextvars.Context()
 _NOTHING = object()
 
 
+def _connection_lost() -> ConnectionResetError:
+    return ConnectionResetError("Connection lost")
+
+
 def _step(coro: Coroutine) -> Any:
     """Run ``coro`` until it finishes (``_NOTHING``) or suspends (what it
     yielded, for :class:`_Resumed`). Its exception propagates."""
@@ -212,9 +216,7 @@ class Connection(asyncio.Protocol):
         self._lost = True
         self._writing_paused = False
         waiters, self._drain = self._drain, None
-        for fut in waiters or ():
-            if not fut.done():
-                fut.set_exception(ConnectionResetError("Connection lost"))
+        hypercorn_lean.wake_all(waiters, _connection_lost)
         self._end_of_stream()
         self._finish()
 
@@ -224,9 +226,7 @@ class Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._writing_paused = False
         waiters, self._drain = self._drain, None
-        for fut in waiters or ():
-            if not fut.done():
-                fut.set_result(None)
+        hypercorn_lean.wake_all(waiters)
 
     # Reading: events to the protocol, in order
 
@@ -314,15 +314,9 @@ class Connection(asyncio.Protocol):
                     self._start_idle()
 
     async def _wait_writable(self) -> None:
-        fut = self.worker.loop.create_future()
         if self._drain is None:
             self._drain = []
-        self._drain.append(fut)
-        try:
-            await fut
-        finally:
-            if self._drain is not None and fut in self._drain:
-                self._drain.remove(fut)
+        await hypercorn_lean.wait_future(self._drain)
 
     def _close(self) -> None:
         self._stop_idle()

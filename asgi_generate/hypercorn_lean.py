@@ -66,9 +66,11 @@ from hypercorn.utils import parse_socket_addr
 from hypercorn.trio import worker_context as trio_worker_context
 
 
-async def _wait(waiters: list[asyncio.Future]) -> None:
-    """Park on a new future in ``waiters`` until :func:`_wake_one` sets it;
-    a waiter cancelled after being woken passes the wake-up on."""
+async def wait_future(waiters: list[asyncio.Future]) -> None:
+    """Park on a new future in ``waiters`` until :func:`_wake_one` or
+    :func:`wake_all` sets it (raises what it was given, or the
+    cancellation); a waiter cancelled after being woken by
+    :func:`_wake_one` passes the wake-up on."""
     fut = asyncio.get_running_loop().create_future()
     waiters.append(fut)
     try:
@@ -87,6 +89,18 @@ def _wake_one(waiters: list[asyncio.Future]) -> None:
         if not fut.done():
             fut.set_result(None)
             return
+
+
+def wake_all(waiters: list[asyncio.Future] | None, error: Callable[[], BaseException] | None = None) -> None:
+    """Wake every future of ``waiters`` (a list its owner let go of, or
+    ``None``) parked in :func:`wait_future`: with ``None``, or raising a
+    new ``error()`` in each."""
+    for fut in waiters or ():
+        if not fut.done():
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(error())
 
 
 class AppQueue:
@@ -108,7 +122,7 @@ class AppQueue:
         while 0 < self._maxsize <= len(self._items):
             if self._putters is None:
                 self._putters = []
-            await _wait(self._putters)
+            await wait_future(self._putters)
         if not self._putters:
             self._putters = None
         self._items.append(item)
@@ -119,7 +133,7 @@ class AppQueue:
         while not self._items:
             if self._getters is None:
                 self._getters = []
-            await _wait(self._getters)
+            await wait_future(self._getters)
         if not self._getters:
             self._getters = None
         item = self._items.pop(0)
@@ -145,20 +159,12 @@ class LeanEvent:
             return
         if self._waiters is None:
             self._waiters = []
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        try:
-            await fut
-        finally:
-            if self._waiters is not None and fut in self._waiters:
-                self._waiters.remove(fut)
+        await wait_future(self._waiters)
 
     async def set(self) -> None:
         self._set = True
         waiters, self._waiters = self._waiters, None
-        for fut in waiters or ():
-            if not fut.done():
-                fut.set_result(None)
+        wake_all(waiters)
 
     def is_set(self) -> bool:
         return self._set
