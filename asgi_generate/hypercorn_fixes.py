@@ -42,7 +42,7 @@ server (hypercorn 0.18.0; both worker classes), installed by :func:`install`.
 
 One addition: hypercorn tells an app of a closed connection only through
 ``receive()``, so an app must keep a task waiting on it per request just to
-notice a disconnect. The scope's extension ``asgi_generate.disconnect_watch``
+notice a disconnect (HTTP/1.1 and h2 streams alike). The scope's extension ``asgi_generate.disconnect_watch``
 (:data:`asgi_generate.watchdog.DISCONNECT_WATCH`) takes a callback instead,
 called once when the connection closes (at once if it is closed already;
 ``None`` stops the watch); ``http.disconnect`` still reaches ``receive()``.
@@ -79,6 +79,7 @@ from hypercorn.events import RawData
 from hypercorn import protocol
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.protocol import h11 as protocol_h11
+from hypercorn.protocol import h2 as protocol_h2
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.events import Body, EndBody
 from hypercorn.protocol.events import Event as StreamEvent
@@ -270,4 +271,9 @@ def install(send_errors: bool) -> None:
     hypercorn_asyncio.install()
     hypercorn_trio.install()
     protocol.H11Protocol = _H11Protocol
-    protocol_h11.HTTPStream = _HTTPStream if send_errors else _LazyContinueStream
+    # h2's streams too: the disconnect watch (no guard task per stream) and
+    # ClientGone; a _Continue reaches H2Protocol.stream_send, which sends
+    # nothing for an event it does not know (hypercorn sends no 100 on h2).
+    stream_class = _HTTPStream if send_errors else _LazyContinueStream
+    protocol_h11.HTTPStream = stream_class
+    protocol_h2.HTTPStream = stream_class

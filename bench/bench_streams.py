@@ -12,15 +12,20 @@ RSS, and how fast an abort storm is acknowledged.
 - **Open-stream capacity** (per worker class): ``--streams`` (10,000, or
   fewer when the hard open-file limit cannot hold two sockets per stream)
   streams held open in one frontend; measured: the frontend's RSS
-  (``VmRSS``) before and with them open, as KB per stream.
+  (``VmRSS``) before and with them open, as KB per stream. Then
+  ``--h2-streams`` (10,000) the same way over HTTP/2 (prior knowledge, 100
+  streams per client connection, tests/swarm.py's ``H2Swarm``): a client
+  socket per 100 streams, so 10,000 fit where the open-file limit is
+  20,000.
 - **Where the memory goes** (``--profile N``, per worker class): the
   frontend runs under tracemalloc (bench/_traced.py); the allocations still
   live with N streams open, minus those before, grouped by nearest caller
   and by source line, per stream.
 
 Usage: ``python bench/bench_streams.py [--storm 5000] [--streams 10000]
-[--profile 2000] [--worker-classes asyncio,trio]``; ``--storm 0``,
-``--streams 0`` or ``--profile 0`` skips that part. Linux only (``/proc``).
+[--h2-streams 10000] [--profile 2000] [--worker-classes asyncio,trio]``;
+``--storm 0``, ``--streams 0``, ``--h2-streams 0`` or ``--profile 0``
+skips that part. Linux only (``/proc``).
 Every process it starts is stopped at the end.
 """
 
@@ -43,7 +48,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from _procs import Child, listening_socket, wait_ready  # noqa: E402
-from swarm import Swarm, http_get, http_post, post_bytes, raise_fd_limit  # noqa: E402
+from swarm import H2Swarm, Swarm, http_get, http_post, post_bytes, raise_fd_limit  # noqa: E402
 
 PROMPT = [11, 12, 13, 14]
 #: Sockets a frontend holds besides two per stream (listener, probes, aborts, ...).
@@ -116,10 +121,14 @@ class Stack:
         assert status == 200
         return orjson.loads(raw)
 
-    async def open(self, n: int) -> tuple[Swarm, float]:
-        swarm = Swarm(self.port)
+    async def open(self, n: int, http2: bool = False) -> tuple[Swarm | H2Swarm, float]:
         t0 = time.monotonic()
-        firsts = await swarm.open([self.request] * n, timeout=120)
+        if http2:
+            swarm = H2Swarm(self.port)
+            firsts = await swarm.open(PATHS[self.protocol], body(self.protocol, 30_000, True), n, timeout=120)
+        else:
+            swarm = Swarm(self.port)
+            firsts = await swarm.open([self.request] * n, timeout=120)
         took = time.monotonic() - t0
         bad = [f for f in firsts if b'"error"' in f]
         if bad:
@@ -161,16 +170,16 @@ async def storm(tmp: pathlib.Path, protocol: str, worker_class: str, n: int) -> 
         stack.stop()
 
 
-async def capacity(tmp: pathlib.Path, worker_class: str, n: int) -> dict:
+async def capacity(tmp: pathlib.Path, worker_class: str, n: int, http2: bool) -> dict:
     stack = Stack(tmp, "capacity", "sglang", worker_class)
     try:
         # Warm-up: the first streams pay for lazily built state (imports, pools).
-        warm, _ = await stack.open(200)
+        warm, _ = await stack.open(200, http2)
         warm.close_all()
         await stack.settle(200)
         await asyncio.sleep(1.0)
         base = rss_kb(stack.fe.pid)
-        swarm, opened_in = await stack.open(n)
+        swarm, opened_in = await stack.open(n, http2)
         await asyncio.sleep(1.0)
         loaded = rss_kb(stack.fe.pid)
         fds = open_fds(stack.fe.pid)
@@ -186,17 +195,17 @@ async def capacity(tmp: pathlib.Path, worker_class: str, n: int) -> dict:
         stack.stop()
 
 
-async def profile(tmp: pathlib.Path, worker_class: str, n: int) -> list[dict]:
+async def profile(tmp: pathlib.Path, worker_class: str, n: int, http2: bool) -> list[dict]:
     out = tmp / f"traced-{worker_class}.json"
     stack = Stack(tmp, "profile", "sglang", worker_class, traced=out)
     try:
         # The baseline is taken with n/2 streams open, so what the first
         # streams build once (imports, pools, table growth) is not counted.
-        half, _ = await stack.open(n // 2)
+        half, _ = await stack.open(n // 2, http2)
         await asyncio.sleep(0.5)
         os.kill(stack.fe.pid, signal.SIGUSR2)
         await asyncio.sleep(1.0)
-        swarm, _ = await stack.open(n - n // 2)
+        swarm, _ = await stack.open(n - n // 2, http2)
         await asyncio.sleep(0.5)
         os.kill(stack.fe.pid, signal.SIGUSR1)
         for _ in range(3000):
@@ -240,14 +249,15 @@ def storms(args: argparse.Namespace, tmp: pathlib.Path, classes: list[str]) -> N
                   f"| {r['during_status']} in {r['during_s']:.2f} s | {r['worker']} |", flush=True)
 
 
-def capacities(tmp: pathlib.Path, classes: list[str], streams: int) -> None:
-    print(f"\nOpen-stream capacity: {streams} SSE streams held open in one frontend process\n")
+def capacities(tmp: pathlib.Path, classes: list[str], streams: int, http2: bool) -> None:
+    over = "HTTP/2, 100 streams per client connection" if http2 else "HTTP/1.1, a client connection each"
+    print(f"\nOpen-stream capacity: {streams} SSE streams held open in one frontend process ({over})\n")
     print("| worker class | streams | open all (s) | RSS before (MB) | RSS open (MB) | KB per stream | fds open "
           "| all hung up and aborted (s) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for wc in classes:
         try:
-            r = asyncio.run(capacity(tmp, wc, streams))
+            r = asyncio.run(capacity(tmp, wc, streams, http2))
         except Exception as exc:
             print(f"| {wc} | {streams:,} | failed: {exc!r} |", flush=True)
             continue
@@ -279,14 +289,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--storm", type=int, default=5000, help="streams that hang up at once (default %(default)s)")
     parser.add_argument("--streams", type=int, default=10000, help="streams held open (default %(default)s)")
+    parser.add_argument("--h2-streams", type=int, default=10000,
+                        help="streams held open over HTTP/2, 100 per client connection (default %(default)s)")
     parser.add_argument("--profile", type=int, default=2000, help="streams open under tracemalloc; 0 = skip")
+    parser.add_argument("--profile-http2", action="store_true", help="the profile's streams over HTTP/2")
     parser.add_argument("--top", type=int, default=25, help="source lines listed by the profile")
     parser.add_argument("--worker-classes", default="asyncio,trio", help="hypercorn worker classes")
     parser.add_argument("--protocols", default="sglang,vllm", help="engine protocols for the storm")
     args = parser.parse_args()
-    hard = raise_hard_fd_limit(2 * args.streams + FD_MARGIN)
-    most = (hard - FD_MARGIN) // 2
-    streams = min(args.streams, most)
+    hard = raise_hard_fd_limit(max(2 * args.streams, args.h2_streams + args.h2_streams // 100) + FD_MARGIN)
+    streams = min(args.streams, (hard - FD_MARGIN) // 2)
+    h2_streams = min(args.h2_streams, (hard - FD_MARGIN) * 100 // 101)
     classes = args.worker_classes.split(",")
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench-streams-"))
     print(f"bench_streams.py, {time.strftime('%Y-%m-%dT%H:%M:%S')}: {os.cpu_count()} CPUs, "
@@ -298,11 +311,13 @@ def main() -> int:
     if args.storm:
         storms(args, tmp, classes)
     if streams:
-        capacities(tmp, classes, streams)
+        capacities(tmp, classes, streams, False)
+    if h2_streams:
+        capacities(tmp, classes, h2_streams, True)
     for wc in classes if args.profile else ():
         # Allocations live with the profile's streams open minus those with half of them open.
         print_profile(wc, args.profile, args.profile - args.profile // 2,
-                      asyncio.run(profile(tmp, wc, args.profile)), args.top)
+                      asyncio.run(profile(tmp, wc, args.profile, args.profile_http2)), args.top)
     print(f"\nlogs: {tmp}; load average at the end {os.getloadavg()[0]:.2f}")
     return 0
 

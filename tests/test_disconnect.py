@@ -132,6 +132,76 @@ def test_prefix_sharing_and_duplicate_rids_abort_only_the_disconnected(fe, slow_
     assert set(stats(slow_sim)["aborted_rids"]) - aborted_before == newly
 
 
+def _h2_events(sock, conn, bufs: dict, stream_id: int, count: int) -> list[bytes]:
+    """Read until ``stream_id`` has ``count`` SSE ``data`` payloads in
+    ``bufs`` (stream id -> bytes, every stream's data kept); take them."""
+    import h2.events
+
+    def ready() -> list[bytes]:
+        return [e.removeprefix(b"data: ") for e in bufs.get(stream_id, b"").split(b"\n\n")[:-1]]
+
+    while len(ready()) < count:
+        for event in conn.receive_data(sock.recv(65536)):
+            if isinstance(event, h2.events.DataReceived):
+                conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                bufs[event.stream_id] = bufs.get(event.stream_id, b"") + event.data
+        sock.sendall(conn.data_to_send())
+    got = ready()[:count]
+    bufs[stream_id] = b"".join(b"data: " + e + b"\n\n" for e in ready()[count:]) + bufs[stream_id].rsplit(
+        b"\n\n", 1)[-1]
+    return got
+
+
+@pytest.mark.parametrize("how", ["reset", "close"])
+def test_h2_stream_reset_or_closed_connection_aborts_the_engine(fe, slow_sim, how):
+    """Over h2 (prior knowledge), a stream the client resets (RST_STREAM
+    CANCEL) or whose connection it closes is a disconnect: its engine
+    request is aborted and recorded so; a sibling stream on the same
+    connection runs on to its end (reset) or is aborted too (close)."""
+    import socket
+
+    import h2.config
+    import h2.connection
+
+    status = _by_status(fe)
+    host, port = fe.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    streams = {}
+    for rid, n in (("gone", 30), ("stays", 4 if how == "reset" else 30)):
+        sid = conn.get_next_available_stream_id()
+        body = _body(True, n=n, rid=rid)
+        conn.send_headers(sid, [(":method", "POST"), (":path", "/generate"), (":scheme", "http"),
+                                (":authority", "127.0.0.1"), ("content-length", str(len(body)))])
+        conn.send_data(sid, body, end_stream=True)
+        streams[rid] = sid
+    sock.sendall(conn.data_to_send())
+    try:
+        bufs: dict[int, bytes] = {}
+        got = _h2_events(sock, conn, bufs, streams["gone"], 2)
+        assert [orjson.loads(e)["meta_info"]["id"] for e in got] == ["gone", "gone"]
+        running = set(wait_until(lambda: len(r := stats(slow_sim)["running_rids"]) == 2 and r))
+        aborted = set(stats(slow_sim)["aborted_rids"])
+        if how == "reset":
+            conn.reset_stream(streams["gone"])
+            sock.sendall(conn.data_to_send())
+            rest = _h2_events(sock, conn, bufs, streams["stays"], 5)
+            assert rest[-1] == b"[DONE]"
+            assert orjson.loads(rest[-2])["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+            expect = {"client_disconnect": 1, "ok": 1}
+        else:
+            sock.close()
+            expect = {"client_disconnect": 2}
+        wait_until(lambda: stats(slow_sim)["running"] == 0)
+        newly = set(stats(slow_sim)["aborted_rids"]) - aborted
+        assert newly <= running and len(newly) == (1 if how == "reset" else 2)
+        wait_until(lambda: {k: v - status.get(k, 0) for k, v in _by_status(fe).items() if v != status.get(k, 0)}
+                   == expect)
+    finally:
+        sock.close()
+
+
 @pytest.mark.parametrize("items", [1, 2])  # 2: a batch, each item aborted by its own id
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
 def test_slow_reader_is_cut_off_and_the_engine_aborted(worker_class, items):

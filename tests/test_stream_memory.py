@@ -27,9 +27,22 @@ from asgi_generate.handler import handle_generate
 from asgi_generate.hypercorn_lean import AppQueue, LeanEvent, TrioAppQueue, TrioEvent, TrioLock, socket_addresses
 from asgi_generate.token_ids import pack_token_ids
 from asgi_generate.watchdog import Watchdog
-from asgi_generate.workers import sockets
+from asgi_generate.workers import sockets, trio_poller
 from asgi_generate.workers.sockets import TCPConnection, connect
 from asgi_generate_sglang.codec import SGLangCodec
+
+
+def test_h2_streams_get_the_disconnect_watch_too():
+    # hypercorn's h2 protocol builds its streams from its own module's
+    # HTTPStream: unpatched, an h2 stream's request had no disconnect watch
+    # and kept a guard task (~5 KB more per open stream).
+    import hypercorn.protocol.h2 as hypercorn_h2
+    import hypercorn.protocol.h11 as hypercorn_h11
+
+    from asgi_generate import hypercorn_fixes
+
+    hypercorn_fixes.install(send_errors=True)
+    assert hypercorn_h2.HTTPStream is hypercorn_h11.HTTPStream is hypercorn_fixes._HTTPStream
 
 
 def test_app_dispatch_hands_a_stream_the_handlers_own_coroutine():
@@ -240,9 +253,10 @@ async def test_bare_socket_receive_waits_and_is_cancellable():
 
 def _registrations(fd: int) -> tuple[bool, int]:
     """(whether the running loop watches ``fd`` for reading, live timers
-    of the lean wait): asyncio only (trio: ``(False, 0)``)."""
+    of the lean wait); on trio, whether the poller has a read parked on
+    ``fd`` (its deadline entries are lazy: none counted)."""
     if sniffio.current_async_library() != "asyncio":
-        return False, 0
+        return fd in trio_poller.current()._parked, 0
     loop = asyncio.get_running_loop()
     try:
         key = loop._selector.get_key(fd)
@@ -302,7 +316,7 @@ async def test_bare_socket_wait_cancelled_removes_its_reader_and_timer(with_dead
         tg.start_soon(look)
         await conn.receive(10, anyio.current_time() + 30 if with_deadline else math.inf)
     asyncio_loop = sniffio.current_async_library() == "asyncio"
-    assert seen == [(asyncio_loop, int(asyncio_loop and with_deadline))]
+    assert seen == [(True, int(asyncio_loop and with_deadline))]
     assert _registrations(a.fileno()) == (False, 0)
     b.send(b"next")  # the socket is usable again: no stale registration
     assert await conn.receive(10, anyio.current_time() + 5) == b"next"

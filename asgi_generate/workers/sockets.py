@@ -11,8 +11,9 @@ coroutine, a closure, a per-task dict entry) and the caller's deadline
 another anyio cancel scope (0.9 KB); a read here waits with what the loop
 itself needs (asyncio: one future, the reader callback and, with a
 deadline, one timer, awaited in :meth:`TCPConnection.receive`'s own frame;
-trio: ``trio.lowlevel.wait_readable`` in a ``trio.move_on_at`` scope). Writes and connects are short and still go
-through ``anyio.wait_writable``.
+trio: the socket in :mod:`asgi_generate.workers.trio_poller`'s epoll set,
+its deadline in that poller's heap). Writes and connects are short and
+still go through ``anyio.wait_writable``.
 :class:`TLSConnection` gives an ``https://`` worker's anyio TLS stream the
 same interface.
 """
@@ -31,6 +32,8 @@ import anyio
 import sniffio
 import trio
 from anyio.lowlevel import checkpoint
+
+from . import trio_poller
 
 #: The (empty) context a read's deadline timer runs its callback in:
 #: without it, asyncio copies the task's context for each timer.
@@ -104,7 +107,16 @@ class TCPConnection:
         # The wait inline, not a coroutine of its own (about 250 bytes per
         # open stream).
         if sniffio.current_async_library() != "asyncio":
-            while True:
+            if trio_poller.AVAILABLE:
+                poller = trio_poller.current()
+                fd = sock.fileno()
+                while True:
+                    await trio.lowlevel.wait_task_rescheduled(poller.park(fd, deadline).abort)
+                    if (data := recv_nowait(sock, max_bytes)) is not None:
+                        return data
+                    if trio.current_time() >= deadline:
+                        return None
+            while True:  # no epoll: trio's own wait
                 if deadline == math.inf:
                     await trio.lowlevel.wait_readable(sock)
                 else:
@@ -150,7 +162,9 @@ class TCPConnection:
             view = view[sent:]
 
     def close(self) -> None:
-        """Close the socket (idempotent)."""
+        """Close the socket (idempotent). Only its reader closes it, never
+        while a read of another task is parked on it (see
+        :mod:`asgi_generate.workers.trio_poller`)."""
         self.sock.close()
 
 
