@@ -109,6 +109,11 @@ class ServerTLS:
         return out + (["--ciphers", self.ciphers] if self.ciphers is not None else [])
 
 
+#: Connections the kernel queues for accept() on the listening socket (the
+#: kernel caps it at ``net.core.somaxconn``, 4096 on current Linux).
+LISTEN_BACKLOG = 2048
+
+
 def hypercorn_config(
     *,
     host: str = "127.0.0.1",
@@ -124,7 +129,8 @@ def hypercorn_config(
 (``hypercorn.error``, ``hypercorn.access``). With ``access_log``, hypercorn's access lines (its default
     format: client, request line, status, bytes, referer, user agent) go to
     ``hypercorn.access`` at INFO; off when ``log_level`` hides INFO anyway, so
-    nothing is formatted for nobody. With ``tls`` it serves HTTPS."""
+    nothing is formatted for nobody. With ``tls`` it serves HTTPS. The
+    listen queue is :data:`LISTEN_BACKLOG` connections."""
     config = Config()
     config.bind = [f"fd://{fd}"] if fd is not None else [f"{host}:{port}"]
     config.graceful_timeout = graceful_timeout
@@ -133,6 +139,11 @@ def hypercorn_config(
     config.accesslog = logging.getLogger("hypercorn.access") if access_log and shown else None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.keep_alive_timeout = 75
+    # hypercorn calls listen(config.backlog) again on every socket it serves,
+    # inherited ones too: its default of 100 shrank our queue, and trio's
+    # listener, which accepts once per scheduler pass, overflowed it when
+    # hundreds of clients connected at once (their connections reset).
+    config.backlog = LISTEN_BACKLOG
     return tls.apply(config) if tls is not None else config
 
 

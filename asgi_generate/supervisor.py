@@ -35,7 +35,7 @@ from prometheus_client import multiprocess
 from .config import Settings
 from .embedded import embedded_fleet
 from .metrics import MULTIPROC_ENV
-from .serving import ServerTLS, held_signal, hold_signals
+from .serving import LISTEN_BACKLOG, ServerTLS, held_signal, hold_signals
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -44,7 +44,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(2048)
+    sock.listen(LISTEN_BACKLOG)
     sock.set_inheritable(True)
     return sock
 

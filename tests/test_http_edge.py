@@ -511,3 +511,47 @@ def test_a_fixed_length_answer_leaves_in_one_write_a_streamed_head_at_once():
     abandoned = _protocol_writes([Response(stream_id=1, headers=[(b"content-length", b"5")], status_code=200),
                                   StreamClosed(stream_id=1)])
     assert len(abandoned) == 1 and re.fullmatch(head % (200, rb"content-length: 5\r\n"), abandoned[0])
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_a_burst_of_connections_waits_in_the_listen_queue(worker_class):
+    """400 clients connect at once while the frontend cannot accept (stopped):
+    the kernel completes every handshake (a queue of LISTEN_BACKLOG, not the
+    100 hypercorn would set again, which held 101 and reset the rest once
+    trio fell behind), and each gets its answer once the frontend runs."""
+    import select
+    import signal
+
+    from asgi_generate.serving import LISTEN_BACKLOG
+
+    sim = start_sim()
+    fe = start_frontend([f"sglang={sim.url}"], worker_class=worker_class)
+    host, port = fe.url.removeprefix("http://").rsplit(":", 1)
+    socks: list[socket.socket] = []
+    try:
+        fe.signal(signal.SIGSTOP)
+        try:
+            for _ in range(400):
+                s = socket.socket()
+                s.setblocking(False)
+                s.connect_ex((host, int(port)))
+                socks.append(s)
+            time.sleep(0.5)  # a dropped SYN is sent again only after 1 s
+            poller = select.poll()
+            for s in socks:
+                poller.register(s, select.POLLOUT)
+            established = sum(1 for _fd, ev in poller.poll(0) if ev & select.POLLOUT and not ev & select.POLLERR)
+        finally:
+            fe.signal(signal.SIGCONT)
+        for s in socks:
+            s.setblocking(True)
+            s.settimeout(30)
+            s.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n")
+        heads = [s.recv(12) for s in socks]
+        assert (LISTEN_BACKLOG, established) == (2048, 400)
+        assert heads == [b"HTTP/1.1 200"] * 400
+    finally:
+        for s in socks:
+            s.close()
+        fe.stop()
+        sim.stop()
