@@ -438,7 +438,8 @@ def _serve(args: argparse.Namespace, d: Settings) -> int:
     from .app import App
     from .metrics import MetricsSetupError, multiproc_dir
     from .registry import CodecLoadError, load_codecs
-    from .supervisor import listening_socket, supervise
+    from .serving import listening_socket
+    from .supervisor import supervise
     from .tracing import Tracer, TraceSetupError
 
     hold_signals()  # a Ctrl-C while starting up stops cleanly once serving begins

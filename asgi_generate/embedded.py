@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -27,6 +26,7 @@ from typing import AsyncIterator, Iterable, NamedTuple
 import anyio
 import orjson
 
+from .serving import listening_socket
 from .workers.http import ConnectionPool, WorkerError
 
 log = logging.getLogger("asgi_generate.embedded")
@@ -52,11 +52,7 @@ async def embedded_workers(
     specs: list[tuple[str, str]] = []
     try:
         for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", 0))
-            sock.listen(1024)
-            sock.set_inheritable(True)
+            sock = listening_socket("127.0.0.1", 0)
             port = sock.getsockname()[1]
             cmd = [
                 sys.executable, "-m", "asgi_generate", "sim",

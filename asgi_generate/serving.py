@@ -12,6 +12,7 @@ import gc
 import logging
 import resource
 import signal
+import socket
 import ssl
 from dataclasses import dataclass
 from typing import Any
@@ -112,6 +113,22 @@ class ServerTLS:
 #: Connections the kernel queues for accept() on the listening socket (the
 #: kernel caps it at ``net.core.somaxconn``, 4096 on current Linux).
 LISTEN_BACKLOG = 2048
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (``0``: any free port) that
+    child processes can inherit, with a queue of :data:`LISTEN_BACKLOG`.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(LISTEN_BACKLOG)
+    sock.set_inheritable(True)
+    return sock
 
 
 def hypercorn_config(

@@ -35,18 +35,7 @@ from prometheus_client import multiprocess
 from .config import Settings
 from .embedded import embedded_fleet
 from .metrics import MULTIPROC_ENV
-from .serving import LISTEN_BACKLOG, ServerTLS, held_signal, hold_signals
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` that children can inherit."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(LISTEN_BACKLOG)
-    sock.set_inheritable(True)
-    return sock
+from .serving import ServerTLS, held_signal, hold_signals
 
 
 def supervise(
