@@ -42,8 +42,9 @@ server (hypercorn 0.18.0; both worker classes), installed by :func:`install`.
 
 One addition: hypercorn tells an app of a closed connection only through
 ``receive()``, so an app must keep a task waiting on it per request just to
-notice a disconnect (HTTP/1.1 and h2 streams alike). The scope's extension ``asgi_generate.disconnect_watch``
-(:data:`asgi_generate.watchdog.DISCONNECT_WATCH`) takes a callback instead,
+notice a disconnect. The scope's extension ``asgi_generate.disconnect_watch``
+(:data:`asgi_generate.watchdog.DISCONNECT_WATCH`, on HTTP/1.1 and h2
+streams alike) takes a callback instead,
 called once when the connection closes (at once if it is closed already;
 ``None`` stops the watch); ``http.disconnect`` still reaches ``receive()``.
 

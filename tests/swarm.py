@@ -37,6 +37,14 @@ def post_bytes(path: str, body: dict) -> bytes:
     return head.encode() + data
 
 
+def _first_payload(buf: bytes, start: int = 0) -> bytes | None:
+    """The payload of the first whole ``data:`` event in ``buf`` at or after
+    ``start``, ``None`` until one has arrived."""
+    at = buf.find(b"data: ", start)
+    end = buf.find(b"\n\n", at) if at >= 0 else -1
+    return buf[at + 6 : end] if end >= 0 else None
+
+
 class _Stream(asyncio.Protocol):
     __slots__ = ("request", "first", "buf", "transport")
 
@@ -60,9 +68,9 @@ class _Stream(asyncio.Protocol):
         if not self.buf.startswith(b"HTTP/1.1 200 "):
             self.first.set_exception(AssertionError(f"not a 200: {self.buf[:200]!r}"))
             return
-        at = self.buf.find(b"data: ", head_end)
-        if at >= 0 and self.buf.find(b"\n\n", at) >= 0:
-            self.first.set_result(self.buf[at + 6 : self.buf.find(b"\n\n", at)])
+        payload = _first_payload(self.buf, head_end)
+        if payload is not None:
+            self.first.set_result(payload)
             self.buf = b""
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -149,10 +157,9 @@ class _H2Connection(asyncio.Protocol):
                 self.h2.acknowledge_received_data(event.flow_controlled_length, sid)
                 if sid in self.pending:
                     buf = self.bufs[sid] + event.data
-                    at = buf.find(b"data: ")
-                    end = buf.find(b"\n\n", at) if at >= 0 else -1
-                    if end >= 0:
-                        self.pending.pop(sid).set_result(buf[at + 6 : end])
+                    payload = _first_payload(buf)
+                    if payload is not None:
+                        self.pending.pop(sid).set_result(payload)
                         del self.bufs[sid]
                     else:
                         self.bufs[sid] = buf
