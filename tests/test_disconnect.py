@@ -137,19 +137,15 @@ def _h2_events(sock, conn, bufs: dict, stream_id: int, count: int) -> list[bytes
     ``bufs`` (stream id -> bytes, every stream's data kept); take them."""
     import h2.events
 
-    def ready() -> list[bytes]:
-        return [e.removeprefix(b"data: ") for e in bufs.get(stream_id, b"").split(b"\n\n")[:-1]]
-
-    while len(ready()) < count:
+    while bufs.get(stream_id, b"").count(b"\n\n") < count:
         for event in conn.receive_data(sock.recv(65536)):
             if isinstance(event, h2.events.DataReceived):
                 conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
                 bufs[event.stream_id] = bufs.get(event.stream_id, b"") + event.data
         sock.sendall(conn.data_to_send())
-    got = ready()[:count]
-    bufs[stream_id] = b"".join(b"data: " + e + b"\n\n" for e in ready()[count:]) + bufs[stream_id].rsplit(
-        b"\n\n", 1)[-1]
-    return got
+    events = bufs[stream_id].split(b"\n\n")
+    bufs[stream_id] = b"\n\n".join(events[count:])
+    return [e.removeprefix(b"data: ") for e in events[:count]]
 
 
 @pytest.mark.parametrize("how", ["reset", "close"])
