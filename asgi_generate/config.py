@@ -1,7 +1,7 @@
 """Frontend settings, from command-line flags or environment variables.
 
 Every setting has a flag (``asgi-generate serve --help``) and an environment
-variable ``ASGI_GENERATE_<NAME>``, so ``hypercorn asgi_generate.asgi:app``
+variable ``ASGI_GENERATE_<NAME>``, so ``hypercorn asgi_generate.server.asgi:app``
 serves the same app as ``asgi-generate serve`` (whose flags override the
 variables). :meth:`Settings.check` is what both run before anything starts.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Mapping
 from urllib.parse import urlsplit
 
-from .budget import default_budget_bytes
+from .request.budget import default_budget_bytes
 from .workers.policies import POLICIES
 from .workers.policies.session import DEFAULT_HEADERS
 from .workers.discovery import read_workers_file
@@ -77,7 +77,7 @@ class Settings:
         body_budget_bytes: request body bytes that may be read and decoded
             at once, over all requests (a chunked body counts as
             ``max_body_bytes``); default: 1/128 of physical memory clamped to
-            [64 MiB, 512 MiB] (:func:`asgi_generate.budget.default_budget_bytes`).
+            [64 MiB, 512 MiB] (:func:`asgi_generate.request.budget.default_budget_bytes`).
         body_budget_wait: seconds a request may wait for room in that budget
             before it gets 503 with ``Retry-After``, its body unread.
         body_read_timeout: seconds a client has to send its whole body once
@@ -115,7 +115,7 @@ class Settings:
         abort_deadline: seconds a request's end waits, at most, for its
             aborts' answers, queueing included.
         admin_token: when set, admin routes (``/flush_cache``,
-            ``/pause_generation``, ...: :mod:`asgi_generate.admin`) need
+            ``/pause_generation``, ...: :mod:`asgi_generate.ops.admin`) need
             ``Authorization: Bearer <admin_token>``; ``None``: open.
         admin_timeout: seconds an admin route's fan-out waits for each
             worker's answer.

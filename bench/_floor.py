@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from asgi_generate.framing import SSE_HEADERS
-from asgi_generate.serving import WORKER_CLASSES, hypercorn_config, run
+from asgi_generate.request.framing import SSE_HEADERS
+from asgi_generate.server.serving import WORKER_CLASSES, hypercorn_config, run
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 

@@ -27,7 +27,7 @@ def _baseline(*_: object) -> None:
 
 
 #: Our modules that only start hypercorn: what it allocates below them is its own.
-_LAUNCHERS = ("/asgi_generate/serving.py", "/asgi_generate/cli.py", "/asgi_generate/__main__.py")
+_LAUNCHERS = ("/asgi_generate/server/serving.py", "/asgi_generate/server/cli.py", "/asgi_generate/__main__.py")
 
 
 def _owner(tb: tracemalloc.Traceback) -> str:
@@ -67,6 +67,6 @@ def _dump(*_: object) -> None:
 signal.signal(signal.SIGUSR2, _baseline)
 signal.signal(signal.SIGUSR1, _dump)
 
-from asgi_generate.cli import main  # noqa: E402
+from asgi_generate.server.cli import main  # noqa: E402
 
 sys.exit(main(sys.argv[1:]))

@@ -27,8 +27,8 @@ N = 100_000
 
 
 def _state():
-    from asgi_generate.accounting import RequestState
-    from asgi_generate.codec import Attempt
+    from asgi_generate.request.accounting import RequestState
+    from asgi_generate.sdk.codec import Attempt
 
     st = RequestState("0" * 32, "sglang", "/generate", "POST")
     st.status, st.http_status, st.stream = "ok", 200, True
@@ -62,7 +62,7 @@ def per_request_us(fn, n: int = N) -> float:
 
 def metrics_us() -> tuple[float, float]:
     """(with metrics, with the no-op stand-in) for this process's mode."""
-    from asgi_generate.app import App
+    from asgi_generate.server.app import App
     from asgi_generate.config import Settings
 
     app = App(Settings(workers=[("sglang", "http://127.0.0.1:9")]))
@@ -80,7 +80,7 @@ def metrics_us() -> tuple[float, float]:
 
 def otel_us() -> tuple[float, float]:
     """(stamp with OTel on, the check with it off)."""
-    from asgi_generate.codec import Attempt, WorkerRequest
+    from asgi_generate.sdk.codec import Attempt, WorkerRequest
     from asgi_generate.config import Settings
     from asgi_generate.tracing.otlp import Otlp
 

@@ -5,11 +5,11 @@ vs a streamed leg whose events would be assembled into the unary answer
 In this process, with the frontend's own worker client
 (:class:`asgi_generate.workers.http.ConnectionPool`, h11 on anyio) and
 codecs, against one simulator (TTFT = ITL = 0) per worker kind, it runs
-each leg kind the way :class:`asgi_generate.generation.Generation` does:
+each leg kind the way :class:`asgi_generate.request.generation.Generation` does:
 
 - ``unary``: the client's unary body, ``resp.read()``, one ``Exchange.feed``;
 - ``streamed``: the same request with ``stream`` on, ``resp.read_some()``
-  until the end, :class:`~asgi_generate.framing.SSEDecoder`, one
+  until the end, :class:`~asgi_generate.request.framing.SSEDecoder`, one
   ``Exchange.feed`` per event (one event per token).
 
 It counts only this process's CPU (``time.process_time``), i.e. the
@@ -37,10 +37,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from support import start_sim  # noqa: E402
 
-from asgi_generate import ids  # noqa: E402
-from asgi_generate.codec import Attempt  # noqa: E402
-from asgi_generate.framing import SSEDecoder  # noqa: E402
-from asgi_generate.registry import load_codecs  # noqa: E402
+from asgi_generate.sdk import ids  # noqa: E402
+from asgi_generate.sdk.codec import Attempt  # noqa: E402
+from asgi_generate.request.framing import SSEDecoder  # noqa: E402
+from asgi_generate.sdk.registry import load_codecs  # noqa: E402
 from asgi_generate.workers.http import ConnectionPool  # noqa: E402
 
 PROMPT = [100 + (i * 7919) % 3900 for i in range(128)]

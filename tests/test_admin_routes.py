@@ -1,4 +1,4 @@
-"""Info and admin routes (asgi_generate/admin.py): answers from the workers,
+"""Info and admin routes (asgi_generate/ops/admin.py): answers from the workers,
 fan-out to every worker, per-worker failures, abort by rid, admin token, and
 a trainer's pause/flush/update/continue around running streams."""
 

@@ -1,4 +1,4 @@
-"""Batches and n > 1 through the frontend (asgi_generate/batches.py, the
+"""Batches and n > 1 through the frontend (asgi_generate/request/batches.py, the
 SGLang batch codec, vLLM n choices): the answer equals the simulator's asked
 directly, value for value (ids excepted where the engine mints them), on
 both worker classes, unary and SSE, in one engine request or split over
@@ -15,7 +15,7 @@ import httpx
 import orjson
 import pytest
 
-from asgi_generate.tracing.validate import check_records
+from asgi_generate.tracing.offline.validate import check_records
 from support import (
     PROMPT,
     post,

@@ -21,8 +21,8 @@ import httpx
 import orjson
 import pytest
 
-from asgi_generate.budget import BodyBudget
-from asgi_generate.framing import BodyTimeout, read_body
+from asgi_generate.request.budget import BodyBudget
+from asgi_generate.request.framing import BodyTimeout, read_body
 from asgi_generate.workers.protocols import SGLANG, VLLM, read_model_card
 from support import post, sse, start_frontend, start_sim, stats, trace_records
 

@@ -74,7 +74,7 @@ def test_help_documents_every_serve_flag():
 
 
 @pytest.mark.parametrize("command,limit", [
-    (["hypercorn", "-k", "trio", "-b", "fd://{fd}", "asgi_generate.asgi:app"], 1000),
+    (["hypercorn", "-k", "trio", "-b", "fd://{fd}", "asgi_generate.server.asgi:app"], 1000),
     (["asgi_generate", "serve", "--fd", "{fd}", "--log-level", "warning"], 1000),
     (["asgi_generate", "serve", "--fd", "{fd}", "--log-level", "warning", "--max-body-bytes", "2000"], 2000),
 ])
@@ -111,7 +111,7 @@ def _spawn(args: list[str], env: dict | None = None, output=subprocess.DEVNULL, 
 
 
 def _hypercorn(env: dict, *extra: str, output=subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:
-    return _spawn(["hypercorn", *extra, "-b", "fd://{fd}", "asgi_generate.asgi:app"], env, output)
+    return _spawn(["hypercorn", *extra, "-b", "fd://{fd}", "asgi_generate.server.asgi:app"], env, output)
 
 
 def _get_ok(url: str) -> bool:
@@ -320,7 +320,7 @@ def test_under_hypercorn_simulators_and_worker_state_changes_are_logged(tmp_path
         embedded, url = _hypercorn({"ASGI_GENERATE_EMBEDDED_WORKERS": "1"}, output=log_file)
         try:
             wait_until(lambda: _get_ok(url + "/health"), timeout=30)
-            assert ("WARNING] asgi_generate.embedded: no worker configured (--worker, ASGI_GENERATE_WORKERS): "
+            assert ("WARNING] asgi_generate.server.embedded: no worker configured (--worker, ASGI_GENERATE_WORKERS): "
                     "serving 1 simulated worker(s) per protocol (sglang, vllm), not real engines") in log_path.read_text()
         finally:
             embedded.terminate()
@@ -356,7 +356,7 @@ def test_version():
 
 @pytest.mark.parametrize("command", ["serve", "sim"])
 def test_help_gives_every_flag_its_default_and_choices(command):
-    from asgi_generate.cli import build_parser
+    from asgi_generate.server.cli import build_parser
 
     out = subprocess.run([sys.executable, "-m", "asgi_generate", command, "--help"], env={**os.environ, "COLUMNS": "200"},
                          capture_output=True, text=True, check=True).stdout

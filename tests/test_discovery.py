@@ -17,7 +17,7 @@ import anyio
 import orjson
 import pytest
 
-from asgi_generate.app import App
+from asgi_generate.server.app import App
 from asgi_generate.config import Settings
 from asgi_generate.workers.discovery import Discovery, Member, read_workers_file
 from support import CONTINUATION, PROMPT, free_port, start_sim, stats

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from asgi_generate.workers.protocols import PROTOCOLS
-from asgi_generate.workers.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS, parse_version, vllm_behaviour
+from asgi_generate.sdk.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS, parse_version, vllm_behaviour
 from support import start_frontend, start_sim, stats, wait_until, trace_lines
 
 GEN = "/inference/v1/generate"
@@ -52,7 +52,7 @@ def test_version_route_answer_is_read_strictly():
     [("latest", "not a vLLM version: 'latest'"), ("0.18.1", "the simulator plays vLLM 0.25.0 and later, not 0.18.1")],
 )
 def test_sim_refuses_a_vllm_version_it_cannot_play(capsys, version, message):
-    from asgi_generate.cli import main
+    from asgi_generate.server.cli import main
 
     assert main(["sim", "--protocol", "vllm", "--engine-version", version, "--port", "0"]) == 2
     assert capsys.readouterr().err == f"asgi-generate sim: {message}\n"

@@ -355,7 +355,7 @@ def test_unknown_routes_are_fastapis_404(fe, method, path):
 
 
 def test_sglang_5xx_has_one_type_unary_and_in_band():
-    from asgi_generate.codec import RequestError
+    from asgi_generate.sdk.codec import RequestError
     from asgi_generate_sglang import SGLangCodec
 
     codec = SGLangCodec()
@@ -396,7 +396,7 @@ async def _serve_in_process(url: str, send_hook) -> tuple[list[dict], "RequestSt
     state."""
     import anyio
 
-    from asgi_generate.app import App
+    from asgi_generate.server.app import App
     from asgi_generate.config import Settings
 
     app = App(Settings(workers=[("sglang", url)], sse_keepalive=0))
@@ -437,7 +437,7 @@ def test_tokens_counted_are_tokens_written_when_the_client_leaves_at_a_write(bac
     writes after the close). The record counts only what went out."""
     import anyio
 
-    from asgi_generate.hypercorn_fixes import ClientGone
+    from asgi_generate.server.hypercorn.fixes import ClientGone
 
     sim = start_sim(itl_ms=30)
     writes = 0
@@ -473,7 +473,7 @@ def _protocol_writes(events: list) -> list[bytes]:
     from hypercorn.config import Config
     from hypercorn.events import RawData
 
-    from asgi_generate.hypercorn_fixes import _H11Protocol
+    from asgi_generate.server.hypercorn.fixes import _H11Protocol
 
     writes: list[bytes] = []
 
@@ -522,7 +522,7 @@ def test_a_burst_of_connections_waits_in_the_listen_queue(worker_class):
     import select
     import signal
 
-    from asgi_generate.serving import LISTEN_BACKLOG
+    from asgi_generate.server.serving import LISTEN_BACKLOG
 
     sim = start_sim()
     fe = start_frontend([f"sglang={sim.url}"], worker_class=worker_class)

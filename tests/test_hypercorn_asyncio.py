@@ -1,4 +1,4 @@
-"""The asyncio client connection as a protocol (asgi_generate.hypercorn_asyncio):
+"""The asyncio client connection as a protocol (asgi_generate.server.hypercorn.asyncio_serve):
 hypercorn's ``handle()`` run in the transport's callbacks, and what happens
 when it suspends. The end-to-end behaviour (keep-alive, close, pipelining,
 half-close, TLS, shutdown) is tested through real servers elsewhere
@@ -14,7 +14,7 @@ from hypercorn.asyncio.worker_context import WorkerContext
 from hypercorn.config import Config
 from hypercorn.events import Closed, RawData, Updated
 
-from asgi_generate.hypercorn_asyncio import Connection, _Worker
+from asgi_generate.server.hypercorn.asyncio_serve import Connection, _Worker
 
 
 class FakeTransport(asyncio.Transport):

@@ -263,10 +263,11 @@ def test_failure_before_the_first_token_is_a_failover(fleet):
 
 def _in_band(fleet: Fleet, message: str) -> bytes:
     """The exact in-band error payload of a 502 in ``fleet``'s format."""
-    from asgi_generate.codec import RequestError
-    from asgi_generate.registry import load_codecs
+    from asgi_generate.sdk.codec import RequestError
+    from asgi_generate.sdk.registry import load_codecs
+    from asgi_generate.workers.protocols import PROTOCOLS
 
-    codec = next(c.codec for c in load_codecs() if c.codec.name == fleet.protocol)
+    codec = next(c.codec for c in load_codecs(protocols=PROTOCOLS) if c.codec.name == fleet.protocol)
     return codec.in_band_error(RequestError(502, message, "engine"))
 
 
@@ -599,7 +600,7 @@ def test_text_prompt_migrates_with_a_tokenizer_only(fleet, plain):
     ``--tokenizer`` it ends with today's in-band error, counted."""
     if fleet.protocol != "sglang":
         pytest.skip("vLLM's native route takes token ids only")
-    from asgi_generate.text import PromptTokenizer
+    from asgi_generate.sdk.text import PromptTokenizer
 
     text = "<|im_start|>user\nHello there<|im_end|>"
     length = len(PromptTokenizer(str(TOKENIZER_PATH)).encode(text))

@@ -11,7 +11,7 @@ import orjson
 import pytest
 from hypothesis import given, strategies as stb
 
-from asgi_generate.tracecontext import format_traceparent, parse_traceparent
+from asgi_generate.tracing.tracecontext import format_traceparent, parse_traceparent
 from otlp_receiver import Receiver, attributes
 from support import CONTINUATION, PROMPT, post, sse, start_frontend, start_sim, stats, wait_until, trace_lines
 

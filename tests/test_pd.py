@@ -38,7 +38,7 @@ from support import (
 from wire_proxy import WireProxy
 
 from asgi_generate.config import Settings
-from asgi_generate.pd import bootstrap_host, mint_room
+from asgi_generate.request.pd import bootstrap_host, mint_room
 from asgi_generate.workers.router import Router, parse_worker_spec
 
 PREFILL = ["--disaggregation-mode", "prefill", "--bootstrap-port", "0"]
@@ -559,7 +559,7 @@ def test_serve_embedded_pd_serves_pairs_of_both_protocols():
 
 
 def _legs_exchange(body: dict):
-    from asgi_generate.codec import Attempt
+    from asgi_generate.sdk.codec import Attempt
     from asgi_generate_sglang import SGLangCodec
 
     codec = SGLangCodec()
@@ -608,7 +608,7 @@ def test_codec_joins_expert_rows(decode_ids, finish, own, want):
     (ROW_A, ROW_B, "int16", "prefill and decode legs sent routed experts of different dtypes"),
 ])
 def test_codec_refuses_bad_expert_rows(pre, own, dtype, message):
-    from asgi_generate.codec import RequestError
+    from asgi_generate.sdk.codec import RequestError
 
     ex, p, d = _legs_exchange({"input_ids": [1, 2], "return_routed_experts": True})
     extra = {"routed_experts_dtype": dtype} if dtype else {}

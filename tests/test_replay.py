@@ -13,8 +13,8 @@ import orjson
 from hypothesis import given, settings, strategies as hs
 
 from asgi_generate.tracing.hashing import block_hashes
-from asgi_generate.tracing.replay import Row, prompt_tokens
-from asgi_generate.tracing.tools import mooncake_rows
+from asgi_generate.tracing.offline.replay import Row, prompt_tokens
+from asgi_generate.tracing.offline.tools import mooncake_rows
 from support import post, free_port, sse, start_frontend, start_sim, trace_records
 
 BLOCK = 16
@@ -45,7 +45,7 @@ def _renumbered(hash_lists: list[list[int]]) -> list[list[int]]:
 
 
 def _replay(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "asgi_generate.tracing.tools", "replay", *args, "--no-progress"],
+    return subprocess.run([sys.executable, "-m", "asgi_generate.tracing.offline.tools", "replay", *args, "--no-progress"],
                           capture_output=True, text=True, timeout=50)
 
 

@@ -20,13 +20,13 @@ import sniffio
 import trio
 import trio.testing
 
-from asgi_generate.app import App
-from asgi_generate.codec import Attempt, dumps_compact
+from asgi_generate.server.app import App
+from asgi_generate.sdk.codec import Attempt, dumps_compact
 from asgi_generate.config import Settings
-from asgi_generate.handler import handle_generate
-from asgi_generate.hypercorn_lean import AppQueue, LeanEvent, TrioAppQueue, TrioEvent, TrioLock, socket_addresses
-from asgi_generate.token_ids import pack_token_ids
-from asgi_generate.watchdog import Watchdog
+from asgi_generate.request.handler import handle_generate
+from asgi_generate.server.hypercorn.lean import AppQueue, LeanEvent, TrioAppQueue, TrioEvent, TrioLock, socket_addresses
+from asgi_generate.sdk.token_ids import pack_token_ids
+from asgi_generate.request.watchdog import Watchdog
 from asgi_generate.workers import sockets, trio_poller
 from asgi_generate.workers.sockets import TCPConnection, connect
 from asgi_generate_sglang.codec import SGLangCodec
@@ -39,7 +39,7 @@ def test_h2_streams_get_the_disconnect_watch_too():
     import hypercorn.protocol.h2 as hypercorn_h2
     import hypercorn.protocol.h11 as hypercorn_h11
 
-    from asgi_generate import hypercorn_fixes
+    from asgi_generate.server.hypercorn import fixes as hypercorn_fixes
 
     hypercorn_fixes.install(send_errors=True)
     assert hypercorn_h2.HTTPStream is hypercorn_h11.HTTPStream is hypercorn_fixes._HTTPStream
@@ -182,10 +182,10 @@ def test_sglang_stream_keeps_only_what_a_resume_needs_of_its_last_chunk(incremen
 async def test_a_leg_does_not_hold_its_request_body():
     # The attempt loop keeps its WorkerRequest for the leg's whole life; the
     # body (a whole prompt's JSON) goes to the pool and is not kept there.
-    from asgi_generate.accounting import RequestState
-    from asgi_generate.codec import WorkerRequest
+    from asgi_generate.request.accounting import RequestState
+    from asgi_generate.sdk.codec import WorkerRequest
     from asgi_generate.config import Settings
-    from asgi_generate.legs import Leg
+    from asgi_generate.request.legs import Leg
 
     sent = []
 

@@ -135,7 +135,7 @@ def test_mixed_campaign(tmp_path):
             s.stop()
 
     files = sorted(tmp_path.glob("campaign.*.jsonl"))
-    check = subprocess.run([sys.executable, "-m", "asgi_generate.tracing.tools", "validate", *map(str, files)],
+    check = subprocess.run([sys.executable, "-m", "asgi_generate.tracing.offline.tools", "validate", *map(str, files)],
                            capture_output=True, text=True, timeout=60)
     assert (check.returncode, check.stdout) == (0, f"VALID: {N} records\n")
     assert trace_stats["dropped"] == {"queue_full": 0, "sink_error": 0, "build_error": 0, "closed": 0}

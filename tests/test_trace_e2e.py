@@ -27,7 +27,7 @@ import pytest
 
 from asgi_generate.assets import TOKENIZER_PATH
 from asgi_generate.tracing.hashing import block_hashes
-from asgi_generate.tracing.validate import check_records, read_jsonl
+from asgi_generate.tracing.offline.validate import check_records, read_jsonl
 from support import JSON_HEADERS, RawClient, post, sse, start_frontend, start_sim, stats, wait_until, trace_records
 
 PARSERS = ["--tokenizer", str(TOKENIZER_PATH), "--reasoning-parser", "deepseek_r1", "--tool-call-parser", "hermes"]

@@ -18,8 +18,8 @@ from asgi_generate_sglang.codec import SGLangCodec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asgi_generate.codec import Attempt
-from asgi_generate.token_ids import pack_token_ids
+from asgi_generate.sdk.codec import Attempt
+from asgi_generate.sdk.token_ids import pack_token_ids
 from asgi_generate.tracing._hashchain import NOGIL_BYTES, chain, chain_json
 from asgi_generate.tracing.hashing import SEED, TokenIdOutOfRange, block_hashes, block_hashes_json
 

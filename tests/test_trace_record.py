@@ -11,14 +11,14 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asgi_generate.accounting import RequestState
+from asgi_generate.request.accounting import RequestState
 from asgi_generate.assets import TOKENIZER_PATH
-from asgi_generate.codec import Attempt
+from asgi_generate.sdk.codec import Attempt
 from asgi_generate.tracing.analysis import OutputAnalyzer
 from asgi_generate.tracing.hashing import block_hashes
 from asgi_generate.tracing.record import build_record, session_fields
 from asgi_generate.tracing.schema import ATTEMPT_OUTCOMES, STATUSES, schema_json
-from asgi_generate.tracing.validate import check_records, read_jsonl
+from asgi_generate.tracing.offline.validate import check_records, read_jsonl
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ANALYZER = OutputAnalyzer(str(TOKENIZER_PATH), "qwen3", "hermes")

@@ -9,7 +9,7 @@ import sys
 import orjson
 
 from asgi_generate.tracing.schema import schema_json
-from asgi_generate.tracing.tools import main, percentile
+from asgi_generate.tracing.offline.tools import main, percentile
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "trace" / "examples" / "request_trace.v1.jsonl"
 
@@ -113,6 +113,6 @@ def test_export_refuses_mixed_block_sizes(capsys, tmp_path):
 
 
 def test_console_script_prints_the_schema():
-    out = subprocess.run([sys.executable, "-m", "asgi_generate.tracing.tools", "schema"],
+    out = subprocess.run([sys.executable, "-m", "asgi_generate.tracing.offline.tools", "schema"],
                          capture_output=True, check=True, timeout=30).stdout
     assert out == schema_json()

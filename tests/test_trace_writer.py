@@ -12,15 +12,15 @@ import anyio
 import orjson
 import pytest
 
-from asgi_generate.accounting import RequestState
-from asgi_generate.app import App
+from asgi_generate.request.accounting import RequestState
+from asgi_generate.server.app import App
 from asgi_generate.assets import TOKENIZER_PATH
-from asgi_generate.codec import Codec, RequestError, Route
+from asgi_generate.sdk.codec import Codec, RequestError, Route
 from asgi_generate.config import Settings
-from asgi_generate.registry import LoadedCodec
+from asgi_generate.sdk.registry import LoadedCodec
 from asgi_generate.tracing import Tracer, TraceSetupError
 from asgi_generate.tracing.sinks import Sink
-from asgi_generate.tracing.validate import check_records, read_jsonl
+from asgi_generate.tracing.offline.validate import check_records, read_jsonl
 
 pytestmark = pytest.mark.anyio
 

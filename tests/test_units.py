@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asgi_generate import ids
+from asgi_generate.sdk import ids
 from asgi_generate.config import Settings
-from asgi_generate.framing import SSEDecoder, sse_event
+from asgi_generate.request.framing import SSEDecoder, sse_event
 from asgi_generate.sim.model import Model, experts_base64
 from asgi_generate.workers.router import Router, parse_worker_spec
 
@@ -171,9 +171,10 @@ def test_settings_round_trip_through_the_environment():
 
 
 def test_no_codec_to_serve_is_refused(monkeypatch):
-    from asgi_generate import registry
+    from asgi_generate.sdk import registry
+    from asgi_generate.workers.protocols import PROTOCOLS
 
     monkeypatch.setattr(registry, "entry_points", lambda group: [])
     with pytest.raises(registry.CodecLoadError) as exc:
-        registry.load_codecs()
+        registry.load_codecs(protocols=PROTOCOLS)
     assert str(exc.value) == "no codec to serve: none is installed in the entry point group asgi_generate.codecs"

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from asgi_generate.codec import Attempt, EngineError, Event, RequestError
+from asgi_generate.sdk.codec import Attempt, EngineError, Event, RequestError
 from asgi_generate.workers.protocols import PROTOCOLS
 from asgi_generate_vllm import VLLMCodec
 

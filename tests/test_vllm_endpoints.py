@@ -37,7 +37,7 @@ import httpx
 import orjson
 import pytest
 
-from asgi_generate.workers.versions import VLLM_VERSIONS, vllm_behaviour
+from asgi_generate.sdk.versions import VLLM_VERSIONS, vllm_behaviour
 from support import CONTINUATION, PROMPT, same, sampled, start_frontend, start_sim
 
 GEN = "/inference/v1/generate"

@@ -8,7 +8,7 @@ import socket
 import anyio
 import pytest
 
-from asgi_generate.h11_state import _NO_PROPOSALS, LeanConnectionState
+from asgi_generate.workers.h11_state import _NO_PROPOSALS, LeanConnectionState
 from asgi_generate.workers.http import ConnectFailed, ConnectionPool, TimedOut
 
 pytestmark = pytest.mark.anyio

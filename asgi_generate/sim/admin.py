@@ -39,7 +39,7 @@ from urllib.parse import parse_qs
 import anyio
 import orjson
 
-from ..framing import Send, send_unary
+from ..request.framing import Send, send_unary
 from .engine import SimEngine
 
 FLUSHED = (

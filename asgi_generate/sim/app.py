@@ -42,8 +42,8 @@ import anyio
 import orjson
 
 from ..assets import ASSETS_DIR
-from ..framing import BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
-from ..workers.versions import VLLM_DEFAULT_VERSION
+from ..request.framing import BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
+from ..sdk.versions import VLLM_DEFAULT_VERSION
 from .disagg import DEFAULT_TIMEOUT_S, DecodeKV, PrefillRooms
 from .kvconnector import DEFAULT_EXPIRY_S, KVConsumer, KVProducer
 from .admin import SimAdmin

@@ -36,7 +36,7 @@ from typing import Any, AsyncIterator
 import anyio
 import orjson
 
-from ..framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
+from ..request.framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
 from .disagg import DecodeKV, PrefillRooms, bootstrap_failed, transfer_failed
 from .engine import DuplicateRequestId, Job, SimEngine, Token
 from .sglang_batch import is_batch, serve_batch

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import anyio
 import orjson
 
-from ..framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
+from ..request.framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
 from .engine import DuplicateRequestId, Job
 from .sglang_checks import SGLangError, value_error
 

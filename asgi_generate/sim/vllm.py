@@ -5,7 +5,7 @@ Follows vLLM ``ServingTokens`` and its models
 api_router}.py``, read from the released wheels) for a server run with
 ``--tokens-only``, as the vLLM version it plays answers (``sim
 --engine-version``, 0.25.0 and later; the behaviours that differ are listed
-in :mod:`asgi_generate.workers.versions`):
+in :mod:`asgi_generate.sdk.versions`):
 
 - ``POST /inference/v1/generate``: the engine id is ``generate-tokens-`` plus
   the ``X-Request-Id`` header, else the body ``request_id``, else a random
@@ -94,8 +94,8 @@ from typing import Any, Mapping
 import anyio
 import orjson
 
-from ..framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
-from ..workers.versions import VLLM_DEFAULT_VERSION, VLLM_OLDEST_PLAYED, VLLMBehaviour, parse_version, vllm_behaviour
+from ..request.framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
+from ..sdk.versions import VLLM_DEFAULT_VERSION, VLLM_OLDEST_PLAYED, VLLMBehaviour, parse_version, vllm_behaviour
 from .engine import DuplicateRequestId, Job, SimEngine, Token
 from .kvconnector import KVConsumer, KVProducer
 from .model import NUM_CANDIDATES, experts_npy_base64
@@ -141,7 +141,7 @@ class VLLMProtocol:
             after its finishing chunk).
         version: the vLLM version played (``GET /version``): any version
             string from 0.25.0 on (see
-            :data:`~asgi_generate.workers.versions.VLLM_VERSIONS`).
+            :data:`~asgi_generate.sdk.versions.VLLM_VERSIONS`).
         stream_interval: tokens per streamed chunk.
         kv: the P/D KV connector, if any.
         routed_experts: answer each finished choice's ``routed_experts``.

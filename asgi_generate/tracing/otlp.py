@@ -47,12 +47,11 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
 from .. import __version__
-from ..accounting import RequestState
 from .sinks import Sink
-from ..tracecontext import TraceContext, format_traceparent, from_headers, mint_span_id
+from .tracecontext import TraceContext, format_traceparent, from_headers, mint_span_id
 
 if TYPE_CHECKING:
-    from ..codec import Attempt, WorkerRequest
+    from ..sdk.codec import Attempt, WorkerRequest
     from ..config import Settings
 
 SCOPE = "asgi_generate"

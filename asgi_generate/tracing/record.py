@@ -1,5 +1,5 @@
 """Build one request-end record (a JSON-ready dict) from a finished
-:class:`~asgi_generate.accounting.RequestState`.
+:class:`~asgi_generate.request.accounting.RequestState`.
 
 The layout is :data:`asgi_generate.tracing.schema.SCHEMA`. Optional fields
 are left out, never written empty or null. Runs in the trace writer, after
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import orjson
 
-from ..accounting import RequestState
 from .analysis import OutputAnalyzer, final_finish_reason
 from .hashing import TokenIdOutOfRange, block_hashes_json
 from .schema import EVENT_TYPE, SCHEMA_ID

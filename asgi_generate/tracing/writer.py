@@ -2,7 +2,7 @@
 serializes and writes request-end records, off the response path.
 
 The handler's only trace work is :meth:`Tracer.submit`, a non-blocking put of
-the finished :class:`~asgi_generate.accounting.RequestState`. The writer task
+the finished :class:`~asgi_generate.request.accounting.RequestState`. The writer task
 (run in the app's lifespan task group) takes what gathered in the queue over
 ``GATHER_S`` seconds and, in a worker thread, builds the records (hashing,
 decoding, parsing), serializes them with orjson and hands each sink the batch
@@ -23,7 +23,6 @@ import logging
 import anyio
 import orjson
 
-from ..accounting import RequestState
 from ..config import Settings
 from .analysis import OutputAnalyzer
 from .parsers import ParserError
@@ -101,11 +100,11 @@ class Tracer:
             self.sinks.append(SpanSink(self.otlp))
             if settings.trace_otlp:
                 self.sinks.append(LogSink(self.otlp))
-        self._send, self._receive = anyio.create_memory_object_stream[RequestState](settings.trace_queue_size)
+        self._send, self._receive = anyio.create_memory_object_stream["RequestState"](settings.trace_queue_size)
         self.submitted = 0
         self.records = 0
         self.dropped = {"queue_full": 0, "sink_error": 0, "build_error": 0, "closed": 0}
-        #: The app's :class:`~asgi_generate.metrics.Metrics`, told of every
+        #: The app's :class:`~asgi_generate.ops.metrics.Metrics`, told of every
         #: record written and lost (set by the app).
         self.metrics = None
         self._running = False

@@ -31,7 +31,7 @@ from typing import Iterable
 import anyio
 import h11
 
-from ..h11_state import client_connection
+from .h11_state import client_connection
 from .sockets import TCPConnection, TLSConnection, connect
 
 log = logging.getLogger("asgi_generate.workers")

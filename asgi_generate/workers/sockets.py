@@ -70,7 +70,7 @@ def recv_nowait(sock: socket.socket, max_bytes: int) -> bytes | None:
     :class:`OSError`. A function of its own: an exception raised in a
     coroutine's frame gives it a frame object (about 200 bytes) that lives
     as long as the coroutine, the open stream's whole life (here an engine
-    read's, and :mod:`asgi_generate.hypercorn_trio`'s client connection's)."""
+    read's, and :mod:`asgi_generate.server.hypercorn.trio_serve`'s client connection's)."""
     try:
         return sock.recv(max_bytes)
     except BlockingIOError:

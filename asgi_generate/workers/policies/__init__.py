@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 if TYPE_CHECKING:
-    from ...codec import GenerateRequest
+    from ...sdk.codec import GenerateRequest
     from ...config import Settings
     from ..router import Worker
 

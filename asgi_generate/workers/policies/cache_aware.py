@@ -44,7 +44,7 @@ from ..prefix_tree import PrefixTree, text_key, token_key
 from . import Policy
 
 if TYPE_CHECKING:
-    from ...codec import GenerateRequest
+    from ...sdk.codec import GenerateRequest
     from ..router import Worker
     from . import Least
 

@@ -31,7 +31,7 @@ import xxhash
 from . import Policy
 
 if TYPE_CHECKING:
-    from ...codec import GenerateRequest
+    from ...sdk.codec import GenerateRequest
     from ..router import Worker
     from . import Least
 

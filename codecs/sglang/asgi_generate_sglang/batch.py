@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import orjson
 
-from asgi_generate.codec import (
+from asgi_generate.sdk import (
     Attempt, BatchItem, EngineError, Event, Exchange, GenerateRequest, RequestError, WorkerRequest, dump_body,
     LEG_DONE, engine_error_page,
 )
@@ -281,7 +281,7 @@ class SGLangBatchExchange(Exchange):
 
     def end_of_stream(self, attempt: Attempt) -> Event | None:
         """A leg whose entries all finished while other legs still run:
-        :data:`~asgi_generate.codec.LEG_DONE`; ``None`` when one of its
+        :data:`~asgi_generate.sdk.codec.LEG_DONE`; ``None`` when one of its
         entries never finished (the answer was cut short)."""
         if not all(j in self.finished for j in attempt.entries):
             return None

@@ -59,7 +59,7 @@ had, so its rows are exactly the uninterrupted rows.
 
 With the frontend's tokenizer (``Codec.tokenizer``, ``--tokenizer``) a
 ``text`` prompt resumes as its token ids (tokenized as SGLang does, see
-:class:`asgi_generate.text.PromptTokenizer`), and stop strings are checked
+:class:`asgi_generate.sdk.text.PromptTokenizer`), and stop strings are checked
 across the seam (:mod:`asgi_generate_sglang.seam`): the engine only looks in
 its own output, so a stop string begun before the seam is the frontend's to
 find; the answer then ends there as the engine would have ended it, and the
@@ -72,7 +72,7 @@ has no expert rows), constrained decoding (``json_schema``, ``regex``,
 ``ebnf``, ``structural_tag``: the grammar state is the engine's) and
 penalties (they count the output tokens, which a re-issue turns into
 prompt). A unary request never resumes: its leg shows no tokens before its
-end, so it is replayed from scratch (:mod:`asgi_generate.generation`).
+end, so it is replayed from scratch (:mod:`asgi_generate.request.generation`).
 """
 
 from __future__ import annotations
@@ -84,22 +84,23 @@ from typing import Any, Mapping
 
 import orjson
 
-from asgi_generate.codec import (
+from asgi_generate.sdk import (
     Attempt,
     Codec,
     EngineError,
     Event,
     Exchange,
     GenerateRequest,
+    PromptTokenizer,
     RequestError,
     Route,
+    StopWatch,
     WorkerRequest,
     dump_body,
     dumps_compact,
     engine_error_page,
+    pack_token_ids,
 )
-from asgi_generate.token_ids import pack_token_ids
-from asgi_generate.text import PromptTokenizer, StopWatch
 
 from .seam import OUTPUT_LOGPROBS, across_seam
 

@@ -12,7 +12,7 @@ SGLang looks for stop strings in the output of its own request only
 tail of ``output_ids``), so a resumed leg never sees a stop string that
 began before the seam. The frontend, which has the whole output, checks each
 token after the seam as the uninterrupted engine would
-(:class:`asgi_generate.text.StopWatch`) and, on a hit the engine did not
+(:class:`asgi_generate.sdk.text.StopWatch`) and, on a hit the engine did not
 report, ends the answer there: the chunk is cut after the token that
 completed the string and made the engine's final chunk (``finish_reason``
 ``{"type": "stop", "matched": s}``, ``text`` cut where the string begins
@@ -22,7 +22,7 @@ up to that token; no ``e2e_latency``, which only the engine can time).
 
 from __future__ import annotations
 
-from asgi_generate.text import StopWatch
+from asgi_generate.sdk import StopWatch
 
 OUTPUT_LOGPROBS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
 

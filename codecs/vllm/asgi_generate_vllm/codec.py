@@ -11,7 +11,7 @@ set (P/D): a client's non-null value is refused with 400 on every mode, since
 it could name another request's KV blocks.
 
 Versions. What differs between vLLM versions
-(:mod:`asgi_generate.workers.versions`) is read from the attempt's worker
+(:mod:`asgi_generate.sdk.versions`) is read from the attempt's worker
 info (the version the worker reported at registration), never guessed:
 ``stop_reason`` becomes the event's ``matched`` only from a worker whose
 version sends it. Logprob entries (``"token_id:N"`` labels, or integer
@@ -96,7 +96,7 @@ from typing import Any, Mapping
 
 import orjson
 
-from asgi_generate.codec import (
+from asgi_generate.sdk import (
     NO_KV_TRANSFER,
     Attempt,
     BatchItem,
@@ -110,9 +110,8 @@ from asgi_generate.codec import (
     WorkerRequest,
     dump_body,
     engine_error_page,
+    vllm_behaviour,
 )
-
-from asgi_generate.workers.versions import vllm_behaviour
 
 from . import experts
 from .schema import GENERATE_REQUEST, VLLMRequestError, bad_request, check, validation_error

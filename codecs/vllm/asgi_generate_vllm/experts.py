@@ -26,7 +26,7 @@ import binascii
 import struct
 from dataclasses import dataclass
 
-from asgi_generate.codec import RequestError
+from asgi_generate.sdk import RequestError
 
 MAGIC = b"\x93NUMPY"
 ARRAY_ALIGN = 64

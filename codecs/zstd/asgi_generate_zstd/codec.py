@@ -36,7 +36,7 @@ import zstandard
 from asgi_generate_sglang import SGLangCodec
 from asgi_generate_sglang.codec import SGLangExchange
 
-from asgi_generate.codec import (
+from asgi_generate.sdk import (
     Attempt,
     Codec,
     Event,

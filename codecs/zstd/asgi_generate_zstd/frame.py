@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import zstandard
 
-from asgi_generate.codec import RequestError
+from asgi_generate.sdk import RequestError
 
 MAGIC = b"\x28\xb5\x2f\xfd"
 #: RFC 8878 3.1.1.1.2 recommends every decoder accept windows up to 8 MiB;

@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING, Iterator
 
 import anyio
 
-from . import ids
+from ..sdk import ids
 from .accounting import RequestState
-from .codec import LEG_DONE, Attempt, Codec, Event, Exchange, GenerateRequest, RequestError
+from ..sdk.codec import LEG_DONE, Attempt, Codec, Event, Exchange, GenerateRequest, RequestError
 from .framing import Send
 from .generation import Generation
 
 if TYPE_CHECKING:
-    from .app import App
+    from ..server.app import App
 
 
 @dataclass(slots=True)

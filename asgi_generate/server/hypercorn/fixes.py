@@ -7,8 +7,8 @@ server (hypercorn 0.18.0; both worker classes), installed by :func:`install`.
    idle task (``_idle_timeout``) sits in that group for
    ``keep_alive_timeout`` seconds. A client that closes an idle keep-alive
    connection ends ``_read_data``, but the socket stays open until the idle
-   task times out. Our connections (:mod:`asgi_generate.hypercorn_trio`,
-   :mod:`asgi_generate.hypercorn_asyncio`) stop the keep-alive wait once
+   task times out. Our connections (:mod:`asgi_generate.server.hypercorn.trio_serve`,
+   :mod:`asgi_generate.server.hypercorn.asyncio_serve`) stop the keep-alive wait once
    the read loop has ended (and never restart it), so the socket is closed
    as soon as the app's task, if any, is done.
 
@@ -43,7 +43,7 @@ server (hypercorn 0.18.0; both worker classes), installed by :func:`install`.
 One addition: hypercorn tells an app of a closed connection only through
 ``receive()``, so an app must keep a task waiting on it per request just to
 notice a disconnect. The scope's extension ``asgi_generate.disconnect_watch``
-(:data:`asgi_generate.watchdog.DISCONNECT_WATCH`, on HTTP/1.1 and h2
+(:data:`asgi_generate.request.watchdog.DISCONNECT_WATCH`, on HTTP/1.1 and h2
 streams alike) takes a callback instead,
 called once when the connection closes (at once if it is closed already;
 ``None`` stops the watch); ``http.disconnect`` still reaches ``receive()``.
@@ -86,9 +86,9 @@ from hypercorn.protocol.events import Body, EndBody
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
-from . import hypercorn_asyncio, hypercorn_lean, hypercorn_trio
-from .h11_state import LeanConnectionState
-from .watchdog import DISCONNECT_WATCH
+from . import asyncio_serve as hypercorn_asyncio, lean as hypercorn_lean, trio_serve as hypercorn_trio
+from ...workers.h11_state import LeanConnectionState
+from ...request.watchdog import DISCONNECT_WATCH
 
 #: Bytes of empty lines behind a request that do not stop hypercorn reading.
 STRAY_CRLF_BYTES = 4
@@ -150,7 +150,7 @@ class _LazyContinue:
     returns the app's coroutine: no frame of its own stays alive for as
     long as the request does, nor one of hypercorn's ``ASGIWrapper`` (its
     ``__call__`` only awaits the app), nor (through its ``dispatch``) one of
-    :class:`asgi_generate.app.App`'s."""
+    :class:`asgi_generate.server.app.App`'s."""
 
     __slots__ = ("app", "stream")
 
@@ -263,11 +263,11 @@ def install(send_errors: bool) -> None:
     """Make hypercorn serve with the fixed classes (idempotent); with
     ``send_errors``, a ``send()`` to a client that is gone raises
     :class:`ClientGone` (bug 3), for apps that handle it. Must run before
-    hypercorn accepts connections: ``asgi_generate.serving`` calls it, and
-    so does importing ``asgi_generate.asgi`` under a hypercorn you run.
-    Also installs the leaner objects of :mod:`asgi_generate.hypercorn_lean`
-    and the connections of :mod:`asgi_generate.hypercorn_asyncio` and
-    :mod:`asgi_generate.hypercorn_trio`."""
+    hypercorn accepts connections: ``asgi_generate.server.serving`` calls it, and
+    so does importing ``asgi_generate.server.asgi`` under a hypercorn you run.
+    Also installs the leaner objects of :mod:`asgi_generate.server.hypercorn.lean`
+    and the connections of :mod:`asgi_generate.server.hypercorn.asyncio_serve` and
+    :mod:`asgi_generate.server.hypercorn.trio_serve`."""
     hypercorn_lean.install()
     hypercorn_asyncio.install()
     hypercorn_trio.install()

@@ -1,6 +1,6 @@
 """hypercorn's asyncio worker (hypercorn 0.18.0) with one ``asyncio.Protocol``
 per client connection, installed by :func:`install` (from
-:func:`asgi_generate.hypercorn_fixes.install`): on the asyncio and uvloop
+:func:`asgi_generate.server.hypercorn.fixes.install`): on the asyncio and uvloop
 worker classes alike, whether ``asgi-generate serve`` or a ``hypercorn``
 command runs the app.
 
@@ -8,7 +8,7 @@ hypercorn serves each connection with a ``StreamReader``/``StreamWriter``
 pair (``asyncio.start_server`` in ``hypercorn/asyncio/run.py``) and a task
 that loops reading it (``TCPServer`` in ``hypercorn/asyncio/tcp_server.py``),
 under an ``asyncio.TaskGroup``, with a send lock and a keep-alive task. With
-:class:`Connection` instead (and :mod:`asgi_generate.hypercorn_lean`'s
+:class:`Connection` instead (and :mod:`asgi_generate.server.hypercorn.lean`'s
 objects), the client connection's Python allocations per open SSE stream
 went from 12.6 to 6.6 KB (bench/bench_streams.py; bench/README.md, "The
 client connection"). :class:`Connection` is the
@@ -16,7 +16,7 @@ same connection as a protocol: the transport calls it with the bytes read,
 it writes with ``transport.write`` and waits only while the transport has
 paused writing (a full socket buffer). hypercorn's protocol classes
 (``H11Protocol``, ``H2Protocol`` for ``h2`` by ALPN or upgrade, with
-:mod:`asgi_generate.hypercorn_fixes`' changes) are driven as before.
+:mod:`asgi_generate.server.hypercorn.fixes`' changes) are driven as before.
 
 Their ``handle()`` is a coroutine that nearly always finishes without
 suspending: :func:`_step` runs it to its end right in the transport's
@@ -31,7 +31,7 @@ Kept from hypercorn: the keep-alive timeout (a timer while a connection is
 idle, none while it serves a request), ``connection: close`` and the
 per-connection request limit (the protocol's), a connection closed once the
 client's end of stream is read and the app is done (the fix of
-bug 1 of :mod:`asgi_generate.hypercorn_fixes`: no keep-alive wait for a client that is
+bug 1 of :mod:`asgi_generate.server.hypercorn.fixes`: no keep-alive wait for a client that is
 gone), a write to a closed connection reported to the protocol as
 ``Closed``, TLS (hypercorn's SSL context and handshake timeout), graceful
 shutdown (idle connections close, busy ones close after their answer, for at
@@ -58,7 +58,7 @@ from hypercorn.config import Config, Sockets
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
 
-from . import hypercorn_lean
+from . import lean as hypercorn_lean
 
 #: The name of every connection task (asyncio's default, "Task-<n>", is a
 #: string per task); the context of their done callbacks (by default a copy
@@ -362,7 +362,7 @@ class Connection(asyncio.Protocol):
     async def spawn_app(self, app: Any, config: Config, scope: dict,
                         send: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
         """hypercorn's ``TaskGroup.spawn_app`` with
-        :mod:`asgi_generate.hypercorn_lean`'s queue and shared loop calls."""
+        :mod:`asgi_generate.server.hypercorn.lean`'s queue and shared loop calls."""
         queue = hypercorn_lean.AppQueue(config.max_app_queue_size)
         calls = hypercorn_lean.loop_calls(self.worker.loop)
         self.spawn(self._call_app, app(scope, queue.get, send, calls.sync_spawn, calls.call_soon), send)

@@ -1,6 +1,6 @@
 """hypercorn's trio connection (hypercorn 0.18.0, ``TCPServer`` in
 ``hypercorn/trio/tcp_server.py``) in one task with no nursery of its own,
-installed by :func:`install` (from :func:`asgi_generate.hypercorn_fixes.install`).
+installed by :func:`install` (from :func:`asgi_generate.server.hypercorn.fixes.install`).
 
 hypercorn runs each connection's task under a nursery of its own (its trio
 ``TaskGroup``) for the app call and the keep-alive task: a nursery, its
@@ -19,10 +19,10 @@ connection").
 
 Kept from hypercorn: the TLS handshake and its timeout, ALPN and the h2
 protocols (hypercorn's ``ProtocolWrapper``'s work, without the wrapper:
-:func:`asgi_generate.hypercorn_lean.new_protocol`), ``read_timeout`` when set (reads
+:func:`asgi_generate.server.hypercorn.lean.new_protocol`), ``read_timeout`` when set (reads
 through ``SocketStream.receive_some`` then, and over TLS), the
 keep-alive task, the send lock, ``Closed`` for writes that fail, and (bug 1
-of :mod:`asgi_generate.hypercorn_fixes`) no keep-alive wait once the client's
+of :mod:`asgi_generate.server.hypercorn.fixes`) no keep-alive wait once the client's
 end of stream is read. Changed: a connection whose reading fails with an
 ``OSError`` tells its protocol it is ``Closed`` (the app sees the
 disconnect) instead of cancelling the app's task.
@@ -38,8 +38,8 @@ from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.trio import run as trio_run
 from hypercorn.trio import tcp_server as trio_tcp_server
 
-from . import hypercorn_lean
-from .workers.sockets import recv_nowait
+from . import lean as hypercorn_lean
+from ...workers.sockets import recv_nowait
 
 #: Bytes asked of one socket read (hypercorn's ``MAX_RECV``).
 MAX_RECV = 2**16
@@ -129,7 +129,7 @@ class TCPServer(trio_tcp_server.TCPServer):
     async def spawn_app(self, app: Any, config: Any, scope: dict,
                         send: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
         """hypercorn's ``TaskGroup.spawn_app`` with
-        :class:`asgi_generate.hypercorn_lean.TrioAppQueue` for its memory
+        :class:`asgi_generate.server.hypercorn.lean.TrioAppQueue` for its memory
         channel."""
         queue = hypercorn_lean.TrioAppQueue(config.max_app_queue_size)
         call = app(scope, queue.get, send, trio.to_thread.run_sync, trio.from_thread.run)

@@ -14,15 +14,16 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from . import __version__
-from .config import Settings
+from .. import __version__
+from ..config import Settings
 from .serving import WORKER_CLASSES, ServerTLS, hold_signals, hypercorn_config, run
-from .workers.policies import POLICIES
-from .workers.router import DISAGGREGATION_MODES, parse_worker_spec
-from .workers.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS
+from ..workers.policies import POLICIES
+from ..workers.protocols import PROTOCOLS
+from ..workers.router import DISAGGREGATION_MODES, parse_worker_spec
+from ..sdk.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS
 
 if TYPE_CHECKING:
-    from .sim.app import SimApp
+    from ..sim.app import SimApp
 
 log = logging.getLogger("asgi_generate")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -436,11 +437,11 @@ def _fail(message: str) -> int:
 
 def _serve(args: argparse.Namespace, d: Settings) -> int:
     from .app import App
-    from .metrics import MetricsSetupError, multiproc_dir
-    from .registry import CodecLoadError, load_codecs
+    from ..ops.metrics import MetricsSetupError, multiproc_dir
+    from ..sdk.registry import CodecLoadError, load_codecs
     from .serving import listening_socket
     from .supervisor import supervise
-    from .tracing import Tracer, TraceSetupError
+    from ..tracing import Tracer, TraceSetupError
 
     hold_signals()  # a Ctrl-C while starting up stops cleanly once serving begins
     settings = _settings(args, d)
@@ -461,7 +462,7 @@ def _serve(args: argparse.Namespace, d: Settings) -> int:
     pid_file = pathlib.Path(args.pid_file) if args.pid_file else None
     try:
         try:
-            codecs = load_codecs(settings.skip_broken_codecs)
+            codecs = load_codecs(settings.skip_broken_codecs, protocols=PROTOCOLS)
             if args.workers == 1:
                 app = App(settings, codecs)
             elif settings.trace_file or settings.trace_stderr or settings.otlp_endpoint:
@@ -521,7 +522,7 @@ def _sim_app(args: argparse.Namespace) -> "SimApp":
     Raises:
         ValueError: a flag value the simulator cannot play.
     """
-    from .sim.app import SimApp
+    from ..sim.app import SimApp
 
     return SimApp(
         protocol=args.protocol,
@@ -557,9 +558,9 @@ def _report_problems(lines: list[str]) -> None:
 def _codecs() -> int:
     """List every codec that loads; name each that does not, and each
     collision, on stderr and exit 2 (``serve`` would refuse to start)."""
-    from .registry import discover
+    from ..sdk.registry import discover
 
-    found = discover()
+    found = discover(PROTOCOLS)
     rows = [("NAME", "ROUTES", "WORKER PROTOCOL", "DISTRIBUTION", "VERSION")]
     for item in found.loaded:
         routes = ", ".join(f"{r.method} {r.path}" for r in item.codec.routes)

@@ -3,7 +3,7 @@
 Used by ``asgi-generate serve`` and ``asgi-generate sim``. The first SIGINT or
 SIGTERM starts hypercorn's graceful shutdown; later ones are ignored, so a Ctrl-C that reaches a process twice (from the terminal and from
 ``serve --workers N`` forwarding it) cannot cut the drain short. hypercorn
-serves with the connection fixes of :mod:`asgi_generate.hypercorn_fixes`.
+serves with the connection fixes of :mod:`asgi_generate.server.hypercorn.fixes`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 from hypercorn.config import Config
 
-from . import hypercorn_fixes
+from .hypercorn import fixes as hypercorn_fixes
 
 #: hypercorn worker classes; ``uvloop`` is hypercorn's asyncio worker on
 #: uvloop's event loop (hypercorn's own ``--worker-class uvloop``).
@@ -189,7 +189,7 @@ def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
     hypercorn stops accepting, and ``app.begin_shutdown()`` (when the app has
     one) lets the app end its in-flight requests itself. An app with a true
     ``handles_send_errors`` gets an error from a ``send()`` to a client that
-    is gone (:func:`asgi_generate.hypercorn_fixes.install`).
+    is gone (:func:`asgi_generate.server.hypercorn.fixes.install`).
 
     Raises:
         ValueError: ``worker_class`` is not one of :data:`WORKER_CLASSES`.
@@ -204,7 +204,7 @@ def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
         if worker_class == "trio":
             from hypercorn.trio import serve
         else:
-            from .hypercorn_asyncio import serve
+            from .hypercorn.asyncio_serve import serve
         # Held open until hypercorn is done: a later signal lands in this
         # receiver's unread queue instead of the default handler.
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -1,7 +1,7 @@
 """Codec discovery through the ``asgi_generate.codecs`` entry point group.
 
 Each entry point, named after its codec, names a
-:class:`~asgi_generate.codec.Codec` subclass or a zero-argument factory
+:class:`~asgi_generate.sdk.codec.Codec` subclass or a zero-argument factory
 returning one::
 
     [options.entry_points]
@@ -21,17 +21,17 @@ import logging
 import re
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
+from typing import Collection
 
 from .codec import Codec, Route
-from .workers.protocols import PROTOCOLS
 
 GROUP = "asgi_generate.codecs"
-#: Paths :class:`asgi_generate.app.App` serves itself; a codec route there
+#: Paths :class:`asgi_generate.server.app.App` serves itself; a codec route there
 #: would shadow them (the app matches codec paths first).
 RESERVED_PATHS = ("/health", "/v1/models", "/stats")
 SKIP_HINT = "start with --skip-broken-codecs to serve without the codecs that failed to load"
 _METHOD = re.compile(r"[A-Z]+")
-log = logging.getLogger("asgi_generate.registry")
+log = logging.getLogger("asgi_generate.sdk.registry")
 
 
 class CodecLoadError(Exception):
@@ -99,21 +99,22 @@ class Discovery:
     collisions: list[str] = field(default_factory=list)
 
 
-def _check(codec: object, ep: EntryPoint) -> Codec:
-    """``codec`` if it can be served, else raise saying why."""
+def _check(codec: object, ep: EntryPoint, protocols: Collection[str]) -> Codec:
+    """``codec`` if it can be served (riding on one of ``protocols``, the
+    frontend's worker protocol names), else raise saying why."""
     if not isinstance(codec, Codec):
-        raise TypeError(f"{ep.value} gave a {type(codec).__name__}, not an asgi_generate.codec.Codec")
+        raise TypeError(f"{ep.value} gave a {type(codec).__name__}, not an asgi_generate.sdk.codec.Codec")
     if codec.name != ep.name:
         raise ValueError(f"the codec is named {codec.name!r}; its entry point must carry the same name")
-    if codec.worker_protocol not in PROTOCOLS:
-        known = ", ".join(sorted(PROTOCOLS))
+    if codec.worker_protocol not in protocols:
+        known = ", ".join(sorted(protocols))
         raise ValueError(f"unknown worker protocol {codec.worker_protocol!r} (known: {known})")
     if not codec.routes:
         raise ValueError("the codec declares no routes")
     seen: set[Route] = set()
     for route in codec.routes:
         if not isinstance(route, Route):
-            raise TypeError(f"route {route!r} is not an asgi_generate.codec.Route")
+            raise TypeError(f"route {route!r} is not an asgi_generate.sdk.codec.Route")
         if not _METHOD.fullmatch(route.method):
             raise ValueError(f"route {route.method} {route.path}: the method must be upper-case letters")
         if not route.path.startswith("/"):
@@ -126,8 +127,9 @@ def _check(codec: object, ep: EntryPoint) -> Codec:
     return codec
 
 
-def discover() -> Discovery:
-    """Load and check every entry point in :data:`GROUP`; never raises.
+def discover(protocols: Collection[str]) -> Discovery:
+    """Load and check every entry point in :data:`GROUP` against the
+    worker protocol names ``protocols``; never raises.
 
     Entry points are taken in (name, distribution) order, so results and
     messages do not depend on the order of ``sys.path``.
@@ -139,7 +141,7 @@ def discover() -> Discovery:
         version = ep.dist.version if ep.dist else "?"
         try:
             # A plugin that calls sys.exit at import must not end the server unnamed.
-            codec = _check(ep.load()(), ep)
+            codec = _check(ep.load()(), ep, protocols)
         except (Exception, SystemExit) as exc:
             found.failures.append(CodecFailure(ep.name, dist, version, ep.value, f"{type(exc).__name__}: {exc}"))
             continue
@@ -170,12 +172,13 @@ def collisions(loaded: list[LoadedCodec]) -> list[str]:
     return problems
 
 
-def load_codecs(skip_broken: bool = False) -> list[LoadedCodec]:
+def load_codecs(skip_broken: bool = False, *, protocols: Collection[str]) -> list[LoadedCodec]:
     """Every installed codec, ready to serve, each logged with its
     distribution and version.
 
     Args:
         skip_broken: log codecs that fail to load and serve the others.
+        protocols: the worker protocol names a codec may ride on.
 
     Raises:
         CodecLoadError: a codec failed to load (unless ``skip_broken``; the
@@ -183,7 +186,7 @@ def load_codecs(skip_broken: bool = False) -> list[LoadedCodec]:
             codecs claim the same name or the same method and path, or no
             codec is left to serve.
     """
-    found = discover()
+    found = discover(protocols)
     if found.failures and not skip_broken:
         raise CodecLoadError("\n".join([*map(str, found.failures), SKIP_HINT]))
     for failure in found.failures:

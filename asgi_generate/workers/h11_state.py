@@ -3,7 +3,7 @@
 h11 (``h11/_state.py``) keeps the client's protocol-switch proposals
 (Upgrade, CONNECT) in a ``set`` made per connection and again per response,
 about 430 bytes of every open stream on each side of the frontend: the
-server side (hypercorn's h11 connection, :mod:`asgi_generate.hypercorn_fixes`)
+server side (hypercorn's h11 connection, :mod:`asgi_generate.server.hypercorn.fixes`)
 and the worker client (:mod:`asgi_generate.workers.http`).
 """
 

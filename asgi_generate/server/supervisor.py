@@ -11,7 +11,7 @@ supervisor exits when all children have, then stops the simulators. Each child k
 process that took the connection (its ``pid`` says which). ``/metrics``
 answers for all of them: the supervisor gives the children a fresh
 ``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client's multiprocess mode, see
-:mod:`asgi_generate.metrics`), tells the library when each child is gone,
+:mod:`asgi_generate.ops.metrics`), tells the library when each child is gone,
 and removes the folder at exit.
 """
 
@@ -32,9 +32,9 @@ from contextlib import AsyncExitStack
 import anyio
 from prometheus_client import multiprocess
 
-from .config import Settings
+from ..config import Settings
 from .embedded import embedded_fleet
-from .metrics import MULTIPROC_ENV
+from ..ops.metrics import MULTIPROC_ENV
 from .serving import ServerTLS, held_signal, hold_signals
 
 
@@ -68,7 +68,7 @@ def supervise(
             metrics_dir = tempfile.mkdtemp(prefix="asgi-generate-metrics-")
             stack.callback(shutil.rmtree, metrics_dir, ignore_errors=True)
             env = {**os.environ, **fleet.to_env(), MULTIPROC_ENV: metrics_dir}
-            cmd = [sys.executable, "-m", "asgi_generate.supervisor", "--fd", str(sock.fileno()),
+            cmd = [sys.executable, "-m", "asgi_generate.server.supervisor", "--fd", str(sock.fileno()),
                    "--worker-class", worker_class, "--shutdown-grace", str(shutdown_grace),
                    "--parent-pid", str(os.getpid()), "--log-level", log_level, "--access-log" if access_log else "--no-access-log",
                    *(tls.argv() if tls is not None else [])]
@@ -129,7 +129,7 @@ def _child() -> int:
     from .app import App
     from .serving import hypercorn_config, run
 
-    parser = argparse.ArgumentParser(prog="asgi_generate.supervisor")
+    parser = argparse.ArgumentParser(prog="asgi_generate.server.supervisor")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--worker-class", required=True)
     parser.add_argument("--shutdown-grace", type=float, required=True)

@@ -27,9 +27,9 @@ import anyio
 import orjson
 
 from .serving import listening_socket
-from .workers.http import ConnectionPool, WorkerError
+from ..workers.http import ConnectionPool, WorkerError
 
-log = logging.getLogger("asgi_generate.embedded")
+log = logging.getLogger("asgi_generate.server.embedded")
 
 
 @asynccontextmanager

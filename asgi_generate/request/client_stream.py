@@ -7,7 +7,7 @@ delivered once the server took them), ends an answer with the format's
 error (its own status before the 200, in-band after it), and in
 :meth:`ClientStream.guard` watches the client for disconnects, slow reads
 and idle SSE (keep-alive comments). The attempt loop that feeds it lives in
-:mod:`asgi_generate.generation`.
+:mod:`asgi_generate.request.generation`.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ from typing import TYPE_CHECKING
 import anyio
 
 from .accounting import RequestState
-from .codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError
+from ..sdk.codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError
 from .framing import KEEPALIVE, SSE_HEADERS, Receive, Send, send_unary, sse_event
-from .workers.aborts import ACKED, LOST
+from ..workers.aborts import ACKED, LOST
 
 if TYPE_CHECKING:
-    from .app import App
+    from ..server.app import App
 
 
 def finish_record(app: "App", st: RequestState) -> None:
     """Hand ``st`` to the app exactly once per request (a request with
-    items: each item's state, see :mod:`asgi_generate.batches`)."""
+    items: each item's state, see :mod:`asgi_generate.request.batches`)."""
     if st.t_done is None:
         st.t_done = time.monotonic()
         app.open_requests.pop(st.request_id, None)
@@ -102,7 +102,7 @@ class ClientStream:
             await self.send(message)
         except OSError:
             # ASGI: the server raises on a send to a closed connection (our
-            # hypercorn does, asgi_generate.hypercorn_fixes): nothing of
+            # hypercorn does, asgi_generate.server.hypercorn.fixes): nothing of
             # ``message`` went out, so its tokens are not counted.
             self.gone = True
             if self.st.status is None:
@@ -248,7 +248,7 @@ class ClientStream:
 
         Waiting on ``receive()`` under a timeout loses nothing: ASGI servers
         hand messages over through cancellation-safe queues. Served by our
-        hypercorn, the app's :class:`asgi_generate.watchdog.Watchdog` and a
+        hypercorn, the app's :class:`asgi_generate.request.watchdog.Watchdog` and a
         disconnect callback do the same without this task (:meth:`due`).
         """
         timeout = self.write_timeout
@@ -280,7 +280,7 @@ class ClientStream:
         return None, now + timeout
 
     def due(self, now: float, spawn) -> float | None:
-        """The guard's timers, for :class:`asgi_generate.watchdog.Watchdog`:
+        """The guard's timers, for :class:`asgi_generate.request.watchdog.Watchdog`:
         starts what is due at ``now`` with ``spawn``; when to look again,
         ``None`` once cut off."""
         action, wake = self.timers(now)

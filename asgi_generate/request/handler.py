@@ -27,20 +27,20 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from . import ids
+from ..sdk import ids
 from .accounting import RequestState
 from .budget import Lease
 from .client_stream import abort_live_legs, finish_record, send_in_band_error
-from .codec import Codec, GenerateRequest, RequestError
+from ..sdk.codec import Codec, GenerateRequest, RequestError
 from .framing import BodyTimeout, BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
 from .batches import BatchGeneration
 from .generation import Generation
 from .watchdog import DISCONNECT_WATCH
 
 if TYPE_CHECKING:
-    from .app import App
+    from ..server.app import App
 
-log = logging.getLogger("asgi_generate.handler")
+log = logging.getLogger("asgi_generate.request.handler")
 #: Bodies from this size on are decoded in a worker thread (1 MiB: about
 #: 10 ms of parsing; smaller ones cost less than the thread hop).
 DECODE_THREAD_BYTES = 1 << 20
@@ -201,7 +201,7 @@ async def _generate(
         # No task of its own (inline here: one coroutine frame fewer per open
         # stream): the server calls ClientStream.client_gone when the
         # client's connection closes, and the app's watchdog keeps its
-        # timers (see asgi_generate.watchdog).
+        # timers (see asgi_generate.request.watchdog).
         with anyio.CancelScope() as gen.scope:
             app.inflight[st.request_id] = gen
             key = app.watchdog.watch(gen, gen.timers(time.monotonic())[1])

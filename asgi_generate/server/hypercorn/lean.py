@@ -1,6 +1,6 @@
 """Leaner per-connection objects for hypercorn's worker classes (hypercorn
 0.18.0), installed by :func:`install` (from
-:func:`asgi_generate.hypercorn_fixes.install`). An open SSE stream keeps its
+:func:`asgi_generate.server.hypercorn.fixes.install`). An open SSE stream keeps its
 client connection's objects for its whole life; each saving below is
 measured per stream by bench/bench_streams.py (its README section).
 
@@ -17,13 +17,13 @@ asyncio:
   behaviour in lists that stay empty, and a future only while someone waits.
   The two helpers hypercorn makes per request for the app call (a thread
   spawner and a loop caller) are made once per loop (:func:`loop_calls`).
-  The connection itself is :mod:`asgi_generate.hypercorn_asyncio`'s.
+  The connection itself is :mod:`asgi_generate.server.hypercorn.asyncio_serve`'s.
 
 both:
 
 - h11 keeps an empty ``set`` of protocol-switch proposals per connection,
   and makes a new one for every response:
-  :class:`asgi_generate.h11_state.LeanConnectionState` shares one empty
+  :class:`asgi_generate.workers.h11_state.LeanConnectionState` shares one empty
   frozenset.
 - The scope's ``client`` and ``server`` tuples: :func:`socket_addresses`
   interns the client's host and shares one server tuple per local address.
@@ -42,7 +42,7 @@ trio:
   :class:`TrioLock`, :class:`TrioSingleTask` and :class:`TrioEvent` keep a
   list of parked tasks only while one waits.
 - The connection itself (which reads under no deadline without a
-  ``read_timeout``) is :mod:`asgi_generate.hypercorn_trio`'s.
+  ``read_timeout``) is :mod:`asgi_generate.server.hypercorn.trio_serve`'s.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def new_protocol(alpn: str | None, owner: Any, conn: Any, ssl: bool, client: tup
     """What hypercorn's ``ProtocolWrapper`` (``hypercorn/protocol/__init__.py``)
     wraps, without the wrapper (~250 bytes of every connection): an
     ``H2Protocol`` for ALPN ``h2``, else an ``H11Protocol`` (the patched one
-    :mod:`asgi_generate.hypercorn_fixes` installs). ``owner`` has the
+    :mod:`asgi_generate.server.hypercorn.fixes` installs). ``owner`` has the
     ``app``, ``config``, ``context`` and ``state``; ``conn`` is the task
     group, and :func:`handle` its events."""
     cls = H2Protocol if alpn == "h2" else hc_protocol.H11Protocol
@@ -394,7 +394,7 @@ class _TrioWorkerContext(trio_worker_context.WorkerContext):
 
 def install() -> None:
     """Make hypercorn's worker contexts use the lean events (idempotent);
-    the connections of :mod:`asgi_generate.hypercorn_asyncio` and
-    :mod:`asgi_generate.hypercorn_trio` use the rest."""
+    the connections of :mod:`asgi_generate.server.hypercorn.asyncio_serve` and
+    :mod:`asgi_generate.server.hypercorn.trio_serve` use the rest."""
     asyncio_run.WorkerContext = _AsyncioWorkerContext
     trio_run.WorkerContext = _TrioWorkerContext

@@ -1,5 +1,5 @@
 """``app`` for running under hypercorn directly, configured from the
-environment: ``hypercorn -k trio asgi_generate.asgi:app`` (see
+environment: ``hypercorn -k trio asgi_generate.server.asgi:app`` (see
 :class:`asgi_generate.config.Settings` for the ``ASGI_GENERATE_*`` variables).
 
 A configuration error is one line on stderr and exit status 2 of the process
@@ -16,10 +16,10 @@ INFO here (simulators serving, a worker down or back up).
 import logging
 import sys
 
-from . import hypercorn_fixes
+from .hypercorn import fixes as hypercorn_fixes
 from .app import App
-from .config import Settings
-from .registry import CodecLoadError
+from ..config import Settings
+from ..sdk.registry import CodecLoadError
 
 
 def _log_to_stderr() -> None:

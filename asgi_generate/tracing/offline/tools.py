@@ -35,7 +35,7 @@ from typing import Iterable, Sequence
 
 import orjson
 
-from .schema import schema_json
+from ..schema import schema_json
 from .validate import check_records, read_jsonl
 
 

@@ -5,8 +5,8 @@ handler; a registered path with another method gets 405 in that format's
 shape. Control routes: ``GET /health`` (200 once a worker is up, else 503),
 ``GET /v1/models`` (models, formats and workers with their state) and
 ``GET /stats`` (counters) and ``GET /metrics`` (Prometheus,
-:mod:`asgi_generate.metrics`). Info and admin routes (``/get_model_info``,
-``/flush_cache``, ...) go to :mod:`asgi_generate.admin`. Anything else is 404.
+:mod:`asgi_generate.ops.metrics`). Info and admin routes (``/get_model_info``,
+``/flush_cache``, ...) go to :mod:`asgi_generate.ops.admin`. Anything else is 404.
 
 The ASGI lifespan starts the embedded simulators (when no worker is
 configured), probes the workers and runs the health watcher.
@@ -23,24 +23,25 @@ from typing import Any, Awaitable, Callable
 import anyio
 import orjson
 
-from . import admin
-from .accounting import RequestState
-from .codec import Codec
-from .config import Settings
+from ..ops import admin
+from ..request.accounting import RequestState
+from ..sdk.codec import Codec
+from ..config import Settings
 from .embedded import embedded_fleet
-from .budget import BodyBudget
-from .framing import Receive, Send, send_unary
-from .handler import handle_generate, reject_method
-from .metrics import Metrics
-from .registry import LoadedCodec, load_codecs
-from .text import PromptTokenizer
-from .watchdog import Watchdog
-from .workers.aborts import ACKED, LOST, UNACKNOWLEDGED, AbortQueue
-from .workers.policies import build_policy
-from .workers.discovery import Discovery, Resolver, resolve
-from .workers.http import tls_context
-from .workers.membership import Membership
-from .workers.router import Router, Worker
+from ..request.budget import BodyBudget
+from ..request.framing import Receive, Send, send_unary
+from ..request.handler import handle_generate, reject_method
+from ..ops.metrics import Metrics
+from ..sdk.registry import LoadedCodec, load_codecs
+from ..sdk.text import PromptTokenizer
+from ..request.watchdog import Watchdog
+from ..workers.aborts import ACKED, LOST, UNACKNOWLEDGED, AbortQueue
+from ..workers.policies import build_policy
+from ..workers.discovery import Discovery, Resolver, resolve
+from ..workers.http import tls_context
+from ..workers.membership import Membership
+from ..workers.protocols import PROTOCOLS
+from ..workers.router import Router, Worker
 
 log = logging.getLogger("asgi_generate")
 NOT_FOUND = orjson.dumps({"detail": "Not Found"})
@@ -52,7 +53,7 @@ class App:
     Args:
         settings: the configuration.
         codecs: the codecs to serve; by default every installed one
-            (:func:`asgi_generate.registry.load_codecs`).
+            (:func:`asgi_generate.sdk.registry.load_codecs`).
         resolver: the DNS lookup of ``dns://`` workers (tests pass a fake).
 
     Raises:
@@ -70,7 +71,7 @@ class App:
     ) -> None:
         self.settings = settings
         self.resolver = resolver
-        self.codecs = load_codecs(settings.skip_broken_codecs) if codecs is None else codecs
+        self.codecs = load_codecs(settings.skip_broken_codecs, protocols=PROTOCOLS) if codecs is None else codecs
         self.routes: dict[tuple[str, str], Codec] = {}
         self.paths: dict[str, list[str]] = {}
         tokenizer = PromptTokenizer(settings.tokenizer) if settings.tokenizer else None
@@ -112,7 +113,7 @@ class App:
         # Tracing off: no tracer at all, so finishing a request only counts.
         self.tracer = None
         if settings.trace_file or settings.trace_stderr or settings.otlp_endpoint:
-            from .tracing import Tracer
+            from ..tracing import Tracer
 
             self.tracer = Tracer(settings)
             self.tracer.metrics = self.metrics
@@ -129,7 +130,7 @@ class App:
         """The coroutine that answers an ASGI call (``http`` or
         ``lifespan``): for a codec's route, :func:`handle_generate`'s own.
         A plain call, so a server that awaits what it returns
-        (:mod:`asgi_generate.hypercorn_fixes`) keeps no frame of the app's
+        (:mod:`asgi_generate.server.hypercorn.fixes`) keeps no frame of the app's
         for an open stream's whole life (288 bytes)."""
         if scope["type"] == "http":
             codec = self.routes.get((scope["method"], scope["path"]))

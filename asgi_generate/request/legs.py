@@ -14,10 +14,10 @@ import anyio
 
 if TYPE_CHECKING:
     from .accounting import RequestState
-    from .codec import Attempt, WorkerRequest
-    from .config import Settings
-    from .workers.http import Response
-    from .workers.router import Worker
+    from ..sdk.codec import Attempt, WorkerRequest
+    from ..config import Settings
+    from ..workers.http import Response
+    from ..workers.router import Worker
 
 
 def deadline_in(limit: float) -> float:

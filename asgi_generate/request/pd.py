@@ -37,13 +37,13 @@ from urllib.parse import urlsplit
 
 import anyio
 
-from . import ids
-from .codec import NO_KV_TRANSFER, Attempt, Event, RequestError, WorkerRequest
+from ..sdk import ids
+from ..sdk.codec import NO_KV_TRANSFER, Attempt, Event, RequestError, WorkerRequest
 from .client_stream import abort_live_legs
 from .framing import SSEDecoder
 from .legs import Leg
-from .workers.http import ConnectFailed, TimedOut, WorkerError
-from .workers.router import Worker
+from ..workers.http import ConnectFailed, TimedOut, WorkerError
+from ..workers.router import Worker
 
 if TYPE_CHECKING:
     from .generation import Generation

@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 import jsonschema
 import orjson
 
-from .schema import SCHEMA
+from ..schema import SCHEMA
 
 _VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
 

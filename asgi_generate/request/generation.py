@@ -2,7 +2,7 @@
 what happens when one fails.
 
 :class:`Generation` asks the router for a plan (one aggregated worker, or a
-prefill/decode pair run by :mod:`asgi_generate.pd`), runs each engine leg
+prefill/decode pair run by :mod:`asgi_generate.request.pd`), runs each engine leg
 under its phase deadlines, and on a failure decides between failover (no
 token reached the client yet), migration (a stream continues on another
 worker as a ``resumed`` attempt) and ending the request with the format's
@@ -17,21 +17,21 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from . import ids
+from ..sdk import ids
 from .accounting import RequestState
 from .budget import Lease
 from .client_stream import ClientStream, send_in_band_error
-from .codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError, WorkerRequest
+from ..sdk.codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError, WorkerRequest
 from .framing import Send, SSEDecoder
 from .legs import Leg
 from .pd import run_pair
-from .workers.http import ConnectFailed, TimedOut, WorkerError
-from .workers.router import Worker
+from ..workers.http import ConnectFailed, TimedOut, WorkerError
+from ..workers.router import Worker
 
 if TYPE_CHECKING:
-    from .app import App
+    from ..server.app import App
 
-log = logging.getLogger("asgi_generate.handler")
+log = logging.getLogger("asgi_generate.request.handler")
 DONE = b"[DONE]"
 #: Seconds a request waits before its k-th resumed or replayed attempt:
 #: ``MIGRATION_BACKOFF_S * 2 ** (k - 1)``, at most ``MIGRATION_BACKOFF_MAX_S``
@@ -58,7 +58,7 @@ class Generation(ClientStream):
     ) -> None:
         super().__init__(app, codec, ex, req, st, send)
         #: P/D: set once the prefill leg answered, when the decode leg's
-        #: first event needs that answer (see :mod:`asgi_generate.pd`).
+        #: first event needs that answer (see :mod:`asgi_generate.request.pd`).
         self.prefill_gate: anyio.Event | None = None
         #: The request's share of the body budget, given back once the first
         #: worker request is built (the body is decoded and checked then).
@@ -319,7 +319,7 @@ class Generation(ClientStream):
         the codec can resume the stream (or, unary, replay the request from
         scratch), another worker is up, and the request's
         ``migration_limit`` is not spent. (A P/D prefill leg fails over by
-        :mod:`asgi_generate.pd`'s rules.)"""
+        :mod:`asgi_generate.request.pd`'s rules.)"""
         st = self.st
         limit = self.app.settings.migration_limit
         if limit == 0 or attempt.role == "prefill":

@@ -2,10 +2,10 @@
 comments and the slow-client cut-off, instead of a guard task per request.
 
 An open stream spends nearly all its life waiting for the engine. A guard
-task of its own (:meth:`asgi_generate.client_stream.ClientStream.guard`:
+task of its own (:meth:`asgi_generate.request.client_stream.ClientStream.guard`:
 the task, its task group, its cancel scopes and a parked ``receive()``)
 costs about 4 KB per stream; served by hypercorn with
-:mod:`asgi_generate.hypercorn_fixes`, a request learns of its client's
+:mod:`asgi_generate.server.hypercorn.fixes`, a request learns of its client's
 disconnect from a callback (:data:`DISCONNECT_WATCH`) and its timers live
 here, in one heap. Each watched request has at most one live entry; what is
 due is decided by the request itself (:meth:`Watched.due`), which either
@@ -24,7 +24,7 @@ from typing import Awaitable, Callable, Protocol
 
 import anyio
 
-log = logging.getLogger("asgi_generate.watchdog")
+log = logging.getLogger("asgi_generate.request.watchdog")
 #: Seconds: the soonest an item is looked at again (as the guard task's wait).
 MIN_STEP = 0.01
 

@@ -51,15 +51,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, Router
 
-from . import ids
-from .batches import named_legs
-from .framing import BodyTimeout, BodyTooLarge, ClientDisconnected, read_body
-from .workers.aborts import ACKED
-from .workers.http import WorkerError
-from .workers.router import Worker
+from ..sdk import ids
+from ..request.batches import named_legs
+from ..request.framing import BodyTimeout, BodyTooLarge, ClientDisconnected, read_body
+from ..workers.aborts import ACKED
+from ..workers.http import WorkerError
+from ..workers.router import Worker
 
 if TYPE_CHECKING:
-    from .app import App
+    from ..server.app import App
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 INFO_PATHS = ("/get_model_info", "/model_info", "/get_server_info", "/server_info")

@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .codec import Attempt
-from .tracecontext import TraceContext
+from ..sdk.codec import Attempt
+from ..tracing.tracecontext import TraceContext
 
 
 @dataclass(slots=True)
@@ -70,7 +70,7 @@ class RequestState:
     batch_index: int | None = None
     batch_size: int | None = None
     #: For a request with items: makes their states, each recorded in
-    #: place of this one (see :mod:`asgi_generate.batches`).
+    #: place of this one (see :mod:`asgi_generate.request.batches`).
     expand: Callable[[], list["RequestState"]] | None = None
 
     def fail(self, status: str, http_status: int | None, error_type: str, message: str) -> None:

@@ -1,0 +1,40 @@
+"""The codec SDK: everything a codec distribution imports, and nothing else.
+
+A codec (a wire format served by the shared /generate handler) is a sans-IO
+:class:`Codec` with an :class:`Exchange` per request, registered through the
+``asgi_generate.codecs`` entry point group (:data:`GROUP`). Import from this
+package only; its submodules are its implementation.
+"""
+
+from .codec import (
+    LEG_DONE,
+    NO_KV_TRANSFER,
+    Attempt,
+    BatchItem,
+    Codec,
+    EngineError,
+    Event,
+    Exchange,
+    GenerateRequest,
+    RequestError,
+    Route,
+    WorkerRequest,
+    dump_body,
+    engine_error_page,
+)
+from .compact import dumps_compact
+from .ids import mint
+from .lax import LaxError, lax_scalar
+from .registry import GROUP, CodecLoadError, LoadedCodec, load_codecs
+from .text import PromptTokenizer, StopWatch
+from .token_ids import PackedIds, as_u32, pack_token_ids
+from .versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS, VLLMBehaviour, parse_version, vllm_behaviour
+
+__all__ = [
+    "GROUP", "LEG_DONE", "NO_KV_TRANSFER", "VLLM_DEFAULT_VERSION", "VLLM_VERSIONS",
+    "Attempt", "BatchItem", "Codec", "CodecLoadError", "EngineError", "Event", "Exchange", "GenerateRequest",
+    "LaxError", "LoadedCodec", "PackedIds", "PromptTokenizer", "RequestError", "Route", "StopWatch",
+    "VLLMBehaviour", "WorkerRequest",
+    "as_u32", "dump_body", "dumps_compact", "engine_error_page", "lax_scalar", "load_codecs", "mint",
+    "pack_token_ids", "parse_version", "vllm_behaviour",
+]

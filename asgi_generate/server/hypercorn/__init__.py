@@ -1,0 +1,1 @@
+"""asgi_generate.server.hypercorn"""
