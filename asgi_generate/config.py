@@ -1,19 +1,25 @@
 """Frontend settings, from command-line flags or environment variables.
 
-Every setting has a flag (``asgi-generate serve --help``) and an environment
-variable ``ASGI_GENERATE_<NAME>``, so ``hypercorn asgi_generate.server.asgi:app``
+Each setting is declared once, as a field of :class:`Settings` made by
+:func:`setting`: its type (the annotation), default, unit, bounds or choices,
+help text, and how its flag and variable are spelled. From that declaration
+come the ``serve`` flags and their ``--help``
+(:func:`asgi_generate.server.cli.build_parser`), the variables
+``ASGI_GENERATE_<NAME>`` (:meth:`Settings.from_env`, :meth:`Settings.to_env`),
+the bounds :meth:`Settings.check` enforces and the README's settings table
+(:func:`settings_table`). So ``hypercorn asgi_generate.server.asgi:app``
 serves the same app as ``asgi-generate serve`` (whose flags override the
-variables). :meth:`Settings.check` is what both run before anything starts.
+variables); :meth:`Settings.check` is what both run before anything starts.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import pathlib
 import ssl
-from dataclasses import dataclass, field, fields
-from typing import Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
+from functools import partial
+from typing import Any, Callable, Mapping, get_type_hints
 from urllib.parse import urlsplit
 
 from .request.budget import default_budget_bytes
@@ -23,207 +29,332 @@ from .workers.discovery import read_workers_file
 from .workers.router import DISAGGREGATION_MODES, parse_worker_spec
 
 ENV_PREFIX = "ASGI_GENERATE_"
-#: Numeric settings that must be above zero (every other one: zero or more).
-POSITIVE = frozenset({
-    "max_body_bytes", "body_budget_bytes", "body_read_timeout", "connect_timeout", "health_interval",
-    "health_timeout", "health_failures", "abort_timeout", "admin_timeout",
-    "abort_concurrency", "abort_queue_size", "abort_batch", "abort_deadline",
-    "slow_client_timeout", "embedded_workers", "trace_queue_size", "trace_block_size", "discovery_interval",
-    "max_tree_tokens", "max_tree_nodes",
-})
-#: Old variable names still read, and the setting each now sets.
-ENV_ALIASES = {"READ_TIMEOUT": "inter_token_timeout"}
-#: Worker list settings and the role of their workers.
-WORKER_LISTS = {"workers": "aggregated", "prefill": "prefill", "decode": "decode"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def flag_name(name: str) -> str:
-    """The ``serve`` flag of the setting ``name``: ``--max-body-bytes``."""
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One setting's declaration: what its :class:`Settings` field holds in
+    its metadata, completed with the field's name and type in :data:`SETTINGS`.
+
+    Attributes:
+        help: what it does, for ``serve --help`` and the settings table,
+            which add the default.
+        unit: a number's unit (``s``, ``ms``, ``bytes``, ``tokens``); ``""``
+            for a count or a number without one.
+        gt, ge, le: a number's bounds: above ``gt``, at least ``ge`` (0
+            unless declared), at most ``le``; NaN is refused.
+        choices: the values a string may take.
+        flag: its flag, when not ``--`` and the name with dashes.
+        old_names: names it had before, still read as flags and variables
+            (``read_timeout``: ``--read-timeout``, ``ASGI_GENERATE_READ_TIMEOUT``).
+        metavar: the flag's value in ``--help`` (default: the name in capitals).
+        item: a list's element from its text (raises ValueError); the flag
+            repeats, the variable is a comma-separated list.
+        item_text: the text of a list's element, the inverse of ``item``.
+        default_text: the default, said in words, where it is computed at
+            start (``--help`` shows this machine's value beside it).
+        name, kind: the field's name and type.
+    """
+
+    help: str
+    unit: str = ""
+    gt: float | None = None
+    ge: float | None = 0
+    le: float | None = None
+    choices: tuple[str, ...] = ()
+    flag: str | None = None
+    old_names: tuple[str, ...] = ()
+    metavar: str | None = None
+    item: Callable[[str], Any] | None = None
+    item_text: Callable[[Any], str] = str
+    default_text: str = ""
+    name: str = ""
+    kind: Any = None
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """Its flag, then its old names': ``("--inter-token-timeout", "--read-timeout")``."""
+        return (self.flag or _flag(self.name), *map(_flag, self.old_names))
+
+    @property
+    def env(self) -> str:
+        """Its variable: ``ASGI_GENERATE_MAX_BODY_BYTES``."""
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def old_envs(self) -> tuple[str, ...]:
+        """The variables of its old names: ``("ASGI_GENERATE_READ_TIMEOUT",)``."""
+        return tuple(ENV_PREFIX + old.upper() for old in self.old_names)
+
+    @property
+    def label(self) -> str:
+        """How an error names it: ``--max-body-bytes (ASGI_GENERATE_MAX_BODY_BYTES)``."""
+        return f"{self.flags[0]} ({self.env})"
+
+    def parse(self, text: str, var: str) -> Any:
+        """The value of ``text``, read from the variable ``var``.
+
+        Raises:
+            ValueError: naming ``var``: not a number, not a boolean
+                (``1/0``, ``true/false``, ``yes/no``, ``on/off``), or a list
+                element ``item`` refuses.
+        """
+        if self.item is not None:
+            try:
+                return [self.item(part.strip()) for part in text.split(",") if part.strip()]
+            except ValueError as exc:
+                raise ValueError(f"{var}: {exc}") from None
+        if self.kind is bool:
+            if text.lower() not in _TRUE + _FALSE:
+                raise ValueError(f"{var}={text!r} is not a boolean (1/0, true/false, yes/no, on/off)")
+            return text.lower() in _TRUE
+        if self.kind in (int, float):
+            try:
+                return self.kind(text)
+            except ValueError:
+                raise ValueError(f"{var}={text!r} is not a number") from None
+        return text
+
+    def text(self, value: Any) -> str:
+        """``value`` as its variable's text, which :meth:`parse` reads back."""
+        if self.item is not None:
+            return ",".join(map(self.item_text, value))
+        if isinstance(value, bool):
+            return "1" if value else "0"
+        return str(value)
+
+    def shown(self, value: Any) -> str:
+        """``value`` as help shows it: ``none``, ``on``/``off`` or its text."""
+        if value is None or value == []:
+            return "none"
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return self.text(value)
+
+    def fault(self, value: Any) -> str | None:
+        """What is wrong with ``value`` (``must be above 0, not -5``), or
+        ``None``: a choice not among :attr:`choices`, a number out of bounds."""
+        if self.choices and value not in self.choices:
+            return f"must be one of {', '.join(self.choices)}, not {value!r}"
+        if self.kind not in (int, float):
+            return None
+        if self.le is not None and not value <= self.le:
+            return f"must be between {self.ge} and {self.le}, not {value!r}"
+        if self.gt is not None and not value > self.gt:
+            return f"must be above {self.gt}, not {value!r}"
+        if self.ge is not None and not value >= self.ge:
+            return f"must be {self.ge} or more, not {value!r}"
+        return None
+
+
+def setting(default: Any = MISSING, *, factory: Callable[[], Any] | None = None, **declaration: Any) -> Any:
+    """A :class:`Settings` field: its ``default`` (or ``factory`` computing
+    one) and its :class:`Setting` made of ``declaration``."""
+    metadata = {"setting": Setting(**declaration)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def env_name(name: str) -> str:
-    """The variable of the setting ``name``: ``ASGI_GENERATE_MAX_BODY_BYTES``."""
-    return ENV_PREFIX + name.upper()
+def _worker_text(spec: tuple[str, str]) -> str:
+    protocol, url = spec
+    return f"{protocol}={url}"
+
+
+def _workers(role: str, **declaration: Any) -> Any:
+    """A list of ``(protocol, url)`` workers in ``role``
+    (:func:`asgi_generate.workers.router.parse_worker_spec`)."""
+    return setting(factory=list, item=partial(parse_worker_spec, role=role), item_text=_worker_text,
+                   metavar="PROTOCOL=URL", **declaration)
 
 
 @dataclass(slots=True)
 class Settings:
-    """The frontend's configuration.
+    """The frontend's configuration: one attribute per setting, each
+    declared below with its unit, bounds and help (``serve --help`` and the
+    README's settings table show the same).
 
-    Attributes:
-        workers: ``(protocol, url)`` pairs of aggregated workers; with no
-            worker of any role, embedded simulators start.
-        prefill, decode: ``(protocol, url)`` pairs of prefill and decode
-            workers (P/D); an SGLang prefill URL may end ``?bootstrap_port=B``
-            (default 8998).
-        disaggregation: ``auto`` (P/D pairs when the protocol has both
-            roles up, else aggregated), ``always`` or ``never``.
-        pd_fallback: a vLLM prefill leg that answered no
-            ``kv_transfer_params`` lets the decode leg prefill alone
-            (recorded as the decode attempt's ``local_prefill``) instead of
-            failing the request.
-        workers_file: a JSON or TOML file listing more workers
-            (:func:`asgi_generate.workers.discovery.read_workers_file`),
-            reread when it changes; ``None``: none.
-        discovery_interval: seconds between reads of the fleet's members
-            (``dns://`` names resolved, the workers file checked for changes).
-        worker_ca_file: PEM CA bundle ``https://`` workers' certificates are
-            verified against (only it is trusted); ``None``: the system's CAs.
-        worker_insecure: do not verify ``https://`` workers' certificates
-            (testing only; logged as a warning).
-        max_body_bytes: request body cap; larger bodies get 413.
-        body_budget_bytes: request body bytes that may be read and decoded
-            at once, over all requests (a chunked body counts as
-            ``max_body_bytes``); default: 1/128 of physical memory clamped to
-            [64 MiB, 512 MiB] (:func:`asgi_generate.request.budget.default_budget_bytes`).
-        body_budget_wait: seconds a request may wait for room in that budget
-            before it gets 503 with ``Retry-After``, its body unread.
-        body_read_timeout: seconds a client has to send its whole body once
-            its turn came; a stalled upload gets 408 and is closed.
-        connect_timeout: seconds to connect to a worker.
-        headers_timeout: seconds from sending a streamed engine leg to its
-            response headers (engines send them at once, before any token).
-        first_token_timeout: seconds from a streamed leg's headers to its
-            first SSE event (queueing plus prefill).
-        inter_token_timeout: seconds a streamed leg may go without an SSE
-            event; comments and keep-alive bytes do not count.
-        request_timeout: seconds a unary engine leg (silent until its answer
-            is whole) may take in all. A phase timeout of 0 means none; a
-            leg past one is aborted and its request ended (504, or in-band
-            after the 200), the worker stays up, the prompt goes nowhere else.
-        migration_limit: resumed attempts a streamed request may make after
-            its first when workers die mid-answer (0: no migration).
-        health_interval: seconds between the end of one health probe of a
-            worker and the next (every worker, up or down).
-        health_timeout: seconds one health probe may take.
-        health_failures: failed probes in a row that take an up worker out
-            of the rotation and end its in-flight requests.
-        sse_keepalive: seconds of silence before an SSE keep-alive comment
-            (0 disables them).
-        abort_timeout: seconds an engine has to accept and answer an abort
-            request; an unanswered one is unacknowledged, never re-sent (a
-            non-200 answer is retried: three tries, with backoff).
-        abort_concurrency: abort requests in flight at once per worker, each
-            on its own kept-alive connection apart from generate and probe
-            connections (see :mod:`asgi_generate.workers.aborts`).
-        abort_queue_size: aborts that may wait per worker; more are refused
-            and counted unacknowledged.
-        abort_batch: engine ids per abort request where the engine's route
-            takes a list (vLLM ``/abort_requests``).
-        abort_deadline: seconds a request's end waits, at most, for its
-            aborts' answers, queueing included.
-        admin_token: when set, admin routes (``/flush_cache``,
-            ``/pause_generation``, ...: :mod:`asgi_generate.ops.admin`) need
-            ``Authorization: Bearer <admin_token>``; ``None``: open.
-        admin_timeout: seconds an admin route's fan-out waits for each
-            worker's answer.
-        slow_client_timeout: seconds a client may leave one write untaken
-            before it is cut off (``slow_client``) and the engine aborted.
-        shutdown_grace: seconds in-flight requests get to finish after
-            SIGTERM/SIGINT before they are aborted and ended cleanly.
-        embedded_workers: simulators started per protocol when no worker is given.
-        embedded_pd: with the embedded simulators, also one prefill and one
-            decode simulator per protocol (P/D pairs).
-        split_batches: spread a batch's prompts over the healthy workers
-            (one engine request per worker) instead of sending the whole
-            batch to one worker as one engine request.
-        embedded_ttft_ms, embedded_itl_ms: their time to first token and
-            inter-token latency.
-        skip_broken_codecs: start even if an installed codec fails to load.
-        trace_file: write request-end records as JSONL to files named from
-            this path (see :class:`asgi_generate.tracing.sinks.JsonlFileSink`);
-            ``None`` and ``trace_stderr`` off disable tracing.
-        trace_stderr: also write the records to standard error.
-        trace_queue_size: records that may wait for the trace writer; more
-            are dropped and counted.
-        trace_rotate_bytes: start a new trace file past this size (0: never).
-        trace_block_size: tokens per replay block hash.
-        tokenizer: the model's Hugging Face ``tokenizer.json``: a migrated
-            stream's text prompt is tokenized with it and its stop strings
-            checked across the seam; the trace parsers below decode output
-            with it.
-        reasoning_parser, tool_call_parser: output parsers for the trace
-            (``qwen3``/``deepseek_r1``, ``hermes``, or installed ones).
-        otlp_endpoint: an OTLP/HTTP collector's base URL
-            (``http://collector:4318``): each request becomes a span with a
-            child per engine leg, and engines get a ``traceparent``
-            (:mod:`asgi_generate.tracing.otlp`); ``None``: off.
-        trace_otlp: also export the request-end records to that collector
-            as OTLP log records.
-        policy: the routing policy, ``least-outstanding``, ``session`` or
-            ``cache-aware`` (:mod:`asgi_generate.workers.policies`).
-        session_headers: ``session``: comma-separated headers the session
-            key is read from, the first present wins.
-        session_balance_epsilon: ``session``: a worker takes keyed requests
-            while below ``ceil((1 + epsilon) * (outstanding + 1) / workers)``.
-        cache_threshold: ``cache-aware``: share of the prompt the longest
-            match must exceed to route by it (0 to 1).
-        balance_abs_threshold, balance_rel_threshold: ``cache-aware``: load
-            is imbalanced (least outstanding wins) when the most and fewest
-            outstanding requests differ by more than the first and the most
-            exceeds the second times the fewest.
-        max_tree_tokens, max_tree_nodes: ``cache-aware``: each worker's
-            prefix tree bounds, least recently used leaves evicted past them.
+    Worker lists hold ``(protocol, url)`` pairs; with no worker of any role,
+    embedded simulators start. A phase timeout of 0 means none; a leg past
+    one is aborted and its request ended (504, or in-band after the 200),
+    the worker stays up, the prompt goes nowhere else. ``None`` is unset.
     """
 
-    workers: list[tuple[str, str]] = field(default_factory=list)
-    max_body_bytes: int = 32 * 1024 * 1024
-    body_budget_bytes: int = field(default_factory=default_budget_bytes)
-    body_budget_wait: float = 120.0
-    body_read_timeout: float = 30.0
-    connect_timeout: float = 5.0
-    headers_timeout: float = 60.0
-    first_token_timeout: float = 1800.0
-    inter_token_timeout: float = 300.0
-    request_timeout: float = 0.0
-    migration_limit: int = 3
-    health_interval: float = 2.0
-    health_timeout: float = 30.0
-    health_failures: int = 3
-    sse_keepalive: float = 15.0
-    abort_timeout: float = 10.0
-    abort_concurrency: int = 8
-    abort_queue_size: int = 16384
-    abort_batch: int = 512
-    abort_deadline: float = 30.0
-    admin_token: str | None = None
-    admin_timeout: float = 60.0
-    slow_client_timeout: float = 30.0
-    shutdown_grace: float = 30.0
-    embedded_workers: int = 2
-    embedded_ttft_ms: float = 0.0
-    embedded_itl_ms: float = 0.0
-    skip_broken_codecs: bool = False
-    trace_file: str | None = None
-    trace_stderr: bool = False
-    trace_queue_size: int = 4096
-    trace_rotate_bytes: int = 256 * 1024 * 1024
-    trace_block_size: int = 64
-    tokenizer: str | None = None
-    reasoning_parser: str | None = None
-    tool_call_parser: str | None = None
-    prefill: list[tuple[str, str]] = field(default_factory=list)
-    decode: list[tuple[str, str]] = field(default_factory=list)
-    disaggregation: str = "auto"
-    pd_fallback: bool = False
-    embedded_pd: bool = False
-    otlp_endpoint: str | None = None
-    trace_otlp: bool = False
-    split_batches: bool = False
-    policy: str = "least-outstanding"
-    session_headers: str = DEFAULT_HEADERS
-    session_balance_epsilon: float = 1.0
-    cache_threshold: float = 0.3
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
-    max_tree_tokens: int = 1 << 20
-    max_tree_nodes: int = 1 << 16
-    workers_file: str | None = None
-    discovery_interval: float = 5.0
-    worker_ca_file: str | None = None
-    worker_insecure: bool = False
+    workers: list[tuple[str, str]] = _workers(
+        "aggregated", flag="--worker",
+        help="an engine worker, PROTOCOL sglang or vllm, e.g. sglang=http://127.0.0.1:30000, or "
+             "sglang=dns://NAME:PORT for every address NAME resolves to (repeat for more); with none, "
+             "simulated workers are started")
+    max_body_bytes: int = setting(
+        32 * 1024 * 1024, unit="bytes", gt=0, help="request body cap in bytes; larger bodies get 413")
+    body_budget_bytes: int = setting(
+        factory=default_budget_bytes, unit="bytes", gt=0,
+        default_text="1/128 of physical memory within [64 MiB, 512 MiB]",
+        help="request body bytes read and decoded at once over all requests (a chunked body counts as "
+             "--max-body-bytes); more wait, then get 503 with Retry-After")
+    body_budget_wait: float = setting(
+        120.0, unit="s", help="seconds a request may wait for room in the body budget before its 503")
+    body_read_timeout: float = setting(
+        30.0, unit="s", gt=0, help="seconds a client has to send its whole body; a stalled upload gets 408")
+    slow_client_timeout: float = setting(
+        30.0, unit="s", gt=0,
+        help="seconds a client may leave a write untaken before it is cut off and the engine aborted")
+    prefill: list[tuple[str, str]] = _workers(
+        "prefill",
+        help="a P/D prefill worker, e.g. sglang=http://127.0.0.1:30000?bootstrap_port=8998 "
+             "(bootstrap port default 8998; repeat for more)")
+    decode: list[tuple[str, str]] = _workers(
+        "decode", help="a P/D decode worker, e.g. sglang=http://127.0.0.1:30001 (repeat for more)")
+    disaggregation: str = setting(
+        "auto", choices=DISAGGREGATION_MODES,
+        help="auto: a request runs as a prefill/decode pair when its protocol has both up, else on an "
+             "aggregated worker; always: pairs only; never: aggregated only")
+    pd_fallback: bool = setting(
+        False,
+        help="vLLM P/D: when the prefill worker answers no kv_transfer_params (it stopped before its "
+             "one-token cap), let the decode worker prefill alone (recorded as local_prefill) instead of "
+             "failing the request")
+    split_batches: bool = setting(
+        False,
+        help="spread a batch's prompts over the workers instead of sending it to one worker as one engine "
+             "request")
+    workers_file: str | None = setting(
+        None, metavar="PATH",
+        help="a JSON (or .toml) file with lists workers, prefill and decode of PROTOCOL=URL specs, reread "
+             "when it changes; workers that leave it drain")
+    discovery_interval: float = setting(
+        5.0, unit="s", gt=0, metavar="S",
+        help="seconds between DNS lookups of dns:// workers and checks of --workers-file")
+    worker_ca_file: str | None = setting(
+        None, metavar="PATH",
+        help="PEM CA bundle that https:// workers' certificates are verified against (only it is trusted; "
+             "default: the system's CAs)")
+    worker_insecure: bool = setting(
+        False, help="do not verify https:// workers' certificates (testing only; logged as a warning)")
+    policy: str = setting(
+        "least-outstanding", choices=POLICIES,
+        help="routing policy: least outstanding requests, session affinity (rendezvous hashing on a "
+             "session header, bounded load) or cache-aware (longest prefix match, least outstanding when "
+             "load is imbalanced)")
+    session_headers: str = setting(
+        DEFAULT_HEADERS, metavar="NAMES",
+        help="session policy: comma-separated headers the session key is read from, the first present wins")
+    session_balance_epsilon: float = setting(
+        1.0, metavar="E",
+        help="session policy: a worker takes keyed requests while its outstanding count is below "
+             "ceil((1 + E) x (all outstanding + 1) / workers)")
+    cache_threshold: float = setting(
+        0.3, le=1,
+        help="cache-aware policy: share of the prompt (0-1) the longest cached prefix must exceed to route "
+             "by it")
+    balance_abs_threshold: int = setting(
+        64,
+        help="cache-aware policy: load is imbalanced when the most and fewest outstanding requests differ "
+             "by more than this...")
+    balance_rel_threshold: float = setting(1.5, help="...and the most exceeds this times the fewest")
+    max_tree_tokens: int = setting(
+        1 << 20, unit="tokens", gt=0,
+        help="cache-aware policy: tokens (text: characters) each worker's prefix tree holds; least "
+             "recently used leaves are evicted past it")
+    max_tree_nodes: int = setting(
+        1 << 16, gt=0, help="cache-aware policy: nodes each worker's prefix tree holds")
+    connect_timeout: float = setting(5.0, unit="s", gt=0, help="seconds to connect to a worker")
+    headers_timeout: float = setting(
+        60.0, unit="s",
+        help="seconds from sending a streamed engine leg to its response headers; 0 = none")
+    first_token_timeout: float = setting(
+        1800.0, unit="s",
+        help="seconds from a streamed leg's headers to its first event (queueing and prefill); 0 = none")
+    inter_token_timeout: float = setting(
+        300.0, unit="s", old_names=("read_timeout",),
+        help="seconds a streamed leg may go without an SSE event (comments do not count); 0 = none; "
+             "--read-timeout is its old name")
+    request_timeout: float = setting(
+        0.0, unit="s", help="seconds a unary engine leg may take in all; 0 = none")
+    migration_limit: int = setting(
+        3, metavar="N",
+        help="resumed attempts a stream may make after its first when workers die mid-answer; "
+             "0 = no migration")
+    health_interval: float = setting(
+        2.0, unit="s", gt=0, help="seconds between health probes of each worker")
+    health_timeout: float = setting(30.0, unit="s", gt=0, help="seconds one health probe may take")
+    health_failures: int = setting(
+        3, gt=0,
+        help="failed health probes in a row that take an up worker out of the rotation and end its "
+             "in-flight requests; a refused or broken connection does at once")
+    sse_keepalive: float = setting(
+        15.0, unit="s", help="seconds of stream silence before a keep-alive comment; 0 = never")
+    abort_timeout: float = setting(
+        10.0, unit="s", gt=0,
+        help="seconds an engine has to answer an abort request; a slow one is never re-sent, a non-200 "
+             "answer is retried")
+    abort_concurrency: int = setting(
+        8, gt=0,
+        help="abort requests in flight at once per worker, each on its own kept-alive connection")
+    abort_queue_size: int = setting(
+        16384, gt=0, help="aborts that may wait per worker; more are refused and counted unacknowledged")
+    abort_batch: int = setting(
+        512, gt=0,
+        help="engine ids per abort request where the engine takes a list (vLLM /abort_requests)")
+    abort_deadline: float = setting(
+        30.0, unit="s", gt=0,
+        help="seconds a request's end waits, at most, for its aborts' answers, queueing included")
+    admin_token: str | None = setting(
+        None, metavar="TOKEN",
+        help="require 'Authorization: Bearer TOKEN' on admin routes (default: open; prefer the variable, "
+             "which ps does not show)")
+    admin_timeout: float = setting(
+        60.0, unit="s", gt=0, help="seconds an admin route waits for each worker's answer")
+    shutdown_grace: float = setting(
+        30.0, unit="s",
+        help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted and "
+             "ended cleanly")
+    embedded_workers: int = setting(
+        2, gt=0, help="simulated workers started when no --worker is given")
+    embedded_pd: bool = setting(
+        False,
+        help="with the simulated workers, also start a prefill and a decode simulator per protocol, so "
+             "requests run as P/D pairs")
+    embedded_ttft_ms: float = setting(
+        0.0, unit="ms", help="simulated workers' time to first token in ms")
+    embedded_itl_ms: float = setting(0.0, unit="ms", help="simulated workers' inter-token latency in ms")
+    skip_broken_codecs: bool = setting(
+        False, help="start even if an installed codec fails to load (it is logged and skipped)")
+    trace_file: str | None = setting(
+        None, metavar="PATH",
+        help="write one JSONL request-end record per request to files named PATH.<pid>.<start>.<n>.jsonl "
+             "(PATH less any .jsonl suffix) in an existing folder; tracing is off unless this or "
+             "--trace-stderr is given")
+    trace_stderr: bool = setting(False, help="write the trace records to stderr too")
+    trace_queue_size: int = setting(
+        4096, gt=0, help="records that may wait for the trace writer; more are dropped and counted")
+    trace_rotate_bytes: int = setting(
+        256 * 1024 * 1024, unit="bytes", help="start a new trace file past this many bytes; 0 = never")
+    trace_block_size: int = setting(
+        64, unit="tokens", gt=0, help="tokens per replay block hash in trace records")
+    tokenizer: str | None = setting(
+        None, metavar="PATH",
+        help="a Hugging Face tokenizer.json, loaded at start: a migrated stream's text prompt is "
+             "tokenized with it and its stop strings checked across the seam, and the trace output "
+             "parsers below find their marker tokens with it")
+    reasoning_parser: str | None = setting(
+        None, metavar="NAME",
+        help="count reasoning tokens in traces: qwen3, deepseek_r1 or an installed parser")
+    tool_call_parser: str | None = setting(
+        None, metavar="NAME",
+        help="record tool-call names and the tool_calls finish reason in traces: hermes or an installed "
+             "parser")
+    otlp_endpoint: str | None = setting(
+        None, metavar="URL",
+        help="OTLP/HTTP collector (http://HOST:4318): a span per request, a child span per engine leg, a "
+             "traceparent to each engine; the OTEL_* variables apply")
+    trace_otlp: bool = setting(
+        False, help="also export the request-end records to --otlp-endpoint as OTLP log records")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Settings":
@@ -231,89 +362,61 @@ class Settings:
         keep their defaults. ``ASGI_GENERATE_WORKERS`` (``..._PREFILL``,
         ``..._DECODE``) is a comma-separated list of
         ``PROTOCOL=http://HOST:PORT`` (or ``dns://NAME:PORT``); booleans are ``1/0``,
-        ``true/false``, ``yes/no`` or ``on/off``. ``ASGI_GENERATE_READ_TIMEOUT``
-        (the old name) sets ``inter_token_timeout`` unless that is set too.
+        ``true/false``, ``yes/no`` or ``on/off``. An old name
+        (``ASGI_GENERATE_READ_TIMEOUT``) sets its setting unless the new one
+        is set too.
 
         Raises:
             ValueError: a variable does not parse, or an ``ASGI_GENERATE_*``
                 variable names no setting (a typo would otherwise be ignored).
         """
-        known = {env_name(f.name): f for f in fields(cls)}
-        old_names = {ENV_PREFIX + old for old in ENV_ALIASES}
-        unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known and k not in old_names)
+        known = {s.env: s for s in SETTINGS.values()}
+        old = {var: s for s in SETTINGS.values() for var in s.old_envs}
+        unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known and k not in old)
         if unknown:
             raise ValueError(f"unknown variable {unknown[0]} (known: {', '.join(known)})")
-        values: dict = {}
+        values: dict[str, Any] = {}
         # Old names first, so that the new name wins when both are set.
-        for var, f in [*((ENV_PREFIX + old, known[env_name(new)]) for old, new in ENV_ALIASES.items()),
-                       *known.items()]:
+        for var, s in [*old.items(), *known.items()]:
             raw = environ.get(var)
-            if raw is None or raw == "":
-                continue
-            if f.name in WORKER_LISTS:
-                role = WORKER_LISTS[f.name]
-                try:
-                    values[f.name] = [parse_worker_spec(s.strip(), role) for s in raw.split(",") if s.strip()]
-                except ValueError as exc:
-                    raise ValueError(f"{var}: {exc}") from None
-            elif f.type == "bool":
-                if raw.lower() not in _TRUE + _FALSE:
-                    raise ValueError(f"{var}={raw!r} is not a boolean (1/0, true/false, yes/no, on/off)")
-                values[f.name] = raw.lower() in _TRUE
-            elif f.type in ("str | None", "str"):
-                values[f.name] = raw
-            else:
-                try:
-                    values[f.name] = (int if f.type == "int" else float)(raw)
-                except ValueError:
-                    raise ValueError(f"{var}={raw!r} is not a number") from None
+            if raw:
+                values[s.name] = s.parse(raw, var)
         return cls(**values)
 
     def check(self) -> None:
         """Refuse settings the server cannot run with, before anything starts.
 
-        Every number must be zero or more (and not NaN), and above zero for
-        :data:`POSITIVE` ones. ``trace_file`` must name a file in an existing
-        folder (the folder is not created: a typo should not scatter trace
-        files). ``tokenizer``, when given, must load.
+        Every setting within its declared choices and bounds; the session
+        headers must name one. ``workers_file`` and ``worker_ca_file`` must
+        load; ``trace_file`` must name a file in an existing folder (the
+        folder is not created: a typo should not scatter trace files).
+        ``tokenizer``, when given, must load; the trace parsers need a trace
+        sink, ``trace_otlp`` a collector.
 
         Raises:
             ValueError: one line naming the flag and variable at fault.
         """
-        if self.disaggregation not in DISAGGREGATION_MODES:
-            raise ValueError(f"--disaggregation ({env_name('disaggregation')}) must be one of "
-                             f"{', '.join(DISAGGREGATION_MODES)}, not {self.disaggregation!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"--policy ({env_name('policy')}) must be one of {', '.join(POLICIES)}, "
-                             f"not {self.policy!r}")
+        for s in SETTINGS.values():
+            fault = s.fault(getattr(self, s.name))
+            if fault is not None:
+                raise ValueError(f"{s.label} {fault}")
         if not any(h.strip() for h in self.session_headers.split(",")):
-            raise ValueError(f"--session-headers ({env_name('session_headers')}) names no header")
-        if not self.cache_threshold <= 1:
-            raise ValueError(f"--cache-threshold ({env_name('cache_threshold')}) must be between 0 and 1, "
-                             f"not {self.cache_threshold!r}")
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type not in ("int", "float"):
-                continue
-            least = "above 0" if f.name in POSITIVE else "0 or more"
-            if math.isnan(value) or value < 0 or (value == 0 and f.name in POSITIVE):
-                raise ValueError(f"{flag_name(f.name)} ({env_name(f.name)}) must be {least}, not {value!r}")
+            raise ValueError(f"{_label('session_headers')} names no header")
         if self.workers_file is not None:
             try:
                 read_workers_file(self.workers_file)
             except ValueError as exc:
-                raise ValueError(f"--workers-file ({env_name('workers_file')}): {exc}") from None
+                raise ValueError(f"{_label('workers_file')}: {exc}") from None
         if self.worker_ca_file is not None:
             try:
                 ssl.create_default_context(cafile=self.worker_ca_file)
             except (OSError, ssl.SSLError) as exc:
                 why = getattr(exc, "reason", None) or exc.strerror or exc
-                raise ValueError(f"--worker-ca-file ({env_name('worker_ca_file')}): cannot load "
-                                 f"{self.worker_ca_file!r}: {why}") from None
+                raise ValueError(f"{_label('worker_ca_file')}: cannot load {self.worker_ca_file!r}: {why}") from None
         if self.trace_file is not None:
             folder = pathlib.Path(self.trace_file).expanduser().absolute().parent
             if not folder.is_dir():
-                raise ValueError(f"--trace-file ({env_name('trace_file')}): folder {str(folder)!r} does not exist")
+                raise ValueError(f"{_label('trace_file')}: folder {str(folder)!r} does not exist")
         if self.tokenizer is not None:
             from tokenizers import Tokenizer
 
@@ -329,21 +432,49 @@ class Settings:
         if self.otlp_endpoint is not None:
             parts = urlsplit(self.otlp_endpoint)
             if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"--otlp-endpoint ({env_name('otlp_endpoint')}) must be an http(s)://HOST[:PORT] "
-                                 f"URL, not {self.otlp_endpoint!r}")
+                raise ValueError(f"{_label('otlp_endpoint')} must be an http(s)://HOST[:PORT] URL, "
+                                 f"not {self.otlp_endpoint!r}")
         if self.trace_otlp and not self.otlp_endpoint:
             raise ValueError("--trace-otlp exports records to the --otlp-endpoint collector: give one")
 
     def to_env(self) -> dict[str, str]:
         """The environment variables that reproduce these settings."""
-        env = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None:
-                continue
-            if f.name in WORKER_LISTS:
-                value = ",".join(f"{p}={u}" for p, u in value)
-            elif isinstance(value, bool):
-                value = "1" if value else "0"
-            env[env_name(f.name)] = str(value)
-        return env
+        return {s.env: s.text(value) for s in SETTINGS.values() if (value := getattr(self, s.name)) is not None}
+
+
+def _declared() -> dict[str, Setting]:
+    hints = get_type_hints(Settings)
+    return {f.name: replace(f.metadata["setting"], name=f.name, kind=hints[f.name]) for f in fields(Settings)}
+
+
+#: Every setting's declaration by name, in :class:`Settings`' order.
+SETTINGS: dict[str, Setting] = _declared()
+
+
+def _label(name: str) -> str:
+    return SETTINGS[name].label
+
+
+def settings_table() -> str:
+    """The README's settings table (Markdown, no final newline): a row per
+    setting, in :class:`Settings`' order, with its variables, flags,
+    default (and unit) and help text."""
+    defaults = Settings()
+    rows = ["| variable | flag | default | what |", "|---|---|---|---|"]
+    for s in SETTINGS.values():
+        old = " (old name)" if s.old_names else ""
+        variables = ", ".join(f"`{var}`" for var in (s.env, *s.old_envs)) + old
+        value = f" {s.metavar}" if s.metavar else f" {'|'.join(s.choices)}" if s.choices else ""
+        flags = ", ".join([f"`{s.flags[0]}{value}`", *(f"`{f}`" for f in s.flags[1:])]) + old
+        if s.kind is bool:
+            flags += f" / `--no-{s.flags[0][2:]}`"
+        default = s.default_text or s.shown(getattr(defaults, s.name))
+        if s.unit and not s.default_text:
+            default += f" {s.unit}"
+        rows.append(" | ".join(["", variables, _markdown(flags), _markdown(default), _markdown(s.help), ""]).strip())
+    return "\n".join(rows)
+
+
+def _markdown(text: str) -> str:
+    """``text`` in a Markdown table cell: its pipes, emphasis stars and angle brackets as themselves."""
+    return text.replace("|", "\\|").replace("*", "\\*").replace("<", "&lt;").replace(">", "&gt;")

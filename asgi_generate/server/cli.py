@@ -12,14 +12,12 @@ import os
 import pathlib
 import socket
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from .. import __version__
-from ..config import Settings
+from ..config import SETTINGS, Setting, Settings
 from .serving import WORKER_CLASSES, ServerTLS, hold_signals, hypercorn_config, run
-from ..workers.policies import POLICIES
 from ..workers.protocols import PROTOCOLS
-from ..workers.router import DISAGGREGATION_MODES, parse_worker_spec
 from ..sdk.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS
 
 if TYPE_CHECKING:
@@ -74,25 +72,54 @@ def _bounded(kind: type, least: float, most: float | None = None):
 PORT = _bounded(int, 0, 65535)
 
 
-def _worker_spec(value: str, role: str = "aggregated") -> tuple[str, str]:
-    try:
-        return parse_worker_spec(value, role)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _setting_flag(parser: argparse.ArgumentParser, setting: Setting, default: object) -> None:
+    """``setting``'s flag (and its old names') on ``parser``, ``default``
+    its value when not given (a list flag's value is ``None`` then: given,
+    it replaces the default list rather than adding to it)."""
+    kwargs: dict[str, object] = {"help": _setting_help(setting, default).replace("%", "%%")}
+    if setting.metavar is not None:
+        kwargs["metavar"] = setting.metavar
+    if setting.item is not None:
+        kwargs.update(action="append", type=_argument_type(setting.item), default=None)
+    elif setting.kind is bool:
+        kwargs.update(action=argparse.BooleanOptionalAction, default=default)
+    elif setting.kind in (int, float):
+        kwargs.update(type=setting.kind, default=default)
+    else:
+        kwargs.update(choices=setting.choices or None, default=default)
+    parser.add_argument(*setting.flags, dest=setting.name, **kwargs)
 
 
-def _prefill_spec(value: str) -> tuple[str, str]:
-    return _worker_spec(value, "prefill")
+def _setting_help(setting: Setting, default: object) -> str:
+    """``setting``'s help and its ``default``: ``none``, ``on``/``off`` and
+    lists as ``(default: X)``, a value as ``(default X)``, one computed at
+    start as ``default <in words> (default X here)``."""
+    if "(default" in setting.help:
+        return setting.help
+    if setting.default_text:
+        return f"{setting.help}; default {setting.default_text} (default {setting.text(default)} here)"
+    if default is None or isinstance(default, bool | list):
+        return f"{setting.help} (default: {setting.shown(default)})"
+    return f"{setting.help} (default {setting.text(default)})"
 
 
-def _decode_spec(value: str) -> tuple[str, str]:
-    return _worker_spec(value, "decode")
+def _argument_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse type: ``parse``, its ValueError the flag's error message."""
+
+    def convert(value: str) -> object:
+        try:
+            return parse(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
 def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
-    """The argument parser of every subcommand; ``d`` gives ``serve``'s
-    defaults (``serve`` passes :meth:`Settings.from_env`, so variables are
-    defaults and flags override them)."""
+    """The argument parser of every subcommand. ``serve`` has a flag per
+    setting (:data:`asgi_generate.config.SETTINGS`), its default ``d``'s
+    value (``serve`` passes :meth:`Settings.from_env`, so variables are
+    defaults and flags override them), then the server process's own flags."""
     parser = _Parser(
         prog="asgi-generate",
         description="A protocol-level ASGI frontend for LLM engines' native generate APIs.",
@@ -104,60 +131,8 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the frontend under hypercorn", formatter_class=_Help,
                            description="Serve the frontend. Every setting flag also reads its "
                                        "ASGI_GENERATE_* variable (the flag wins); see README.md.")
-    serve.add_argument("--worker", action="append", type=_worker_spec, default=None, metavar="PROTOCOL=URL",
-                       help="an engine worker, PROTOCOL sglang or vllm, e.g. sglang=http://127.0.0.1:30000, or "
-                            "sglang=dns://NAME:PORT for every address NAME resolves to (repeat for more); with none, simulated workers are started (default: "
-                            + (",".join(f"{p}={u}" for p, u in d.workers) or "none") + ")")
-    serve.add_argument("--prefill", action="append", type=_prefill_spec, default=None, metavar="PROTOCOL=URL",
-                       help="a P/D prefill worker, e.g. sglang=http://127.0.0.1:30000?bootstrap_port=8998 "
-                            "(bootstrap port default 8998; repeat for more) (default: "
-                            + (",".join(f"{p}={u}" for p, u in d.prefill) or "none") + ")")
-    serve.add_argument("--decode", action="append", type=_decode_spec, default=None, metavar="PROTOCOL=URL",
-                       help="a P/D decode worker, e.g. sglang=http://127.0.0.1:30001 (repeat for more) (default: "
-                            + (",".join(f"{p}={u}" for p, u in d.decode) or "none") + ")")
-    serve.add_argument("--disaggregation", choices=DISAGGREGATION_MODES, default=d.disaggregation,
-                       help="auto: a request runs as a prefill/decode pair when its protocol has both up, "
-                            "else on an aggregated worker; always: pairs only; never: aggregated only "
-                            "(default %(default)s)")
-    serve.add_argument("--pd-fallback", action=argparse.BooleanOptionalAction, default=d.pd_fallback,
-                       help="vLLM P/D: when the prefill worker answers no kv_transfer_params (it stopped "
-                            "before its one-token cap), let the decode worker prefill alone (recorded as "
-                            "local_prefill) instead of failing the request (default %(default)s)")
-    serve.add_argument("--policy", choices=POLICIES, default=d.policy,
-                       help="routing policy: least outstanding requests, session affinity (rendezvous "
-                            "hashing on a session header, bounded load) or cache-aware (longest prefix "
-                            "match, least outstanding when load is imbalanced) (default %(default)s)")
-    serve.add_argument("--session-headers", default=d.session_headers, metavar="NAMES",
-                       help="session policy: comma-separated headers the session key is read from, the "
-                            "first present wins (default %(default)s)")
-    serve.add_argument("--session-balance-epsilon", type=float, default=d.session_balance_epsilon,
-                       metavar="E",
-                       help="session policy: a worker takes keyed requests while its outstanding count is "
-                            "below ceil((1 + E) x (all outstanding + 1) / workers) (default %(default)s)")
-    serve.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
-                       help="cache-aware policy: share of the prompt (0-1) the longest cached prefix must "
-                            "exceed to route by it (default %(default)s)")
-    serve.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
-                       help="cache-aware policy: load is imbalanced when the most and fewest outstanding "
-                            "requests differ by more than this... (default %(default)s)")
-    serve.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
-                       help="...and the most exceeds this times the fewest (default %(default)s)")
-    serve.add_argument("--max-tree-tokens", type=int, default=d.max_tree_tokens,
-                       help="cache-aware policy: tokens (text: characters) each worker's prefix tree holds; "
-                            "least recently used leaves are evicted past it (default %(default)s)")
-    serve.add_argument("--max-tree-nodes", type=int, default=d.max_tree_nodes,
-                       help="cache-aware policy: nodes each worker's prefix tree holds (default %(default)s)")
-    serve.add_argument("--workers-file", default=d.workers_file, metavar="PATH",
-                       help="a JSON (or .toml) file with lists workers, prefill and decode of PROTOCOL=URL "
-                            "specs, reread when it changes; workers that leave it drain")
-    serve.add_argument("--discovery-interval", type=float, default=d.discovery_interval, metavar="S",
-                       help="seconds between DNS lookups of dns:// workers and checks of --workers-file "
-                            "(default %(default)s)")
-    serve.add_argument("--worker-ca-file", default=d.worker_ca_file, metavar="PATH",
-                       help="PEM CA bundle that https:// workers' certificates are verified against (only it "
-                            "is trusted; default: the system's CAs)")
-    serve.add_argument("--worker-insecure", action=argparse.BooleanOptionalAction, default=d.worker_insecure,
-                       help="do not verify https:// workers' certificates (testing only; logged as a warning)")
+    for setting in SETTINGS.values():
+        _setting_flag(serve, setting, getattr(d, setting.name))
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     serve.add_argument("--port", type=PORT, default=8000, help="port to listen on (default %(default)s)")
     serve.add_argument("--fd", type=_bounded(int, 0), default=None,
@@ -166,7 +141,7 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--worker-class", choices=WORKER_CLASSES, default="asyncio",
                        help="hypercorn worker class; asyncio measured faster than trio, uvloop (asyncio on "
                             "uvloop's loop) faster still (bench/) (default %(default)s)")
-    serve.add_argument("--workers", type=_bounded(int, 1), default=1,
+    serve.add_argument("--workers", type=_bounded(int, 1), default=1, dest="processes", metavar="WORKERS",
                        help="frontend processes sharing the port; each keeps its own /stats "
                             "(default %(default)s)")
     serve.add_argument("--pid-file", default=None, metavar="PATH",
@@ -174,111 +149,6 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                             "kill -TERM $(cat PATH)")
     serve.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                        help="log one line per request (hypercorn's access log format) at INFO")
-    serve.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace,
-                       help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are "
-                            "aborted and ended cleanly (default %(default)s)")
-    serve.add_argument("--slow-client-timeout", type=float, default=d.slow_client_timeout,
-                       help="seconds a client may leave a write untaken before it is cut off and the "
-                            "engine aborted (default %(default)s)")
-    serve.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
-                       help="request body cap in bytes; larger bodies get 413 (default %(default)s)")
-    serve.add_argument("--body-budget-bytes", type=int, default=d.body_budget_bytes,
-                       help="request body bytes read and decoded at once over all requests (a chunked body "
-                            "counts as --max-body-bytes); more wait, then get 503 with Retry-After; default "
-                            "1/128 of physical memory within [64 MiB, 512 MiB] (default %(default)s here)")
-    serve.add_argument("--body-budget-wait", type=float, default=d.body_budget_wait,
-                       help="seconds a request may wait for room in the body budget before its 503 "
-                            "(default %(default)s)")
-    serve.add_argument("--body-read-timeout", type=float, default=d.body_read_timeout,
-                       help="seconds a client has to send its whole body; a stalled upload gets 408 "
-                            "(default %(default)s)")
-    serve.add_argument("--connect-timeout", type=float, default=d.connect_timeout,
-                       help="seconds to connect to a worker (default %(default)s)")
-    serve.add_argument("--headers-timeout", type=float, default=d.headers_timeout,
-                       help="seconds from sending a streamed engine leg to its response headers; "
-                            "0 = none (default %(default)s)")
-    serve.add_argument("--first-token-timeout", type=float, default=d.first_token_timeout,
-                       help="seconds from a streamed leg's headers to its first event (queueing and "
-                            "prefill); 0 = none (default %(default)s)")
-    serve.add_argument("--inter-token-timeout", "--read-timeout", type=float, default=d.inter_token_timeout,
-                       help="seconds a streamed leg may go without an SSE event (comments do not count); "
-                            "0 = none; --read-timeout is its old name (default %(default)s)")
-    serve.add_argument("--request-timeout", type=float, default=d.request_timeout,
-                       help="seconds a unary engine leg may take in all; 0 = none (default %(default)s)")
-    serve.add_argument("--migration-limit", type=_bounded(int, 0), default=d.migration_limit, metavar="N",
-                       help="resumed attempts a stream may make after its first when workers die "
-                            "mid-answer; 0 = no migration (default %(default)s)")
-    serve.add_argument("--health-interval", type=float, default=d.health_interval,
-                       help="seconds between health probes of each worker (default %(default)s)")
-    serve.add_argument("--health-timeout", type=float, default=d.health_timeout,
-                       help="seconds one health probe may take (default %(default)s)")
-    serve.add_argument("--health-failures", type=int, default=d.health_failures,
-                       help="failed health probes in a row that take an up worker out of the rotation "
-                            "and end its in-flight requests; a refused or broken connection does at once "
-                            "(default %(default)s)")
-    serve.add_argument("--sse-keepalive", type=float, default=d.sse_keepalive,
-                       help="seconds of stream silence before a keep-alive comment; 0 = never (default %(default)s)")
-    serve.add_argument("--abort-timeout", type=float, default=d.abort_timeout,
-                       help="seconds an engine has to answer an abort request; a slow one is never re-sent, "
-                            "a non-200 answer is retried (default %(default)s)")
-    serve.add_argument("--abort-concurrency", type=int, default=d.abort_concurrency,
-                       help="abort requests in flight at once per worker, each on its own kept-alive "
-                            "connection (default %(default)s)")
-    serve.add_argument("--abort-queue-size", type=int, default=d.abort_queue_size,
-                       help="aborts that may wait per worker; more are refused and counted "
-                            "unacknowledged (default %(default)s)")
-    serve.add_argument("--abort-batch", type=int, default=d.abort_batch,
-                       help="engine ids per abort request where the engine takes a list (vLLM "
-                            "/abort_requests) (default %(default)s)")
-    serve.add_argument("--abort-deadline", type=float, default=d.abort_deadline,
-                       help="seconds a request's end waits, at most, for its aborts' answers, queueing "
-                            "included (default %(default)s)")
-    serve.add_argument("--admin-token", default=d.admin_token, metavar="TOKEN",
-                       help="require 'Authorization: Bearer TOKEN' on admin routes (default: open; "
-                            "prefer the variable, which ps does not show)")
-    serve.add_argument("--admin-timeout", type=float, default=d.admin_timeout,
-                       help="seconds an admin route waits for each worker's answer (default %(default)s)")
-    serve.add_argument("--embedded-workers", type=int, default=d.embedded_workers,
-                       help="simulated workers started when no --worker is given (default %(default)s)")
-    serve.add_argument("--embedded-pd", action=argparse.BooleanOptionalAction, default=d.embedded_pd,
-                       help="with the simulated workers, also start a prefill and a decode simulator per "
-                            "protocol, so requests run as P/D pairs (default %(default)s)")
-    serve.add_argument("--split-batches", action=argparse.BooleanOptionalAction, default=d.split_batches,
-                       help="spread a batch's prompts over the workers instead of sending it to one worker as "
-                            "one engine request (default %(default)s)")
-    serve.add_argument("--embedded-ttft-ms", type=float, default=d.embedded_ttft_ms,
-                       help="simulated workers' time to first token in ms (default %(default)s)")
-    serve.add_argument("--embedded-itl-ms", type=float, default=d.embedded_itl_ms,
-                       help="simulated workers' inter-token latency in ms (default %(default)s)")
-    serve.add_argument("--skip-broken-codecs", action=argparse.BooleanOptionalAction, default=d.skip_broken_codecs,
-                       help="start even if an installed codec fails to load (it is logged and skipped)")
-    serve.add_argument("--trace-file", default=d.trace_file, metavar="PATH",
-                       help="write one JSONL request-end record per request to files named "
-                            "PATH.<pid>.<start>.<n>.jsonl (PATH less any .jsonl suffix) in an existing "
-                            "folder; tracing is off "
-                            "unless this or --trace-stderr is given")
-    serve.add_argument("--trace-stderr", action=argparse.BooleanOptionalAction, default=d.trace_stderr,
-                       help="write the trace records to stderr too")
-    serve.add_argument("--trace-queue-size", type=int, default=d.trace_queue_size,
-                       help="records that may wait for the trace writer; more are dropped and counted "
-                            "(default %(default)s)")
-    serve.add_argument("--trace-rotate-bytes", type=int, default=d.trace_rotate_bytes,
-                       help="start a new trace file past this many bytes; 0 = never (default %(default)s)")
-    serve.add_argument("--trace-block-size", type=int, default=d.trace_block_size,
-                       help="tokens per replay block hash in trace records (default %(default)s)")
-    serve.add_argument("--tokenizer", default=d.tokenizer, metavar="PATH",
-                       help="a Hugging Face tokenizer.json, loaded at start; only the trace output "
-                            "parsers below use it (to find their marker tokens), so it needs one of them")
-    serve.add_argument("--reasoning-parser", default=d.reasoning_parser, metavar="NAME",
-                       help="count reasoning tokens in traces: qwen3, deepseek_r1 or an installed parser")
-    serve.add_argument("--tool-call-parser", default=d.tool_call_parser, metavar="NAME",
-                       help="record tool-call names and the tool_calls finish reason in traces: hermes or "
-                            "an installed parser")
-    serve.add_argument("--otlp-endpoint", default=d.otlp_endpoint, metavar="URL",
-                       help="OTLP/HTTP collector (http://HOST:4318): a span per request, a child span per "
-                            "engine leg, a traceparent to each engine; the OTEL_* variables apply")
-    serve.add_argument("--trace-otlp", action=argparse.BooleanOptionalAction, default=d.trace_otlp,
-                       help="also export the request-end records to --otlp-endpoint as OTLP log records")
     serve.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info",
                        help="logging level (default %(default)s)")
 
@@ -370,64 +240,9 @@ def _server_tls(args: argparse.Namespace) -> ServerTLS | None:
 
 
 def _settings(args: argparse.Namespace, d: Settings) -> Settings:
-    return Settings(
-        workers=args.worker if args.worker is not None else d.workers,
-        prefill=args.prefill if args.prefill is not None else d.prefill,
-        decode=args.decode if args.decode is not None else d.decode,
-        disaggregation=args.disaggregation,
-        pd_fallback=args.pd_fallback,
-        policy=args.policy,
-        session_headers=args.session_headers,
-        session_balance_epsilon=args.session_balance_epsilon,
-        cache_threshold=args.cache_threshold,
-        balance_abs_threshold=args.balance_abs_threshold,
-        balance_rel_threshold=args.balance_rel_threshold,
-        max_tree_tokens=args.max_tree_tokens,
-        max_tree_nodes=args.max_tree_nodes,
-        workers_file=args.workers_file,
-        discovery_interval=args.discovery_interval,
-        worker_ca_file=args.worker_ca_file,
-        worker_insecure=args.worker_insecure,
-        max_body_bytes=args.max_body_bytes,
-        body_budget_bytes=args.body_budget_bytes,
-        body_budget_wait=args.body_budget_wait,
-        body_read_timeout=args.body_read_timeout,
-        connect_timeout=args.connect_timeout,
-        headers_timeout=args.headers_timeout,
-        first_token_timeout=args.first_token_timeout,
-        inter_token_timeout=args.inter_token_timeout,
-        request_timeout=args.request_timeout,
-        migration_limit=args.migration_limit,
-        health_interval=args.health_interval,
-        health_timeout=args.health_timeout,
-        health_failures=args.health_failures,
-        sse_keepalive=args.sse_keepalive,
-        abort_timeout=args.abort_timeout,
-        abort_concurrency=args.abort_concurrency,
-        abort_queue_size=args.abort_queue_size,
-        abort_batch=args.abort_batch,
-        abort_deadline=args.abort_deadline,
-        admin_token=args.admin_token,
-        admin_timeout=args.admin_timeout,
-        slow_client_timeout=args.slow_client_timeout,
-        shutdown_grace=args.shutdown_grace,
-        embedded_workers=args.embedded_workers,
-        embedded_ttft_ms=args.embedded_ttft_ms,
-        embedded_itl_ms=args.embedded_itl_ms,
-        embedded_pd=args.embedded_pd,
-        split_batches=args.split_batches,
-        skip_broken_codecs=args.skip_broken_codecs,
-        trace_file=args.trace_file,
-        trace_stderr=args.trace_stderr,
-        trace_queue_size=args.trace_queue_size,
-        trace_rotate_bytes=args.trace_rotate_bytes,
-        trace_block_size=args.trace_block_size,
-        tokenizer=args.tokenizer,
-        reasoning_parser=args.reasoning_parser,
-        tool_call_parser=args.tool_call_parser,
-        otlp_endpoint=args.otlp_endpoint,
-        trace_otlp=args.trace_otlp,
-    )
+    """The settings of ``serve``'s flags; ``d``'s lists where a list flag is not given."""
+    given = {name: getattr(args, name) for name in SETTINGS}
+    return Settings(**{name: getattr(d, name) if value is None else value for name, value in given.items()})
 
 
 def _fail(message: str) -> int:
@@ -449,7 +264,7 @@ def _serve(args: argparse.Namespace, d: Settings) -> int:
     # codecs load, a simulator starts or hypercorn runs.
     try:
         settings.check()
-        if args.workers == 1:  # N processes get a folder of serve's own
+        if args.processes == 1:  # N processes get a folder of serve's own
             multiproc_dir()
         tls = _server_tls(args)
     except ValueError as exc:
@@ -463,7 +278,7 @@ def _serve(args: argparse.Namespace, d: Settings) -> int:
     try:
         try:
             codecs = load_codecs(settings.skip_broken_codecs, protocols=PROTOCOLS)
-            if args.workers == 1:
+            if args.processes == 1:
                 app = App(settings, codecs)
             elif settings.trace_file or settings.trace_stderr or settings.otlp_endpoint:
                 Tracer(settings)  # fails here, once, rather than in every worker process
@@ -477,9 +292,9 @@ def _serve(args: argparse.Namespace, d: Settings) -> int:
                 pid_file = None
                 return _fail(f"--pid-file: cannot write {args.pid_file!r}: {exc.strerror or exc}")
         log.info("asgi-generate %s: pid %d, listening on %s", __version__, os.getpid(), _where(sock, tls))
-        if args.workers > 1:
+        if args.processes > 1:
             protocols = {item.codec.worker_protocol for item in codecs}
-            return supervise(settings, sock, args.workers, args.worker_class, args.shutdown_grace, protocols,
+            return supervise(settings, sock, args.processes, args.worker_class, args.shutdown_grace, protocols,
                              log_level=args.log_level, access_log=args.access_log, tls=tls)
         # hypercorn's own deadline only backs up the app's: grace, then
         # aborts. hypercorn serves (and closes) the descriptor itself.
