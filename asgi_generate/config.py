@@ -22,14 +22,32 @@ from functools import partial
 from typing import Any, Callable, Mapping, get_type_hints
 from urllib.parse import urlsplit
 
-from .request.budget import default_budget_bytes
-from .workers.policies import POLICIES
-from .workers.policies.session import DEFAULT_HEADERS
-from .workers.discovery import read_workers_file
-from .workers.router import DISAGGREGATION_MODES, parse_worker_spec
+from .worker_specs import parse_worker_spec, read_workers_file
 
 ENV_PREFIX = "ASGI_GENERATE_"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+#: ``--disaggregation``: when a request runs as a P/D pair.
+DISAGGREGATION_MODES = ("auto", "always", "never")
+#: ``--policy``: the routing policies (:mod:`asgi_generate.workers.policies`).
+POLICIES = ("least-outstanding", "session", "cache-aware")
+#: ``--session-headers``' default: the headers a session key is read from.
+DEFAULT_SESSION_HEADERS = "x-session-id,x-smg-routing-key"
+
+
+def default_budget_bytes() -> int:
+    """``--body-budget-bytes``' default: 1/128 of physical memory, clamped
+    to [64 MiB, 512 MiB].
+
+    Decoded, the bytes in the budget take up to ~9x their size (raw body plus
+    Python objects), so at most ~7% of the machine's memory goes to bodies in
+    flight: 184 MiB on a 23 GiB machine, about 1.6 GiB decoded at worst.
+    """
+    mib = 1024 * 1024
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8192 * mib
+    return max(64 * mib, min(512 * mib, total // 128))
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +186,7 @@ def _worker_text(spec: tuple[str, str]) -> str:
 
 def _workers(role: str, **declaration: Any) -> Any:
     """A list of ``(protocol, url)`` workers in ``role``
-    (:func:`asgi_generate.workers.router.parse_worker_spec`)."""
+    (:func:`asgi_generate.worker_specs.parse_worker_spec`)."""
     return setting(factory=list, item=partial(parse_worker_spec, role=role), item_text=_worker_text,
                    metavar="PROTOCOL=URL", **declaration)
 
@@ -242,7 +260,7 @@ class Settings:
              "session header, bounded load) or cache-aware (longest prefix match, least outstanding when "
              "load is imbalanced)")
     session_headers: str = setting(
-        DEFAULT_HEADERS, metavar="NAMES",
+        DEFAULT_SESSION_HEADERS, metavar="NAMES",
         help="session policy: comma-separated headers the session key is read from, the first present wins")
     session_balance_epsilon: float = setting(
         1.0, metavar="E",

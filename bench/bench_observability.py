@@ -1,6 +1,6 @@
 """What the observability hooks cost per request, in process, side by side.
 
-- Prometheus: ``App.request_started`` + ``request_ended`` +
+- Prometheus: ``Recorder.request_started`` + ``request_ended`` +
   ``request_finished`` of a finished one-leg streamed request, with the real
   metrics and with a no-op stand-in, in one process (counts added up in
   memory, moved into prometheus-client on scrape) and, in a child process, in
@@ -8,7 +8,7 @@
   ``serve --workers N``).
 - OpenTelemetry: the response-path part (``Otlp.stamp`` of one engine leg,
   minting the request's trace context on the way) with ``--otlp-endpoint``
-  set, against the ``app.otel is None`` check it costs when off.
+  set, against the ``recorder.otel is None`` check it costs when off.
 
     .venv/bin/python bench/bench_observability.py        # about 20 seconds
 
@@ -62,19 +62,19 @@ def per_request_us(fn, n: int = N) -> float:
 
 def metrics_us() -> tuple[float, float]:
     """(with metrics, with the no-op stand-in) for this process's mode."""
-    from asgi_generate.server.app import App
     from asgi_generate.config import Settings
+    from asgi_generate.ops.recorder import Recorder
 
-    app = App(Settings(workers=[("sglang", "http://127.0.0.1:9")]))
+    recorder = Recorder(Settings(workers=[("sglang", "http://127.0.0.1:9")]))
     st = _state()
 
     def one() -> None:
-        app.request_started()
-        app.request_ended()
-        app.request_finished(st)
+        recorder.request_started()
+        recorder.request_ended()
+        recorder.request_finished(st)
 
     with_metrics = per_request_us(one)
-    app.metrics = _NoMetrics()
+    recorder.metrics = _NoMetrics()
     return with_metrics, per_request_us(one)
 
 

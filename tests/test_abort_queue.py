@@ -15,7 +15,7 @@ from anyio import wait_all_tasks_blocked
 
 from asgi_generate.workers.aborts import AbortQueue
 from asgi_generate.workers.http import ConnectionPool
-from asgi_generate.workers.protocols import PROTOCOLS
+from asgi_generate.protocols import PROTOCOLS
 from asgi_generate.workers.router import Worker
 from support import start_sim, stats
 

@@ -23,7 +23,7 @@ import pytest
 
 from asgi_generate.request.budget import BodyBudget
 from asgi_generate.request.framing import BodyTimeout, read_body
-from asgi_generate.workers.protocols import SGLANG, VLLM, read_model_card
+from asgi_generate.protocols import SGLANG, VLLM, read_model_card
 from support import post, sse, start_frontend, start_sim, stats, trace_records
 
 MiB = 1024 * 1024

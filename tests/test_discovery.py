@@ -19,7 +19,8 @@ import pytest
 
 from asgi_generate.server.app import App
 from asgi_generate.config import Settings
-from asgi_generate.workers.discovery import Discovery, Member, read_workers_file
+from asgi_generate.workers.discovery import Discovery, Member
+from asgi_generate.worker_specs import read_workers_file
 from support import CONTINUATION, PROMPT, free_port, start_sim, stats
 
 TOKENS = 16
@@ -69,13 +70,13 @@ class Fleet:
         self.results: list[tuple[int, list[int] | None]] = []
         self.records = []
         self.drained: dict[str, float] = {}
-        finished = self.app.request_finished
+        finished = self.app.recorder.request_finished
 
         def record(st) -> None:
             self.records.append(st)
             finished(st)
 
-        self.app.request_finished = record
+        self.app.recorder.request_finished = record
 
     def workers(self) -> list[tuple[str, str, str]]:
         """``/v1/models``' workers: (id, url, state)."""
@@ -119,7 +120,7 @@ class Fleet:
         """Every request sent was answered whole, and recorded once."""
         assert len(self.results) >= CLIENTS
         assert self.results == [(200, CONTINUATION[:TOKENS])] * len(self.results)
-        assert len(self.records) == len(self.results) == self.app.counters["requests"]
+        assert len(self.records) == len(self.results) == self.app.recorder.counters["requests"]
         assert [st.status for st in self.records] == ["ok"] * len(self.records)
         assert all(len(st.attempts) == 1 for st in self.records)
 
@@ -162,8 +163,8 @@ async def test_dns_workers_join_after_their_probe_and_vanished_ones_drain(three_
         draining = f.app.models()["workers"][0]
         assert (draining["id"], draining["state"]) == ("w0", "draining")
         assert draining["outstanding"] > 0  # its streams carry on
-        f.app.metrics.refresh(f.app)  # out of the rotation: not "up" in /metrics either
-        assert f.app.metrics.worker_up.labels("w0", a.url, "sglang", "aggregated")._value.get() == 0
+        f.app.recorder.metrics.refresh(f.app.router)  # out of the rotation: not "up" in /metrics either
+        assert f.app.recorder.metrics.worker_up.labels("w0", a.url, "sglang", "aggregated")._value.get() == 0
         await f.until(lambda: f.workers() == [("w1", b.url, "up"), ("w2", c.url, "up")])
         assert sorted(f.app.stats()["workers"]) == sorted(f.app.aborts) == ["w1", "w2"]
         n = len(f.results)

@@ -7,7 +7,7 @@ import httpx
 import orjson
 import pytest
 
-from asgi_generate.workers.protocols import PROTOCOLS
+from asgi_generate.protocols import PROTOCOLS
 from asgi_generate.sdk.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS, parse_version, vllm_behaviour
 from support import start_frontend, start_sim, stats, wait_until, trace_lines
 

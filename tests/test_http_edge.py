@@ -401,7 +401,7 @@ async def _serve_in_process(url: str, send_hook) -> tuple[list[dict], "RequestSt
 
     app = App(Settings(workers=[("sglang", url)], sse_keepalive=0))
     finished = []
-    app.request_finished = finished.append
+    app.recorder.request_finished = finished.append
     to_life, life_in = anyio.create_memory_object_stream(4)
     life_out, from_life = anyio.create_memory_object_stream(4)
     async with anyio.create_task_group() as tg:

@@ -265,7 +265,7 @@ def _in_band(fleet: Fleet, message: str) -> bytes:
     """The exact in-band error payload of a 502 in ``fleet``'s format."""
     from asgi_generate.sdk.codec import RequestError
     from asgi_generate.sdk.registry import load_codecs
-    from asgi_generate.workers.protocols import PROTOCOLS
+    from asgi_generate.protocols import PROTOCOLS
 
     codec = next(c.codec for c in load_codecs(protocols=PROTOCOLS) if c.codec.name == fleet.protocol)
     return codec.in_band_error(RequestError(502, message, "engine"))

@@ -39,7 +39,8 @@ from wire_proxy import WireProxy
 
 from asgi_generate.config import Settings
 from asgi_generate.request.pd import bootstrap_host, mint_room
-from asgi_generate.workers.router import Router, parse_worker_spec
+from asgi_generate.workers.router import Router
+from asgi_generate.worker_specs import parse_worker_spec
 
 PREFILL = ["--disaggregation-mode", "prefill", "--bootstrap-port", "0"]
 

@@ -21,7 +21,7 @@ import textwrap
 import httpx
 import pytest
 
-from asgi_generate.workers.protocols import PROTOCOLS
+from asgi_generate.protocols import PROTOCOLS
 from support import start_frontend
 
 SGLANG = importlib.metadata.distribution("asgi-generate-sglang")

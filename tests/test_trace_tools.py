@@ -9,7 +9,8 @@ import sys
 import orjson
 
 from asgi_generate.tracing.schema import schema_json
-from asgi_generate.tracing.offline.tools import main, percentile
+from asgi_generate.tracing.offline.rows import percentile
+from asgi_generate.tracing.offline.tools import main
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "trace" / "examples" / "request_trace.v1.jsonl"
 

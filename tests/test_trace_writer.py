@@ -285,15 +285,15 @@ def stub_app(**settings) -> App:
 
 def test_tracing_off_builds_nothing():
     app = stub_app()
-    assert app.tracer is None
-    assert app.trace_output_ids is False
+    assert app.recorder.tracer is None
+    assert app.recorder.trace_output_ids is False
     assert app.stats()["trace"] == {"enabled": False}
 
 
 def test_output_ids_are_kept_only_for_a_parser():
-    assert stub_app(trace_stderr=True).trace_output_ids is False
-    assert stub_app(trace_stderr=True, tokenizer=str(TOKENIZER_PATH)).trace_output_ids is False
-    assert stub_app(trace_stderr=True, tokenizer=str(TOKENIZER_PATH), reasoning_parser="qwen3").trace_output_ids
+    assert stub_app(trace_stderr=True).recorder.trace_output_ids is False
+    assert stub_app(trace_stderr=True, tokenizer=str(TOKENIZER_PATH)).recorder.trace_output_ids is False
+    assert stub_app(trace_stderr=True, tokenizer=str(TOKENIZER_PATH), reasoning_parser="qwen3").recorder.trace_output_ids
 
 
 async def request(app: App, method: str, path: str, body: bytes, headers: list) -> int:

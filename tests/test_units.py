@@ -11,7 +11,8 @@ from asgi_generate.sdk import ids
 from asgi_generate.config import Settings
 from asgi_generate.request.framing import SSEDecoder, sse_event
 from asgi_generate.sim.model import Model, experts_base64
-from asgi_generate.workers.router import Router, parse_worker_spec
+from asgi_generate.workers.router import Router
+from asgi_generate.worker_specs import parse_worker_spec
 
 payloads = st.lists(st.binary(min_size=1, max_size=40).filter(lambda b: b"\n" not in b and b"\r" not in b),
                     max_size=12)
@@ -172,7 +173,7 @@ def test_settings_round_trip_through_the_environment():
 
 def test_no_codec_to_serve_is_refused(monkeypatch):
     from asgi_generate.sdk import registry
-    from asgi_generate.workers.protocols import PROTOCOLS
+    from asgi_generate.protocols import PROTOCOLS
 
     monkeypatch.setattr(registry, "entry_points", lambda group: [])
     with pytest.raises(registry.CodecLoadError) as exc:

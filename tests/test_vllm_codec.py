@@ -9,7 +9,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from asgi_generate.sdk.codec import Attempt, EngineError, Event, RequestError
-from asgi_generate.workers.protocols import PROTOCOLS
+from asgi_generate.protocols import PROTOCOLS
 from asgi_generate_vllm import VLLMCodec
 
 CODEC = VLLMCodec()

@@ -43,7 +43,7 @@ unfinished item); their clients see the engine's abort finish. An empty ``rid`` 
 from __future__ import annotations
 
 import hmac
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 import anyio
 import orjson
@@ -59,7 +59,10 @@ from ..workers.http import WorkerError
 from ..workers.router import Worker
 
 if TYPE_CHECKING:
-    from ..server.app import App
+    from ..config import Settings
+    from ..request.context import Running
+    from ..sdk.registry import LoadedCodec
+    from ..workers.router import Router as WorkerRouter
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 INFO_PATHS = ("/get_model_info", "/model_info", "/get_server_info", "/server_info")
@@ -115,20 +118,44 @@ class _Answer:
         return {"worker": self.worker.id, "status": self.status, "body": _parsed(self.body) if self.body else ""}
 
 
-def build(app: "App") -> Router:
-    """The starlette router serving :data:`PATHS` for ``app`` (its workers,
-    in-flight requests and settings)."""
-    routes = [Route(path, _info(app), methods=["GET"]) for path in INFO_PATHS]
-    routes.append(Route("/health_generate", _health_generate(app), methods=["GET"]))
-    routes.append(Route("/abort_request", _guarded(app, _abort_request(app)), methods=["POST"]))
+class AdminContext(Protocol):
+    """The process as the admin routes see it (the app).
+
+    Attributes:
+        settings: the configuration (``admin_token``, ``admin_timeout``,
+            the body limits).
+        router: the workers routes fan out to; its policy forgets what a
+            worker cached once its cache is flushed.
+        codecs: the served codecs; ``/health_generate`` checks a worker of
+            each one's worker protocol.
+        inflight: requests being generated, by minted id; ``/abort_request``
+            finds them by public id.
+    """
+
+    settings: Settings
+    router: WorkerRouter
+    codecs: list[LoadedCodec]
+    inflight: dict[str, Running]
+
+    async def abort_engine_request(self, worker: Worker, engine_id: str) -> str:
+        """Abort ``engine_id`` on ``worker``'s engine; ``"acked"``,
+        ``"unacknowledged"`` or ``"lost"``."""
+
+
+def build(ctx: AdminContext) -> Router:
+    """The starlette router serving :data:`PATHS` for ``ctx`` (its workers,
+    in-flight requests and settings), which it reads at each request."""
+    routes = [Route(path, _info(ctx), methods=["GET"]) for path in INFO_PATHS]
+    routes.append(Route("/health_generate", _health_generate(ctx), methods=["GET"]))
+    routes.append(Route("/abort_request", _guarded(ctx, _abort_request(ctx)), methods=["POST"]))
     for path, methods, protocol in FAN_OUT:
-        routes.append(Route(path, _guarded(app, _fan_out(app, protocol)), methods=list(methods)))
+        routes.append(Route(path, _guarded(ctx, _fan_out(ctx, protocol)), methods=list(methods)))
     return Router(routes)
 
 
-def _guarded(app: "App", endpoint: Endpoint) -> Endpoint:
+def _guarded(ctx: AdminContext, endpoint: Endpoint) -> Endpoint:
     async def guarded(request: Request) -> Response:
-        token = app.settings.admin_token
+        token = ctx.settings.admin_token
         if token:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
@@ -138,10 +165,10 @@ def _guarded(app: "App", endpoint: Endpoint) -> Endpoint:
     return guarded
 
 
-async def _call(app: "App", worker: Worker, method: str, target: bytes, body: bytes,
+async def _call(ctx: AdminContext, worker: Worker, method: str, target: bytes, body: bytes,
                 headers: list[tuple[bytes, bytes]]) -> _Answer:
     """One request to ``worker`` within ``admin_timeout``."""
-    timeout = app.settings.admin_timeout
+    timeout = ctx.settings.admin_timeout
     try:
         with anyio.fail_after(timeout):
             async with worker.pool.request(method.encode(), target, body, headers) as resp:
@@ -154,13 +181,13 @@ async def _call(app: "App", worker: Worker, method: str, target: bytes, body: by
         return _Answer(worker, None, (str(exc) or type(exc).__name__).encode())
 
 
-async def _body(app: "App", request: Request) -> bytes | Response:
+async def _body(ctx: AdminContext, request: Request) -> bytes | Response:
     try:
-        return await read_body(request.receive, app.settings.max_body_bytes, None, app.settings.body_read_timeout)
+        return await read_body(request.receive, ctx.settings.max_body_bytes, None, ctx.settings.body_read_timeout)
     except BodyTooLarge as exc:
         return _error(413, str(exc))
     except BodyTimeout:
-        return _error(408, f"the body was not whole within {app.settings.body_read_timeout:g} s")
+        return _error(408, f"the body was not whole within {ctx.settings.body_read_timeout:g} s")
     except ClientDisconnected:
         return Response(b"", 400)  # nobody is left to read it
 
@@ -195,32 +222,32 @@ async def _gather(calls: list[Callable[[], Awaitable[_Answer]]]) -> list[_Answer
     return answers  # type: ignore[return-value]
 
 
-def _fan_out(app: "App", protocol: str) -> Endpoint:
+def _fan_out(ctx: AdminContext, protocol: str) -> Endpoint:
     async def endpoint(request: Request) -> Response:
-        body = await _body(app, request)
+        body = await _body(ctx, request)
         if isinstance(body, Response):
             return body
-        return await _to_every_worker(app, protocol, request, body)
+        return await _to_every_worker(ctx, protocol, request, body)
 
     return endpoint
 
 
-async def _to_every_worker(app: "App", protocol: str, request: Request, body: bytes) -> Response:
-    workers = [w for w in app.router.workers if w.protocol.name == protocol]
+async def _to_every_worker(ctx: AdminContext, protocol: str, request: Request, body: bytes) -> Response:
+    workers = [w for w in ctx.router.workers if w.protocol.name == protocol]
     if not workers:
         return _error(503, f"no worker configured for protocol {protocol!r}")
     target, headers = _target(request), _content_headers(request)
-    answers = await _gather([(lambda w=w: _call(app, w, request.method, target, body, headers)) for w in workers])
+    answers = await _gather([(lambda w=w: _call(ctx, w, request.method, target, body, headers)) for w in workers])
     if request.url.path in CACHE_RESETS:
         for a in answers:
             if a.status == 200:  # that engine's prefix cache is empty now
-                app.router.policy.forget(a.worker)
+                ctx.router.policy.forget(a.worker)
     return _combined(answers)
 
 
-def _abort_request(app: "App") -> Endpoint:
+def _abort_request(ctx: AdminContext) -> Endpoint:
     async def endpoint(request: Request) -> Response:
-        body = await _body(app, request)
+        body = await _body(ctx, request)
         if isinstance(body, Response):
             return body
         obj = _parsed(body) if body.strip() else {}
@@ -230,17 +257,17 @@ def _abort_request(app: "App") -> Endpoint:
         if not isinstance(rid, str) or not isinstance(abort_all, bool):
             return _error(400, "'rid' must be a string and 'abort_all' a boolean")
         if abort_all:
-            return await _to_every_worker(app, "sglang", request, body)
+            return await _to_every_worker(ctx, "sglang", request, body)
         legs = [
             (worker, engine_id)
-            for gen in list(app.inflight.values())
+            for gen in list(ctx.inflight.values())
             if gen.codec.worker_protocol == "sglang" and rid
             for public, worker, engine_id in named_legs(gen)
             if (public or "").startswith(rid)
         ]
 
         async def abort(worker: Worker, engine_id: str) -> _Answer:
-            result = await app.abort_engine_request(worker, engine_id)
+            result = await ctx.abort_engine_request(worker, engine_id)
             if result == ACKED:
                 return _Answer(worker, 200, b"")
             return _Answer(worker, None, f"abort {result}".encode())
@@ -252,10 +279,10 @@ def _abort_request(app: "App") -> Endpoint:
     return endpoint
 
 
-def _info(app: "App") -> Endpoint:
+def _info(ctx: AdminContext) -> Endpoint:
     async def endpoint(request: Request) -> Response:
-        for worker in _healthy(app, "sglang"):
-            answer = await _call(app, worker, "GET", _target(request), b"", [])
+        for worker in _healthy(ctx, "sglang"):
+            answer = await _call(ctx, worker, "GET", _target(request), b"", [])
             if answer.status is not None:
                 return Response(answer.body, answer.status, media_type=answer.content_type)
         return _error(503, "no healthy worker for protocol 'sglang'")
@@ -263,17 +290,17 @@ def _info(app: "App") -> Endpoint:
     return endpoint
 
 
-def _healthy(app: "App", protocol: str) -> list[Worker]:
+def _healthy(ctx: AdminContext, protocol: str) -> list[Worker]:
     """Healthy workers of ``protocol``, aggregated ones first."""
-    ws = [w for w in app.router.workers if w.healthy and w.protocol.name == protocol]
+    ws = [w for w in ctx.router.workers if w.healthy and w.protocol.name == protocol]
     return sorted(ws, key=lambda w: w.role != "aggregated")
 
 
-def _health_generate(app: "App") -> Endpoint:
+def _health_generate(ctx: AdminContext) -> Endpoint:
     async def endpoint(request: Request) -> Response:
         failures = []
-        for protocol in sorted({item.codec.worker_protocol for item in app.codecs}):
-            if not await _generates(app, protocol):
+        for protocol in sorted({item.codec.worker_protocol for item in ctx.codecs}):
+            if not await _generates(ctx, protocol):
                 failures.append(protocol)
         if failures:
             return _error(503, "no worker generated a token for: " + ", ".join(map(repr, failures)))
@@ -282,15 +309,15 @@ def _health_generate(app: "App") -> Endpoint:
     return endpoint
 
 
-async def _generates(app: "App", protocol: str) -> bool:
+async def _generates(ctx: AdminContext, protocol: str) -> bool:
     """Whether one healthy worker of ``protocol`` generates a token now."""
-    for worker in _healthy(app, protocol):
+    for worker in _healthy(ctx, protocol):
         if protocol == "sglang":
-            answer = await _call(app, worker, "GET", b"/health_generate", b"", [])
+            answer = await _call(ctx, worker, "GET", b"/health_generate", b"", [])
         else:
             body = orjson.dumps({"token_ids": [0], "sampling_params": {"max_tokens": 1}})
             headers = [(b"content-type", b"application/json"), (b"x-request-id", b"health-" + ids.mint().encode())]
-            answer = await _call(app, worker, "POST", b"/inference/v1/generate", body, headers)
+            answer = await _call(ctx, worker, "POST", b"/inference/v1/generate", body, headers)
         if answer.status == 200:
             return True
     return False

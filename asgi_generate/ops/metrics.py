@@ -39,7 +39,7 @@ from ..request.accounting import RequestState
 from ..request.framing import Send, send_unary
 
 if TYPE_CHECKING:
-    from ..server.app import App
+    from ..workers.router import Router
 
 #: The folder prometheus-client's multiprocess mode keeps its files in.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -260,23 +260,23 @@ class Metrics:
         """Count one abort and its result (``acked``, ``unacknowledged``, ``lost``)."""
         self._aborts[ABORT_RESULTS[result]].inc()
 
-    def refresh(self, app: "App") -> None:
-        """Set the worker gauges from ``app``'s router; move the ended
+    def refresh(self, router: Router) -> None:
+        """Set the worker gauges from ``router``'s workers; move the ended
         requests' counts into the metrics."""
         self.flush()
         if self.registry is not None:  # one process: exactly the workers there are now
             self.worker_up.clear()
             self.worker_outstanding.clear()
-        for w in app.router.workers:
+        for w in router.workers:
             labels = (w.id, w.url, w.protocol.name, w.role)
             self.worker_up.labels(*labels).set(1 if w.healthy and not w.draining else 0)
             self.worker_outstanding.labels(*labels).set(w.outstanding)
 
-    async def refresh_every(self, app: "App") -> None:
+    async def refresh_every(self, router: Router) -> None:
         """Forever: :meth:`refresh` every :data:`REFRESH_S` seconds (several
         processes: a scrape refreshes only the process it reached)."""
         while True:
-            self.refresh(app)
+            self.refresh(router)
             await anyio.sleep(REFRESH_S)
 
     # -- the route -------------------------------------------------------------
@@ -290,9 +290,9 @@ class Metrics:
             multiprocess.MultiProcessCollector(registry, self.multiproc_dir)
         return prometheus_client.generate_latest(registry)
 
-    async def serve(self, app: "App", send: Send) -> None:
+    async def serve(self, router: Router, send: Send) -> None:
         """Answer ``GET /metrics``: refresh the gauges, then render in a
         worker thread (multiprocess mode reads every process's files)."""
-        self.refresh(app)
+        self.refresh(router)
         body = await anyio.to_thread.run_sync(self.render)
         await send_unary(send, 200, body, prometheus_client.CONTENT_TYPE_LATEST.encode())

@@ -40,7 +40,7 @@ from .framing import Send
 from .generation import Generation
 
 if TYPE_CHECKING:
-    from ..server.app import App
+    from .context import RequestContext
 
 
 @dataclass(slots=True)
@@ -66,9 +66,9 @@ class BatchGeneration(Generation):
     __slots__ = ("items", "tallies", "outbox_items", "pending_items", "write_lock")
 
     def __init__(
-        self, app: "App", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
+        self, ctx: "RequestContext", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
     ) -> None:
-        super().__init__(app, codec, ex, req, st, send)
+        super().__init__(ctx, codec, ex, req, st, send)
         self.sent_ids = None  # batches never migrate
         self.items = req.items
         self.tallies = [ItemTally(ids.mint()) for _ in self.items]
@@ -83,9 +83,9 @@ class BatchGeneration(Generation):
 
     async def run(self) -> None:
         protocol = self.codec.worker_protocol
-        router = self.app.router
+        router = self.ctx.router
         parts = [list(range(len(self.items)))]
-        if self.app.settings.split_batches:
+        if self.ctx.settings.split_batches:
             workers = max(1, sum(1 for w in router.workers if w.healthy and w.protocol.name == protocol
                                  and w.role == "aggregated"))
             groups: dict[int, list[int]] = {}
@@ -119,7 +119,7 @@ class BatchGeneration(Generation):
     async def _prepare(self, entries: list[int], spread: list, tried: list) -> tuple | None:
         """A worker, attempt and worker request for the items ``entries``;
         ``None`` once the client was answered (no worker, or refused)."""
-        router = self.app.router
+        router = self.ctx.router
         protocol = self.codec.worker_protocol
         worker = router.pick(protocol, [*tried, *spread]) or router.pick(protocol, tried)
         if worker is None:

@@ -10,13 +10,14 @@ waits, hypercorn stops reading its socket once its small app queue is full
 
 Decoding expands a JSON body several times over (a list of token ids costs
 about eight times its text as Python ints), so the default budget is a small
-share of the machine's memory: see :func:`default_budget_bytes`.
+share of the machine's memory: see :func:`asgi_generate.config.default_budget_bytes`;
+and large bodies are decoded in one worker thread, one at a time
+(:attr:`BodyBudget.decode_limiter`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from collections import deque
 
 import anyio
@@ -41,33 +42,33 @@ def _malloc_trim():
 _MALLOC_TRIM = _malloc_trim()
 
 
-def default_budget_bytes() -> int:
-    """1/128 of physical memory, clamped to [64 MiB, 512 MiB].
-
-    Decoded, the bytes in the budget take up to ~9x their size (raw body plus
-    Python objects), so at most ~7% of the machine's memory goes to bodies in
-    flight: 184 MiB on a 23 GiB machine, about 1.6 GiB decoded at worst.
-    """
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        total = 8192 * MiB
-    return max(64 * MiB, min(512 * MiB, total // 128))
-
-
 class BodyBudget:
     """A byte budget handed out in FIFO order.
 
     Args:
         capacity: bytes that may be reserved at once; a reservation larger
             than this is clamped to it (it then waits for the whole budget).
+
+    Attributes:
+        reading: requests whose body is being read now (granted their
+            budget); the handler counts them.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.in_use = 0
+        self.reading = 0
         self._freed_large = False
         self._waiters: deque[tuple[int, anyio.Event]] = deque()
+        self._decode_limiter: anyio.CapacityLimiter | None = None
+
+    @property
+    def decode_limiter(self) -> anyio.CapacityLimiter:
+        """One worker thread decodes large bodies, one at a time (made on
+        first use: it needs the running event loop)."""
+        if self._decode_limiter is None:
+            self._decode_limiter = anyio.CapacityLimiter(1)
+        return self._decode_limiter
 
     @property
     def waiting(self) -> int:

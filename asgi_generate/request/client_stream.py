@@ -23,18 +23,18 @@ from .framing import KEEPALIVE, SSE_HEADERS, Receive, Send, send_unary, sse_even
 from ..workers.aborts import ACKED, LOST
 
 if TYPE_CHECKING:
-    from ..server.app import App
+    from .context import RequestContext
 
 
-def finish_record(app: "App", st: RequestState) -> None:
-    """Hand ``st`` to the app exactly once per request (a request with
+def finish_record(ctx: "RequestContext", st: RequestState) -> None:
+    """Hand ``st`` to the recorder exactly once per request (a request with
     items: each item's state, see :mod:`asgi_generate.request.batches`)."""
     if st.t_done is None:
         st.t_done = time.monotonic()
-        app.open_requests.pop(st.request_id, None)
-        app.request_ended()
+        ctx.open_requests.pop(st.request_id, None)
+        ctx.recorder.request_ended()
         for state in st.expand() if st.expand is not None else (st,):
-            app.request_finished(state)
+            ctx.recorder.request_finished(state)
 
 
 async def send_in_band_error(codec: Codec, send: Send, st: RequestState, err: RequestError) -> None:
@@ -53,15 +53,15 @@ class ClientStream:
     """One request's answer to its client, written from normalized events."""
 
     __slots__ = (
-        "app", "codec", "ex", "req", "st", "send", "pending", "in_send", "last_send",
+        "ctx", "codec", "ex", "req", "st", "send", "pending", "in_send", "last_send",
         "scope", "shutdown", "write_timeout", "send_started", "timed", "outbox", "outbox_tokens",
         "leg", "lost", "gone", "sent_ids", "keepalive", "cutting_off",
     )
 
     def __init__(
-        self, app: "App", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
+        self, ctx: "RequestContext", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
     ) -> None:
-        self.app = app
+        self.ctx = ctx
         self.codec = codec
         self.ex = ex
         self.req = req
@@ -75,7 +75,7 @@ class ClientStream:
         self.outbox_tokens = 0
         self.scope: anyio.CancelScope | None = None
         self.shutdown = False
-        self.write_timeout = app.settings.slow_client_timeout
+        self.write_timeout = ctx.settings.slow_client_timeout
         #: The running leg's scope, cancelled when its worker is lost.
         self.leg: anyio.CancelScope | None = None
         #: Why the running leg's worker was declared lost.
@@ -85,9 +85,9 @@ class ClientStream:
         #: Every output token id received for the client, what a resumed
         #: attempt continues from; ``None`` when migration is off or the
         #: answer is unary (its engine leg shows no tokens before the end).
-        self.sent_ids: list[int] | None = [] if req.stream and app.settings.migration_limit > 0 else None
+        self.sent_ids: list[int] | None = [] if req.stream and ctx.settings.migration_limit > 0 else None
         #: Seconds of silence before an SSE keep-alive comment (0 = none).
-        self.keepalive = app.settings.sse_keepalive if req.stream else 0.0
+        self.keepalive = ctx.settings.sse_keepalive if req.stream else 0.0
         #: Set once a slow-client cut-off started by the watchdog is done.
         self.cutting_off: anyio.Event | None = None
 
@@ -144,7 +144,7 @@ class ClientStream:
                 st.t_last_token = now
             if self.sent_ids is not None:
                 self.sent_ids += event.token_ids
-            if self.app.trace_output_ids:  # only for a trace parser; default path skips it
+            if self.ctx.recorder.trace_output_ids:  # only for a trace parser; default path skips it
                 if st.output_ids is None:
                     st.output_ids = []
                 st.output_ids.extend(event.token_ids)
@@ -320,8 +320,8 @@ class ClientStream:
                 f"client left a write untaken for {self.write_timeout:g} s")
         try:
             with anyio.CancelScope(shield=True):
-                await abort_live_legs(self.app, st)
-            finish_record(self.app, st)
+                await abort_live_legs(self.ctx, st)
+            finish_record(self.ctx, st)
             if self.scope is not None:
                 self.scope.cancel()
         finally:
@@ -330,28 +330,28 @@ class ClientStream:
 
 
 
-async def abort_live_legs(app: "App", st: RequestState) -> None:
+async def abort_live_legs(ctx: "RequestContext", st: RequestState) -> None:
     """Abort every engine leg of ``st`` that may still run, concurrently,
     recording on each attempt whether the engine acknowledged."""
     live = [a for a in st.attempts if a.live]
     if len(live) == 1:  # the common case needs no task group
-        await _abort_leg(app, live[0])
+        await _abort_leg(ctx, live[0])
         return
     if not live:
         return
     async with anyio.create_task_group() as tg:
         for attempt in live:
-            tg.start_soon(_abort_leg, app, attempt)
+            tg.start_soon(_abort_leg, ctx, attempt)
 
 
-async def _abort_leg(app: "App", attempt: Attempt) -> None:
+async def _abort_leg(ctx: "RequestContext", attempt: Attempt) -> None:
     attempt.live = False
     if attempt.entry_ids is not None:  # a batch leg: each unfinished item by its own id
-        await _abort_entries(app, attempt)
+        await _abort_entries(ctx, attempt)
         return
     # A worker marked down (dead, or given up by its probe) gets no abort:
     # the queue answers "lost" at once, so the record is not held up.
-    result = await app.abort_engine_request(attempt.worker, attempt.engine_id)
+    result = await ctx.abort_engine_request(attempt.worker, attempt.engine_id)
     attempt.abort_acked = result == ACKED
     if result == LOST:
         attempt.outcome = attempt.outcome or "worker_lost"
@@ -359,12 +359,12 @@ async def _abort_leg(app: "App", attempt: Attempt) -> None:
         attempt.outcome = "aborted"
 
 
-async def _abort_entries(app: "App", attempt: Attempt) -> None:
+async def _abort_entries(ctx: "RequestContext", attempt: Attempt) -> None:
     acked: dict[int, bool] = {}
     results: dict[int, str] = {}
 
     async def one(j: int) -> None:
-        results[j] = await app.abort_engine_request(attempt.worker, attempt.entry_ids[j])
+        results[j] = await ctx.abort_engine_request(attempt.worker, attempt.entry_ids[j])
         acked[j] = results[j] == ACKED
 
     async with anyio.create_task_group() as tg:

@@ -29,7 +29,7 @@ from ..workers.http import ConnectFailed, TimedOut, WorkerError
 from ..workers.router import Worker
 
 if TYPE_CHECKING:
-    from ..server.app import App
+    from .context import RequestContext
 
 log = logging.getLogger("asgi_generate.request.handler")
 DONE = b"[DONE]"
@@ -54,9 +54,9 @@ class Generation(ClientStream):
     __slots__ = ("prefill_gate", "lease", "resuming", "tried")
 
     def __init__(
-        self, app: "App", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
+        self, ctx: "RequestContext", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
     ) -> None:
-        super().__init__(app, codec, ex, req, st, send)
+        super().__init__(ctx, codec, ex, req, st, send)
         #: P/D: set once the prefill leg answered, when the decode leg's
         #: first event needs that answer (see :mod:`asgi_generate.request.pd`).
         self.prefill_gate: anyio.Event | None = None
@@ -89,13 +89,13 @@ class Generation(ClientStream):
             self.scope.cancel()
 
     async def run(self) -> None:
-        router = self.app.router
+        router = self.ctx.router
         tried = self.tried
         protocol = self.codec.worker_protocol
         key = router.routing_key(self.req, self.st.headers)  # the policy's, once per request
         while True:
             backoff = 0.0
-            if self.resuming and self.st.migrations + self.st.replays >= self.app.settings.migration_limit:
+            if self.resuming and self.st.migrations + self.st.replays >= self.ctx.settings.migration_limit:
                 # Only a resumed leg that could not even connect gets here.
                 await self.fail(RequestError(502, self._failed(tried[-1], "could not be reached"), "engine"),
                                 "engine_error")
@@ -139,7 +139,7 @@ class Generation(ClientStream):
             finally:
                 self.release_body()
             self.st.attempts.append(attempt)
-            if self.app.otel is not None:
+            if self.ctx.recorder.otel is not None:
                 self.stamp(attempt, wreq)
             self.lost = None
             worker.inflight.add(self)
@@ -154,8 +154,8 @@ class Generation(ClientStream):
     def stamp(self, attempt: Attempt, wreq: WorkerRequest) -> None:
         """With OpenTelemetry export on, give the leg its span id and the
         engine its ``traceparent`` (off: nothing)."""
-        if self.app.otel is not None:
-            self.app.otel.stamp(self.st, attempt, wreq)
+        if self.ctx.recorder.otel is not None:
+            self.ctx.recorder.otel.stamp(self.st, attempt, wreq)
 
     def _next_role(self) -> str:
         """The next attempt's role, counting it: ``resumed`` (a stream
@@ -205,7 +205,7 @@ class Generation(ClientStream):
         another worker as a ``resumed`` attempt; a client disconnect, an
         engine's own error or abort finish never does.
         """
-        st, ex, settings = self.st, self.ex, self.app.settings
+        st, ex, settings = self.st, self.ex, self.ctx.settings
         leg = Leg(st, settings, worker, attempt, wreq)
         try:
             with anyio.CancelScope() as self.leg:
@@ -219,7 +219,7 @@ class Generation(ClientStream):
                         # engine's abort of this request, its answer.
                         if status == 503 and wreq.stream:
                             if not st.response_started and self.pending == 0:
-                                if self.app.router.can_plan(self.codec.worker_protocol, [*self.tried, worker]):
+                                if self.ctx.router.can_plan(self.codec.worker_protocol, [*self.tried, worker]):
                                     return True  # before any token: the next worker, as a failover
                             elif self._migrate(attempt, f"answered {status}"):
                                 return True
@@ -265,7 +265,7 @@ class Generation(ClientStream):
         except ConnectFailed as exc:
             attempt.live = False
             attempt.outcome = "connect_failed"
-            self.app.router.mark_down(worker, str(exc))
+            self.ctx.router.mark_down(worker, str(exc))
             return True
         except TimedOut:
             if st.response_complete:  # only the drain after the answer was slow
@@ -282,7 +282,7 @@ class Generation(ClientStream):
             # A broken connection may be this request's doing (SGLang drops
             # a stream whose generator raised): ask the worker itself before
             # taking it out, so no client can empty the rotation.
-            if await self.app.router.probe(worker):
+            if await self.ctx.router.probe(worker):
                 attempt.outcome = "error"
                 await self.fail(
                     RequestError(502, f"worker {worker.id} broke the connection mid-answer: {exc}", "engine"),
@@ -321,7 +321,7 @@ class Generation(ClientStream):
         ``migration_limit`` is not spent. (A P/D prefill leg fails over by
         :mod:`asgi_generate.request.pd`'s rules.)"""
         st = self.st
-        limit = self.app.settings.migration_limit
+        limit = self.ctx.settings.migration_limit
         if limit == 0 or attempt.role == "prefill":
             return False
         refusal = self.ex.resume_refusal() if self.sent_ids is not None else None
@@ -330,7 +330,7 @@ class Generation(ClientStream):
             return False
         if st.response_started and self.sent_ids is None:
             return False  # a unary answer already went out
-        if not self.app.router.can_plan(self.codec.worker_protocol, [*self.tried, attempt.worker]):
+        if not self.ctx.router.can_plan(self.codec.worker_protocol, [*self.tried, attempt.worker]):
             return False  # nowhere to go: the failure itself is the answer
         if st.migrations + st.replays >= limit:
             return False
@@ -346,7 +346,7 @@ class Generation(ClientStream):
     def _failed(self, worker: Worker, what: str) -> str:
         """The client's message for a worker failure that ends the request,
         saying so when the migration limit was what ended it."""
-        limit = self.app.settings.migration_limit
+        limit = self.ctx.settings.migration_limit
         spent = self.st.migrations + self.st.replays >= limit > 0
         return f"worker {worker.id} {what}" + (f" (migration limit {limit} reached)" if spent else "")
 

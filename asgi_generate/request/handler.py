@@ -38,7 +38,7 @@ from .generation import Generation
 from .watchdog import DISCONNECT_WATCH
 
 if TYPE_CHECKING:
-    from ..server.app import App
+    from .context import RequestContext
 
 log = logging.getLogger("asgi_generate.request.handler")
 #: Bodies from this size on are decoded in a worker thread (1 MiB: about
@@ -50,18 +50,18 @@ CLOSE = [(b"connection", b"close")]
 RETRY_AFTER = b"1"
 
 
-async def handle_generate(app: "App", codec: Codec, scope: dict, receive: Receive, send: Send) -> None:
+async def handle_generate(ctx: "RequestContext", codec: Codec, scope: dict, receive: Receive, send: Send) -> None:
     """Serve one request on a codec's route; always leaves one RequestState."""
     st = RequestState(ids.mint(), codec.name, scope["path"], scope["method"])
-    app.request_started()
-    app.open_requests[st.request_id] = st
+    ctx.recorder.request_started()
+    ctx.open_requests[st.request_id] = st
     try:
-        admitted = await _admit(app, codec, scope, receive, send, st)
+        admitted = await _admit(ctx, codec, scope, receive, send, st)
         if admitted is not None:  # run from here: one coroutine frame fewer per open stream
             request, lease = admitted
             admitted = None
             try:
-                await _generate(app, codec, request, scope, receive, send, st, lease)
+                await _generate(ctx, codec, request, scope, receive, send, st, lease)
             finally:
                 lease.release()
     except OSError:  # an error answer's write: the client is gone (ASGI send exception)
@@ -75,17 +75,17 @@ async def handle_generate(app: "App", codec: Codec, scope: dict, receive: Receiv
     finally:
         if any(a.live for a in st.attempts):  # most requests end with none: no scope to enter
             with anyio.CancelScope(shield=True):
-                await abort_live_legs(app, st)
+                await abort_live_legs(ctx, st)
         if st.status is None:  # cancelled from outside, e.g. server shutdown
             st.status = "shutdown"
-        finish_record(app, st)
-        app.body_budget.trim_if_idle()  # the request's body and objects are gone now
+        finish_record(ctx, st)
+        ctx.body_budget.trim_if_idle()  # the request's body and objects are gone now
 
 
-async def reject_method(app: "App", codec: Codec, scope: dict, allowed: list[str], send: Send) -> None:
+async def reject_method(ctx: "RequestContext", codec: Codec, scope: dict, allowed: list[str], send: Send) -> None:
     """405 on a registered path with the wrong method, in the format's shape."""
     st = RequestState(ids.mint(), codec.name, scope["path"], scope["method"])
-    app.request_started()
+    ctx.recorder.request_started()
     st.headers = dict(scope["headers"])
     err = RequestError(405, "Method Not Allowed", "method_not_allowed")
     try:
@@ -93,7 +93,7 @@ async def reject_method(app: "App", codec: Codec, scope: dict, allowed: list[str
     except OSError:  # the client is gone (ASGI send exception)
         st.status = "client_disconnect"
     finally:
-        finish_record(app, st)
+        finish_record(ctx, st)
 
 
 async def _send_error(
@@ -107,13 +107,13 @@ async def _send_error(
 
 
 async def _admit(
-    app: "App", codec: Codec, scope: dict, receive: Receive, send: Send, st: RequestState
+    ctx: "RequestContext", codec: Codec, scope: dict, receive: Receive, send: Send, st: RequestState
 ) -> tuple[GenerateRequest, Lease] | None:
     """The decoded request and its share of the body budget; ``None`` once
     the client was answered (or left)."""
     headers = dict(scope["headers"])
     st.headers = headers
-    settings = app.settings
+    settings = ctx.settings
     try:
         declared = headers.get(b"content-length")
         length = int(declared) if declared is not None else None
@@ -126,7 +126,7 @@ async def _admit(
         err = RequestError(413, str(BodyTooLarge(settings.max_body_bytes)), "too_large")
         await _send_error(codec, send, st, err, CLOSE)
         return None
-    lease = await app.body_budget.reserve(
+    lease = await ctx.body_budget.reserve(
         settings.max_body_bytes if length is None else length, settings.body_budget_wait
     )
     if lease is None:
@@ -135,7 +135,7 @@ async def _admit(
         return None
     request = None
     try:
-        request = await _read_and_decode(app, codec, receive, send, st, headers, length)
+        request = await _read_and_decode(ctx, codec, receive, send, st, headers, length)
     finally:
         if request is None:
             lease.release()
@@ -143,11 +143,12 @@ async def _admit(
 
 
 async def _read_and_decode(
-    app: "App", codec: Codec, receive: Receive, send: Send, st: RequestState, headers: dict, length: int | None
+    ctx: "RequestContext", codec: Codec, receive: Receive, send: Send, st: RequestState, headers: dict,
+    length: int | None,
 ) -> GenerateRequest | None:
     """The decoded request, or ``None`` once the client was answered (or left)."""
-    settings = app.settings
-    app.reading_body += 1
+    settings = ctx.settings
+    ctx.body_budget.reading += 1
     try:
         body = await read_body(receive, settings.max_body_bytes, length, settings.body_read_timeout)
     except BodyTooLarge as exc:
@@ -161,9 +162,9 @@ async def _read_and_decode(
         st.status = "client_disconnect"
         return None
     finally:
-        app.reading_body -= 1
+        ctx.body_budget.reading -= 1
     st.body_bytes = len(body)
-    if app.shutting_down:
+    if ctx.shutting_down:
         await _send_error(codec, send, st, RequestError(503, "server is shutting down", "shutdown"))
         return None
     try:
@@ -172,7 +173,7 @@ async def _read_and_decode(
         # orjson holds the GIL while it parses, but the codec's checks after
         # it are Python and let the event loop in; one big decode at a time
         # keeps every stall of the loop to one parse.
-        return await anyio.to_thread.run_sync(codec.decode, body, headers, limiter=app.decode_limiter)
+        return await anyio.to_thread.run_sync(codec.decode, body, headers, limiter=ctx.body_budget.decode_limiter)
     except RequestError as exc:
         if exc.in_band:
             await send_in_band_error(codec, send, st, exc)
@@ -182,7 +183,7 @@ async def _read_and_decode(
 
 
 async def _generate(
-    app: "App", codec: Codec, request: GenerateRequest, scope: dict, receive: Receive, send: Send,
+    ctx: "RequestContext", codec: Codec, request: GenerateRequest, scope: dict, receive: Receive, send: Send,
     st: RequestState, lease: Lease,
 ) -> None:
     st.public_id = request.public_id
@@ -194,43 +195,43 @@ async def _generate(
     st.replay_excluded = request.replay_excluded
     st.model = request.model
     kind = Generation if request.items is None else BatchGeneration
-    gen = kind(app, codec, codec.exchange(request, st.request_id), request, st, send)
+    gen = kind(ctx, codec, codec.exchange(request, st.request_id), request, st, send)
     gen.lease = lease
     watch = scope.get("extensions", {}).get(DISCONNECT_WATCH)
-    if watch is not None and app.watchdog.running:
+    if watch is not None and ctx.watchdog.running:
         # No task of its own (inline here: one coroutine frame fewer per open
         # stream): the server calls ClientStream.client_gone when the
         # client's connection closes, and the app's watchdog keeps its
         # timers (see asgi_generate.request.watchdog).
         with anyio.CancelScope() as gen.scope:
-            app.inflight[st.request_id] = gen
-            key = app.watchdog.watch(gen, gen.timers(time.monotonic())[1])
+            ctx.inflight[st.request_id] = gen
+            key = ctx.watchdog.watch(gen, gen.timers(time.monotonic())[1])
             try:
                 watch(gen.client_gone)
                 await gen.run()
             finally:
                 watch(None)
-                app.watchdog.forget(key)
-                del app.inflight[st.request_id]
+                ctx.watchdog.forget(key)
+                del ctx.inflight[st.request_id]
         if gen.cutting_off is not None:  # the record is the cut-off's to write
             with anyio.CancelScope(shield=True):
                 await gen.cutting_off.wait()
     else:
-        await _run_guarded(app, gen, receive)
+        await _run_guarded(ctx, gen, receive)
     if gen.shutdown and not st.response_complete:
         # The grace period ran out: end the answer cleanly, in-band if begun.
         st.status = None
         await gen.fail(RequestError(503, "server is shutting down", "shutdown"), "shutdown")
 
 
-async def _run_guarded(app: "App", gen: Generation, receive: Receive) -> None:
+async def _run_guarded(ctx: "RequestContext", gen: Generation, receive: Receive) -> None:
     """Run ``gen`` beside its guard task, which watches ``receive()``."""
     async with anyio.create_task_group() as tg:
         gen.scope = tg.cancel_scope
-        app.inflight[gen.st.request_id] = gen
+        ctx.inflight[gen.st.request_id] = gen
         try:
             tg.start_soon(gen.guard, receive)
             await gen.run()
             tg.cancel_scope.cancel()
         finally:
-            del app.inflight[gen.st.request_id]
+            del ctx.inflight[gen.st.request_id]

@@ -32,26 +32,64 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
 import anyio
 
 from ..sdk import ids
-from ..sdk.codec import NO_KV_TRANSFER, Attempt, Event, RequestError, WorkerRequest
+from ..sdk.codec import NO_KV_TRANSFER, Attempt, Event, Exchange, RequestError, WorkerRequest
 from .client_stream import abort_live_legs
 from .framing import SSEDecoder
 from .legs import Leg
 from ..workers.http import ConnectFailed, TimedOut, WorkerError
-from ..workers.router import Worker
+from ..workers.router import InFlight, Worker
 
 if TYPE_CHECKING:
-    from .generation import Generation
+    from .accounting import RequestState
+    from .context import RequestContext
 
 #: ``bootstrap_room`` is below 2^63 (SGLang ``io_struct.GenerateReqInput``).
 ROOM_LIMIT = 1 << 63
 DONE = b"[DONE]"
 _live_rooms: set[int] = set()
+
+
+class AttemptLoop(InFlight, Protocol):
+    """What running a pair needs of the request's attempt loop
+    (:class:`~asgi_generate.request.generation.Generation`, which calls
+    :func:`run_pair`): its state, its client's answer, and one attempt run
+    on a worker (the decode leg)."""
+
+    ctx: RequestContext
+    ex: Exchange
+    st: RequestState
+    #: Set while the decode leg's first event waits for the prefill's answer.
+    prefill_gate: anyio.Event | None
+    #: Tokens of a unary answer received and not yet sent.
+    pending: int
+    #: The last attempt died mid-answer and the request migrates.
+    resuming: bool
+    #: The output ids the client was sent, what a resumed pair continues from.
+    sent_ids: list[int] | None
+
+    def release_body(self) -> None:
+        """Give the request's share of the body budget back."""
+
+    def stamp(self, attempt: Attempt, wreq: WorkerRequest) -> None:
+        """With OpenTelemetry export on, give the leg its ``traceparent``."""
+
+    async def refuse(self, exc: RequestError) -> None:
+        """Answer a request the codec refused before any engine saw it."""
+
+    async def fail(self, err: RequestError, status: str) -> None:
+        """End the answer with ``err``."""
+
+    async def _attempt(self, worker: Worker, attempt: Attempt, wreq: WorkerRequest) -> bool:
+        """Run one streamed or unary leg to the client; whether to retry."""
+
+    async def _unary(self, status: int, body: bytes) -> None:
+        """Answer the client with one body."""
 
 
 def mint_room() -> int:
@@ -90,7 +128,7 @@ class _PrefillLeg:
 
 
 async def run_pair(
-    gen: "Generation", prefill: Worker, decode: Worker, role: str = "aggregated", backoff: float = 0.0
+    gen: AttemptLoop, prefill: Worker, decode: Worker, role: str = "aggregated", backoff: float = 0.0
 ) -> list[Worker]:
     """Run one P/D attempt of ``gen``'s request on ``prefill`` and ``decode``;
     ``role`` ``resumed`` makes it a migration (both legs carry the prompt
@@ -99,7 +137,7 @@ async def run_pair(
     Returns the workers to leave out of the next attempt (empty: the request
     is answered, successfully or with its error). A decode leg that dies
     mid-answer returns its worker with ``gen.resuming`` set: the request
-    migrates (:meth:`Generation._migrate`).
+    migrates (:meth:`~asgi_generate.request.generation.Generation._migrate`).
     """
     resumes = list(gen.sent_ids) if role == "resumed" else None
     if prefill.protocol.pd_legs == "sequential":
@@ -120,7 +158,7 @@ def _legs(engine_ids: tuple[str, str], prefill: Worker, decode: Worker, resumes:
     return p_att, d_att
 
 
-async def _run_pair(gen: "Generation", prefill: Worker, decode: Worker, room: int, resumes: list[int] | None,
+async def _run_pair(gen: AttemptLoop, prefill: Worker, decode: Worker, room: int, resumes: list[int] | None,
                     backoff: float) -> list[Worker]:
     st, ex = gen.st, gen.ex
     bootstrap = (bootstrap_host(prefill), prefill.bootstrap_port, room)
@@ -172,7 +210,7 @@ async def _run_pair(gen: "Generation", prefill: Worker, decode: Worker, room: in
     return []
 
 
-async def _run_sequential(gen: "Generation", prefill: Worker, decode: Worker, resumes: list[int] | None,
+async def _run_sequential(gen: AttemptLoop, prefill: Worker, decode: Worker, resumes: list[int] | None,
                           backoff: float) -> list[Worker]:
     st, ex = gen.st, gen.ex
     engine_id = ids.mint()  # one id on both legs, as vLLM's proxies send it
@@ -202,7 +240,7 @@ async def _run_sequential(gen: "Generation", prefill: Worker, decode: Worker, re
         try:
             d_req = ex.worker_request(d_att)
         except RequestError as exc:
-            if exc.kind != NO_KV_TRANSFER or not gen.app.settings.pd_fallback:
+            if exc.kind != NO_KV_TRANSFER or not gen.ctx.settings.pd_fallback:
                 raise
             d_att.local_prefill = True  # recorded: the decode worker prefills alone
             d_req = ex.worker_request(d_att)
@@ -219,7 +257,7 @@ async def _run_sequential(gen: "Generation", prefill: Worker, decode: Worker, re
     return [decode] if retry else []
 
 
-async def _answer_prefill_error(gen: "Generation", result: _PrefillLeg) -> None:
+async def _answer_prefill_error(gen: AttemptLoop, result: _PrefillLeg) -> None:
     """The client's answer when the prefill leg failed before it got
     anything: the worker's own error page, or the error in the format's shape."""
     st = gen.st
@@ -232,14 +270,14 @@ async def _answer_prefill_error(gen: "Generation", result: _PrefillLeg) -> None:
         await gen.fail(result.error, "timeout" if result.error.kind == "timeout" else "engine_error")
 
 
-async def _abort_pair(gen: "Generation") -> None:
+async def _abort_pair(gen: AttemptLoop) -> None:
     """Abort the failed pair's live legs now, before another pair runs."""
     with anyio.CancelScope(shield=True):
-        await abort_live_legs(gen.app, gen.st)
+        await abort_live_legs(gen.ctx, gen.st)
 
 
 async def _prefill_leg(
-    gen: "Generation",
+    gen: AttemptLoop,
     worker: Worker,
     attempt: Attempt,
     wreq: WorkerRequest,
@@ -253,7 +291,7 @@ async def _prefill_leg(
     client got anything cancels the decode leg (which the pair runner then
     aborts); the gate opens however the leg ends."""
     ex = gen.ex
-    leg = Leg(gen.st, gen.app.settings, worker, attempt, wreq)
+    leg = Leg(gen.st, gen.ctx.settings, worker, attempt, wreq)
     try:
         with result.scope:
             async with leg as resp:
@@ -278,12 +316,12 @@ async def _prefill_leg(
     except ConnectFailed as exc:
         attempt.live = False
         attempt.outcome = "connect_failed"
-        gen.app.router.mark_down(worker, str(exc))
+        gen.ctx.router.mark_down(worker, str(exc))
         result.retry = True
     except WorkerError as exc:
         # As the handler does: ask the worker itself before taking it out
         # (the broken connection may be this request's doing).
-        if await gen.app.router.probe(worker):
+        if await gen.ctx.router.probe(worker):
             attempt.outcome = "error"
             result.error = RequestError(502, f"worker {worker.id} broke the connection mid-answer: {exc}", "engine")
         else:

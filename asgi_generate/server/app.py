@@ -25,22 +25,23 @@ import orjson
 
 from ..ops import admin
 from ..request.accounting import RequestState
+from ..request.context import Running
 from ..sdk.codec import Codec
 from ..config import Settings
 from .embedded import embedded_fleet
 from ..request.budget import BodyBudget
 from ..request.framing import Receive, Send, send_unary
 from ..request.handler import handle_generate, reject_method
-from ..ops.metrics import Metrics
+from ..ops.recorder import Recorder
 from ..sdk.registry import LoadedCodec, load_codecs
 from ..sdk.text import PromptTokenizer
 from ..request.watchdog import Watchdog
-from ..workers.aborts import ACKED, LOST, UNACKNOWLEDGED, AbortQueue
+from ..workers.aborts import UNACKNOWLEDGED, AbortQueue
 from ..workers.policies import build_policy
 from ..workers.discovery import Discovery, Resolver, resolve
 from ..workers.http import tls_context
 from ..workers.membership import Membership
-from ..workers.protocols import PROTOCOLS
+from ..protocols import PROTOCOLS
 from ..workers.router import Router, Worker
 
 log = logging.getLogger("asgi_generate")
@@ -85,43 +86,19 @@ class App:
         #: One abort queue per worker id, running while the lifespan does.
         self.aborts: dict[str, AbortQueue] = {}
         self.admin = admin.build(self)
-        self.inflight: dict[str, Any] = {}
+        #: Requests being generated, by minted id.
+        self.inflight: dict[str, Running] = {}
         #: Every request from its start to its record (its aborts
         #: included), by its minted id.
         self.open_requests: dict[str, RequestState] = {}
         #: Client timers of the requests served without a guard task.
         self.watchdog = Watchdog()
         self.body_budget = BodyBudget(settings.body_budget_bytes)
-        #: Requests whose body is being read now (granted their budget).
-        self.reading_body = 0
-        self._decode_limiter: anyio.CapacityLimiter | None = None
         self.shutting_down = False
         self._shutdown_requested: anyio.Event | None = None
         self.started_unix_ms = int(time.time() * 1000)
-        self.counters: dict[str, int] = {
-            "requests": 0,
-            "aborts_sent": 0,
-            "aborts_acknowledged": 0,
-            "aborts_unacknowledged": 0,
-            "aborts_worker_lost": 0,
-            "migrations": 0,
-            "replays": 0,
-            "not_migrated": 0,
-        }
-        self.by_status: dict[str, int] = {}
-        self.metrics = Metrics()
-        # Tracing off: no tracer at all, so finishing a request only counts.
-        self.tracer = None
-        if settings.trace_file or settings.trace_stderr or settings.otlp_endpoint:
-            from ..tracing import Tracer
-
-            self.tracer = Tracer(settings)
-            self.tracer.metrics = self.metrics
-        #: OpenTelemetry export (``--otlp-endpoint``): stamps each engine
-        #: leg with a ``traceparent``; ``None`` (no work at all) when off.
-        self.otel = self.tracer.otlp if self.tracer is not None else None
-        #: The handler keeps delivered output ids only for a trace parser.
-        self.trace_output_ids = self.tracer is not None and self.tracer.wants_output_ids
+        #: Request and abort counters, metrics and the trace writer.
+        self.recorder = Recorder(settings)
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         await self.dispatch(scope, receive, send)
@@ -166,7 +143,7 @@ class App:
         elif method == "GET" and path == "/stats":
             await send_unary(send, 200, orjson.dumps(self.stats()))
         elif method == "GET" and path == "/metrics":
-            await self.metrics.serve(self, send)
+            await self.recorder.metrics.serve(self.router, send)
         else:
             await send_unary(send, 404, NOT_FOUND)
 
@@ -217,18 +194,19 @@ class App:
                 async with anyio.create_task_group() as tg:
                     await tg.start(membership.run)
                     tg.start_soon(self.watchdog.run, time.monotonic)
-                    if self.tracer is not None:
-                        await tg.start(self.tracer.run)
-                    if self.metrics.multiproc_dir is not None:
-                        tg.start_soon(self.metrics.refresh_every, self)
+                    recorder = self.recorder
+                    if recorder.tracer is not None:
+                        await tg.start(recorder.tracer.run)
+                    if recorder.metrics.multiproc_dir is not None:
+                        tg.start_soon(recorder.metrics.refresh_every, self.router)
                     self._shutdown_requested = anyio.Event()
                     tg.start_soon(self._drain_on_shutdown)
                     await send({"type": "lifespan.startup.complete"})
                     started = True
                     while (await receive())["type"] != "lifespan.shutdown":
                         pass
-                    if self.tracer is not None:
-                        await self.tracer.close()  # flushes every queued record
+                    if recorder.tracer is not None:
+                        await recorder.tracer.close()  # flushes every queued record
                     tg.cancel_scope.cancel()
         except Exception as exc:
             if started:
@@ -260,14 +238,6 @@ class App:
 
     # -- used by the handler -------------------------------------------------
 
-    @property
-    def decode_limiter(self) -> anyio.CapacityLimiter:
-        """One worker thread decodes large bodies, one at a time (made on
-        first use: it needs the running event loop)."""
-        if self._decode_limiter is None:
-            self._decode_limiter = anyio.CapacityLimiter(1)
-        return self._decode_limiter
-
     def _start_aborts(self, worker: Worker) -> Callable[[], Awaitable[None]]:
         """A joining worker's abort queue (kept in :attr:`aborts`), to run."""
         st = self.settings
@@ -296,40 +266,11 @@ class App:
         :class:`~asgi_generate.workers.aborts.AbortQueue` and wait for the
         outcome: ``"acked"``, ``"unacknowledged"`` or ``"lost"`` (the worker
         is down or went away), each counted; the queue logs failures."""
-        self.counters["aborts_sent"] += 1
+        self.recorder.abort_sent()
         queue = self.aborts.get(worker.id)
         result = await queue.abort(engine_id) if queue is not None else UNACKNOWLEDGED
-        self.metrics.abort(result)
-        if result == ACKED:
-            self.counters["aborts_acknowledged"] += 1
-        elif result == LOST:
-            self.counters["aborts_worker_lost"] += 1
-        else:
-            self.counters["aborts_unacknowledged"] += 1
+        self.recorder.abort_answered(result)
         return result
-
-    def request_started(self) -> None:
-        """Called once per request the handler accepts, before anything else."""
-        self.metrics.request_started()
-
-    def request_ended(self) -> None:
-        """Called once per request :meth:`request_started` counted, when its
-        record is handed over (before :meth:`request_finished`)."""
-        self.metrics.request_ended()
-
-    def request_finished(self, st: RequestState) -> None:
-        """Called once per record on the handler's way out (a request with
-        several items: once per item)."""
-        counters = self.counters
-        counters["requests"] += 1
-        if st.migrations or st.replays or st.not_migrated is not None:
-            counters["migrations"] += st.migrations
-            counters["replays"] += st.replays
-            counters["not_migrated"] += st.not_migrated is not None
-        self.metrics.request_finished(st)
-        self.by_status[st.status or "unknown"] = self.by_status.get(st.status or "unknown", 0) + 1
-        if self.tracer is not None:
-            self.tracer.submit(st)
 
     # -- control routes ----------------------------------------------------------
 
@@ -364,17 +305,18 @@ class App:
         waiting for room), the routing policy's decisions (``routing``),
         pool figures, of this process (``pid``; ``serve
         --workers N`` runs N of them, each with its own budget)."""
+        recorder = self.recorder
         return {
             "pid": os.getpid(),
-            **self.counters,
-            "by_status": dict(self.by_status),
-            "reading_body": self.reading_body,
+            **recorder.counters,
+            "by_status": dict(recorder.by_status),
+            "reading_body": self.body_budget.reading,
             "body_budget": {
                 "capacity_bytes": self.body_budget.capacity,
                 "in_use_bytes": self.body_budget.in_use,
                 "waiting": self.body_budget.waiting,
             },
-            "trace": self.tracer.stats() if self.tracer is not None else {"enabled": False},
+            "trace": recorder.tracer.stats() if recorder.tracer is not None else {"enabled": False},
             "routing": self.router.policy.stats(),
             "workers": {
                 w.id: {

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable
 from .. import __version__
 from ..config import SETTINGS, Setting, Settings
 from .serving import WORKER_CLASSES, ServerTLS, hold_signals, hypercorn_config, run
-from ..workers.protocols import PROTOCOLS
+from ..protocols import PROTOCOLS
 from ..sdk.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS
 
 if TYPE_CHECKING:

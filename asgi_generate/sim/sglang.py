@@ -335,7 +335,7 @@ class SGLangProtocol:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch_disconnect, receive, job, done)
-                await self._run(job, opts, send, done)
+                await self.run_job(job, opts, send, done)
                 tg.cancel_scope.cancel()
         finally:
             self.engine.finish(job)
@@ -370,7 +370,7 @@ class SGLangProtocol:
         job.aborted = True
         job.abort_event.set()
 
-    async def _run(self, job: Job, opts: dict, send: Send, done: list[bool]) -> None:
+    async def run_job(self, job: Job, opts: dict, send: Send, done: list[bool]) -> None:
         t0 = time.monotonic()
         stream = opts["stream"]
         rl = opts["return_logprob"]

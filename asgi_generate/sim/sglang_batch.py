@@ -33,17 +33,14 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import anyio
 import orjson
 
 from ..request.framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
-from .engine import DuplicateRequestId, Job
+from .engine import DuplicateRequestId, Job, SimEngine
 from .sglang_checks import SGLangError, value_error
-
-if TYPE_CHECKING:
-    from .sglang import SGLangProtocol
 
 DONE = b"data: [DONE]\n\n"
 #: Top-level fields SGLang reads per batch item when given as a list.
@@ -134,8 +131,29 @@ def entries(obj: dict) -> list[dict]:
     return out
 
 
+class BatchHost(Protocol):
+    """What serving a batch needs of the SGLang simulator
+    (:class:`~asgi_generate.sim.sglang.SGLangProtocol`, which serves the
+    entries one by one)."""
+
+    engine: SimEngine
+    #: The P/D role's KV hand-over; ``None`` on an aggregated server.
+    disagg: object | None
+    #: Seconds before a vanished client's requests are aborted.
+    disconnect_abort_s: float
+
+    def parse(self, obj: dict) -> tuple[Job, dict]:
+        """One entry's job and answer options, or :class:`SGLangError`."""
+
+    async def refuse(self, exc: SGLangError, stream: bool, send: Send) -> None:
+        """Answer a request refused before generating."""
+
+    async def run_job(self, job: Job, opts: dict, send: Send, done: list[bool]) -> None:
+        """Generate one entry's answer into ``send``; ``done[0]`` once whole."""
+
+
 class _Entry:
-    """Catches one entry's ASGI messages from ``SGLangProtocol._run``: stream
+    """Catches one entry's ASGI messages from ``SGLangProtocol.run_job``: stream
     chunks go on to the client with their ``index``, a unary answer is kept."""
 
     def __init__(self, index: int, send: Send, lock: anyio.Lock, stream: bool) -> None:
@@ -167,7 +185,7 @@ class _Entry:
                 await self.send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
 
 
-async def serve_batch(proto: "SGLangProtocol", obj: dict, receive: Receive, send: Send) -> None:
+async def serve_batch(proto: BatchHost, obj: dict, receive: Receive, send: Send) -> None:
     """Serve one batch (or ``n`` > 1) ``/generate`` object; see the module docstring."""
     stream = obj.get("stream") is True
     engine = proto.engine
@@ -203,7 +221,7 @@ async def serve_batch(proto: "SGLangProtocol", obj: dict, receive: Receive, send
             tg.start_soon(_watch_disconnect, proto, receive, jobs, dones)
             async with anyio.create_task_group() as runs:
                 for (job, opts), sink, done in zip(jobs, sinks, dones):
-                    runs.start_soon(proto._run, job, opts, sink, done)
+                    runs.start_soon(proto.run_job, job, opts, sink, done)
             tg.cancel_scope.cancel()
     finally:
         for job, _ in jobs:
@@ -218,7 +236,7 @@ async def serve_batch(proto: "SGLangProtocol", obj: dict, receive: Receive, send
         await send_unary(send, 200, b"[" + b",".join(s.body for s in sinks) + b"]")
 
 
-async def _watch_disconnect(proto: "SGLangProtocol", receive: Receive, jobs: list, dones: list) -> None:
+async def _watch_disconnect(proto: BatchHost, receive: Receive, jobs: list, dones: list) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
     if all(done[0] for done in dones):  # the end of a finished exchange

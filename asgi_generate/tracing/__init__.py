@@ -2,11 +2,14 @@
 registered route, written off the response path.
 
 Modules, one concept each: :mod:`.schema` (the v1 record contract),
-:mod:`.record` (RequestState -> record), :mod:`.hashing` (replay block
-hashes), :mod:`.parsers`, :mod:`.reasoning` and :mod:`.tool_calls` (output
-parsers), :mod:`.analysis` (running them), :mod:`.sinks` (JSONL file, stderr),
-:mod:`.writer` (bounded queue and writer task), :mod:`.validate` (record
-checks) and :mod:`.tools` (the ``asgi-generate-trace`` command).
+:mod:`.traced` (a request as tracing reads it), :mod:`.record` (request ->
+record), :mod:`.hashing` (replay block hashes), :mod:`.parser_api` (the
+output parsers' plugin API), :mod:`.parsers` (their registry),
+:mod:`.reasoning` and :mod:`.tool_calls` (the built-in parsers),
+:mod:`.analysis` (running them), :mod:`.sinks` (JSONL file, stderr),
+:mod:`.writer` (bounded queue and writer task), :mod:`.tracecontext` (W3C
+trace context) and :mod:`.otlp` (OpenTelemetry export); :mod:`.offline`
+holds the ``asgi-generate-trace`` command and its tools.
 """
 
 from .schema import SCHEMA, SCHEMA_ID

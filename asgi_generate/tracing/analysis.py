@@ -13,7 +13,8 @@ from typing import Sequence
 
 from tokenizers import Tokenizer
 
-from .parsers import ParserError, ReasoningParser, ToolCallParser, load_parser
+from .parser_api import ParserError, ReasoningParser, ToolCallParser
+from .parsers import load_parser
 
 
 @dataclass(frozen=True, slots=True)

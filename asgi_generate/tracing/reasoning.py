@@ -19,7 +19,7 @@ from typing import Sequence
 
 from tokenizers import Tokenizer
 
-from .parsers import ReasoningParser, marker_id
+from .parser_api import ReasoningParser, marker_id
 
 
 class Qwen3ReasoningParser(ReasoningParser):

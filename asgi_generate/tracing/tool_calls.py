@@ -19,7 +19,7 @@ import re
 import orjson
 from tokenizers import Tokenizer
 
-from .parsers import ToolCallParser, marker_id
+from .parser_api import ToolCallParser, marker_id
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 

@@ -2,7 +2,7 @@
 serializes and writes request-end records, off the response path.
 
 The handler's only trace work is :meth:`Tracer.submit`, a non-blocking put of
-the finished :class:`~asgi_generate.request.accounting.RequestState`. The writer task
+the finished request (:class:`~.traced.TracedRequest`). The writer task
 (run in the app's lifespan task group) takes what gathered in the queue over
 ``GATHER_S`` seconds and, in a worker thread, builds the records (hashing,
 decoding, parsing), serializes them with orjson and hands each sink the batch
@@ -25,9 +25,10 @@ import orjson
 
 from ..config import Settings
 from .analysis import OutputAnalyzer
-from .parsers import ParserError
+from .parser_api import ParserError
 from .record import build_record
 from .sinks import JsonlFileSink, Sink, StderrSink
+from .traced import TracedRequest
 
 log = logging.getLogger("asgi_generate.tracing")
 #: Records per writer-thread hop, at most.
@@ -100,18 +101,18 @@ class Tracer:
             self.sinks.append(SpanSink(self.otlp))
             if settings.trace_otlp:
                 self.sinks.append(LogSink(self.otlp))
-        self._send, self._receive = anyio.create_memory_object_stream["RequestState"](settings.trace_queue_size)
+        self._send, self._receive = anyio.create_memory_object_stream[TracedRequest](settings.trace_queue_size)
         self.submitted = 0
         self.records = 0
         self.dropped = {"queue_full": 0, "sink_error": 0, "build_error": 0, "closed": 0}
         #: The app's :class:`~asgi_generate.ops.metrics.Metrics`, told of every
-        #: record written and lost (set by the app).
+        #: record written and lost (set by :class:`~asgi_generate.ops.recorder.Recorder`).
         self.metrics = None
         self._running = False
         self._closing = False
         self._done: anyio.Event | None = None  # made in run(): events need a running loop
 
-    def submit(self, st: RequestState) -> None:
+    def submit(self, st: TracedRequest) -> None:
         """Queue a finished request without waiting; count it if dropped."""
         self.submitted += 1
         try:
@@ -183,7 +184,7 @@ class Tracer:
             self._drop("closed")
         self._receive.close()
 
-    def _write_batch(self, batch: list[RequestState]) -> None:
+    def _write_batch(self, batch: list[TracedRequest]) -> None:
         built = []
         for st in batch:
             try:

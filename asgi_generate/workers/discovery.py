@@ -21,18 +21,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import tomllib
 from typing import Awaitable, Callable, Iterable, NamedTuple
 from urllib.parse import urlsplit
 
 import anyio
-import orjson
 
-from .router import parse_worker_spec
+from ..worker_specs import read_workers_file
 
 log = logging.getLogger("asgi_generate.discovery")
-#: The workers file's keys and the role of the workers each lists.
-FILE_ROLES = {"workers": "aggregated", "prefill": "prefill", "decode": "decode"}
 
 #: ``(name, port)`` to the ``(address, port)`` pairs to reach; raises
 #: ``OSError`` when the lookup fails.
@@ -58,41 +54,6 @@ async def resolve(name: str, port: int) -> list[tuple[str, int]]:
     """
     infos = await anyio.getaddrinfo(name, port, type=socket.SOCK_STREAM)
     return sorted({(info[4][0], info[4][1]) for info in infos})
-
-
-def read_workers_file(path: str) -> list[tuple[str, tuple[str, str]]]:
-    """The ``(role, (protocol, url))`` specs a workers file lists, in file
-    order (``workers``, then ``prefill``, then ``decode``).
-
-    Raises:
-        ValueError: one line saying why: unreadable, not JSON (not TOML for
-            a ``.toml`` name), not an object of lists of strings, an
-            unknown key, or a spec :func:`parse_worker_spec` refuses.
-    """
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-        data = tomllib.loads(raw.decode()) if path.endswith(".toml") else orjson.loads(raw)
-    except OSError as exc:
-        raise ValueError(f"workers file {path!r}: {exc.strerror or exc}") from None
-    except (tomllib.TOMLDecodeError, orjson.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"workers file {path!r}: does not parse: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"workers file {path!r}: expected an object with {', '.join(FILE_ROLES)}")
-    unknown = sorted(set(data) - set(FILE_ROLES))
-    if unknown:
-        raise ValueError(f"workers file {path!r}: unknown key {unknown[0]!r} (known: {', '.join(FILE_ROLES)})")
-    specs = []
-    for key, role in FILE_ROLES.items():
-        listed = data.get(key, [])
-        if not isinstance(listed, list) or not all(isinstance(s, str) for s in listed):
-            raise ValueError(f"workers file {path!r}: {key} must be a list of PROTOCOL=URL strings")
-        for spec in listed:
-            try:
-                specs.append((role, parse_worker_spec(spec, role)))
-            except ValueError as exc:
-                raise ValueError(f"workers file {path!r}: {exc}") from None
-    return specs
 
 
 class Discovery:

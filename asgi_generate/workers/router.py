@@ -34,14 +34,12 @@ import orjson
 
 from .http import ConnectFailed, ConnectionPool, WorkerDisconnected, WorkerError, tls_context
 from .policies import Policy
-from .protocols import PROTOCOLS, WorkerProtocol, read_model_card
+from ..protocols import PROTOCOLS, WorkerProtocol, read_model_card
 
 log = logging.getLogger("asgi_generate.router")
 ROLES = ("aggregated", "prefill", "decode")
 #: SGLang's ``--disaggregation-bootstrap-port`` default.
 DEFAULT_BOOTSTRAP_PORT = 8998
-#: ``--disaggregation``: when a request runs as a P/D pair.
-DISAGGREGATION_MODES = ("auto", "always", "never")
 
 
 class InFlight(Protocol):
@@ -118,47 +116,6 @@ class Worker:
         }
 
 
-#: URL schemes of a worker spec: a worker, or a DNS name whose every
-#: address is one (:mod:`asgi_generate.workers.discovery`).
-WORKER_SCHEMES = ("http", "https", "dns")
-
-
-def parse_worker_spec(spec: str, role: str = "aggregated") -> tuple[str, str]:
-    """Split ``PROTOCOL=http://HOST:PORT`` (``https://`` for TLS, or
-    ``dns://NAME:PORT``: every address NAME resolves to) into protocol and
-    URL. An SGLang
-    prefill worker's URL may end ``?bootstrap_port=B`` (kept in the URL;
-    :func:`split_worker_url` reads it). IPv6 hosts are bracketed.
-
-    Raises:
-        ValueError: unknown protocol, not an ``http://``, ``https://`` or
-            ``dns://`` ``HOST:PORT`` URL, a query other than a prefill's
-            bootstrap port, or a protocol without P/D support in a P/D role.
-    """
-    protocol, sep, url = spec.partition("=")
-    if not sep:
-        raise ValueError(f"worker {spec!r}: expected PROTOCOL=http://HOST:PORT")
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"worker {spec!r}: unknown protocol {protocol!r} (known: {', '.join(PROTOCOLS)})")
-    if role != "aggregated" and PROTOCOLS[protocol].pd_legs is None:
-        raise ValueError(f"{role} worker {spec!r}: the frontend runs no {protocol} P/D yet")
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme not in WORKER_SCHEMES or not parts.hostname or not port:
-        raise ValueError(f"worker {spec!r}: expected an http(s)://HOST:PORT or dns://NAME:PORT URL")
-    if parts.query:
-        query = dict(parse_qsl(parts.query, keep_blank_values=True))
-        bootstrap = query.pop("bootstrap_port", None)
-        if query or role != "prefill" or protocol != "sglang":
-            raise ValueError(f"worker {spec!r}: only an sglang prefill worker takes a query (?bootstrap_port=B)")
-        if not (bootstrap or "").isdigit() or not 0 < int(bootstrap) < 65536:
-            raise ValueError(f"worker {spec!r}: bootstrap_port must be a port number, not {bootstrap!r}")
-    return protocol, url.rstrip("/")
-
-
 def split_worker_url(url: str, role: str, protocol: str = "sglang") -> tuple[str, int | None]:
     """A configured worker URL's base URL and bootstrap port: an SGLang
     prefill worker's ``?bootstrap_port=B``, else :data:`DEFAULT_BOOTSTRAP_PORT`
@@ -221,7 +178,7 @@ class Router:
 
     def add(self, protocol: str, url: str, role: str = "aggregated") -> Worker:
         """Register a worker (an ``http://`` or ``https://`` ``url`` as
-        :func:`parse_worker_spec` gives it, a prefill's bootstrap port
+        :func:`~asgi_generate.worker_specs.parse_worker_spec` gives it, a prefill's bootstrap port
         included; ``dns://`` names are resolved by
         :mod:`~asgi_generate.workers.discovery` first) under the next free
         id. It is routable once a :meth:`probe` passes.

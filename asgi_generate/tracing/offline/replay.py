@@ -37,7 +37,7 @@ import anyio
 import httpx
 import orjson
 
-from .tools import mooncake_rows, percentile
+from .rows import mooncake_rows, percentile
 from .validate import read_jsonl
 
 #: Token ids below this are left out of prompts (special tokens sit low in

@@ -28,7 +28,6 @@ Subcommands (each takes one or more JSONL files, e.g. every
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections import Counter
 from typing import Iterable, Sequence
@@ -36,6 +35,7 @@ from typing import Iterable, Sequence
 import orjson
 
 from ..schema import schema_json
+from .rows import mooncake_rows, percentile
 from .validate import check_records, read_jsonl
 
 
@@ -46,13 +46,6 @@ def _records(paths: Sequence[str]) -> Iterable[tuple[str, object]]:
 
 def _valid(paths: Sequence[str]) -> list[dict]:
     return [rec for _, rec in _records(paths) if isinstance(rec, dict)]
-
-
-def percentile(values: Sequence[float], p: float) -> float:
-    """The nearest-rank ``p``-th percentile (0 < p <= 100) of non-empty
-    ``values``."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(p / 100.0 * len(ordered)) - 1)]
 
 
 def cmd_validate(paths: Sequence[str]) -> int:
@@ -94,39 +87,6 @@ def summarize(records: Sequence[dict]) -> str:
         else:
             lines.append(f"  {key:<12} {0:>9}")
     return "\n".join(lines)
-
-
-def mooncake_rows(records: Iterable[dict]) -> tuple[list[dict], int, int | None]:
-    """Mooncake rows from ``records`` (see the module docstring).
-
-    Returns:
-        The rows, the number of records skipped, and the block size.
-
-    Raises:
-        ValueError: the exportable records use more than one block size.
-    """
-    usable, skipped = [], 0
-    for rec in records:
-        replay = rec.get("replay", {})
-        if "block_hashes" in replay and rec.get("attempts"):
-            usable.append(rec)
-        else:
-            skipped += 1
-    sizes = {r["replay"]["block_size"] for r in usable}
-    if len(sizes) > 1:
-        raise ValueError(f"records use several block sizes {sorted(sizes)}; export them separately")
-    usable.sort(key=lambda r: (r["received_unix_ms"], r["request_id"]))
-    ids: dict[int, int] = {}
-    rows = []
-    start = usable[0]["received_unix_ms"] if usable else 0
-    for rec in usable:
-        rows.append({
-            "timestamp": rec["received_unix_ms"] - start,
-            "input_length": rec["replay"]["input_length"],
-            "output_length": rec["output_tokens"],
-            "hash_ids": [ids.setdefault(h, len(ids)) for h in rec["replay"]["block_hashes"]],
-        })
-    return rows, skipped, sizes.pop() if sizes else None
 
 
 def cmd_export_mooncake(paths: Sequence[str]) -> int:

@@ -19,16 +19,30 @@ records are the same whichever it picks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, TypeVar
+
+from ...config import POLICIES
 
 if TYPE_CHECKING:
     from ...sdk.codec import GenerateRequest
     from ...config import Settings
-    from ..router import Worker
 
-    Least = Callable[[Sequence[Worker]], Worker]
 
-POLICIES = ("least-outstanding", "session", "cache-aware")
+class Candidate(Protocol):
+    """A worker as a policy sees it (the router's
+    :class:`~asgi_generate.workers.router.Worker`)."""
+
+    id: str
+    url: str
+
+    @property
+    def outstanding(self) -> int:
+        """Requests in flight on it."""
+
+
+W = TypeVar("W", bound=Candidate)
+#: The router's least-outstanding choice among candidates (never empty).
+Least = Callable[[Sequence[W]], W]
 
 
 class Policy:
@@ -62,12 +76,12 @@ class Policy:
     def _key(self, request: "GenerateRequest", headers: Mapping[bytes, bytes]) -> Any:
         return None
 
-    def choose(self, candidates: Sequence["Worker"], key: Any, least: "Least") -> "Worker":
+    def choose(self, candidates: Sequence[W], key: Any, least: Least[W]) -> W:
         """The worker for a request with ``key`` (not ``None``) among
         ``candidates`` (healthy, never empty)."""
         return least(candidates)
 
-    def forget(self, worker: "Worker") -> None:
+    def forget(self, worker: Candidate) -> None:
         """``worker``'s engine lost its prefix cache (flushed, or the worker
         was lost and may come back restarted): drop what the policy knows
         of it."""

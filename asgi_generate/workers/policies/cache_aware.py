@@ -41,12 +41,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..prefix_tree import PrefixTree, text_key, token_key
-from . import Policy
+from . import Candidate, Least, Policy, W
 
 if TYPE_CHECKING:
     from ...sdk.codec import GenerateRequest
-    from ..router import Worker
-    from . import Least
 
 
 class CacheAwarePolicy(Policy):
@@ -93,18 +91,18 @@ class CacheAwarePolicy(Policy):
             return text_key(request.prompt_text)
         return None
 
-    def tree(self, worker: "Worker") -> PrefixTree:
+    def tree(self, worker: Candidate) -> PrefixTree:
         """``worker``'s tree (made on first use)."""
         tree = self.trees.get(worker.id)
         if tree is None:
             tree = self.trees[worker.id] = PrefixTree(self.max_tree_tokens, self.max_tree_nodes)
         return tree
 
-    def forget(self, worker: "Worker") -> None:
+    def forget(self, worker: Candidate) -> None:
         """Empty ``worker``'s tree."""
         self.trees.pop(worker.id, None)
 
-    def choose(self, candidates: Sequence["Worker"], key: Any, least: "Least") -> "Worker":
+    def choose(self, candidates: Sequence[W], key: Any, least: Least[W]) -> W:
         """See the module docstring."""
         loads = [w.outstanding for w in candidates]
         high, low = max(loads), min(loads)

@@ -28,18 +28,16 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import xxhash
 
-from . import Policy
+from ...config import DEFAULT_SESSION_HEADERS
+from . import Candidate, Least, Policy, W
 
 if TYPE_CHECKING:
     from ...sdk.codec import GenerateRequest
-    from ..router import Worker
-    from . import Least
 
 _score = xxhash.xxh3_64_intdigest
-DEFAULT_HEADERS = "x-session-id,x-smg-routing-key"
 
 
-def rendezvous_order(candidates: Sequence["Worker"], key: bytes) -> list["Worker"]:
+def rendezvous_order(candidates: Sequence[W], key: bytes) -> list[W]:
     """``candidates`` from the highest score for ``key`` to the lowest
     (ties, which need a 64-bit collision, by URL)."""
     return sorted(candidates, key=lambda w: (_score(w.url.encode() + b"\x00" + key), w.url), reverse=True)
@@ -61,7 +59,7 @@ class SessionPolicy(Policy):
 
     name = "session"
 
-    def __init__(self, headers: str = DEFAULT_HEADERS, epsilon: float = 1.0) -> None:
+    def __init__(self, headers: str = DEFAULT_SESSION_HEADERS, epsilon: float = 1.0) -> None:
         super().__init__()
         self.headers = tuple(h.strip().lower().encode("latin-1") for h in headers.split(",") if h.strip())
         if not self.headers:
@@ -80,12 +78,12 @@ class SessionPolicy(Policy):
                 return value
         return None
 
-    def cap(self, candidates: Sequence["Worker"]) -> int:
+    def cap(self, candidates: Sequence[Candidate]) -> int:
         """The outstanding count a worker must be below to take a keyed request."""
         total = sum(w.outstanding for w in candidates)
         return math.ceil((1 + self.epsilon) * (total + 1) / len(candidates))
 
-    def choose(self, candidates: Sequence["Worker"], key: Any, least: "Least") -> "Worker":
+    def choose(self, candidates: Sequence[W], key: Any, least: Least[W]) -> W:
         """See the module docstring."""
         cap = self.cap(candidates)
         for rank, worker in enumerate(rendezvous_order(candidates, key)):

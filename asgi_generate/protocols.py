@@ -8,6 +8,8 @@ vLLM's ``vllm/entrypoints/openai/api_server.py`` (``health``,
 server, ``vllm/entrypoints/serve/disagg/api_router.py`` (``abort_requests``:
 ``{"request_ids"}`` with the engine's prefixed ids). Codecs name the protocol
 they ride on; the handler uses this table to abort and the router to probe.
+Pure data at the bottom of the package: the settings check worker specs
+against it (:mod:`asgi_generate.worker_specs`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,105 @@
+"""What the process records of its requests: the ``/stats`` counters, the
+Prometheus metrics (:mod:`.metrics`) and the hand-off to the trace writer.
+
+Requests see it as their :class:`~asgi_generate.request.context.Recorder`;
+the app shows its counters in ``/stats`` and runs its trace writer and
+metrics refresh in the lifespan.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..workers.aborts import ACKED, LOST
+from .metrics import Metrics
+
+if TYPE_CHECKING:
+    from ..config import Settings
+    from ..request.accounting import RequestState
+
+
+class Recorder:
+    """Counts requests and aborts, and hands each record to the tracer.
+
+    Args:
+        settings: the configuration; tracing is on with ``trace_file``,
+            ``trace_stderr`` or ``otlp_endpoint``.
+
+    Raises:
+        TraceSetupError: the trace settings are unusable.
+        MetricsSetupError: ``PROMETHEUS_MULTIPROC_DIR`` names no folder.
+
+    Attributes:
+        counters: ``/stats`` counts: ``requests`` (records), ``aborts_sent``
+            and their results (``aborts_acknowledged``,
+            ``aborts_unacknowledged``, ``aborts_worker_lost``),
+            ``migrations``, ``replays`` and ``not_migrated``.
+        by_status: records by their ``status``.
+        metrics: the Prometheus metrics.
+        tracer: the trace writer (:class:`asgi_generate.tracing.Tracer`);
+            ``None`` with tracing off, so finishing a request only counts.
+        otel: OpenTelemetry export (``--otlp-endpoint``): stamps each engine
+            leg with a ``traceparent``; ``None`` (no work at all) when off.
+        trace_output_ids: requests keep their delivered output ids, only
+            for a trace parser.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.counters: dict[str, int] = {
+            "requests": 0,
+            "aborts_sent": 0,
+            "aborts_acknowledged": 0,
+            "aborts_unacknowledged": 0,
+            "aborts_worker_lost": 0,
+            "migrations": 0,
+            "replays": 0,
+            "not_migrated": 0,
+        }
+        self.by_status: dict[str, int] = {}
+        self.metrics = Metrics()
+        self.tracer = None
+        if settings.trace_file or settings.trace_stderr or settings.otlp_endpoint:
+            from ..tracing import Tracer
+
+            self.tracer = Tracer(settings)
+            self.tracer.metrics = self.metrics
+        self.otel = self.tracer.otlp if self.tracer is not None else None
+        self.trace_output_ids = self.tracer is not None and self.tracer.wants_output_ids
+
+    def request_started(self) -> None:
+        """Called once per request the handler accepts, before anything else."""
+        self.metrics.request_started()
+
+    def request_ended(self) -> None:
+        """Called once per request :meth:`request_started` counted, when its
+        record is handed over (before :meth:`request_finished`)."""
+        self.metrics.request_ended()
+
+    def request_finished(self, st: RequestState) -> None:
+        """Called once per record on the handler's way out (a request with
+        several items: once per item)."""
+        counters = self.counters
+        counters["requests"] += 1
+        if st.migrations or st.replays or st.not_migrated is not None:
+            counters["migrations"] += st.migrations
+            counters["replays"] += st.replays
+            counters["not_migrated"] += st.not_migrated is not None
+        self.metrics.request_finished(st)
+        self.by_status[st.status or "unknown"] = self.by_status.get(st.status or "unknown", 0) + 1
+        if self.tracer is not None:
+            self.tracer.submit(st)
+
+    def abort_sent(self) -> None:
+        """Count an abort request handed to a worker's abort queue."""
+        self.counters["aborts_sent"] += 1
+
+    def abort_answered(self, result: str) -> None:
+        """Count an abort's result: ``acked``, ``unacknowledged`` or ``lost``
+        (:mod:`asgi_generate.workers.aborts`)."""
+        self.metrics.abort(result)
+        if result == ACKED:
+            self.counters["aborts_acknowledged"] += 1
+        elif result == LOST:
+            self.counters["aborts_worker_lost"] += 1
+        else:
+            self.counters["aborts_unacknowledged"] += 1
