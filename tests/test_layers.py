@@ -1,0 +1,21 @@
+"""The package's import contracts (``[tool.importlinter]`` in
+pyproject.toml): its layers, and no import cycle in any package,
+TYPE_CHECKING imports included."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+#: import-linter's Python API (``importlinter.cli.lint_imports``), which
+#: prints the report and returns the exit status.
+LINT = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
+
+
+def test_imports_keep_the_layers_and_form_no_cycle():
+    # In a child run from the checkout: the package analysed is this tree's.
+    run = subprocess.run([sys.executable, "-c", LINT], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Contracts: 2 kept, 0 broken." in run.stdout
