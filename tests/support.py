@@ -81,7 +81,8 @@ class Proc:
     left in the temporary folder never sees another test's or another
     suite's files."""
 
-    def __init__(self, name: str, args: list[str], sock: socket.socket, health: str, verify: str | None = None) -> None:
+    def __init__(self, name: str, args: list[str], sock: socket.socket, health: str, verify: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.name = name
         self.port = sock.getsockname()[1]
         #: With ``verify`` (the CA file its certificate chains to) it serves HTTPS.
@@ -90,7 +91,7 @@ class Proc:
         self.log_path = LOG_DIR / f"{name}-{self.port}.log"
         self._log = open(self.log_path, "wb")
         self.tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-{self.port}-", suffix=".tmp", dir=LOG_DIR))
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp)}
+        env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp)}
         if env.pop("PYTHONDONTWRITEBYTECODE", None):
             # Else every server compiles the project from source as it starts
             # (0.2-0.5 s, hundreds of starts a suite): bytecode is cached in
@@ -170,14 +171,14 @@ def start_sim(
 
 def start_frontend(
     workers: list[str], *, worker_class: str = "trio", extra: list[str] = (), health: str = "/health",
-    verify: str | None = None,
+    verify: str | None = None, env: dict[str, str] | None = None,
 ) -> Proc:
     """Start ``asgi-generate serve`` in front of ``workers`` (``PROTOCOL=URL``);
-    ``verify`` as for :func:`start_sim`."""
+    ``verify`` as for :func:`start_sim`; ``env`` added to its environment."""
     args = ["serve", "--worker-class", worker_class, "--health-interval", "0.2", "--log-level", "warning"]
     for w in workers:
         args += ["--worker", w]
-    return Proc(f"frontend-{worker_class}", [*args, *extra], listening_socket(), health, verify)
+    return Proc(f"frontend-{worker_class}", [*args, *extra], listening_socket(), health, verify, env)
 
 
 def stats(sim: Proc) -> dict:

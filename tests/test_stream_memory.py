@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import math
 import socket
-import sys
 import time
 import tracemalloc
 
@@ -24,7 +23,7 @@ from asgi_generate.server.app import App
 from asgi_generate.sdk.codec import Attempt, dumps_compact
 from asgi_generate.config import Settings
 from asgi_generate.request.handler import handle_generate
-from asgi_generate.server.hypercorn.lean import AppQueue, LeanEvent, TrioAppQueue, TrioEvent, TrioLock, socket_addresses
+from asgi_generate.server.hypercorn.lean import AppQueue, LeanEvent, TrioAppQueue, TrioEvent, TrioLock
 from asgi_generate.sdk.token_ids import pack_token_ids
 from asgi_generate.request.watchdog import Watchdog
 from asgi_generate.workers import sockets, trio_poller
@@ -39,9 +38,9 @@ def test_h2_streams_get_the_disconnect_watch_too():
     import hypercorn.protocol.h2 as hypercorn_h2
     import hypercorn.protocol.h11 as hypercorn_h11
 
-    from asgi_generate.server.hypercorn import fixes as hypercorn_fixes
+    from asgi_generate.server.hypercorn import fixes as hypercorn_fixes, patches
 
-    hypercorn_fixes.install(send_errors=True)
+    patches.install(send_errors=True)
     assert hypercorn_h2.HTTPStream is hypercorn_h11.HTTPStream is hypercorn_fixes._HTTPStream
 
 
@@ -462,23 +461,6 @@ def test_trio_event_wakes_every_waiter_and_is_a_checkpoint():
         return seen + [scope.cancelled_caught, ev._waiters]
 
     assert trio.run(main) == [[], [0, 1, 2], True, None, True, True, []]
-
-
-def test_socket_addresses_share_the_server_tuple_and_intern_the_host():
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        port = listener.getsockname()[1]
-        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
-        accepted = [listener.accept()[0] for _ in clients]
-        try:
-            (c1, s1), (c2, s2) = (socket_addresses(sock) for sock in accepted)
-            ports = [sock.getsockname()[1] for sock in clients]
-        finally:
-            for sock in clients + accepted:
-                sock.close()
-    assert (s1, s2) == (("127.0.0.1", port), ("127.0.0.1", port))
-    assert s1 is s2  # one tuple for every connection to that address
-    assert (c1, c2) == (("127.0.0.1", ports[0]), ("127.0.0.1", ports[1]))
-    assert c1[0] is c2[0] is sys.intern("127.0.0.1")
 
 
 def test_lean_event_wakes_every_waiter():

@@ -11,12 +11,19 @@ runs the app in the parent and exits 2.)
 hypercorn configures only its own loggers, so unless something configured
 logging already, the app's ``asgi_generate`` loggers get a stderr handler at
 INFO here (simulators serving, a worker down or back up).
+
+This module is hypercorn's entry point, and importing it is hypercorn
+loading the app: the only moment before hypercorn serves, so it is here
+that hypercorn's patches are installed
+(:func:`asgi_generate.server.hypercorn.patches.install`, or one WARNING and
+hypercorn as released). Import :class:`asgi_generate.server.app.App` instead
+to serve the app another way.
 """
 
 import logging
 import sys
 
-from .hypercorn import fixes as hypercorn_fixes
+from .hypercorn import patches as hypercorn_patches
 from .app import App
 from ..config import Settings
 from ..sdk.registry import CodecLoadError
@@ -44,5 +51,5 @@ def _app() -> App:
 
 
 _log_to_stderr()
-hypercorn_fixes.install(send_errors=True)  # hypercorn loads this module before it accepts connections
+hypercorn_patches.install(send_errors=App.handles_send_errors)
 app = _app()

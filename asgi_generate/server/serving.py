@@ -3,7 +3,9 @@
 Used by ``asgi-generate serve`` and ``asgi-generate sim``. The first SIGINT or
 SIGTERM starts hypercorn's graceful shutdown; later ones are ignored, so a Ctrl-C that reaches a process twice (from the terminal and from
 ``serve --workers N`` forwarding it) cannot cut the drain short. hypercorn
-serves with the connection fixes of :mod:`asgi_generate.server.hypercorn.fixes`.
+serves with the patches of :mod:`asgi_generate.server.hypercorn`
+(:func:`asgi_generate.server.hypercorn.patches.install`), or as released
+when they do not match it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import anyio
 from hypercorn.config import Config
 
-from .hypercorn import fixes as hypercorn_fixes
+from .hypercorn import patches as hypercorn_patches
 
 #: hypercorn worker classes; ``uvloop`` is hypercorn's asyncio worker on
 #: uvloop's event loop (hypercorn's own ``--worker-class uvloop``).
@@ -187,9 +189,11 @@ def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
     """Raise the open-file limit (:func:`raise_fd_limit`), then serve ``app``
     until SIGINT or SIGTERM, and shut down gracefully:
     hypercorn stops accepting, and ``app.begin_shutdown()`` (when the app has
-    one) lets the app end its in-flight requests itself. An app with a true
-    ``handles_send_errors`` gets an error from a ``send()`` to a client that
-    is gone (:func:`asgi_generate.server.hypercorn.fixes.install`).
+    one) lets the app end its in-flight requests itself. hypercorn serves
+    with our patches if they match it (else as released, with one WARNING:
+    :func:`asgi_generate.server.hypercorn.patches.install`); patched, an app
+    with a true ``handles_send_errors`` gets an error from a ``send()`` to a
+    client that is gone.
 
     Raises:
         ValueError: ``worker_class`` is not one of :data:`WORKER_CLASSES`.
@@ -198,13 +202,15 @@ def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
         raise ValueError(f"worker class must be one of {WORKER_CLASSES}, not {worker_class!r}")
     raise_fd_limit()
 
-    hypercorn_fixes.install(send_errors=getattr(app, "handles_send_errors", False))
+    patched = hypercorn_patches.install(send_errors=getattr(app, "handles_send_errors", False))
 
     async def main() -> None:
         if worker_class == "trio":
             from hypercorn.trio import serve
-        else:
+        elif patched:
             from .hypercorn.asyncio_serve import serve
+        else:
+            from hypercorn.asyncio import serve
         # Held open until hypercorn is done: a later signal lands in this
         # receiver's unread queue instead of the default handler.
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -31,7 +31,6 @@ from typing import Iterable
 import anyio
 import h11
 
-from .h11_state import client_connection
 from .sockets import TCPConnection, TLSConnection, connect
 
 log = logging.getLogger("asgi_generate.workers")
@@ -81,7 +80,7 @@ class _Connection:
 
     def __init__(self, stream: TCPConnection | TLSConnection) -> None:
         self.stream = stream
-        self.h11 = client_connection()
+        self.h11 = h11.Connection(h11.CLIENT)
         self.idle_since = 0.0
 
     async def aclose(self) -> None:

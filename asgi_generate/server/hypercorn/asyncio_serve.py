@@ -1,8 +1,8 @@
 """hypercorn's asyncio worker (hypercorn 0.18.0) with one ``asyncio.Protocol``
-per client connection, installed by :func:`install` (from
-:func:`asgi_generate.server.hypercorn.fixes.install`): on the asyncio and uvloop
-worker classes alike, whether ``asgi-generate serve`` or a ``hypercorn``
-command runs the app.
+per client connection, installed by
+:func:`asgi_generate.server.hypercorn.patches.install`: on the asyncio and
+uvloop worker classes alike, whether ``asgi-generate serve`` or a
+``hypercorn`` command runs the app.
 
 hypercorn serves each connection with a ``StreamReader``/``StreamWriter``
 pair (``asyncio.start_server`` in ``hypercorn/asyncio/run.py``) and a task
@@ -15,7 +15,8 @@ client connection"). :class:`Connection` is the
 same connection as a protocol: the transport calls it with the bytes read,
 it writes with ``transport.write`` and waits only while the transport has
 paused writing (a full socket buffer). hypercorn's protocol classes
-(``H11Protocol``, ``H2Protocol`` for ``h2`` by ALPN or upgrade, with
+(``H11Protocol``, ``H2Protocol`` for ``h2`` by ALPN or upgrade, in
+hypercorn's ``ProtocolWrapper``, with
 :mod:`asgi_generate.server.hypercorn.fixes`' changes) are driven as before.
 
 Their ``handle()`` is a coroutine that nearly always finishes without
@@ -42,11 +43,11 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc
-import contextvars
 import platform
 import random
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
+from functools import partial
 from typing import Any
 
 from hypercorn.asyncio import run as asyncio_run
@@ -56,15 +57,10 @@ from hypercorn.asyncio.udp_server import UDPServer
 from hypercorn.asyncio.worker_context import WorkerContext
 from hypercorn.config import Config, Sockets
 from hypercorn.events import Closed, Event, RawData, Updated
-from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
+from hypercorn.protocol import ProtocolWrapper
+from hypercorn.utils import ShutdownError, parse_socket_addr, raise_shutdown, repr_socket_addr, wrap_app
 
 from . import lean as hypercorn_lean
-
-#: The name of every connection task (asyncio's default, "Task-<n>", is a
-#: string per task); the context of their done callbacks (by default a copy
-#: per callback), which need no context variables.
-_TASK_NAME = "hypercorn connection"
-_CALLBACK_CONTEXT = contextvars.Context()
 
 #: "Nothing": a coroutine that finished (:func:`_step`), a yield handed on (:class:`_Resumed`).
 _NOTHING = object()
@@ -72,6 +68,12 @@ _NOTHING = object()
 
 def _connection_lost() -> ConnectionResetError:
     return ConnectionResetError("Connection lost")
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, func: Callable, *args: Any) -> Any:
+    # hypercorn's call_soon for the app (hypercorn/asyncio/task_group.py),
+    # from another thread: func(*args) run on the loop, its result awaited.
+    return asyncio.run_coroutine_threadsafe(func(*args), loop).result()
 
 
 def _step(coro: Coroutine) -> Any:
@@ -190,15 +192,18 @@ class Connection(asyncio.Protocol):
         self.transport = transport
         worker = self.worker
         worker.open += 1
+        sock = transport.get_extra_info("socket")
         try:
-            client, here = hypercorn_lean.socket_addresses(transport.get_extra_info("socket"))
+            client = parse_socket_addr(sock.family, sock.getpeername())
+            here = parse_socket_addr(sock.family, sock.getsockname())
         except OSError:  # the client is gone already
             transport.abort()
             return
         ssl_object = transport.get_extra_info("ssl_object")
         self._ssl = ssl_object is not None
         alpn = ssl_object.selected_alpn_protocol() if self._ssl else "http/1.1"
-        self.protocol = hypercorn_lean.new_protocol(alpn, worker, self, self._ssl, client, here, self.send)
+        self.protocol = ProtocolWrapper(worker.app, worker.config, worker.context, self, worker.state,
+                                        self._ssl, client, here, self.send, alpn)
         self._run(self.protocol.initiate())
         if worker.context.terminated.is_set():
             self._idle_timeout()
@@ -243,7 +248,7 @@ class Connection(asyncio.Protocol):
         if self._queued is not None:
             self._queued.append(event)
         elif self.protocol is not None:
-            self._run(self._handle(event))
+            self._run(self.protocol.handle(event))
 
     def _run(self, coro: Coroutine) -> bool:
         # True: it finished; else it failed or runs on in a task, and events
@@ -266,15 +271,12 @@ class Connection(asyncio.Protocol):
         # events that came meanwhile, in order, then reading again.
         if not task.cancelled() and task.exception() is None:
             while self._queued:
-                if not self._run(self._handle(self._queued.pop(0))):
+                if not self._run(self.protocol.handle(self._queued.pop(0))):
                     return
             if not self._reading_done:
                 self.transport.resume_reading()
         self._queued = None
         self._finish()
-
-    def _handle(self, event: Event) -> Coroutine:
-        return hypercorn_lean.handle(self, event, self.worker, self._ssl, self.send)
 
     def _failed(self, exc: BaseException) -> None:
         # As a failing TCPServer.run: the app calls cancelled, the socket closed.
@@ -362,10 +364,11 @@ class Connection(asyncio.Protocol):
     async def spawn_app(self, app: Any, config: Config, scope: dict,
                         send: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
         """hypercorn's ``TaskGroup.spawn_app`` with
-        :mod:`asgi_generate.server.hypercorn.lean`'s queue and shared loop calls."""
+        :class:`asgi_generate.server.hypercorn.lean.AppQueue` for its queue."""
         queue = hypercorn_lean.AppQueue(config.max_app_queue_size)
-        calls = hypercorn_lean.loop_calls(self.worker.loop)
-        self.spawn(self._call_app, app(scope, queue.get, send, calls.sync_spawn, calls.call_soon), send)
+        loop = self.worker.loop
+        call = app(scope, queue.get, send, partial(loop.run_in_executor, None), partial(_call_soon, loop))
+        self.spawn(self._call_app, call, send)
         return queue.put
 
     async def _call_app(self, call: Awaitable[None], send: Callable[[Any], Awaitable[None]]) -> None:
@@ -384,14 +387,14 @@ class Connection(asyncio.Protocol):
         """Run ``func(*args)`` in a task of this connection: the connection
         closes only once its tasks are done, and they are cancelled if it
         fails."""
-        task = self.worker.loop.create_task(func(*args), name=_TASK_NAME)
+        task = self.worker.loop.create_task(func(*args))
         if self._tasks is None:
             self._tasks = task
         elif type(self._tasks) is list:
             self._tasks.append(task)
         else:
             self._tasks = [self._tasks, task]
-        task.add_done_callback(self._task_done, context=_CALLBACK_CONTEXT)
+        task.add_done_callback(self._task_done)
         return task
 
     def _task_list(self) -> list[asyncio.Task]:
@@ -439,7 +442,7 @@ async def worker_serve(app: Any, config: Config, *, sockets: Sockets | None = No
     max_requests = None
     if config.max_requests is not None:
         max_requests = config.max_requests + random.randint(0, config.max_requests_jitter)
-    context = asyncio_run.WorkerContext(max_requests)
+    context = hypercorn_lean.AsyncioWorkerContext(max_requests)
     worker = _Worker(app, config, context, lifespan_state, loop)
     udp_tasks: set[asyncio.Task] = set()
 
@@ -490,9 +493,3 @@ async def serve(app: Any, config: Config, *,
                 shutdown_trigger: Callable[..., Awaitable] | None = None) -> None:
     """hypercorn's ``hypercorn.asyncio.serve`` on :func:`worker_serve`."""
     await worker_serve(wrap_app(app, config.wsgi_max_body_size, None), config, shutdown_trigger=shutdown_trigger)
-
-
-def install() -> None:
-    """Make hypercorn's asyncio and uvloop workers (its ``asyncio_worker``
-    and ``uvloop_worker``) serve with :func:`worker_serve` (idempotent)."""
-    asyncio_run.worker_serve = worker_serve

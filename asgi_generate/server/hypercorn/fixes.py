@@ -1,5 +1,7 @@
 """Workarounds for four connection-level bugs in hypercorn's HTTP/1.1
-server (hypercorn 0.18.0; both worker classes), installed by :func:`install`.
+server (hypercorn 0.18.0; every worker class), installed by
+:func:`asgi_generate.server.hypercorn.patches.install`; each bug's report for
+hypercorn's tracker and the test that shows it are in ``UPSTREAM.md``.
 
 1. **Closed connections linger in CLOSE-WAIT.** ``TCPServer.run`` (in
    ``hypercorn/trio/tcp_server.py`` and ``hypercorn/asyncio/tcp_server.py``)
@@ -77,17 +79,12 @@ from dataclasses import dataclass
 
 import h11
 from hypercorn.events import RawData
-from hypercorn import protocol
 from hypercorn.app_wrappers import ASGIWrapper
-from hypercorn.protocol import h11 as protocol_h11
-from hypercorn.protocol import h2 as protocol_h2
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.events import Body, EndBody
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
-from . import asyncio_serve as hypercorn_asyncio, lean as hypercorn_lean, trio_serve as hypercorn_trio
-from ...workers.h11_state import LeanConnectionState
 from ...request.watchdog import DISCONNECT_WATCH
 
 #: Bytes of empty lines behind a request that do not stop hypercorn reading.
@@ -100,10 +97,6 @@ class _EdgeConnection(h11.Connection):
     buffered stay there, at most one socket read, until the connection
     closes, later ones are dropped on arrival), and sees every end of stream
     of a client it is answering (the half-close policy above)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._cstate = LeanConnectionState()
 
     @property
     def they_are_waiting_for_100_continue(self) -> bool:
@@ -257,24 +250,3 @@ class _H11Protocol(H11Protocol):
                 raise
         else:
             await self.send(RawData(data=head + data))
-
-
-def install(send_errors: bool) -> None:
-    """Make hypercorn serve with the fixed classes (idempotent); with
-    ``send_errors``, a ``send()`` to a client that is gone raises
-    :class:`ClientGone` (bug 3), for apps that handle it. Must run before
-    hypercorn accepts connections: ``asgi_generate.server.serving`` calls it, and
-    so does importing ``asgi_generate.server.asgi`` under a hypercorn you run.
-    Also installs the leaner objects of :mod:`asgi_generate.server.hypercorn.lean`
-    and the connections of :mod:`asgi_generate.server.hypercorn.asyncio_serve` and
-    :mod:`asgi_generate.server.hypercorn.trio_serve`."""
-    hypercorn_lean.install()
-    hypercorn_asyncio.install()
-    hypercorn_trio.install()
-    protocol.H11Protocol = _H11Protocol
-    # h2's streams too: the disconnect watch (no guard task per stream) and
-    # ClientGone; a _Continue reaches H2Protocol.stream_send, which sends
-    # nothing for an event it does not know (hypercorn sends no 100 on h2).
-    stream_class = _HTTPStream if send_errors else _LazyContinueStream
-    protocol_h11.HTTPStream = stream_class
-    protocol_h2.HTTPStream = stream_class

@@ -1,8 +1,10 @@
 """Leaner per-connection objects for hypercorn's worker classes (hypercorn
-0.18.0), installed by :func:`install` (from
-:func:`asgi_generate.server.hypercorn.fixes.install`). An open SSE stream keeps its
-client connection's objects for its whole life; each saving below is
-measured per stream by bench/bench_streams.py (its README section).
+0.18.0), used by the connections of
+:mod:`asgi_generate.server.hypercorn.asyncio_serve` and
+:mod:`asgi_generate.server.hypercorn.trio_serve` (and installed with them by
+:func:`asgi_generate.server.hypercorn.patches.install`). An open SSE stream
+keeps its client connection's objects for its whole life; the bytes saved
+per object are tracemalloc's (bench/README.md, "hypercorn's patches").
 
 asyncio:
 
@@ -13,56 +15,33 @@ asyncio:
   (``TaskGroup.spawn_app`` in ``hypercorn/asyncio/task_group.py``) and one
   ``asyncio.Event`` (``H11Protocol.can_read``, from
   ``WorkerContext.event_class`` in ``hypercorn/asyncio/worker_context.py``):
-  about 3.4 KB. :class:`AppQueue` and :class:`LeanEvent` keep the same
-  behaviour in lists that stay empty, and a future only while someone waits.
-  The two helpers hypercorn makes per request for the app call (a thread
-  spawner and a loop caller) are made once per loop (:func:`loop_calls`).
-  The connection itself is :mod:`asgi_generate.server.hypercorn.asyncio_serve`'s.
-
-both:
-
-- h11 keeps an empty ``set`` of protocol-switch proposals per connection,
-  and makes a new one for every response:
-  :class:`asgi_generate.workers.h11_state.LeanConnectionState` shares one empty
-  frozenset.
-- The scope's ``client`` and ``server`` tuples: :func:`socket_addresses`
-  interns the client's host and shares one server tuple per local address.
+  :class:`AppQueue` (3.1 KB less) and :class:`LeanEvent` (0.9 KB less) keep
+  the same behaviour in lists that stay empty, and a future only while
+  someone waits.
 
 trio:
 
 - hypercorn hands the app its messages through a trio memory channel
   (``TaskGroup.spawn_app`` in ``hypercorn/trio/task_group.py``): a channel
   state with a deque and two ordered dicts, and two channel ends each with a
-  set, about 1.6 KB. :class:`TrioAppQueue` keeps lists of items and of
-  parked tasks.
-- A ``trio.Lock`` (a parking lot and its ordered dict, about 340 bytes)
-  guards each connection's writes, another its keep-alive task holder
-  (``TrioSingleTask``, 430 bytes in all), and a ``trio.Event`` behind a
-  wrapper (``EventWrapper``, 360 bytes) is H11Protocol's ``can_read``:
-  :class:`TrioLock`, :class:`TrioSingleTask` and :class:`TrioEvent` keep a
-  list of parked tasks only while one waits.
-- The connection itself (which reads under no deadline without a
-  ``read_timeout``) is :mod:`asgi_generate.server.hypercorn.trio_serve`'s.
+  set. :class:`TrioAppQueue` keeps lists of items and of parked tasks
+  (1.6 KB less).
+- A ``trio.Lock`` (a parking lot and its ordered dict) guards each
+  connection's writes, another its keep-alive task holder
+  (``TrioSingleTask``), and a ``trio.Event`` behind a wrapper
+  (``EventWrapper``) is H11Protocol's ``can_read``: :class:`TrioLock`,
+  :class:`TrioSingleTask` and :class:`TrioEvent` keep a list of parked tasks
+  only while one waits (0.9 KB less for the three).
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
-import weakref
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import trio
-from hypercorn import protocol as hc_protocol
-from hypercorn.asyncio import run as asyncio_run
 from hypercorn.asyncio.worker_context import WorkerContext
-from hypercorn.events import Event, RawData
-from hypercorn.protocol.h2 import H2Protocol
-from hypercorn.protocol.h11 import H2CProtocolRequiredError, H2ProtocolAssumedError
-from hypercorn.trio import run as trio_run
-from hypercorn.utils import parse_socket_addr
 from hypercorn.trio import worker_context as trio_worker_context
 
 
@@ -170,91 +149,10 @@ class LeanEvent:
         return self._set
 
 
-class _LoopCalls:
-    """The ``sync_spawn`` and ``call_soon`` hypercorn hands every app call,
-    made once per event loop rather than per request (two closures, about
-    320 bytes of each open stream)."""
+class AsyncioWorkerContext(WorkerContext):
+    """hypercorn's asyncio worker context with :class:`LeanEvent` for the
+    events its protocols make per connection (``H11Protocol.can_read``)."""
 
-    __slots__ = ("loop", "sync_spawn")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.sync_spawn = partial(loop.run_in_executor, None)
-
-    def call_soon(self, func: Callable, *args: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(func(*args), self.loop).result()
-
-
-#: One :class:`_LoopCalls` per live event loop.
-_LOOP_CALLS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopCalls]" = weakref.WeakKeyDictionary()
-
-
-def loop_calls(loop: asyncio.AbstractEventLoop) -> _LoopCalls:
-    """The :class:`_LoopCalls` of ``loop``, made on first use."""
-    calls = _LOOP_CALLS.get(loop)
-    if calls is None:
-        calls = _LOOP_CALLS[loop] = _LoopCalls(loop)
-    return calls
-
-
-#: Local addresses kept to be shared (a server listens on few).
-LOCAL_ADDRESSES_KEPT = 64
-_local_addresses: dict[tuple, tuple] = {}
-
-
-def socket_addresses(sock: Any) -> tuple[tuple | None, tuple | None]:
-    """The scope's ``client`` and ``server`` of a connected socket, as
-    hypercorn's ``parse_socket_addr`` gives them, with the client's host
-    string interned and the server's tuple shared by every connection to
-    the same local address (a tuple and a string fewer per connection).
-
-    Raises:
-        OSError: the socket is no longer connected.
-    """
-    client = parse_socket_addr(sock.family, sock.getpeername())
-    server = parse_socket_addr(sock.family, sock.getsockname())
-    if client is not None:
-        client = (sys.intern(client[0]), client[1])
-    if server is not None:
-        shared = _local_addresses.get(server)
-        if shared is not None:
-            server = shared
-        elif len(_local_addresses) < LOCAL_ADDRESSES_KEPT:
-            _local_addresses[server] = server
-    return client, server
-
-
-def new_protocol(alpn: str | None, owner: Any, conn: Any, ssl: bool, client: tuple | None,
-                 server: tuple | None, send: Callable) -> Any:
-    """What hypercorn's ``ProtocolWrapper`` (``hypercorn/protocol/__init__.py``)
-    wraps, without the wrapper (~250 bytes of every connection): an
-    ``H2Protocol`` for ALPN ``h2``, else an ``H11Protocol`` (the patched one
-    :mod:`asgi_generate.server.hypercorn.fixes` installs). ``owner`` has the
-    ``app``, ``config``, ``context`` and ``state``; ``conn`` is the task
-    group, and :func:`handle` its events."""
-    cls = H2Protocol if alpn == "h2" else hc_protocol.H11Protocol
-    return cls(owner.app, owner.config, owner.context, conn, owner.state, ssl, client, server, send)
-
-
-async def handle(conn: Any, event: Event, owner: Any, ssl: bool, send: Callable) -> None:
-    """``conn.protocol.handle(event)`` as ``ProtocolWrapper.handle`` does it:
-    HTTP/1.1 turning into h2 (prior knowledge, or an ``h2c`` upgrade) gets
-    ``conn.protocol`` replaced by an ``H2Protocol``, which then takes the
-    rest of the data (arguments as for :func:`new_protocol`)."""
-    try:
-        await conn.protocol.handle(event)
-    except (H2ProtocolAssumedError, H2CProtocolRequiredError) as error:
-        old = conn.protocol
-        conn.protocol = new_protocol("h2", owner, conn, ssl, old.client, old.server, send)
-        if isinstance(error, H2CProtocolRequiredError):
-            await conn.protocol.initiate(error.headers, error.settings)
-        else:
-            await conn.protocol.initiate()
-        if error.data != b"":
-            await conn.protocol.handle(RawData(data=error.data))
-
-
-class _AsyncioWorkerContext(WorkerContext):
     event_class = LeanEvent
 
 
@@ -388,13 +286,8 @@ class TrioSingleTask(trio_worker_context.TrioSingleTask):
         self._lock = TrioLock()
 
 
-class _TrioWorkerContext(trio_worker_context.WorkerContext):
+class TrioWorkerContext(trio_worker_context.WorkerContext):
+    """hypercorn's trio worker context with :class:`TrioEvent` for the
+    events its protocols make per connection (``H11Protocol.can_read``)."""
+
     event_class = TrioEvent
-
-
-def install() -> None:
-    """Make hypercorn's worker contexts use the lean events (idempotent);
-    the connections of :mod:`asgi_generate.server.hypercorn.asyncio_serve` and
-    :mod:`asgi_generate.server.hypercorn.trio_serve` use the rest."""
-    asyncio_run.WorkerContext = _AsyncioWorkerContext
-    trio_run.WorkerContext = _TrioWorkerContext

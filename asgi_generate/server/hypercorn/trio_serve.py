@@ -1,6 +1,6 @@
 """hypercorn's trio connection (hypercorn 0.18.0, ``TCPServer`` in
 ``hypercorn/trio/tcp_server.py``) in one task with no nursery of its own,
-installed by :func:`install` (from :func:`asgi_generate.server.hypercorn.fixes.install`).
+installed by :func:`asgi_generate.server.hypercorn.patches.install`.
 
 hypercorn runs each connection's task under a nursery of its own (its trio
 ``TaskGroup``) for the app call and the keep-alive task: a nursery, its
@@ -18,8 +18,7 @@ stream: 14.9 KB before, 8.9 KB after (bench/README.md, "The client
 connection").
 
 Kept from hypercorn: the TLS handshake and its timeout, ALPN and the h2
-protocols (hypercorn's ``ProtocolWrapper``'s work, without the wrapper:
-:func:`asgi_generate.server.hypercorn.lean.new_protocol`), ``read_timeout`` when set (reads
+protocols (hypercorn's ``ProtocolWrapper``), ``read_timeout`` when set (reads
 through ``SocketStream.receive_some`` then, and over TLS), the
 keep-alive task, the send lock, ``Closed`` for writes that fail, and (bug 1
 of :mod:`asgi_generate.server.hypercorn.fixes`) no keep-alive wait once the client's
@@ -35,8 +34,9 @@ from typing import Any
 
 import trio
 from hypercorn.events import Closed, Event, RawData, Updated
-from hypercorn.trio import run as trio_run
+from hypercorn.protocol import ProtocolWrapper
 from hypercorn.trio import tcp_server as trio_tcp_server
+from hypercorn.utils import parse_socket_addr
 
 from . import lean as hypercorn_lean
 from ...workers.sockets import recv_nowait
@@ -56,7 +56,7 @@ class TCPServer(trio_tcp_server.TCPServer):
         self.context = context
         self.state = state
         self.stream = stream
-        self.protocol: Any = None  # H11Protocol or H2Protocol (hypercorn_lean.new_protocol)
+        self.protocol: ProtocolWrapper | None = None
         self.send_lock = hypercorn_lean.TrioLock()
         self.idle_task = hypercorn_lean.TrioSingleTask()
         self._task_group = self
@@ -78,8 +78,10 @@ class TCPServer(trio_tcp_server.TCPServer):
             alpn, sock, ssl = "http/1.1", stream.socket, False
         self._nursery = trio.lowlevel.current_task().parent_nursery
         try:
-            client, server = hypercorn_lean.socket_addresses(sock)
-            self.protocol = hypercorn_lean.new_protocol(alpn, self, self, ssl, client, server, self.protocol_send)
+            client = parse_socket_addr(sock.family, sock.getpeername())
+            server = parse_socket_addr(sock.family, sock.getsockname())
+            self.protocol = ProtocolWrapper(self.app, self.config, self.context, self, self.state, ssl,
+                                            client, server, self.protocol_send, alpn)
             await self.protocol.initiate()
             await self.idle_task.restart(self, self._idle_timeout)
             timeout = self.config.read_timeout
@@ -106,7 +108,7 @@ class TCPServer(trio_tcp_server.TCPServer):
                             data = await stream.receive_some(MAX_RECV)
                 except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError, OSError):
                     break
-                await hypercorn_lean.handle(self, RawData(bytes(data)), self, ssl, self.protocol_send)
+                await self.protocol.handle(RawData(bytes(data)))
                 if not data:
                     break
             await self.protocol.handle(Closed())
@@ -179,9 +181,3 @@ class TCPServer(trio_tcp_server.TCPServer):
             if self._waiters is None:
                 self._waiters = []
             await hypercorn_lean.park(self._waiters)
-
-
-def install() -> None:
-    """Make hypercorn's trio worker serve connections with :class:`TCPServer`
-    (idempotent)."""
-    trio_run.TCPServer = TCPServer

@@ -1,0 +1,45 @@
+"""An ASGI app that shows what each request sees of the lifespan state,
+served by :func:`asgi_generate.server.serving.run` (hypercorn with our
+patches): ``python tests/state_app.py --fd FD --worker-class CLASS``.
+
+Its lifespan sets ``started`` in the state; ``GET /mutate`` adds
+``mutated`` to its request's ``scope["state"]``; every answer is the JSON
+list of the state's keys as its request saw them, before any change."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from asgi_generate.server.serving import WORKER_CLASSES, hypercorn_config, run
+
+
+async def app(scope: dict, receive, send) -> None:
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                scope["state"]["started"] = True
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    state = scope["state"]
+    body = json.dumps(sorted(state)).encode()
+    if scope["path"] == "/mutate":
+        state["mutated"] = True
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fd", type=int, required=True, help="an inherited listening socket")
+    parser.add_argument("--worker-class", choices=WORKER_CLASSES, required=True)
+    args = parser.parse_args()
+    run(app, hypercorn_config(fd=args.fd, graceful_timeout=1.0, log_level="warning"), args.worker_class)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""hypercorn's patches (asgi_generate.server.hypercorn.patches): checked
+against the installed hypercorn and installed all together, or, on any
+mismatch, not at all: one WARNING naming it, and hypercorn as released with
+a guard task per request. And the lifespan state: a copy per request on
+every worker class."""
+
+from __future__ import annotations
+
+import configparser
+import importlib
+import logging
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import h11
+import httpx
+import orjson
+import pytest
+
+from asgi_generate.server.hypercorn import patches
+from hypercorn_mismatch import MISMATCHES, apply, environment
+from support import RawClient, listening_socket, post, start_frontend, start_sim, stats, wait_until
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+WARNING = ("hypercorn patches not installed: {}; serving with stock hypercorn (a guard task per request, "
+           "the bugs of asgi_generate/server/hypercorn/UPSTREAM.md unfixed)")
+
+
+def _replaced() -> dict:
+    """What each global the patches replace holds now."""
+    return {(module, name): getattr(importlib.import_module(module), name) for module, name in patches.REPLACED}
+
+
+def test_the_pinned_hypercorn_matches_the_patches():
+    assert patches.mismatches() == []
+
+
+def test_setup_cfg_pins_the_releases_the_patches_were_written_for():
+    cfg = configparser.ConfigParser()
+    cfg.read(HERE.parent / "setup.cfg")
+    requires = [line.strip() for line in cfg["options"]["install_requires"].splitlines()]
+    assert [r for r in requires if r.startswith("hypercorn")] == ["hypercorn" + patches.SUPPORTED]
+
+
+def test_mismatches_name_every_difference(monkeypatch):
+    for kind in MISMATCHES:
+        apply(kind, monkeypatch.setattr, monkeypatch.delattr)
+    import hypercorn.protocol.h2 as protocol_h2
+    from hypercorn.protocol.http_stream import HTTPStream
+
+    monkeypatch.setattr(protocol_h2, "HTTPStream", type("SomeoneElses", (HTTPStream,), {}))
+    assert patches.mismatches() == [
+        MISMATCHES["version"][1], MISMATCHES["signature"][1], MISMATCHES["missing"][1],
+        "hypercorn.protocol.h2.HTTPStream is not hypercorn.protocol.http_stream.HTTPStream",
+    ]
+
+
+def test_a_patch_module_that_no_longer_loads_is_a_mismatch(monkeypatch):
+    import hypercorn.protocol.events as events
+
+    monkeypatch.delattr(events, "EndBody")
+    monkeypatch.delitem(sys.modules, "asgi_generate.server.hypercorn.fixes", raising=False)  # loaded afresh
+    [found] = patches.mismatches()
+    assert found.startswith("asgi_generate.server.hypercorn.fixes does not import: "
+                            "cannot import name 'EndBody' from 'hypercorn.protocol.events'")
+
+
+def test_a_mismatch_patches_nothing_and_warns_once(monkeypatch, caplog):
+    monkeypatch.setattr(patches, "_installed", None)
+    apply("signature", monkeypatch.setattr, monkeypatch.delattr)
+    before = _replaced()
+    with caplog.at_level(logging.WARNING, logger="asgi_generate.server.hypercorn"):
+        assert patches.install(send_errors=True) is False
+        assert patches.install(send_errors=False) is False
+    assert _replaced() == before
+    assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("asgi_generate.server.hypercorn", "WARNING", WARNING.format(MISMATCHES["signature"][1]))]
+
+
+def test_importing_the_server_patches_nothing():
+    # Only the entry points install (serving.run, and the hypercorn entry
+    # module asgi.py, whose import is hypercorn loading the app).
+    code = """if True:
+        import importlib, pkgutil
+        import asgi_generate.server as server
+        from asgi_generate.server.hypercorn import patches
+        for info in pkgutil.walk_packages(server.__path__, "asgi_generate.server."):
+            if info.name != "asgi_generate.server.asgi":
+                importlib.import_module(info.name)
+        print(all(getattr(importlib.import_module(module), name) is patches._resolve(original)
+                  for (module, name), original in patches.REPLACED.items()))
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True"], out.stderr
+
+
+# -- a frontend under a hypercorn the patches do not match ------------------------
+
+
+@pytest.fixture(scope="module")
+def slow_sim():
+    # The engine's own abort of a vanished client waits 60 s: a job that
+    # stops was stopped by the frontend's abort.
+    sim = start_sim(ttft_ms=50, itl_ms=40, extra=["--disconnect-abort-s", "60"])
+    yield sim
+    sim.stop()
+
+
+def _statuses_for_an_upload_over_the_cap(url: str) -> list[int]:
+    """The statuses answered to a head that announces a body over the
+    frontend's 1,000-byte cap and expects ``100 Continue`` (no body sent)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = h11.Connection(h11.CLIENT)
+    statuses: list[int] = []
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(conn.send(h11.Request(method="POST", target="/generate", headers=[
+            ("host", "127.0.0.1"), ("content-type", "application/json"), ("content-length", "2000"),
+            ("expect", "100-continue")])))
+        while not statuses or statuses[-1] < 200:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(sock.recv(65536))
+            elif isinstance(event, (h11.InformationalResponse, h11.Response)):
+                statuses.append(event.status_code)
+    return statuses
+
+
+def _serves_as_released(url: str, sim) -> None:
+    ok = post(url, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}})
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 3
+    # hypercorn's own early 100 (UPSTREAM.md): not patched, not half-patched.
+    assert _statuses_for_an_upload_over_the_cap(url) == [100, 413]
+    # A client that leaves mid-stream: its request's guard task sees the
+    # disconnect on receive(), and the engine is aborted.
+    running = set(stats(sim)["running_rids"])
+    client = RawClient(url)
+    client.send(orjson.dumps({"input_ids": [3, 4, 5], "stream": True,
+                              "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}))
+    assert len(client.events(2)) == 2 and client.status == 200
+    [rid] = set(stats(sim)["running_rids"]) - running
+    client.close()
+    wait_until(lambda: rid in stats(sim)["aborted_rids"])
+
+
+def _patch_warnings(log: str) -> list[str]:
+    return [line for line in log.splitlines() if "hypercorn patches" in line]
+
+
+@pytest.mark.parametrize("kind,worker_class", [("missing", "trio"), ("signature", "asyncio"), ("version", "uvloop")])
+def test_a_mismatched_hypercorn_serves_as_released_after_one_warning(slow_sim, tmp_path, kind, worker_class):
+    fe = start_frontend([f"sglang={slow_sim.url}"], worker_class=worker_class, extra=["--max-body-bytes", "1000"],
+                        env=environment(kind, tmp_path))
+    try:
+        _serves_as_released(fe.url, slow_sim)
+    finally:
+        fe.stop()
+    [line] = _patch_warnings(fe.log_path.read_text())
+    assert line.endswith(" WARNING asgi_generate.server.hypercorn: " + WARNING.format(MISMATCHES[kind][1]))
+
+
+def test_hypercorn_run_yourself_under_a_mismatch_warns_once_and_serves(slow_sim, tmp_path):
+    sock = listening_socket()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    env = {**os.environ, **environment("version", tmp_path), "ASGI_GENERATE_WORKERS": f"sglang={slow_sim.url}",
+           "ASGI_GENERATE_MAX_BODY_BYTES": "1000", "ASGI_GENERATE_HEALTH_INTERVAL": "0.2"}
+    log = tmp_path / "hypercorn.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "hypercorn", "-k", "trio", "-b", f"fd://{sock.fileno()}",
+                                 "asgi_generate.server.asgi:app"], pass_fds=[sock.fileno()], env=env,
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    sock.close()
+    try:
+        wait_until(lambda: _get(url + "/health") == 200, timeout=30)
+        _serves_as_released(url, slow_sim)
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    [line] = _patch_warnings(log.read_text())
+    assert line.endswith(" [WARNING] asgi_generate.server.hypercorn: " + WARNING.format(MISMATCHES["version"][1]))
+
+
+def _get(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=1).status_code
+    except httpx.HTTPError:
+        return None
+
+
+# -- the lifespan state ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio", "uvloop"])
+def test_each_request_gets_its_own_copy_of_the_lifespan_state(worker_class):
+    sock = listening_socket()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    proc = subprocess.Popen([sys.executable, str(HERE / "state_app.py"), "--fd", str(sock.fileno()),
+                             "--worker-class", worker_class], pass_fds=[sock.fileno()], stdin=subprocess.DEVNULL)
+    sock.close()
+    try:
+        wait_until(lambda: _get(url + "/look") == 200, timeout=30)
+        with httpx.Client(timeout=10) as one, httpx.Client(timeout=10) as other:  # a connection each
+            assert one.get(url + "/mutate").json() == ["started"]
+            assert other.get(url + "/look").json() == ["started"]
+            assert one.get(url + "/look").json() == ["started"]
+    finally:
+        proc.terminate()
+        proc.wait(20)
