@@ -7,17 +7,15 @@ uvloop worker classes alike, whether ``asgi-generate serve`` or a
 hypercorn serves each connection with a ``StreamReader``/``StreamWriter``
 pair (``asyncio.start_server`` in ``hypercorn/asyncio/run.py``) and a task
 that loops reading it (``TCPServer`` in ``hypercorn/asyncio/tcp_server.py``),
-under an ``asyncio.TaskGroup``, with a send lock and a keep-alive task. With
-:class:`Connection` instead (and :mod:`asgi_generate.server.hypercorn.lean`'s
-objects), the client connection's Python allocations per open SSE stream
-went from 12.6 to 6.6 KB (bench/bench_streams.py; bench/README.md, "The
-client connection"). :class:`Connection` is the
-same connection as a protocol: the transport calls it with the bytes read,
-it writes with ``transport.write`` and waits only while the transport has
-paused writing (a full socket buffer). hypercorn's protocol classes
-(``H11Protocol``, ``H2Protocol`` for ``h2`` by ALPN or upgrade, in
-hypercorn's ``ProtocolWrapper``, with
-:mod:`asgi_generate.server.hypercorn.fixes`' changes) are driven as before.
+under an ``asyncio.TaskGroup``, with a send lock and a keep-alive task.
+:class:`Connection` instead holds about 5.5 KB less per open SSE stream
+(UPSTREAM.md, "Per-connection memory"). It is the same connection as a
+protocol: the transport calls it with the bytes read, it writes with
+``transport.write`` and waits only while the transport has paused writing
+(a full socket buffer). hypercorn's protocol classes (``H11Protocol``,
+``H2Protocol`` for ``h2`` by ALPN or upgrade, in hypercorn's
+``ProtocolWrapper``, with :mod:`asgi_generate.server.hypercorn.fixes`'
+changes) are driven as before.
 
 Their ``handle()`` is a coroutine that nearly always finishes without
 suspending: :func:`_step` runs it to its end right in the transport's

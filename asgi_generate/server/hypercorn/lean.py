@@ -4,7 +4,7 @@
 :mod:`asgi_generate.server.hypercorn.trio_serve` (and installed with them by
 :func:`asgi_generate.server.hypercorn.patches.install`). An open SSE stream
 keeps its client connection's objects for its whole life; the bytes saved
-per object are tracemalloc's (bench/README.md, "hypercorn's patches").
+per object are tracemalloc's (UPSTREAM.md, "Per-connection memory").
 
 asyncio:
 

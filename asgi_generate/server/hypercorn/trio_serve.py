@@ -13,9 +13,8 @@ deadline), counts them, and waits for them before it closes the socket, as
 hypercorn's nursery did; it reads in ``run``'s own frame, on plain TCP with
 ``wait_readable`` and the socket's ``recv`` rather than
 ``SocketStream.receive_some`` (about 1.7 KB of frames and context managers
-per parked read). The client connection's Python allocations per open SSE
-stream: 14.9 KB before, 8.9 KB after (bench/README.md, "The client
-connection").
+per parked read): about 3.7 KB less per open SSE stream (UPSTREAM.md,
+"Per-connection memory").
 
 Kept from hypercorn: the TLS handshake and its timeout, ALPN and the h2
 protocols (hypercorn's ``ProtocolWrapper``), ``read_timeout`` when set (reads
