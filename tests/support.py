@@ -35,11 +35,10 @@ CONTINUATION = [
 
 @functools.lru_cache(maxsize=1)
 def _sim_model():
-    from asgi_generate.sim.model import Model
     from asgi_generate.sim.tokenizer import SimTokenizer
 
     tok = SimTokenizer()
-    return Model(tok.vocab_size, tok.eos_id, tok.num_special), tok.eos_id
+    return tok.model(), tok.eos_id
 
 
 def sampled(prompt: list[int], sample: int, count: int, ignore_eos: bool = False) -> list[int]:
@@ -318,6 +317,20 @@ def trace_lines(pattern: str) -> list[bytes]:
 def trace_records(pattern: str) -> list[dict]:
     """The records of :func:`trace_lines`."""
     return [orjson.loads(line) for line in trace_lines(pattern)]
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (from /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02):

@@ -32,12 +32,11 @@ import httpx
 import orjson
 import pytest
 
-from asgi_generate.sim.model import Model
 from asgi_generate.sim.tokenizer import SimTokenizer
 from support import post, sse, start_frontend, start_sim, without_timing
 
 PROMPT = [785, 2226, 374, 220, 19, 1010, 77, 3000]
-EOS_PROMPT = [100, 42]  # its greedy answer ends with EOS at token 20
+EOS_PROMPT = [243, 42]  # its greedy answer ends with EOS at token 20
 LAYERS_TOPK = 4 * 2  # the simulator's num_layers * experts_topk
 TOK = SimTokenizer()
 
@@ -121,7 +120,7 @@ def test_token_ids_logprob_rows(frontend, sims, stream):
         assert [e[2] for e in row] == [TOK.piece(i) for i in ids]
         assert all(type(e[0]) is float and e[0] < 0 for e in row)
     # The row is the model's logprob of each id at that position.
-    model = Model(TOK.vocab_size, TOK.eos_id, TOK.num_special)
+    model = TOK.model()
     assert meta["input_token_ids_logprobs"][3][1][0] == model.logprob(model.fold(PROMPT[:3]), 7)
 
 
@@ -359,3 +358,15 @@ def test_stream_interval_deltas_keep_logprobs_aligned(chunky):
 def test_request_stream_interval_overrides_the_servers(frontend, sims):
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 7, "ignore_eos": True, "stream_interval": 2}}
     assert [len(e["output_ids"]) for e in both_sse(frontend, sims[0], body)] == [1, 3, 5, 7]
+
+
+def test_the_readmes_first_answer_is_whole_words(frontend, sims):
+    """The simulated model never picks a lone byte of a multi-byte character
+    (its text alone would be U+FFFD)."""
+    out = ok(frontend, sims[0], {"text": "Hello", "sampling_params": {"max_new_tokens": 8}})
+    assert (out["text"], out["output_ids"]) == (
+        "annotationflict only length KeyError col reset follow", [2693, 2960, 1030, 1697, 1616, 1066, 3080, 1241])
+    long = ok(frontend, sims[0], {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True,
+                                                                           "n": 1}})
+    assert "\ufffd" not in long["text"] and not set(long["output_ids"]) & TOK.partial_ids()
+    assert len(TOK.partial_ids()) == 128

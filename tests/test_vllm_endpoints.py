@@ -182,7 +182,7 @@ def test_n_choices_stream(served):
     status, chunks = ask(served, body)
     assert status == 200
     assert [(c["choices"][0]["index"], c["choices"][0]["token_ids"]) for c in chunks[:-1]] == [
-        (0, [2358]), (1, [3390]), (0, [1262]), (1, [101])]
+        (0, [2358]), (1, [3390]), (0, [1262]), (1, [2856])]
     assert chunks[-1]["usage"] == {"prompt_tokens": 4, "total_tokens": 8, "completion_tokens": 4}
 
 

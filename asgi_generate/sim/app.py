@@ -48,7 +48,6 @@ from .disagg import DEFAULT_TIMEOUT_S, DecodeKV, PrefillRooms
 from .kvconnector import DEFAULT_EXPIRY_S, KVConsumer, KVProducer
 from .admin import SimAdmin
 from .engine import SimEngine, SimFault
-from .model import Model
 from .sglang import SGLangProtocol
 from .tokenizer import SimTokenizer
 from .vllm import VLLMProtocol, error
@@ -150,7 +149,7 @@ class SimApp:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
         self.tokenizer = SimTokenizer()
-        model = Model(self.tokenizer.vocab_size, self.tokenizer.eos_id, self.tokenizer.num_special)
+        model = self.tokenizer.model()
         script = (*self.tokenizer.encode(MARKER_TEXT), self.tokenizer.eos_id) if emit_markers else ()
         self.engine = SimEngine(
             model, ttft_ms / 1000.0, itl_ms / 1000.0,

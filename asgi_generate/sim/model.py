@@ -69,6 +69,10 @@ class Model:
             ``eos_id``.
         eos_period: on average one step in this many picks ``eos_id``.
         num_layers, num_experts, experts_topk: the shape of routed-expert rows.
+        unsampled: ordinary ids the model never picks, nor ranks among its
+            candidates: the tokenizer's partial UTF-8 byte tokens, whose text
+            alone is U+FFFD (:meth:`SimTokenizer.partial_ids`), so every
+            answer's text is whole characters.
     """
 
     def __init__(
@@ -81,6 +85,7 @@ class Model:
         num_layers: int = 4,
         num_experts: int = 16,
         experts_topk: int = 2,
+        unsampled: frozenset[int] = frozenset(),
     ) -> None:
         self.vocab_size = vocab_size
         self.eos_id = eos_id
@@ -89,6 +94,7 @@ class Model:
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.experts_topk = experts_topk
+        self.unsampled = unsampled
         self._cache: dict[int, Step] = {}
 
     @staticmethod
@@ -132,7 +138,7 @@ class Model:
             i += 1
             r = _mix(state, i)
             tok = self.num_special + r % ordinary
-            if tok in seen:
+            if tok in seen or tok in self.unsampled:  # drawn again: the same draws, minus those
                 continue
             seen.add(tok)
             if cands:

@@ -9,6 +9,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from ..assets import TOKENIZER_PATH
+from .model import Model
 
 EOS_TOKEN = "<|im_end|>"
 
@@ -38,6 +39,16 @@ class SimTokenizer:
         # The model never samples specials except EOS; they sit at the start.
         self.num_special = max(specials) + 1 if specials else 0
         self._pieces = [self._tok.decode([i], skip_special_tokens=False) for i in range(self.vocab_size)]
+
+    def partial_ids(self) -> frozenset[int]:
+        """Ordinary ids whose text alone is not whole characters (a byte-level
+        BPE's lone bytes 0x80-0xFF: U+FFFD when decoded by themselves)."""
+        return frozenset(i for i in range(self.num_special, self.vocab_size) if "\ufffd" in self._pieces[i])
+
+    def model(self) -> Model:
+        """The simulator's model over this vocabulary: EOS ``<|im_end|>``,
+        never a special token or a partial byte (:meth:`partial_ids`)."""
+        return Model(self.vocab_size, self.eos_id, self.num_special, unsampled=self.partial_ids())
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added)."""
