@@ -14,6 +14,7 @@ variables); :meth:`Settings.check` is what both run before anything starts.
 
 from __future__ import annotations
 
+import difflib
 import os
 import pathlib
 import ssl
@@ -22,6 +23,7 @@ from functools import partial
 from typing import Any, Callable, Mapping, get_type_hints
 from urllib.parse import urlsplit
 
+from .sdk import MAX_REQUEST_ITEMS
 from .worker_specs import parse_worker_spec, read_workers_file
 
 ENV_PREFIX = "ASGI_GENERATE_"
@@ -222,6 +224,10 @@ class Settings:
     slow_client_timeout: float = setting(
         30.0, unit="s", gt=0,
         help="seconds a client may leave a write untaken before it is cut off and the engine aborted")
+    max_request_items: int = setting(
+        MAX_REQUEST_ITEMS, gt=0, metavar="N",
+        help="items one request may carry (an SGLang batch's prompts times n, a vLLM request's n); more get "
+             "the format's 400 before any engine sees them")
     prefill: list[tuple[str, str]] = _workers(
         "prefill",
         help="a P/D prefill worker, e.g. sglang=http://127.0.0.1:30000?bootstrap_port=8998 "
@@ -386,13 +392,17 @@ class Settings:
 
         Raises:
             ValueError: a variable does not parse, or an ``ASGI_GENERATE_*``
-                variable names no setting (a typo would otherwise be ignored).
+                variable names no setting (a typo would otherwise be
+                ignored): the nearest known name is suggested (difflib).
         """
         known = {s.env: s for s in SETTINGS.values()}
         old = {var: s for s in SETTINGS.values() for var in s.old_envs}
         unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known and k not in old)
         if unknown:
-            raise ValueError(f"unknown variable {unknown[0]} (known: {', '.join(known)})")
+            names = [var.removeprefix(ENV_PREFIX) for var in [*known, *old]]  # the prefix matches them all
+            near = difflib.get_close_matches(unknown[0].removeprefix(ENV_PREFIX), names, n=1)
+            hint = f"did you mean {ENV_PREFIX}{near[0]}?" if near else "no setting has a name like it"
+            raise ValueError(f"unknown variable {unknown[0]}: {hint} (asgi-generate serve --help lists the settings)")
         values: dict[str, Any] = {}
         # Old names first, so that the new name wins when both are set.
         for var, s in [*old.items(), *known.items()]:

@@ -42,7 +42,7 @@ class _NoMetrics:
     def request_started(self) -> None:
         pass
 
-    def request_ended(self) -> None:
+    def request_ended(self, st) -> None:
         pass
 
     def request_finished(self, st) -> None:
@@ -70,7 +70,7 @@ def metrics_us() -> tuple[float, float]:
 
     def one() -> None:
         recorder.request_started()
-        recorder.request_ended()
+        recorder.request_ended(st)
         recorder.request_finished(st)
 
     with_metrics = per_request_us(one)

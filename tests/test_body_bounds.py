@@ -155,7 +155,7 @@ def settled_records(fe) -> int:
     """How many records there are once every finished request's record is
     written (the writer lags behind the answers)."""
     deadline = time.monotonic() + 5
-    while (n := len(records(fe))) != fe_stats(fe)["requests"]:
+    while (n := len(records(fe))) != fe_stats(fe)["request_items"]:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     return n

@@ -84,7 +84,7 @@ def test_200_streams_half_disconnected(itl_sims):
         aborted = sum(len(stats(s)["aborted_rids"]) for s in itl_sims) - aborted_before
         assert aborted == 100
         assert sum(stats(s)["abort_requests"] for s in itl_sims) - abort_calls_before == 100
-        wait_until(lambda: httpx.get(fe.url + "/stats").json()["requests"] == 200)
+        wait_until(lambda: httpx.get(fe.url + "/stats").json()["request_items"] == 200)
         fe_stats = httpx.get(fe.url + "/stats").json()
         assert fe_stats["by_status"] == {"ok": 100, "client_disconnect": 100}
         assert fe_stats["aborts_sent"] == 100 and fe_stats["aborts_unacknowledged"] == 0

@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 import asgi_generate
-from support import Proc, RawClient, listening_socket, post, start_sim, wait_until
+from support import Proc, RawClient, children, listening_socket, post, start_sim, wait_until
 
 
 def _serve(args: list[str], health: str = "/health") -> Proc:
@@ -124,20 +124,6 @@ def _get_ok(url: str) -> bool:
 # -- signals and lifecycle ------------------------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    """The live child processes of ``pid`` (from /proc)."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(entry))
-    return kids
-
-
 def _gone(pid: int) -> bool:
     try:
         state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -162,8 +148,8 @@ def test_ctrl_c_to_the_process_group_lets_an_inflight_stream_finish(tmp_path, wo
         wait_until(lambda: _get_ok(url + "/health"), timeout=30)
         assert pid_file.read_text() == f"{proc.pid}\n"
         assert f"pid {proc.pid}, listening on {url}" in log_path.read_text()
-        descendants = _children(proc.pid)
-        descendants += [g for c in descendants for g in _children(c)]
+        descendants = children(proc.pid)
+        descendants += [g for c in descendants for g in children(c)]
         assert len(descendants) == 2 + (processes if processes > 1 else 0)  # one simulator per protocol
         client = RawClient(url)
         body = {"input_ids": [1, 2], "stream": True, "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}
@@ -277,12 +263,17 @@ def test_a_bad_sim_flag_is_one_line(args, line):
     assert (out.returncode, out.stderr) == (2, f"asgi-generate sim: error: {line} (see --help)\n")
 
 
-def test_an_unknown_variable_is_refused_naming_the_known_ones():
+@pytest.mark.parametrize("variable,hint", [
+    ("ASGI_GENERATE_WORKER", "did you mean ASGI_GENERATE_WORKERS?"),
+    ("ASGI_GENERATE_TRACE_QUEUE", "did you mean ASGI_GENERATE_TRACE_QUEUE_SIZE?"),
+    ("ASGI_GENERATE_READTIMEOUT", "did you mean ASGI_GENERATE_READ_TIMEOUT?"),
+    ("ASGI_GENERATE_ZZZ", "no setting has a name like it"),
+])
+def test_an_unknown_variable_is_refused_suggesting_the_nearest_name(variable, hint):
     out = subprocess.run([sys.executable, "-m", "asgi_generate", "serve", "--port", "0"], capture_output=True,
-                         text=True, timeout=30, env={**os.environ, "ASGI_GENERATE_WORKER": "sglang=http://h:1"})
-    assert out.returncode == 2 and out.stderr.count("\n") == 1
-    assert out.stderr.startswith("asgi-generate: unknown variable ASGI_GENERATE_WORKER (known: "
-                                 "ASGI_GENERATE_WORKERS, ASGI_GENERATE_MAX_BODY_BYTES, ")
+                         text=True, timeout=30, env={**os.environ, variable: "sglang=http://h:1"})
+    assert (out.returncode, out.stderr) == (
+        2, f"asgi-generate: unknown variable {variable}: {hint} (asgi-generate serve --help lists the settings)\n")
 
 
 def test_a_port_in_use_is_one_line_before_any_simulator_starts():
@@ -399,18 +390,18 @@ def test_the_processes_of_serve_workers_n_stop_when_the_supervisor_dies(tmp_path
     watch it themselves."""
     proc, url = _spawn(["asgi_generate", "serve", "--fd", "{fd}", "--workers", "2", "--embedded-workers", "1",
                         "--log-level", "warning"], start_new_session=True)
-    children: list[int] = []
+    kids: list[int] = []
     try:
         wait_until(lambda: _get_ok(url + "/health"), timeout=30)
-        children = _children(proc.pid)
-        assert len(children) == 4  # two frontend processes, a simulator per protocol
+        kids = children(proc.pid)
+        assert len(kids) == 4  # two frontend processes, a simulator per protocol
         proc.kill()
         proc.wait(10)
-        wait_until(lambda: all(_gone(p) for p in children), timeout=20)
+        wait_until(lambda: all(_gone(p) for p in kids), timeout=20)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-        for pid in children:  # in sessions of their own: nothing else reaches them
+        for pid in kids:  # in sessions of their own: nothing else reaches them
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -47,12 +47,16 @@ class FakeRecorder:
     def request_started(self) -> None:
         self.calls.append("started")
 
-    def request_ended(self) -> None:
+    def request_ended(self, st: RequestState) -> None:
         self.calls.append("ended")
 
     def request_finished(self, st: RequestState) -> None:
         self.calls.append(("finished", st.request_id, st.status, st.output_tokens))
         self.records.append(st)
+
+    async def items_finished(self, states: list[RequestState]) -> None:
+        for st in states:
+            self.request_finished(st)
 
 
 class FakeContext:
@@ -153,7 +157,7 @@ async def _serve(gen_class, ctx: FakeContext, body: dict, request_id: str = "r" 
     gen = gen_class(ctx, codec, codec.exchange(req, request_id), req, st, send)
     with anyio.fail_after(5):
         await gen.run()
-    finish_record(ctx, st)
+    await finish_record(ctx, st)
     return out, st
 
 
@@ -240,8 +244,8 @@ async def test_client_stream_ends_before_and_after_the_200_and_aborts_live_legs(
                    Attempt("b" * 32, "decode", "w0", worker=worker, live=False)]
     ctx.open_requests[st.request_id] = st
     await abort_live_legs(ctx, st)
-    finish_record(ctx, st)
-    finish_record(ctx, st)  # once per request
+    await finish_record(ctx, st)
+    await finish_record(ctx, st)  # once per request
     assert ctx.aborted == [("w0", "a" * 32)]
     assert [(a.live, a.abort_acked, a.outcome) for a in st.attempts] == [(False, True, "aborted"), (False, None, None)]
     assert ctx.open_requests == {}

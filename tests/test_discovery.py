@@ -120,7 +120,7 @@ class Fleet:
         """Every request sent was answered whole, and recorded once."""
         assert len(self.results) >= CLIENTS
         assert self.results == [(200, CONTINUATION[:TOKENS])] * len(self.results)
-        assert len(self.records) == len(self.results) == self.app.recorder.counters["requests"]
+        assert len(self.records) == len(self.results) == self.app.recorder.counters["request_items"]
         assert [st.status for st in self.records] == ["ok"] * len(self.records)
         assert all(len(st.attempts) == 1 for st in self.records)
 

@@ -136,7 +136,7 @@ class Traced:
     def settled(self) -> int:
         """Wait until every record of the requests served so far is written;
         return how many there are."""
-        served = httpx.get(self.url + "/stats", timeout=5).json()["requests"]
+        served = httpx.get(self.url + "/stats", timeout=5).json()["request_items"]
         wait_until(lambda: len(self.records()) >= served)
         return len(self.records())
 

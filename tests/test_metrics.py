@@ -177,7 +177,7 @@ def test_metrics_merged_across_worker_processes(tmp_path):
                 sent += 1
             with httpx.Client(timeout=10) as client:
                 stats = client.get(fe.url + "/stats").json()
-                per_pid[stats["pid"]] = stats["requests"]
+                per_pid[stats["pid"]] = stats["request_items"]
             if len(per_pid) == 2 and all(per_pid.values()):
                 break
         assert len(per_pid) == 2 and all(per_pid.values()), per_pid

@@ -118,3 +118,33 @@ def test_stream_chunks_carry_the_clients_index_and_id():
                                                     "index": 0}
     chunk["output_ids"] = [5, 6]  # cumulative: only the new id counts
     assert ex.feed(a, orjson.dumps(chunk)).token_ids == [6]
+
+
+@pytest.mark.parametrize("body,items", [
+    ({"input_ids": [1], "sampling_params": {"n": 4}}, 4),
+    ({"input_ids": [[1], [2]], "sampling_params": {"n": 2}}, 4),
+    ({"text": ["a", "b", "c", "d"]}, 4),
+])
+def test_a_request_may_carry_up_to_max_items(body, items):
+    codec = SGLangCodec()
+    codec.max_items = 4
+    assert len(codec.decode(orjson.dumps(body), {}).items) == items
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 1, "n": 100000}},
+     "The request carries 100000 items (1 prompts x n 100000), more than the 16384 this server allows per request "
+     "(--max-request-items)."),
+    ({"input_ids": [[1]] * 3, "sampling_params": {"n": 6000}},
+     "The request carries 18000 items (3 prompts x n 6000), more than the 16384 this server allows per request "
+     "(--max-request-items)."),
+    ({"text": ["x"] * 16385},
+     "The request carries 16385 items (16385 prompts x n 1), more than the 16384 this server allows per request "
+     "(--max-request-items)."),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_more_items_than_max_items_are_refused_before_any_is_made(body, message, stream):
+    with pytest.raises(RequestError) as err:
+        decode({**body, "stream": stream})
+    assert (err.value.status, err.value.message, err.value.in_band) == (400, message, stream)
+    assert CODEC.error_body(err.value) == orjson.dumps({"error": {"message": message}})

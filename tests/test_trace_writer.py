@@ -115,6 +115,52 @@ async def test_a_full_queue_drops_and_counts(tmp_path):
     assert tracer.dropped == {"queue_full": 3, "sink_error": 0, "build_error": 0, "closed": 0}
 
 
+def test_a_loss_is_logged_when_it_starts_then_at_most_every_minute(caplog, monkeypatch):
+    from asgi_generate.tracing import writer
+
+    now = [100.0]
+    monkeypatch.setattr(writer, "time", type("Clock", (), {"monotonic": staticmethod(lambda: now[0])}))
+    tracer = Tracer(Settings(trace_stderr=True, trace_queue_size=1))
+    with caplog.at_level(logging.WARNING, logger="asgi_generate.tracing"):
+        for i in range(1, 5):
+            tracer.submit(done(i))
+        now[0] += 59.0
+        tracer.submit(done(5))
+        now[0] += 1.0
+        tracer.submit(done(6))
+    so_far = "{'queue_full': %d, 'sink_error': 0, 'build_error': 0, 'closed': 0}"
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, f"trace: dropping records (1 queue_full now); dropped so far {so_far % 1}; see /stats trace"),
+        (logging.WARNING, f"trace: dropping records (1 queue_full now); dropped so far {so_far % 5}; see /stats trace"),
+    ]
+
+
+async def test_a_requests_items_wait_in_half_the_queue_and_singles_find_room(tmp_path):
+    """100 items through a 16-record queue (theirs: 8 at a time) while single
+    records arrive every 20 ms: every record is written, none dropped."""
+    tracer = Tracer(Settings(trace_file=str(tmp_path / "t.jsonl"), trace_queue_size=16))
+    assert tracer.items_share == 8
+    async with anyio.create_task_group() as tg:
+        await tg.start(tracer.run)
+        async with anyio.create_task_group() as requests:
+            requests.start_soon(tracer.submit_items, [done(i) for i in range(1000, 1100)])
+            for i in range(1, 31):
+                await anyio.sleep(0.02)
+                tracer.submit(done(i))
+        await tracer.close()
+    assert tracer.dropped == {"queue_full": 0, "sink_error": 0, "build_error": 0, "closed": 0}
+    written = sorted(int(r["request_id"], 16) for r in lines(tmp_path.iterdir()))
+    assert written == [*range(1, 31), *range(1000, 1100)]
+    assert tracer.submitted == tracer.records == 130
+
+
+async def test_items_that_find_the_writer_closed_are_counted():
+    tracer = Tracer(Settings(trace_stderr=True, trace_queue_size=4))
+    await tracer.close()
+    await tracer.submit_items([done(i) for i in range(3)])
+    assert tracer.dropped == {"queue_full": 0, "sink_error": 0, "build_error": 0, "closed": 3}
+
+
 async def test_a_failing_sink_drops_and_counts_while_others_write(caplog):
     tracer = Tracer(Settings(trace_stderr=True))
     failing, memory = FailingSink(), MemorySink()

@@ -554,3 +554,15 @@ def test_resumed_usage_reads_as_the_uninterrupted_requests(first_cached, resumed
     usage = orjson.loads(ex.client_event(event))["usage"]
     assert usage == {"prompt_tokens": 3, "total_tokens": 9, "completion_tokens": 6, "prompt_tokens_details": shown}
     assert (event.prompt_tokens, event.completion_tokens, event.cached_tokens) == (3, 6, shown["cached_tokens"])
+
+
+def test_n_past_max_items_is_refused_in_vllms_shape():
+    codec = VLLMCodec()
+    codec.max_items = 4
+    raw = orjson.dumps({"token_ids": [1], "sampling_params": {"max_tokens": 1, "n": 4}})
+    assert len(codec.decode(raw, {b"content-type": b"application/json"}).items) == 4
+    with pytest.raises(RequestError) as err:
+        decode({"token_ids": [1], "sampling_params": {"max_tokens": 1, "n": 100000}})
+    message = "sampling_params.n must be at most 16384 on this server (--max-request-items), got 100000."
+    assert (err.value.status, CODEC.error_body(err.value)) == (400, orjson.dumps(
+        {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}))

@@ -149,9 +149,13 @@ class Metrics:
         reg = None if self.multiproc_dir else CollectorRegistry()
         self.registry = reg
         p = "asgi_generate_"
-        self.requests = Counter(p + "requests_total", "Requests ended, by format, route, outcome (status) and "
-                                "the HTTP status sent (code, empty when none was).",
+        self.requests = Counter(p + "requests_total", "Request items ended (one per trace record: a batch's "
+                                "prompts and each of n samples count one each), by format, route, outcome "
+                                "(status) and the HTTP status sent (code, empty when none was).",
                                 ("format", "route", "status", "code"), registry=reg)
+        self.http_requests = Counter(p + "http_requests_total", "HTTP requests on codec routes ended (a batch or "
+                                     "n > 1 counts once), by format, route and the HTTP status sent (code, empty "
+                                     "when none was).", ("format", "route", "code"), registry=reg)
         self.in_flight = Gauge(p + "requests_in_flight", "Requests accepted and not yet ended.",
                                registry=reg, multiprocess_mode="livesum")
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time from a streamed request's arrival to "
@@ -186,15 +190,15 @@ class Metrics:
         self.trace_dropped = Counter(p + "trace_records_dropped_total", "Request-end records lost, by cause "
                                      "(queue_full, sink_error, build_error, closed).", ("cause",), registry=reg)
 
-        self._requests, self._prompt, self._generation, self._body, self._migrations, self._legs, \
-            self._failures, self._aborts = map(_Children, (
-                self.requests, self.prompt_tokens, self.generation_tokens, self.body_bytes, self.migrations,
-                self.legs, self.worker_failures, self.aborts))
+        self._requests, self._http_requests, self._prompt, self._generation, self._body, self._migrations, \
+            self._legs, self._failures, self._aborts = map(_Children, (
+                self.requests, self.http_requests, self.prompt_tokens, self.generation_tokens, self.body_bytes,
+                self.migrations, self.legs, self.worker_failures, self.aborts))
         self._ttft = _Children(self.ttft, TTFT_BUCKETS)
         self._tpot = _Children(self.tpot, TPOT_BUCKETS)
         self._e2e = _Children(self.e2e, E2E_BUCKETS)
         #: What request ends counted, moved into the metrics by :meth:`flush`.
-        self._counted = (self._requests, self._prompt, self._generation, self._body, self._migrations,
+        self._counted = (self._requests, self._http_requests, self._prompt, self._generation, self._body, self._migrations,
                          self._legs, self._failures, self._ttft, self._tpot, self._e2e)
         #: Requests started minus ended since the last :meth:`flush`.
         self._in_flight = 0
@@ -209,10 +213,11 @@ class Metrics:
         if self._at_once:
             self.flush()
 
-    def request_ended(self) -> None:
-        """A request accepted by :meth:`request_started` ended (once, also
-        for a request with several items, each counted by
-        :meth:`request_finished`)."""
+    def request_ended(self, st: RequestState) -> None:
+        """The request of ``st``, accepted by :meth:`request_started`, ended:
+        counted once as an HTTP request, also when it carried several
+        items (each counted by :meth:`request_finished`)."""
+        self._http_requests.add((st.format, st.route, "" if st.http_status is None else str(st.http_status)), 1)
         self._in_flight -= 1
         if self._at_once:
             self.flush()

@@ -8,7 +8,7 @@ metrics refresh in the lifespan.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from ..workers.aborts import ACKED, LOST
 from .metrics import Metrics
@@ -30,11 +30,14 @@ class Recorder:
         MetricsSetupError: ``PROMETHEUS_MULTIPROC_DIR`` names no folder.
 
     Attributes:
-        counters: ``/stats`` counts: ``requests`` (records), ``aborts_sent``
-            and their results (``aborts_acknowledged``,
+        counters: ``/stats`` counts: ``http_requests`` (requests on a
+            codec's route that ended, a batch or ``n`` > 1 once),
+            ``request_items`` (their items, one per record: a batch's
+            prompts and each parallel sample count one each),
+            ``aborts_sent`` and their results (``aborts_acknowledged``,
             ``aborts_unacknowledged``, ``aborts_worker_lost``),
             ``migrations``, ``replays`` and ``not_migrated``.
-        by_status: records by their ``status``.
+        by_status: request items by their record's ``status``.
         metrics: the Prometheus metrics.
         tracer: the trace writer (:class:`asgi_generate.tracing.Tracer`);
             ``None`` with tracing off, so finishing a request only counts.
@@ -46,7 +49,8 @@ class Recorder:
 
     def __init__(self, settings: Settings) -> None:
         self.counters: dict[str, int] = {
-            "requests": 0,
+            "http_requests": 0,
+            "request_items": 0,
             "aborts_sent": 0,
             "aborts_acknowledged": 0,
             "aborts_unacknowledged": 0,
@@ -70,24 +74,40 @@ class Recorder:
         """Called once per request the handler accepts, before anything else."""
         self.metrics.request_started()
 
-    def request_ended(self) -> None:
-        """Called once per request :meth:`request_started` counted, when its
-        record is handed over (before :meth:`request_finished`)."""
-        self.metrics.request_ended()
+    def request_ended(self, st: RequestState) -> None:
+        """Called once per request :meth:`request_started` counted, with its
+        state (a request with items: the request's, not an item's), when
+        its records are handed over (before :meth:`request_finished` or
+        :meth:`items_finished`)."""
+        self.counters["http_requests"] += 1
+        self.metrics.request_ended(st)
+
+    async def items_finished(self, states: Sequence[RequestState]) -> None:
+        """Called once for a request with several items, with their states:
+        each counted as :meth:`request_finished` counts it, their records
+        handed to the trace writer together, back-pressured
+        (:meth:`~asgi_generate.tracing.Tracer.submit_items`)."""
+        for st in states:
+            self._count(st)
+        if self.tracer is not None:
+            await self.tracer.submit_items(states)
 
     def request_finished(self, st: RequestState) -> None:
-        """Called once per record on the handler's way out (a request with
-        several items: once per item)."""
+        """Called once per request of one item on the handler's way out:
+        counts it and hands its record to the trace writer."""
+        self._count(st)
+        if self.tracer is not None:
+            self.tracer.submit(st)
+
+    def _count(self, st: RequestState) -> None:
         counters = self.counters
-        counters["requests"] += 1
+        counters["request_items"] += 1
         if st.migrations or st.replays or st.not_migrated is not None:
             counters["migrations"] += st.migrations
             counters["replays"] += st.replays
             counters["not_migrated"] += st.not_migrated is not None
         self.metrics.request_finished(st)
         self.by_status[st.status or "unknown"] = self.by_status.get(st.status or "unknown", 0) + 1
-        if self.tracer is not None:
-            self.tracer.submit(st)
 
     def abort_sent(self) -> None:
         """Count an abort request handed to a worker's abort queue."""

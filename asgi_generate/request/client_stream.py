@@ -26,15 +26,17 @@ if TYPE_CHECKING:
     from .context import RequestContext
 
 
-def finish_record(ctx: "RequestContext", st: RequestState) -> None:
+async def finish_record(ctx: "RequestContext", st: RequestState) -> None:
     """Hand ``st`` to the recorder exactly once per request (a request with
-    items: each item's state, see :mod:`asgi_generate.request.batches`)."""
+    items: each item's state, together, see :mod:`asgi_generate.request.batches`)."""
     if st.t_done is None:
         st.t_done = time.monotonic()
         ctx.open_requests.pop(st.request_id, None)
-        ctx.recorder.request_ended()
-        for state in st.expand() if st.expand is not None else (st,):
-            ctx.recorder.request_finished(state)
+        ctx.recorder.request_ended(st)
+        if st.expand is None:
+            ctx.recorder.request_finished(st)
+        else:
+            await ctx.recorder.items_finished(st.expand())
 
 
 async def send_in_band_error(codec: Codec, send: Send, st: RequestState, err: RequestError) -> None:
@@ -321,7 +323,7 @@ class ClientStream:
         try:
             with anyio.CancelScope(shield=True):
                 await abort_live_legs(self.ctx, st)
-            finish_record(self.ctx, st)
+            await finish_record(self.ctx, st)
             if self.scope is not None:
                 self.scope.cancel()
         finally:

@@ -9,7 +9,7 @@ a :class:`RequestContext` (in the spirit of hypercorn's ``WorkerContext``,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -37,14 +37,20 @@ class Recorder(Protocol):
     def request_started(self) -> None:
         """Called once per request the handler accepts, before anything else."""
 
-    def request_ended(self) -> None:
-        """Called once per request :meth:`request_started` counted, when its
-        records are handed over (before :meth:`request_finished`)."""
+    def request_ended(self, st: RequestState) -> None:
+        """Called once per request :meth:`request_started` counted, with its
+        state, when its records are handed over (before
+        :meth:`request_finished` or :meth:`items_finished`)."""
 
     def request_finished(self, st: RequestState) -> None:
-        """Called once per record on the handler's way out (a request with
-        several items: once per item); takes ``st`` for the counters,
-        metrics and trace writer."""
+        """Called once for a request of one item on the handler's way out;
+        takes ``st`` for the counters, metrics and trace writer."""
+
+    async def items_finished(self, states: Sequence[RequestState]) -> None:
+        """Called once for a request with several items, with each item's
+        state; may wait (after the answer was sent) while the trace writer
+        catches up, so that one request's items do not crowd out other
+        requests' records."""
 
 
 class Running(Protocol):

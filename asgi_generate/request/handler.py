@@ -78,7 +78,7 @@ async def handle_generate(ctx: "RequestContext", codec: Codec, scope: dict, rece
                 await abort_live_legs(ctx, st)
         if st.status is None:  # cancelled from outside, e.g. server shutdown
             st.status = "shutdown"
-        finish_record(ctx, st)
+        await finish_record(ctx, st)
         ctx.body_budget.trim_if_idle()  # the request's body and objects are gone now
 
 
@@ -93,7 +93,7 @@ async def reject_method(ctx: "RequestContext", codec: Codec, scope: dict, allowe
     except OSError:  # the client is gone (ASGI send exception)
         st.status = "client_disconnect"
     finally:
-        finish_record(ctx, st)
+        await finish_record(ctx, st)
 
 
 async def _send_error(

@@ -8,6 +8,7 @@ package only; its submodules are its implementation.
 
 from .codec import (
     LEG_DONE,
+    MAX_REQUEST_ITEMS,
     NO_KV_TRANSFER,
     Attempt,
     BatchItem,
@@ -31,7 +32,7 @@ from .token_ids import PackedIds, as_u32, pack_token_ids
 from .versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS, VLLMBehaviour, parse_version, vllm_behaviour
 
 __all__ = [
-    "GROUP", "LEG_DONE", "NO_KV_TRANSFER", "VLLM_DEFAULT_VERSION", "VLLM_VERSIONS",
+    "GROUP", "LEG_DONE", "MAX_REQUEST_ITEMS", "NO_KV_TRANSFER", "VLLM_DEFAULT_VERSION", "VLLM_VERSIONS",
     "Attempt", "BatchItem", "Codec", "CodecLoadError", "EngineError", "Event", "Exchange", "GenerateRequest",
     "LaxError", "LoadedCodec", "PackedIds", "PromptTokenizer", "RequestError", "Route", "StopWatch",
     "VLLMBehaviour", "WorkerRequest",

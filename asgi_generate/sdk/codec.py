@@ -42,6 +42,17 @@ class Route:
     path: str
 
 
+#: Items one request may carry by default (``--max-request-items``): vLLM's
+#: own ceiling on ``n`` (``VLLM_MAX_N_SEQUENCES``, ``vllm/envs.py``, checked
+#: by ``_verify_num_sequences`` in ``vllm/sampling_params.py``, 0.33.0). Its
+#: tokens-only route refuses sooner, past the scheduler's ``max_num_seqs``
+#: (``serve_tokens``, ``vllm/entrypoints/scale_out/token_in_token_out/
+#: serving.py``), which the frontend cannot see; SGLang 0.5.23 bounds
+#: neither ``n`` nor a batch's prompts (``GenerateReqInput.
+#: normalize_batch_and_arguments``, ``managers/io_struct.py``; its
+#: ``_handle_batch_request`` only warns past 128 prompts with ``n`` > 1).
+MAX_REQUEST_ITEMS = 16384
+
 #: The :class:`RequestError` kind of a P/D decode leg that cannot start: its
 #: prefill leg answered no KV hand-over (vLLM ``kv_transfer_params``);
 #: ``--pd-fallback`` then runs it as a ``local_prefill`` attempt.
@@ -375,6 +386,10 @@ class Codec:
     #: The frontend's body cap in bytes, set by the app before serving; a
     #: codec that expands bodies (decompression) must not exceed it.
     max_body_bytes: int = 32 * 1024 * 1024
+    #: The items one request may carry (``--max-request-items``), set by the
+    #: app before serving: a codec whose requests carry several (a batch,
+    #: ``n`` > 1) refuses more with its format's 400 before making them.
+    max_items: int = MAX_REQUEST_ITEMS
     #: The model's tokenizer (``--tokenizer``), set by the app before
     #: serving, else ``None``: what a migration needs to resume a text
     #: prompt and to check stop strings across the seam.

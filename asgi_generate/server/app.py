@@ -78,6 +78,7 @@ class App:
         tokenizer = PromptTokenizer(settings.tokenizer) if settings.tokenizer else None
         for item in self.codecs:
             item.codec.max_body_bytes = settings.max_body_bytes
+            item.codec.max_items = settings.max_request_items
             item.codec.tokenizer = tokenizer
             for route in item.codec.routes:
                 self.routes[(route.method, route.path)] = item.codec

@@ -4,13 +4,23 @@ serializes and writes request-end records, off the response path.
 The handler's only trace work is :meth:`Tracer.submit`, a non-blocking put of
 the finished request (:class:`~.traced.TracedRequest`). The writer task
 (run in the app's lifespan task group) takes what gathered in the queue over
-``GATHER_S`` seconds and, in a worker thread, builds the records (hashing,
-decoding, parsing), serializes them with orjson and hands each sink the batch
-as one write, so a record reaches the sinks about 0.1 s after its request
-ended. Losses are counted by cause, shown in ``/stats`` and logged at
-shutdown:
+``GATHER_S`` seconds (at once when a batch's worth waits) and, in a worker
+thread, builds the records (hashing, decoding, parsing), serializes them
+with orjson and hands each sink the batch as one write, so a record reaches
+the sinks about 0.1 s after its request ended.
 
-- ``queue_full``: the queue held ``--trace-queue-size`` records;
+A request with several items (a batch, ``n`` > 1) hands its records over
+together (:meth:`Tracer.submit_items`) under back-pressure: they may fill
+only half the queue, and wait there for the writer (at most
+``ITEMS_WAIT_S``), after the request's answer was sent. The other half is
+kept for the single records of every other request, which never wait, so
+one request's items cannot push out the rest.
+
+Losses are counted by cause, shown in ``/stats``, logged as a warning when
+they start (then at most every ``DROP_LOG_S`` seconds) and at shutdown:
+
+- ``queue_full``: the queue held ``--trace-queue-size`` records (for a
+  request's items: half of it, for ``ITEMS_WAIT_S``);
 - ``sink_error``: a sink failed to write (counted per sink and record);
 - ``build_error``: building the record raised (a bug; logged);
 - ``closed``: the request ended after the writer was closed or cancelled.
@@ -19,6 +29,8 @@ shutdown:
 from __future__ import annotations
 
 import logging
+import time
+from typing import Sequence
 
 import anyio
 import orjson
@@ -36,6 +48,12 @@ BATCH = 1024
 #: Seconds the writer lets records gather after the first of a batch: one
 #: thread hop and one write per batch instead of per request.
 GATHER_S = 0.1
+#: Seconds a request's items may wait in all for room in their half of the
+#: queue before the rest are dropped (the writer empties a full default
+#: queue in well under a second).
+ITEMS_WAIT_S = 10.0
+#: Seconds between warnings while records are being dropped.
+DROP_LOG_S = 60.0
 
 
 class TraceSetupError(ValueError):
@@ -102,6 +120,11 @@ class Tracer:
             if settings.trace_otlp:
                 self.sinks.append(LogSink(self.otlp))
         self._send, self._receive = anyio.create_memory_object_stream[TracedRequest](settings.trace_queue_size)
+        #: Records a request's items may fill the queue up to (half of it).
+        self.items_share = max(1, settings.trace_queue_size // 2)
+        #: Set (then replaced) each time the writer takes records off the queue.
+        self._taken: anyio.Event | None = None  # made in run(): events need a running loop
+        self._next_drop_log = 0.0
         self.submitted = 0
         self.records = 0
         self.dropped = {"queue_full": 0, "sink_error": 0, "build_error": 0, "closed": 0}
@@ -122,10 +145,44 @@ class Tracer:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             self._drop("closed")
 
+    async def submit_items(self, states: Sequence[TracedRequest]) -> None:
+        """Queue one request's records (its items), back-pressured: each
+        waits while the queue holds :attr:`items_share` records or more, for
+        at most ``ITEMS_WAIT_S`` in all, shielded from cancellation (the
+        answer is sent by now); the rest are then dropped as ``queue_full``
+        (``closed`` once the writer is closed), and counted."""
+        self.submitted += len(states)
+        put = 0
+        with anyio.CancelScope(shield=True), anyio.move_on_after(ITEMS_WAIT_S):
+            for st in states:
+                while (self._running and not self._closing
+                       and self._send.statistics().current_buffer_used >= self.items_share):
+                    await self._taken.wait()
+                try:
+                    self._send.send_nowait(st)
+                except anyio.WouldBlock:  # no writer to wait for
+                    break
+                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    self._drop("closed", len(states) - put)
+                    return
+                put += 1
+        if put < len(states):
+            self._drop("queue_full", len(states) - put)
+
     def _drop(self, cause: str, n: int = 1) -> None:
         self.dropped[cause] += n
         if self.metrics is not None:
             self.metrics.trace_dropped.labels(cause).inc(n)
+        now = time.monotonic()
+        if now >= self._next_drop_log:  # at the first loss, then at most every DROP_LOG_S
+            self._next_drop_log = now + DROP_LOG_S
+            log.warning("trace: dropping records (%d %s now); dropped so far %s; see /stats trace",
+                        n, cause, dict(self.dropped))
+
+    def _wake_submitters(self) -> None:
+        if self._taken is not None:
+            self._taken.set()
+            self._taken = anyio.Event()
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Open the sinks, report started, then write until :meth:`close`.
@@ -135,13 +192,14 @@ class Tracer:
         """
         self._running = True
         self._done = anyio.Event()
+        self._taken = anyio.Event()
         try:
             for sink in self.sinks:
                 await anyio.to_thread.run_sync(sink.open)
             task_status.started()
             async for first in self._receive:
                 batch = [first]
-                if not self._closing:
+                if not self._closing and self._receive.statistics().current_buffer_used < BATCH:
                     with anyio.CancelScope(shield=True):  # ``first`` is off the queue: keep it
                         await anyio.sleep(GATHER_S)
                 while len(batch) < BATCH:
@@ -149,10 +207,13 @@ class Tracer:
                         batch.append(self._receive.receive_nowait())
                     except (anyio.WouldBlock, anyio.EndOfStream):
                         break
+                self._wake_submitters()
                 # Not cancellable: a batch taken off the queue gets written.
                 await anyio.to_thread.run_sync(self._write_batch, batch)
         finally:
+            self._running = False
             self._drop_queued()
+            self._wake_submitters()
             self._done.set()
 
     async def close(self) -> None:
@@ -160,6 +221,7 @@ class Tracer:
         the sinks and log the totals (a warning if any record was lost)."""
         self._closing = True
         self._send.close()
+        self._wake_submitters()
         if self._running:
             await self._done.wait()
         else:

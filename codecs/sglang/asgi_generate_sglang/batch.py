@@ -70,16 +70,21 @@ def _n(sp: Any) -> Any:
     return 1
 
 
-def decode_batch(obj: dict, refuse: Callable[[str], RequestError], schema: Callable[[str], RequestError]) -> list[BatchItem]:
+def decode_batch(
+    obj: dict, refuse: Callable[[str], RequestError], schema: Callable[[str], RequestError], limit: int
+) -> list[BatchItem]:
     """The items of a batch object, checked as SGLang checks them.
 
     Args:
         obj: the request object.
         refuse: makes SGLang's ``ValueError`` answer for a message.
         schema: makes SGLang's schema-error answer for a message.
+        limit: the items (prompts times ``n``) one request may carry
+            (``--max-request-items``; SGLang itself sets none).
 
     Raises:
-        RequestError: SGLang's answer for a bad batch.
+        RequestError: SGLang's answer for a bad batch; the same ``ValueError``
+            answer for one past ``limit``, before any item is made.
     """
     key = "text" if obj.get("text") is not None else "input_ids"
     inputs = obj.get(key)
@@ -113,6 +118,9 @@ def decode_batch(obj: dict, refuse: Callable[[str], RequestError], schema: Calla
         raise schema(f"sampling_params.n: Input should be a valid integer, got {type(n).__name__}")
     if n < 1:
         raise refuse(f"n must be at least 1, got {n}.")
+    if size * n > limit:
+        raise refuse(f"The request carries {size * n} items ({size} prompts x n {n}), more than the {limit} "
+                     "this server allows per request (--max-request-items).")
     for p in sp if type(sp) is list else [sp or {}]:
         max_new = p.get("max_new_tokens", 128)
         if max_new is not None and type(max_new) is not int:

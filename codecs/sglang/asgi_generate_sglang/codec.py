@@ -168,7 +168,7 @@ class SGLangCodec(Codec):
             for key in FRONTEND_OWNED:
                 if obj.get(key) is not None:
                     raise refuse(f"{key} is set by the frontend for prefill/decode routing; do not send it.")
-            items = decode_batch(obj, refuse, SchemaError)
+            items = decode_batch(obj, refuse, SchemaError, self.max_items)
             rid = obj.get("rid")
             return GenerateRequest(
                 stream=in_band, public_id=rid if type(rid) is str else None, input_ids=None,

@@ -152,12 +152,14 @@ class VLLMCodec(Codec):
     def decode(self, body: bytes, headers: Mapping[bytes, bytes]) -> GenerateRequest:
         """Check what the frontend relies on in a vLLM ``GenerateRequest``
         body (see :mod:`asgi_generate_vllm.schema`); ``X-Request-Id``
-        overrides ``request_id``. Values only the engine judges (``n``,
-        ``max_tokens`` below 1, logprob counts, multimodal ranges, ...) pass
-        to it untouched, whatever vLLM version answers them.
+        overrides ``request_id``. Values only the engine judges (``n``
+        below 1 or past its ``max_num_seqs``, ``max_tokens`` below 1,
+        logprob counts, multimodal ranges, ...) pass to it untouched,
+        whatever vLLM version answers them.
 
         Raises:
-            RequestError: 400 in vLLM's validation shape.
+            RequestError: 400 in vLLM's validation shape; 400 in its
+                ``BadRequestError`` shape for ``n`` past :attr:`max_items`.
         """
         media = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
         if media != b"application/json":  # vLLM's api_router accepts JSON only
@@ -183,6 +185,10 @@ class VLLMCodec(Codec):
                 "kv_transfer_params",
             )
         sp = obj.get("sampling_params") or {}
+        n = sp.get("n", 1)
+        if n > self.max_items:  # before one item is made; smaller values of n are the engine's to judge
+            raise bad_request(f"sampling_params.n must be at most {self.max_items} on this server "
+                              f"(--max-request-items), got {n}.")
         max_tokens = sp.get("max_tokens")
         token_ids = obj["token_ids"]
         features = obj.get("features")
@@ -197,11 +203,10 @@ class VLLMCodec(Codec):
             public_id=public_id,
             include_usage=include,
             continuous_usage=include and bool(so.get("continuous_usage_stats")),
-            n=sp.get("n", 1),
+            n=n,
         )
         input_ids = token_ids if features is None else None
         excluded = "multimodal" if features is not None else None
-        n = native.n
         return GenerateRequest(
             stream=bool(obj.get("stream")),
             public_id=public_id,

@@ -92,6 +92,7 @@ class ZstdCodec(Codec):
             raise RequestError(
                 415, f"Content-Type must be application/zstd, not {shown!r}", "unsupported_media_type"
             )
+        self._sglang.max_items = self.max_items  # the app set this codec's bound, not the inner one's
         return self._sglang.decode(decompress_frame(body, self.max_body_bytes), headers)
 
     def exchange(self, request: GenerateRequest, request_id: str) -> "ZstdExchange":
