@@ -4,6 +4,9 @@ a trainer's pause/flush/update/continue around running streams."""
 
 from __future__ import annotations
 
+import os
+import pathlib
+import signal
 import threading
 import time
 
@@ -11,12 +14,13 @@ import httpx
 import orjson
 import pytest
 
-from support import free_port, post, sse, start_frontend, start_sim, stats, wait_until
+from support import children, free_port, post, sse, start_frontend, start_sim, stats, wait_until
 
 FLUSHED = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
+SKIPPED = "asgi-generate-skipped-workers"
 LONG = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
 
 
@@ -150,20 +154,31 @@ def test_a_failing_worker_gives_502_with_every_result(fleet, frontend):
     assert _finish(results[0][1]) == {"type": "length", "length": 200}
 
 
-def test_unreachable_worker_and_no_worker(fleet):
+def test_a_worker_that_is_down_is_skipped_and_named(fleet):
     port = free_port()
     fe = start_frontend([f"sglang={fleet[0].url}", f"sglang=http://127.0.0.1:{port}"])
     try:
-        got = httpx.post(fe.url + "/flush_cache")
-        assert got.status_code == 502
+        for _ in range(2):
+            got = httpx.post(fe.url + "/flush_cache")
+            assert (got.status_code, got.text, got.headers[SKIPPED]) == (200, FLUSHED, "w1")
+        threads, results = _streams(fe.url, [LONG])
+        wait_until(lambda: stats(fleet[0])["running"] == 1)
+        got = httpx.post(fe.url + "/flush_cache")  # refused by the busy w0: the list names w1 too
+        assert (got.status_code, got.headers[SKIPPED]) == (502, "w1")
         w0, w1 = got.json()
-        assert w0 == {"worker": "w0", "status": 200, "body": FLUSHED}
-        assert (w1["worker"], w1["status"]) == ("w1", None)
-        assert w1["body"].startswith(f"connect to 127.0.0.1:{port} failed")
+        assert w0 == {"worker": "w0", "status": 400, "body": FLUSHED}
+        assert (w1["worker"], w1["status"], w1["skipped"]) == ("w1", None, True)
+        assert w1["body"].startswith(f"down: connect to 127.0.0.1:{port} failed")
+        for t in threads:
+            t.join(30)
     finally:
         fe.stop()
     fe = start_frontend([f"sglang=http://127.0.0.1:{port}"], health="/stats")
     try:
+        got = httpx.post(fe.url + "/flush_cache")
+        assert (got.status_code, got.headers[SKIPPED]) == (503, "w0")
+        assert got.json()["error"]["message"].startswith(
+            f"no worker of protocol 'sglang' is up: w0 (connect to 127.0.0.1:{port} failed")
         for path in ("/get_model_info", "/server_info"):
             got = httpx.get(fe.url + path)
             assert (got.status_code, got.json()) == (503, {"error": {"message": "no healthy worker for protocol 'sglang'"}})
@@ -205,16 +220,47 @@ def test_admin_token_is_required_when_set(fleet):
     fe = start_frontend([f"sglang={fleet[0].url}"], extra=["--admin-token", "s3cret"])
     try:
         denied = {"error": {"message": "Unauthorized: admin routes need 'Authorization: Bearer <admin token>'"}}
-        for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "s3cret"}):
+        for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "s3cret"},
+                        {"authorization": "Basic s3cret"}, {"authorization": "Bearers3cret"}):
             got = httpx.post(fe.url + "/flush_cache", headers=headers)
-            assert (got.status_code, got.json()) == (401, denied)
+            assert (got.status_code, got.json(), got.headers["www-authenticate"]) == (401, denied, "Bearer")
             got = httpx.post(fe.url + "/abort_request", json={"abort_all": True}, headers=headers)
-            assert got.status_code == 401
+            assert (got.status_code, got.headers["www-authenticate"]) == (401, "Bearer")
         before = _calls(fleet[0], "/flush_cache")
-        got = httpx.post(fe.url + "/flush_cache", headers={"authorization": "Bearer s3cret"})
-        assert (got.status_code, got.text) == (200, FLUSHED)
-        assert _calls(fleet[0], "/flush_cache") == before + 1
+        # The scheme is case-insensitive (RFC 9110 section 11.1).
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            got = httpx.post(fe.url + "/flush_cache", headers={"authorization": f"{scheme} s3cret"})
+            assert (got.status_code, got.text) == (200, FLUSHED)
+        assert _calls(fleet[0], "/flush_cache") == before + 3
         assert httpx.get(fe.url + "/get_model_info").status_code == 200  # info routes stay open
+    finally:
+        fe.stop()
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_a_trainer_checking_for_200_does_not_stall_on_a_dead_embedded_simulator(worker_class):
+    fe = start_frontend([], worker_class=worker_class)  # two simulators per protocol, never restarted
+    try:
+        sglang = [pid for pid in children(fe.proc.pid)
+                  if b"sglang" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+        assert len(sglang) == 2
+        os.kill(sglang[0], signal.SIGKILL)
+        steps = [
+            ("/pause_generation", {"mode": "in_place"}, {"message": "Generation paused successfully.", "status": "ok"}),
+            ("/flush_cache", None, FLUSHED),
+            ("/update_weights_from_disk", {"model_path": "/ckpt/8", "weight_version": "v8"},
+             {"success": True, "message": "Succeeded to update model weights. Weight version updated to v8.",
+              "num_paused_requests": 0}),
+            ("/continue_generation", {}, {"message": "Generation continued successfully.", "status": "ok"}),
+        ]
+        skipped = set()
+        for path, body, answer in steps * 2:  # at once, and again once the probe has given the worker up
+            got = httpx.post(fe.url + path, content=b"" if body is None else orjson.dumps(body), timeout=10)
+            assert got.status_code == 200, (path, got.text)
+            assert (got.text if isinstance(answer, str) else got.json()) == answer, path
+            skipped.add(got.headers["asgi-generate-skipped-workers"])
+        dead = [w["id"] for w in httpx.get(fe.url + "/v1/models").json()["workers"] if w["state"] == "down"]
+        assert [skipped] == [set(dead)] and len(dead) == 1
     finally:
         fe.stop()
 

@@ -14,9 +14,10 @@ Info routes (no token):
   workers with a one-token ``POST /inference/v1/generate``; else 503 naming
   what failed.
 
-Admin routes (``Authorization: Bearer <admin_token>`` when one is set), each
-fanned out to every worker of its protocol, every role, within
-``admin_timeout`` seconds:
+Admin routes (``Authorization: Bearer <admin_token>`` when one is set, the
+scheme in any case, RFC 9110 section 11.1; a 401 says ``WWW-Authenticate:
+Bearer``, RFC 6750 section 3), each fanned out to every worker of its
+protocol that is up, every role, within ``admin_timeout`` seconds:
 
 - SGLang (``http_server.py``): ``GET``/``POST /flush_cache``,
   ``POST /pause_generation``, ``/continue_generation``,
@@ -27,10 +28,22 @@ fanned out to every worker of its protocol, every role, within
   ``GET /is_paused``.
 
 The method, query string and body go to each worker as sent. When every
-worker answered 200 the client gets the first worker's answer (status, body,
-content type): what existing clients check. Otherwise 502 with a JSON list
-of ``{"worker", "status", "body"}`` per worker (``status`` ``null`` and
+worker called answered 200 the client gets the first one's answer (status,
+body, content type): what existing clients check. Otherwise 502 with a JSON
+list of ``{"worker", "status", "body"}`` per worker (``status`` ``null`` and
 ``body`` the error when it did not answer; ``body`` parsed when JSON).
+
+A worker the router has out of the rotation (down: its probe gave it up,
+or a connection to it was refused) is skipped, not called: a dead worker
+cannot hold every admin call at 502 (embedded simulators are never
+restarted). So is one whose connection the call itself finds refused (the
+engine never got it; it is marked down as a request's leg would mark it).
+Skipped workers are named in every such answer: the header
+``asgi-generate-skipped-workers: w1, w3`` (the 200 body stays the engine's
+own), and in a 502 list as ``{"worker", "status": null, "skipped": true,
+"body": "down: <why>"}``; each skip is logged. With no worker of the
+protocol up, 503 names them. What a skipped worker serves when it comes back
+(e.g. its weights) is for its health probe and the weight version to decide.
 
 ``POST /abort_request`` ``{"abort_all": true}`` fans out as above. With
 ``{"rid": R}`` it aborts the frontend's own live SGLang requests whose
@@ -43,7 +56,8 @@ unfinished item); their clients see the engine's abort finish. An empty ``rid`` 
 from __future__ import annotations
 
 import hmac
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
+import logging
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Sequence
 
 import anyio
 import orjson
@@ -55,7 +69,7 @@ from ..sdk import ids
 from ..request.batches import named_legs
 from ..request.framing import BodyTimeout, BodyTooLarge, ClientDisconnected, read_body
 from ..workers.aborts import ACKED
-from ..workers.http import WorkerError
+from ..workers.http import ConnectFailed, WorkerError
 from ..workers.router import Worker
 
 if TYPE_CHECKING:
@@ -85,15 +99,18 @@ FAN_OUT = (
 #: Every path this module serves (the app's dispatch sends these here).
 PATHS = frozenset({*INFO_PATHS, "/health_generate", "/abort_request", *(p for p, _, _ in FAN_OUT)})
 JSON = "application/json"
+#: The header naming the workers an admin fan-out skipped.
+SKIPPED_HEADER = "asgi-generate-skipped-workers"
+log = logging.getLogger("asgi_generate.admin")
 
 
 #: Admin routes that empty the engines' prefix caches.
 CACHE_RESETS = ("/flush_cache", "/reset_prefix_cache")
 
 
-def _error(status: int, message: str) -> Response:
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     """SGLang's error shape (``_create_error_response``)."""
-    return Response(orjson.dumps({"error": {"message": message}}), status, media_type=JSON)
+    return Response(orjson.dumps({"error": {"message": message}}), status, headers, media_type=JSON)
 
 
 def _parsed(body: bytes) -> Any:
@@ -104,15 +121,18 @@ def _parsed(body: bytes) -> Any:
 
 
 class _Answer:
-    """One worker's answer: ``status`` ``None`` when it gave none."""
+    """One worker's answer: ``status`` ``None`` when it gave none;
+    ``refused`` when no connection to it could be opened."""
 
-    __slots__ = ("worker", "status", "body", "content_type")
+    __slots__ = ("worker", "status", "body", "content_type", "refused")
 
-    def __init__(self, worker: Worker, status: int | None, body: bytes, content_type: str | None = None) -> None:
+    def __init__(self, worker: Worker, status: int | None, body: bytes, content_type: str | None = None,
+                 refused: bool = False) -> None:
         self.worker = worker
         self.status = status
         self.body = body
         self.content_type = content_type
+        self.refused = refused
 
     def result(self) -> dict[str, Any]:
         return {"worker": self.worker.id, "status": self.status, "body": _parsed(self.body) if self.body else ""}
@@ -157,9 +177,10 @@ def _guarded(ctx: AdminContext, endpoint: Endpoint) -> Endpoint:
     async def guarded(request: Request) -> Response:
         token = ctx.settings.admin_token
         if token:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                return _error(401, "Unauthorized: admin routes need 'Authorization: Bearer <admin token>'")
+            scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+                return _error(401, "Unauthorized: admin routes need 'Authorization: Bearer <admin token>'",
+                              {"www-authenticate": "Bearer"})
         return await endpoint(request)
 
     return guarded
@@ -178,7 +199,7 @@ async def _call(ctx: AdminContext, worker: Worker, method: str, target: bytes, b
     except TimeoutError:
         return _Answer(worker, None, f"no answer within {timeout:g} s".encode())
     except WorkerError as exc:
-        return _Answer(worker, None, (str(exc) or type(exc).__name__).encode())
+        return _Answer(worker, None, (str(exc) or type(exc).__name__).encode(), refused=isinstance(exc, ConnectFailed))
 
 
 async def _body(ctx: AdminContext, request: Request) -> bytes | Response:
@@ -202,12 +223,21 @@ def _content_headers(request: Request) -> list[tuple[bytes, bytes]]:
     return [(b"content-type", ctype.encode("latin-1"))] if ctype else []
 
 
-def _combined(answers: list[_Answer]) -> Response:
-    """200 with the first answer when all are 200, else 502 listing each."""
+def _combined(answers: list[_Answer], skipped: Sequence[Worker] = ()) -> Response:
+    """200 with the first answer when all are 200, else 502 listing each
+    (and each of ``skipped``); ``skipped`` named in :data:`SKIPPED_HEADER`."""
+    headers = {SKIPPED_HEADER: ", ".join(w.id for w in skipped)} if skipped else None
     if answers and all(a.status == 200 for a in answers):
         first = answers[0]
-        return Response(first.body, 200, media_type=first.content_type)
-    return Response(orjson.dumps([a.result() for a in answers]), 502, media_type=JSON)
+        return Response(first.body, 200, headers, media_type=first.content_type)
+    results = [a.result() for a in answers]
+    results += [{"worker": w.id, "status": None, "skipped": True, "body": f"down: {_why(w)}"} for w in skipped]
+    return Response(orjson.dumps(results), 502, headers, media_type=JSON)
+
+
+def _why(worker: Worker) -> str:
+    """Why ``worker`` is out of the rotation, as the router last said."""
+    return worker.last_error or "no health probe passed yet"
 
 
 async def _gather(calls: list[Callable[[], Awaitable[_Answer]]]) -> list[_Answer]:
@@ -233,16 +263,34 @@ def _fan_out(ctx: AdminContext, protocol: str) -> Endpoint:
 
 
 async def _to_every_worker(ctx: AdminContext, protocol: str, request: Request, body: bytes) -> Response:
+    """The call to every worker of ``protocol`` that is up; the others
+    skipped (see the module docstring)."""
     workers = [w for w in ctx.router.workers if w.protocol.name == protocol]
     if not workers:
         return _error(503, f"no worker configured for protocol {protocol!r}")
+    skipped = [w for w in workers if not w.healthy]
     target, headers = _target(request), _content_headers(request)
-    answers = await _gather([(lambda w=w: _call(ctx, w, request.method, target, body, headers)) for w in workers])
+    called = await _gather([(lambda w=w: _call(ctx, w, request.method, target, body, headers))
+                            for w in workers if w.healthy])
+    answers = []
+    for a in called:
+        if a.refused:  # the engine never got the call
+            ctx.router.mark_down(a.worker, a.body.decode())
+            skipped.append(a.worker)
+        else:
+            answers.append(a)
+    if skipped:
+        log.warning("%s %s skipped workers that are down: %s", request.method, request.url.path,
+                    ", ".join(f"{w.id} ({_why(w)})" for w in skipped))
+    if not answers:
+        down = ", ".join(f"{w.id} ({_why(w)})" for w in skipped)
+        return _error(503, f"no worker of protocol {protocol!r} is up: {down}",
+                      {SKIPPED_HEADER: ", ".join(w.id for w in skipped)})
     if request.url.path in CACHE_RESETS:
         for a in answers:
             if a.status == 200:  # that engine's prefix cache is empty now
                 ctx.router.policy.forget(a.worker)
-    return _combined(answers)
+    return _combined(answers, skipped)
 
 
 def _abort_request(ctx: AdminContext) -> Endpoint:
