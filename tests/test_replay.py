@@ -93,12 +93,22 @@ def test_a_recorded_campaign_replays_with_its_prefix_structure(tmp_path):
     lines = done.stdout.splitlines()
     assert lines[0] == "sent 9, ok 9, errors 0"
     assert [line.split()[:2] for line in lines[3:6]] == [["ttft", "9"], ["itl", str(_gaps(rows))], ["e2e", "9"]]
+    # The recording beside the replay: the same requests and tokens.
+    tokens = str(sum(row.output_length for row in rows))
+    assert lines[6] == "recorded vs replayed    recorded   replayed"
+    assert [line.split() for line in lines[7:9]] == [["requests", "ok", "9", "9"], ["output", "tokens", tokens, tokens]]
+    assert [" ".join(line.split()[:3]) for line in lines[9:]] == [
+        "ttft p50 ms", "ttft p99 ms", "e2e p50 ms", "e2e p99 ms", "mean itl p50", "mean itl p99"]
     assert done.stderr.splitlines()[0] == (
         f"replaying 9 requests (block_size {BLOCK}, 1 record skipped) against {target.url}, speedup 2")
     _check_replayed(_records(tmp_path, "b"), rows)
     report = (tmp_path / "r.html").read_text()
     assert report.count('src="data:image/png;base64,') == 3
-    assert "sent 9, ok 9, errors 0" in report
+    assert "sent 9, ok 9, errors 0" in report and "recorded vs replayed" in report
+    for name, value in (("url", target.url), ("speedup", "2"), ("block size", str(BLOCK)),
+                        ("input", "request_end records"), ("requests", "9 (1 records skipped)")):
+        assert f"<tr><td>{name}</td><td>{value}</td></tr>" in report
+    assert "<h2>Errors</h2><p>none</p>" in report
 
 
 def _gaps(rows: list[Row]) -> int:
@@ -131,11 +141,68 @@ def test_unreachable_frontend_counts_every_request_as_an_error(tmp_path):
     path = tmp_path / "mooncake.jsonl"
     path.write_text("".join(f'{{"timestamp": {i}, "input_length": 5, "output_length": 2, "hash_ids": [{i}]}}\n'
                             for i in range(3)))
-    done = _replay(str(path), "--url", f"http://127.0.0.1:{free_port()}")
+    done = _replay(str(path), "--url", f"http://127.0.0.1:{free_port()}", "--block-size", "512",
+                   "--report", str(tmp_path / "r.html"))
     assert done.returncode == 1
     lines = done.stdout.splitlines()
     assert lines[0] == "sent 3, ok 0, errors 3"
     assert lines[-2:] == ["errors:", f"  {'connect':<24} {3:>8}"]
+    report = (tmp_path / "r.html").read_text()
+    assert "<tr><th>kind</th><th>requests</th><th>the first one said</th></tr><tr><td>connect</td><td>3</td>" in report
+    assert "<tr><td>input</td><td>Mooncake trace</td></tr>" in report
+
+
+def _recorded(i: int, hashes: list[int], block_size: int = 16) -> dict:
+    """A request_end record with what an export reads."""
+    return {"event_type": "request_end", "request_id": f"{i:032x}", "received_unix_ms": 1_700_000_000_000 + 5 * i,
+            "output_tokens": 3, "attempts": [{"engine_id": f"{i:032x}", "worker_id": "w0", "role": "aggregated"}],
+            "replay": {"block_size": block_size, "input_length": 16 * len(hashes), "block_hashes": hashes}}
+
+
+def test_an_export_carries_its_block_size_and_replay_uses_it(tmp_path):
+    records = tmp_path / "trace.jsonl"
+    records.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in (_recorded(0, [11, 12]), _recorded(1, [11, 13]))))
+    export = subprocess.run([sys.executable, "-m", "asgi_generate.tracing.offline.tools", "export-mooncake",
+                             str(records)], capture_output=True, timeout=30)
+    assert export.returncode == 0, export.stderr
+    assert [orjson.loads(line) for line in export.stdout.splitlines()] == [
+        {"timestamp": 0, "input_length": 32, "output_length": 3, "hash_ids": [0, 1], "block_size": 16},
+        {"timestamp": 5, "input_length": 32, "output_length": 3, "hash_ids": [0, 2], "block_size": 16},
+    ]
+    exported = tmp_path / "mooncake.jsonl"
+    exported.write_bytes(export.stdout)
+    url = f"http://127.0.0.1:{free_port()}"
+    done = _replay(str(exported), "--url", url)
+    assert done.stderr.splitlines()[0] == f"replaying 2 requests (block_size 16, 0 records skipped) against {url}, speedup 1"
+    done = _replay(str(exported), "--url", url, "--block-size", "512")
+    assert (done.returncode, done.stderr) == (
+        2, "asgi-generate-trace: --block-size 512 disagrees with the file's block size 16\n")
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2, "hash_ids": [0]}\n')
+    done = _replay(str(bare), "--url", url)
+    assert (done.returncode, done.stderr) == (2, "asgi-generate-trace: the trace carries no block_size: give "
+                                                 "--block-size (the FAST'25 Mooncake traces use 512)\n")
+
+
+def test_the_reports_itl_plot_is_on_a_log_scale_and_errors_are_broken_down(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from asgi_generate.tracing.offline.replay import Result
+    from asgi_generate.tracing.offline.report import write_report
+
+    scales = []
+    set_xscale = matplotlib.axes.Axes.set_xscale
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_xscale",
+                        lambda self, value, **kw: (scales.append(value), set_xscale(self, value, **kw))[1])
+    ok = Result(0, 0.0, start=0.0, ttft=0.01, e2e=0.6, output_tokens=3, events=[(0.01, 1), (0.0102, 2), (0.6, 3)])
+    failed = Result(1, 0.1, error="http 503", detail='{"error": {"message": "busy"}}')
+    path = tmp_path / "r.html"
+    assert write_report(str(path), "t", [("url", "http://x"), ("speedup", "4")], "summary", [ok, failed]) == 3
+    assert scales == ["log"]
+    report = path.read_text()
+    assert "<tr><td>url</td><td>http://x</td></tr><tr><td>speedup</td><td>4</td></tr>" in report
+    assert ("<tr><td>http 503</td><td>1</td><td>{&quot;error&quot;: {&quot;message&quot;: &quot;busy&quot;}}"
+            "</td></tr>") in report
 
 
 def test_bad_input_is_one_line(tmp_path):

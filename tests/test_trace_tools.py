@@ -94,11 +94,11 @@ def test_export_mooncake(capsys):
     code, out, err = run(capsys, "export-mooncake", str(EXAMPLES))
     assert code == 0
     assert [orjson.loads(x) for x in out.splitlines()] == [
-        {"timestamp": 0, "input_length": 131, "output_length": 49, "hash_ids": [0, 1, 2]},
-        {"timestamp": 1500, "input_length": 191, "output_length": 40, "hash_ids": [0, 1, 3]},
-        {"timestamp": 2000, "input_length": 128, "output_length": 16, "hash_ids": [0, 1]},
-        {"timestamp": 2500, "input_length": 130, "output_length": 7, "hash_ids": [0, 1, 4]},
-        {"timestamp": 4000, "input_length": 3, "output_length": 4, "hash_ids": [5]},
+        {"timestamp": 0, "input_length": 131, "output_length": 49, "hash_ids": [0, 1, 2], "block_size": 64},
+        {"timestamp": 1500, "input_length": 191, "output_length": 40, "hash_ids": [0, 1, 3], "block_size": 64},
+        {"timestamp": 2000, "input_length": 128, "output_length": 16, "hash_ids": [0, 1], "block_size": 64},
+        {"timestamp": 2500, "input_length": 130, "output_length": 7, "hash_ids": [0, 1, 4], "block_size": 64},
+        {"timestamp": 4000, "input_length": 3, "output_length": 4, "hash_ids": [5], "block_size": 64},
     ]
     assert err == "exported 5 requests (block_size 64), skipped 2 without block hashes or engine attempts\n"
 

@@ -2,8 +2,11 @@
 
 Input: request-end record files (the rows ``export-mooncake`` would make of
 them, block size from the records) or a Mooncake trace (one JSON object per
-line: ``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``;
-the FAST'25 Mooncake traces use 512-token blocks, ``--block-size``).
+line: ``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``,
+and ``block_size`` as ``export-mooncake`` writes it). The block size is the
+file's; a trace without one (the FAST'25 traces use 512-token blocks) needs
+``--block-size``, and one that disagrees with the file is refused: blocks of
+another size would share other prefixes than the recording did.
 
 Each row becomes one streamed request at its recorded arrival time divided
 by ``speedup``, with at most ``max_concurrency`` in flight (a row that finds
@@ -23,6 +26,8 @@ none free waits, and its lateness shows in the latencies):
 Per request it measures TTFT (to the first streamed event), the gaps between
 events (ITL), end to end latency and the output tokens streamed; a request
 is ok when it answered 200 and streamed a finish reason without an error.
+Replaying records, the summary sets the recording's figures beside the
+replay's (:func:`comparison`).
 """
 
 from __future__ import annotations
@@ -37,13 +42,14 @@ import anyio
 import httpx
 import orjson
 
-from .rows import mooncake_rows, percentile
+from .rows import exportable, mooncake_rows, percentile
 from .validate import read_jsonl
 
 #: Token ids below this are left out of prompts (special tokens sit low in
 #: small vocabularies, e.g. the simulator's BOS/EOS).
 FIRST_TOKEN_ID = 100
-#: Block size of the published Mooncake traces (FAST'25 artifact).
+#: Block size of the published Mooncake traces (FAST'25 artifact), which
+#: their rows do not carry.
 MOONCAKE_BLOCK_SIZE = 512
 ROUTES = {"sglang": "/generate", "vllm": "/inference/v1/generate"}
 
@@ -72,6 +78,9 @@ class Result:
     e2e: float | None = None
     output_tokens: int = 0
     error: str | None = None
+    #: What the error said: the in-band error's message, the HTTP error body
+    #: or the transport error, cut to :data:`DETAIL_CHARS`.
+    detail: str | None = None
     events: list[tuple[float, int]] = field(default_factory=list)
 
     @property
@@ -80,39 +89,75 @@ class Result:
         return [b[0] - a[0] for a, b in zip(self.events, self.events[1:])]
 
 
-def load_rows(paths: Sequence[str], block_size: int | None = None) -> tuple[list[Row], int, int]:
-    """The rows of record files or Mooncake traces, in arrival order.
+#: Characters of an error's text kept in :attr:`Result.detail`.
+DETAIL_CHARS = 200
 
-    Returns:
-        The rows, their block size (the records', else ``block_size``, else
-        :data:`MOONCAKE_BLOCK_SIZE`) and the records skipped (no block
-        hashes, or no engine attempt).
+
+@dataclass(slots=True)
+class Workload:
+    """What to replay: the rows in arrival order, their block size (tokens
+    per hash id), the records skipped (no block hashes, or no engine
+    attempt) and, replaying records, the records the rows were made of, in
+    row order (``None`` for a Mooncake trace)."""
+
+    rows: list[Row]
+    block_size: int
+    skipped: int = 0
+    recorded: list[dict] | None = None
+
+
+def load_rows(paths: Sequence[str], block_size: int | None = None) -> Workload:
+    """The workload of record files or Mooncake traces.
+
+    Args:
+        block_size: ``--block-size``: the tokens per hash id of a trace
+            whose rows carry none; where the file says, it must agree.
 
     Raises:
         ValueError: a line is not JSON, a file mixes records and rows, a
-            row lacks a field, or records use several block sizes.
+            row lacks a field, records or rows use several block sizes, the
+            file's block size is not ``block_size``, or neither says one.
         OSError: a file cannot be read.
     """
-    records, rows = [], []
+    records, rows, sizes = [], [], set()
     for where, obj in (item for path in paths for item in read_jsonl(path)):
         if isinstance(obj, ValueError):
             raise ValueError(f"{where}: {obj}")
         if isinstance(obj, dict) and obj.get("event_type") == "request_end":
             records.append(obj)
         elif isinstance(obj, dict) and {"timestamp", "input_length", "output_length", "hash_ids"} <= obj.keys():
+            size = obj.get("block_size")
+            if size is not None and (type(size) is not int or size < 1):
+                raise ValueError(f"{where}: block_size must be a positive integer, not {size!r}")
             rows.append(Row(float(obj["timestamp"]), int(obj["input_length"]), int(obj["output_length"]),
                             [int(h) for h in obj["hash_ids"]]))
+            sizes.add(size)
         else:
             raise ValueError(f"{where}: neither a request_end record nor a Mooncake row "
                              "(timestamp, input_length, output_length, hash_ids)")
     if records and rows:
         raise ValueError("the files mix request_end records and Mooncake rows; replay them separately")
+    recorded = None
     if records:
-        exported, skipped, size = mooncake_rows(records)
+        recorded, skipped = exportable(records)
+        exported, _, size = mooncake_rows(recorded)
         rows = [Row(float(r["timestamp"]), r["input_length"], r["output_length"], r["hash_ids"]) for r in exported]
-        return rows, size or block_size or MOONCAKE_BLOCK_SIZE, skipped
-    rows.sort(key=lambda r: r.timestamp)
-    return rows, block_size or MOONCAKE_BLOCK_SIZE, 0
+        sizes = {size}
+    else:
+        skipped = 0
+        rows.sort(key=lambda r: r.timestamp)
+    if len(sizes - {None}) > 1:
+        raise ValueError(f"the rows use several block sizes {sorted(sizes - {None})}; replay them separately")
+    if None in sizes and len(sizes) > 1:
+        raise ValueError("some rows carry a block_size and some do not; replay them separately")
+    size = next(iter(sizes), None)
+    if size is not None and block_size is not None and size != block_size:
+        raise ValueError(f"--block-size {block_size} disagrees with the file's block size {size}")
+    size = size or block_size
+    if size is None and rows:
+        raise ValueError(f"the trace carries no block_size: give --block-size (the FAST'25 Mooncake traces "
+                         f"use {MOONCAKE_BLOCK_SIZE})")
+    return Workload(rows, size or MOONCAKE_BLOCK_SIZE, skipped, recorded)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -172,8 +217,9 @@ async def _one(client: httpx.AsyncClient, fmt: str, body: bytes, res: Result, t0
         async with client.stream("POST", ROUTES[fmt], content=body,
                                  headers={"content-type": "application/json"}) as resp:
             if resp.status_code != 200:
-                await resp.aread()
+                body = await resp.aread()
                 res.error = f"http {resp.status_code}"
+                res.detail = body[:DETAIL_CHARS].decode("utf-8", "replace")
                 return
             async for line in resp.aiter_lines():
                 if not line.startswith("data: {"):
@@ -182,6 +228,7 @@ async def _one(client: httpx.AsyncClient, fmt: str, body: bytes, res: Result, t0
                 tokens, done, err = _read_event(fmt, orjson.loads(line[6:]), res.output_tokens)
                 if err is not None:
                     res.error = "in-band error"
+                    res.detail = err[:DETAIL_CHARS]
                     return
                 if res.ttft is None:
                     res.ttft = now - res.start
@@ -190,10 +237,12 @@ async def _one(client: httpx.AsyncClient, fmt: str, body: bytes, res: Result, t0
                 finished = finished or done
         if not finished:
             res.error = "no finish reason"
-    except httpx.TimeoutException:
+    except httpx.TimeoutException as exc:
         res.error = "timeout"
+        res.detail = (str(exc) or type(exc).__name__)[:DETAIL_CHARS]
     except httpx.TransportError as exc:
         res.error = "connect" if isinstance(exc, httpx.ConnectError) else "transport"
+        res.detail = (str(exc) or type(exc).__name__)[:DETAIL_CHARS]
     finally:
         res.e2e = time.monotonic() - t0 - res.start
 
@@ -248,13 +297,44 @@ async def replay(
         return results, time.monotonic() - t0
 
 
-def summary(results: Sequence[Result], rows: Sequence[Row], wall: float) -> str:
-    """The end-of-replay summary, as text (latencies in ms)."""
-    ok = [r for r in results if r.error is None]
-    errors: dict[str, int] = {}
+def errors_by_kind(results: Iterable[Result]) -> list[tuple[str, int, str]]:
+    """The failed requests by kind, most first: ``(kind, count, the first
+    one's detail)``."""
+    kinds: dict[str, list] = {}
     for r in results:
         if r.error is not None:
-            errors[r.error] = errors.get(r.error, 0) + 1
+            kinds.setdefault(r.error, [0, r.detail or ""])[0] += 1
+    return [(kind, n, detail) for kind, (n, detail) in sorted(kinds.items(), key=lambda kv: (-kv[1][0], kv[0]))]
+
+
+def comparison(results: Sequence[Result], recorded: Sequence[dict]) -> list[tuple[str, str, str]]:
+    """The recording's figures beside the replay's: ``(what, recorded,
+    replayed)`` for the requests ok, their output tokens and the p50 and
+    p99 of TTFT, end-to-end latency and each request's mean ITL (ms; the
+    recorded mean ITL is the record's ``mean_itl_ms``). ``-`` where a side
+    has no sample."""
+    ok = [r for r in results if r.error is None]
+    were_ok = [rec for rec in recorded if rec.get("status") == "ok"]
+    mine = latency_series(ok)
+    mine["mean itl"] = [sum(r.itls) / len(r.itls) for r in ok if r.itls]
+    theirs = {name: [rec[key] / 1000.0 for rec in were_ok if rec.get(key) is not None]
+              for name, key in (("ttft", "ttft_ms"), ("e2e", "total_ms"), ("mean itl", "mean_itl_ms"))}
+    lines = [("requests ok", str(len(were_ok)), str(len(ok))),
+             ("output tokens", str(sum(rec.get("output_tokens", 0) for rec in recorded)),
+              str(sum(r.output_tokens for r in results)))]
+    for name in ("ttft", "e2e", "mean itl"):
+        for p in (50, 99):
+            cells = [f"{percentile(v, p) * 1000:.1f}" if v else "-" for v in (theirs[name], mine[name])]
+            lines.append((f"{name} p{p} ms", *cells))
+    return lines
+
+
+def summary(results: Sequence[Result], rows: Sequence[Row], wall: float,
+            recorded: Sequence[dict] | None = None) -> str:
+    """The end-of-replay summary, as text (latencies in ms); with the
+    ``recorded`` records the rows were made of, their figures beside the
+    replay's (:func:`comparison`)."""
+    ok = [r for r in results if r.error is None]
     out_tokens = sum(r.output_tokens for r in results)
     in_tokens = sum(rows[r.index].input_length for r in ok)
     lines = [
@@ -266,9 +346,13 @@ def summary(results: Sequence[Result], rows: Sequence[Row], wall: float) -> str:
     for name, values in latency_series(ok).items():
         cells = "".join(f" {percentile(values, p) * 1000:>10.1f}" for p in (50, 90, 99)) if values else ""
         lines.append(f"  {name:<8} {len(values):>9}{cells}")
+    if recorded is not None:
+        lines.append(f"recorded vs replayed {'recorded':>11} {'replayed':>10}")
+        lines += [f"  {what:<18} {was:>11} {now:>10}" for what, was, now in comparison(results, recorded)]
+    errors = errors_by_kind(results)
     if errors:
         lines.append("errors:")
-        lines += [f"  {kind:<24} {n:>8}" for kind, n in sorted(errors.items(), key=lambda kv: (-kv[1], kv[0]))]
+        lines += [f"  {kind:<24} {n:>8}" for kind, n, _ in errors]
     return "\n".join(lines)
 
 

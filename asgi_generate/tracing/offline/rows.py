@@ -16,18 +16,12 @@ def percentile(values: Sequence[float], p: float) -> float:
     return ordered[max(0, math.ceil(p / 100.0 * len(ordered)) - 1)]
 
 
-def mooncake_rows(records: Iterable[dict]) -> tuple[list[dict], int, int | None]:
-    """Mooncake rows from ``records``: one ``{"timestamp", "input_length",
-    "output_length", "hash_ids"}`` per record with block hashes that reached
-    an engine, in arrival order. ``timestamp`` is ms since the first row's
-    request; ``hash_ids`` renumber the block hashes from 0 in order of first
-    appearance, so equal ids mean an equal prefix.
-
-    Returns:
-        The rows, the number of records skipped, and the block size.
+def exportable(records: Iterable[dict]) -> tuple[list[dict], int]:
+    """The records with block hashes that reached an engine, in arrival
+    order, and the number of the others.
 
     Raises:
-        ValueError: the exportable records use more than one block size.
+        ValueError: those records use more than one block size.
     """
     usable, skipped = [], 0
     for rec in records:
@@ -40,6 +34,27 @@ def mooncake_rows(records: Iterable[dict]) -> tuple[list[dict], int, int | None]
     if len(sizes) > 1:
         raise ValueError(f"records use several block sizes {sorted(sizes)}; export them separately")
     usable.sort(key=lambda r: (r["received_unix_ms"], r["request_id"]))
+    return usable, skipped
+
+
+def mooncake_rows(records: Iterable[dict]) -> tuple[list[dict], int, int | None]:
+    """Mooncake rows from ``records``: one ``{"timestamp", "input_length",
+    "output_length", "hash_ids", "block_size"}`` per record with block hashes
+    that reached an engine (:func:`exportable`), in arrival order.
+    ``timestamp`` is ms since the first row's request; ``hash_ids`` renumber
+    the block hashes from 0 in order of first appearance, so equal ids mean
+    an equal prefix; ``block_size`` is the tokens per hash id (the records'
+    ``replay.block_size``), carried by every row so that a replay of the
+    file draws blocks of the recorded size (the FAST'25 traces leave it out:
+    512, by their paper; readers of the four fields ignore it).
+
+    Returns:
+        The rows, the number of records skipped, and the block size.
+
+    Raises:
+        ValueError: the exportable records use more than one block size.
+    """
+    usable, skipped = exportable(records)
     ids: dict[int, int] = {}
     rows = []
     start = usable[0]["received_unix_ms"] if usable else 0
@@ -49,5 +64,6 @@ def mooncake_rows(records: Iterable[dict]) -> tuple[list[dict], int, int | None]
             "input_length": rec["replay"]["input_length"],
             "output_length": rec["output_tokens"],
             "hash_ids": [ids.setdefault(h, len(ids)) for h in rec["replay"]["block_hashes"]],
+            "block_size": rec["replay"]["block_size"],
         })
-    return rows, skipped, sizes.pop() if sizes else None
+    return rows, skipped, usable[0]["replay"]["block_size"] if usable else None

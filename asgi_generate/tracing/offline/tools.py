@@ -13,12 +13,14 @@ Subcommands (each takes one or more JSONL files, e.g. every
   ``trace/request_trace.v1.schema.json``).
 - ``export-mooncake FILE...``: the Mooncake replay trace (FAST'25 Mooncake
   traces, as Dynamo's and AIPerf's replay read them): one JSON object per
-  line, ``{"timestamp", "input_length", "output_length", "hash_ids"}``, in
-  arrival order. ``timestamp`` is ms since the first exported request;
-  ``hash_ids`` renumber the records' block hashes from 0 in order of first
-  appearance, so equal ids mean an equal prefix. Only records with block
-  hashes that reached an engine are exported; all must share one block
-  size, which is reported on stderr with the counts.
+  line, ``{"timestamp", "input_length", "output_length", "hash_ids",
+  "block_size"}``, in arrival order. ``timestamp`` is ms since the first
+  exported request; ``hash_ids`` renumber the records' block hashes from 0
+  in order of first appearance, so equal ids mean an equal prefix;
+  ``block_size`` (tokens per hash id) travels in every row, so ``replay``
+  draws blocks of the recorded size. Only records with block hashes that
+  reached an engine are exported; all must share one block size, which is
+  also reported on stderr with the counts.
 - ``replay FILE... --url URL``: send the records' (or a Mooncake trace's)
   requests to a frontend again at their arrival times, with a progress bar,
   a summary and an optional HTML report (:mod:`.replay`, :mod:`.report`);
@@ -145,7 +147,8 @@ def _replay_parser(sub) -> None:
     rp.add_argument("--speedup", type=_above_zero, default=1.0,
                     help="divide the recorded arrival times by this (default %(default)s)")
     rp.add_argument("--block-size", type=_count(1), default=None, metavar="N",
-                    help="tokens per hash id of a Mooncake trace (default 512; records carry their own)")
+                    help="tokens per hash id of a Mooncake trace whose rows carry no block_size (512 for the "
+                         "FAST'25 traces); records and exported traces carry their own, which it must match")
     rp.add_argument("--vocab-size", type=_count(101), default=4096, metavar="N",
                     help="synthesized token ids are below this, and from 100 up (default %(default)s)")
     rp.add_argument("--max-concurrency", type=_count(1), default=256, metavar="N",
@@ -183,10 +186,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from . import replay
 
     try:
-        rows, block_size, skipped = replay.load_rows(args.files, args.block_size)
+        work = replay.load_rows(args.files, args.block_size)
     except ValueError as exc:
         print(f"asgi-generate-trace: {exc}", file=sys.stderr)
         return 2
+    rows, block_size, skipped = work.rows, work.block_size, work.skipped
     print(f"replaying {len(rows)} requests (block_size {block_size}, {skipped} record"
           f"{'' if skipped == 1 else 's'} skipped) against {args.url}, speedup {args.speedup:g}", file=sys.stderr)
     bar = tqdm(total=len(rows), unit="req", disable=args.no_progress, file=sys.stderr)
@@ -203,13 +207,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
         results, wall = anyio.run(lambda: replay.replay(
             rows, block_size, args.url, fmt=args.format, speedup=args.speedup, max_concurrency=args.max_concurrency,
             timeout=args.timeout, vocab_size=args.vocab_size, verify=verify, progress=progress))
-    text = replay.summary(results, rows, wall)
+    text = replay.summary(results, rows, wall, work.recorded)
     print(text)
     if args.report:
         from .report import ReportUnavailable, write_report
 
+        parameters = [
+            ("files", ", ".join(args.files)), ("url", args.url), ("format", args.format),
+            ("speedup", f"{args.speedup:g}"), ("block size", str(block_size)),
+            ("input", "request_end records" if work.recorded is not None else "Mooncake trace"),
+            ("requests", f"{len(rows)} ({skipped} records skipped)"), ("vocab size", str(args.vocab_size)),
+            ("max concurrency", str(args.max_concurrency)), ("timeout", f"{args.timeout:g} s"),
+        ]
         try:
-            write_report(args.report, f"asgi-generate replay of {', '.join(args.files)}", text, results)
+            write_report(args.report, f"asgi-generate replay of {', '.join(args.files)}", parameters, text, results)
         except (ReportUnavailable, OSError) as exc:
             print(f"asgi-generate-trace: {exc}", file=sys.stderr)
             return 2
