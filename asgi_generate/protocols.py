@@ -15,27 +15,32 @@ against it (:mod:`asgi_generate.worker_specs`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import orjson
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerProtocol:
-    """One engine protocol's control routes.
+    """One engine protocol's control routes, as data.
 
     Attributes:
         name: ``sglang`` or ``vllm``.
         health_path: GET, 200 when the engine serves.
         info_path: GET, JSON server info (see :meth:`read_info`).
         abort_path: POST route that aborts requests by id.
+        info_reader: the info route's JSON object, normalised (see
+            :meth:`read_info`).
+        abort_field: the abort body's one field, naming the ids to abort.
+        abort_takes_list: whether that field is a list (vLLM's
+            ``/abort_requests``), so one abort request can name many ids;
+            else it names one (SGLang's ``/abort_request``: one ``rid``).
         engine_id_prefix: what the engine puts before the id it was given
             (vLLM's ``generate-tokens-``).
         version_path: GET, ``{"version": ...}``, when the info route does
             not carry the engine version (vLLM ``show_version``).
-        pd_legs: how the frontend runs a prefill/decode pair on this
-            protocol: ``concurrent`` (SGLang: both legs at once, joined by a
-            bootstrap room), ``sequential`` (vLLM: the prefill leg, then the
-            decode leg with its ``kv_transfer_params``), or ``None``.
+        pd: the frontend runs prefill/decode pairs on this protocol, with
+            its handshake (:mod:`asgi_generate.request.handshakes`).
         models_path: GET, the OpenAI model list, read for ``max_model_len``
             when the info route lacks the context length (SGLang).
     """
@@ -44,26 +49,22 @@ class WorkerProtocol:
     health_path: bytes
     info_path: bytes | None
     abort_path: bytes
+    info_reader: Callable[[dict], dict]
+    abort_field: str
+    abort_takes_list: bool = False
     engine_id_prefix: str = ""
     version_path: bytes | None = None
-    pd_legs: str | None = None
+    pd: bool = False
     models_path: bytes | None = None
 
     def read_info(self, obj: object) -> dict:
         """Normalise the info route's JSON, with the context length in tokens
-        as ``max_model_len`` (``None`` when unknown).
-
-        SGLang's ``/get_server_info`` (``http_server.get_server_info``: the
-        ``ServerArgs`` fields and scheduler info; its ``version`` is the
-        engine's) as is, its ``context_length`` (``--context-length``, null
-        unless given) copied to ``max_model_len``; vLLM's ``/v1/models`` as
-        ``{"served_model_name", "max_model_len", "root"}`` of its first model.
-        Anything unexpected gives ``{}``."""
+        as ``max_model_len`` (``None`` when unknown): :func:`read_server_info`
+        (SGLang) or :func:`read_model_card` (vLLM). Anything unexpected
+        gives ``{}``."""
         if not isinstance(obj, dict):
             return {}
-        if self.name != "vllm":
-            return {**obj, "max_model_len": _int(obj.get("context_length"))}
-        return read_model_card(obj)
+        return self.info_reader(obj)
 
     @staticmethod
     def read_version(obj: object) -> str | None:
@@ -71,19 +72,23 @@ class WorkerProtocol:
         version = obj.get("version") if isinstance(obj, dict) else None
         return version if isinstance(version, str) else None
 
-    @property
-    def abort_takes_list(self) -> bool:
-        """Whether one abort request can name many ids (vLLM's
-        ``/abort_requests``; SGLang's ``/abort_request`` takes one ``rid``)."""
-        return self.name == "vllm"
-
     def abort_body(self, engine_ids: list[str]) -> bytes:
         """The abort request body for ``engine_ids`` (ids as minted; more
-        than one only where :attr:`abort_takes_list`)."""
-        if self.name == "vllm":
-            return orjson.dumps({"request_ids": [self.engine_id_prefix + i for i in engine_ids]})
-        (engine_id,) = engine_ids
-        return orjson.dumps({"rid": engine_id})
+        than one only where :attr:`abort_takes_list`), each with the
+        engine's prefix."""
+        named = [self.engine_id_prefix + i for i in engine_ids]
+        if self.abort_takes_list:
+            return orjson.dumps({self.abort_field: named})
+        (engine_id,) = named
+        return orjson.dumps({self.abort_field: engine_id})
+
+
+def read_server_info(obj: dict) -> dict:
+    """SGLang's ``/get_server_info`` (``http_server.get_server_info``: the
+    ``ServerArgs`` fields and scheduler info; its ``version`` is the
+    engine's) as is, its ``context_length`` (``--context-length``, null
+    unless given) copied to ``max_model_len``."""
+    return {**obj, "max_model_len": _int(obj.get("context_length"))}
 
 
 def read_model_card(obj: object) -> dict:
@@ -104,10 +109,11 @@ def _int(value: object) -> int | None:
 
 
 SGLANG = WorkerProtocol(
-    "sglang", b"/health", b"/get_server_info", b"/abort_request", pd_legs="concurrent",
+    "sglang", b"/health", b"/get_server_info", b"/abort_request", read_server_info, "rid", pd=True,
     models_path=b"/v1/models",
 )
 VLLM = WorkerProtocol(
-    "vllm", b"/health", b"/v1/models", b"/abort_requests", "generate-tokens-", b"/version", pd_legs="sequential"
+    "vllm", b"/health", b"/v1/models", b"/abort_requests", read_model_card, "request_ids", abort_takes_list=True,
+    engine_id_prefix="generate-tokens-", version_path=b"/version", pd=True,
 )
 PROTOCOLS = {p.name: p for p in (SGLANG, VLLM)}

@@ -41,7 +41,7 @@ def parse_worker_spec(spec: str, role: str = "aggregated") -> tuple[str, str]:
         raise ValueError(f"worker {spec!r}: expected PROTOCOL=http://HOST:PORT")
     if protocol not in PROTOCOLS:
         raise ValueError(f"worker {spec!r}: unknown protocol {protocol!r} (known: {', '.join(PROTOCOLS)})")
-    if role != "aggregated" and PROTOCOLS[protocol].pd_legs is None:
+    if role != "aggregated" and not PROTOCOLS[protocol].pd:
         raise ValueError(f"{role} worker {spec!r}: the frontend runs no {protocol} P/D yet")
     try:
         parts = urlsplit(url)

@@ -38,7 +38,7 @@ from support import (
 from wire_proxy import WireProxy
 
 from asgi_generate.config import Settings
-from asgi_generate.request.pd import bootstrap_host, mint_room
+from asgi_generate.request.handshakes import bootstrap_host, mint_room
 from asgi_generate.workers.router import Router
 from asgi_generate.worker_specs import parse_worker_spec
 
@@ -560,13 +560,14 @@ def test_serve_embedded_pd_serves_pairs_of_both_protocols():
 
 
 def _legs_exchange(body: dict):
-    from asgi_generate.sdk.codec import Attempt
+    from asgi_generate.sdk.codec import Attempt, Pair
     from asgi_generate_sglang import SGLangCodec
 
     codec = SGLangCodec()
     ex = codec.exchange(codec.decode(orjson.dumps(body), {}), "r" * 32)
-    p = Attempt("a" * 32, "prefill", bootstrap=("127.0.0.1", 8998, 5))
-    d = Attempt("b" * 32, "decode", bootstrap=("127.0.0.1", 8998, 5))
+    pair = Pair({"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 5})
+    p = Attempt("a" * 32, "prefill", pair=pair)
+    d = Attempt("b" * 32, "decode", pair=pair)
     wp, wd = ex.worker_request(p), ex.worker_request(d)
     for w, rid in ((wp, "a" * 32), (wd, "b" * 32)):
         sent = orjson.loads(w.body)

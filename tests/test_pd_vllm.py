@@ -566,12 +566,13 @@ def test_prefill_answering_an_error_is_the_answer(vsims, tmp_path_factory):
 
 
 def _legs(body: dict):
-    from asgi_generate.sdk.codec import Attempt
+    from asgi_generate.sdk.codec import Attempt, Pair
     from asgi_generate_vllm import VLLMCodec
 
     codec = VLLMCodec()
     ex = codec.exchange(codec.decode(orjson.dumps(body), {b"content-type": b"application/json"}), "r" * 32)
-    p, d = Attempt("a" * 32, "prefill"), Attempt("a" * 32, "decode")
+    pair = Pair()
+    p, d = Attempt("a" * 32, "prefill", pair=pair), Attempt("a" * 32, "decode", pair=pair)
     ex.worker_request(p)
     return ex, p, d
 

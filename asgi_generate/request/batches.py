@@ -149,11 +149,7 @@ class BatchGeneration(Generation):
         while True:
             worker, attempt, wreq = prepared
             self.st.attempts.append(attempt)
-            worker.inflight.add(self)
-            try:
-                retry = await self._attempt(worker, attempt, wreq)
-            finally:
-                worker.inflight.discard(self)
+            retry = await self.deliver(worker, attempt, wreq)
             if not retry or self.st.response_complete:
                 return
             spread.remove(worker)
@@ -162,7 +158,7 @@ class BatchGeneration(Generation):
             if prepared is None:
                 return
 
-    async def _settle(self, attempt: Attempt, event: Event) -> None:
+    async def settle(self, attempt: Attempt, event: Event) -> None:
         attempt.tokens += len(event.token_ids)
         for j, sub in event.entries or ():
             if sub.finish_reason is not None or sub.error is not None:
@@ -208,9 +204,9 @@ class BatchGeneration(Generation):
         if not self.req.stream and self.st.response_complete and not self.gone and self.st.http_status == 200:
             self._credit(self.pending_items)
 
-    async def _flush(self, more: bool = True) -> None:
+    async def flush(self, more: bool = True) -> None:
         taken, self.outbox_items = self.outbox_items, []
-        await super()._flush(more)
+        await super().flush(more)
         if not self.gone:
             self._credit(taken)
 

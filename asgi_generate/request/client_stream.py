@@ -24,6 +24,7 @@ from ..workers.aborts import ACKED, LOST
 
 if TYPE_CHECKING:
     from .context import RequestContext
+    from .legs import Leg
 
 
 async def finish_record(ctx: "RequestContext", st: RequestState) -> None:
@@ -57,7 +58,7 @@ class ClientStream:
     __slots__ = (
         "ctx", "codec", "ex", "req", "st", "send", "pending", "in_send", "last_send",
         "scope", "shutdown", "write_timeout", "send_started", "timed", "outbox", "outbox_tokens",
-        "leg", "lost", "gone", "sent_ids", "keepalive", "cutting_off",
+        "leg", "gone", "sent_ids", "keepalive", "cutting_off",
     )
 
     def __init__(
@@ -78,10 +79,9 @@ class ClientStream:
         self.scope: anyio.CancelScope | None = None
         self.shutdown = False
         self.write_timeout = ctx.settings.slow_client_timeout
-        #: The running leg's scope, cancelled when its worker is lost.
-        self.leg: anyio.CancelScope | None = None
-        #: Why the running leg's worker was declared lost.
-        self.lost: str | None = None
+        #: The running leg (:class:`asgi_generate.request.legs.Leg`), set by
+        #: the leg runner; cancelled when its worker is lost.
+        self.leg: Leg | None = None
         #: A write failed because the client is gone (see :meth:`_write`).
         self.gone = False
         #: Every output token id received for the client, what a resumed
@@ -114,8 +114,9 @@ class ClientStream:
         finally:
             self.in_send = False
             self.last_send = time.monotonic()
-            if self.lost is not None and self.leg is not None and not self.st.response_complete:
-                self.leg.cancel()  # the worker was lost during this write
+            leg = self.leg
+            if leg is not None and leg.lost is not None and not self.st.response_complete:
+                leg.scope.cancel()  # the worker was lost during this write
 
     async def _send(self, body: bytes, more: bool) -> None:
         await self._write({"type": "http.response.body", "body": body, "more_body": more})
@@ -166,7 +167,7 @@ class ClientStream:
         return False
 
     def _queue(self, event: Event) -> None:
-        """A streamed event's bytes into the outbox (sent by :meth:`_flush`)."""
+        """A streamed event's bytes into the outbox (sent by :meth:`flush`)."""
         data = self.ex.client_event(event)
         if data is not None:
             self.outbox.append(sse_event(data))
@@ -194,7 +195,7 @@ class ClientStream:
                 # Complete once the last bytes are handed over: a client that
                 # hangs up as they arrive has not disconnected early.
                 st.response_complete = True
-                await self._flush(more=False)
+                await self.flush(more=False)
         else:
             self.pending += len(event.token_ids)
             if done:
@@ -207,7 +208,7 @@ class ClientStream:
         if done and st.status is None:
             st.status = "ok"
 
-    async def _flush(self, more: bool = True) -> None:
+    async def flush(self, more: bool = True) -> None:
         """Send every event decoded from one worker read in one write; count
         their tokens as delivered once the server took them (a write to a
         client that is gone raises in the server, see :meth:`_write`)."""
@@ -231,7 +232,7 @@ class ClientStream:
         else:
             st.fail(status, st.http_status, err.kind, err.message)
             self.outbox.append(sse_event(self.codec.in_band_error(err)) + self.codec.sse_terminal)
-            await self._flush(more=False)
+            await self.flush(more=False)
 
     async def guard(self, receive: Receive) -> None:
         """Watch the client for the whole request, in one task.

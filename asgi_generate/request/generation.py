@@ -2,37 +2,36 @@
 what happens when one fails.
 
 :class:`Generation` asks the router for a plan (one aggregated worker, or a
-prefill/decode pair run by :mod:`asgi_generate.request.pd`), runs each engine leg
-under its phase deadlines, and on a failure decides between failover (no
-token reached the client yet), migration (a stream continues on another
-worker as a ``resumed`` attempt) and ending the request with the format's
-error. What the client sees is written by :class:`ClientStream`.
+prefill/decode pair), runs it with the plan's handshake
+(:mod:`asgi_generate.request.handshakes`), whose legs run on the leg runner
+(:mod:`asgi_generate.request.legs`), and from how a leg whose events make
+the client's answer ended decides between failover (no token reached the
+client yet), migration (a stream continues on another worker as a
+``resumed`` attempt) and ending the request with the format's error. What
+the client sees is written by :class:`ClientStream`.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import anyio
 
-from ..sdk import ids
 from .accounting import RequestState
 from .budget import Lease
-from .client_stream import ClientStream, send_in_band_error
+from .client_stream import ClientStream, abort_live_legs, send_in_band_error
 from ..sdk.codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError, WorkerRequest
-from .framing import Send, SSEDecoder
-from .legs import Leg
-from .pd import run_pair
-from ..workers.http import ConnectFailed, TimedOut, WorkerError
+from .framing import Send
+from .handshakes import handshake
+from .legs import Leg, LegEnd
+from ..workers.http import WorkerError
 from ..workers.router import Worker
 
 if TYPE_CHECKING:
     from .context import RequestContext
 
 log = logging.getLogger("asgi_generate.request.handler")
-DONE = b"[DONE]"
 #: Seconds a request waits before its k-th resumed or replayed attempt:
 #: ``MIGRATION_BACKOFF_S * 2 ** (k - 1)``, at most ``MIGRATION_BACKOFF_MAX_S``
 #: (50, 100, 200 ms for the default limit of 3). A crash-looping fleet thus
@@ -51,15 +50,12 @@ def migration_backoff(k: int) -> float:
 class Generation(ClientStream):
     """Drives one request's attempts; its answer is written by the base."""
 
-    __slots__ = ("prefill_gate", "lease", "resuming", "tried")
+    __slots__ = ("lease", "resuming", "tried")
 
     def __init__(
         self, ctx: "RequestContext", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
     ) -> None:
         super().__init__(ctx, codec, ex, req, st, send)
-        #: P/D: set once the prefill leg answered, when the decode leg's
-        #: first event needs that answer (see :mod:`asgi_generate.request.pd`).
-        self.prefill_gate: anyio.Event | None = None
         #: The request's share of the body budget, given back once the first
         #: worker request is built (the body is decoded and checked then).
         self.lease: Lease | None = None
@@ -67,19 +63,6 @@ class Generation(ClientStream):
         self.resuming = False
         #: Workers this request failed on, never tried again for it.
         self.tried: list[Worker] = []
-
-    def worker_lost(self, worker: Worker, reason: str) -> None:
-        """The router's health probe gave ``worker`` up: stop waiting for it.
-
-        The leg is cancelled at once, or right after the client write under
-        way (a write is never cut in two); :meth:`_attempt` then resumes
-        the stream on another worker (migration) or ends the request.
-        """
-        if self.lost is not None or self.st.response_complete or self.st.attempts[-1].worker is not worker:
-            return
-        self.lost = reason
-        if not self.in_send and self.leg is not None:
-            self.leg.cancel()
 
     def cancel_for_shutdown(self) -> None:
         """Stop this request because the server is shutting down; the
@@ -120,40 +103,28 @@ class Generation(ClientStream):
                     RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"), "unavailable"
                 )
                 return
-            if len(plan) == 2:  # a prefill/decode pair
-                failed = await run_pair(self, *plan, self._next_role(), backoff)
-                if not failed:
-                    return
-                tried += failed
-                continue
-            worker = plan[0]
-            attempt = Attempt(ids.mint(), self._next_role(), worker.id, worker.info, worker)
-            attempt.backoff_ms = round(backoff * 1000)
-            if attempt.role == "resumed":  # continue where the client's answer stands
-                attempt.resumes = list(self.sent_ids)
-            try:
-                wreq = self.ex.worker_request(attempt)
-            except RequestError as exc:  # nothing was sent to any engine
-                await self.refuse(exc)
+            failed = await handshake(plan).run(self, plan, self._next_role(), backoff)
+            if not failed:
                 return
-            finally:
-                self.release_body()
-            self.st.attempts.append(attempt)
-            if self.ctx.recorder.otel is not None:
-                self.stamp(attempt, wreq)
-            self.lost = None
-            worker.inflight.add(self)
-            try:
-                retry = await self._attempt(worker, attempt, wreq)
-            finally:
-                worker.inflight.discard(self)
-            if not retry:
-                return
-            tried.append(worker)
+            tried += failed
 
-    def stamp(self, attempt: Attempt, wreq: WorkerRequest) -> None:
-        """With OpenTelemetry export on, give the leg its span id and the
-        engine its ``traceparent`` (off: nothing)."""
+    async def build(self, *attempts: Attempt) -> list[WorkerRequest] | None:
+        """The codec's worker requests for ``attempts``, in order; ``None``
+        once the codec refused one and the refusal was answered (nothing
+        reached an engine). The body budget's share is given back either way."""
+        try:
+            return [self.ex.worker_request(attempt) for attempt in attempts]
+        except RequestError as exc:
+            await self.refuse(exc)
+            return None
+        finally:
+            self.release_body()
+
+    def begin(self, attempt: Attempt, wreq: WorkerRequest) -> None:
+        """Count ``attempt`` among the request's legs (its record lists it)
+        and, with OpenTelemetry export on, give the leg its span id and the
+        engine its ``traceparent``."""
+        self.st.attempts.append(attempt)
         if self.ctx.recorder.otel is not None:
             self.ctx.recorder.otel.stamp(self.st, attempt, wreq)
 
@@ -187,15 +158,16 @@ class Generation(ClientStream):
         else:
             await self.fail(exc, "rejected")
 
-    async def _attempt(self, worker: Worker, attempt: Attempt, wreq: WorkerRequest) -> bool:
-        """Run one attempt; return whether to try another worker.
+    async def deliver(
+        self, worker: Worker, attempt: Attempt, wreq: WorkerRequest, gate: anyio.Event | None = None
+    ) -> bool:
+        """Run ``attempt``'s leg on ``worker``, its events making the
+        client's answer (an aggregated, resumed, replayed or batch leg, or
+        a P/D pair's decode leg, whose payloads wait for ``gate``); return
+        whether to try another worker.
 
-        Phase deadlines (each 0 = none): a streamed leg gets
-        ``headers_timeout`` to its response head, ``first_token_timeout``
-        to its first SSE event, then ``inter_token_timeout`` between events
-        (comments do not count); a unary leg, silent until its answer is
-        whole, gets ``request_timeout`` in all. A leg past its deadline is
-        left live for the abort and its request ends with 504 (in-band
+        A leg past its phase deadline (:mod:`asgi_generate.request.legs`)
+        is left live for the abort and its request ends with 504 (in-band
         after the 200); the worker is not marked down and nothing is retried,
         except that a stream silent past ``inter_token_timeout`` migrates.
 
@@ -205,112 +177,72 @@ class Generation(ClientStream):
         another worker as a ``resumed`` attempt; a client disconnect, an
         engine's own error or abort finish never does.
         """
-        st, ex, settings = self.st, self.ex, self.ctx.settings
-        leg = Leg(st, settings, worker, attempt, wreq)
-        try:
-            with anyio.CancelScope() as self.leg:
-                if self.lost is not None:  # lost before the leg began
-                    self.leg.cancel()
-                async with leg as resp:
-                    if leg.page is not None:
-                        status, body = leg.page
-                        # A stream's 503 is the worker going away (an engine ends a
-                        # stream's own abort in-band); a unary 503 may be the
-                        # engine's abort of this request, its answer.
-                        if status == 503 and wreq.stream:
-                            if not st.response_started and self.pending == 0:
-                                if self.ctx.router.can_plan(self.codec.worker_protocol, [*self.tried, worker]):
-                                    return True  # before any token: the next worker, as a failover
-                            elif self._migrate(attempt, f"answered {status}"):
-                                return True
-                        status, body = ex.worker_error(status, body)
-                        st.fail(
-                            "engine_error" if status >= 500 else "rejected",
-                            status,
-                            "engine",
-                            body[:512].decode("utf-8", "replace"),
-                        )
-                        await self._unary(status, body)
-                        return False
-                    if not wreq.stream:
-                        await self._feed_whole(attempt, await resp.read(leg.deadline))
-                    else:
-                        decoder = SSEDecoder()
-                        between = settings.inter_token_timeout
-                        deadline = leg.deadline
-                        while (data := await resp.read_some(deadline)) is not None:
-                            payloads = decoder.feed(data)
-                            # Nothing of this read is held while the next one waits.
-                            data = None
-                            if not payloads:  # only comments or part of an event
-                                continue
-                            deadline = leg.enter("inter_token", between)
-                            for payload in payloads:
-                                if not st.response_complete and payload != DONE:
-                                    if self.prefill_gate is not None:  # P/D: after the prefill's answer
-                                        await self._feed(attempt, payload)
-                                    elif (event := self._take(attempt, payload)) is not None:
-                                        await self._settle(attempt, event)  # else taken with no await
-                            payloads = payload = event = None
-                            if self.outbox:
-                                await self._flush()
-                            if attempt.live and st.response_complete:
-                                break  # the frontend ended the answer (a stop string across a seam)
-                    if not st.response_complete:
-                        event = ex.end_of_stream(attempt)
-                        if event is None or (event.error is None and event.finish_reason is None):
-                            raise WorkerError("worker ended the response without a finish reason")
-                        await self._settle(attempt, event)
-                    return False
-        except ConnectFailed as exc:
-            attempt.live = False
-            attempt.outcome = "connect_failed"
-            self.ctx.router.mark_down(worker, str(exc))
+        settings = self.ctx.settings
+        if not wreq.stream:
+            # One unary worker answer carries no token timing: TTFT and ITL
+            # stay unknown rather than equal to the total.
+            self.timed = False
+        leg = Leg(self.st, settings, worker, attempt, wreq, settings.inter_token_timeout, gate)
+        end = await leg.run(self, self.ctx.router)
+        return await self._judge(leg, end)
+
+    async def _judge(self, leg: Leg, end: LegEnd) -> bool:
+        """Failover, migration or the request's end, from how ``leg`` ended;
+        whether to try another worker."""
+        st, attempt, worker = self.st, leg.attempt, leg.worker
+        if end is LegEnd.FINISHED:
+            return False
+        if end is LegEnd.CONNECT_FAILED:
             return True
-        except TimedOut:
-            if st.response_complete:  # only the drain after the answer was slow
-                return False
+        if end is LegEnd.PAGE:
+            status, body = leg.page
+            # A stream's 503 is the worker going away (an engine ends a
+            # stream's own abort in-band); a unary 503 may be the engine's
+            # abort of this request, its answer.
+            if status == 503 and leg.stream:
+                if not st.response_started and self.pending == 0:
+                    if self.ctx.router.can_plan(self.codec.worker_protocol, [*self.tried, worker]):
+                        return True  # before any token: the next worker, as a failover
+                elif self._migrate(attempt, f"answered {status}"):
+                    return True
+            await self.answer_worker_error(status, body)
+            return False
+        if end is LegEnd.TIMED_OUT:
             if leg.phase == "inter_token" and self._migrate(attempt, f"sent no token for {leg.limit:g} s"):
                 attempt.outcome = "timeout"  # still live: aborted when the request ends
                 return True
             # Slow is not dead: the leg stays live so that it is aborted.
-            await self.fail(RequestError(504, leg.timeout_message(), "timeout"), "timeout")
+            await self.fail(leg.error, "timeout")
             return False
-        except WorkerError as exc:
-            if self.st.response_complete:  # only the drain after the answer failed
-                return False
-            # A broken connection may be this request's doing (SGLang drops
-            # a stream whose generator raised): ask the worker itself before
-            # taking it out, so no client can empty the rotation.
-            if await self.ctx.router.probe(worker):
-                attempt.outcome = "error"
-                await self.fail(
-                    RequestError(502, f"worker {worker.id} broke the connection mid-answer: {exc}", "engine"),
-                    "engine_error",
-                )
-                return False
-            attempt.outcome = "worker_lost"
-            if self.req.stream and not self.st.response_started and self.pending == 0:
+        if end is LegEnd.WORKER_LOST:
+            if self.req.stream and not st.response_started and self.pending == 0:
                 return True  # nothing reached the client: a plain failover
-            if await self._held_finish(attempt) or self._migrate(attempt, str(exc)):
+            if await self._held_finish(attempt) or self._migrate(attempt, leg.lost):
                 return not st.response_complete
-            await self.fail(RequestError(502, self._failed(worker, f"failed: {exc}"), "engine"), "engine_error")
+            await self.fail(RequestError(502, self._failed(worker, f"failed: {leg.lost}"), "engine"), "engine_error")
             return False
-        except RequestError as exc:  # the worker broke its protocol
-            attempt.outcome = "error"
-            await self.fail(exc, "engine_error")
+        if end is LegEnd.CANCELLED:
+            if self._migrate(attempt, f"lost: {leg.lost}"):
+                return True
+            await self.fail(RequestError(502, self._failed(worker, f"lost: {leg.lost}"), "worker_lost"),
+                            "engine_error")
             return False
-        finally:
-            self.leg = None
-            if attempt.span_id:
-                attempt.t_ended = time.monotonic()
-        # Only a cancelled leg gets here: the health probe gave the worker up.
-        # Its record is written at once: a lost worker's leg gets no abort.
-        attempt.outcome = "worker_lost"
-        if self._migrate(attempt, f"lost: {self.lost}"):
-            return True
-        await self.fail(RequestError(502, self._failed(worker, f"lost: {self.lost}"), "worker_lost"), "engine_error")
+        await self.fail(leg.error, "engine_error")  # an engine or protocol error
         return False
+
+    async def answer_worker_error(self, status: int, body: bytes) -> None:
+        """Answer the client with a worker's own non-200 answer (``status``,
+        ``body``), as the codec renders it (:meth:`Exchange.worker_error`)."""
+        status, body = self.ex.worker_error(status, body)
+        self.st.fail("engine_error" if status >= 500 else "rejected", status, "engine",
+                     body[:512].decode("utf-8", "replace"))
+        await self._unary(status, body)
+
+    async def abort_live_legs(self) -> None:
+        """Abort every live leg of the request now (a failed P/D pair's,
+        before another pair runs), shielded from cancellation."""
+        with anyio.CancelScope(shield=True):
+            await abort_live_legs(self.ctx, self.st)
 
     def _migrate(self, attempt: Attempt, why: str) -> bool:
         """Whether the request, whose ``attempt`` (aggregated, resumed,
@@ -319,7 +251,7 @@ class Generation(ClientStream):
         the codec can resume the stream (or, unary, replay the request from
         scratch), another worker is up, and the request's
         ``migration_limit`` is not spent. (A P/D prefill leg fails over by
-        :mod:`asgi_generate.request.pd`'s rules.)"""
+        :mod:`asgi_generate.request.handshakes`' rules.)"""
         st = self.st
         limit = self.ctx.settings.migration_limit
         if limit == 0 or attempt.role == "prefill":
@@ -356,34 +288,46 @@ class Generation(ClientStream):
         event = self.ex.end_of_stream(attempt)
         if event is None or (event.error is None and event.finish_reason is None):
             return False
-        await self._settle(attempt, event)
+        await self.settle(attempt, event)
         return True
 
-    async def _feed(self, attempt: Attempt, payload: bytes) -> None:
-        if self.prefill_gate is not None and attempt.role == "decode":
-            await self.prefill_gate.wait()
-        if (event := self._take(attempt, payload)) is not None:
-            await self._settle(attempt, event)
+    # -- the leg runner's reader (asgi_generate.request.legs.LegReader) ---------
 
-    def _take(self, attempt: Attempt, payload: bytes) -> Event | None:
-        """The event of one worker payload, for :meth:`_settle`; ``None``
-        once a running stream's event was counted and queued (no await)."""
+    def answered(self, attempt: Attempt) -> bool:
+        """The client's answer is complete: nothing more is wanted of a leg."""
+        return self.st.response_complete
+
+    def take(self, attempt: Attempt, payload: bytes) -> Event | None:
+        """The event of one worker payload, for :meth:`settle`; ``None``
+        once a running stream's event was counted and queued (no await),
+        or when the answer is complete (the payload is dropped).
+
+        Raises:
+            RequestError: the payload breaks the worker protocol.
+        """
+        if self.st.response_complete:
+            return None
         event = self.ex.feed(attempt, payload)
         if self._queued(event):
             attempt.tokens += len(event.token_ids)
             return None
         return event
 
-    async def _feed_whole(self, attempt: Attempt, body: bytes) -> None:
-        # One unary worker answer carries no token timing: TTFT and ITL
-        # stay unknown rather than equal to the total.
-        self.timed = False
-        await self._feed(attempt, body)
-
-    async def _settle(self, attempt: Attempt, event: Event) -> None:
+    async def settle(self, attempt: Attempt, event: Event) -> None:
+        """Count ``event`` on ``attempt`` (a finish or error ends the leg
+        unless the codec cut the answer short of the engine) and deliver it."""
         attempt.tokens += len(event.token_ids)
         if (event.error is not None or event.finish_reason is not None) and not event.cut:
             attempt.live = False
             attempt.outcome = "finished" if event.error is None else "error"
         await self._deliver(event)
 
+    async def cut_short(self, attempt: Attempt) -> None:
+        """The leg's answer ended unfinished: finish it with what the codec
+        holds (:meth:`_held_finish`).
+
+        Raises:
+            WorkerError: the codec holds no finish.
+        """
+        if not await self._held_finish(attempt):
+            raise WorkerError("worker ended the response without a finish reason")

@@ -1,23 +1,39 @@
-"""Opening one engine leg and its phase deadlines, shared by the aggregated
-and the P/D paths: a streamed leg gets ``headers_timeout`` to its response
-head, then ``first_token_timeout`` to its first event, then
-``inter_token_timeout`` between events; a unary leg gets ``request_timeout``
-in all (0 = none)."""
+"""The leg runner: one engine leg of a request, from its worker request to
+how it ended, for every kind of leg (aggregated, resumed, replayed, a
+batch's, a P/D pair's prefill and decode).
+
+:meth:`Leg.run` sends the leg's worker request, holds it to its phase
+deadlines (a streamed leg gets ``headers_timeout`` to its response head,
+then ``first_token_timeout`` to its first event, then ``inter_token_timeout``
+between events; a unary leg gets ``request_timeout`` in all; 0 = none),
+reads its SSE (or its one unary body) into the codec's events for a
+:class:`LegReader`, and returns how the leg ended as a :class:`LegEnd`. It
+decides nothing: the attempt loop (:mod:`asgi_generate.request.generation`)
+and the P/D handshakes (:mod:`asgi_generate.request.handshakes`) turn an end
+into a failover, a migration, a failed pair or the request's error.
+"""
 
 from __future__ import annotations
 
+import enum
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
+from ..sdk.codec import RequestError
+from ..workers.http import ConnectFailed, TimedOut, WorkerError
+from .framing import SSEDecoder
+
 if TYPE_CHECKING:
-    from .accounting import RequestState
-    from ..sdk.codec import Attempt, WorkerRequest
     from ..config import Settings
-    from ..workers.http import Response
-    from ..workers.router import Worker
+    from ..sdk.codec import Attempt, Event, WorkerRequest
+    from ..workers.router import Router, Worker
+    from .accounting import RequestState
+
+#: The SSE payload that ends an engine's stream (both engines send it).
+DONE = b"[DONE]"
 
 
 def deadline_in(limit: float) -> float:
@@ -26,43 +42,123 @@ def deadline_in(limit: float) -> float:
     return anyio.current_time() + limit if limit > 0 else math.inf
 
 
+class LegEnd(enum.Enum):
+    """How a leg ended, as :meth:`Leg.run` classifies it. The attempt's
+    ``live`` and ``outcome`` are set as the row says; a leg left live is
+    aborted by whoever gives it up."""
+
+    #: Read to its end, every event handed to the reader; or the reader's
+    #: answer was complete and only the rest of the leg failed (its drain).
+    FINISHED = "finished"
+    #: The worker answered a status other than 200 before any event:
+    #: :attr:`Leg.page` holds it (not live, outcome ``error``).
+    PAGE = "page"
+    #: No connection could be opened: the worker was marked down (not live,
+    #: outcome ``connect_failed``).
+    CONNECT_FAILED = "connect_failed"
+    #: The running phase's deadline passed (:attr:`Leg.phase`,
+    #: :attr:`Leg.limit`); :attr:`Leg.error` is the client's 504. Slow is
+    #: not dead: the leg stays live and its worker up.
+    TIMED_OUT = "timed_out"
+    #: The connection broke and the worker's probe says it is up: the break
+    #: was the engine's answer to this request (outcome ``error``);
+    #: :attr:`Leg.error` is the client's 502.
+    ENGINE_ERROR = "engine_error"
+    #: The connection broke and the worker's probe failed (outcome
+    #: ``worker_lost``); :attr:`Leg.lost` says how it broke.
+    WORKER_LOST = "worker_lost"
+    #: The worker broke its protocol (the codec raised); :attr:`Leg.error`
+    #: is the codec's error (outcome ``error``).
+    PROTOCOL_ERROR = "protocol_error"
+    #: Cancelled because the health probe gave the worker up (outcome
+    #: ``worker_lost``); :attr:`Leg.lost` is the probe's reason.
+    CANCELLED = "cancelled"
+
+
+class LegReader(Protocol):
+    """What a leg's events go to: the client's answer (a request's
+    :class:`~asgi_generate.request.generation.Generation`) or a P/D prefill
+    leg's keeper (:mod:`asgi_generate.request.handshakes`)."""
+
+    #: A client write is under way: a lost worker's leg is cancelled only
+    #: once it is done (a write is never cut in two).
+    in_send: bool
+    #: Client bytes :meth:`take` queued, sent by :meth:`flush` after each read.
+    outbox: list
+    #: The leg running for this reader (set by :meth:`Leg.run`), ``None`` between legs.
+    leg: "Leg | None"
+
+    def answered(self, attempt: "Attempt") -> bool:
+        """Nothing more is wanted from ``attempt``'s leg."""
+
+    def take(self, attempt: "Attempt", payload: bytes) -> "Event | None":
+        """The event of one worker payload for :meth:`settle`; ``None`` once
+        it was taken with no await, or when :meth:`answered` (the payload
+        is dropped).
+
+        Raises:
+            RequestError: the payload breaks the worker protocol.
+        """
+
+    async def settle(self, attempt: "Attempt", event: "Event") -> None:
+        """Account for ``event`` and deliver it."""
+
+    async def flush(self) -> None:
+        """Send :attr:`outbox`."""
+
+    async def cut_short(self, attempt: "Attempt") -> None:
+        """The leg's answer ended before :meth:`answered`: finish it from
+        what the codec holds, else raise :class:`WorkerError`."""
+
+
 class Leg:
-    """``async with Leg(st, settings, worker, attempt, wreq) as resp``: one
-    engine leg's worker request, under its phase deadlines.
+    """One engine leg: ``await Leg(...).run(reader, router)``.
 
-    Made: the request's dispatch time is stamped (its first leg's), the
-    attempt is live and the opening phase runs (``headers`` for a streamed
-    leg, ``request`` for a unary one). Entered: the request is sent and its
-    response head read by that deadline; a streamed leg then waits for its
-    first token (``first_token``). A non-200 answer is read whole into
-    :attr:`page` (status, body) and the attempt ends ``error``; otherwise
-    :attr:`page` is ``None`` and the caller reads ``resp`` by
-    :attr:`deadline`. ``wreq.body`` is handed to the worker's connection
-    pool and emptied: a streaming leg does not hold its prompt's bytes.
+    Args:
+        st: the request's state (its dispatch time is stamped at the first leg).
+        settings: the phase deadlines' source.
+        worker: where the leg runs; the leg is in its in-flight set while
+            it runs, so its health probe can give it up (:meth:`worker_lost`).
+        attempt: the leg's attempt, made live here.
+        wreq: its worker request; the body is handed to the worker's
+            connection pool and emptied (a stream does not hold its prompt).
+        between: seconds allowed between a stream's events once they flow
+            (``inter_token_timeout``); ``None`` keeps the first-token
+            deadline for the whole leg (a prefill leg, whose one event is
+            its answer).
+        gate: an event every payload waits for before the codec reads it
+            (a P/D decode leg whose answer joins its prefill leg's), or ``None``.
 
-    Raises (on entering): what :meth:`ConnectionPool.request` and
-    :meth:`Response.read` raise: ``ConnectFailed``, ``WorkerError``,
-    ``TimedOut`` (the running :attr:`phase` is the one that was missed).
+    After :meth:`run`: :attr:`phase` and :attr:`limit` are the phase that
+    ran last (``headers``, ``first_token``, ``inter_token`` or ``request``),
+    and :attr:`page`, :attr:`error` and :attr:`lost` say what :class:`LegEnd`
+    lists.
     """
 
-    __slots__ = ("worker", "attempt", "stream", "first_token", "phase", "limit", "deadline", "page", "_exchange")
+    __slots__ = (
+        "worker", "attempt", "stream", "first_token", "between", "gate", "phase", "limit", "deadline",
+        "scope", "page", "error", "lost", "reader", "_exchange",
+    )
 
     def __init__(
-        self, st: "RequestState", settings: "Settings", worker: "Worker", attempt: "Attempt", wreq: "WorkerRequest"
+        self, st: "RequestState", settings: "Settings", worker: "Worker", attempt: "Attempt", wreq: "WorkerRequest",
+        between: float | None = None, gate: anyio.Event | None = None,
     ) -> None:
         if st.t_dispatched is None:
             st.t_dispatched = time.monotonic()
         attempt.live = True
         self.worker, self.attempt, self.stream = worker, attempt, wreq.stream
-        #: The first-token limit in seconds (a streamed leg's second phase).
         self.first_token = settings.first_token_timeout
-        #: The running phase (``headers``, ``first_token``, ``inter_token``
-        #: or ``request``), its limit in seconds and its deadline on anyio's clock.
+        self.between, self.gate = between, gate
         self.phase, self.limit = (
             ("headers", settings.headers_timeout) if wreq.stream else ("request", settings.request_timeout)
         )
         self.deadline = deadline_in(self.limit)
+        self.scope = anyio.CancelScope()
         self.page: tuple[int, bytes] | None = None
+        self.error: RequestError | None = None
+        self.lost: str | None = None
+        self.reader: LegReader | None = None
         # Keeps the body only until it is sent; the caller's request object
         # lives as long as the leg, its body (the whole prompt) need not.
         self._exchange = worker.pool.request(b"POST", wreq.path, wreq.body, wreq.headers, head_deadline=self.deadline)
@@ -84,20 +180,121 @@ class Leg:
         }[self.phase]
         return f"worker {self.worker.id} {what} {self.limit:g} s"
 
-    async def __aenter__(self) -> "Response":
-        resp = await self._exchange.__aenter__()
+    def worker_lost(self, worker: "Worker", reason: str) -> None:
+        """The health probe gave ``worker`` up (see
+        :meth:`asgi_generate.workers.router.InFlight.worker_lost`): cancel
+        the leg at once, or right after the client write under way; not
+        once its reader wants nothing more from it."""
+        reader = self.reader
+        if self.lost is not None or reader is None or reader.answered(self.attempt):
+            return
+        self.lost = reason
+        if not reader.in_send:
+            self.scope.cancel()
+
+    async def run(self, reader: LegReader, router: "Router") -> LegEnd:
+        """Run the leg to its end, its events to ``reader``; how it ended.
+
+        A broken connection is judged by the worker's own probe on
+        ``router`` (it may be this request's doing: SGLang drops a stream
+        whose generator raised), so no client can empty the rotation; a
+        connect failure marks the worker down at once.
+
+        Raises:
+            What ``reader`` raises other than :class:`RequestError`, and
+            cancellation from outside the leg.
+        """
+        attempt, worker = self.attempt, self.worker
+        self.reader = reader
+        reader.leg = self
+        worker.inflight.add(self)
+        try:
+            with self.scope:
+                resp = await self._exchange.__aenter__()
+                try:
+                    await self._read(resp, reader)
+                except BaseException as exc:
+                    await self._exchange.__aexit__(type(exc), exc, exc.__traceback__)
+                    raise
+                await self._exchange.__aexit__(None, None, None)
+                return LegEnd.FINISHED if self.page is None else LegEnd.PAGE
+        except ConnectFailed as exc:
+            attempt.live = False
+            attempt.outcome = "connect_failed"
+            router.mark_down(worker, str(exc))
+            return LegEnd.CONNECT_FAILED
+        except TimedOut:
+            if reader.answered(attempt):  # only the drain after the answer was slow
+                return LegEnd.FINISHED
+            self.error = RequestError(504, self.timeout_message(), "timeout")
+            return LegEnd.TIMED_OUT
+        except WorkerError as exc:
+            if reader.answered(attempt):  # only the drain after the answer failed
+                return LegEnd.FINISHED
+            if await router.probe(worker):
+                attempt.outcome = "error"
+                self.error = RequestError(502, f"worker {worker.id} broke the connection mid-answer: {exc}", "engine")
+                return LegEnd.ENGINE_ERROR
+            attempt.outcome = "worker_lost"
+            self.lost = str(exc)
+            return LegEnd.WORKER_LOST
+        except RequestError as exc:
+            attempt.outcome = "error"
+            self.error = exc
+            return LegEnd.PROTOCOL_ERROR
+        finally:
+            reader.leg = None
+            worker.inflight.discard(self)
+            if attempt.span_id:
+                attempt.t_ended = time.monotonic()
+        # Only a cancelled leg gets here: the health probe gave the worker up.
+        attempt.outcome = "worker_lost"
+        return LegEnd.CANCELLED
+
+    async def _read(self, resp, reader: LegReader) -> None:
+        """Read the response whose head is in: a non-200 status's body into
+        :attr:`page`, else its events into ``reader``."""
+        attempt = self.attempt
         if self.stream:
             self.enter("first_token", self.first_token)
         if resp.status != 200:
-            try:
-                body = await resp.read(self.deadline)
-            except BaseException as exc:
-                await self._exchange.__aexit__(type(exc), exc, exc.__traceback__)
-                raise
-            self.attempt.live = False
-            self.attempt.outcome = "error"
+            body = await resp.read(self.deadline)
+            attempt.live = False
+            attempt.outcome = "error"
             self.page = (resp.status, body)
-        return resp
-
-    async def __aexit__(self, exc_type, exc, tb) -> None:
-        await self._exchange.__aexit__(exc_type, exc, tb)
+            return
+        gate = self.gate
+        if not self.stream:
+            payload = await resp.read(self.deadline)
+            if gate is not None:
+                await gate.wait()
+            if (event := reader.take(attempt, payload)) is not None:
+                await reader.settle(attempt, event)
+        else:
+            decoder = SSEDecoder()
+            between = self.between
+            deadline = self.deadline
+            while (data := await resp.read_some(deadline)) is not None:
+                payloads = decoder.feed(data)
+                # Nothing of this read is held while the next one waits.
+                data = None
+                if not payloads:  # only comments or part of an event
+                    continue
+                if between is not None:
+                    deadline = self.enter("inter_token", between)
+                for payload in payloads:
+                    if payload != DONE:
+                        if gate is not None:  # the first payload waits for the prefill leg's answer
+                            if reader.answered(attempt):
+                                continue
+                            await gate.wait()
+                            gate = None
+                        if (event := reader.take(attempt, payload)) is not None:
+                            await reader.settle(attempt, event)  # else taken with no await
+                payloads = payload = event = None
+                if reader.outbox:
+                    await reader.flush()
+                if attempt.live and reader.answered(attempt):
+                    break  # the reader ended the answer (a stop string across a seam)
+        if not reader.answered(attempt):
+            await reader.cut_short(attempt)

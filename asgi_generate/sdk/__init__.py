@@ -17,6 +17,7 @@ from .codec import (
     Event,
     Exchange,
     GenerateRequest,
+    Pair,
     RequestError,
     Route,
     WorkerRequest,
@@ -34,7 +35,7 @@ from .versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS, VLLMBehaviour, parse_
 __all__ = [
     "GROUP", "LEG_DONE", "MAX_REQUEST_ITEMS", "NO_KV_TRANSFER", "VLLM_DEFAULT_VERSION", "VLLM_VERSIONS",
     "Attempt", "BatchItem", "Codec", "CodecLoadError", "EngineError", "Event", "Exchange", "GenerateRequest",
-    "LaxError", "LoadedCodec", "PackedIds", "PromptTokenizer", "RequestError", "Route", "StopWatch",
+    "LaxError", "LoadedCodec", "PackedIds", "Pair", "PromptTokenizer", "RequestError", "Route", "StopWatch",
     "VLLMBehaviour", "WorkerRequest",
     "as_u32", "dump_body", "dumps_compact", "engine_error_page", "lax_scalar", "load_codecs", "mint",
     "pack_token_ids", "parse_version", "vllm_behaviour",

@@ -55,7 +55,7 @@ MAX_REQUEST_ITEMS = 16384
 
 #: The :class:`RequestError` kind of a P/D decode leg that cannot start: its
 #: prefill leg answered no KV hand-over (vLLM ``kv_transfer_params``);
-#: ``--pd-fallback`` then runs it as a ``local_prefill`` attempt.
+#: ``--pd-fallback`` then sends it as its pair's ``local_prefill``.
 NO_KV_TRANSFER = "no_kv_transfer"
 
 
@@ -179,6 +179,32 @@ class GenerateRequest:
     prompt_text: str | None = None
 
 
+@dataclass(slots=True, eq=False)
+class Pair:
+    """What joins the two legs of one prefill/decode (P/D) attempt, shared
+    by both legs' :class:`Attempt`. The handler's P/D handshake (one per
+    worker protocol, :mod:`asgi_generate.request.handshakes`) makes it; the
+    codec builds both legs' worker bodies from it.
+
+    Attributes:
+        fields: top-level fields both legs' worker bodies carry as given,
+            set before either is built (SGLang: ``bootstrap_host``,
+            ``bootstrap_port`` and ``bootstrap_room``, the prefill worker's
+            host and bootstrap port and a room minted per pair); empty when
+            the legs join otherwise.
+        from_prefill: the codec's own: what it keeps of this pair's prefill
+            answer for the decode leg's body (vLLM: the
+            ``kv_transfer_params`` it answered); the handler never reads it.
+        local_prefill: the decode leg is sent without anything from the
+            prefill leg's answer (it gave none, and ``--pd-fallback`` let
+            the decode worker prefill alone).
+    """
+
+    fields: dict[str, Any] = field(default_factory=dict)
+    from_prefill: Any = None
+    local_prefill: bool = False
+
+
 @dataclass(slots=True)
 class Attempt:
     """One engine leg of a request on one worker.
@@ -204,13 +230,8 @@ class Attempt:
         tokens: output tokens this leg contributed to the client's answer.
         backoff_ms: milliseconds the request waited before this leg (the
             migration backoff).
-        bootstrap: for an SGLang P/D leg, ``(bootstrap_host, bootstrap_port,
-            bootstrap_room)`` joining it to the other leg of its pair (the
-            prefill worker's host and bootstrap port, a room minted per
-            attempt); ``None`` otherwise.
-        local_prefill: a vLLM decode leg sent without the prefill leg's
-            ``kv_transfer_params`` (it answered none, and ``--pd-fallback``
-            let the decode worker prefill alone).
+        pair: for a ``prefill`` or ``decode`` leg, its P/D pair's
+            :class:`Pair` (both legs share it), else ``None``.
         span_id: with OpenTelemetry export on, the leg's span id (sent to
             the engine in its ``traceparent``), else 0; ``t_sent``/``t_ended``
             the leg's start and end (``time.monotonic()``), then only.
@@ -224,10 +245,9 @@ class Attempt:
     live: bool = False
     outcome: str | None = None
     abort_acked: bool | None = None
-    bootstrap: tuple[str, int, int] | None = None
+    pair: "Pair | None" = None
     resumes: list[int] | None = None
     tokens: int = 0
-    local_prefill: bool = False
     span_id: int = 0
     t_sent: float | None = None
     t_ended: float | None = None

@@ -149,7 +149,7 @@ def build_record(st: TracedRequest, block_size: int, analyzer: OutputAnalyzer | 
             row["tokens"] = a.tokens
         if a.abort_acked is not None:
             row["abort_acked"] = a.abort_acked
-        if a.local_prefill:
+        if a.role == "decode" and a.pair is not None and a.pair.local_prefill:
             row["local_prefill"] = True
         if a.backoff_ms:
             row["backoff_ms"] = a.backoff_ms

@@ -25,8 +25,9 @@ Answers are the engine's own objects with ``meta_info.id`` restored to the
 client's ``rid``: cumulative SSE chunks, or deltas when the worker runs with
 ``--incremental-streaming-output``.
 
-Prefill/decode (P/D): both legs get the client's body with the frontend's
-``bootstrap_host``/``bootstrap_port``/``bootstrap_room`` (SGLang's
+Prefill/decode (P/D): both legs get the client's body with the fields of
+their pair (``Attempt.pair.fields``: the frontend's ``bootstrap_host``/
+``bootstrap_port``/``bootstrap_room``; SGLang's
 ``disaggregation/mini_lb.py`` sends the same body to both). The client gets
 the decode leg's answer; with ``return_logprob`` the prefill leg's
 ``input_token_logprobs``, ``input_top_logprobs`` and
@@ -338,7 +339,7 @@ class SGLangExchange(Exchange):
         return None
 
     def worker_request(self, attempt: Attempt) -> WorkerRequest:
-        """The client's body with ``rid`` minted (and a P/D leg's bootstrap
+        """The client's body with ``rid`` minted (and a P/D leg's pair
         fields, or a resumed attempt's prompt and budget, see the module
         docstring). A unary client gets a unary engine leg: the engine's one
         answer, passed through.
@@ -356,8 +357,8 @@ class SGLangExchange(Exchange):
         body["rid"] = attempt.engine_id
         if attempt.resumes:
             self._resume(body, attempt.resumes)
-        if attempt.bootstrap is not None:
-            body["bootstrap_host"], body["bootstrap_port"], body["bootstrap_room"] = attempt.bootstrap
+        if attempt.pair is not None:
+            body.update(attempt.pair.fields)
         stream = self.request.stream
         if attempt.role == "prefill":  # its answer never reaches the client
             self.prefill_meta = None

@@ -340,7 +340,7 @@ class VLLMExchange(Exchange):
     """
 
     __slots__ = (
-        "native", "stream", "stream_id", "finish", "matched", "finished", "out", "status", "kv_params", "input_ids",
+        "native", "stream", "stream_id", "finish", "matched", "finished", "out", "status", "input_ids",
         "resumed", "pre_prompt_logprobs", "pre_experts", "choice_tokens", "details",
     )
 
@@ -359,10 +359,10 @@ class VLLMExchange(Exchange):
         #: ``None`` for nothing), or the whole unary body, sent with ``status``.
         self.out: bytes | None = None
         self.status = 200
-        #: P/D: the prefill leg's ``kv_transfer_params``, for the decode leg,
-        #: and what it computed for the client's answer: its prompt logprobs
-        #: and each choice's routed-expert rows (the prompt positions).
-        self.kv_params: Any = None
+        #: P/D: what the prefill leg computed for the client's answer (its
+        #: ``kv_transfer_params``, for the decode leg, are its pair's
+        #: ``from_prefill``): its prompt logprobs and each choice's
+        #: routed-expert rows (the prompt positions).
         self.pre_prompt_logprobs: Any = None
         self.pre_experts: dict[Any, Any] = {}
         #: A stream's tokens so far per choice index (the decode leg's).
@@ -396,9 +396,9 @@ class VLLMExchange(Exchange):
         prefill leg is unary with ``max_tokens`` 1 (``sampling_params`` has
         no ``max_completion_tokens`` on this route), no ``min_tokens`` or
         ``stream_options``, and :data:`PREFILL_KV`; the decode leg is the
-        client's request plus the prefill answer's ``kv_transfer_params``,
-        verbatim, or, for an attempt marked ``local_prefill``, the client's
-        request alone.
+        client's request plus the prefill answer's ``kv_transfer_params``
+        (kept as the pair's ``from_prefill``), verbatim, or, for a pair
+        marked ``local_prefill``, the client's request alone.
 
         Raises:
             RequestError: the prompt does not fit the worker's
@@ -415,7 +415,7 @@ class VLLMExchange(Exchange):
         if attempt.resumes:  # a migration: both legs of a pair carry the longer prompt
             self._resume(body, attempt.resumes)
         if attempt.role == "prefill":
-            self.kv_params, self.pre_prompt_logprobs, self.pre_experts = None, None, {}
+            self.pre_prompt_logprobs, self.pre_experts = None, {}
             sp = dict(body.get("sampling_params") or {})
             sp["max_tokens"] = 1
             sp.pop("min_tokens", None)
@@ -424,10 +424,11 @@ class VLLMExchange(Exchange):
             return WorkerRequest(PATH.encode(), dump_body(body), headers, stream=False)
         if attempt.role == "decode":
             self.choice_tokens.clear()
-            if not attempt.local_prefill:
-                if type(self.kv_params) is not dict:
+            pair = attempt.pair
+            if not pair.local_prefill:
+                if type(pair.from_prefill) is not dict:
                     raise RequestError(502, "the prefill worker answered no kv_transfer_params", NO_KV_TRANSFER)
-                body["kv_transfer_params"] = self.kv_params
+                body["kv_transfer_params"] = pair.from_prefill
         self.resumed = len(attempt.resumes or ())
         if not self.stream:
             return WorkerRequest(PATH.encode(), dump_body(body), headers, stream=False)
@@ -489,7 +490,7 @@ class VLLMExchange(Exchange):
             choices = obj.get("choices")
             if type(choices) is not list or not choices or type(choices[0]) is not dict:
                 raise _bad(what, "has no choice")
-            self.kv_params = obj.get("kv_transfer_params")
+            attempt.pair.from_prefill = obj.get("kv_transfer_params")
             self.pre_prompt_logprobs = obj.get("prompt_logprobs")
             self.pre_experts = {c.get("index", 0): c.get("routed_experts") for c in choices if type(c) is dict}
             return Event([], choices[0].get("finish_reason") or "stop")

@@ -1,0 +1,324 @@
+"""Handshakes: how one attempt of a request runs on the workers the router
+planned, one strategy per kind of plan and worker protocol.
+
+- :data:`AGGREGATED`: one worker, one leg (also a migration's ``resumed``
+  leg and a unary request's ``replayed`` one).
+- :data:`SGLANG_PAIR` (SGLang ``disaggregation/mini_lb.py``): the prefill
+  and decode legs run concurrently, both with the client's body and a
+  bootstrap host, port and room that join them (the prefill worker's host
+  and bootstrap port, a room minted per pair).
+- :data:`VLLM_PAIR` (vLLM's P/D proxies,
+  ``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py``): the legs
+  run one after the other under one engine id; the prefill leg (unary, one
+  token) answers ``kv_transfer_params``, which the decode leg carries. A
+  prefill that answered none fails the request, unless ``--pd-fallback``
+  lets the decode worker prefill alone (``Pair.local_prefill``).
+
+:func:`handshake` picks one for a plan. A pair's engine state lives in its
+handshake and in the :class:`~asgi_generate.sdk.codec.Pair` both its
+attempts carry; the codec builds the bytes from that. Each leg runs on the
+leg runner (:class:`~asgi_generate.request.legs.Leg`); a leg whose events
+make the client's answer is the attempt loop's to judge
+(:meth:`AttemptLoop.deliver`), a prefill leg is judged here: a pair whose
+leg fails before the client got anything is aborted, then the request runs
+on another pair (a worker that could not be reached or was lost) or ends
+with the format's error (the engine's error answer).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import TYPE_CHECKING, Protocol
+from urllib.parse import urlsplit
+
+import anyio
+
+from ..sdk import ids
+from ..sdk.codec import NO_KV_TRANSFER, Attempt, Event, Pair, RequestError
+from ..workers.http import WorkerError
+from .legs import Leg, LegEnd
+
+if TYPE_CHECKING:
+    from ..sdk.codec import Exchange, WorkerRequest
+    from ..workers.router import Worker
+    from .accounting import RequestState
+    from .context import RequestContext
+
+#: ``bootstrap_room`` is below 2^63 (SGLang ``io_struct.GenerateReqInput``).
+ROOM_LIMIT = 1 << 63
+_live_rooms: set[int] = set()
+
+
+class AttemptLoop(Protocol):
+    """What a handshake needs of the request's attempt loop
+    (:class:`~asgi_generate.request.generation.Generation`)."""
+
+    ctx: "RequestContext"
+    st: "RequestState"
+    ex: "Exchange"
+    #: Tokens of a unary answer counted but not sent yet.
+    pending: int
+    #: The last attempt failed mid-answer and the request migrates.
+    resuming: bool
+    #: Every output token id sent so far (``None``: the request cannot resume).
+    sent_ids: list[int] | None
+
+    async def build(self, *attempts: Attempt) -> "list[WorkerRequest] | None":
+        """The attempts' worker requests; ``None`` once a refusal was answered."""
+
+    def begin(self, attempt: Attempt, wreq: "WorkerRequest") -> None:
+        """Count ``attempt`` among the request's legs."""
+
+    async def deliver(
+        self, worker: "Worker", attempt: Attempt, wreq: "WorkerRequest", gate: anyio.Event | None = None
+    ) -> bool:
+        """Run a leg whose events make the client's answer; whether to try another worker."""
+
+    async def fail(self, err: RequestError, status: str) -> None:
+        """End the client's answer with ``err``."""
+
+    async def answer_worker_error(self, status: int, body: bytes) -> None:
+        """Answer the client with a worker's own error page."""
+
+    async def abort_live_legs(self) -> None:
+        """Abort every live leg of the request now."""
+
+
+class Handshake(Protocol):
+    """One attempt's strategy (see the module docstring)."""
+
+    async def run(self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float) -> "list[Worker]":
+        """Run one attempt of ``loop``'s request on ``workers``: ``role`` is
+        ``aggregated``, ``resumed`` (its legs carry the output sent so far
+        after the prompt) or ``replayed``; ``backoff`` the seconds waited
+        before it. Returns the workers to leave out of the next attempt
+        (empty: the request is answered, successfully or with its error);
+        a leg that dies mid-answer returns its worker with ``loop.resuming``
+        set when the request migrates."""
+
+
+def _attempt(engine_id: str, role: str, worker: "Worker", backoff: float, resumes: list[int] | None,
+             pair: Pair | None = None) -> Attempt:
+    return Attempt(engine_id, role, worker.id, worker.info, worker, pair=pair, resumes=resumes,
+                   backoff_ms=round(backoff * 1000))
+
+
+class Aggregated:
+    """One worker, one leg."""
+
+    async def run(self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float) -> "list[Worker]":
+        """See :meth:`Handshake.run`."""
+        (worker,) = workers
+        resumes = list(loop.sent_ids) if role == "resumed" else None  # where the client's answer stands
+        attempt = _attempt(ids.mint(), role, worker, backoff, resumes)
+        built = await loop.build(attempt)
+        if built is None:
+            return []
+        loop.begin(attempt, built[0])
+        return [worker] if await loop.deliver(worker, attempt, built[0]) else []
+
+
+class _Prefill:
+    """A prefill leg's reader: its answer goes to the codec, never to the
+    client; keeps how the leg ended for the pair."""
+
+    __slots__ = ("ex", "leg", "retry", "error", "page")
+    in_send = False
+    outbox: tuple = ()
+
+    def __init__(self, ex: "Exchange") -> None:
+        self.ex = ex
+        self.leg: Leg | None = None
+        #: The pair failed on this worker: the request may run on another pair.
+        self.retry = False
+        #: The pair failed with this error for the client.
+        self.error: RequestError | None = None
+        #: The worker's own non-200 answer, for the client.
+        self.page: tuple[int, bytes] | None = None
+
+    def answered(self, attempt: Attempt) -> bool:
+        return not attempt.live
+
+    def take(self, attempt: Attempt, payload: bytes) -> Event | None:
+        return self.ex.feed(attempt, payload) if attempt.live else None
+
+    async def settle(self, attempt: Attempt, event: Event) -> None:
+        if event.error is not None:
+            attempt.live = False
+            attempt.outcome = "error"
+            self.error = RequestError(event.error.status, event.error.message, "engine")
+        elif event.finish_reason is not None:
+            attempt.live = False
+            attempt.outcome = "finished"
+
+    async def flush(self) -> None:  # nothing is queued for the client
+        pass
+
+    async def cut_short(self, attempt: Attempt) -> None:
+        raise WorkerError("prefill worker ended its answer without a finish reason")
+
+    def judge(self, leg: Leg, end: LegEnd) -> None:
+        """How the pair fares after its prefill leg ended ``end``."""
+        if end is LegEnd.PAGE:
+            self.page = leg.page
+            self.error = RequestError(leg.page[0], "prefill leg failed", "engine")
+        elif end in (LegEnd.CONNECT_FAILED, LegEnd.WORKER_LOST, LegEnd.CANCELLED):
+            self.retry = True
+        elif end is not LegEnd.FINISHED:  # timed out (the leg stays live), engine or protocol error
+            self.error = leg.error
+
+
+async def _run_prefill(
+    loop: AttemptLoop, prefill: _Prefill, worker: "Worker", attempt: Attempt, wreq: "WorkerRequest",
+    gate: anyio.Event | None = None, decode_scope: anyio.CancelScope | None = None,
+) -> None:
+    """Run a prefill leg, its whole answer into the codec (it answers once
+    the decode took its KV: a streamed leg's one event is its first token),
+    how it ended into ``prefill``. A failure before the client got anything
+    cancels ``decode_scope`` (the pair is then aborted); ``gate`` opens
+    however the leg ends."""
+    try:
+        leg = Leg(loop.st, loop.ctx.settings, worker, attempt, wreq)
+        prefill.judge(leg, await leg.run(prefill, loop.ctx.router))
+    finally:
+        if (prefill.retry or prefill.error is not None) and not loop.st.response_started and not loop.pending:
+            if decode_scope is not None:
+                decode_scope.cancel()
+        if gate is not None:
+            gate.set()
+
+
+async def _prefill_failed(loop: AttemptLoop, prefill: _Prefill) -> None:
+    """The client's answer when the prefill leg failed before it got
+    anything: the worker's own error page, or the error in the format's shape."""
+    if prefill.page is not None:
+        await loop.answer_worker_error(*prefill.page)
+    else:
+        await loop.fail(prefill.error, "timeout" if prefill.error.kind == "timeout" else "engine_error")
+
+
+def mint_room() -> int:
+    """A random bootstrap room in [0, 2^63) that no live attempt of this
+    process holds."""
+    while True:
+        room = secrets.randbits(63)
+        if room not in _live_rooms:
+            return room
+
+
+def bootstrap_host(worker: "Worker") -> str:
+    """The host a decode engine reaches ``worker``'s bootstrap server on:
+    its URL's host, an IPv6 address in brackets (as SGLang's routers send it)."""
+    host = urlsplit(worker.url).hostname or ""
+    return f"[{host}]" if ":" in host else host
+
+
+class SGLangPair:
+    """Concurrent legs joined by a bootstrap room (see the module docstring)."""
+
+    async def run(self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float) -> "list[Worker]":
+        """See :meth:`Handshake.run`."""
+        prefill, decode = workers
+        room = mint_room()
+        _live_rooms.add(room)
+        try:
+            pair = Pair({"bootstrap_host": bootstrap_host(prefill), "bootstrap_port": prefill.bootstrap_port,
+                         "bootstrap_room": room})
+            return await self._run(loop, prefill, decode, role, backoff, pair)
+        finally:
+            _live_rooms.discard(room)
+
+    @staticmethod
+    async def _run(loop: AttemptLoop, prefill: "Worker", decode: "Worker", role: str, backoff: float,
+                   pair: Pair) -> "list[Worker]":
+        st = loop.st
+        resumes = list(loop.sent_ids) if role == "resumed" else None
+        p_att = _attempt(ids.mint(), "prefill", prefill, backoff, resumes, pair)
+        d_att = _attempt(ids.mint(), "decode", decode, backoff, resumes, pair)
+        built = await loop.build(p_att, d_att)
+        if built is None:
+            return []
+        p_req, d_req = built
+        loop.begin(p_att, p_req)
+        loop.begin(d_att, d_req)
+        # The decode's first event waits for the prefill's answer when the
+        # codec joins them (e.g. prompt logprobs only the prefill computed).
+        gate = anyio.Event()
+        result = _Prefill(loop.ex)
+        retry_decode = False
+        async with anyio.create_task_group() as tg:
+            with anyio.CancelScope() as decode_scope:
+                tg.start_soon(_run_prefill, loop, result, prefill, p_att, p_req, gate, decode_scope)
+                retry_decode = await loop.deliver(decode, d_att, d_req, gate if loop.ex.waits_for_prefill else None)
+            if p_att.live and (d_att.outcome != "finished" or st.finish_reason == "abort"):
+                # No decode will take the prefill's KV: stop waiting for it
+                # (the leg stays live, so it is aborted).
+                tg.cancel_scope.cancel()
+        if retry_decode or result.retry:
+            if st.response_started or loop.pending:
+                if retry_decode and loop.resuming:  # the decode leg died mid-answer: migrate
+                    await loop.abort_live_legs()
+                    return [decode]
+                # The decode leg already answered the client (in part): no retry.
+                if not st.response_complete:
+                    await loop.fail(RequestError(502, "a P/D leg failed mid-answer", "engine"), "engine_error")
+                return []
+            await loop.abort_live_legs()
+            return [w for w, failed in ((prefill, result.retry), (decode, retry_decode)) if failed]
+        if result.error is not None and not st.response_started and not loop.pending:
+            await loop.abort_live_legs()
+            await _prefill_failed(loop, result)
+        return []
+
+
+class VLLMPair:
+    """Sequential legs under one engine id, joined by ``kv_transfer_params``
+    (see the module docstring)."""
+
+    async def run(self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float) -> "list[Worker]":
+        """See :meth:`Handshake.run`."""
+        prefill, decode = workers
+        resumes = list(loop.sent_ids) if role == "resumed" else None
+        pair = Pair()
+        engine_id = ids.mint()  # one id on both legs, as vLLM's proxies send it
+        p_att = _attempt(engine_id, "prefill", prefill, backoff, resumes, pair)
+        d_att = _attempt(engine_id, "decode", decode, backoff, resumes, pair)
+        built = await loop.build(p_att)
+        if built is None:
+            return []
+        loop.begin(p_att, built[0])
+        result = _Prefill(loop.ex)
+        await _run_prefill(loop, result, prefill, p_att, built[0])
+        if result.retry or result.error is not None:
+            await loop.abort_live_legs()
+            if result.retry:
+                return [prefill]
+            await _prefill_failed(loop, result)
+            return []
+        try:
+            try:
+                d_req = loop.ex.worker_request(d_att)
+            except RequestError as exc:
+                if exc.kind != NO_KV_TRANSFER or not loop.ctx.settings.pd_fallback:
+                    raise
+                pair.local_prefill = True  # recorded: the decode worker prefills alone
+                d_req = loop.ex.worker_request(d_att)
+        except RequestError as exc:  # the prefill's answer cannot start a decode
+            await loop.fail(exc, "engine_error")
+            return []
+        loop.begin(d_att, d_req)
+        return [decode] if await loop.deliver(decode, d_att, d_req) else []
+
+
+AGGREGATED = Aggregated()
+SGLANG_PAIR = SGLangPair()
+VLLM_PAIR = VLLMPair()
+#: Each worker protocol's P/D handshake, by protocol name (the protocols
+#: whose ``WorkerProtocol.pd`` is set).
+PAIRS: dict[str, Handshake] = {"sglang": SGLANG_PAIR, "vllm": VLLM_PAIR}
+
+
+def handshake(plan: "tuple[Worker, ...]") -> Handshake:
+    """The handshake of a plan: :data:`AGGREGATED` for one worker, the
+    protocol's pair handshake for a prefill/decode pair."""
+    return AGGREGATED if len(plan) == 1 else PAIRS[plan[0].protocol.name]
