@@ -300,6 +300,10 @@ def test_each_pd_protocol_has_a_handshake_and_each_plan_its_own():
     assert handshake((worker("w3", "sglang", FakePool()), dec)) is SGLANG_PAIR
 
 
+#: What an SGLang stream's client gets for ``answer([5], None)``.
+FIRST = b'data: {"text":"","output_ids":[5],"meta_info":{"id":"mine","finish_reason":null}}\n\n'
+
+
 def answer(ids_: list[int], finish: dict | None, **meta) -> dict:
     return {"text": "", "output_ids": ids_, "meta_info": {"id": "e0", "finish_reason": finish, **meta}}
 
@@ -327,8 +331,7 @@ async def test_aggregated_stream_fails_over_before_the_first_token_then_streams(
     await client.run()
     assert [s[1]["rid"] for s in dead.sent + live.sent] == ["e0", "e1"]
     assert router.marked == [("w0", "connection refused")]
-    assert client.body == (
-        b'data: {"text":"","output_ids":[5],"meta_info":{"id":"mine","finish_reason":null}}\n\n'
+    assert client.body == FIRST + (
         b'data: {"text":"","output_ids":[5,6],"meta_info":{"id":"mine","finish_reason":{"type":"stop"}}}\n\n'
         b"data: [DONE]\n\n"
     )
@@ -346,8 +349,7 @@ async def test_aggregated_stream_migrates_when_its_worker_is_lost_mid_answer(min
     await client.run()
     assert second.sent[0][1] == {"input_ids": [1, 2, 5], "rid": "e1", "stream": True,
                                  "sampling_params": {"max_new_tokens": 1}}
-    assert client.body == (
-        b'data: {"text":"","output_ids":[5],"meta_info":{"id":"mine","finish_reason":null}}\n\n'
+    assert client.body == FIRST + (
         b'data: {"text":"","output_ids":[5,6],"meta_info":{"id":"mine","finish_reason":{"type":"length","length":2}}}\n\n'
         b"data: [DONE]\n\n"
     )
@@ -371,8 +373,7 @@ async def test_sglang_pair_sends_both_legs_the_bootstrap_room_and_streams_the_de
     await client.run()
     assert prefill.sent == [(b"/generate", {**SGLANG_PAIR_BODY, "rid": "e0", **BOOTSTRAP}, [])]
     assert decode.sent == [(b"/generate", {**SGLANG_PAIR_BODY, "rid": "e1", **BOOTSTRAP}, [])]
-    assert client.body == (
-        b'data: {"text":"","output_ids":[5],"meta_info":{"id":"mine","finish_reason":null}}\n\n'
+    assert client.body == FIRST + (
         b'data: {"text":"","output_ids":[5,6],"meta_info":{"id":"mine","finish_reason":{"type":"stop"}}}\n\n'
         b"data: [DONE]\n\n"
     )

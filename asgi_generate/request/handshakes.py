@@ -44,8 +44,7 @@ if TYPE_CHECKING:
     from .accounting import RequestState
     from .context import RequestContext
 
-#: ``bootstrap_room`` is below 2^63 (SGLang ``io_struct.GenerateReqInput``).
-ROOM_LIMIT = 1 << 63
+#: The bootstrap rooms of the pairs running in this process.
 _live_rooms: set[int] = set()
 
 
@@ -198,8 +197,8 @@ async def _prefill_failed(loop: AttemptLoop, prefill: _Prefill) -> None:
 
 
 def mint_room() -> int:
-    """A random bootstrap room in [0, 2^63) that no live attempt of this
-    process holds."""
+    """A random bootstrap room in [0, 2^63) (SGLang ``io_struct.GenerateReqInput``
+    takes ``bootstrap_room`` below 2^63) that no live pair of this process holds."""
     while True:
         room = secrets.randbits(63)
         if room not in _live_rooms:
