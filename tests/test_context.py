@@ -298,7 +298,8 @@ def _members(protocol: type) -> set[str]:
 def _protocols_and_their_implementations():
     from asgi_generate.ops.admin import AdminContext
     from asgi_generate.request.context import Recorder, Running
-    from asgi_generate.request.pd import AttemptLoop
+    from asgi_generate.request.handshakes import AttemptLoop
+    from asgi_generate.request.legs import LegReader
     from asgi_generate.server.app import App
     from asgi_generate.sim.app import SimApp
     from asgi_generate.sim.sglang_batch import BatchHost
@@ -307,7 +308,7 @@ def _protocols_and_their_implementations():
     app = App(Settings(embedded_workers=0), codecs=[])
     return [
         (RequestContext, app), (AdminContext, app), (Recorder, app.recorder),
-        (Running, Generation), (AttemptLoop, Generation), (Candidate, _router().workers[0]),
+        (Running, Generation), (AttemptLoop, Generation), (LegReader, Generation), (Candidate, _router().workers[0]),
         (BatchHost, SimApp("sglang").protocol),
     ]
 

@@ -19,7 +19,7 @@ from asgi_generate.request.generation import Generation
 from asgi_generate.request.handshakes import AGGREGATED, PAIRS, SGLANG_PAIR, VLLM_PAIR, handshake
 from asgi_generate.request.legs import Leg, LegEnd
 from asgi_generate.sdk import ids
-from asgi_generate.sdk.codec import Attempt, WorkerRequest
+from asgi_generate.sdk.codec import Attempt
 from asgi_generate.workers.http import ConnectFailed, TimedOut, WorkerDisconnected
 from asgi_generate.protocols import PROTOCOLS
 from asgi_generate.workers.router import Worker
