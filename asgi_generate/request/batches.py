@@ -149,7 +149,8 @@ class BatchGeneration(Generation):
         while True:
             worker, attempt, wreq = prepared
             self.st.attempts.append(attempt)
-            retry = await self.deliver(worker, attempt, wreq)
+            leg = self.client_leg(worker, attempt, wreq)
+            retry = await self.judge(leg, await leg.run(self, self.ctx.router))
             if not retry or self.st.response_complete:
                 return
             spread.remove(worker)

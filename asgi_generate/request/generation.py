@@ -104,6 +104,9 @@ class Generation(ClientStream):
                 )
                 return
             failed = await handshake(plan).run(self, plan, self._next_role(), backoff)
+            if type(failed) is Leg:  # the attempt's client leg, run in this frame (Handshake.run)
+                leg = failed
+                failed = [leg.worker] if await self.judge(leg, await leg.run(self, self.ctx.router)) else []
             if not failed:
                 return
             tried += failed
@@ -158,18 +161,28 @@ class Generation(ClientStream):
         else:
             await self.fail(exc, "rejected")
 
-    async def deliver(
+    def client_leg(
         self, worker: Worker, attempt: Attempt, wreq: WorkerRequest, gate: anyio.Event | None = None
-    ) -> bool:
-        """Run ``attempt``'s leg on ``worker``, its events making the
-        client's answer (an aggregated, resumed, replayed or batch leg, or
-        a P/D pair's decode leg, whose payloads wait for ``gate``); return
-        whether to try another worker.
+    ) -> Leg:
+        """The leg of ``attempt`` on ``worker`` whose events make the
+        client's answer (an aggregated, resumed, replayed or batch leg, or a
+        P/D pair's decode leg, whose payloads wait for ``gate``), to run
+        with this generation as its reader, then :meth:`judge`."""
+        settings = self.ctx.settings
+        if not wreq.stream:
+            # One unary worker answer carries no token timing: TTFT and ITL
+            # stay unknown rather than equal to the total.
+            self.timed = False
+        return Leg(self.st, settings, worker, attempt, wreq, settings.inter_token_timeout, gate)
 
-        A leg past its phase deadline (:mod:`asgi_generate.request.legs`)
-        is left live for the abort and its request ends with 504 (in-band
-        after the 200); the worker is not marked down and nothing is retried,
-        except that a stream silent past ``inter_token_timeout`` migrates.
+    async def judge(self, leg: Leg, end: LegEnd) -> bool:
+        """Failover, migration or the request's end, from how a
+        :meth:`client_leg` ended; whether to try another worker.
+
+        A leg past its phase deadline is left live for the abort and its
+        request ends with 504 (in-band after the 200); the worker is not
+        marked down and nothing is retried, except that a stream silent past
+        ``inter_token_timeout`` migrates.
 
         Migration (:meth:`_migrate`): a stream cut mid-answer by a worker
         that is gone (broken connection and failed probe, or lost by the
@@ -177,18 +190,6 @@ class Generation(ClientStream):
         another worker as a ``resumed`` attempt; a client disconnect, an
         engine's own error or abort finish never does.
         """
-        settings = self.ctx.settings
-        if not wreq.stream:
-            # One unary worker answer carries no token timing: TTFT and ITL
-            # stay unknown rather than equal to the total.
-            self.timed = False
-        leg = Leg(self.st, settings, worker, attempt, wreq, settings.inter_token_timeout, gate)
-        end = await leg.run(self, self.ctx.router)
-        return await self._judge(leg, end)
-
-    async def _judge(self, leg: Leg, end: LegEnd) -> bool:
-        """Failover, migration or the request's end, from how ``leg`` ended;
-        whether to try another worker."""
         st, attempt, worker = self.st, leg.attempt, leg.worker
         if end is LegEnd.FINISHED:
             return False

@@ -19,7 +19,7 @@ handshake and in the :class:`~asgi_generate.sdk.codec.Pair` both its
 attempts carry; the codec builds the bytes from that. Each leg runs on the
 leg runner (:class:`~asgi_generate.request.legs.Leg`); a leg whose events
 make the client's answer is the attempt loop's to judge
-(:meth:`AttemptLoop.deliver`), a prefill leg is judged here: a pair whose
+(:meth:`AttemptLoop.judge`), a prefill leg is judged here: a pair whose
 leg fails before the client got anything is aborted, then the request runs
 on another pair (a worker that could not be reached or was lost) or ends
 with the format's error (the engine's error answer).
@@ -68,10 +68,14 @@ class AttemptLoop(Protocol):
     def begin(self, attempt: Attempt, wreq: "WorkerRequest") -> None:
         """Count ``attempt`` among the request's legs."""
 
-    async def deliver(
+    def client_leg(
         self, worker: "Worker", attempt: Attempt, wreq: "WorkerRequest", gate: anyio.Event | None = None
-    ) -> bool:
-        """Run a leg whose events make the client's answer; whether to try another worker."""
+    ) -> Leg:
+        """A leg whose events make the client's answer, to run with the loop as its reader."""
+
+    async def judge(self, leg: Leg, end: LegEnd) -> bool:
+        """Failover, migration or the request's end from how a client leg
+        ended; whether to try another worker."""
 
     async def fail(self, err: RequestError, status: str) -> None:
         """End the client's answer with ``err``."""
@@ -86,14 +90,22 @@ class AttemptLoop(Protocol):
 class Handshake(Protocol):
     """One attempt's strategy (see the module docstring)."""
 
-    async def run(self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float) -> "list[Worker]":
+    async def run(
+        self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float
+    ) -> "list[Worker] | Leg":
         """Run one attempt of ``loop``'s request on ``workers``: ``role`` is
         ``aggregated``, ``resumed`` (its legs carry the output sent so far
         after the prompt) or ``replayed``; ``backoff`` the seconds waited
-        before it. Returns the workers to leave out of the next attempt
-        (empty: the request is answered, successfully or with its error);
-        a leg that dies mid-answer returns its worker with ``loop.resuming``
-        set when the request migrates."""
+        before it.
+
+        Returns the workers to leave out of the next attempt (empty: the
+        request is answered, successfully or with its error; a leg that
+        died mid-answer gives its worker with ``loop.resuming`` set when the
+        request migrates), or the attempt's last leg, a client leg
+        (:meth:`AttemptLoop.client_leg`) that the loop runs and judges in
+        its own frame: an open stream holds every coroutine between the
+        request and the worker read.
+        """
 
 
 def _attempt(engine_id: str, role: str, worker: "Worker", backoff: float, resumes: list[int] | None,
@@ -105,8 +117,10 @@ def _attempt(engine_id: str, role: str, worker: "Worker", backoff: float, resume
 class Aggregated:
     """One worker, one leg."""
 
-    async def run(self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float) -> "list[Worker]":
-        """See :meth:`Handshake.run`."""
+    async def run(
+        self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float
+    ) -> "list[Worker] | Leg":
+        """See :meth:`Handshake.run`: the one leg, for the loop to run."""
         (worker,) = workers
         resumes = list(loop.sent_ids) if role == "resumed" else None  # where the client's answer stands
         attempt = _attempt(ids.mint(), role, worker, backoff, resumes)
@@ -114,7 +128,7 @@ class Aggregated:
         if built is None:
             return []
         loop.begin(attempt, built[0])
-        return [worker] if await loop.deliver(worker, attempt, built[0]) else []
+        return loop.client_leg(worker, attempt, built[0])
 
 
 class _Prefill:
@@ -223,59 +237,64 @@ class SGLangPair:
         try:
             pair = Pair({"bootstrap_host": bootstrap_host(prefill), "bootstrap_port": prefill.bootstrap_port,
                          "bootstrap_room": room})
-            return await self._run(loop, prefill, decode, role, backoff, pair)
+            resumes = list(loop.sent_ids) if role == "resumed" else None
+            p_att = _attempt(ids.mint(), "prefill", prefill, backoff, resumes, pair)
+            d_att = _attempt(ids.mint(), "decode", decode, backoff, resumes, pair)
+            built = await loop.build(p_att, d_att)
+            if built is None:
+                return []
+            p_req, d_req = built
+            loop.begin(p_att, p_req)
+            loop.begin(d_att, d_req)
+            # The decode's first event waits for the prefill's answer when the
+            # codec joins them (e.g. prompt logprobs only the prefill computed).
+            gate = anyio.Event()
+            result = _Prefill(loop.ex)
+            retry_decode = False
+            async with anyio.create_task_group() as tg:
+                with anyio.CancelScope() as decode_scope:
+                    tg.start_soon(_run_prefill, loop, result, prefill, p_att, p_req, gate, decode_scope)
+                    leg = loop.client_leg(decode, d_att, d_req, gate if loop.ex.waits_for_prefill else None)
+                    retry_decode = await loop.judge(leg, await leg.run(loop, loop.ctx.router))
+                if p_att.live and (d_att.outcome != "finished" or loop.st.finish_reason == "abort"):
+                    # No decode will take the prefill's KV: stop waiting for it
+                    # (the leg stays live, so it is aborted).
+                    tg.cancel_scope.cancel()
+            return await _after_pair(loop, prefill, decode, result, retry_decode)
         finally:
             _live_rooms.discard(room)
 
-    @staticmethod
-    async def _run(loop: AttemptLoop, prefill: "Worker", decode: "Worker", role: str, backoff: float,
-                   pair: Pair) -> "list[Worker]":
-        st = loop.st
-        resumes = list(loop.sent_ids) if role == "resumed" else None
-        p_att = _attempt(ids.mint(), "prefill", prefill, backoff, resumes, pair)
-        d_att = _attempt(ids.mint(), "decode", decode, backoff, resumes, pair)
-        built = await loop.build(p_att, d_att)
-        if built is None:
+
+async def _after_pair(loop: AttemptLoop, prefill: "Worker", decode: "Worker", result: _Prefill,
+                      retry_decode: bool) -> "list[Worker]":
+    """What a concurrent pair's end means for the request (see :meth:`Handshake.run`)."""
+    st = loop.st
+    if retry_decode or result.retry:
+        if st.response_started or loop.pending:
+            if retry_decode and loop.resuming:  # the decode leg died mid-answer: migrate
+                await loop.abort_live_legs()
+                return [decode]
+            # The decode leg already answered the client (in part): no retry.
+            if not st.response_complete:
+                await loop.fail(RequestError(502, "a P/D leg failed mid-answer", "engine"), "engine_error")
             return []
-        p_req, d_req = built
-        loop.begin(p_att, p_req)
-        loop.begin(d_att, d_req)
-        # The decode's first event waits for the prefill's answer when the
-        # codec joins them (e.g. prompt logprobs only the prefill computed).
-        gate = anyio.Event()
-        result = _Prefill(loop.ex)
-        retry_decode = False
-        async with anyio.create_task_group() as tg:
-            with anyio.CancelScope() as decode_scope:
-                tg.start_soon(_run_prefill, loop, result, prefill, p_att, p_req, gate, decode_scope)
-                retry_decode = await loop.deliver(decode, d_att, d_req, gate if loop.ex.waits_for_prefill else None)
-            if p_att.live and (d_att.outcome != "finished" or st.finish_reason == "abort"):
-                # No decode will take the prefill's KV: stop waiting for it
-                # (the leg stays live, so it is aborted).
-                tg.cancel_scope.cancel()
-        if retry_decode or result.retry:
-            if st.response_started or loop.pending:
-                if retry_decode and loop.resuming:  # the decode leg died mid-answer: migrate
-                    await loop.abort_live_legs()
-                    return [decode]
-                # The decode leg already answered the client (in part): no retry.
-                if not st.response_complete:
-                    await loop.fail(RequestError(502, "a P/D leg failed mid-answer", "engine"), "engine_error")
-                return []
-            await loop.abort_live_legs()
-            return [w for w, failed in ((prefill, result.retry), (decode, retry_decode)) if failed]
-        if result.error is not None and not st.response_started and not loop.pending:
-            await loop.abort_live_legs()
-            await _prefill_failed(loop, result)
-        return []
+        await loop.abort_live_legs()
+        return [w for w, failed in ((prefill, result.retry), (decode, retry_decode)) if failed]
+    if result.error is not None and not st.response_started and not loop.pending:
+        await loop.abort_live_legs()
+        await _prefill_failed(loop, result)
+    return []
 
 
 class VLLMPair:
     """Sequential legs under one engine id, joined by ``kv_transfer_params``
     (see the module docstring)."""
 
-    async def run(self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float) -> "list[Worker]":
-        """See :meth:`Handshake.run`."""
+    async def run(
+        self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float
+    ) -> "list[Worker] | Leg":
+        """See :meth:`Handshake.run`: once the prefill leg answered, the
+        decode leg, for the loop to run."""
         prefill, decode = workers
         resumes = list(loop.sent_ids) if role == "resumed" else None
         pair = Pair()
@@ -306,7 +325,7 @@ class VLLMPair:
             await loop.fail(exc, "engine_error")
             return []
         loop.begin(d_att, d_req)
-        return [decode] if await loop.deliver(decode, d_att, d_req) else []
+        return loop.client_leg(decode, d_att, d_req)
 
 
 AGGREGATED = Aggregated()

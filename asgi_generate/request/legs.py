@@ -204,6 +204,8 @@ class Leg:
             What ``reader`` raises other than :class:`RequestError`, and
             cancellation from outside the leg.
         """
+        # One frame from the request down to the worker read: an open
+        # stream holds every coroutine of its await chain.
         attempt, worker = self.attempt, self.worker
         self.reader = reader
         reader.leg = self
@@ -212,36 +214,56 @@ class Leg:
             with self.scope:
                 resp = await self._exchange.__aenter__()
                 try:
-                    await self._read(resp, reader)
+                    if self.stream:
+                        self.enter("first_token", self.first_token)
+                    if resp.status != 200:
+                        body = await resp.read(self.deadline)
+                        attempt.live = False
+                        attempt.outcome = "error"
+                        self.page = (resp.status, body)
+                    else:
+                        gate = self.gate
+                        if not self.stream:
+                            payload = await resp.read(self.deadline)
+                            if gate is not None:
+                                await gate.wait()
+                            if (event := reader.take(attempt, payload)) is not None:
+                                await reader.settle(attempt, event)
+                        else:
+                            decoder = SSEDecoder()
+                            between = self.between
+                            deadline = self.deadline
+                            while (data := await resp.read_some(deadline)) is not None:
+                                payloads = decoder.feed(data)
+                                # Nothing of this read is held while the next one waits.
+                                data = None
+                                if not payloads:  # only comments or part of an event
+                                    continue
+                                if between is not None:
+                                    deadline = self.enter("inter_token", between)
+                                for payload in payloads:
+                                    if payload != DONE:
+                                        if gate is not None:  # the first payload waits for the prefill's answer
+                                            if reader.answered(attempt):
+                                                continue
+                                            await gate.wait()
+                                            gate = None
+                                        if (event := reader.take(attempt, payload)) is not None:
+                                            await reader.settle(attempt, event)  # else taken with no await
+                                payloads = payload = event = None
+                                if reader.outbox:
+                                    await reader.flush()
+                                if attempt.live and reader.answered(attempt):
+                                    break  # the reader ended the answer (a stop string across a seam)
+                        if not reader.answered(attempt):
+                            await reader.cut_short(attempt)
                 except BaseException as exc:
                     await self._exchange.__aexit__(type(exc), exc, exc.__traceback__)
                     raise
                 await self._exchange.__aexit__(None, None, None)
                 return LegEnd.FINISHED if self.page is None else LegEnd.PAGE
-        except ConnectFailed as exc:
-            attempt.live = False
-            attempt.outcome = "connect_failed"
-            router.mark_down(worker, str(exc))
-            return LegEnd.CONNECT_FAILED
-        except TimedOut:
-            if reader.answered(attempt):  # only the drain after the answer was slow
-                return LegEnd.FINISHED
-            self.error = RequestError(504, self.timeout_message(), "timeout")
-            return LegEnd.TIMED_OUT
-        except WorkerError as exc:
-            if reader.answered(attempt):  # only the drain after the answer failed
-                return LegEnd.FINISHED
-            if await router.probe(worker):
-                attempt.outcome = "error"
-                self.error = RequestError(502, f"worker {worker.id} broke the connection mid-answer: {exc}", "engine")
-                return LegEnd.ENGINE_ERROR
-            attempt.outcome = "worker_lost"
-            self.lost = str(exc)
-            return LegEnd.WORKER_LOST
-        except RequestError as exc:
-            attempt.outcome = "error"
-            self.error = exc
-            return LegEnd.PROTOCOL_ERROR
+        except (WorkerError, TimedOut, RequestError) as exc:
+            return await self._failed(exc, reader, router)
         finally:
             reader.leg = None
             worker.inflight.discard(self)
@@ -251,50 +273,27 @@ class Leg:
         attempt.outcome = "worker_lost"
         return LegEnd.CANCELLED
 
-    async def _read(self, resp, reader: LegReader) -> None:
-        """Read the response whose head is in: a non-200 status's body into
-        :attr:`page`, else its events into ``reader``."""
-        attempt = self.attempt
-        if self.stream:
-            self.enter("first_token", self.first_token)
-        if resp.status != 200:
-            body = await resp.read(self.deadline)
+    async def _failed(self, exc: Exception, reader: LegReader, router: "Router") -> LegEnd:
+        """Classify the exception a leg ended with (see :class:`LegEnd`)."""
+        attempt, worker = self.attempt, self.worker
+        if isinstance(exc, ConnectFailed):
             attempt.live = False
+            attempt.outcome = "connect_failed"
+            router.mark_down(worker, str(exc))
+            return LegEnd.CONNECT_FAILED
+        if isinstance(exc, RequestError):
             attempt.outcome = "error"
-            self.page = (resp.status, body)
-            return
-        gate = self.gate
-        if not self.stream:
-            payload = await resp.read(self.deadline)
-            if gate is not None:
-                await gate.wait()
-            if (event := reader.take(attempt, payload)) is not None:
-                await reader.settle(attempt, event)
-        else:
-            decoder = SSEDecoder()
-            between = self.between
-            deadline = self.deadline
-            while (data := await resp.read_some(deadline)) is not None:
-                payloads = decoder.feed(data)
-                # Nothing of this read is held while the next one waits.
-                data = None
-                if not payloads:  # only comments or part of an event
-                    continue
-                if between is not None:
-                    deadline = self.enter("inter_token", between)
-                for payload in payloads:
-                    if payload != DONE:
-                        if gate is not None:  # the first payload waits for the prefill leg's answer
-                            if reader.answered(attempt):
-                                continue
-                            await gate.wait()
-                            gate = None
-                        if (event := reader.take(attempt, payload)) is not None:
-                            await reader.settle(attempt, event)  # else taken with no await
-                payloads = payload = event = None
-                if reader.outbox:
-                    await reader.flush()
-                if attempt.live and reader.answered(attempt):
-                    break  # the reader ended the answer (a stop string across a seam)
-        if not reader.answered(attempt):
-            await reader.cut_short(attempt)
+            self.error = exc
+            return LegEnd.PROTOCOL_ERROR
+        if reader.answered(attempt):  # only the drain after the answer was slow or failed
+            return LegEnd.FINISHED
+        if isinstance(exc, TimedOut):
+            self.error = RequestError(504, self.timeout_message(), "timeout")
+            return LegEnd.TIMED_OUT
+        if await router.probe(worker):
+            attempt.outcome = "error"
+            self.error = RequestError(502, f"worker {worker.id} broke the connection mid-answer: {exc}", "engine")
+            return LegEnd.ENGINE_ERROR
+        attempt.outcome = "worker_lost"
+        self.lost = str(exc)
+        return LegEnd.WORKER_LOST
