@@ -126,8 +126,9 @@ class Leg:
             (``inter_token_timeout``); ``None`` keeps the first-token
             deadline for the whole leg (a prefill leg, whose one event is
             its answer).
-        gate: an event every payload waits for before the codec reads it
-            (a P/D decode leg whose answer joins its prefill leg's), or ``None``.
+        gate: an event the leg's first payload waits for before the codec
+            reads it (a P/D decode leg whose answer joins its prefill
+            leg's), or ``None``.
 
     After :meth:`run`: :attr:`phase` and :attr:`limit` are the phase that
     ran last (``headers``, ``first_token``, ``inter_token`` or ``request``),
@@ -184,9 +185,10 @@ class Leg:
         """The health probe gave ``worker`` up (see
         :meth:`asgi_generate.workers.router.InFlight.worker_lost`): cancel
         the leg at once, or right after the client write under way; not
-        once its reader wants nothing more from it."""
+        once its reader wants nothing more from it. (The leg is in the
+        worker's in-flight set only while :meth:`run` runs it.)"""
         reader = self.reader
-        if self.lost is not None or reader is None or reader.answered(self.attempt):
+        if self.lost is not None or reader.answered(self.attempt):
             return
         self.lost = reason
         if not reader.in_send:
