@@ -29,6 +29,25 @@ and ``serving.py``):
   with ``bytes``; each choice carries ``stop_reason``; answers carry
   ``output_mode`` and a new field layout; a finishing chunk without tokens (an
   abort) is sent instead of dropped;
+- 0.32: a P/D producer's ``kv_transfer_params`` carry
+  ``remote_prefill_cached_tokens`` (its own prefix-cache hit,
+  ``Scheduler.update_from_output`` in ``v1/core/sched/scheduler.py``) and a
+  consumer given them reports that count as its ``cached_tokens``
+  (``RequestState.from_new_request`` in ``v1/engine/output_processor.py``);
+  before, a consumer counts the prompt it loaded as cached; and a consumer
+  asked for ``prompt_logprobs`` loads no remote KV and prefills the prompt
+  itself (``Scheduler.schedule``: ``skip_reading_prefix_cache`` zeroes the
+  connector's hit; both absent from 0.30.0);
+- 0.33: routed-expert rows are kept per KV block by the auxiliary-output
+  connector (``vllm/distributed/aux_output_connector/connector.py``): a
+  consumer with ``--enable-return-routed-experts`` takes no remote KV whose
+  rows it lacks (``AuxOutputSchedulerConnector.cap_external_hit``), so it
+  prefills the prompt itself and answers every row; before (0.27:
+  ``RoutedExpertsManager.get`` in
+  ``model_executor/layers/fused_moe/routed_experts_capturer.py``, read at a
+  request's first output), rows are read from the slots of the request's own
+  KV blocks, so a consumer's prompt rows are slots the transfer filled and
+  no forward pass wrote;
 - after 0.33 (vLLM main, ``test_generate_max_tokens_boundary``): ``max_tokens``
   above ``max_model_len - prompt_len`` is refused with 400; 0.33 and earlier
   cap generation at the context end (and a value whose sum with the prompt
@@ -80,6 +99,14 @@ class VLLMBehaviour:
             without tokens sent.
         bounds_max_tokens: ``max_tokens`` beyond the context is refused
             (else generation stops at the context end).
+        relays_prefill_cache: a P/D consumer reports its producer's
+            prefix-cache hit (``remote_prefill_cached_tokens``), else the
+            prompt it loaded, as ``cached_tokens``.
+        prompt_logprobs_prefill_locally: a P/D consumer asked for
+            ``prompt_logprobs`` prefills the prompt itself.
+        expert_rows_by_block: a P/D consumer returning routed experts
+            prefills the prompt itself (else it loads the KV and answers
+            prompt rows no forward pass wrote).
     """
 
     version: str
@@ -88,6 +115,9 @@ class VLLMBehaviour:
     refuses_stop_strings: bool
     generate_schema: bool
     bounds_max_tokens: bool
+    relays_prefill_cache: bool
+    prompt_logprobs_prefill_locally: bool
+    expert_rows_by_block: bool
 
     @property
     def stop_reason(self) -> bool:
@@ -101,4 +131,5 @@ def vllm_behaviour(version: object) -> VLLMBehaviour | None:
     v = parse_version(version)
     if v is None:
         return None
-    return VLLMBehaviour(str(version), v >= (0, 25), v >= (0, 30), v >= (0, 31), v >= (0, 32), v >= (0, 34))
+    return VLLMBehaviour(str(version), v >= (0, 25), v >= (0, 30), v >= (0, 31), v >= (0, 32), v >= (0, 34),
+                         v >= (0, 32), v >= (0, 32), v >= (0, 33))

@@ -197,6 +197,12 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     sim.add_argument("--kv-expiry-s", type=_bounded(float, 0.001), default=480.0, metavar="S",
                      help="seconds a producer keeps KV blocks no consumer read (vLLM "
                           "VLLM_NIXL_ABORT_REQUEST_TIMEOUT) (default %(default)s)")
+    sim.add_argument("--kv-connector", choices=("nixl", "moriio"), default="nixl",
+                     help="vLLM: the KV connector a producer plays: nixl hands off a prefill that stopped at its "
+                          "length cap or at a stop, moriio at its length cap only (default %(default)s)")
+    sim.add_argument("--decode-expert-rows", choices=("sequence", "own"), default="sequence",
+                     help="P/D decode's routed experts: sequence (as the engines: every position, zeros where "
+                          "it received the KV) or own (only the positions it computed) (default %(default)s)")
     sim.add_argument("--enable-return-routed-experts", action="store_true",
                      help="vLLM: answer each finished choice's routed_experts (base64 .npy rows), as vLLM "
                           "--enable-return-routed-experts does (SGLang requests ask return_routed_experts)")
@@ -357,6 +363,8 @@ def _sim_app(args: argparse.Namespace) -> "SimApp":
         disaggregation_timeout_s=args.disaggregation_timeout_s,
         kv_role=args.kv_role,
         kv_expiry_s=args.kv_expiry_s,
+        kv_connector=args.kv_connector,
+        decode_expert_rows=args.decode_expert_rows,
         disconnect_abort_s=args.disconnect_abort_s,
         routed_experts=args.enable_return_routed_experts,
         cache_tokens=args.cache_tokens,

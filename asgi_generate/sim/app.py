@@ -86,6 +86,14 @@ class SimApp:
             (decode) of a KV connector (:mod:`asgi_generate.sim.kvconnector`);
             ``None`` for aggregated.
         kv_expiry_s: how long a producer keeps blocks no consumer read.
+        kv_connector: the vLLM connector a producer plays: ``nixl`` (hands
+            off a prefill that stopped at its cap or at a stop) or
+            ``moriio`` (at its cap only).
+        decode_expert_rows: a P/D decode's routed experts: ``sequence``
+            (the engines' own, every position with zeros where it received
+            the KV; see :mod:`asgi_generate.sim.sglang` and
+            :mod:`asgi_generate.sim.vllm`) or ``own`` (only the positions it
+            computed).
         routed_experts: vLLM ``--enable-return-routed-experts`` (SGLang
             requests ask with ``return_routed_experts``).
         disconnect_abort_s: SGLang: seconds after its client vanished that a
@@ -120,6 +128,8 @@ class SimApp:
         disaggregation_timeout_s: float = DEFAULT_TIMEOUT_S,
         kv_role: str | None = None,
         kv_expiry_s: float = DEFAULT_EXPIRY_S,
+        kv_connector: str = "nixl",
+        decode_expert_rows: str = "sequence",
         disconnect_abort_s: float = 2.0,
         routed_experts: bool = False,
         cache_tokens: int = 0,
@@ -143,8 +153,11 @@ class SimApp:
             raise ValueError("--enable-return-routed-experts is vLLM's; SGLang requests ask return_routed_experts")
         if kv_role is not None and protocol != "vllm":
             raise ValueError("--kv-role is vLLM's; SGLang P/D uses --disaggregation-mode")
+        if decode_expert_rows not in ("sequence", "own"):
+            raise ValueError(f"unknown decode expert rows {decode_expert_rows!r}")
         self.kv: KVProducer | KVConsumer | None = (
-            KVProducer(kv_expiry_s) if kv_role == "producer" else KVConsumer() if kv_role == "consumer" else None
+            KVProducer(kv_expiry_s, kv_connector) if kv_role == "producer"
+            else KVConsumer() if kv_role == "consumer" else None
         )
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
@@ -163,10 +176,12 @@ class SimApp:
                 engine_version or VLLM_DEFAULT_VERSION, stream_interval=stream_interval, kv=self.kv,
                 routed_experts=routed_experts,
                 prompt_tokens_details=enable_prompt_tokens_details,
+                decode_expert_rows=decode_expert_rows,
             )
             if protocol == "vllm"
             else SGLangProtocol(self.engine, self.tokenizer, incremental_streaming_output, model_name,
-                                disconnect_abort_s, stream_interval=stream_interval, disagg=self.disagg)
+                                disconnect_abort_s, stream_interval=stream_interval, disagg=self.disagg,
+                                decode_expert_rows=decode_expert_rows)
         )
         self.admin = SimAdmin(self.engine, protocol)
         self.engine_version = engine_version

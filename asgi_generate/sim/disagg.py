@@ -10,11 +10,15 @@ waits for the room's KV (``python/sglang/srt/disaggregation/decode.py``,
 line protocol on a TCP listener at the prefill's bootstrap port:
 
     decode -> prefill   {"room": N}\\n
-    prefill -> decode   {"input_ids": [...], "first_token": T}\\n   (once prefilled)
+    prefill -> decode   {"input_ids": [...], "first_token": T, "cached_tokens": C}\\n   (once prefilled)
     decode -> prefill   ok\\n                                       (transfer done)
 
 The "KV" is the prompt and the first token, which the deterministic model
-needs to continue exactly where an aggregated run would. The prefill request
+needs to continue exactly where an aggregated run would, and the prefill's
+prefix-cache hit, which SGLang's metadata buffers carry to the decode so that
+it reports the prefill's ``cached_tokens`` (``MetadataBuffers.set_buf`` in
+``disaggregation/utils.py``, read by ``DecodeTransferQueue.
+_commit_transfer_to_req`` in ``disaggregation/decode.py``). The prefill request
 answers only after the hand-over, as SGLang's prefill finishes a request only
 once its transfer succeeded. Either side gives up after its timeout (SGLang's
 ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` on the prefill side,
@@ -130,10 +134,12 @@ class PrefillRooms:
             del self.rooms[room]
 
     async def hand_over(self, job: Job, r: Room, input_ids: list[int], first_token: int) -> float | None:
-        """Offer the KV of ``job`` and wait until a decode took it; ``None``
-        when it did, else the seconds waited (timed out). Returns early, with
-        ``job.aborted`` set, when the job is aborted."""
-        r.kv = orjson.dumps({"input_ids": input_ids, "first_token": first_token}) + b"\n"
+        """Offer the KV of ``job`` (with its ``cached_tokens``) and wait
+        until a decode took it; ``None`` when it did, else the seconds
+        waited (timed out). Returns early, with ``job.aborted`` set, when
+        the job is aborted."""
+        kv = {"input_ids": input_ids, "first_token": first_token, "cached_tokens": job.cached_tokens}
+        r.kv = orjson.dumps(kv) + b"\n"
         r.ready.set()
         t0 = time.monotonic()
         with anyio.move_on_after(self.timeout_s):
@@ -193,8 +199,9 @@ class DecodeKV:
         self.transfers = 0
         self.timeouts = 0
 
-    async def fetch(self, job: Job, host: str, port: int, room: int) -> tuple[list[int], int] | float | None:
-        """Wait for ``room``'s KV: ``(input_ids, first_token)``; the seconds
+    async def fetch(self, job: Job, host: str, port: int, room: int) -> tuple[list[int], int, int] | float | None:
+        """Wait for ``room``'s KV: ``(input_ids, first_token, the prefill's
+        cached_tokens)``; the seconds
         waited when it never came in time; ``None`` when the job was aborted
         meanwhile. A prefill that cannot be reached yet is tried again until
         the timeout (SGLang keeps polling its bootstrap server too)."""
@@ -223,7 +230,7 @@ class DecodeKV:
         return got[0]
 
     @staticmethod
-    async def _pull(host: str, port: int, room: int) -> tuple[list[int], int]:
+    async def _pull(host: str, port: int, room: int) -> tuple[list[int], int, int]:
         while True:
             try:
                 stream = await anyio.connect_tcp(host, port)
@@ -236,7 +243,7 @@ class DecodeKV:
                     await stream.send(orjson.dumps({"room": room}) + b"\n")
                     kv = orjson.loads(await reader.receive_until(b"\n", MAX_LINE))
                     await stream.send(b"ok\n")
-                    return kv["input_ids"], kv["first_token"]
+                    return kv["input_ids"], kv["first_token"], kv["cached_tokens"]
                 except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
                     pass  # the prefill's listener timed out on this room: ask again
             await anyio.sleep(0.05)

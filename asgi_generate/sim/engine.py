@@ -38,6 +38,9 @@ class Job:
     request before its first token (it still runs as an abort).
     ``prefilled`` is the first token when another server prefilled the
     prompt (a P/D decode leg): it comes at once, without the TTFT.
+    ``kv_cached`` is what a P/D decode that received the prompt's KV
+    reports as ``cached_tokens`` (its own prefix cache is then not
+    matched); ``None`` when it prefilled the prompt itself.
     """
 
     rid: str
@@ -55,6 +58,7 @@ class Job:
     aborted: bool = False
     abort_event: anyio.Event = field(default_factory=anyio.Event)
     cached_tokens: int = 0
+    kv_cached: int | None = None
     output_ids: list[int] = field(default_factory=list)
     prefill_done: bool = False
 
@@ -228,7 +232,9 @@ class SimEngine:
 
     def _match(self, job: Job) -> None:
         prompt = len(job.input_ids)
-        if self.cache is not None and prompt:
+        if job.kv_cached is not None:
+            job.cached_tokens = job.kv_cached
+        elif self.cache is not None and prompt:
             held = self.cache.match(token_key(job.input_ids)) - 1
             block = self.cache_block
             job.cached_tokens = max(0, min(held, prompt - 1)) // block * block

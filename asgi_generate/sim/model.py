@@ -191,16 +191,21 @@ class Model:
         r = _mix(state, 0x7A4C0000 + token_id)
         return NUM_CANDIDATES + 1 + r % (self.vocab_size - NUM_CANDIDATES)
 
-    def expert_rows(self, seq: list[int], start: int) -> list[list[int]]:
+    def expert_rows(self, seq: list[int], start: int, received: int = 0) -> list[list[int]]:
         """Routed experts of the positions ``start`` up to the last but one
         of ``seq`` (prompt then output: an engine forwards every token but
-        the one it sampled last), one :meth:`expert_row` each."""
+        the one it sampled last), one :meth:`expert_row` each.
+
+        Positions below ``received`` were never forwarded on this engine (a
+        P/D decode that received their KV from the prefill engine): their
+        rows are zeros, what its never-written capture slots hold."""
         state = self.initial_state()
+        blank = [0] * (self.num_layers * self.experts_topk)
         rows = []
         for p in range(len(seq) - 1):
             state = self.advance(state, seq[p])
             if p >= start:
-                rows.append(self.expert_row(state))
+                rows.append(blank if p < received else self.expert_row(state))
         return rows
 
     def expert_row(self, state: int) -> list[int]:

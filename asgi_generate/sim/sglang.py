@@ -21,10 +21,16 @@ In P/D (``disaggregation``, see :mod:`asgi_generate.sim.disagg`) a prefill
 server answers after its KV went to the decode server with
 ``finish_reason {"type": "length", "length": 0}``, the first token, the
 prompt logprobs and the prompt's expert rows (``disaggregation/prefill.py``:
-the request finishes with ``FINISH_LENGTH(length=0)`` once transferred); a
-decode server answers like an aggregated one from the first token on, with
-empty ``input_*`` logprobs (it never saw the prompt's logits) and the expert
-rows of the positions it computed, none when it computed none.
+the request finishes with ``FINISH_LENGTH(length=0)`` once transferred, its
+rows collected then); a decode server answers like an aggregated one from the
+first token on, with empty ``input_*`` logprobs (it never saw the prompt's
+logits), the prefill's ``cached_tokens`` (carried with the KV) and, as SGLang
+0.5.23 does, the expert rows of ``[routed_experts_start_len, seqlen - 1)`` of
+its own capture buffers (``BatchResultProcessor._maybe_collect_routed_experts``
+in ``managers/scheduler_components/batch_result_processor.py``): the prompt
+positions it never forwarded come out as zeros, then the output positions'
+real rows. With ``decode_expert_rows="own"`` it answers only the rows of the
+positions it computed, none when it computed none.
 """
 
 from __future__ import annotations
@@ -64,6 +70,10 @@ class SGLangProtocol:
         disagg: the P/D role's KV hand-over: :class:`PrefillRooms` for a
             prefill server, :class:`DecodeKV` for a decode server, ``None``
             for an aggregated one.
+        decode_expert_rows: a decode server's routed experts: ``sequence``
+            (SGLang's: every position from ``routed_experts_start_len``,
+            zeros where it received the KV) or ``own`` (the positions it
+            computed only).
     """
 
     def __init__(
@@ -75,9 +85,11 @@ class SGLangProtocol:
         disconnect_abort_s: float = 2.0,
         stream_interval: int = 1,
         disagg: PrefillRooms | DecodeKV | None = None,
+        decode_expert_rows: str = "sequence",
     ) -> None:
         self.engine = engine
         self.disagg = disagg
+        self.decode_expert_rows = decode_expert_rows
         self.mode = (
             "prefill" if isinstance(disagg, PrefillRooms) else "decode" if isinstance(disagg, DecodeKV) else "null"
         )
@@ -266,16 +278,19 @@ class SGLangProtocol:
         return toks, tops, picked
 
     def _experts(self, job: Job, out_ids: list[int], start_len: int) -> str | None:
-        """Base64 int32 rows of the positions from ``start_len`` on (a
-        decode server only has those after the prompt; ``None`` when it has
-        none)."""
+        """Base64 int32 rows of the positions from ``start_len`` on; a
+        decode server's prompt rows are zeros (it received their KV), or,
+        with ``decode_expert_rows="own"``, absent (``None`` when it has no
+        row of its own)."""
         from .model import experts_base64
 
-        if self.mode == "decode":
-            start_len = max(start_len, len(job.input_ids))
-            if len(job.input_ids) + len(out_ids) - 1 <= start_len:
+        seq = job.input_ids + out_ids
+        received = len(job.input_ids) if self.mode == "decode" else 0
+        if self.mode == "decode" and self.decode_expert_rows == "own":
+            start_len = max(start_len, received)
+            if len(seq) - 1 <= start_len:
                 return None
-        return experts_base64(self.engine.model.expert_rows(job.input_ids + out_ids, start_len))
+        return experts_base64(self.engine.model.expert_rows(seq, start_len, received))
 
     @staticmethod
     def finish_reason(finish: tuple[str, object] | None, aborted: bool) -> dict | None:
@@ -501,17 +516,21 @@ class SGLangProtocol:
     async def _receive_kv(self, job: Job, pd: tuple[str, int, int]) -> tuple[str, object] | None:
         """Decode server: wait for the room's KV; the abort finish when it
         never comes (or is not this prompt's), else ``None`` with
-        ``job.prefilled`` set."""
+        ``job.prefilled`` and the prefill's ``cached_tokens`` set (SGLang's
+        decode reports the prefill's hit, plus its own radix cache's reuse
+        beyond it, ``ScheduleBatchDisaggregationDecodeMixin.
+        prepare_for_prebuilt``: the simulator's decode caches nothing)."""
         host, port, room = pd
         kv = await self.disagg.fetch(job, host, port, room)
         if kv is None:  # aborted while waiting
             return None
         if isinstance(kv, float):
             return ("abort", (500, transfer_failed(job.rid, room, kv)))
-        input_ids, first = kv
+        input_ids, first, cached = kv
         if input_ids != job.input_ids:
             return ("abort", (500, f"KV of bootstrap_room {room} is not this request's prompt"))
         job.prefilled = first
+        job.cached_tokens = cached
         return None
 
     async def _hand_over(self, job: Job, opts: dict, out_ids: list[int]) -> tuple[str, object]:

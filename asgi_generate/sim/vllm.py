@@ -77,11 +77,19 @@ stream's finishing chunk; null without the flag, on other chunks and for an
 aborted request.
 
 P/D (``--kv-role``, :mod:`asgi_generate.sim.kvconnector`): a producer
-answers ``kv_transfer_params`` for a prefill finished at its length cap; a
-consumer that read the prompt's KV from its producer computed no prompt
-position, so it answers ``prompt_logprobs`` null and expert rows only for
-the output positions it forwarded (none for one token); one that prefilled
-locally answers like an aggregated engine.
+answers ``kv_transfer_params`` for a prefill finished as its connector hands
+off (a length cap; a stop too with ``NixlConnector``), with its prefix-cache
+hit from 0.32; a consumer that read the prompt's KV from its producer
+computed no prompt position, so it answers ``prompt_logprobs`` null, reports
+the producer's hit as ``cached_tokens`` (before 0.32: the whole prompt it
+loaded) and, as 0.27 reads routed experts from the slots of the request's KV
+blocks (``RoutedExpertsManager.get``), rows for every position with zeros
+for the prompt's (with ``decode_expert_rows="own"``: rows only for the
+output positions it forwarded, none for one token). A consumer prefills the
+prompt itself, and answers like an aggregated engine, when its blocks are
+gone, when asked for ``prompt_logprobs`` (0.32 and later) and, from 0.33,
+when it returns routed experts (the auxiliary-output connector takes no
+remote KV whose rows it lacks; see :mod:`asgi_generate.sdk.versions`).
 """
 
 from __future__ import annotations
@@ -149,6 +157,10 @@ class VLLMProtocol:
             the final usage carries ``prompt_tokens_details.cached_tokens``
             when the prefix cache served any (``ServingTokens`` in
             ``vllm/entrypoints/serve/disagg/serving.py``).
+        decode_expert_rows: a consumer's routed experts after it read the
+            prompt's KV: ``sequence`` (every position, zeros for the
+            prompt's) or ``own`` (the output positions only); ``own`` also
+            keeps a 0.33 consumer loading the KV rather than prefilling.
 
     Raises:
         ValueError: ``version`` is not a version the simulator can play.
@@ -165,6 +177,7 @@ class VLLMProtocol:
         kv: KVProducer | KVConsumer | None = None,
         routed_experts: bool = False,
         prompt_tokens_details: bool = False,
+        decode_expert_rows: str = "sequence",
     ) -> None:
         behaviour = vllm_behaviour(version)
         if behaviour is None:
@@ -183,6 +196,7 @@ class VLLMProtocol:
         #: vLLM ``--enable-return-routed-experts``.
         self.routed_experts = routed_experts
         self.prompt_tokens_details = prompt_tokens_details
+        self.decode_expert_rows = decode_expert_rows
 
     @property
     def version(self) -> str:
@@ -335,14 +349,24 @@ class VLLMProtocol:
             state = model.advance(state, tok)
         return out
 
-    def _experts(self, seq: list[int], start: int) -> str | None:
-        """``routed_experts`` of the positions ``start`` to the last but one
-        of ``seq`` (prompt and output); ``None`` when there are none."""
+    def _experts(self, seq: list[int], received: int) -> str | None:
+        """``routed_experts`` of ``seq`` (prompt and output) but its last
+        token, the first ``received`` of them (whose KV this consumer read)
+        zeros, or, with ``decode_expert_rows="own"``, left out; ``None``
+        when there are none."""
+        start = received if self.decode_expert_rows == "own" else 0
         if len(seq) - 1 <= start:
             return None
         model = self.engine.model
-        rows = model.expert_rows(seq, start)
+        rows = model.expert_rows(seq, start, received)
         return experts_npy_base64(rows, model.num_layers, model.experts_topk, model.num_experts)
+
+    def _declines_kv(self, opts: Options) -> bool:
+        """Whether this consumer prefills the prompt itself although its
+        producer's KV is there (see the module docstring)."""
+        b = self.behaviour
+        experts = b.expert_rows_by_block and self.routed_experts and self.decode_expert_rows == "sequence"
+        return experts or (b.prompt_logprobs_prefill_locally and opts.prompt_logprobs is not None)
 
     def _choice(
         self, index: int, logprobs: Any, finish: str | None, stop_reason: int | None, ids: list[int],
@@ -420,7 +444,12 @@ class VLLMProtocol:
         # it read from a producer.
         start = 0
         if isinstance(self.kv, KVConsumer) and params and params.get("do_remote_prefill"):
-            start = prompt if await self.kv.load(params, job.input_ids) else 0
+            if await self.kv.load(params, job.input_ids, self._declines_kv(opts)):
+                start = prompt
+                job.kv_cached = prompt  # the prompt it loaded counts as cached
+            relayed = params.get("remote_prefill_cached_tokens")
+            if self.behaviour.relays_prefill_cache and type(relayed) is int:
+                job.kv_cached = relayed  # whether it loaded the KV or not
         experts: list[str | None] = [None] * n
         if n > 1:
             self.engine.batch_requests += 1
@@ -470,7 +499,8 @@ class VLLMProtocol:
         pk = opts.prompt_logprobs
         kv_out = None
         if isinstance(self.kv, KVProducer) and params and params.get("do_remote_decode") and not job.aborted:
-            kv_out = self.kv.finished(job.rid, job.input_ids, finish[0] == "length")
+            cached = job.cached_tokens if self.behaviour.relays_prefill_cache else None
+            kv_out = self.kv.finished(job.rid, job.input_ids, finish[0] or "stop", cached)
         choices = [
             self._choice(i, {"content": content[i]} if k is not None else None, finish[i] or "stop", stop_reason[i],
                          out[i], experts[i])
