@@ -77,7 +77,7 @@ by finish reason:
 tokens:
   input_tokens                  595
   output_tokens                 119
-  cached_tokens                 512
+  cached_tokens                 496
   reasoning_tokens               40
 latency ms             n        p50        p90        p99        max
   ttft_ms              6       12.0       30.1       30.1       30.1

@@ -315,12 +315,14 @@ class Generation(ClientStream):
         return event
 
     async def settle(self, attempt: Attempt, event: Event) -> None:
-        """Count ``event`` on ``attempt`` (a finish or error ends the leg
-        unless the codec cut the answer short of the engine) and deliver it."""
+        """Count ``event`` on ``attempt`` (a finish or error ends the leg,
+        with the usage its engine reported, unless the codec cut the answer
+        short of the engine) and deliver it."""
         attempt.tokens += len(event.token_ids)
         if (event.error is not None or event.finish_reason is not None) and not event.cut:
             attempt.live = False
             attempt.outcome = "finished" if event.error is None else "error"
+            attempt.usage = event.reported()
         await self._deliver(event)
 
     async def cut_short(self, attempt: Attempt) -> None:

@@ -163,6 +163,7 @@ class _Prefill:
         elif event.finish_reason is not None:
             attempt.live = False
             attempt.outcome = "finished"
+            attempt.usage = event.reported()
 
     async def flush(self) -> None:  # nothing is queued for the client
         pass

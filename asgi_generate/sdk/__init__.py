@@ -20,6 +20,7 @@ from .codec import (
     Pair,
     RequestError,
     Route,
+    Usage,
     WorkerRequest,
     dump_body,
     engine_error_page,
@@ -36,7 +37,7 @@ __all__ = [
     "GROUP", "LEG_DONE", "MAX_REQUEST_ITEMS", "NO_KV_TRANSFER", "VLLM_DEFAULT_VERSION", "VLLM_VERSIONS",
     "Attempt", "BatchItem", "Codec", "CodecLoadError", "EngineError", "Event", "Exchange", "GenerateRequest",
     "LaxError", "LoadedCodec", "PackedIds", "Pair", "PromptTokenizer", "RequestError", "Route", "StopWatch",
-    "VLLMBehaviour", "WorkerRequest",
+    "Usage", "VLLMBehaviour", "WorkerRequest",
     "as_u32", "dump_body", "dumps_compact", "engine_error_page", "lax_scalar", "load_codecs", "mint",
     "pack_token_ids", "parse_version", "vllm_behaviour",
 ]

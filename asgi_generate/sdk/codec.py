@@ -194,7 +194,9 @@ class Pair:
             the legs join otherwise.
         from_prefill: the codec's own: what it keeps of this pair's prefill
             answer for the decode leg's body (vLLM: the
-            ``kv_transfer_params`` it answered); the handler never reads it.
+            ``kv_transfer_params`` it answered) and for the client's answer
+            (what only the prefill leg computed), which only this pair's
+            decode leg joins; the handler never reads it.
         local_prefill: the decode leg is sent without anything from the
             prefill leg's answer (it gave none, and ``--pd-fallback`` let
             the decode worker prefill alone).
@@ -235,6 +237,9 @@ class Attempt:
         span_id: with OpenTelemetry export on, the leg's span id (sent to
             the engine in its ``traceparent``), else 0; ``t_sent``/``t_ended``
             the leg's start and end (``time.monotonic()``), then only.
+        usage: the counts the leg's engine reported with the end of its
+            answer (set by the handler, :meth:`Event.reported`), for the
+            record; ``None`` when none came.
     """
 
     engine_id: str
@@ -262,6 +267,19 @@ class Attempt:
     #: Batch legs: item index -> whether the engine acknowledged its abort.
     entry_acked: dict[int, bool] | None = None
     backoff_ms: int = 0
+    usage: "Usage | None" = None
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts one leg's engine reported for it, each ``None`` when
+    not reported: ``prompt_tokens`` (its prompt, a resumed leg's re-fed
+    output included), ``completion_tokens``, ``cached_tokens`` (prompt
+    tokens its prefix cache, or a P/D KV transfer, served)."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -308,6 +326,10 @@ class Event:
         cut: the codec finished the answer before the engine did (a stop
             string straddling a migration seam): the leg still runs and is
             aborted.
+        leg_usage: what this leg's engine reported, when the event's
+            counts are not that (the codec joined a P/D pair's legs, or made
+            a resumed leg's counts the uninterrupted answer's); ``None``:
+            the event's own counts are the leg's.
     """
 
     token_ids: list[int]
@@ -319,6 +341,16 @@ class Event:
     matched: int | str | None = None
     entries: list[tuple[int, "Event"]] | None = None
     cut: bool = False
+    leg_usage: Usage | None = None
+
+    def reported(self) -> Usage | None:
+        """The counts this leg's engine reported: :attr:`leg_usage`, else
+        the event's own; ``None`` when it reported none."""
+        if self.leg_usage is not None:
+            return self.leg_usage
+        if self.prompt_tokens is None and self.completion_tokens is None and self.cached_tokens is None:
+            return None
+        return Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
 
 #: ``Event.finish_reason`` of a batch leg's end when every item it carried

@@ -19,6 +19,8 @@ from .traced import TracedRequest
 #: client cannot bloat every record it causes.
 MAX_ID_CHARS = 256
 MAX_ERROR_CHARS = 1024
+#: An attempt's ``usage`` fields, in the record's order.
+USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 _TRUE = ("1", "true", "yes")
 
 
@@ -153,6 +155,11 @@ def build_record(st: TracedRequest, block_size: int, analyzer: OutputAnalyzer | 
             row["local_prefill"] = True
         if a.backoff_ms:
             row["backoff_ms"] = a.backoff_ms
+        if a.usage is not None:
+            usage = a.usage.prompt_tokens, a.usage.completion_tokens, a.usage.cached_tokens
+            reported = {k: v for k, v in zip(USAGE_FIELDS, usage) if v is not None}
+            if reported:
+                row["usage"] = reported
         attempts.append(row)
     rec["attempts"] = attempts
 

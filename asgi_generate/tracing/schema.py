@@ -94,7 +94,11 @@ SCHEMA: dict[str, Any] = {
         "engine_completion_tokens": _d(
             _COUNT, "The engine's completion_tokens; present only when it differs from output_tokens."
         ),
-        "cached_tokens": _d(_COUNT, "Prompt tokens served from the engine's prefix cache, as it reported."),
+        "cached_tokens": _d(
+            _COUNT, "Prompt tokens served from a prefix cache, as the aggregated engine would report them: the "
+            "engine's report, from the leg that computed the prompt in P/D (each leg's own report is its "
+            "attempt's usage).",
+        ),
         "reasoning_tokens": _d(
             _COUNT,
             "Leading output tokens the reasoning parser counted as reasoning, markers included; "
@@ -154,6 +158,20 @@ SCHEMA: dict[str, Any] = {
                         _COUNT, "Milliseconds the request waited before this leg (migration backoff); "
                         "absent when none.",
                     ),
+                    "usage": {
+                        "description": "The token counts this leg's engine reported for it, as reported (a "
+                        "P/D decode that received the prompt's KV may count the whole prompt as cached, a "
+                        "resumed leg counts the output it was re-fed as prompt); each field only when "
+                        "reported, absent when none was.",
+                        "type": "object",
+                        "additionalProperties": False,
+                        "minProperties": 1,
+                        "properties": {
+                            "prompt_tokens": _COUNT,
+                            "completion_tokens": _COUNT,
+                            "cached_tokens": _COUNT,
+                        },
+                    },
                 },
             },
         },
