@@ -449,8 +449,8 @@ async def test_vllm_pair_prefills_one_token_then_decodes_with_its_kv_transfer_pa
     prefill_kv = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
     assert p.sent == [(b"/inference/v1/generate", {
-        "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1}, "stream": False, "request_id": "e0",
-        "kv_transfer_params": prefill_kv}, VLLM_HEADERS)]
+        "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1, "ignore_eos": True}, "stream": False,
+        "request_id": "e0", "kv_transfer_params": prefill_kv}, VLLM_HEADERS)]
     assert d.sent == [(b"/inference/v1/generate", {
         **VLLM_BODY, "request_id": "e0", "kv_transfer_params": KV,
         "stream_options": {"include_usage": True, "continuous_usage_stats": False}}, VLLM_HEADERS)]

@@ -577,24 +577,27 @@ def _legs_exchange(body: dict):
 
 
 def _answer(ids, finish, experts=None, **meta) -> bytes:
-    m = {"id": "x", "finish_reason": finish, "completion_tokens": len(ids), **meta}
+    m = {"id": "x", "finish_reason": finish, "prompt_tokens": 1, "completion_tokens": len(ids), **meta}
     if experts is not None:
         m["routed_experts"] = experts
     m["e2e_latency"] = 0.1
     return orjson.dumps({"text": "", "output_ids": ids, "meta_info": m})
 
 
-ROW_A, ROW_B = "AQAAAAIAAAA=", "AwAAAAQAAAA="  # int32 [1, 2] and [3, 4]
+# int32 rows [1, 2], [3, 4] and [0, 0] (a decode's never-written prompt row)
+ROW_A, ROW_B, ZERO_ROW = "AQAAAAIAAAA=", "AwAAAAQAAAA=", "AAAAAAAAAAA="
 
 
 @pytest.mark.parametrize("decode_ids,finish,own,want", [
     ([7, 8], {"type": "length", "length": 2}, ROW_B, "AQAAAAIAAAADAAAABAAAAA=="),  # joined on the token axis
+    ([7, 8], {"type": "length", "length": 2}, "AAAAAAAAAAADAAAABAAAAA==",  # every position: its output's
+     "AQAAAAIAAAADAAAABAAAAA=="),
     ([7], {"type": "length", "length": 1}, None, ROW_A),  # one token: the prefill's rows are all of them
-    ([7, 8], {"type": "length", "length": 2}, None, None),  # incomplete: omitted, never partial
+    ([7], {"type": "length", "length": 1}, ZERO_ROW, ROW_A),
     ([7], {"type": "abort", "message": "m", "status_code": 200, "err_type": None}, None, None),  # aborted
 ])
 def test_codec_joins_expert_rows(decode_ids, finish, own, want):
-    ex, p, d = _legs_exchange({"input_ids": [1, 2], "return_routed_experts": True})
+    ex, p, d = _legs_exchange({"input_ids": [1], "return_routed_experts": True})
     assert ex.waits_for_prefill
     ev = ex.feed(p, _answer([7], {"type": "length", "length": 0}, ROW_A))
     assert (ev.token_ids, ev.finish_reason, ev.error) == ([], "length", None)
@@ -608,11 +611,13 @@ def test_codec_joins_expert_rows(decode_ids, finish, own, want):
     ("not base64!", ROW_B, None, "a P/D leg sent routed experts that are not base64 int32 rows"),
     (ROW_A, "AQID", None, "a P/D leg sent routed experts that are not base64 int32 rows"),
     (ROW_A, ROW_B, "int16", "prefill and decode legs sent routed experts of different dtypes"),
+    (ROW_A, None, None, "a P/D leg sent routed experts that come to 0 rows from the decode leg for 1 output "
+                        "positions after a prompt of 1 from 0"),  # incomplete: never partial
 ])
 def test_codec_refuses_bad_expert_rows(pre, own, dtype, message):
     from asgi_generate.sdk.codec import RequestError
 
-    ex, p, d = _legs_exchange({"input_ids": [1, 2], "return_routed_experts": True})
+    ex, p, d = _legs_exchange({"input_ids": [1], "return_routed_experts": True})
     extra = {"routed_experts_dtype": dtype} if dtype else {}
     ex.feed(p, _answer([7], {"type": "length", "length": 0}, pre, **extra))
     with pytest.raises(RequestError) as exc:

@@ -61,13 +61,15 @@ def vsims():
 
 @pytest.fixture(scope="module", params=["trio", "asyncio"])
 def vfronts(request, vsims, tmp_path_factory):
-    """(strict, --pd-fallback) P/D frontends on one worker class."""
+    """P/D frontends on one worker class: (strict, and strict and
+    --pd-fallback with the aggregated simulator as their prefill worker, a
+    worker without a KV connector, which answers no kv_transfer_params)."""
     strict = Traced(tmp_path_factory, pd_args([vsims["prefill"]], [vsims["decode"]]), request.param)
-    fallback = Traced(tmp_path_factory, pd_args([vsims["prefill"]], [vsims["decode"]], "--pd-fallback"),
-                      request.param)
-    yield strict, fallback
-    strict.stop()
-    fallback.stop()
+    unpaired = [Traced(tmp_path_factory, pd_args([vsims["agg"]], [vsims["decode"]], *extra), request.param)
+                for extra in ((), ("--pd-fallback",))]
+    yield strict, *unpaired
+    for fe in (strict, *unpaired):
+        fe.stop()
 
 
 @pytest.fixture
@@ -89,8 +91,8 @@ VBODIES = {
     "one_token_prompt": {"token_ids": [42], "sampling_params": {"max_tokens": 4, "logprobs": 0}},
     "ignore_eos": {"token_ids": PROMPT, "sampling_params": {"max_tokens": 30, "ignore_eos": True}},
 }
-#: Bodies whose one-token prefill leg stops before its cap (the first token
-#: is a stop token): vLLM's producer answers no kv_transfer_params.
+#: Bodies whose first token is a stop token, for a prefill worker that
+#: answers no kv_transfer_params.
 FALLBACK_BODIES = {
     "stop_on_first": {"token_ids": PROMPT, "sampling_params": {"max_tokens": 8, "stop_token_ids": [2358],
                                                                "logprobs": 2, "prompt_logprobs": 1}},
@@ -158,9 +160,10 @@ def test_vllm_routed_experts_are_the_aggregated_array(vfront, vsims):
 )
 def test_property_vllm_pd_equals_aggregated(vfronts, vsims, prompt, max_tokens, logprobs, prompt_logprobs, stop,
                                             ignore_eos, stream):
-    """Any sampling settings: the --pd-fallback frontend (so a first token
-    that is a stop token also answers) gives the aggregated answer."""
-    _, fe = vfronts
+    """Any sampling settings (a first token that is EOS or a stop token
+    too: the prefill leg ignores both, so it always hands off) give the
+    aggregated answer."""
+    fe = vfronts[0]
     sp = {"max_tokens": max_tokens, "stop_token_ids": stop, "ignore_eos": ignore_eos}
     if logprobs is not None:
         sp["logprobs"] = logprobs
@@ -193,17 +196,15 @@ def test_client_kv_transfer_params_are_refused_on_a_pd_fleet(vfront, vsims, stre
 @pytest.mark.parametrize("name", list(FALLBACK_BODIES))
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 def test_prefill_without_kv_transfer_params_is_an_error_without_fallback(vfronts, vsims, name, stream):
-    """A prefill that stops before its length cap (its one token is a stop
-    token) gets no kv_transfer_params from vLLM's producer: an error of that
-    leg, never a silent local prefill."""
-    fe = vfronts[0]
+    """A prefill worker that answers no kv_transfer_params (no KV connector
+    hands its KV off): an error of that leg, never a silent local prefill."""
+    fe = vfronts[1]
     before = stats(vsims["decode"])["received"]
     r = post(fe.url, {**FALLBACK_BODIES[name], "stream": stream}, GEN)
     assert (r.status_code, r.json()) == (502, {"error": {
         "message": "the prefill worker answered no kv_transfer_params", "type": "Bad Gateway", "param": None,
         "code": 502}})
     assert stats(vsims["decode"])["received"] == before
-    assert stats(vsims["prefill"])["kv_blocks_held"] == 0
     (rec,) = fe.take()
     assert (rec["status"], rec["http_status"], rec["error"]["message"]) == (
         "engine_error", 502, "the prefill worker answered no kv_transfer_params")
@@ -216,7 +217,7 @@ def test_pd_fallback_lets_the_decode_worker_prefill_alone(vfronts, vsims, name, 
     """With --pd-fallback the decode leg runs without kv_transfer_params and
     prefills alone (recorded); its answer is the aggregated one (both legs
     computed the prompt logprobs, and they agree)."""
-    fe = vfronts[1]
+    fe = vfronts[2]
     ids = _law(fe, vsims["agg"], FALLBACK_BODIES[name], stream)
     assert ids == [2358]
     (rec,) = fe.take()
@@ -229,16 +230,18 @@ def test_pd_fallback_lets_the_decode_worker_prefill_alone(vfronts, vsims, name, 
 
 
 def test_prompt_logprobs_come_from_the_leg_that_computed_the_prompt(vsims):
-    """A consumer that read the prompt's KV computed no prompt position and
-    answers null; the prefill leg's are the answer's."""
+    """The prefill leg computes the prompt logprobs; a consumer asked for
+    them too loads no remote KV and prefills the prompt itself (vLLM from
+    0.32), so it answers the same ones."""
     p, d = vsims["prefill"], vsims["decode"]
     body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2, "prompt_logprobs": 1}}
     leg = post(p.url, {**body, "kv_transfer_params": {"do_remote_decode": True},
                        "sampling_params": {"max_tokens": 1, "prompt_logprobs": 1}}, GEN).json()
     want = post(vsims["agg"].url, body, GEN).json()
     assert leg["prompt_logprobs"] == want["prompt_logprobs"] and want["prompt_logprobs"][1] is not None
+    local = stats(d)["local_prefills"]
     decoded = post(d.url, {**body, "kv_transfer_params": leg["kv_transfer_params"]}, GEN).json()
-    assert decoded["prompt_logprobs"] is None
+    assert decoded["prompt_logprobs"] == want["prompt_logprobs"] and stats(d)["local_prefills"] == local + 1
     assert decoded["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
 
 
@@ -307,10 +310,11 @@ def test_bad_decode_expert_rows_fail_the_request(tampered, rows, message):
 
 def test_wire_audit_of_every_prefill_and_decode_body(vsims, tmp_path_factory):
     """A recording proxy before each worker: the prefill leg gets the
-    client's body with the minted id, max_tokens 1, no min_tokens or
-    stream_options, stream false and the P/D kv_transfer_params; the decode
-    leg gets the client's body with the same id, the client's stream and
-    budget and the prefill answer's kv_transfer_params verbatim."""
+    client's body with the minted id, max_tokens 1, EOS ignored, no stop
+    criterion, min_tokens or stream_options, stream false and the P/D
+    kv_transfer_params; the decode leg gets the client's body with the same
+    id, the client's stream, budget and stop criteria and the prefill
+    answer's kv_transfer_params verbatim."""
     pp, dp = WireProxy(vsims["prefill"].url), WireProxy(vsims["decode"].url)
     fe = Traced(tmp_path_factory, pd_args([pp], [dp]))
     try:
@@ -318,7 +322,8 @@ def test_wire_audit_of_every_prefill_and_decode_body(vsims, tmp_path_factory):
             {"token_ids": PROMPT, "request_id": "mine", "stream": True, "cache_salt": "salt", "priority": 0,
              "stream_options": {"include_usage": False},
              "sampling_params": {"max_tokens": 6, "min_tokens": 2, "logprobs": 1, "ignore_eos": True}},
-            {"token_ids": [5, 9, 77], "sampling_params": {"max_tokens": 3, "prompt_logprobs": 1}},
+            {"token_ids": [5, 9, 77], "sampling_params": {"max_tokens": 3, "prompt_logprobs": 1,
+                                                          "stop_token_ids": [7, 8], "ignore_eos": False}},
         ]
         for body in clients * 2:
             if body.get("stream"):
@@ -333,9 +338,10 @@ def test_wire_audit_of_every_prefill_and_decode_body(vsims, tmp_path_factory):
             minted = rec["attempts"][0]["engine_id"]
             assert [a["engine_id"] for a in rec["attempts"]] == [minted, minted]
             assert p.headers["x-request-id"] == d.headers["x-request-id"] == minted
-            sp = {k: v for k, v in body["sampling_params"].items() if k != "min_tokens"}
+            sp = {k: v for k, v in body["sampling_params"].items()
+                  if k not in ("min_tokens", "stop", "stop_token_ids")}
             want_p = {k: v for k, v in body.items() if k != "stream_options"}
-            want_p.update(request_id=minted, sampling_params={**sp, "max_tokens": 1}, stream=False,
+            want_p.update(request_id=minted, sampling_params={**sp, "max_tokens": 1, "ignore_eos": True}, stream=False,
                           kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
                                               "remote_engine_id": None, "remote_block_ids": None,
                                               "remote_host": None, "remote_port": None})
@@ -344,7 +350,7 @@ def test_wire_audit_of_every_prefill_and_decode_body(vsims, tmp_path_factory):
             assert kv == {"do_remote_prefill": True, "do_remote_decode": False,
                           "remote_block_ids": kv["remote_block_ids"], "remote_engine_id": kv["remote_engine_id"],
                           "remote_request_id": "generate-tokens-" + minted, "remote_host": "127.0.0.1",
-                          "remote_port": kv["remote_port"], "tp_size": 1}
+                          "remote_port": kv["remote_port"], "tp_size": 1, "remote_prefill_cached_tokens": 0}
             assert len(kv["remote_block_ids"]) == 1
             kv_seen.add(kv["remote_block_ids"][0])
             want_d = {**body, "request_id": minted, "kv_transfer_params": kv}
@@ -599,11 +605,12 @@ PROMPT3 = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4}}
 
 @pytest.mark.parametrize("pre,own,ids,finish,want", [
     (_rows(3), _rows(2, 3), [7, 8, 9], "length", np.concatenate([_rows(3), _rows(2, 3)])),  # joined
+    (_rows(3), np.concatenate([np.zeros((3, 2, 2), np.uint8), _rows(2, 3)]), [7, 8, 9], "length",
+     np.concatenate([_rows(3), _rows(2, 3)])),  # every position: the prompt's by position, the prefill's
     (_rows(3), None, [7], "length", _rows(3)),  # one token: the prefill's rows are all of them
-    (_rows(3), None, [7, 8], "length", None),  # incomplete: omitted, never partial
     (_rows(3), _rows(2, 3), [7, 8, 9], "abort", None),  # aborted: none
-    (_rows(3), _rows(5), [7, 8, 9], "stop", _rows(5)),  # the decode leg prefilled itself: its own
-    (None, _rows(5), [7, 8, 9], "stop", _rows(5)),
+    (_rows(3), _rows(5), [7, 8, 9], "stop", np.concatenate([_rows(3), _rows(5)[3:]])),
+    (None, _rows(5), [7, 8, 9], "stop", _rows(5)),  # no prefill rows: the decode leg's, when whole
     (None, _rows(2), [7, 8, 9], "stop", None),  # only the decode leg's part: incomplete
     (None, None, [7, 8, 9], "stop", None),
 ])
@@ -659,6 +666,7 @@ BIG = 8 << 20  # the most elements of one array
     (_npy_b64(_rows(3)), _npy_b64(_rows(2, trailing=(2, 3))),
      "prefill and decode legs sent routed experts of different trailing shapes ((2, 2), (2, 3))"),
     (_npy_b64(_rows(3)), _npy_b64(_rows(3)), "the decode leg sent 3 routed-expert rows for 3 output tokens"),
+    (_npy_b64(_rows(3)), None, "the decode leg sent 0 routed-expert rows for 3 output tokens"),  # never partial
 ])
 def test_codec_refuses_bad_vllm_expert_rows(pre, own, message):
     from asgi_generate.sdk.codec import RequestError

@@ -29,17 +29,25 @@ Prefill/decode (P/D): both legs get the client's body with the fields of
 their pair (``Attempt.pair.fields``: the frontend's ``bootstrap_host``/
 ``bootstrap_port``/``bootstrap_room``; SGLang's
 ``disaggregation/mini_lb.py`` sends the same body to both). The client gets
-the decode leg's answer; with ``return_logprob`` the prefill leg's
-``input_token_logprobs``, ``input_top_logprobs`` and
-``input_token_ids_logprobs`` go before the decode leg's own (empty) ones, as
-``mini_lb`` joins them: in the unary object, in every cumulative chunk, in
-the first incremental one. With ``return_routed_experts`` the prefill
-leg's rows (the prompt positions) go before the decode leg's on the token
-axis in the final answer, so the client gets the aggregated bytes; when the
-decode leg computed no row (one output token) the prefill leg's value is the
-whole answer's, kept only for a successful final answer with exactly one
-output token. Rows are never added to an aborted answer, and bad base64 or
-mismatched ``routed_experts_dtype`` fails the request, never a partial blob.
+the decode leg's answer joined with what only the prefill leg computed, as
+the aggregated engine would have answered, and only by that pair's decode
+leg (the prefill's answer is kept in ``Attempt.pair``: a request retried,
+replayed or migrated after its decode leg failed never joins a failed
+pair's). With ``return_logprob`` the prefill leg's ``input_token_logprobs``,
+``input_top_logprobs`` and ``input_token_ids_logprobs`` go before the decode
+leg's own (empty) ones, as ``mini_lb`` joins them: in the unary object, in
+every cumulative chunk, in the first incremental one. ``cached_tokens`` (and
+``cached_tokens_details``) are the prefill leg's in every chunk, the leg
+that computed the prompt (SGLang's decode reports the prefill's hit it
+received with the KV, plus its own radix cache's reuse beyond it,
+``ScheduleBatchDisaggregationDecodeMixin.prepare_for_prebuilt``); the final
+event also carries the decode leg's own counts for the record. With
+``return_routed_experts`` the final answer's rows are joined by token
+position (:mod:`asgi_generate_sglang.experts`): the prompt positions' from
+the prefill leg, the output positions' from the decode leg, whatever of the
+prompt the decode answered; a count that fits neither leg, bad base64 or a
+mismatched ``routed_experts_dtype`` fails the request, never a partial or
+padded blob. Rows are never added to an aborted answer.
 
 Migration: a streamed request whose worker died mid-answer continues on
 another worker as a ``resumed`` attempt (:meth:`SGLangExchange.worker_request`):
@@ -78,8 +86,6 @@ end, so it is replayed from scratch (:mod:`asgi_generate.request.generation`).
 
 from __future__ import annotations
 
-import base64
-import binascii
 from http import HTTPStatus
 from typing import Any, Mapping
 
@@ -96,6 +102,7 @@ from asgi_generate.sdk import (
     RequestError,
     Route,
     StopWatch,
+    Usage,
     WorkerRequest,
     dump_body,
     dumps_compact,
@@ -103,6 +110,7 @@ from asgi_generate.sdk import (
     pack_token_ids,
 )
 
+from . import experts
 from .seam import OUTPUT_LOGPROBS, across_seam
 
 from .batch import SGLangBatchExchange, decode_batch, is_batch
@@ -114,6 +122,9 @@ FRONTEND_OWNED = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstr
 MULTIMODAL = ("image_data", "video_data", "audio_data")
 #: What only the prefill leg computes, put into the client's answer.
 PREFILL_LOGPROBS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+#: The prefill leg's prefix-cache report, the client's (the leg that
+#: computed the prompt; a decode counts what it received as it may).
+PREFILL_CACHE = ("cached_tokens", "cached_tokens_details")
 CONSTRAINED = ("json_schema", "regex", "ebnf", "structural_tag")
 #: Sampling parameters whose default makes them inert, and that otherwise
 #: depend on the output so far (SGLang's penalizers count output tokens).
@@ -291,7 +302,7 @@ class SGLangExchange(Exchange):
 
     __slots__ = (
         "request", "public_id", "seen", "last", "incremental", "payload", "engine_tag", "public_tag",
-        "waits_for_prefill", "prefill_meta", "decode_chunks", "base", "tokenizer", "prompt_ids", "watch",
+        "waits_for_prefill", "decode_chunks", "base", "tokenizer", "prompt_ids", "watch",
     )
 
     def __init__(self, request: GenerateRequest, public_id: str, tokenizer: PromptTokenizer | None = None) -> None:
@@ -303,7 +314,8 @@ class SGLangExchange(Exchange):
         self.watch: StopWatch | None = None
         native = request.native
         self.waits_for_prefill = native.get("return_logprob") is True or native.get("return_routed_experts") is True
-        self.prefill_meta: dict | None = None
+        #: Chunks the running decode leg sent (its first carries the
+        #: prefill's prompt logprobs in incremental mode).
         self.decode_chunks = 0
         self.public_id = public_id
         self.seen = 0
@@ -360,9 +372,7 @@ class SGLangExchange(Exchange):
         if attempt.pair is not None:
             body.update(attempt.pair.fields)
         stream = self.request.stream
-        if attempt.role == "prefill":  # its answer never reaches the client
-            self.prefill_meta = None
-        else:
+        if attempt.role != "prefill":  # a prefill's answer never reaches the client
             self.incremental = stream and bool(attempt.worker_info.get("incremental_streaming_output"))
             self.engine_tag = dumps_compact(attempt.engine_id)
             self.decode_chunks = 0
@@ -439,7 +449,13 @@ class SGLangExchange(Exchange):
 
     def feed(self, attempt: Attempt, payload: bytes) -> Event:
         """One SGLang chunk (or the unary answer): the new output ids, the
-        finish type and matched stop, usage."""
+        finish type and matched stop, usage (the decode leg's own, beside
+        the joined figures, on a P/D pair's or a resumed leg's last chunk).
+
+        Raises:
+            RequestError: 502, the chunk is not an SGLang object, or a P/D
+                pair's expert rows cannot be joined (:mod:`.experts`).
+        """
         try:
             chunk = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -448,16 +464,25 @@ class SGLangExchange(Exchange):
             raise RequestError(502, "worker sent a chunk that is not an object", "engine")
         meta = chunk.get("meta_info")
         if attempt.role == "prefill":
-            return self._prefill_event(chunk, meta)
+            return self._prefill_event(attempt, chunk, meta)
         self.payload = payload
         if type(meta) is not dict:
             self.last = chunk
             return _error_event(chunk)
         meta["id"] = self.public_id
-        if self.prefill_meta is not None and (self.decode_chunks == 0 or not self.incremental):
-            self._join_prefill(meta)
-        if self.prefill_meta is not None and type(meta.get("finish_reason")) is dict:
-            self._join_experts(chunk, meta)
+        finish = meta.get("finish_reason")
+        is_dict = type(finish) is dict
+        own = None
+        pair = attempt.pair
+        if pair is not None or attempt.resumes:  # the client's counts may not be the leg's
+            if is_dict:
+                own = Usage(meta.get("prompt_tokens"), meta.get("completion_tokens"), meta.get("cached_tokens"))
+            # Only this pair's decode leg joins what the pair's prefill computed.
+            pre = pair.from_prefill if pair is not None and attempt.role == "decode" else None
+            if pre is not None:
+                self._join_prefill(pre, meta)
+                if is_dict:
+                    self._join_experts(pre, meta)
         self.decode_chunks += 1
         ids = chunk.get("output_ids") or []
         if attempt.resumes:
@@ -468,11 +493,10 @@ class SGLangExchange(Exchange):
             keep = across_seam(self.watch, chunk, meta, new, self.seen, self.incremental)
             if keep is not None:
                 new, cut = new[:keep], True
+                finish, is_dict = meta["finish_reason"], True
         self.seen += len(new)
         self.last = chunk
-        finish = meta.get("finish_reason")
-        is_dict = type(finish) is dict
-        return Event(
+        event = Event(
             new,
             finish.get("type") if is_dict else None,
             matched=finish.get("matched") if is_dict else None,
@@ -481,10 +505,14 @@ class SGLangExchange(Exchange):
             cached_tokens=meta.get("cached_tokens"),
             cut=cut,
         )
+        if own is not None:
+            event.leg_usage = own
+        return event
 
-    def _prefill_event(self, chunk: dict, meta: object) -> Event:
-        """The prefill leg's answer (or one of its chunks): keep its meta for
-        the client's answer; its token is the decode leg's to send."""
+    def _prefill_event(self, attempt: Attempt, chunk: dict, meta: object) -> Event:
+        """The prefill leg's answer (or one of its chunks): keep its meta in
+        its pair for that pair's decode leg; its token is the decode leg's
+        to send. The event carries the leg's usage."""
         if type(meta) is not dict:
             return _error_event(chunk)
         finish = meta.get("finish_reason")
@@ -494,42 +522,52 @@ class SGLangExchange(Exchange):
             return Event([], error=EngineError(
                 status if type(status) is int and status >= 400 else 500, str(finish.get("message", ""))
             ))
-        if kind is not None:
-            self.prefill_meta = meta
-        return Event([], kind)
+        if kind is not None and attempt.pair is not None:
+            attempt.pair.from_prefill = meta
+        return Event([], kind, prompt_tokens=meta.get("prompt_tokens"),
+                     completion_tokens=meta.get("completion_tokens"), cached_tokens=meta.get("cached_tokens"))
 
-    def _join_prefill(self, meta: dict) -> None:
-        """Put the prefill leg's prompt logprobs before the decode leg's."""
-        for key in PREFILL_LOGPROBS:
-            got = self.prefill_meta.get(key)
-            if type(got) is list:
-                own = meta.get(key)
-                meta[key] = got + own if type(own) is list else got
-        self.payload = b""  # re-serialised: not the engine's bytes any more
+    def _join_prefill(self, pre: dict, meta: dict) -> None:
+        """Put the prefill leg's prompt logprobs before the decode leg's
+        (in every cumulative chunk, the first incremental one) and its
+        prefix-cache report in place of the decode's."""
+        joined = False
+        if self.decode_chunks == 0 or not self.incremental:
+            for key in PREFILL_LOGPROBS:
+                got = pre.get(key)
+                if type(got) is list:
+                    own = meta.get(key)
+                    meta[key] = got + own if type(own) is list else got
+                    joined = True
+        for key in PREFILL_CACHE:
+            if key in pre and meta.get(key) != pre[key]:
+                meta[key] = pre[key]
+                joined = True
+        if joined:
+            self.payload = b""  # re-serialised: not the engine's bytes any more
 
-    def _join_experts(self, chunk: dict, meta: dict) -> None:
-        """Final decode answer: the prefill leg's expert rows before its own.
+    def _join_experts(self, pre: dict, meta: dict) -> None:
+        """Final decode answer: the expert rows by token position, the
+        prompt's from the prefill leg, the output's from the decode leg
+        (:func:`.experts.join`), as the aggregated engine answers them; an
+        aborted answer gets none of the prefill's.
 
         Raises:
-            RequestError: 502, rows that are not base64 of int32, or of
-                another dtype than the decode leg's.
+            RequestError: 502, rows that are not base64 int32, of counts
+                that fit neither leg, or of another dtype than the decode
+                leg's.
         """
-        pre = self.prefill_meta.get("routed_experts")
-        if pre is None or meta["finish_reason"].get("type") == "abort":
+        rows = pre.get("routed_experts")
+        if rows is None or meta["finish_reason"].get("type") == "abort":
             return
+        if pre.get("routed_experts_dtype") != meta.get("routed_experts_dtype"):
+            raise RequestError(502, "prefill and decode legs sent routed experts of different dtypes", "engine")
         own = meta.get("routed_experts")
-        if own is None:
-            # The decode leg computed no row: the prefill leg's rows are the
-            # answer's only for exactly one token, else they are incomplete.
-            ids = chunk.get("output_ids")
-            if meta.get("completion_tokens") != 1 or (type(ids) is list and len(ids) > 1):
-                return
-            joined = _expert_bytes(pre)
-        else:
-            if self.prefill_meta.get("routed_experts_dtype") != meta.get("routed_experts_dtype"):
-                raise RequestError(502, "prefill and decode legs sent routed experts of different dtypes", "engine")
-            joined = _expert_bytes(pre) + _expert_bytes(own)
-        value = base64.b64encode(joined).decode("ascii")
+        prompt, tokens = meta.get("prompt_tokens"), meta.get("completion_tokens")
+        if type(prompt) is not int or type(tokens) is not int:
+            raise RequestError(502, "the decode leg sent routed experts without its token counts", "engine")
+        start = self.request.native.get("routed_experts_start_len")
+        value = experts.join(rows, own, prompt, start if type(start) is int else 0, tokens)
         if own is None and "e2e_latency" in meta:  # where the aggregated engine has it
             rest = {k: meta.pop(k) for k in list(meta)[list(meta).index("e2e_latency"):]}
             meta["routed_experts"] = value
@@ -593,21 +631,6 @@ def _resume_base(chunk: dict, incremental: bool) -> dict:
     base = {k: chunk[k] for k in ("text", "output_ids") if k in chunk}
     base["meta_info"] = {k: meta[k] for k in (*_BASE_META, *PREFILL_LOGPROBS, *OUTPUT_LOGPROBS) if k in meta}
     return base
-
-
-def _expert_bytes(value: object) -> bytes:
-    """Raw int32 rows of a ``routed_experts`` value (base64).
-
-    Raises:
-        RequestError: 502, not base64 of whole int32 values.
-    """
-    try:
-        raw = base64.b64decode(value, validate=True) if type(value) is str else None
-    except binascii.Error:
-        raw = None
-    if raw is None or len(raw) % 4:
-        raise RequestError(502, "a P/D leg sent routed experts that are not base64 int32 rows", "engine")
-    return raw
 
 
 def _error_event(chunk: dict) -> Event:

@@ -38,16 +38,24 @@ the engine id there too), in unary answers; before 0.25 a unary answer
 carries a fresh random uuid, passed through.
 
 Prefill/decode (P/D, sequential legs as vLLM's P/D proxies run them): the
-prefill leg's answer never reaches the client; the decode leg's does, joined
-with what only the prefill leg computed. ``prompt_logprobs`` come from the
-leg that computed the prompt: the prefill leg's where the decode leg answers
-none; where both answer them they must be equal, else the request fails
-(502), never picking one. Each choice's ``routed_experts`` (base64 ``.npy``,
-:mod:`asgi_generate_vllm.experts`) are the prefill leg's rows followed by
-the decode leg's on the token axis in the final answer or chunk, so the
+prefill leg is one token that always reaches its length cap (EOS ignored,
+no stop criterion), so every KV connector hands it off; the decode leg keeps
+the client's criteria. The prefill leg's answer never reaches the client;
+the decode leg's does, joined with what only the prefill leg computed (kept
+in its pair: only that pair's decode leg, having received the KV, joins it).
+``prompt_logprobs`` come from the leg that computed the prompt: the prefill
+leg's where the decode leg answers none; where both answer them they must
+be equal, else the request fails (502), never picking one.
+``usage.prompt_tokens_details`` is the prefill leg's (a consumer before
+vLLM 0.32 counts the whole prompt it loaded as cached); the final event
+also carries the decode leg's own counts for the record. Each choice's
+``routed_experts`` (base64 ``.npy``, :mod:`asgi_generate_vllm.experts`) are
+the prefill leg's rows (the prompt positions) followed by the decode leg's
+output positions' on the token axis in the final answer or chunk, so the
 client gets the aggregated bytes; for exactly one output token the prefill
 leg's rows are the answer's (the decode leg ran no model step); an aborted
-or incomplete answer gets none, and bad rows fail the request.
+answer gets none, and bad rows, or a count that fits neither leg, fail the
+request, never a partial blob.
 
 Unary requests (``stream`` false or absent) run a unary worker leg
 (``WorkerRequest.stream`` false): the client's body with only the id
@@ -90,7 +98,7 @@ are the replayed leg's own, the uninterrupted values.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Mapping
 
@@ -107,6 +115,7 @@ from asgi_generate.sdk import (
     GenerateRequest,
     RequestError,
     Route,
+    Usage,
     WorkerRequest,
     dump_body,
     engine_error_page,
@@ -262,6 +271,15 @@ def _int(value: Any) -> int | None:
     return value if type(value) is int else None
 
 
+def _reported(usage: Any) -> Usage | None:
+    """vLLM's ``usage`` object as the leg's reported :class:`Usage`."""
+    if type(usage) is not dict:
+        return None
+    details = usage.get("prompt_tokens_details")
+    return Usage(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")),
+                 _int(details.get("cached_tokens")) if type(details) is dict else None)
+
+
 def _usage_event(token_ids: list[int], finish: str, usage: Any, matched: int | str | None) -> Event:
     """The finishing event, with vLLM's ``usage`` (``prompt_tokens``,
     ``completion_tokens``, ``prompt_tokens_details.cached_tokens``; counts of
@@ -277,6 +295,18 @@ def _usage_event(token_ids: list[int], finish: str, usage: Any, matched: int | s
         cached_tokens=_int(details.get("cached_tokens")) if type(details) is dict else None,
         matched=matched,
     )
+
+
+def _join_details(usage: dict, details: Any, exclude_none: bool) -> None:
+    """Make a decode leg's ``usage.prompt_tokens_details`` the prefill
+    leg's ``details`` (the leg that computed the prompt; a consumer counts
+    the prompt it loaded as cached before vLLM 0.32): absent when the
+    prefill's was, left out of a stream's closing usage chunk
+    (``exclude_none``), null in a unary answer, as vLLM renders them."""
+    if details is None and exclude_none:
+        usage.pop("prompt_tokens_details", None)
+    else:
+        usage["prompt_tokens_details"] = details
 
 
 def _stop_reason(attempt: Attempt, choice: dict) -> int | str | None:
@@ -301,6 +331,33 @@ PREFILL_KV = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
     "remote_block_ids": None, "remote_host": None, "remote_port": None,
 }
+#: What a P/D prefill leg leaves out of the client's sampling parameters: its
+#: stop criteria (with EOS ignored, its one token always reaches the length
+#: cap, the only finish every KV connector hands off: ``MoRIIOConnector.
+#: request_finished`` in ``kv_connector/v1/moriio/moriio_connector.py`` takes
+#: nothing else) and ``min_tokens`` (the proxies' too). The decode leg keeps
+#: them and ends the answer.
+PREFILL_DROPS = ("stop", "stop_token_ids", "min_tokens")
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """A P/D pair's prefill answer, as its decode leg needs it (kept in the
+    pair's ``from_prefill``).
+
+    Attributes:
+        kv: its ``kv_transfer_params`` (the decode leg's body carries them).
+        prompt_logprobs: its ``prompt_logprobs``.
+        experts: each choice's ``routed_experts`` by choice index (the
+            prompt positions' rows).
+        details: its ``usage.prompt_tokens_details`` (the prefix-cache hit
+            of the leg that computed the prompt), ``None`` when it had none.
+    """
+
+    kv: Any
+    prompt_logprobs: Any = None
+    experts: dict[Any, Any] = field(default_factory=dict)
+    details: Any = None
 
 
 def check_prompt_length(body: dict, limit: int | None) -> None:
@@ -341,7 +398,7 @@ class VLLMExchange(Exchange):
 
     __slots__ = (
         "native", "stream", "stream_id", "finish", "matched", "finished", "out", "status", "input_ids",
-        "resumed", "pre_prompt_logprobs", "pre_experts", "choice_tokens", "details",
+        "resumed", "choice_tokens", "details",
     )
 
     def __init__(self, request: GenerateRequest, request_id: str) -> None:
@@ -359,12 +416,6 @@ class VLLMExchange(Exchange):
         #: ``None`` for nothing), or the whole unary body, sent with ``status``.
         self.out: bytes | None = None
         self.status = 200
-        #: P/D: what the prefill leg computed for the client's answer (its
-        #: ``kv_transfer_params``, for the decode leg, are its pair's
-        #: ``from_prefill``): its prompt logprobs and each choice's
-        #: routed-expert rows (the prompt positions).
-        self.pre_prompt_logprobs: Any = None
-        self.pre_experts: dict[Any, Any] = {}
         #: A stream's tokens so far per choice index (the decode leg's).
         self.choice_tokens: dict[Any, int] = {}
         self.input_ids = request.input_ids
@@ -394,19 +445,19 @@ class VLLMExchange(Exchange):
 
         P/D (vLLM's proxies, sequential legs, the same id on both): the
         prefill leg is unary with ``max_tokens`` 1 (``sampling_params`` has
-        no ``max_completion_tokens`` on this route), no ``min_tokens`` or
-        ``stream_options``, and :data:`PREFILL_KV`; the decode leg is the
-        client's request plus the prefill answer's ``kv_transfer_params``
-        (kept as the pair's ``from_prefill``), verbatim, or, for a pair
-        marked ``local_prefill``, the client's request alone.
+        no ``max_completion_tokens`` on this route), EOS ignored, none of
+        :data:`PREFILL_DROPS`, no ``stream_options``, and
+        :data:`PREFILL_KV`; the decode leg is the client's request plus the
+        prefill answer's ``kv_transfer_params`` (kept in the pair's
+        :class:`Prefilled`), verbatim, or, for a pair marked
+        ``local_prefill``, the client's request alone.
 
         Raises:
             RequestError: the prompt does not fit the worker's
                 ``max_model_len`` (vLLM's own 400, before any engine sees
                 it); 502 of kind :data:`NO_KV_TRANSFER`, a decode leg whose
-                prefill leg answered no ``kv_transfer_params`` (vLLM's
-                producer gives none unless the prefill stopped at its length
-                cap).
+                prefill leg answered no ``kv_transfer_params`` (a worker
+                whose KV connector hands nothing off).
         """
         check_prompt_length(self.native.body, attempt.worker_info.get("max_model_len"))
         body = dict(self.native.body)
@@ -415,10 +466,10 @@ class VLLMExchange(Exchange):
         if attempt.resumes:  # a migration: both legs of a pair carry the longer prompt
             self._resume(body, attempt.resumes)
         if attempt.role == "prefill":
-            self.pre_prompt_logprobs, self.pre_experts = None, {}
             sp = dict(body.get("sampling_params") or {})
-            sp["max_tokens"] = 1
-            sp.pop("min_tokens", None)
+            for key in PREFILL_DROPS:
+                sp.pop(key, None)
+            sp.update(max_tokens=1, ignore_eos=True)
             body.update(sampling_params=sp, kv_transfer_params=PREFILL_KV, stream=False)
             body.pop("stream_options", None)
             return WorkerRequest(PATH.encode(), dump_body(body), headers, stream=False)
@@ -426,9 +477,10 @@ class VLLMExchange(Exchange):
             self.choice_tokens.clear()
             pair = attempt.pair
             if not pair.local_prefill:
-                if type(pair.from_prefill) is not dict:
+                kv = pair.from_prefill.kv if pair.from_prefill is not None else None
+                if type(kv) is not dict:
                     raise RequestError(502, "the prefill worker answered no kv_transfer_params", NO_KV_TRANSFER)
-                body["kv_transfer_params"] = pair.from_prefill
+                body["kv_transfer_params"] = kv
         self.resumed = len(attempt.resumes or ())
         if not self.stream:
             return WorkerRequest(PATH.encode(), dump_body(body), headers, stream=False)
@@ -490,10 +542,13 @@ class VLLMExchange(Exchange):
             choices = obj.get("choices")
             if type(choices) is not list or not choices or type(choices[0]) is not dict:
                 raise _bad(what, "has no choice")
-            attempt.pair.from_prefill = obj.get("kv_transfer_params")
-            self.pre_prompt_logprobs = obj.get("prompt_logprobs")
-            self.pre_experts = {c.get("index", 0): c.get("routed_experts") for c in choices if type(c) is dict}
-            return Event([], choices[0].get("finish_reason") or "stop")
+            usage = obj.get("usage")
+            attempt.pair.from_prefill = Prefilled(
+                obj.get("kv_transfer_params"), obj.get("prompt_logprobs"),
+                {c.get("index", 0): c.get("routed_experts") for c in choices if type(c) is dict},
+                usage.get("prompt_tokens_details") if type(usage) is dict else None,
+            )
+            return _usage_event([], choices[0].get("finish_reason") or "stop", usage, None)
         if err is not None:
             if type(err) is not dict:
                 err = {"message": str(err)}
@@ -504,6 +559,7 @@ class VLLMExchange(Exchange):
         choices = obj.get("choices")
         if type(choices) is not list:
             raise _bad(what, "has no choices list")
+        pre = self._prefilled(attempt)
         if not self.stream:
             if not choices:
                 raise _bad(what, "has no choice")
@@ -511,12 +567,14 @@ class VLLMExchange(Exchange):
             finish = choices[0].get("finish_reason")
             if type(finish) is not str:  # vLLM reports a null reason as "stop"
                 raise _bad(what, "has no finish_reason")
-            joined = attempt.role == "decode" and self._join_unary(obj, choices)
+            own = _reported(obj.get("usage")) if pre is not None else None
+            joined = pre is not None and self._join_unary(pre, obj, choices)
             if obj.get("request_id") == ENGINE_PREFIX + attempt.engine_id:
                 obj["request_id"] = self.stream_id
                 joined = True
             self.out = orjson.dumps(obj) if joined else payload
             event = _usage_event(ids, finish, obj.get("usage"), _stop_reason(attempt, choices[0]))
+            event.leg_usage = own
             if self.native.n != 1:
                 event.entries = [
                     (c.get("index", i), Event(_token_ids(c, what), c.get("finish_reason") or "stop",
@@ -525,17 +583,25 @@ class VLLMExchange(Exchange):
                 ]
             return event
         obj["request_id"] = self.stream_id
+        usage = obj.get("usage")
+        own = None
+        if not choices and type(usage) is dict:  # the closing usage chunk
+            if pre is not None or self.resumed:
+                own = _reported(usage)
+            if pre is not None:
+                _join_details(usage, pre.details, exclude_none=True)
         if self.resumed:
-            self._uninterrupted(obj.get("usage"))
-        elif type(obj.get("usage")) is dict and self.details is None:
-            self.details = obj["usage"].get("prompt_tokens_details")
+            self._uninterrupted(usage)
+        elif type(usage) is dict and self.details is None:
+            self.details = usage.get("prompt_tokens_details")
         if not choices:  # the closing usage chunk
-            usage = obj.get("usage")
             if type(usage) is not dict:
                 raise _bad(what, "has neither choices nor usage")
             self.out = orjson.dumps(obj) if self.native.include_usage else None
             # vLLM before 0.32 drops the finish-only chunk of an aborted request.
-            return _usage_event([], self.finish or "abort", usage, self.matched)
+            event = _usage_event([], self.finish or "abort", usage, self.matched)
+            event.leg_usage = own
+            return event
         ids = []
         entries = []
         for choice in choices:
@@ -548,9 +614,9 @@ class VLLMExchange(Exchange):
             if finish is not None:
                 if type(finish) is not str:
                     raise _bad(what, "has a finish_reason that is not a string")
-                if attempt.role == "decode":
+                if pre is not None:
                     rows = choice.get("routed_experts")
-                    joined = self._experts(index, rows, self.choice_tokens[index], finish)
+                    joined = self._experts(pre, index, rows, self.choice_tokens[index], finish)
                     if joined is not rows:  # a build without the field keeps its layout
                         choice["routed_experts"] = joined
                 self.finished.add(index)
@@ -561,69 +627,86 @@ class VLLMExchange(Exchange):
         self.out = orjson.dumps(obj)
         return Event(ids, entries=entries if self.native.n != 1 else None)
 
-    def _join_unary(self, obj: dict, choices: list) -> bool:
+    @staticmethod
+    def _prefilled(attempt: Attempt) -> Prefilled | None:
+        """What ``attempt``'s pair's prefill leg answered, when ``attempt``
+        is that pair's decode leg and received its KV: only it joins what
+        its prefill computed (a retried, replayed or migrated attempt never
+        joins a failed pair's)."""
+        pair = attempt.pair
+        if attempt.role != "decode" or pair is None or pair.local_prefill:
+            return None
+        return pair.from_prefill
+
+    def _join_unary(self, pre: Prefilled, obj: dict, choices: list) -> bool:
         """A decode leg's unary answer completed from its prefill leg: the
         prompt logprobs where only the prefill computed them (both legs'
-        must agree), each choice's routed-expert rows joined. Returns
-        whether ``obj`` changed.
+        must agree), its ``prompt_tokens_details``, each choice's
+        routed-expert rows joined. Returns whether ``obj`` changed.
 
         Raises:
             RequestError: 502, the legs' prompt logprobs differ, or their
                 expert rows cannot be joined (see :meth:`_experts`).
         """
-        pre, own = self.pre_prompt_logprobs, obj.get("prompt_logprobs")
+        own = obj.get("prompt_logprobs")
         changed = False
-        if pre is not None and own is None:
-            obj["prompt_logprobs"] = pre
+        if pre.prompt_logprobs is not None and own is None:
+            obj["prompt_logprobs"] = pre.prompt_logprobs
             changed = True
-        elif pre is not None and own != pre:
+        elif pre.prompt_logprobs is not None and own != pre.prompt_logprobs:
             raise RequestError(502, "the prefill and decode legs answered different prompt_logprobs", "engine")
+        usage = obj.get("usage")
+        if type(usage) is dict and usage.get("prompt_tokens_details") != pre.details:
+            _join_details(usage, pre.details, exclude_none=False)
+            changed = True
         for choice in choices:
             rows = choice.get("routed_experts")
-            joined = self._experts(choice.get("index", 0), rows, len(choice["token_ids"]),
+            joined = self._experts(pre, choice.get("index", 0), rows, len(choice["token_ids"]),
                                    choice.get("finish_reason") or "stop")
             if joined is not rows:
                 choice["routed_experts"] = joined
                 changed = True
         return changed
 
-    def _experts(self, index: Any, own: Any, tokens: int, finish: str) -> Any:
+    def _experts(self, pre: Prefilled, index: Any, own: Any, tokens: int, finish: str) -> Any:
         """A decode leg's final ``routed_experts`` for a choice of ``tokens``
-        output tokens, as the aggregated engine gives it: the prefill leg's
-        rows (the ``P`` prompt positions) then the decode leg's own
-        (``tokens - 1`` positions); the decode leg's alone when it computed
-        all ``P + tokens - 1`` (it prefilled itself); the prefill leg's alone
-        for exactly one token (the decode leg ran no model step); ``None``
-        for an aborted answer or rows that are incomplete.
+        output tokens, as the aggregated engine gives it, by token
+        position: the prefill leg's rows (the ``P`` prompt positions, a
+        resumed pair's re-fed output included) then the decode leg's of its
+        ``tokens - 1`` output positions, whether it answered those alone or
+        every position (vLLM 0.27's decode: its prompt rows are KV slots the
+        transfer filled, which no forward pass wrote); the prefill leg's
+        alone for exactly one token (the decode leg ran no model step);
+        ``None`` for an aborted answer. Without rows from the prefill leg,
+        the decode leg's when it answered all ``P + tokens - 1``.
 
         Raises:
             RequestError: 502, rows that are not base64 ``.npy``, over the
                 bounds, of different dtypes or trailing shapes, or of a
                 count that fits neither leg (see :mod:`.experts`).
         """
-        pre = self.pre_experts.get(index)
-        if finish == "abort" or (pre is None and own is None):
+        rows = pre.experts.get(index)
+        if finish == "abort" or (rows is None and own is None):
             return None
-        if pre is None:
-            prompt = len(self.input_ids) if self.input_ids is not None else None
+        prompt = len(self.input_ids) + self.resumed if self.input_ids is not None else None
+        if rows is None:
             whole = prompt is not None and experts.parse(own).shape[0] == prompt + tokens - 1
             return own if whole else None
-        head = experts.parse(pre)
-        prompt = len(self.input_ids) if self.input_ids is not None else head.shape[0]
+        head = experts.parse(rows)
+        prompt = head.shape[0] if prompt is None else prompt
         if head.shape[0] != prompt:
             raise RequestError(
                 502, f"the prefill leg sent {head.shape[0]} routed-expert rows for a prompt of {prompt} tokens", "engine"
             )
-        if own is None:
-            return pre if tokens == 1 else None
-        tail = experts.parse(own)
-        if tail.shape[0] == prompt + tokens - 1:
-            return own
-        if tail.shape[0] != tokens - 1:
+        if own is None and tokens == 1:
+            return rows
+        tail = experts.parse(own) if own is not None else None
+        count = tail.shape[0] if tail is not None else 0
+        if count not in (tokens - 1, prompt + tokens - 1):
             raise RequestError(
-                502, f"the decode leg sent {tail.shape[0]} routed-expert rows for {tokens} output tokens", "engine"
+                502, f"the decode leg sent {count} routed-expert rows for {tokens} output tokens", "engine"
             )
-        return experts.join(head, tail)
+        return experts.join(head, experts.last(tail, tokens - 1))
 
     def end_of_stream(self, attempt: Attempt) -> Event | None:
         """A stream that ended after the finishing chunks of all its choices

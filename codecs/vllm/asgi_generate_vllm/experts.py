@@ -7,7 +7,8 @@ choice's ``routed_experts`` as the base64 of ``numpy.save`` bytes of an array
 shaped ``(num_tokens - 1, num_layers, top_k)`` (``GenerateChoiceBase`` in
 ``protocol.py``: uint8, uint16 or int32), one row per forwarded position.
 A P/D pair's rows are the prefill leg's (the prompt positions) followed by
-the decode leg's (its output positions but the last) on axis 0; the joined
+the decode leg's output positions but the last (all its rows, or the last of
+them when it answered every position) on axis 0; the joined
 array is rendered as ``numpy.save`` (format 1.0, 64-byte aligned header with
 the spare space for the growth axis, numpy 1.23 and later) renders the
 aggregated one, so the client gets the aggregated engine's bytes.
@@ -107,6 +108,16 @@ def parse(value: object) -> Rows:
     if len(data) != elements * ITEM_SIZES[descr]:
         raise _bad(f"hold {len(data)} data bytes for shape {shape!r} of {descr!r}")
     return Rows(descr, shape, data)
+
+
+def last(rows: Rows, count: int) -> Rows:
+    """The last ``count`` rows (axis 0) of ``rows``: a P/D decode leg's
+    output positions, when it answered every position (its prompt rows are
+    the slots its KV transfer filled, never rows it computed: vLLM 0.27
+    ``RoutedExpertsManager.get`` in ``model_executor/layers/fused_moe/
+    routed_experts_capturer.py``)."""
+    per_row = len(rows.data) // rows.shape[0] if rows.shape[0] else 0
+    return Rows(rows.descr, (count, *rows.shape[1:]), rows.data[len(rows.data) - count * per_row:] if count else b"")
 
 
 def join(pre: Rows, own: Rows) -> str:
