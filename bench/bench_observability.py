@@ -27,7 +27,7 @@ N = 100_000
 
 
 def _state():
-    from asgi_generate.request.accounting import RequestState
+    from asgi_generate.tracing.state import RequestState
     from asgi_generate.sdk.codec import Attempt
 
     st = RequestState("0" * 32, "sglang", "/generate", "POST")

@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from _keepalive import keepalive_client  # noqa: E402
 from support import Proc, start_frontend, start_sim  # noqa: E402
 
-from asgi_generate.request.accounting import RequestState  # noqa: E402
+from asgi_generate.tracing.state import RequestState  # noqa: E402
 from asgi_generate.assets import TOKENIZER_PATH  # noqa: E402
 from asgi_generate.sdk.codec import Attempt  # noqa: E402
 from asgi_generate.tracing.analysis import OutputAnalyzer  # noqa: E402

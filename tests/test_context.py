@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from asgi_generate.config import Settings
-from asgi_generate.request.accounting import RequestState
+from asgi_generate.tracing.state import RequestState
 from asgi_generate.request.batches import BatchGeneration
 from asgi_generate.request.budget import BodyBudget
 from asgi_generate.request.client_stream import ClientStream, abort_live_legs, finish_record
@@ -318,9 +318,3 @@ def test_what_the_process_hands_over_has_every_member_of_its_protocol():
         missing = {n for n in _members(protocol) if not hasattr(implementation, n)}
         assert (protocol.__name__, missing) == (protocol.__name__, set())
 
-
-def test_tracing_reads_exactly_what_request_state_declares():
-    from asgi_generate.tracing.traced import TracedRequest
-
-    declared = RequestState.__annotations__
-    assert {n: declared.get(n) for n in TracedRequest.__annotations__} == TracedRequest.__annotations__

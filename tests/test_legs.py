@@ -13,7 +13,7 @@ import pytest
 
 from asgi_generate.config import Settings
 from asgi_generate.request import handshakes
-from asgi_generate.request.accounting import RequestState
+from asgi_generate.tracing.state import RequestState
 from asgi_generate.request.batches import BatchGeneration
 from asgi_generate.request.generation import Generation
 from asgi_generate.request.handshakes import AGGREGATED, PAIRS, SGLANG_PAIR, VLLM_PAIR, handshake

@@ -181,7 +181,7 @@ def test_sglang_stream_keeps_only_what_a_resume_needs_of_its_last_chunk(incremen
 async def test_a_leg_does_not_hold_its_request_body():
     # The attempt loop keeps its WorkerRequest for the leg's whole life; the
     # body (a whole prompt's JSON) goes to the pool and is not kept there.
-    from asgi_generate.request.accounting import RequestState
+    from asgi_generate.tracing.state import RequestState
     from asgi_generate.sdk.codec import WorkerRequest
     from asgi_generate.config import Settings
     from asgi_generate.request.legs import Leg

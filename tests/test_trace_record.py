@@ -11,8 +11,9 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asgi_generate.request.accounting import RequestState
+from asgi_generate.tracing.state import RequestState
 from asgi_generate.assets import TOKENIZER_PATH
+from asgi_generate.request.state import fail
 from asgi_generate.sdk.codec import Attempt
 from asgi_generate.tracing.analysis import OutputAnalyzer
 from asgi_generate.tracing.hashing import block_hashes
@@ -165,7 +166,7 @@ def test_session_fields_only_for_headers_sent():
 
 def test_client_ids_are_cut_and_errors_bounded():
     s = state(public_id="p" * 1000, headers={b"x-request-id": b"\xff" * 3}, t_done=100.5)
-    s.fail("rejected", 400, "invalid_request", "m" * 5000)
+    fail(s, "rejected", 400, "invalid_request", "m" * 5000)
     rec = built(s, 64)
     assert rec["public_id"] == "p" * 256
     assert rec["x_request_id"] == "\ufffd" * 3

@@ -12,7 +12,7 @@ import anyio
 import orjson
 import pytest
 
-from asgi_generate.request.accounting import RequestState
+from asgi_generate.tracing.state import RequestState
 from asgi_generate.server.app import App
 from asgi_generate.assets import TOKENIZER_PATH
 from asgi_generate.sdk.codec import Codec, RequestError, Route

@@ -1,7 +1,7 @@
 """Prometheus metrics of the frontend, served as ``GET /metrics``.
 
 Everything a request contributes is counted once, when it ends, from its
-finished :class:`~asgi_generate.request.accounting.RequestState` (O(1) per request,
+finished :class:`~asgi_generate.tracing.state.RequestState` (O(1) per request,
 O(legs) for the per-leg counters; nothing per token); aborts and trace
 records are counted where they happen. A request's counts are plain
 additions (a few dict updates, no lock, no prometheus-client call), moved into the prometheus-client metrics when
@@ -35,7 +35,7 @@ import anyio
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 
-from ..request.accounting import RequestState
+from ..tracing.state import RequestState
 from ..request.framing import Send, send_unary
 
 if TYPE_CHECKING:

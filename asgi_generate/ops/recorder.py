@@ -15,7 +15,7 @@ from .metrics import Metrics
 
 if TYPE_CHECKING:
     from ..config import Settings
-    from ..request.accounting import RequestState
+    from ..tracing.state import RequestState
 
 
 class Recorder:

@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Iterator
 import anyio
 
 from ..sdk import ids
-from .accounting import RequestState
+from . import state
 from ..sdk.codec import LEG_DONE, Attempt, Codec, Event, Exchange, GenerateRequest, RequestError
+from ..tracing.state import RequestState
 from .framing import Send
 from .generation import Generation
 
@@ -166,10 +167,10 @@ class BatchGeneration(Generation):
                 attempt.unfinished.discard(j)
         if event.error is not None:
             attempt.live = False
-            attempt.outcome = "error"
+            state.end_leg(attempt, "error")
         elif event.finish_reason is not None or (attempt.entry_ids is not None and not attempt.unfinished):
             attempt.live = False
-            attempt.outcome = "finished"
+            state.end_leg(attempt, "finished")
         if event.finish_reason != LEG_DONE:  # else: its items finished while other legs run
             await self._deliver(event)
 
@@ -221,38 +222,31 @@ class BatchGeneration(Generation):
     # -- records ----------------------------------------------------------------
 
     def item_states(self) -> list[RequestState]:
-        """One finished state per item (see the module docstring)."""
+        """One finished state per item (see the module docstring), each
+        derived from the request's by :func:`asgi_generate.request.state.item_state`."""
         st = self.st
-        out = []
         size = len(self.items)
+        out = []
         for j, (item, tally) in enumerate(zip(self.items, self.tallies)):
-            s = RequestState(tally.request_id, st.format, st.route, st.method)
-            s.received_unix_ms, s.t_received, s.headers = st.received_unix_ms, st.t_received, st.headers
-            s.public_id = item.public_id
-            s.stream, s.model = st.stream, st.model
-            s.input_ids = item.input_ids
-            s.input_length = len(item.input_ids) if item.input_ids is not None else None
-            s.replay_excluded = st.replay_excluded if st.replay_excluded == "rejected" else item.replay_excluded
-            s.batch_id, s.batch_index, s.batch_size = st.request_id, j, size
-            ok = tally.finish_sent if st.stream else (st.status == "ok" and tally.finish_reason is not None)
-            if ok and tally.error is None:
-                s.status, s.http_status = "ok", st.http_status
-            elif tally.error is not None and (tally.finish_sent or st.status == "ok"):
-                s.fail("engine_error", st.http_status, "engine", tally.error)
-            else:
-                s.status, s.http_status = st.status, st.http_status
-                s.error_type, s.error_message = st.error_type, st.error_message
-            if ok:
-                s.finish_reason, s.finish_matched = tally.finish_reason, tally.matched
-            s.output_tokens = tally.delivered
-            s.prompt_tokens = tally.prompt_tokens if tally.prompt_tokens is not None else st.prompt_tokens
-            s.engine_completion_tokens = tally.completion_tokens
-            s.cached_tokens = tally.cached_tokens if tally.cached_tokens is not None else st.cached_tokens
-            s.t_dispatched, s.t_done = st.t_dispatched, st.t_done
-            s.t_first_token, s.t_last_token = tally.t_first_token, tally.t_last_token
-            s.attempts = list(_item_attempts(st.attempts, j, tally))
-            s.response_started, s.response_complete = st.response_started, st.response_complete
-            out.append(s)
+            answered = tally.finish_sent if st.stream else (st.status == "ok" and tally.finish_reason is not None)
+            # An item's engine error counts once its finish reached the client (or the whole answer did).
+            counted = tally.error is not None and (tally.finish_sent or st.status == "ok")
+            out.append(state.item_state(
+                st, answered, tally.error if counted else None,
+                request_id=tally.request_id, public_id=item.public_id,
+                input_ids=item.input_ids,
+                input_length=len(item.input_ids) if item.input_ids is not None else None,
+                replay_excluded=st.replay_excluded if st.replay_excluded == "rejected" else item.replay_excluded,
+                batch_id=st.request_id, batch_index=j, batch_size=size,
+                attempts=list(_item_attempts(st.attempts, j, tally)),
+                finish_reason=tally.finish_reason if answered else None,
+                finish_matched=tally.matched if answered else None,
+                output_tokens=tally.delivered,
+                prompt_tokens=tally.prompt_tokens if tally.prompt_tokens is not None else st.prompt_tokens,
+                engine_completion_tokens=tally.completion_tokens,
+                cached_tokens=tally.cached_tokens if tally.cached_tokens is not None else st.cached_tokens,
+                t_first_token=tally.t_first_token, t_last_token=tally.t_last_token,
+            ))
         return out
 
 

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from .accounting import RequestState
+from . import state
 from ..sdk.codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError
+from ..tracing.state import RequestState
 from .framing import KEEPALIVE, SSE_HEADERS, Receive, Send, send_unary, sse_event
 from ..workers.aborts import ACKED, LOST
 
@@ -44,7 +45,7 @@ async def send_in_band_error(codec: Codec, send: Send, st: RequestState, err: Re
     """A refused streamed request, answered as the format's engine answers
     it: 200, then the in-band error event and the terminal marker."""
     st.stream = True
-    st.fail("rejected", 200, err.kind, err.message)
+    state.fail(st, "rejected", 200, err.kind, err.message)
     st.response_started = True
     st.response_complete = True
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
@@ -107,8 +108,7 @@ class ClientStream:
             # hypercorn does, asgi_generate.server.hypercorn.fixes): nothing of
             # ``message`` went out, so its tokens are not counted.
             self.gone = True
-            if self.st.status is None:
-                self.st.status = "client_disconnect"
+            state.end(self.st, "client_disconnect")
             if self.scope is not None:
                 self.scope.cancel()
         finally:
@@ -158,7 +158,7 @@ class ClientStream:
         if event.cached_tokens is not None:
             st.cached_tokens = event.cached_tokens
         if event.error is not None:
-            st.fail("engine_error", None, "engine", event.error.message)
+            state.fail(st, "engine_error", None, "engine", event.error.message)
             return True
         if event.finish_reason is not None:
             st.finish_reason = event.finish_reason
@@ -205,8 +205,8 @@ class ClientStream:
                 await self._unary(status, body)
                 if not self.gone:
                     st.output_tokens = self.pending
-        if done and st.status is None:
-            st.status = "ok"
+        if done:
+            state.finish_ok(st)
 
     async def flush(self, more: bool = True) -> None:
         """Send every event decoded from one worker read in one write; count
@@ -220,17 +220,19 @@ class ClientStream:
         if not self.gone:
             self.st.output_tokens += tokens
 
-    async def fail(self, err: RequestError, status: str) -> None:
+    async def fail(self, err: RequestError, status: str, cut: bool = False) -> None:
         """End the response with ``err``: its own status before the 200,
-        in-band after it."""
+        in-band after it; the request's ending is ``status``, the first
+        failure recorded unless ``cut`` (:func:`asgi_generate.request.state.cut`)."""
         st = self.st
         st.response_complete = True
+        record = state.cut if cut else state.fail
         if not st.response_started:
-            st.fail(status, err.status, err.kind, err.message)
+            record(st, status, err.status, err.kind, err.message)
             st.response_started = True
             await send_unary(self._write, err.status, self.codec.error_body(err))
         else:
-            st.fail(status, st.http_status, err.kind, err.message)
+            record(st, status, st.http_status, err.kind, err.message)
             self.outbox.append(sse_event(self.codec.in_band_error(err)) + self.codec.sse_terminal)
             await self.flush(more=False)
 
@@ -302,7 +304,7 @@ class ClientStream:
         """The client's connection closed: before the answer is complete,
         the request is a ``client_disconnect`` and is cancelled."""
         if not self.st.response_complete:
-            self.st.status = "client_disconnect"
+            state.client_left(self.st)
             if self.scope is not None:
                 self.scope.cancel()
 
@@ -318,9 +320,8 @@ class ClientStream:
 
     async def _cut_off_slow_client(self) -> None:
         st = self.st
-        st.status = None
-        st.fail("slow_client", st.http_status, "slow_client",
-                f"client left a write untaken for {self.write_timeout:g} s")
+        state.cut(st, "slow_client", st.http_status, "slow_client",
+                  f"client left a write untaken for {self.write_timeout:g} s")
         try:
             with anyio.CancelScope(shield=True):
                 await abort_live_legs(self.ctx, st)
@@ -356,10 +357,7 @@ async def _abort_leg(ctx: "RequestContext", attempt: Attempt) -> None:
     # the queue answers "lost" at once, so the record is not held up.
     result = await ctx.abort_engine_request(attempt.worker, attempt.engine_id)
     attempt.abort_acked = result == ACKED
-    if result == LOST:
-        attempt.outcome = attempt.outcome or "worker_lost"
-    elif attempt.outcome is None:
-        attempt.outcome = "aborted"
+    state.abort_answered(attempt, result == LOST)
 
 
 async def _abort_entries(ctx: "RequestContext", attempt: Attempt) -> None:
@@ -375,7 +373,4 @@ async def _abort_entries(ctx: "RequestContext", attempt: Attempt) -> None:
             tg.start_soon(one, j)
     attempt.entry_acked = acked
     attempt.abort_acked = all(acked.values())
-    if LOST in results.values():
-        attempt.outcome = attempt.outcome or "worker_lost"
-    elif attempt.outcome is None:
-        attempt.outcome = "aborted"
+    state.abort_answered(attempt, LOST in results.values())

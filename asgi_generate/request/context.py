@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from ..sdk.codec import Codec
     from ..tracing.otlp import Otlp
     from ..workers.router import Router, Worker
-    from .accounting import RequestState
+    from ..tracing.state import RequestState
     from .budget import BodyBudget
     from .watchdog import Watchdog
 

@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from .accounting import RequestState
+from . import state
 from .budget import Lease
 from .client_stream import ClientStream, abort_live_legs, send_in_band_error
 from ..sdk.codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError, WorkerRequest
 from .framing import Send
 from .handshakes import handshake
 from .legs import Leg, LegEnd
+from ..tracing.state import RequestState
 from ..workers.http import WorkerError
 from ..workers.router import Worker
 
@@ -210,7 +211,7 @@ class Generation(ClientStream):
             return False
         if end is LegEnd.TIMED_OUT:
             if leg.phase == "inter_token" and self._migrate(attempt, f"sent no token for {leg.limit:g} s"):
-                attempt.outcome = "timeout"  # still live: aborted when the request ends
+                state.end_leg(attempt, "timeout")  # still live: aborted when the request ends
                 return True
             # Slow is not dead: the leg stays live so that it is aborted.
             await self.fail(leg.error, "timeout")
@@ -235,8 +236,8 @@ class Generation(ClientStream):
         """Answer the client with a worker's own non-200 answer (``status``,
         ``body``), as the codec renders it (:meth:`Exchange.worker_error`)."""
         status, body = self.ex.worker_error(status, body)
-        self.st.fail("engine_error" if status >= 500 else "rejected", status, "engine",
-                     body[:512].decode("utf-8", "replace"))
+        state.fail(self.st, "engine_error" if status >= 500 else "rejected", status, "engine",
+                   body[:512].decode("utf-8", "replace"))
         await self._unary(status, body)
 
     async def abort_live_legs(self) -> None:
@@ -321,7 +322,7 @@ class Generation(ClientStream):
         attempt.tokens += len(event.token_ids)
         if (event.error is not None or event.finish_reason is not None) and not event.cut:
             attempt.live = False
-            attempt.outcome = "finished" if event.error is None else "error"
+            state.end_leg(attempt, "finished" if event.error is None else "error")
             attempt.usage = event.reported()
         await self._deliver(event)
 

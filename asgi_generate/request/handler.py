@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING
 import anyio
 
 from ..sdk import ids
-from .accounting import RequestState
+from . import state
 from .budget import Lease
 from .client_stream import abort_live_legs, finish_record, send_in_band_error
 from ..sdk.codec import Codec, GenerateRequest, RequestError
+from ..tracing.state import RequestState
 from .framing import BodyTimeout, BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
 from .batches import BatchGeneration
 from .generation import Generation
@@ -65,10 +66,10 @@ async def handle_generate(ctx: "RequestContext", codec: Codec, scope: dict, rece
             finally:
                 lease.release()
     except OSError:  # an error answer's write: the client is gone (ASGI send exception)
-        st.status = "client_disconnect"
+        state.client_left(st)
     except Exception as exc:  # a bug: answer 500 rather than drop the client
         log.exception("request %s failed", st.request_id)
-        st.fail("engine_error", 500, "internal", repr(exc))
+        state.fail(st, "engine_error", 500, "internal", repr(exc))
         if not st.response_started:
             with anyio.CancelScope(shield=True):
                 await _send_error(codec, send, st, RequestError(500, "internal error", "internal"))
@@ -76,8 +77,7 @@ async def handle_generate(ctx: "RequestContext", codec: Codec, scope: dict, rece
         if any(a.live for a in st.attempts):  # most requests end with none: no scope to enter
             with anyio.CancelScope(shield=True):
                 await abort_live_legs(ctx, st)
-        if st.status is None:  # cancelled from outside, e.g. server shutdown
-            st.status = "shutdown"
+        state.end(st, "shutdown")  # unless it ended: cancelled from outside, e.g. server shutdown
         await finish_record(ctx, st)
         ctx.body_budget.trim_if_idle()  # the request's body and objects are gone now
 
@@ -91,7 +91,7 @@ async def reject_method(ctx: "RequestContext", codec: Codec, scope: dict, allowe
     try:
         await _send_error(codec, send, st, err, [(b"allow", ", ".join(allowed).encode())])
     except OSError:  # the client is gone (ASGI send exception)
-        st.status = "client_disconnect"
+        state.client_left(st)
     finally:
         await finish_record(ctx, st)
 
@@ -100,7 +100,7 @@ async def _send_error(
     codec: Codec, send: Send, st: RequestState, err: RequestError, headers: list | None = None
 ) -> None:
     outcome = "shutdown" if err.kind == "shutdown" else "unavailable" if err.status == 503 else "rejected"
-    st.fail(outcome, err.status, err.kind, err.message)
+    state.fail(st, outcome, err.status, err.kind, err.message)
     st.response_started = True
     st.response_complete = True
     await send_unary(send, err.status, codec.error_body(err), headers=headers or ())
@@ -159,7 +159,7 @@ async def _read_and_decode(
         await _send_error(codec, send, st, err, CLOSE)
         return None
     except ClientDisconnected:
-        st.status = "client_disconnect"
+        state.client_left(st)
         return None
     finally:
         ctx.body_budget.reading -= 1
@@ -220,8 +220,7 @@ async def _generate(
         await _run_guarded(ctx, gen, receive)
     if gen.shutdown and not st.response_complete:
         # The grace period ran out: end the answer cleanly, in-band if begun.
-        st.status = None
-        await gen.fail(RequestError(503, "server is shutting down", "shutdown"), "shutdown")
+        await gen.fail(RequestError(503, "server is shutting down", "shutdown"), "shutdown", cut=True)
 
 
 async def _run_guarded(ctx: "RequestContext", gen: Generation, receive: Receive) -> None:

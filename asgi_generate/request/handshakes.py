@@ -36,12 +36,13 @@ import anyio
 from ..sdk import ids
 from ..sdk.codec import NO_KV_TRANSFER, Attempt, Event, Pair, RequestError
 from ..workers.http import WorkerError
+from . import state
 from .legs import Leg, LegEnd
 
 if TYPE_CHECKING:
     from ..sdk.codec import Exchange, WorkerRequest
     from ..workers.router import Worker
-    from .accounting import RequestState
+    from ..tracing.state import RequestState
     from .context import RequestContext
 
 #: The bootstrap rooms of the pairs running in this process.
@@ -158,11 +159,11 @@ class _Prefill:
     async def settle(self, attempt: Attempt, event: Event) -> None:
         if event.error is not None:
             attempt.live = False
-            attempt.outcome = "error"
+            state.end_leg(attempt, "error")
             self.error = RequestError(event.error.status, event.error.message, "engine")
         elif event.finish_reason is not None:
             attempt.live = False
-            attempt.outcome = "finished"
+            state.end_leg(attempt, "finished")
             attempt.usage = event.reported()
 
     async def flush(self) -> None:  # nothing is queued for the client

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import anyio
 
 from ..sdk.codec import RequestError
+from . import state
 from ..workers.http import ConnectFailed, TimedOut, WorkerError
 from .framing import SSEDecoder
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from ..config import Settings
     from ..sdk.codec import Attempt, Event, WorkerRequest
     from ..workers.router import Router, Worker
-    from .accounting import RequestState
+    from ..tracing.state import RequestState
 
 #: The SSE payload that ends an engine's stream (both engines send it).
 DONE = b"[DONE]"
@@ -221,7 +222,7 @@ class Leg:
                     if resp.status != 200:
                         body = await resp.read(self.deadline)
                         attempt.live = False
-                        attempt.outcome = "error"
+                        state.end_leg(attempt, "error")
                         self.page = (resp.status, body)
                     else:
                         gate = self.gate
@@ -272,7 +273,7 @@ class Leg:
             if attempt.span_id:
                 attempt.t_ended = time.monotonic()
         # Only a cancelled leg gets here: the health probe gave the worker up.
-        attempt.outcome = "worker_lost"
+        state.end_leg(attempt, "worker_lost")
         return LegEnd.CANCELLED
 
     async def _failed(self, exc: Exception, reader: LegReader, router: "Router") -> LegEnd:
@@ -280,11 +281,11 @@ class Leg:
         attempt, worker = self.attempt, self.worker
         if isinstance(exc, ConnectFailed):
             attempt.live = False
-            attempt.outcome = "connect_failed"
+            state.end_leg(attempt, "connect_failed")
             router.mark_down(worker, str(exc))
             return LegEnd.CONNECT_FAILED
         if isinstance(exc, RequestError):
-            attempt.outcome = "error"
+            state.end_leg(attempt, "error")
             self.error = exc
             return LegEnd.PROTOCOL_ERROR
         if reader.answered(attempt):  # only the drain after the answer was slow or failed
@@ -293,9 +294,9 @@ class Leg:
             self.error = RequestError(504, self.timeout_message(), "timeout")
             return LegEnd.TIMED_OUT
         if await router.probe(worker):
-            attempt.outcome = "error"
+            state.end_leg(attempt, "error")
             self.error = RequestError(502, f"worker {worker.id} broke the connection mid-answer: {exc}", "engine")
             return LegEnd.ENGINE_ERROR
-        attempt.outcome = "worker_lost"
+        state.end_leg(attempt, "worker_lost")
         self.lost = str(exc)
         return LegEnd.WORKER_LOST

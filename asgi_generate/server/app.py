@@ -24,7 +24,7 @@ import anyio
 import orjson
 
 from ..ops import admin
-from ..request.accounting import RequestState
+from ..tracing.state import RequestState
 from ..request.context import Running
 from ..sdk.codec import Codec
 from ..config import Settings

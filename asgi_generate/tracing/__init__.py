@@ -2,7 +2,7 @@
 registered route, written off the response path.
 
 Modules, one concept each: :mod:`.schema` (the v1 record contract),
-:mod:`.traced` (a request as tracing reads it), :mod:`.record` (request ->
+:mod:`.state` (a request's state, the records' source), :mod:`.record` (state ->
 record), :mod:`.hashing` (replay block hashes), :mod:`.parser_api` (the
 output parsers' plugin API), :mod:`.parsers` (their registry),
 :mod:`.reasoning` and :mod:`.tool_calls` (the built-in parsers),

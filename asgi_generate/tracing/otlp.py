@@ -49,7 +49,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status,
 from .. import __version__
 from .sinks import Sink
 from .tracecontext import TraceContext, format_traceparent, from_headers, mint_span_id
-from .traced import TracedRequest
+from .state import RequestState
 
 if TYPE_CHECKING:
     from ..sdk.codec import Attempt, WorkerRequest
@@ -148,7 +148,7 @@ class Otlp:
 
     # -- on the response path: once per engine leg ---------------------------
 
-    def context(self, st: TracedRequest) -> TraceContext:
+    def context(self, st: RequestState) -> TraceContext:
         """``st``'s trace context, made on first use from the client's headers."""
         ctx = st.trace
         if ctx is None:
@@ -161,7 +161,7 @@ class Otlp:
             ctx = st.trace = TraceContext(trace_id, mint_span_id(), parent, sampled, state)
         return ctx
 
-    def stamp(self, st: TracedRequest, attempt: "Attempt", wreq: "WorkerRequest") -> None:
+    def stamp(self, st: RequestState, attempt: "Attempt", wreq: "WorkerRequest") -> None:
         """Give ``attempt`` a span id and its send time, and ``wreq`` the
         ``traceparent`` (and the client's ``tracestate``) naming that span."""
         ctx = self.context(st)
@@ -173,7 +173,7 @@ class Otlp:
 
     # -- in the trace writer's thread ----------------------------------------------
 
-    def make_spans(self, st: TracedRequest, rec: dict) -> None:
+    def make_spans(self, st: RequestState, rec: dict) -> None:
         """Start and end the request's span and its legs' (kept by the
         span processor until :meth:`SpanSink.write_records` exports them)."""
         ctx = self.context(st)
@@ -209,7 +209,7 @@ class Otlp:
             leg.end(ns(a.t_ended if a.t_ended is not None else st.t_done))
         span.end(ns(st.t_done))
 
-    def emit_log(self, st: TracedRequest, rec: dict, line: bytes) -> None:
+    def emit_log(self, st: RequestState, rec: dict, line: bytes) -> None:
         """Emit the request's record as a log record in its trace."""
         ctx = self.context(st)
         span = SpanContext(ctx.trace_id, ctx.span_id, False, TraceFlags(TraceFlags.SAMPLED if ctx.sampled else 0))
@@ -297,11 +297,11 @@ class _Export(Sink):
         super().__init__()
         self.otlp, self.processor, self.exporter = otlp, processor, exporter
 
-    def make(self, st: TracedRequest, rec: dict, line: bytes) -> None:
+    def make(self, st: RequestState, rec: dict, line: bytes) -> None:
         """Make one record's items (the processor keeps them)."""
         raise NotImplementedError
 
-    def write_records(self, batch: list[tuple[TracedRequest, dict, bytes]]) -> None:
+    def write_records(self, batch: list[tuple[RequestState, dict, bytes]]) -> None:
         """Make and export the items of ``batch``.
 
         Raises:
@@ -329,7 +329,7 @@ class SpanSink(_Export):
     def __init__(self, otlp: Otlp) -> None:
         super().__init__(otlp, otlp.spans, otlp.span_exporter)
 
-    def make(self, st: TracedRequest, rec: dict, line: bytes) -> None:
+    def make(self, st: RequestState, rec: dict, line: bytes) -> None:
         self.otlp.make_spans(st, rec)
 
 
@@ -343,5 +343,5 @@ class LogSink(_Export):
     def __init__(self, otlp: Otlp) -> None:
         super().__init__(otlp, otlp.logs, otlp.log_exporter)
 
-    def make(self, st: TracedRequest, rec: dict, line: bytes) -> None:
+    def make(self, st: RequestState, rec: dict, line: bytes) -> None:
         self.otlp.emit_log(st, rec, line)

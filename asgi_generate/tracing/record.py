@@ -1,5 +1,5 @@
 """Build one request-end record (a JSON-ready dict) from a finished
-request (:class:`~.traced.TracedRequest`).
+request (:class:`~.state.RequestState`).
 
 The layout is :data:`asgi_generate.tracing.schema.SCHEMA`. Optional fields
 are left out, never written empty or null. Runs in the trace writer, after
@@ -13,7 +13,7 @@ import orjson
 from .analysis import OutputAnalyzer, final_finish_reason
 from .hashing import TokenIdOutOfRange, block_hashes_json
 from .schema import EVENT_TYPE, SCHEMA_ID
-from .traced import TracedRequest
+from .state import RequestState
 
 #: Client-chosen ids (body or header) are cut to this many characters, so a
 #: client cannot bloat every record it causes.
@@ -52,7 +52,7 @@ def session_fields(headers: dict[bytes, bytes]) -> dict | None:
     return session or None
 
 
-def replay_fields(st: TracedRequest, block_size: int) -> dict:
+def replay_fields(st: RequestState, block_size: int) -> dict:
     """The ``replay`` object: block hashes of ``st.input_ids``, or why not.
 
     ``block_hashes`` is an ``orjson.Fragment``: the JSON array's text, made
@@ -68,7 +68,7 @@ def replay_fields(st: TracedRequest, block_size: int) -> dict:
     return {"block_size": block_size, "input_length": len(st.input_ids), "block_hashes": hashes}
 
 
-def build_record(st: TracedRequest, block_size: int, analyzer: OutputAnalyzer | None = None) -> dict:
+def build_record(st: RequestState, block_size: int, analyzer: OutputAnalyzer | None = None) -> dict:
     """The request-end record of ``st``.
 
     Args:

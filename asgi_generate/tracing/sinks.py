@@ -46,7 +46,7 @@ class Sink:
         raise NotImplementedError
 
     def write_records(self, batch: list) -> None:
-        """Write ``batch``, ``(TracedRequest, record, JSON line)`` triples
+        """Write ``batch``, ``(RequestState, record, JSON line)`` triples
         (only when :attr:`takes_records`).
 
         Raises:

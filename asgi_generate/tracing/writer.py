@@ -2,7 +2,7 @@
 serializes and writes request-end records, off the response path.
 
 The handler's only trace work is :meth:`Tracer.submit`, a non-blocking put of
-the finished request (:class:`~.traced.TracedRequest`). The writer task
+the finished request (:class:`~.state.RequestState`). The writer task
 (run in the app's lifespan task group) takes what gathered in the queue over
 ``GATHER_S`` seconds (at once when a batch's worth waits) and, in a worker
 thread, builds the records (hashing, decoding, parsing), serializes them
@@ -40,7 +40,7 @@ from .analysis import OutputAnalyzer
 from .parser_api import ParserError
 from .record import build_record
 from .sinks import JsonlFileSink, Sink, StderrSink
-from .traced import TracedRequest
+from .state import RequestState
 
 log = logging.getLogger("asgi_generate.tracing")
 #: Records per writer-thread hop, at most.
@@ -119,7 +119,7 @@ class Tracer:
             self.sinks.append(SpanSink(self.otlp))
             if settings.trace_otlp:
                 self.sinks.append(LogSink(self.otlp))
-        self._send, self._receive = anyio.create_memory_object_stream[TracedRequest](settings.trace_queue_size)
+        self._send, self._receive = anyio.create_memory_object_stream[RequestState](settings.trace_queue_size)
         #: Records a request's items may fill the queue up to (half of it).
         self.items_share = max(1, settings.trace_queue_size // 2)
         #: Set (then replaced) each time the writer takes records off the queue.
@@ -135,7 +135,7 @@ class Tracer:
         self._closing = False
         self._done: anyio.Event | None = None  # made in run(): events need a running loop
 
-    def submit(self, st: TracedRequest) -> None:
+    def submit(self, st: RequestState) -> None:
         """Queue a finished request without waiting; count it if dropped."""
         self.submitted += 1
         try:
@@ -145,7 +145,7 @@ class Tracer:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             self._drop("closed")
 
-    async def submit_items(self, states: Sequence[TracedRequest]) -> None:
+    async def submit_items(self, states: Sequence[RequestState]) -> None:
         """Queue one request's records (its items), back-pressured: each
         waits while the queue holds :attr:`items_share` records or more, for
         at most ``ITEMS_WAIT_S`` in all, shielded from cancellation (the
@@ -246,7 +246,7 @@ class Tracer:
             self._drop("closed")
         self._receive.close()
 
-    def _write_batch(self, batch: list[TracedRequest]) -> None:
+    def _write_batch(self, batch: list[RequestState]) -> None:
         built = []
         for st in batch:
             try:

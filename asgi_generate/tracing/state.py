@@ -1,9 +1,12 @@
-"""Per-request accounting kept by the handler: the raw material of the
-request-end trace record.
+"""One request's state: what the request-end record (:mod:`.record`) and
+the OpenTelemetry export (:mod:`.otlp`) are made from.
 
-The handler fills one :class:`RequestState` per accepted request while it
-serves it; counts are the handler's own (tokens actually sent to the client),
-never inferred from the engine.
+The data class lives here, below the request package, so that tracing
+reads the request's own state rather than a copy of its fields; the request
+package fills it while it serves the request and changes its ending
+(``status`` and the error) and its attempts' outcomes only through its state
+machine (:mod:`asgi_generate.request.state`). Counts are the handler's own
+(tokens actually sent to the client), never inferred from the engine.
 """
 
 from __future__ import annotations
@@ -13,17 +16,20 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from ..sdk.codec import Attempt
-from ..tracing.tracecontext import TraceContext
+from .tracecontext import TraceContext
 
 
 @dataclass(slots=True)
 class RequestState:
     """What happened to one request.
 
-    Times are ``time.monotonic()`` seconds except ``received_unix_ms``.
-    ``status`` is one of ``ok``, ``client_disconnect``, ``rejected``,
-    ``engine_error``, ``unavailable``, ``timeout``, ``shutdown``,
-    ``slow_client``; ``None`` until decided.
+    Times are ``time.monotonic()`` seconds except ``received_unix_ms``;
+    ``headers`` has lower-case names, as ASGI gives them. ``status`` is one
+    of the record schema's statuses (:data:`.schema.STATUSES`), ``None``
+    while the request runs; each attempt's ``outcome`` one of
+    :data:`.schema.ATTEMPT_OUTCOMES`. A request with items records one
+    state per item, each derived from this one
+    (:func:`asgi_generate.request.state.item_state`).
     """
 
     request_id: str
@@ -58,7 +64,7 @@ class RequestState:
     attempts: list[Attempt] = field(default_factory=list)
     migrations: int = 0
     #: Its W3C trace context, made at its first engine leg (or at export)
-    #: when OpenTelemetry export is on; ``None`` otherwise.
+    #: when OpenTelemetry export is on (set by that export); ``None`` otherwise.
     trace: TraceContext | None = None
     replays: int = 0
     not_migrated: str | None = None
@@ -72,11 +78,3 @@ class RequestState:
     #: For a request with items: makes their states, each recorded in
     #: place of this one (see :mod:`asgi_generate.request.batches`).
     expand: Callable[[], list["RequestState"]] | None = None
-
-    def fail(self, status: str, http_status: int | None, error_type: str, message: str) -> None:
-        """Record a failed outcome (the first one recorded wins)."""
-        if self.status is None:
-            self.status = status
-            self.http_status = http_status
-            self.error_type = error_type
-            self.error_message = message
