@@ -1,5 +1,7 @@
 """The h11 worker client: keep-alive reuse, retirement of half-read
-connections, stale keep-alive retry, timeouts; on trio and asyncio."""
+connections, idle connections the worker closed or that outlived the idle
+timeout never reused, a dropped request never sent twice (an idempotent one
+retried once), timeouts; on trio and asyncio."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import socket
 import anyio
 import pytest
 
-from asgi_generate.workers.http import ConnectFailed, ConnectionPool, TimedOut
+from asgi_generate.workers.http import ConnectFailed, ConnectionPool, TimedOut, Unanswered
 
 pytestmark = pytest.mark.anyio
 
@@ -16,6 +18,19 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture(params=["trio", "asyncio"])
 def anyio_backend(request):
     return request.param
+
+
+#: A :class:`Server` script entry: answer with the next, then half-close.
+EOF = object()
+
+
+async def _read_to_end(stream) -> bytes:
+    data = b""
+    while True:
+        try:
+            data += await stream.receive()
+        except (anyio.EndOfStream, anyio.BrokenResourceError):
+            return data
 
 
 def _response(body: bytes, chunked: bool = False) -> bytes:
@@ -27,15 +42,22 @@ def _response(body: bytes, chunked: bool = False) -> bytes:
 
 class Server:
     """A loopback server answering each request with the next scripted reply;
-    ``None`` in the script closes the connection instead, a float sleeps
-    instead of answering, ``(bytes, float)`` answers then sleeps."""
+    ``None`` in the script closes the connection instead (the request read,
+    never answered), a float sleeps instead of answering, ``(bytes, float)``
+    answers then sleeps, ``EOF`` answers the request as the next reply says
+    and then closes its side of the connection (FIN) while reading on.
+    ``requests`` lists ``(connection number, request line, body)`` as read;
+    ``after_eof`` what each half-closed connection read after its FIN."""
 
     def __init__(self, script: list) -> None:
         self.script = script
         self.connections = 0
+        self.requests: list[tuple[int, bytes, bytes]] = []
+        self.after_eof: list[bytes] = []
 
     async def handle(self, stream) -> None:
         self.connections += 1
+        number = self.connections
         async with stream:
             buf = b""
             while self.script:
@@ -48,9 +70,15 @@ class Server:
                 length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
                 while len(buf) < length:
                     buf += await stream.receive()
+                self.requests.append((number, head.split(b"\r\n")[0], buf[:length]))
                 buf = buf[length:]
                 reply = self.script.pop(0)
                 if reply is None:
+                    return
+                if reply is EOF:
+                    await stream.send(self.script.pop(0))
+                    await stream.send_eof()
+                    self.after_eof.append(await _read_to_end(stream))
                     return
                 if isinstance(reply, float):
                     await anyio.sleep(reply)
@@ -109,11 +137,60 @@ async def test_half_read_response_retires_the_connection():
 async def test_keep_alive_closed_by_the_worker_is_retried_fresh():
     async with anyio.create_task_group() as tg:
         server, pool = await _serve(tg, [_response(b"first"), None, _response(b"second")])
-        async with pool.request(b"GET", b"/") as resp:
+        async with pool.request(b"GET", b"/", idempotent=True) as resp:
             assert await resp.read() == b"first"
-        async with pool.request(b"GET", b"/") as resp:
+        async with pool.request(b"GET", b"/", idempotent=True) as resp:
             assert await resp.read() == b"second"
         assert (pool.opened, pool.retired, server.connections) == (2, 1, 2)
+        await pool.aclose()
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("method", [b"POST", b"GET"])
+async def test_a_request_the_worker_read_and_dropped_is_never_sent_again(method):
+    async with anyio.create_task_group() as tg:
+        server, pool = await _serve(tg, [_response(b"first"), None, _response(b"never")])
+        async with pool.request(method, b"/generate", b'{"rid": "e0"}') as resp:
+            assert await resp.read() == b"first"
+        with pytest.raises(Unanswered) as exc:
+            async with pool.request(method, b"/generate", b'{"rid": "e1"}'):
+                pass
+        assert str(exc.value) == ("worker broke HTTP/1.1: can't handle event type ConnectionClosed "
+                                  "when role=SERVER and state=SEND_RESPONSE")
+        assert server.requests == [(1, method + b" /generate HTTP/1.1", b'{"rid": "e0"}'),
+                                   (1, method + b" /generate HTTP/1.1", b'{"rid": "e1"}')]
+        assert (pool.opened, pool.retired, pool.idle, server.connections) == (1, 1, 0, 1)
+        tg.cancel_scope.cancel()
+
+
+async def test_an_idle_connection_the_worker_closed_carries_no_request():
+    async with anyio.create_task_group() as tg:
+        server, pool = await _serve(tg, [EOF, _response(b"first"), _response(b"second")])
+        async with pool.request(b"POST", b"/generate", b"1") as resp:
+            assert await resp.read() == b"first"
+        await anyio.sleep(0.2)  # the worker's FIN reaches the idle connection
+        async with pool.request(b"POST", b"/generate", b"2") as resp:
+            assert await resp.read() == b"second"
+        assert server.after_eof == [b""]  # the closed one was closed, nothing written to it
+        assert [(n, body) for n, _, body in server.requests] == [(1, b"1"), (2, b"2")]
+        assert (pool.opened, pool.retired, pool.idle) == (2, 1, 1)
+        await pool.aclose()
+        tg.cancel_scope.cancel()
+
+
+async def test_idle_connections_past_the_idle_timeout_are_closed_not_reused():
+    async with anyio.create_task_group() as tg:
+        server, pool = await _serve(tg, [_response(b"a"), _response(b"b"), _response(b"c")])
+        pool.idle_timeout = 0.2
+        async with pool.request(b"POST", b"/", b"1") as first:
+            async with pool.request(b"POST", b"/", b"2") as second:
+                assert (await first.read(), await second.read()) == (b"a", b"b")
+        assert (pool.opened, pool.idle) == (2, 2)
+        await anyio.sleep(0.3)
+        async with pool.request(b"POST", b"/", b"3") as resp:
+            assert await resp.read() == b"c"
+        assert [(n, body) for n, _, body in server.requests] == [(1, b"1"), (2, b"2"), (3, b"3")]
+        assert (pool.opened, pool.retired, pool.idle) == (3, 2, 1)
         await pool.aclose()
         tg.cancel_scope.cancel()
 

@@ -10,7 +10,10 @@ relayed event by event, so the frontend sees the worker's own answer. Hooks:
   a connection the frontend closes meanwhile is dropped unforwarded;
 - ``rewrite``: ``(path, status, body) -> (status, body)``, applied to each
   whole unary (``Content-Length``) response, e.g. to make a worker answer
-  something it would not.
+  something it would not;
+- ``drop``: a request for which ``drop(seen)`` is true is recorded, then its
+  connection is closed unanswered and the request never forwarded (a
+  worker that read it and went away).
 
 The proxy runs an asyncio event loop in a daemon thread; :meth:`stop` ends it
 (bounded).
@@ -47,10 +50,10 @@ class Seen:
 class WireProxy:
     """A proxy to ``upstream`` (``http://127.0.0.1:PORT``) on a free loopback port."""
 
-    def __init__(self, upstream: str, *, hold=None, rewrite=None) -> None:
+    def __init__(self, upstream: str, *, hold=None, rewrite=None, drop=None) -> None:
         host, port = upstream.removeprefix("http://").rsplit(":", 1)
         self.upstream = (host, int(port))
-        self.hold, self.rewrite = hold, rewrite
+        self.hold, self.rewrite, self.drop = hold, rewrite, drop
         self.seen: list[Seen] = []
         self.forwarded = 0
         self._released: anyio.Event | None = None
@@ -100,6 +103,8 @@ class WireProxy:
                         return
                     seen = Seen(request.target.decode(), {k.decode(): v.decode() for k, v in request.headers}, body)
                     self.seen.append(seen)
+                    if self.drop is not None and self.drop(seen):
+                        return
                     if self.hold is not None and not self._released.is_set() and self.hold(seen):
                         gone = anyio.Event()
                         async with anyio.create_task_group() as tg:

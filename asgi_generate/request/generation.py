@@ -189,7 +189,10 @@ class Generation(ClientStream):
         that is gone (broken connection and failed probe, or lost by the
         health probe), silent between tokens, or answering 503 continues on
         another worker as a ``resumed`` attempt; a client disconnect, an
-        engine's own error or abort finish never does.
+        engine's own error or abort finish never does. A leg whose worker
+        closed the connection before answering (it may have the request)
+        fails over or migrates as a lost worker's would, under a new engine
+        id on another worker; with none left the request ends with 502.
         """
         st, attempt, worker = self.st, leg.attempt, leg.worker
         if end is LegEnd.FINISHED:
@@ -216,8 +219,10 @@ class Generation(ClientStream):
             # Slow is not dead: the leg stays live so that it is aborted.
             await self.fail(leg.error, "timeout")
             return False
-        if end is LegEnd.WORKER_LOST:
-            if self.req.stream and not st.response_started and self.pending == 0:
+        if end is LegEnd.WORKER_LOST or end is LegEnd.UNANSWERED:
+            if self.req.stream and not st.response_started and self.pending == 0 and (
+                    end is LegEnd.WORKER_LOST  # the worker is down: planning says if any other is up
+                    or self.ctx.router.can_plan(self.codec.worker_protocol, [*self.tried, worker])):
                 return True  # nothing reached the client: a plain failover
             if await self._held_finish(attempt) or self._migrate(attempt, leg.lost):
                 return not st.response_complete

@@ -177,7 +177,7 @@ class _Prefill:
         if end is LegEnd.PAGE:
             self.page = leg.page
             self.error = RequestError(leg.page[0], "prefill leg failed", "engine")
-        elif end in (LegEnd.CONNECT_FAILED, LegEnd.WORKER_LOST, LegEnd.CANCELLED):
+        elif end in (LegEnd.CONNECT_FAILED, LegEnd.WORKER_LOST, LegEnd.UNANSWERED, LegEnd.CANCELLED):
             self.retry = True
         elif end is not LegEnd.FINISHED:  # timed out (the leg stays live), engine or protocol error
             self.error = leg.error

@@ -24,7 +24,7 @@ import anyio
 
 from ..sdk.codec import RequestError
 from . import state
-from ..workers.http import ConnectFailed, TimedOut, WorkerError
+from ..workers.http import ConnectFailed, TimedOut, Unanswered, WorkerError
 from .framing import SSEDecoder
 
 if TYPE_CHECKING:
@@ -68,6 +68,12 @@ class LegEnd(enum.Enum):
     #: The connection broke and the worker's probe failed (outcome
     #: ``worker_lost``); :attr:`Leg.lost` says how it broke.
     WORKER_LOST = "worker_lost"
+    #: The connection closed before the response head and the worker's
+    #: probe says it is up (a keep-alive it closed as the request went out):
+    #: it may have the request, which is never sent to it again; the leg
+    #: stays live so that it is aborted (outcome ``error``).
+    #: :attr:`Leg.lost` says how it closed.
+    UNANSWERED = "unanswered"
     #: The worker broke its protocol (the codec raised); :attr:`Leg.error`
     #: is the codec's error (outcome ``error``).
     PROTOCOL_ERROR = "protocol_error"
@@ -295,6 +301,9 @@ class Leg:
             return LegEnd.TIMED_OUT
         if await router.probe(worker):
             state.end_leg(attempt, "error")
+            if isinstance(exc, Unanswered):
+                self.lost = str(exc)
+                return LegEnd.UNANSWERED
             self.error = RequestError(502, f"worker {worker.id} broke the connection mid-answer: {exc}", "engine")
             return LegEnd.ENGINE_ERROR
         state.end_leg(attempt, "worker_lost")

@@ -24,7 +24,11 @@ engine. So each worker gets one :class:`AbortQueue`:
   within ``timeout`` ends unacknowledged and is never sent again: slow is
   not dead, the engine has the request, and a copy would only add to the
   load of an engine already slow to answer (and name the ids twice);
-- a refused connect or a broken connection means the worker is lost: that
+- a connection that closes before the answer's head leaves the abort
+  unacknowledged, not sent again (the engine may have read it: the pool
+  never re-sends one, :class:`~asgi_generate.workers.http.Unanswered`);
+  the worker's own probe judges whether it is gone;
+- a refused connect or a connection broken mid-answer means the worker is lost: that
   batch and everything queued behind it end at once as ``lost``, the worker
   is reported (``on_lost``: the router takes it out of the rotation and
   ends the requests riding it), and aborts for a worker
@@ -42,7 +46,7 @@ from typing import TYPE_CHECKING, Callable
 
 import anyio
 
-from .http import ConnectFailed, ConnectionPool, TimedOut, WorkerDisconnected
+from .http import ConnectFailed, ConnectionPool, TimedOut, Unanswered, WorkerDisconnected
 
 if TYPE_CHECKING:
     from .router import Worker
@@ -219,6 +223,12 @@ class AbortQueue:
                         await resp.read()
                 if resp.status == 200:
                     return ACKED
+            except Unanswered as exc:
+                # Read or not, it is not sent twice; a worker that is gone
+                # refuses the next connect (or fails its probe).
+                log.warning("worker %s closed the connection before answering the abort of %d request(s): %s",
+                            self.worker.id, len(batch), exc)
+                return UNACKNOWLEDGED
             except (ConnectFailed, WorkerDisconnected) as exc:
                 # Gone, not slow: everything queued for it ends now.
                 if self.on_lost is not None:

@@ -7,6 +7,18 @@ message cleanly (h11 ``DONE``/``DONE``); any response not read to its end,
 any error and any cancellation retires the connection instead, so a later
 request never reads a stale tail. Wire format: RFC 9112 (via h11).
 
+A request whose bytes may have reached the worker is never sent again by
+the pool: a connection that closes before the response head is
+:class:`Unanswered`, and the caller decides (a generate leg fails over
+under a new engine id). Only a request the caller marks ``idempotent`` (a
+health probe, a server-info read) gets one fresh try when a reused
+connection closes so (RFC 9110 section 9.2.2). What makes such a close
+likely, reusing a connection the worker is closing, is kept rare: an idle
+connection is trusted for :data:`IDLE_TIMEOUT` seconds, less than the
+engines' own keep-alive timeout, and is checked for the worker's close
+without waiting (:meth:`~asgi_generate.workers.sockets.TCPConnection.stale`)
+before it carries a request.
+
 A pool for an ``https://`` worker speaks TLS over anyio's TLS stream
 (:class:`~asgi_generate.workers.sockets.TLSConnection` around
 :func:`anyio.connect_tcp` with an :class:`ssl.SSLContext`, from
@@ -26,6 +38,7 @@ import math
 import os
 import ssl
 import time
+from collections import deque
 from typing import Iterable
 
 import anyio
@@ -35,6 +48,15 @@ from .sockets import TCPConnection, TLSConnection, connect
 
 log = logging.getLogger("asgi_generate.workers")
 RECEIVE_SIZE = 65536
+#: Seconds an idle pooled connection is trusted: under the 5 s after which
+#: both engines' uvicorn closes an idle keep-alive (SGLang:
+#: ``srt/environ.py`` ``SGLANG_TIMEOUT_KEEP_ALIVE``, passed as
+#: ``timeout_keep_alive`` by ``srt/entrypoints/http_server.py``
+#: ``launch_server``; vLLM: ``envs.py`` ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``,
+#: passed by ``entrypoints/launchers/api_server/entry.py``
+#: ``build_and_serve`` to ``serve_http``), with a second to spare for the
+#: response's own transit (uvicorn's timer starts once it has sent it).
+IDLE_TIMEOUT = 4.0
 
 
 class WorkerError(Exception):
@@ -47,6 +69,12 @@ class ConnectFailed(WorkerError):
 
 class WorkerDisconnected(WorkerError):
     """The connection broke or the worker broke HTTP before the response ended."""
+
+
+class Unanswered(WorkerDisconnected):
+    """The connection closed (or broke) before the response head: the worker
+    may or may not have read the request, so the pool did not send it again
+    (an ``idempotent`` request's one retry included)."""
 
 
 class TimedOut(Exception):
@@ -209,8 +237,8 @@ class ConnectionPool:
         tls_hostname: the name the certificate must carry (default ``host``).
         max_idle: idle connections kept; more are closed on release.
         idle_timeout: seconds an idle connection is trusted; older ones are
-            closed rather than reused (servers close idle keep-alives, 5 s for
-            uvicorn and hypercorn by default).
+            closed rather than reused (:data:`IDLE_TIMEOUT`: under the
+            engines' own keep-alive timeout).
     """
 
     def __init__(
@@ -220,7 +248,7 @@ class ConnectionPool:
         *,
         connect_timeout: float = 5.0,
         max_idle: int = 256,
-        idle_timeout: float = 4.0,
+        idle_timeout: float = IDLE_TIMEOUT,
         ssl_context: ssl.SSLContext | None = None,
         tls_hostname: str | None = None,
     ) -> None:
@@ -231,7 +259,8 @@ class ConnectionPool:
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle
         self.idle_timeout = idle_timeout
-        self._idle: list[_Connection] = []
+        #: Oldest first: reuse takes the newest, expiry closes from the oldest.
+        self._idle: deque[_Connection] = deque()
         self._host_header = f"{host}:{port}".encode()
         self.opened = 0
         self.retired = 0
@@ -264,14 +293,25 @@ class ConnectionPool:
         return _Connection(stream)
 
     async def _take_idle(self) -> _Connection | None:
-        now = time.monotonic()
+        """The newest idle connection that is neither past ``idle_timeout``
+        nor closed by the worker; the others it passes are closed."""
+        trusted_since = time.monotonic() - self.idle_timeout
         while self._idle:
             conn = self._idle.pop()
-            if now - conn.idle_since < self.idle_timeout:
+            if conn.idle_since > trusted_since and not conn.stream.stale():
                 return conn
             self.retired += 1
             await conn.aclose()
         return None
+
+    async def _expire(self) -> None:
+        """Close the idle connections past ``idle_timeout``, before the
+        worker closes them (they would wait in CLOSE_WAIT under newer ones)."""
+        trusted_since = time.monotonic() - self.idle_timeout
+        idle = self._idle
+        while idle and idle[0].idle_since <= trusted_since:
+            self.retired += 1
+            await idle.popleft().aclose()
 
     async def _send(self, conn: _Connection, method: bytes, path: bytes, headers: list, body: bytes) -> None:
         data = conn.h11.send(h11.Request(method=method, target=path, headers=headers))
@@ -290,6 +330,7 @@ class ConnectionPool:
         body: bytes = b"",
         headers: Iterable[tuple[bytes, bytes]] = (),
         head_deadline: float = math.inf,
+        idempotent: bool = False,
     ) -> "_Exchange":
         """``async with pool.request(...) as response``: send one request
         and get its :class:`Response` once the head is in.
@@ -301,17 +342,24 @@ class ConnectionPool:
             head_deadline: when to stop waiting for the response head, on
                 ``anyio.current_time()``'s clock (connecting has its own
                 ``connect_timeout``).
+            idempotent: the request may reach the worker twice (a health
+                probe, an info read; never a generate, abort or admin
+                request): a reused connection that closes before the head
+                gets one fresh try.
 
         Raises:
             ConnectFailed: the worker could not be reached.
+            Unanswered: the connection closed before the response head (not
+                sent again).
             WorkerDisconnected: the connection broke before the response ended.
             TimedOut: ``head_deadline`` passed before the head arrived.
         """
-        return _Exchange(self, (method, path, body, headers, head_deadline))
+        return _Exchange(self, (method, path, body, headers, head_deadline, idempotent))
 
     async def _release(self, conn: _Connection, ok: bool) -> None:
         if ok and conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
             conn.h11.start_next_cycle()
+            await self._expire()
             if len(self._idle) < self.max_idle:
                 conn.idle_since = time.monotonic()
                 self._idle.append(conn)
@@ -323,7 +371,7 @@ class ConnectionPool:
 
     async def aclose(self) -> None:
         """Close every idle connection."""
-        idle, self._idle = self._idle, []
+        idle, self._idle = self._idle, deque()
         for conn in idle:
             await conn.aclose()
 
@@ -344,7 +392,7 @@ class _Exchange:
 
     async def __aenter__(self) -> Response:
         pool = self.pool
-        method, path, body, headers, head_deadline = self.args
+        method, path, body, headers, head_deadline, idempotent = self.args
         self.args = None
         all_headers = [
             (b"host", pool._host_header),
@@ -352,26 +400,25 @@ class _Exchange:
             *headers,
         ]
         conn = await pool._take_idle()
-        reused = conn is not None
+        # An idempotent request on a reused connection may be sent once more.
+        retry = idempotent and conn is not None
         if conn is None:
             conn = await pool._connect()
-        try:
+        while True:
             try:
                 await pool._send(conn, method, path, all_headers, body)
                 head = await _next_response(conn, head_deadline)
-            except WorkerDisconnected:
-                if not reused:
-                    raise
-                # A kept-alive connection the worker closed while idle: retry
-                # once, fresh; the worker never saw this request.
-                await conn.aclose()
-                pool.retired += 1
+                break
+            except WorkerDisconnected as exc:
+                await pool._release(conn, False)
+                if not retry:
+                    # The worker may have read it: sent once, whatever follows.
+                    raise Unanswered(str(exc)) from None
+                retry = False
                 conn = await pool._connect()
-                await pool._send(conn, method, path, all_headers, body)
-                head = await _next_response(conn, head_deadline)
-        except BaseException:
-            await pool._release(conn, False)
-            raise
+            except BaseException:
+                await pool._release(conn, False)
+                raise
         self.conn = conn
         self.response = Response(conn, head)
         return self.response

@@ -314,12 +314,14 @@ class Router:
     async def probe(self, worker: Worker) -> bool:
         """Check ``worker``'s health (and, when it is not up, read its server
         info and engine version) within ``health_timeout``; mark it up, count a failure, or
-        declare it lost (:meth:`worker_lost`). Returns whether it is up."""
+        declare it lost (:meth:`worker_lost`). Returns whether it is up.
+        These reads are idempotent: one the worker dropped on a reused
+        connection gets one fresh try."""
         proto = worker.protocol
         pool = worker.probe_pool
         try:
             with anyio.fail_after(self.health_timeout):
-                async with pool.request(b"GET", proto.health_path) as resp:
+                async with pool.request(b"GET", proto.health_path, idempotent=True) as resp:
                     await resp.read()
                     if resp.status != 200:
                         raise WorkerError(f"health answered {resp.status}")
@@ -344,7 +346,7 @@ class Router:
         pool = worker.probe_pool
         info: dict[str, Any] = {}
         if proto.info_path is not None:
-            async with pool.request(b"GET", proto.info_path) as resp:
+            async with pool.request(b"GET", proto.info_path, idempotent=True) as resp:
                 body = await resp.read()
                 if resp.status != 200:
                     raise WorkerError(f"server info answered {resp.status}")
@@ -352,7 +354,7 @@ class Router:
             if proto.models_path is not None and info.get("max_model_len") is None:
                 info["max_model_len"] = await self._context_length(pool, proto.models_path)
         if proto.version_path is not None:
-            async with pool.request(b"GET", proto.version_path) as resp:
+            async with pool.request(b"GET", proto.version_path, idempotent=True) as resp:
                 body = await resp.read()
             # An engine without the route still serves; its version
             # stays unknown and codecs rely on no versioned behaviour.
@@ -376,7 +378,7 @@ class Router:
         drops the connection on it) is not unhealthy for that, its prompts
         are just left to it to check."""
         try:
-            async with pool.request(b"GET", path) as resp:
+            async with pool.request(b"GET", path, idempotent=True) as resp:
                 body = await resp.read()
             if resp.status != 200:
                 return None

@@ -26,6 +26,7 @@ import errno
 import ipaddress
 import math
 import os
+import select
 import socket
 
 import anyio
@@ -75,6 +76,19 @@ def recv_nowait(sock: socket.socket, max_bytes: int) -> bytes | None:
         return sock.recv(max_bytes)
     except BlockingIOError:
         return None
+
+
+def readable_now(sock: socket.socket) -> bool:
+    """Whether ``sock`` has something to read right now: bytes, the peer's
+    close (FIN) or an error (a reset), or it is closed here; one ``poll(2)``
+    that neither waits nor reads. An idle keep-alive connection should have
+    nothing, so anything means it must not carry another request."""
+    fd = sock.fileno()
+    if fd < 0:
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLPRI)
+    return bool(poller.poll(0))
 
 
 class TCPConnection:
@@ -139,6 +153,12 @@ class TCPConnection:
             if (data := recv_nowait(sock, max_bytes)) is not None:
                 return data
 
+    def stale(self) -> bool:
+        """The idle connection is no use for another request: the peer
+        closed or reset it, or sent bytes nobody asked for
+        (:func:`readable_now`)."""
+        return readable_now(self.sock)
+
     async def send(self, data: bytes) -> None:
         """All of ``data``, waiting while the socket's buffer is full.
 
@@ -189,6 +209,12 @@ class TLSConnection:
             except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
                 raise ConnectionResetError(f"TLS connection broken: {exc!r}") from None
         return None
+
+    def stale(self) -> bool:
+        """As :meth:`TCPConnection.stale`, on the TCP socket under TLS
+        (between reads anyio reads nothing from it on either backend, so a
+        peer's close waits there; a TLS alert counts as bytes)."""
+        return readable_now(self.stream.extra(anyio.abc.SocketAttribute.raw_socket))
 
     async def send(self, data: bytes) -> None:
         """As :meth:`TCPConnection.send`."""
