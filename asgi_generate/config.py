@@ -6,7 +6,8 @@ help text, and how its flag and variable are spelled. From that declaration
 come the ``serve`` flags and their ``--help``
 (:func:`asgi_generate.server.cli.build_parser`), the variables
 ``ASGI_GENERATE_<NAME>`` (:meth:`Settings.from_env`, :meth:`Settings.to_env`),
-the bounds :meth:`Settings.check` enforces and the README's settings table
+the bounds :meth:`Settings.check` enforces and the configuration reference's
+settings table, docs/configuration.md
 (:func:`settings_table`). So ``hypercorn asgi_generate.server.asgi:app``
 serves the same app as ``asgi-generate serve`` (whose flags override the
 variables); :meth:`Settings.check` is what both run before anything starts.
@@ -197,7 +198,7 @@ def _workers(role: str, **declaration: Any) -> Any:
 class Settings:
     """The frontend's configuration: one attribute per setting, each
     declared below with its unit, bounds and help (``serve --help`` and the
-    README's settings table show the same).
+    configuration reference, docs/configuration.md, show the same).
 
     Worker lists hold ``(protocol, url)`` pairs; with no worker of any role,
     embedded simulators start. A phase timeout of 0 means none; a leg past
@@ -484,7 +485,8 @@ def _label(name: str) -> str:
 
 
 def settings_table() -> str:
-    """The README's settings table (Markdown, no final newline): a row per
+    """The settings table of docs/configuration.md (Markdown, no final
+    newline; docs/settings_table.py writes it there): a row per
     setting, in :class:`Settings`' order, with its variables, flags,
     default (and unit) and help text."""
     defaults = Settings()

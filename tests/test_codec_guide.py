@@ -1,4 +1,4 @@
-"""The codec guide (codecs/zstd/README.md) builds a package that works.
+"""The codec guide (docs/writing-a-codec.md) builds a package that works.
 
 The guide's own code blocks marked ``file=PATH`` are written out as a
 package in a temporary folder, with the ``<name>-<version>.dist-info`` an
@@ -25,7 +25,7 @@ from asgi_generate.sdk.codec import RequestError
 from asgi_generate_sglang import SGLangCodec
 from support import post, sse, start_frontend
 
-GUIDE = pathlib.Path(__file__).parent.parent / "codecs" / "zstd" / "README.md"
+GUIDE = pathlib.Path(__file__).parent.parent / "docs" / "writing-a-codec.md"
 BLOCK = re.compile(r"^```(\w+)(?: file=(\S+))?\n(.*?)^```$", re.S | re.M)
 
 

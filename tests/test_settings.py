@@ -1,6 +1,6 @@
 """Every setting is declared once (asgi_generate/config.py) and every view of
-it comes from that declaration: the serve flags, the variables, the README's
-settings table."""
+it comes from that declaration: the serve flags, the variables, the settings
+table of the configuration reference (docs/configuration.md)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,13 @@ import pathlib
 from asgi_generate.config import SETTINGS, Settings, settings_table
 from asgi_generate.server.cli import _settings, build_parser
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
-def test_the_readmes_settings_table_is_the_generated_one():
-    """After adding or changing a setting, paste the output of
-    ``python -c "from asgi_generate.config import settings_table; print(settings_table())"``
-    over the README's table."""
-    text = README.read_text()
+def test_the_configuration_references_settings_table_is_the_generated_one():
+    """After adding or changing a setting, run ``python docs/settings_table.py``:
+    it writes the table into the page."""
+    text = PAGE.read_text()
     start = text.index("| variable | flag | default | what |")
     end = text.index("\n<!-- end of the generated settings table -->", start)
     assert text[start:end] == settings_table()

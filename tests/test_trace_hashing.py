@@ -115,13 +115,13 @@ def test_full_blocks_of_a_shared_prefix_hash_equal(prefix, tail, bs):
     assert block_hashes(prefix + tail, bs)[:full] == block_hashes(prefix, bs)[:full]
 
 
-# trace/README.md documents these; a faster hashing path must keep them.
+# docs/traces.md documents these; a faster hashing path must keep them.
 KNOWN_PROMPT = list(range(200))
 KNOWN_HASHES = [3480597578098033343, 2575318956255022795, 15087857196529367026, 16370012624106061344]
 
 
 def test_known_prompt_hashes_to_the_documented_values():
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "trace" / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "traces.md").read_text()
     assert "`0, 1, ..., 199` at block size 64" in readme
     assert all(f"`{h}`" in readme for h in KNOWN_HASHES)
     assert block_hashes(KNOWN_PROMPT, 64) == KNOWN_HASHES

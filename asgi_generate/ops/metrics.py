@@ -16,7 +16,7 @@ measure the same thing (vLLM ``vllm/v1/metrics/loggers.py``
 ``request_time_per_output_token_seconds``, ``e2e_request_latency_seconds``,
 ``prompt_tokens_total``, ``generation_tokens_total``; SGLang
 ``srt/metrics/collector.py`` uses the same names), with the
-``asgi_generate_`` prefix. README's "Metrics" section lists every one.
+``asgi_generate_`` prefix. docs/fleet/metrics.md lists every one.
 
 Several processes (``serve --workers N``, ``hypercorn -w N``) are merged with
 prometheus-client's multiprocess mode: each process writes its values to

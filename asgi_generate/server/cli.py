@@ -130,7 +130,7 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve the frontend under hypercorn", formatter_class=_Help,
                            description="Serve the frontend. Every setting flag also reads its "
-                                       "ASGI_GENERATE_* variable (the flag wins); see README.md.")
+                                       "ASGI_GENERATE_* variable (the flag wins); see docs/configuration.md.")
     for setting in SETTINGS.values():
         _setting_flag(serve, setting, getattr(d, setting.name))
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")

@@ -5,7 +5,7 @@
  * over the packed prompt's bytes in place, with the GIL released for long
  * prompts, and chain_json() also writes the hashes as the record's JSON text
  * (orjson spent ~45 ns on each of these 64-bit ints). The scheme is
- * documented in hashing.py and trace/README.md; XXH3 itself is xxHash's
+ * documented in hashing.py and docs/traces.md; XXH3 itself is xxHash's
  * (asgi_generate/_vendor/xxhash, v0.8.4, BSD-2).
  */
 #define PY_SSIZE_T_CLEAN

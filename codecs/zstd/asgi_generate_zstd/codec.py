@@ -1,6 +1,6 @@
 """The zstd codec: SGLang's native ``/generate``, zstd-compressed.
 
-Wire format (this distribution's README.md is the full description):
+Wire format (docs/writing-a-codec.md of asgi-generate is the full description):
 
 - Request: ``POST /zstd/generate`` with ``Content-Type: application/zstd``
   (parameters ignored, case-insensitive) and a body of exactly one zstd frame
