@@ -19,7 +19,7 @@ sampled every 10 ms:
   during the run) or the simulator received a generate request;
 - how long the 50 answers took.
 
-The goals (issue 13): peak below 2 GiB, RSS after within 100 MiB of the
+The goals (bounded request bodies): peak below 2 GiB, RSS after within 100 MiB of the
 baseline, no 5xx, worker never marked down. Exit status 1 if one is missed.
 
 Usage: ``python bench/bench_bodies.py [--clients 50] [--ids 6300000]``.

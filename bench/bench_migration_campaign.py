@@ -1,4 +1,4 @@
-"""The SIGKILL campaign of issue 10 at full size: 1,000 streams (500 SGLang,
+"""The migration SIGKILL campaign at full size: 1,000 streams (500 SGLang,
 500 vLLM; unary and SSE mixed, some with logprobs) over three simulator
 processes per protocol with timing on (TTFT = ITL = 5 ms); two simulators
 SIGKILLed at random moments and restarted on their ports. Every answer must

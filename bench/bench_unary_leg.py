@@ -1,6 +1,6 @@
 """What a unary client's engine leg costs the frontend: a unary leg (today)
 vs a streamed leg whose events would be assembled into the unary answer
-(what would let a unary request resume mid-answer, issue 10).
+(what would let a unary request resume mid-answer).
 
 In this process, with the frontend's own worker client
 (:class:`asgi_generate.workers.http.ConnectionPool`, h11 on anyio) and

@@ -1,4 +1,4 @@
-"""The SIGKILL campaign of issue 10, shared by the scaled-down test
+"""The migration SIGKILL campaign, shared by the scaled-down test
 (``tests/test_migration_campaign.py``) and the full run
 (``bench/bench_migration_campaign.py``).
 

@@ -1,4 +1,4 @@
-"""Mid-stream migration (issue 10): a worker that dies mid-answer costs the
+"""Mid-stream migration: a worker that dies mid-answer costs the
 client nothing.
 
 Each fleet is three simulators of one kind (SGLang cumulative, SGLang

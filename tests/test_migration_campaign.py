@@ -1,4 +1,4 @@
-"""The SIGKILL campaign of issue 10, scaled down (``migration_campaign``;
+"""The migration SIGKILL campaign, scaled down (``migration_campaign``;
 the 1,000-stream run is ``bench/bench_migration_campaign.py``): 150 streams
 per protocol over three simulators with timing on, one SIGKILLed and
 restarted mid-run; every answer exact, every record exact, nothing left

@@ -1,4 +1,4 @@
-"""Migration of prefill/decode (P/D) requests (issue 10).
+"""Migration of prefill/decode (P/D) requests.
 
 A decode leg that dies mid-stream migrates: with no aggregated worker
 (``--disaggregation always``) to a new pair, both of whose legs carry the
