@@ -1,11 +1,12 @@
 """The codec guide (docs/writing-a-codec.md) builds a package that works.
 
-The guide's own code blocks marked ``file=PATH`` are written out as a
-package in a temporary folder, with the ``<name>-<version>.dist-info`` an
-installer would make from the guide's ``pyproject.toml`` (name, version and
-its ``asgi_generate.codecs`` entry points), and reach the frontend process
-through ``PYTHONPATH``: nothing is installed. The frontend then serves the
-guide's codec, so the guide cannot drift from the codec API.
+The guide's own code blocks titled with a path (``title="PATH"``) are
+written out as a package in a temporary folder, with the
+``<name>-<version>.dist-info`` an installer would make from the guide's
+``pyproject.toml`` (name, version and its ``asgi_generate.codecs`` entry
+points), and reach the frontend process through ``PYTHONPATH``: nothing is
+installed. The frontend then serves the guide's codec, so the guide cannot
+drift from the codec API.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from asgi_generate_sglang import SGLangCodec
 from support import post, sse, start_frontend
 
 GUIDE = pathlib.Path(__file__).parent.parent / "docs" / "writing-a-codec.md"
-BLOCK = re.compile(r"^```(\w+)(?: file=(\S+))?\n(.*?)^```$", re.S | re.M)
+BLOCK = re.compile(r'^```(\w+)(?: title="(\S+)")?\n(.*?)^```$', re.S | re.M)
 
 
 def guide_blocks() -> list[tuple[str, str | None, str]]:
