@@ -216,7 +216,12 @@ def _next_event(conn: _Connection) -> h11.Event:
 
 async def _next_response(conn: _Connection, deadline: float) -> h11.Response:
     while True:
-        event = _next_event(conn)
+        try:
+            event = _next_event(conn)
+        except WorkerDisconnected:
+            if conn.h11.trailing_data[1]:  # h11 words it "can't handle event type ConnectionClosed"
+                raise WorkerDisconnected("worker closed the connection before answering") from None
+            raise
         if type(event) is h11.Response:
             return event
         if event is h11.NEED_DATA:
