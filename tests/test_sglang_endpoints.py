@@ -200,8 +200,8 @@ def test_routed_expert_rows(frontend, sims, start):
 def test_routed_experts_start_len_past_the_prompt_aborts(frontend, sims):
     body = {"input_ids": PROMPT, "return_routed_experts": True, "routed_experts_start_len": 9,
             "sampling_params": {"max_new_tokens": 4}}
-    message = ("routed_experts_start_len (9) is higher than the number of input tokens (8). "
-               "Request with a lower routed_experts_start_len.")
+    message = ("recv_req.routed_experts_start_len=9 is higher than the number of input tokens "
+               "len(req.origin_input_ids)=8. Please use a smaller routed_experts_start_len.")
     assert both(frontend, sims[0], body) == {"status": 400, "body": {"error": {"message": message}}}
     (final,) = both_sse(frontend, sims[0], body)
     assert final["output_ids"] == [] and "routed_experts" not in final["meta_info"]
@@ -221,7 +221,7 @@ REFUSED = [
     ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 2] (1.0 = no penalty), got 0."),
     ({"min_new_tokens": -1}, "min_new_tokens must be in [0, max_new_tokens], got -1."),
     ({"min_new_tokens": 5, "max_new_tokens": 2}, "min_new_tokens must be in [0, max_new_tokens(2)], got 5."),
-    ({"regex": "a", "ebnf": "b"}, "Only one of regex, json_schema, or ebnf can be set."),
+    ({"regex": "a", "ebnf": "b"}, "Only one of json_schema, regex, ebnf, or structural_tag can be set."),
 ]
 
 

@@ -217,6 +217,16 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                           "another, added to --ttft-ms (default %(default)s)")
     sim.add_argument("--enable-prompt-tokens-details", action="store_true",
                      help="vLLM: report usage.prompt_tokens_details.cached_tokens (vLLM's server flag)")
+    sim.add_argument("--context-length", type=_bounded(int, 1), default=None, metavar="N",
+                     help="SGLang: the model's context length, prompt plus max_new_tokens (default 32768)")
+    sim.add_argument("--max-model-len", type=_bounded(int, 1), default=None, metavar="N",
+                     help="vLLM: the model's context length, prompt plus max_tokens (default 32768)")
+    sim.add_argument("--max-logprobs", type=_bounded(int, -1), default=None, metavar="K",
+                     help="vLLM: the most logprobs and prompt_logprobs a request may ask, -1 = the vocabulary "
+                          "size (default 20)")
+    sim.add_argument("--vocab-size", type=_bounded(int, 4096), default=None, metavar="N",
+                     help="the model's vocabulary: token ids below it are in vocabulary; past the bundled "
+                          "tokenizer's 4096 they are padding, never generated (default 4096)")
     sim.add_argument("--model-name", default="sim", help="served model name (default %(default)s)")
     sim.add_argument("--parent-pid", type=_bounded(int, 1), default=None, help="exit when this process exits")
     sim.add_argument("--worker-class", choices=WORKER_CLASSES, default="asyncio",
@@ -370,6 +380,10 @@ def _sim_app(args: argparse.Namespace) -> "SimApp":
         cache_tokens=args.cache_tokens,
         prefill_us_per_token=args.prefill_us_per_token,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        context_length=args.context_length,
+        max_model_len=args.max_model_len,
+        max_logprobs=args.max_logprobs,
+        vocab_size=args.vocab_size,
     )
 
 

@@ -48,9 +48,9 @@ from .disagg import DEFAULT_TIMEOUT_S, DecodeKV, PrefillRooms
 from .kvconnector import DEFAULT_EXPIRY_S, KVConsumer, KVProducer
 from .admin import SimAdmin
 from .engine import SimEngine, SimFault
-from .sglang import SGLangProtocol
+from .sglang import CONTEXT_LENGTH, SGLangProtocol
 from .tokenizer import SimTokenizer
-from .vllm import VLLMProtocol, error
+from .vllm import MAX_LOGPROBS, MAX_MODEL_LEN, VLLMProtocol, error
 
 NOT_FOUND = orjson.dumps({"detail": "Not Found"})
 #: What ``emit_markers`` answers start with: a Qwen3-style thought and one
@@ -104,9 +104,18 @@ class SimApp:
         prefill_us_per_token: prefill compute per uncached prompt token.
         enable_prompt_tokens_details: vLLM's server flag: usage reports
             ``prompt_tokens_details.cached_tokens`` when the cache served any.
+        context_length: SGLang ``--context-length`` (``None``: 32,768).
+        max_model_len: vLLM ``--max-model-len`` (``None``: 32,768).
+        max_logprobs: vLLM ``--max-logprobs`` (``None``: 20; -1: the
+            vocabulary size).
+        vocab_size: the model's vocabulary (``None``: the bundled
+            tokenizer's 4,096); larger pads it past the tokenizer, as real
+            checkpoints are: every id below it is in vocabulary, none of the
+            padding is ever generated.
 
     Raises:
-        ValueError: unknown protocol, or a vLLM version that is not one.
+        ValueError: unknown protocol, a vLLM version that is not one, a
+            flag of the other engine's, or a model shape out of range.
     """
 
     def __init__(
@@ -135,9 +144,22 @@ class SimApp:
         cache_tokens: int = 0,
         prefill_us_per_token: float = 0.0,
         enable_prompt_tokens_details: bool = False,
+        context_length: int | None = None,
+        max_model_len: int | None = None,
+        max_logprobs: int | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         if protocol not in ("sglang", "vllm"):
             raise ValueError(f"unknown simulator protocol {protocol!r}")
+        if context_length is not None and protocol != "sglang":
+            raise ValueError("--context-length is SGLang's; vLLM's is --max-model-len")
+        if (max_model_len is not None or max_logprobs is not None) and protocol != "vllm":
+            raise ValueError("--max-model-len and --max-logprobs are vLLM's; SGLang's length is --context-length")
+        for name, value in (("--context-length", context_length), ("--max-model-len", max_model_len)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if max_logprobs is not None and max_logprobs < -1:
+            raise ValueError(f"--max-logprobs must be -1 (the vocabulary size) or at least 0, got {max_logprobs}")
         if disaggregation_mode not in ("null", "prefill", "decode"):
             raise ValueError(f"unknown disaggregation mode {disaggregation_mode!r}")
         if disaggregation_mode != "null" and protocol != "sglang":
@@ -162,7 +184,7 @@ class SimApp:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
         self.tokenizer = SimTokenizer()
-        model = self.tokenizer.model()
+        model = self.tokenizer.model(vocab_size)
         script = (*self.tokenizer.encode(MARKER_TEXT), self.tokenizer.eos_id) if emit_markers else ()
         self.engine = SimEngine(
             model, ttft_ms / 1000.0, itl_ms / 1000.0,
@@ -172,16 +194,19 @@ class SimApp:
         )
         self.protocol: SGLangProtocol | VLLMProtocol = (
             VLLMProtocol(
-                self.engine, self.tokenizer.vocab_size, model_name, usage_chunk,
+                self.engine, model.vocab_size, model_name, usage_chunk,
                 engine_version or VLLM_DEFAULT_VERSION, stream_interval=stream_interval, kv=self.kv,
                 routed_experts=routed_experts,
                 prompt_tokens_details=enable_prompt_tokens_details,
                 decode_expert_rows=decode_expert_rows,
+                max_model_len=max_model_len or MAX_MODEL_LEN,
+                max_logprobs=MAX_LOGPROBS if max_logprobs is None else max_logprobs,
             )
             if protocol == "vllm"
             else SGLangProtocol(self.engine, self.tokenizer, incremental_streaming_output, model_name,
                                 disconnect_abort_s, stream_interval=stream_interval, disagg=self.disagg,
-                                decode_expert_rows=decode_expert_rows)
+                                decode_expert_rows=decode_expert_rows,
+                                context_length=context_length or CONTEXT_LENGTH)
         )
         self.admin = SimAdmin(self.engine, protocol)
         self.engine_version = engine_version
@@ -343,7 +368,7 @@ class SimApp:
                     "created": int(time.time()),
                     "owned_by": "sglang",
                     "root": self.model_path,
-                    "max_model_len": 32768,
+                    "max_model_len": self.protocol.context_length,
                 }
             ],
         }

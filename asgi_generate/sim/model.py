@@ -63,7 +63,8 @@ class Model:
     """A deterministic next-token model over a vocabulary.
 
     Args:
-        vocab_size: number of token ids; ids ``>= num_special`` are ordinary.
+        vocab_size: number of token ids (the bound of every id a request
+            names, and of a full top-k).
         eos_id: the end-of-sequence token the model emits now and then.
         num_special: ids below this are special tokens, never sampled except
             ``eos_id``.
@@ -73,6 +74,13 @@ class Model:
             candidates: the tokenizer's partial UTF-8 byte tokens, whose text
             alone is U+FFFD (:meth:`SimTokenizer.partial_ids`), so every
             answer's text is whole characters.
+        drawn: the ids below this are the ones the model picks from, ids
+            ``>= num_special`` ordinary (default ``vocab_size``): the
+            tokenizer's, when the vocabulary is padded past it as real
+            checkpoints' are (the padding ids are never picked).
+
+    Raises:
+        ValueError: ``drawn`` is above ``vocab_size``.
     """
 
     def __init__(
@@ -86,8 +94,12 @@ class Model:
         num_experts: int = 16,
         experts_topk: int = 2,
         unsampled: frozenset[int] = frozenset(),
+        drawn: int | None = None,
     ) -> None:
+        if drawn is not None and drawn > vocab_size:
+            raise ValueError(f"a vocabulary of {vocab_size} ids cannot hold the tokenizer's {drawn}")
         self.vocab_size = vocab_size
+        self.drawn = vocab_size if drawn is None else drawn
         self.eos_id = eos_id
         self.num_special = num_special
         self.eos_period = eos_period
@@ -125,7 +137,7 @@ class Model:
         cached = self._cache.get(state)
         if cached is not None:
             return cached
-        ordinary = self.vocab_size - self.num_special
+        ordinary = self.drawn - self.num_special
         seen: set[int] = set()
         cands: list[tuple[int, float]] = []
         # The leading logprob lies in (-1, 0]; each next candidate is lower.
@@ -173,6 +185,18 @@ class Model:
         top = step.candidates[0][1]
         rest = [(t, lp - 1.0) for t, lp in step.candidates if t != token_id]
         return Step(step.state, ((token_id, top), *rest[: NUM_CANDIDATES - 1]))
+
+    def top(self, step: Step, k: int) -> list[tuple[int, float]]:
+        """The best ``k`` ``(token_id, logprob)`` pairs of ``step``, best
+        first: its candidates, then (past :data:`NUM_CANDIDATES`, vLLM's
+        ``logprobs=-1`` with ``--max-logprobs -1``) every other id by
+        :meth:`logprob`, O(vocabulary) per position."""
+        if k <= len(step.candidates):
+            return list(step.candidates[:k])
+        ranked = {tok for tok, _ in step.candidates}
+        rest = sorted(((t, self.logprob(step.state, t)) for t in range(self.vocab_size) if t not in ranked),
+                      key=lambda c: (-c[1], c[0]))
+        return [*step.candidates, *rest][:k]
 
     def logprob(self, state: int, token_id: int) -> float:
         """The logprob of ``token_id`` following the prefix of ``state``."""

@@ -35,6 +35,7 @@ positions it computed, none when it computed none.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -45,11 +46,14 @@ import orjson
 from ..request.framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
 from .disagg import DecodeKV, PrefillRooms, bootstrap_failed, transfer_failed
 from .engine import DuplicateRequestId, Job, SimEngine, Token
+from .grammars import sglang_grammar_refusal
 from .sglang_batch import is_batch, serve_batch
 from .sglang_checks import DEFAULT_MAX_NEW_TOKENS, SGLangError, field, schema_error, value_error, verify_sampling
 from .tokenizer import SimTokenizer
 
 DONE = b"data: [DONE]\n\n"
+#: SGLang's ``--context-length`` here by default (SGLang's own default is the
+#: model config's ``max_position_embeddings``).
 CONTEXT_LENGTH = 32768
 #: SGLang's ``--disaggregation-bootstrap-port`` default.
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -74,6 +78,11 @@ class SGLangProtocol:
             (SGLang's: every position from ``routed_experts_start_len``,
             zeros where it received the KV) or ``own`` (the positions it
             computed only).
+        context_length: SGLang ``--context-length``: prompt plus
+            ``max_new_tokens`` at most this many tokens.
+
+    Token ids are bounded by the engine model's vocabulary
+    (``engine.model.vocab_size``).
     """
 
     def __init__(
@@ -86,8 +95,11 @@ class SGLangProtocol:
         stream_interval: int = 1,
         disagg: PrefillRooms | DecodeKV | None = None,
         decode_expert_rows: str = "sequence",
+        context_length: int = CONTEXT_LENGTH,
     ) -> None:
         self.engine = engine
+        self.context_length = context_length
+        self.vocab_size = engine.model.vocab_size
         self.disagg = disagg
         self.decode_expert_rows = decode_expert_rows
         self.mode = (
@@ -142,22 +154,25 @@ class SGLangProtocol:
             isinstance(t, int) and not isinstance(t, bool) for t in input_ids
         ):
             raise schema_error("input_ids: expected a list of integers")
-        if any(t < 0 or t >= self.tok.vocab_size for t in input_ids):
-            raise value_error(f"Token id out of range [0, {self.tok.vocab_size}).")
+        vocab = self.vocab_size
+        if any(t < 0 or t >= vocab for t in input_ids):
+            raise value_error(f"Token id out of range [0, {vocab}).")
         sp = field(obj, "sampling_params", (dict,), {})
-        max_new = field(sp, "max_new_tokens", (int,), None)
+        # A plain dict in SGLang: a float passes to the length check as it is.
+        max_new = field(sp, "max_new_tokens", (int, float), None)
         if "max_new_tokens" not in sp:
             max_new = DEFAULT_MAX_NEW_TOKENS
         field(sp, "n", (int,), 1)  # a batch entry's; n > 1 is expanded by sglang_batch
-        if len(input_ids) >= CONTEXT_LENGTH:
+        context = self.context_length
+        if len(input_ids) >= context:
             raise value_error(
                 f"The input ({len(input_ids)} tokens) is longer than the model's context length "
-                f"({CONTEXT_LENGTH} tokens)."
+                f"({context} tokens)."
             )
-        if max_new is not None and len(input_ids) + max_new > CONTEXT_LENGTH:
+        if max_new is not None and len(input_ids) + max_new > context:
             raise value_error(
                 f"Requested token count exceeds the model's maximum context length "
-                f"of {CONTEXT_LENGTH} tokens. You requested a total of "
+                f"of {context} tokens. You requested a total of "
                 f"{len(input_ids) + max_new} tokens: {len(input_ids)} tokens from the "
                 f"input messages and {max_new} tokens for the completion. Please reduce the number "
                 f"of tokens in the input messages or the completion to fit within the limit."
@@ -167,14 +182,15 @@ class SGLangProtocol:
             if not isinstance(ids_lp, list) or not all(type(t) is int for t in ids_lp):
                 raise value_error("token_ids_logprob must be a flat list of integers.")
             for t in ids_lp:
-                if not 0 <= t < self.tok.vocab_size:
+                if not 0 <= t < vocab:
                     raise value_error(
                         f"token_ids_logprob contains out-of-vocabulary token id {t}; "
-                        f"valid range is [0, {self.tok.vocab_size})."
+                        f"valid range is [0, {vocab})."
                     )
-        bias = verify_sampling(sp, self.tok.vocab_size)
+        bias = verify_sampling(sp, vocab)
         if max_new is None:
-            max_new = CONTEXT_LENGTH - len(input_ids)
+            max_new = context - len(input_ids)
+        max_new = math.ceil(max_new)  # a float: the scheduler stops at the first count reaching it
         stop = field(sp, "stop", (str, list), [])
         stops = tuple([stop] if isinstance(stop, str) else stop)
         stop_ids = field(sp, "stop_token_ids", (list,), [])
@@ -216,13 +232,20 @@ class SGLangProtocol:
             ignore_eos=bool(field(sp, "ignore_eos", (bool,), False)),
             logit_bias=bias,
         )
-        if opts["routed_experts_start_len"] > len(input_ids):
-            # The scheduler refuses it: an abort with status 400 before any token.
-            job.refused = (
-                400,
-                f"routed_experts_start_len ({opts['routed_experts_start_len']}) is higher than the "
-                f"number of input tokens ({len(input_ids)}). Request with a lower routed_experts_start_len.",
-            )
+        # The scheduler refuses these (Scheduler.handle_generate_request, then
+        # its grammar manager): an abort with status 400 before any token.
+        start = opts["routed_experts_start_len"]
+        if opts["routed_experts"] and start < 0:
+            job.refused = (400, f"recv_req.routed_experts_start_len={start} is lower than 0. "
+                                "Please use a non-negative routed_experts_start_len.")
+        elif opts["routed_experts"] and start > len(input_ids):
+            job.refused = (400, f"recv_req.routed_experts_start_len={start} is higher than the number of input "
+                                f"tokens len(req.origin_input_ids)={len(input_ids)}. Please use a smaller "
+                                "routed_experts_start_len.")
+        else:
+            grammar = sglang_grammar_refusal(sp)
+            if grammar is not None:
+                job.refused = (400, grammar)
         return job, opts
 
     def _bootstrap(self, obj: dict) -> tuple[str, int, int]:
@@ -581,7 +604,7 @@ class SGLangProtocol:
                 self.disagg.port if isinstance(self.disagg, PrefillRooms) else DEFAULT_BOOTSTRAP_PORT
             ),
             "enable_return_routed_experts": True,
-            "context_length": CONTEXT_LENGTH,
+            "context_length": self.context_length,
             "version": "0.0.0-sim",
             "max_total_num_tokens": MAX_TOTAL_NUM_TOKENS,
             "stream_interval": self.stream_interval,

@@ -125,6 +125,7 @@ def verify_sampling(sp: dict, vocab_size: int) -> dict[int, float] | None:
                 raise schema_error(f"sampling_params.logit_bias: expected numbers, got {type(value).__name__}")
             parsed[token_id] = float(value)
         bias = parsed
-    if sum(sp.get(k) is not None for k in ("json_schema", "regex", "ebnf")) > 1:
-        raise value_error("Only one of regex, json_schema, or ebnf can be set.")
+    # Empty grammars are unset (__post_init__).
+    if sum(bool(sp.get(k)) for k in ("json_schema", "regex", "ebnf", "structural_tag")) > 1:
+        raise value_error("Only one of json_schema, regex, ebnf, or structural_tag can be set.")
     return bias or None

@@ -45,10 +45,17 @@ class SimTokenizer:
         BPE's lone bytes 0x80-0xFF: U+FFFD when decoded by themselves)."""
         return frozenset(i for i in range(self.num_special, self.vocab_size) if "\ufffd" in self._pieces[i])
 
-    def model(self) -> Model:
-        """The simulator's model over this vocabulary: EOS ``<|im_end|>``,
-        never a special token or a partial byte (:meth:`partial_ids`)."""
-        return Model(self.vocab_size, self.eos_id, self.num_special, unsampled=self.partial_ids())
+    def model(self, vocab_size: int | None = None) -> Model:
+        """The simulator's model over this tokenizer's ids: EOS
+        ``<|im_end|>``, never a special token or a partial byte
+        (:meth:`partial_ids`); its vocabulary ``vocab_size`` ids (default
+        the tokenizer's; more pads it, as real checkpoints are padded).
+
+        Raises:
+            ValueError: ``vocab_size`` is below the tokenizer's.
+        """
+        return Model(vocab_size or self.vocab_size, self.eos_id, self.num_special, unsampled=self.partial_ids(),
+                     drawn=self.vocab_size)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added)."""
@@ -59,8 +66,9 @@ class SimTokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special)
 
     def piece(self, token_id: int) -> str:
-        """The text of one token, special tokens included (logprob labels)."""
-        return self._pieces[token_id]
+        """The text of one token, special tokens included (logprob labels);
+        ``""`` for a padding id past the tokenizer's."""
+        return self._pieces[token_id] if token_id < self.vocab_size else ""
 
     def stream_decoder(self, skip_special: bool = True) -> Callable[[int], str]:
         """Incremental decoding, linear in the output length: returns a

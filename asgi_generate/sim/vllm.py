@@ -47,8 +47,10 @@ in :mod:`asgi_generate.sdk.versions`):
   ``serve_tokens``
   (unknown model, ``n`` above ``max_num_seqs``, stop strings on a tokens-only
   server: 0.31 and later refuse them, older ones accept and never apply
-  them), then the input checks (logprob counts, vocabulary, the prompt
-  against ``max_model_len``). ``max_tokens`` beyond the context stops
+  them), then the input checks (logprob counts, ``logprobs=-1`` read as
+  the vocabulary size; ``structured_outputs``, which a tokens-only server
+  refuses whatever it holds, :mod:`asgi_generate.sim.grammars`; the
+  vocabulary; the prompt against ``max_model_len``). ``max_tokens`` beyond the context stops
   generation at the context end, or is refused from 0.34 (vLLM main after
   0.33.0; its message here is the simulator's own); the int32 overflow that
   kills a 0.33 engine on a huge value is not simulated.
@@ -105,15 +107,17 @@ import orjson
 from ..request.framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
 from ..sdk.versions import VLLM_DEFAULT_VERSION, VLLM_OLDEST_PLAYED, VLLMBehaviour, parse_version, vllm_behaviour
 from .engine import DuplicateRequestId, Job, SimEngine, Token
+from .grammars import VLLM_REFUSAL
 from .kvconnector import KVConsumer, KVProducer
-from .model import NUM_CANDIDATES, experts_npy_base64
+from .model import experts_npy_base64
 from .vllm_checks import REQUEST, Invalid, VLLMError, check_features, error, invalid, render_invalid, stop_strings, validate
 
 DONE = b"data: [DONE]\n\n"
 ENGINE_PREFIX = "generate-tokens-"
+#: ``--max-model-len`` here by default (vLLM's own: the model config's).
 MAX_MODEL_LEN = 32768
-#: vLLM's default ``--max-logprobs``; the model ranks exactly this many.
-MAX_LOGPROBS = NUM_CANDIDATES
+#: vLLM's default ``--max-logprobs`` (-1: the vocabulary size).
+MAX_LOGPROBS = 20
 #: vLLM's default ``--max-num-seqs``: the most choices one request may ask.
 MAX_NUM_SEQS = 256
 LOGPROB_FLOOR = -9999.0
@@ -161,6 +165,9 @@ class VLLMProtocol:
             prompt's KV: ``sequence`` (every position, zeros for the
             prompt's) or ``own`` (the output positions only); ``own`` also
             keeps a 0.33 consumer loading the KV rather than prefilling.
+        max_model_len: vLLM ``--max-model-len``: prompt plus output tokens.
+        max_logprobs: vLLM ``--max-logprobs``: the largest ``logprobs`` and
+            ``prompt_logprobs`` (-1: the vocabulary size).
 
     Raises:
         ValueError: ``version`` is not a version the simulator can play.
@@ -178,6 +185,8 @@ class VLLMProtocol:
         routed_experts: bool = False,
         prompt_tokens_details: bool = False,
         decode_expert_rows: str = "sequence",
+        max_model_len: int = MAX_MODEL_LEN,
+        max_logprobs: int = MAX_LOGPROBS,
     ) -> None:
         behaviour = vllm_behaviour(version)
         if behaviour is None:
@@ -197,6 +206,8 @@ class VLLMProtocol:
         self.routed_experts = routed_experts
         self.prompt_tokens_details = prompt_tokens_details
         self.decode_expert_rows = decode_expert_rows
+        self.max_model_len = max_model_len
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
 
     @property
     def version(self) -> str:
@@ -237,38 +248,41 @@ class VLLMProtocol:
         ks = {}
         for key, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
             k = sp.get(key)
-            if k == -1:
+            if k == -1:  # SamplingParams._validate_logprobs: the whole vocabulary
                 k = self.vocab_size
-            if k is not None and k > MAX_LOGPROBS:
+            if k is not None and k > self.max_logprobs:
                 raise error(
-                    f"Requested {what} logprobs of {k}, which is greater than max allowed: {MAX_LOGPROBS}",
+                    f"Requested {what} logprobs of {k}, which is greater than max allowed: {self.max_logprobs}",
                     param=key,
                 )
             ks[key] = k
+        if sp.get("structured_outputs") is not None:  # SamplingParams._validate_structured_outputs
+            raise error(VLLM_REFUSAL)
         if obj.get("features") is not None:
             check_features(obj["features"], len(ids))
         if max(ids) >= self.vocab_size:
             raise error(f"Token id {max(ids)} is out of vocabulary")
-        if len(ids) > MAX_MODEL_LEN:  # input_processor._validate_prompt_len
+        limit = self.max_model_len
+        if len(ids) > limit:  # input_processor._validate_prompt_len
             raise error(
                 f"The decoder prompt (length {len(ids)}) is longer than the maximum model length "
-                f"of {MAX_MODEL_LEN}. Make sure that `max_model_len` is no smaller than the number "
+                f"of {limit}. Make sure that `max_model_len` is no smaller than the number "
                 "of text tokens."
             )
-        if len(ids) == MAX_MODEL_LEN:
+        if len(ids) == limit:
             raise error(
                 f"The decoder prompt (length {len(ids)}) plus the number of requested output tokens "
-                f"(at least 1) is longer than the maximum model length of {MAX_MODEL_LEN}. Make sure "
+                f"(at least 1) is longer than the maximum model length of {limit}. Make sure "
                 "that `max_model_len` is no smaller than the number of text tokens (prompt + "
                 "requested output tokens)."
             )
         # An omitted max_tokens means the rest of the context; more stops at
         # the context end, or is refused by versions that bound it.
-        room = MAX_MODEL_LEN - len(ids)
+        room = limit - len(ids)
         max_tokens = sp.get("max_tokens")
         if max_tokens is not None and max_tokens > room and self.behaviour.bounds_max_tokens:
             raise error(
-                f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
+                f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{max_tokens} output tokens and your prompt contains {len(ids)} input tokens, for a total of "
                 f"{len(ids) + max_tokens} tokens. Please reduce the length of the input prompt or the number of "
                 f"requested output tokens. (parameter=input_tokens, value={len(ids)})",
@@ -326,7 +340,7 @@ class VLLMProtocol:
         model, state = self.engine.model, token.step.state
         rank = model.rank(state, tok)
         ranked = [(tok, model.logprob(state, tok), rank)]
-        ranked += [(t, v, i + 1) for i, (t, v) in enumerate(token.step.candidates[:k]) if t != tok]
+        ranked += [(t, v, i + 1) for i, (t, v) in enumerate(model.top(token.step, k)) if t != tok]
         return {**self._entry(*ranked[0]), "top_logprobs": [self._entry(*r) for r in ranked[: max(k, 1)]]}
 
     def _prompt_logprobs(self, ids: list[int], k: int) -> list[dict | None]:
@@ -343,7 +357,7 @@ class VLLMProtocol:
                     "decoded_token": None,
                 }
             }
-            for i, (t, v) in enumerate(model.step(state).candidates[:k]):
+            for i, (t, v) in enumerate(model.top(model.step(state), k)):
                 entry[str(t)] = {"logprob": max(v, LOGPROB_FLOOR), "rank": i + 1, "decoded_token": None}
             out.append(entry)
             state = model.advance(state, tok)
@@ -577,7 +591,7 @@ class VLLMProtocol:
                     "owned_by": "vllm",
                     "root": model_path,
                     "parent": None,
-                    "max_model_len": MAX_MODEL_LEN,
+                    "max_model_len": self.max_model_len,
                     "permission": [
                         {
                             "id": f"modelperm-{uuid.uuid4().hex}",

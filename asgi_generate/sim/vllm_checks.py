@@ -135,6 +135,7 @@ _SAMPLING = (
         "logprobs": ("nullable", INT),
         "prompt_logprobs": ("nullable", INT),
         "detokenize": BOOL,
+        "structured_outputs": ANY,
     },
     (),
 )

@@ -86,6 +86,7 @@ end, so it is replayed from scratch (:mod:`asgi_generate.request.generation`).
 
 from __future__ import annotations
 
+import math
 from http import HTTPStatus
 from typing import Any, Mapping
 
@@ -196,7 +197,11 @@ class SGLangCodec(Codec):
         elif type(sp) is not dict:
             raise SchemaError(f"sampling_params: Input should be a valid dictionary, got {_shown(sp)}")
         max_new = sp.get("max_new_tokens", 128)
-        if max_new is not None and not _int(max_new):
+        # SGLang's sampling_params is a plain dict: a finite float such as
+        # 1e18 reaches its context-length check as it is (the body keeps it).
+        if type(max_new) is float and math.isfinite(max_new):
+            max_new = math.ceil(max_new)
+        elif max_new is not None and not _int(max_new):
             raise SchemaError(f"sampling_params.max_new_tokens: Input should be a valid integer, got {_shown(max_new)}")
         n = sp.get("n")
         if n is not None and not _int(n):
