@@ -43,6 +43,7 @@ class FakeRecorder:
     def __init__(self) -> None:
         self.calls: list = []
         self.records: list[RequestState] = []
+        self.gaps: list[float] = []
 
     def request_started(self) -> None:
         self.calls.append("started")
@@ -57,6 +58,9 @@ class FakeRecorder:
     async def items_finished(self, states: list[RequestState]) -> None:
         for st in states:
             self.request_finished(st)
+
+    def inter_token_latency(self, fmt: str):
+        return self.gaps.append
 
 
 class FakeContext:

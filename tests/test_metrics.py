@@ -120,6 +120,15 @@ def test_metrics_exact_after_known_requests(fleet):
     assert value(m, "asgi_generate_request_time_per_output_token_seconds_sum", format="sglang") == pytest.approx(
         sum(r["mean_itl_ms"] for r in streams) / 1000, abs=1e-5)
     assert value(m, "asgi_generate_time_to_first_token_seconds_bucket", format="sglang", le="+Inf") == 2.0
+    # Inter-token latency, per event after a stream's first: the gaps add up
+    # to each stream's first-to-last span (mean_itl_ms * (tokens - 1)); the
+    # hung stream's last event may have been taken but not delivered.
+    itl = value(m, "asgi_generate_inter_token_latency_seconds_count", format="sglang")
+    assert 2 + hung["output_tokens"] - 1 <= itl <= 2 + hung["output_tokens"]
+    assert value(m, "asgi_generate_inter_token_latency_seconds_sum", format="sglang") == pytest.approx(
+        sum(r["mean_itl_ms"] * (r["output_tokens"] - 1) for r in streams) / 1000, abs=1e-5)
+    assert value(m, "asgi_generate_inter_token_latency_seconds_bucket", format="sglang", le="+Inf") == itl
+    assert value(m, "asgi_generate_inter_token_latency_seconds_count", format="vllm") is None
     assert family(m, "asgi_generate_engine_legs_total") == {
         (("outcome", "finished"), ("role", "aggregated")): 3.0,
         (("outcome", "aborted"), ("role", "aggregated")): 1.0,

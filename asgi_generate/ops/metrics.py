@@ -2,8 +2,10 @@
 
 Everything a request contributes is counted once, when it ends, from its
 finished :class:`~asgi_generate.tracing.state.RequestState` (O(1) per request,
-O(legs) for the per-leg counters; nothing per token); aborts and trace
-records are counted where they happen. A request's counts are plain
+O(legs) for the per-leg counters), except the gaps between a stream's token
+events, observed as the client is sent each event (:class:`Gaps`: O(1), into
+counts kept per format, no object kept per event); aborts and trace records
+are counted where they happen. A request's counts are plain
 additions (a few dict updates, no lock, no prometheus-client call), moved into the prometheus-client metrics when
 ``/metrics`` is scraped (one process), or at once (several processes: a
 scrape of another process reads this one's files). Worker gauges are read from the router
@@ -14,7 +16,8 @@ Names and histogram buckets follow the engines' own metrics where ours
 measure the same thing (vLLM ``vllm/v1/metrics/loggers.py``
 ``PrometheusStatLogger``: ``time_to_first_token_seconds``,
 ``request_time_per_output_token_seconds``, ``e2e_request_latency_seconds``,
-``prompt_tokens_total``, ``generation_tokens_total``; SGLang
+``inter_token_latency_seconds``, ``prompt_tokens_total``,
+``generation_tokens_total``; SGLang
 ``srt/metrics/collector.py`` uses the same names), with the
 ``asgi_generate_`` prefix. docs/fleet/metrics.md lists every one.
 
@@ -46,13 +49,13 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 #: Seconds between refreshes of the worker gauges by each process, when
 #: several processes serve (a scrape reaches only one of them).
 REFRESH_S = 1.0
-# vLLM's buckets (loggers.py): TTFT from 1 ms to 2560 s (queueing included),
-# per-request time per output token from 10 ms to 80 s, end to end up to
-# 7680 s (long rollouts).
+# vLLM's buckets (vllm/v1/metrics/buckets.py): TTFT from 1 ms to 2560 s
+# (queueing included), inter-token latency (also per request, mean time per
+# output token) from 10 ms to 80 s, end to end up to 7680 s (long rollouts).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)
 #: Leg outcomes counted as a failure of the leg's worker.
@@ -85,7 +88,8 @@ class _Children(dict):
     ``pending`` holds what ended requests added since the last
     :meth:`flush` (a plain addition per request: no lock, no
     prometheus-client call); for a histogram (``bounds`` given), per label
-    values, the count per bucket, then the sum of the observations."""
+    values, the count per bucket, then the sum of the observations: a list
+    kept across flushes (zeroed in place), so a :class:`Gaps` can hold it."""
 
     __slots__ = ("metric", "bounds", "pending")
 
@@ -104,30 +108,58 @@ class _Children(dict):
         pending = self.pending
         pending[key] = pending.get(key, 0) + amount
 
-    def observe(self, key, value: float) -> None:
-        """Observe ``value`` for the label values ``key`` (a histogram)."""
+    def slot(self, key) -> list:
+        """The pending counts per bucket, then sum, of the label values
+        ``key`` (a histogram)."""
         slot = self.pending.get(key)
         if slot is None:
             slot = self.pending[key] = [0] * (len(self.bounds) + 1) + [0.0]
+        return slot
+
+    def observe(self, key, value: float) -> None:
+        """Observe ``value`` for the label values ``key`` (a histogram)."""
+        slot = self.slot(key)
         slot[bisect_left(self.bounds, value)] += 1  # the first bucket whose bound is >= value
         slot[-1] += value
 
     def flush(self) -> None:
         """Move what is pending into the metric."""
-        pending, self.pending = self.pending, {}
         if self.bounds is None:
+            pending, self.pending = self.pending, {}
             for key, amount in pending.items():
                 self[key].inc(amount)
             return
         # prometheus-client's Histogram keeps one value per bucket (not
         # cumulative; its buckets end with +Inf) in ``_buckets`` and the sum
         # in ``_sum`` (see its ``observe``): a batch goes in the same way.
-        for key, slot in pending.items():
+        for key, slot in self.pending.items():
+            if not any(slot):
+                continue
             child = self[key]
-            for bucket, count in zip(child._buckets, slot):
+            for i, (bucket, count) in enumerate(zip(child._buckets, slot)):
                 if count:
                     bucket.inc(count)
+                    slot[i] = 0
             child._sum.inc(slot[-1])
+            slot[-1] = 0.0
+
+
+class Gaps:
+    """One format's inter-token latency: ``observe(seconds)`` counts a gap
+    between two token events of a stream into the bucket counts that
+    ``/metrics`` moves into the histogram (O(log buckets), no object kept)."""
+
+    __slots__ = ("slot", "bounds")
+
+    def __init__(self, slot: list, bounds: tuple[float, ...]) -> None:
+        self.slot = slot
+        self.bounds = bounds
+
+    def observe(self, seconds: float) -> None:
+        """Count one gap of ``seconds``."""
+        slot = self.slot
+        slot[bisect_left(self.bounds, seconds)] += 1
+        slot[-1] += seconds
 
 
 class Metrics:
@@ -162,8 +194,11 @@ class Metrics:
                               "its first token sent.", ("format",), buckets=TTFT_BUCKETS, registry=reg)
         self.tpot = Histogram(p + "request_time_per_output_token_seconds", "Mean inter-token latency of each "
                               "streamed request with at least two tokens: (last token - first token) / "
-                              "(tokens - 1), observed once per request.", ("format",), buckets=TPOT_BUCKETS,
+                              "(tokens - 1), observed once per request.", ("format",), buckets=ITL_BUCKETS,
                               registry=reg)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between two token-bearing events of a "
+                             "stream as the frontend hands them to the client (one event may carry several "
+                             "tokens), observed per event.", ("format",), buckets=ITL_BUCKETS, registry=reg)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Time from a request's arrival to its end, "
                              "every outcome.", ("format",), buckets=E2E_BUCKETS, registry=reg)
         self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens of ended requests (when known).",
@@ -195,11 +230,14 @@ class Metrics:
                 self.requests, self.http_requests, self.prompt_tokens, self.generation_tokens, self.body_bytes,
                 self.migrations, self.legs, self.worker_failures, self.aborts))
         self._ttft = _Children(self.ttft, TTFT_BUCKETS)
-        self._tpot = _Children(self.tpot, TPOT_BUCKETS)
+        self._tpot = _Children(self.tpot, ITL_BUCKETS)
+        self._itl = _Children(self.itl, ITL_BUCKETS)
+        #: Each format's :class:`Gaps`, made once.
+        self._gaps: dict[str, Gaps] = {}
         self._e2e = _Children(self.e2e, E2E_BUCKETS)
         #: What request ends counted, moved into the metrics by :meth:`flush`.
         self._counted = (self._requests, self._http_requests, self._prompt, self._generation, self._body, self._migrations,
-                         self._legs, self._failures, self._ttft, self._tpot, self._e2e)
+                         self._legs, self._failures, self._ttft, self._tpot, self._itl, self._e2e)
         #: Requests started minus ended since the last :meth:`flush`.
         self._in_flight = 0
         #: Several processes: every request's counts go to the files at once.
@@ -260,6 +298,14 @@ class Metrics:
                 self._failures.add((a.worker_id, getattr(a.worker, "url", ""), outcome), 1)
         if self._at_once:
             self.flush()
+
+    def gaps(self, fmt: str) -> Gaps:
+        """The inter-token latency of format ``fmt``, for its streams to
+        observe per event (moved into the histogram with the rest)."""
+        gaps = self._gaps.get(fmt)
+        if gaps is None:
+            gaps = self._gaps[fmt] = Gaps(self._itl.slot(fmt), ITL_BUCKETS)
+        return gaps
 
     def abort(self, result: str) -> None:
         """Count one abort and its result (``acked``, ``unacknowledged``, ``lost``)."""

@@ -8,7 +8,7 @@ metrics refresh in the lifespan.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..workers.aborts import ACKED, LOST
 from .metrics import Metrics
@@ -98,6 +98,11 @@ class Recorder:
         self._count(st)
         if self.tracer is not None:
             self.tracer.submit(st)
+
+    def inter_token_latency(self, fmt: str) -> Callable[[float], None]:
+        """The observer of format ``fmt``'s gaps between a stream's token
+        events, in seconds (:meth:`Metrics.gaps`)."""
+        return self.metrics.gaps(fmt).observe
 
     def _count(self, st: RequestState) -> None:
         counters = self.counters

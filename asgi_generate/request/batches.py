@@ -191,6 +191,8 @@ class BatchGeneration(Generation):
             if n and self.timed:
                 if tally.t_first_token is None:
                     tally.t_first_token = now
+                else:
+                    self.gap(now - tally.t_last_token)
                 tally.t_last_token = now
             for name in ("prompt_tokens", "completion_tokens", "cached_tokens"):
                 value = getattr(sub, name)

@@ -59,7 +59,7 @@ class ClientStream:
     __slots__ = (
         "ctx", "codec", "ex", "req", "st", "send", "pending", "in_send", "last_send",
         "scope", "shutdown", "write_timeout", "send_started", "timed", "outbox", "outbox_tokens",
-        "leg", "gone", "sent_ids", "keepalive", "cutting_off",
+        "leg", "gone", "sent_ids", "keepalive", "cutting_off", "gap",
     )
 
     def __init__(
@@ -93,6 +93,8 @@ class ClientStream:
         self.keepalive = ctx.settings.sse_keepalive if req.stream else 0.0
         #: Set once a slow-client cut-off started by the watchdog is done.
         self.cutting_off: anyio.Event | None = None
+        #: Counts the seconds between two token events (the ITL metric).
+        self.gap = ctx.recorder.inter_token_latency(st.format)
 
     async def _write(self, message: dict) -> None:
         """Hand ``message`` to the server. A client is only ever owed the
@@ -144,6 +146,8 @@ class ClientStream:
                 now = time.monotonic()
                 if st.t_first_token is None:
                     st.t_first_token = now
+                else:  # across legs too: a migration's stall is a gap
+                    self.gap(now - st.t_last_token)
                 st.t_last_token = now
             if self.sent_ids is not None:
                 self.sent_ids += event.token_ids

@@ -9,7 +9,7 @@ a :class:`RequestContext` (in the spirit of hypercorn's ``WorkerContext``,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -45,6 +45,11 @@ class Recorder(Protocol):
     def request_finished(self, st: RequestState) -> None:
         """Called once for a request of one item on the handler's way out;
         takes ``st`` for the counters, metrics and trace writer."""
+
+    def inter_token_latency(self, fmt: str) -> Callable[[float], None]:
+        """Where the streams of format ``fmt`` count the seconds between
+        two of their token events, per event as the client is sent it (the
+        callable is O(1) and keeps nothing per call)."""
 
     async def items_finished(self, states: Sequence[RequestState]) -> None:
         """Called once for a request with several items, with each item's
