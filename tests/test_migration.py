@@ -282,14 +282,17 @@ def _failed_once(fleet: Fleet, body: dict, headers: dict, rid: str, after: int =
 
 
 def test_constrained_decoding_is_not_migrated(fleet):
-    """Constrained decoding (SGLang ``regex``, vLLM ``structured_outputs``):
-    the broken stream ends with today's in-band error; no second attempt."""
+    """Constrained decoding (SGLang ``regex``, vLLM's older
+    ``guided_decoding``, which the simulator ignores, where the
+    ``structured_outputs`` of today is refused by a ``--tokens-only``
+    server): the broken stream ends with today's in-band error; no second
+    attempt."""
     rid = f"m{next(_rids)}"
     body, headers = fleet.body(6, False, rid)
     if fleet.protocol == "sglang":
         body["sampling_params"]["regex"] = "[a-z ]*"
     else:
-        body["sampling_params"]["structured_outputs"] = {"regex": "[a-z ]*"}
+        body["sampling_params"]["guided_decoding"] = {"regex": "[a-z ]*"}
     events, rec = _failed_once(fleet, body, headers, rid)
     wid = rec["attempts"][0]["worker_id"]
     message = f"worker {wid} failed: {DROPPED}"

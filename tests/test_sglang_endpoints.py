@@ -7,14 +7,21 @@ Written in our own words from what SGLang's endpoint tests assert
 shapes and their alignment with the tokens, ``logprob_start_len``,
 ``top_logprobs_num``, ``token_ids_logprob``, ``return_text_in_logprobs``,
 stop token ids and stop strings with ``matched``, ``ignore_eos``,
-``logit_bias``, routed-expert row counts and ``routed_experts_start_len``,
-the refusals of ``SamplingParams.verify``, an ``abort`` finish with an error
-status, ``--stream-interval`` chunking, and the info routes.
+``logit_bias`` (positive and negative), routed-expert row counts and
+``routed_experts_start_len``, the refusals of ``SamplingParams.verify``,
+``max_new_tokens`` past the context (2^31, 2^63, ``1e18``), ragged
+``token_ids_logprob`` lists in one batch and in concurrent requests,
+``extra_key``/``cache_salt`` isolation of cached prefixes, an ``abort`` finish
+with an error status, ``--stream-interval`` chunking, and the info routes.
+Grammars refused as SGLang's scheduler refuses them and ``--context-length``
+/ ``--vocab-size`` are tests/test_engine_shape.py's; ``n`` > 1 is
+tests/test_batches.py's.
 
 Left out (they need a real model or a GPU, or are not the frontend's):
-- answer quality: ``test_simple_decode``, ``test_parallel_sample`` (``n``
-  > 1 is refused by the frontend), ``test_many_stop_strings`` text checks,
-  ``test_json_schema``/``regex``/``ebnf`` constrained decoding, and the
+- answer quality: ``test_simple_decode``, ``test_parallel_sample``'s
+  sample diversity, ``test_many_stop_strings`` text checks, the output of
+  ``test_json_schema``/``regex``/``ebnf`` constrained decoding (the
+  simulator checks a grammar and does not apply it), and the
   temperature/top-p/seed statistics tests;
 - ``test_get_server_info``'s memory and CUDA-graph fields, ``flush_cache``
   timing, ``test_custom_logit_processor``, ``return_hidden_states``,
@@ -124,6 +131,57 @@ def test_token_ids_logprob_rows(frontend, sims, stream):
     assert meta["input_token_ids_logprobs"][3][1][0] == model.logprob(model.fold(PROMPT[:3]), 7)
 
 
+RAGGED = [[7], [1000, 7, 3000], [5, 6]]
+
+
+def _ids_rows(meta: dict) -> list[list[int]]:
+    return [[e[1] for e in row] for row in meta["output_token_ids_logprobs"]]
+
+
+def test_ragged_token_ids_logprob_in_one_batch(frontend, sims):
+    body = {"input_ids": [PROMPT, PROMPT[:5], PROMPT[2:]], "return_logprob": True, "token_ids_logprob": RAGGED,
+            "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    out = ok(frontend, sims[0], body)
+    assert [_ids_rows(item["meta_info"]) for item in out] == [[ids] * 3 for ids in RAGGED]
+
+
+def test_ragged_token_ids_logprob_in_concurrent_requests(frontend, sims):
+    """Requests in flight together, each with its own list (one engine
+    batch), each answered with its own rows."""
+    bodies = [{"rid": f"ragged-{i}", "input_ids": PROMPT, "return_logprob": True, "token_ids_logprob": ids,
+               "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}} for i, ids in enumerate(RAGGED)]
+    for url in (sims[0].url, frontend.url):
+        results: dict[int, dict] = {}
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, post(url, bodies[i]).json()))
+                   for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert [_ids_rows(results[i]["meta_info"]) for i in range(len(bodies))] == [[ids] * 4 for ids in RAGGED]
+        assert len({tuple(r["output_ids"]) for r in results.values()}) == 1
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="needs the simulator's prefix cache keyed by "
+                   "extra_key and cache_salt (the prefix cache work); remove this mark when that lands")
+def test_extra_key_and_cache_salt_isolate_cached_prefixes():
+    """A fresh ``extra_key`` or ``cache_salt`` reuses no prefix cached
+    without it (SGLang's radix cache keys entries by both)."""
+    sim = start_sim("sglang", extra=["--cache-tokens", "4096"])
+    front = start_frontend([f"sglang={sim.url}"])
+    try:
+        ids = list(range(100, 164))
+        for url in (sim.url, front.url):
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}
+            post(url, body)
+            assert post(url, body).json()["meta_info"]["cached_tokens"] == len(ids) - 1
+            for key in ("extra_key", "cache_salt"):
+                assert post(url, {**body, key: f"fresh-{url}"}).json()["meta_info"]["cached_tokens"] == 0
+    finally:
+        front.stop()
+        sim.stop()
+
+
 @pytest.mark.parametrize("with_text", [False, True])
 def test_return_text_in_logprobs(frontend, sims, with_text):
     body = {"input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": 2,
@@ -157,6 +215,18 @@ def test_stop_string_is_matched_and_trimmed(frontend, sims):
     kept = ok(frontend, sims[0], body | {"sampling_params": body["sampling_params"] | {"no_stop_trim": True}})
     assert kept["output_ids"] == out["output_ids"]
     assert kept["text"] == TOK.decode(out["output_ids"]) and kept["text"].startswith(out["text"] + word)
+
+
+def test_negative_logit_bias_bars_the_token(frontend, sims):
+    free = ok(frontend, sims[0], {"input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": 2,
+                                  "sampling_params": {"max_new_tokens": 1}})
+    best, second = (e[1] for e in free["meta_info"]["output_top_logprobs"][0])
+    body = {"input_ids": PROMPT, "return_logprob": True, "token_ids_logprob": [best],
+            "sampling_params": {"max_new_tokens": 1, "logit_bias": {str(best): -100}}}
+    barred = ok(frontend, sims[0], body)
+    assert barred["output_ids"] == [second]
+    (row,) = barred["meta_info"]["output_token_ids_logprobs"]
+    assert row[0][0] < barred["meta_info"]["output_token_logprobs"][0][0] - 90
 
 
 def test_eos_stops_unless_ignore_eos(frontend, sims):
@@ -228,6 +298,19 @@ REFUSED = [
 @pytest.mark.parametrize("params,message", REFUSED, ids=[m.split(" ")[0] + str(i) for i, (_, m) in enumerate(REFUSED)])
 def test_sampling_params_refused_as_sglang_refuses_them(frontend, sims, params, message):
     body = {"input_ids": PROMPT, "sampling_params": params}
+    assert both(frontend, sims[0], body) == {"status": 400, "body": {"error": {"message": message}}}
+    assert both_sse(frontend, sims[0], body) == [{"error": {"message": message}}]
+
+
+@pytest.mark.parametrize("max_new, total", [(2**31, "2147483656"), (2**63, "9223372036854775816"),
+                                            (1e18, "1e+18")], ids=["2^31", "2^63", "1e18"])
+def test_max_new_tokens_past_the_context_is_refused(frontend, sims, max_new, total):
+    """SGLang's ``sampling_params`` is a plain dict: a float stays a float
+    in the length check and its message."""
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": max_new}}
+    message = (f"Requested token count exceeds the model's maximum context length of 32768 tokens. You requested a "
+               f"total of {total} tokens: 8 tokens from the input messages and {max_new} tokens for the completion. "
+               "Please reduce the number of tokens in the input messages or the completion to fit within the limit.")
     assert both(frontend, sims[0], body) == {"status": 400, "body": {"error": {"message": message}}}
     assert both_sse(frontend, sims[0], body) == [{"error": {"message": message}}]
 
