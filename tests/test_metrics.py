@@ -231,3 +231,34 @@ def test_batch_items_leave_nothing_in_flight():
     finally:
         fe.stop()
         sim.stop()
+
+
+def test_histograms_count_each_observation_once_across_scrapes(monkeypatch):
+    """Per-event gaps and per-request latencies wait in bucket counts kept
+    across scrapes, zeroed as each scrape moves them: nothing counted twice."""
+    from asgi_generate.ops.metrics import Metrics
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    metrics = Metrics()
+    gaps = metrics.gaps("sglang")
+    assert metrics.gaps("sglang") is gaps
+    for seconds in (0.02, 0.02, 3.0):
+        gaps.observe(seconds)
+
+    def scraped() -> dict:
+        metrics.flush()
+        out = {}
+        for fam in text_string_to_metric_families(metrics.render().decode()):
+            for s in fam.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    m = scraped()
+    name = "asgi_generate_inter_token_latency_seconds"
+    assert (value(m, name + "_count", format="sglang"), value(m, name + "_sum", format="sglang")) == (3.0, 3.04)
+    assert value(m, name + "_bucket", format="sglang", le="0.025") == 2.0
+    gaps.observe(0.5)
+    m = scraped()
+    assert (value(m, name + "_count", format="sglang"), value(m, name + "_sum", format="sglang")) == (4.0, 3.54)
+    assert value(m, name + "_bucket", format="sglang", le="0.5") == 3.0
+    assert scraped() == m
