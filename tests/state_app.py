@@ -25,16 +25,24 @@ async def app(scope: dict, receive, send) -> None:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
     state = scope["state"]
-    body = json.dumps(sorted(state)).encode()
+    seen = sorted(state)
     if scope["path"] == "/mutate":
         state["mutated"] = True
+    await answer_json(send, seen)
+
+
+async def answer_json(send, obj) -> None:
+    """Answer ``obj`` as a JSON body, 200."""
+    body = json.dumps(obj).encode()
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(app=app, doc: str = __doc__) -> None:
+    """Serve ``app`` on the ``--fd`` and ``--worker-class`` of the command
+    line (``doc``'s first paragraph its description)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--fd", type=int, required=True, help="an inherited listening socket")
     parser.add_argument("--worker-class", choices=WORKER_CLASSES, required=True)
     args = parser.parse_args()

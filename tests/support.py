@@ -81,7 +81,7 @@ class Proc:
     suite's files."""
 
     def __init__(self, name: str, args: list[str], sock: socket.socket, health: str, verify: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, module: str = "asgi_generate") -> None:
         self.name = name
         self.port = sock.getsockname()[1]
         #: With ``verify`` (the CA file its certificate chains to) it serves HTTPS.
@@ -96,8 +96,11 @@ class Proc:
             # (0.2-0.5 s, hundreds of starts a suite): bytecode is cached in
             # the session's folder instead, never in the tree.
             env["PYTHONPYCACHEPREFIX"] = str(LOG_DIR / "pycache")
+        # ``{fd}`` in an argument: the listening socket's descriptor, else ``--fd`` passes it.
+        fd = str(sock.fileno())
+        argv = [a.replace("{fd}", fd) for a in args] if any("{fd}" in a for a in args) else [*args, "--fd", fd]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "asgi_generate", *args, "--fd", str(sock.fileno())],
+            [sys.executable, "-m", module, *argv],
             pass_fds=[sock.fileno()],
             stdin=subprocess.DEVNULL,
             stdout=self._log,
@@ -178,6 +181,15 @@ def start_frontend(
     for w in workers:
         args += ["--worker", w]
     return Proc(f"frontend-{worker_class}", [*args, *extra], listening_socket(), health, verify, env)
+
+
+def start_hypercorn(workers: list[str], *, worker_class: str = "trio", env: dict[str, str] | None = None) -> Proc:
+    """Start ``hypercorn -k CLASS asgi_generate.server.asgi:app`` (a
+    hypercorn you run yourself) in front of ``workers`` (``PROTOCOL=URL``),
+    set by ``ASGI_GENERATE_*`` variables; ``env`` adds to them."""
+    env = {"ASGI_GENERATE_WORKERS": ",".join(workers), "ASGI_GENERATE_HEALTH_INTERVAL": "0.2", **(env or {})}
+    return Proc(f"hypercorn-{worker_class}", ["-k", worker_class, "-b", "fd://{fd}", "asgi_generate.server.asgi:app"],
+                listening_socket(), "/health", env=env, module="hypercorn")
 
 
 def stats(sim: Proc) -> dict:
@@ -331,6 +343,18 @@ def children(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 kids.append(int(entry))
     return kids
+
+
+def tcp_states(port: int, peer_port: int) -> list[str]:
+    """The kernel's TCP states (hex, ``01`` ESTABLISHED) of the IPv4 sockets
+    on ``port`` connected to ``peer_port`` (``/proc/net/tcp``): empty once
+    such a socket is gone."""
+    states = []
+    for line in pathlib.Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, remote, state = line.split()[1:4]
+        if int(local.rsplit(":", 1)[1], 16) == port and int(remote.rsplit(":", 1)[1], 16) == peer_port:
+            states.append(state)
+    return states
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02):

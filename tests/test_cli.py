@@ -14,7 +14,8 @@ import orjson
 import pytest
 
 import asgi_generate
-from support import Proc, RawClient, children, listening_socket, post, start_sim, wait_until
+from support import (Proc, RawClient, children, free_port, listening_socket, post, start_frontend, start_sim,
+                     wait_until)
 
 
 def _serve(args: list[str], health: str = "/health") -> Proc:
@@ -39,6 +40,87 @@ def test_embedded_default_serves_both_routes_and_stops_its_workers():
                 httpx.get(w["url"] + "/health", timeout=2)
     finally:
         fe.stop()
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_the_embedded_default_migrates_a_text_prompt(worker_class):
+    """The simulators tokenize with the bundled tokenizer, and so does the
+    frontend serving them: a streamed text prompt whose simulator is killed
+    resumes on the other one, and its answer is the one an unbroken run
+    gives, token for token; the log says which worker failed and how."""
+    fe = _serve(["--worker-class", worker_class, "--embedded-workers", "2", "--embedded-itl-ms", "50",
+                 "--log-level", "info"])
+    try:
+        body = {"text": "Hello there", "sampling_params": {"max_new_tokens": 80, "ignore_eos": True}}
+        whole = post(fe.url, body).json()
+        client = RawClient(fe.url)
+        client.send(orjson.dumps({**body, "stream": True}))
+        first = client.events(3)
+        busy = [w for w in httpx.get(fe.url + "/stats").json()["workers"].values() if w["outstanding"]]
+        assert [w["role"] for w in busy] == ["aggregated"]
+        os.kill(busy[0]["pid"], signal.SIGKILL)
+        rest = client.events(1000)
+        client.close()
+        final = orjson.loads(rest[-2])
+        assert rest[-1] == b"[DONE]" and len(first) == 3
+        assert (final["text"], final["output_ids"]) == (whole["text"], whole["output_ids"])
+        assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 80}
+        counters = httpx.get(fe.url + "/stats").json()
+        assert (counters["migrations"], counters["not_migrated"]) == (1, 0)
+    finally:
+        fe.stop()
+    (line,) = [line for line in fe.log_path.read_text().splitlines() if "resuming" in line]
+    assert re.search(r" INFO asgi_generate\.request\.handler: request \S+: worker w[01] "
+                     r"(failed|lost): (worker broke HTTP/1\.1|connection to worker lost|health probe)[^;]*; "
+                     r"resuming after \d+ tokens \(migration 1\)$", line), line
+
+
+def test_a_fleet_without_a_tokenizer_says_once_that_text_prompts_will_not_migrate(tmp_path):
+    sim = start_sim()
+    fe = start_frontend([f"sglang={sim.url}"])
+    told = start_frontend([f"sglang={sim.url}"], extra=["--tokenizer", TOKENIZER])
+    try:
+        lines = [line.split("] ", 1)[1] for line in fe.log_path.read_text().splitlines() if "tokenizer" in line]
+        assert lines == ["WARNING asgi_generate: no --tokenizer (ASGI_GENERATE_TOKENIZER): a streamed text prompt "
+                         "will not migrate when its worker dies (token-id prompts do); give the model's "
+                         "tokenizer.json to resume text prompts too"]
+        assert "tokenizer" not in told.log_path.read_text()
+    finally:
+        fe.stop()
+        told.stop()
+        sim.stop()
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_each_simulator_shows_its_pid_port_and_role_in_stats_and_the_log(processes):
+    fe = _serve(["--log-level", "info", "--workers", str(processes), "--embedded-workers", "1", "--embedded-pd"])
+    try:
+        workers = httpx.get(fe.url + "/stats").json()["workers"].values()
+    finally:
+        fe.stop()
+    log = fe.log_path.read_text()
+    in_stats = sorted((w["url"], w["role"], w["pid"]) for w in workers)
+    in_log = sorted((url, role, int(pid)) for url, role, pid in
+                    re.findall(r"(http://127\.0\.0\.1:\d+) \((\w+), pid (\d+)\)", log))
+    assert in_stats == in_log
+    assert sorted(role for _, role, _ in in_stats) == ["aggregated", "aggregated", "decode", "decode",
+                                                     "prefill", "prefill"]
+    assert len({pid for _, _, pid in in_stats} | {fe.proc.pid}) == 7
+
+
+def test_with_workers_2_each_log_line_carries_its_process_id_and_none_appears_twice():
+    fe = _serve(["--log-level", "info", "--workers", "2", "--embedded-workers", "1"])
+    try:
+        wait_until(lambda: fe.log_path.read_text().count("Running on") == 2, timeout=10)
+    finally:
+        fe.stop()
+    lines = [line for line in fe.log_path.read_text().splitlines() if re.match(r"\d{4}-\d\d-\d\d ", line)]
+    heads = [re.match(r"\S+ \S+ \[(\d+)\] (DEBUG|INFO|WARNING|ERROR|CRITICAL) ", line) for line in lines]
+    assert all(heads), [line for line, head in zip(lines, heads) if not head]
+    bodies = [line.split(" ", 2)[2] for line in lines]  # the time left out
+    assert len(bodies) == len(set(bodies))
+    serving = {int(head[1]) for head, line in zip(heads, lines) if "Running on" in line}
+    assert len(serving) == 2 and fe.proc.pid not in serving
 
 
 def test_several_processes_share_the_port_and_stop_on_sigterm():
@@ -286,6 +368,57 @@ def test_a_port_in_use_is_one_line_before_any_simulator_starts():
         taken.close()
     assert (out.returncode, out.stderr) == (2, f"asgi-generate: cannot listen on 127.0.0.1:{port}: "
                                                "Address already in use\n")
+
+
+def test_detach_on_a_port_in_use_fails_at_once_and_writes_no_pid_file(tmp_path):
+    """The README's first command starts the server with --detach: a busy
+    port is its exit status and one line on the terminal."""
+    taken = listening_socket()
+    port = taken.getsockname()[1]
+    pid_file, log = tmp_path / "serve.pid", tmp_path / "serve.log"
+    try:
+        out = subprocess.run([sys.executable, "-m", "asgi_generate", "serve", "--port", str(port), "--detach",
+                              "--pid-file", str(pid_file), "--log-file", str(log)],
+                             capture_output=True, text=True, timeout=30)
+    finally:
+        taken.close()
+    assert (out.returncode, out.stderr) == (2, f"asgi-generate: cannot listen on 127.0.0.1:{port}: "
+                                               "Address already in use\n")
+    assert not pid_file.exists() and not log.exists()
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_detach_returns_once_the_server_answers_and_its_pid_file_stops_it(tmp_path, processes):
+    port = free_port()
+    pid_file, log = tmp_path / "serve.pid", tmp_path / "serve.log"
+    out = subprocess.run([sys.executable, "-m", "asgi_generate", "serve", "--port", str(port), "--detach",
+                          "--workers", str(processes), "--embedded-workers", "1", "--pid-file", str(pid_file),
+                          "--log-file", str(log)], capture_output=True, text=True, timeout=60)
+    pid = int(pid_file.read_text())
+    try:
+        assert (out.returncode, out.stderr) == (0, f"asgi-generate: serving http://127.0.0.1:{port} in the "
+                                                   f"background: pid {pid}, log {log}\n")
+        assert os.getsid(pid) == pid  # a session of its own: no terminal signal reaches it
+        # Answered at once, no retry: every process serves.
+        got = {httpx.get(f"http://127.0.0.1:{port}/stats", timeout=5).json()["pid"] for _ in range(20)}
+        assert len(got) == processes
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: _gone(pid), timeout=30)
+        assert not pid_file.exists()
+        assert f"pid {pid}, listening on http://127.0.0.1:{port}" in log.read_text()
+    finally:
+        if not _gone(pid):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def test_detach_reports_a_server_that_stops_before_serving(tmp_path):
+    log = tmp_path / "serve.log"
+    out = subprocess.run([sys.executable, "-m", "asgi_generate", "serve", "--port", str(free_port()), "--detach",
+                          "--log-level", "warning", "--pid-file", str(tmp_path / "missing" / "serve.pid"),
+                          "--log-file", str(log)], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stderr) == (2, (
+        f"asgi-generate: --pid-file: cannot write '{tmp_path}/missing/serve.pid': No such file or directory\n"
+        f"asgi-generate: the server stopped before serving (exit status 2); its log: {log}\n"))
 
 
 @pytest.mark.parametrize("extra,code", [((), 0), (("-w", "0"), 2)])

@@ -3,13 +3,15 @@ on both hypercorn worker classes."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import httpx
 import orjson
 import pytest
 
-from support import RawClient, start_frontend, start_sim, stats, wait_until, trace_records
+from support import (RawClient, start_frontend, start_hypercorn, start_sim, stats, tcp_states, trace_records,
+                     wait_until)
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +229,41 @@ def test_slow_reader_is_cut_off_and_the_engine_aborted(worker_class, items):
         assert sorted(stats(sim)["aborted_rids"]) == sorted(rids)
         assert httpx.get(fe.url + "/stats").json()["by_status"] == {"slow_client": items}
         c.close()
+    finally:
+        fe.stop()
+        sim.stop()
+
+
+@pytest.mark.parametrize("server,worker_class", [("serve", "trio"), ("serve", "asyncio"), ("serve", "uvloop"),
+                                                 ("hypercorn", "trio"), ("hypercorn", "asyncio")])
+def test_a_client_cut_off_for_being_slow_loses_its_connection_and_frees_its_slot(server, worker_class):
+    """A client that never reads, cut off by ``--slow-client-timeout``: at
+    the cut its connection is reset (the server's socket and what it queued
+    are gone, the client reads a reset) and the worker's slot is free
+    (``outstanding`` 0, the engine aborted), while the client still holds
+    its end open."""
+    sim = start_sim()
+    if server == "serve":
+        fe = start_frontend([f"sglang={sim.url}"], worker_class=worker_class, extra=["--slow-client-timeout", "1"])
+    else:
+        fe = start_hypercorn([f"sglang={sim.url}"], worker_class=worker_class,
+                             env={"ASGI_GENERATE_SLOW_CLIENT_TIMEOUT": "1"})
+    try:
+        c = RawClient(fe.url, rcvbuf=4096)
+        peer = c.sock.getsockname()[1]
+        c.send(_body(True, n=20000))
+        (rid,) = wait_until(lambda: stats(sim)["seen_rids"])
+        assert wait_until(lambda: tcp_states(fe.port, peer) == [], timeout=10)
+        (worker,) = httpx.get(fe.url + "/stats", timeout=5).json()["workers"].values()
+        assert worker["outstanding"] == 0
+        wait_until(lambda: stats(sim)["running"] == 0, timeout=5)
+        assert stats(sim)["aborted_rids"] == [rid]
+        assert httpx.get(fe.url + "/stats", timeout=5).json()["by_status"] == {"slow_client": 1}
+        c.sock.settimeout(5)
+        with pytest.raises(ConnectionResetError):
+            while c.sock.recv(65536):  # what the client's own buffer held, then the reset
+                pass
+        c.sock.close()
     finally:
         fe.stop()
         sim.stop()

@@ -22,7 +22,7 @@ import pytest
 
 from asgi_generate.server.hypercorn import patches
 from hypercorn_mismatch import MISMATCHES, apply, environment
-from support import RawClient, listening_socket, post, start_frontend, start_sim, stats, wait_until
+from support import RawClient, listening_socket, post, start_frontend, start_sim, stats, tcp_states, wait_until
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -162,6 +162,19 @@ def test_a_mismatched_hypercorn_serves_as_released_after_one_warning(slow_sim, t
     assert line.endswith(" WARNING asgi_generate.server.hypercorn: " + WARNING.format(MISMATCHES[kind][1]))
 
 
+@pytest.mark.parametrize("kind", [None, "missing"])
+def test_stats_say_whether_hypercorn_serves_patched(slow_sim, tmp_path, kind):
+    """A patch that could not apply shows in /stats too, not only in the
+    start-up WARNING."""
+    fe = start_frontend([f"sglang={slow_sim.url}"], env=environment(kind, tmp_path) if kind else None)
+    try:
+        got = httpx.get(fe.url + "/stats", timeout=5).json()["hypercorn_patches"]
+    finally:
+        fe.stop()
+    assert got == ({"installed": True, "mismatches": []} if kind is None else
+                   {"installed": False, "mismatches": [MISMATCHES[kind][1]]})
+
+
 def test_hypercorn_run_yourself_under_a_mismatch_warns_once_and_serves(slow_sim, tmp_path):
     sock = listening_socket()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -206,6 +219,42 @@ def test_each_request_gets_its_own_copy_of_the_lifespan_state(worker_class):
             assert one.get(url + "/mutate").json() == ["started"]
             assert other.get(url + "/look").json() == ["started"]
             assert one.get(url + "/look").json() == ["started"]
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+# -- the connection reset ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio", "uvloop"])
+def test_a_connection_reset_drops_the_queue_and_ends_a_stuck_write(worker_class):
+    """An app cuts off a client that stopped reading (tests/reset_app.py):
+    the reset ends the send stuck on it (hypercorn's trio worker shields
+    it), and the server's socket, with what was queued for the client, is
+    gone at once; the client reads a reset."""
+    sock = listening_socket()
+    port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, str(HERE / "reset_app.py"), "--fd", str(sock.fileno()),
+                             "--worker-class", worker_class], pass_fds=[sock.fileno()], stdin=subprocess.DEVNULL)
+    sock.close()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _get(url + "/cut") == 200, timeout=30)
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.settimeout(10)
+        client.connect(("127.0.0.1", port))
+        client.sendall(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
+        peer = client.getsockname()[1]
+        cut = wait_until(lambda: (c := httpx.get(url + "/cut", timeout=5).json())["returned_s"] is not None and c,
+                         timeout=20)
+        assert cut["reset"] is True and cut["returned_s"] < 0.5
+        assert tcp_states(port, peer) == []
+        with pytest.raises(ConnectionResetError):
+            while client.recv(65536):  # what the client's own buffer held, then the reset
+                pass
+        client.close()
     finally:
         proc.terminate()
         proc.wait(20)

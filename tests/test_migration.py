@@ -295,7 +295,7 @@ def test_constrained_decoding_is_not_migrated(fleet):
         body["sampling_params"]["guided_decoding"] = {"regex": "[a-z ]*"}
     events, rec = _failed_once(fleet, body, headers, rid)
     wid = rec["attempts"][0]["worker_id"]
-    message = f"worker {wid} failed: {DROPPED}"
+    message = f"worker {wid} failed: {DROPPED} (not migrated: constrained decoding cannot be resumed exactly)"
     assert events[-2:] == [_in_band(fleet, message), b"[DONE]"]
     assert len(events) == 4
     assert (rec["status"], rec["error"]["message"], rec["output_tokens"]) == ("engine_error", message, 2)
@@ -316,7 +316,8 @@ def test_no_worker_left_ends_in_band_with_every_attempt(fleet):
         rec = fleet.record(rid)
     finally:
         fleet.heal()
-    message = f"worker {rec['attempts'][2]['worker_id']} failed: {DROPPED}"
+    message = (f"worker {rec['attempts'][2]['worker_id']} failed: {DROPPED} "
+               "(migration impossible: no worker left to resume on)")
     assert events[-2:] == [_in_band(fleet, message), b"[DONE]"]
     assert (rec["status"], rec["error"], rec["output_tokens"], rec["migrations"]) == (
         "engine_error", {"type": "engine", "message": message}, 6, 2)
@@ -589,7 +590,8 @@ def test_stop_string_across_the_seam_stops_as_uninterrupted(fleet, plain, trim):
     before = httpx.get(plain.proc.url + "/stats", timeout=5).json()["not_migrated"]
     fleet.arm(seam, len(PROMPT))
     status, events, rec = plain.faulted(body, {}, rid)
-    message = f"worker {rec['attempts'][0]['worker_id']} failed: {DROPPED}"
+    message = (f"worker {rec['attempts'][0]['worker_id']} failed: {DROPPED} "
+               "(not migrated: a stop string could straddle the seam (no --tokenizer to check it))")
     assert status == 200 and events[-2:] == [_in_band(fleet, message), b"[DONE]"] and len(events) == seam + 2
     assert (rec["status"], rec["output_tokens"], rec["not_migrated"]) == (
         "engine_error", seam, "a stop string could straddle the seam (no --tokenizer to check it)")
@@ -620,7 +622,8 @@ def test_text_prompt_migrates_with_a_tokenizer_only(fleet, plain):
     body["rid"] = rid
     fleet.arm(3, length)
     status, events, rec = plain.faulted(body, {}, rid)
-    message = f"worker {rec['attempts'][0]['worker_id']} failed: {DROPPED}"
+    message = (f"worker {rec['attempts'][0]['worker_id']} failed: {DROPPED} "
+               "(not migrated: a text prompt needs --tokenizer to resume)")
     assert status == 200 and events[-2:] == [_in_band(fleet, message), b"[DONE]"]
     assert (rec["status"], rec["output_tokens"], rec["not_migrated"]) == (
         "engine_error", 3, "a text prompt needs --tokenizer to resume")

@@ -21,9 +21,11 @@ BROKEN = ("worker broke HTTP/1.1: peer closed connection without sending complet
           "connection to worker lost: ConnectionResetError(104, 'Connection reset by peer')")
 #: Each stream ends by its own read ("failed", error type "engine"), or, when
 #: the first stream's probe found the worker gone before this stream read its
-#: own break, by that loss ("lost", type "worker_lost", the first one's reason).
-ENDINGS = {**{f"worker w0 failed: {why}": "engine" for why in BROKEN},
-           **{f"worker w0 lost: {why}": "worker_lost" for why in BROKEN}}
+#: own break, by that loss ("lost", type "worker_lost", the first one's
+#: reason); with no other worker, migration was impossible.
+UNMOVED = " (migration impossible: no worker left to resume on)"
+ENDINGS = {**{f"worker w0 failed: {why}{UNMOVED}": "engine" for why in BROKEN},
+           **{f"worker w0 lost: {why}{UNMOVED}": "worker_lost" for why in BROKEN}}
 
 
 def _records(tmp_path) -> list[dict]:

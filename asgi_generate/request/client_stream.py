@@ -13,7 +13,7 @@ and idle SSE (keep-alive comments). The attempt loop that feeds it lives in
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import anyio
 
@@ -59,7 +59,7 @@ class ClientStream:
     __slots__ = (
         "ctx", "codec", "ex", "req", "st", "send", "pending", "in_send", "last_send",
         "scope", "shutdown", "write_timeout", "send_started", "timed", "outbox", "outbox_tokens",
-        "leg", "gone", "sent_ids", "keepalive", "cutting_off", "gap",
+        "leg", "gone", "sent_ids", "keepalive", "cutting_off", "gap", "reset",
     )
 
     def __init__(
@@ -95,6 +95,9 @@ class ClientStream:
         self.cutting_off: anyio.Event | None = None
         #: Counts the seconds between two token events (the ITL metric).
         self.gap = ctx.recorder.inter_token_latency(st.format)
+        #: The server's reset of the client's connection (the scope extension
+        #: :data:`asgi_generate.request.watchdog.CONNECTION_RESET`), or ``None``.
+        self.reset: Callable[[], None] | None = None
 
     async def _write(self, message: dict) -> None:
         """Hand ``message`` to the server. A client is only ever owed the
@@ -247,10 +250,12 @@ class ClientStream:
           a ``client_disconnect`` and cancels it (the handler then aborts
           every live engine leg): :meth:`client_gone`.
         - A write the client has left untaken for ``slow_client_timeout``
-          seconds makes it a ``slow_client``: the engine legs are aborted
-          and the record handed over at once, then the request is cancelled.
-          (hypercorn's trio worker shields its socket writes, so the stuck
-          write itself may only end when the client reads or hangs up.)
+          seconds makes it a ``slow_client``: its connection is reset (with
+          :attr:`reset`: the stuck write ends and what was queued for the
+          client is dropped; without it, on hypercorn's trio worker, which
+          shields its socket writes, the write ends only when the client
+          reads or hangs up), the engine legs are aborted and the record
+          handed over at once, then the request is cancelled.
         - With :attr:`keepalive` > 0, an SSE comment goes out after that
           many seconds of silence, committing to the 200 if nothing was
           sent yet.
@@ -306,9 +311,11 @@ class ClientStream:
 
     def client_gone(self) -> None:
         """The client's connection closed: before the answer is complete,
-        the request is a ``client_disconnect`` and is cancelled."""
+        the request is a ``client_disconnect`` (a slow client stays one: the
+        cut-off's reset closes its connection) and is cancelled."""
         if not self.st.response_complete:
-            state.client_left(self.st)
+            if self.st.status != "slow_client":  # else closed by the cut-off's own reset
+                state.client_left(self.st)
             if self.scope is not None:
                 self.scope.cancel()
 
@@ -326,6 +333,8 @@ class ClientStream:
         st = self.st
         state.cut(st, "slow_client", st.http_status, "slow_client",
                   f"client left a write untaken for {self.write_timeout:g} s")
+        if self.reset is not None:
+            self.reset()  # the stuck write ends now, and with it the leg's hold on its worker
         try:
             with anyio.CancelScope(shield=True):
                 await abort_live_legs(self.ctx, st)

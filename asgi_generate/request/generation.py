@@ -51,7 +51,7 @@ def migration_backoff(k: int) -> float:
 class Generation(ClientStream):
     """Drives one request's attempts; its answer is written by the base."""
 
-    __slots__ = ("lease", "resuming", "tried")
+    __slots__ = ("lease", "resuming", "tried", "unmoved")
 
     def __init__(
         self, ctx: "RequestContext", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
@@ -64,6 +64,9 @@ class Generation(ClientStream):
         self.resuming = False
         #: Workers this request failed on, never tried again for it.
         self.tried: list[Worker] = []
+        #: Why the last failure was not migrated, for the client's error
+        #: (:meth:`_failed`); ``None`` when nothing needs saying.
+        self.unmoved: str | None = None
 
     def cancel_for_shutdown(self) -> None:
         """Stop this request because the server is shutting down; the
@@ -224,7 +227,7 @@ class Generation(ClientStream):
                     end is LegEnd.WORKER_LOST  # the worker is down: planning says if any other is up
                     or self.ctx.router.can_plan(self.codec.worker_protocol, [*self.tried, worker])):
                 return True  # nothing reached the client: a plain failover
-            if await self._held_finish(attempt) or self._migrate(attempt, leg.lost):
+            if await self._held_finish(attempt) or self._migrate(attempt, f"failed: {leg.lost}"):
                 return not st.response_complete
             await self.fail(RequestError(502, self._failed(worker, f"failed: {leg.lost}"), "engine"), "engine_error")
             return False
@@ -266,11 +269,13 @@ class Generation(ClientStream):
         refusal = self.ex.resume_refusal() if self.sent_ids is not None else None
         if refusal is not None:
             st.not_migrated = refusal
+            self.unmoved = f"not migrated: {refusal}"
             return False
         if st.response_started and self.sent_ids is None:
             return False  # a unary answer already went out
         if not self.ctx.router.can_plan(self.codec.worker_protocol, [*self.tried, attempt.worker]):
-            return False  # nowhere to go: the failure itself is the answer
+            self.unmoved = "migration impossible: no worker left to resume on"
+            return False
         if st.migrations + st.replays >= limit:
             return False
         self.resuming = True
@@ -284,10 +289,12 @@ class Generation(ClientStream):
 
     def _failed(self, worker: Worker, what: str) -> str:
         """The client's message for a worker failure that ends the request,
-        saying so when the migration limit was what ended it."""
+        saying why it did not move on: the migration limit was reached, no
+        worker was left, or the request cannot resume (:meth:`_migrate`)."""
         limit = self.ctx.settings.migration_limit
         spent = self.st.migrations + self.st.replays >= limit > 0
-        return f"worker {worker.id} {what}" + (f" (migration limit {limit} reached)" if spent else "")
+        why = f"migration limit {limit} reached" if spent else self.unmoved
+        return f"worker {worker.id} {what}" + (f" ({why})" if why else "")
 
     async def _held_finish(self, attempt: Attempt) -> bool:
         """A stream cut after its finishing event (e.g. vLLM's finish reason

@@ -36,7 +36,7 @@ from ..tracing.state import RequestState
 from .framing import BodyTimeout, BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
 from .batches import BatchGeneration
 from .generation import Generation
-from .watchdog import DISCONNECT_WATCH
+from .watchdog import CONNECTION_RESET, DISCONNECT_WATCH
 
 if TYPE_CHECKING:
     from .context import RequestContext
@@ -197,7 +197,9 @@ async def _generate(
     kind = Generation if request.items is None else BatchGeneration
     gen = kind(ctx, codec, codec.exchange(request, st.request_id), request, st, send)
     gen.lease = lease
-    watch = scope.get("extensions", {}).get(DISCONNECT_WATCH)
+    extensions = scope.get("extensions", {})
+    gen.reset = extensions.get(CONNECTION_RESET)
+    watch = extensions.get(DISCONNECT_WATCH)
     if watch is not None and ctx.watchdog.running:
         # No task of its own (inline here: one coroutine frame fewer per open
         # stream): the server calls ClientStream.client_gone when the

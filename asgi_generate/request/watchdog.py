@@ -32,6 +32,11 @@ MIN_STEP = 0.01
 #: function taking a callback (or ``None`` to stop), called once when the
 #: client's connection closes, at once when it is closed already.
 DISCONNECT_WATCH = "asgi_generate.disconnect_watch"
+#: The ASGI scope extension our hypercorn offers beside it on HTTP/1.1: a
+#: function of no arguments that closes the client's connection at once with
+#: a TCP reset (what is buffered for the client is dropped, a write stuck on
+#: it ends).
+CONNECTION_RESET = "asgi_generate.connection_reset"
 
 
 class Watched(Protocol):

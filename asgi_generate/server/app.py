@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from contextlib import AsyncExitStack
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterable
 
 import anyio
 import orjson
@@ -28,7 +28,8 @@ from ..tracing.state import RequestState
 from ..request.context import Running
 from ..sdk.codec import Codec
 from ..config import Settings
-from .embedded import embedded_fleet
+from . import embedded
+from .hypercorn import patches as hypercorn_patches
 from ..request.budget import BodyBudget
 from ..request.framing import Receive, Send, send_unary
 from ..request.handler import handle_generate, reject_method
@@ -46,6 +47,9 @@ from ..workers.router import Router, Worker
 
 log = logging.getLogger("asgi_generate")
 NOT_FOUND = orjson.dumps({"detail": "Not Found"})
+#: Seconds of the server's graceful timeout kept, at a shutdown, to end the
+#: requests still in flight (an engine abort and a last write each).
+END_MARGIN = 1.0
 
 
 class App:
@@ -56,6 +60,9 @@ class App:
         codecs: the codecs to serve; by default every installed one
             (:func:`asgi_generate.sdk.registry.load_codecs`).
         resolver: the DNS lookup of ``dns://`` workers (tests pass a fake).
+        simulators: the embedded simulators serving ``settings``' workers
+            when another process started them (``serve --workers N``); with
+            no worker configured the app starts its own.
 
     Raises:
         CodecLoadError: installed codecs cannot be served together.
@@ -68,14 +75,18 @@ class App:
     handles_send_errors = True
 
     def __init__(
-        self, settings: Settings, codecs: list[LoadedCodec] | None = None, resolver: Resolver = resolve
+        self, settings: Settings, codecs: list[LoadedCodec] | None = None, resolver: Resolver = resolve,
+        simulators: Iterable[embedded.Simulator] = (),
     ) -> None:
         self.settings = settings
         self.resolver = resolver
         self.codecs = load_codecs(settings.skip_broken_codecs, protocols=PROTOCOLS) if codecs is None else codecs
         self.routes: dict[tuple[str, str], Codec] = {}
         self.paths: dict[str, list[str]] = {}
-        tokenizer = PromptTokenizer(settings.tokenizer) if settings.tokenizer else None
+        #: The embedded simulators by URL.
+        self.simulators = {sim.url: sim for sim in simulators}
+        tokenizer_path = embedded.tokenizer(settings)
+        tokenizer = PromptTokenizer(tokenizer_path) if tokenizer_path else None
         for item in self.codecs:
             item.codec.max_body_bytes = settings.max_body_bytes
             item.codec.max_items = settings.max_request_items
@@ -97,9 +108,13 @@ class App:
         self.body_budget = BodyBudget(settings.body_budget_bytes)
         self.shutting_down = False
         self._shutdown_requested: anyio.Event | None = None
+        #: ``time.monotonic()`` at which a shutdown ends what is in flight.
+        self._drain_until = 0.0
         self.started_unix_ms = int(time.time() * 1000)
         #: Request and abort counters, metrics and the trace writer.
         self.recorder = Recorder(settings)
+        #: Called once the lifespan has started (workers probed, simulators up).
+        self.on_started: Callable[[], None] | None = None
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         await self.dispatch(scope, receive, send)
@@ -159,11 +174,11 @@ class App:
             async with AsyncExitStack() as stack:
                 st = self.settings
                 specs, prefill, decode = st.workers, st.prefill, st.decode
-                if not (specs or prefill or decode or st.workers_file):
+                if embedded.wanted(st):
                     # Simulators for each protocol a served codec rides on,
                     # so every route answers.
-                    specs, prefill, decode = await stack.enter_async_context(
-                        embedded_fleet(
+                    specs, prefill, decode, simulators = await stack.enter_async_context(
+                        embedded.embedded_fleet(
                             {item.codec.worker_protocol for item in self.codecs},
                             st.embedded_workers,
                             st.embedded_ttft_ms,
@@ -171,6 +186,11 @@ class App:
                             st.embedded_pd,
                         )
                     )
+                    self.simulators = {sim.url: sim for sim in simulators}
+                elif st.tokenizer is None and st.migration_limit > 0:
+                    log.warning("no --tokenizer (ASGI_GENERATE_TOKENIZER): a streamed text prompt will not "
+                                "migrate when its worker dies (token-id prompts do); give the model's "
+                                "tokenizer.json to resume text prompts too")
                 self.router = Router(
                     [],
                     disaggregation=st.disaggregation,
@@ -201,9 +221,13 @@ class App:
                     if recorder.metrics.multiproc_dir is not None:
                         tg.start_soon(recorder.metrics.refresh_every, self.router)
                     self._shutdown_requested = anyio.Event()
+                    if self.shutting_down:  # stopped while starting up
+                        self._shutdown_requested.set()
                     tg.start_soon(self._drain_on_shutdown)
                     await send({"type": "lifespan.startup.complete"})
                     started = True
+                    if self.on_started is not None:
+                        self.on_started()
                     while (await receive())["type"] != "lifespan.shutdown":
                         pass
                     if recorder.tracer is not None:
@@ -219,19 +243,38 @@ class App:
 
     # -- graceful shutdown ---------------------------------------------------------
 
-    def begin_shutdown(self) -> None:
+    def begin_shutdown(self, server_grace: float | None = None) -> None:
         """Stop taking requests (new ones get 503); in-flight ones get
-        ``shutdown_grace`` seconds, then are aborted and ended cleanly.
-        Called by ``asgi-generate serve`` on SIGTERM/SIGINT."""
+        ``shutdown_grace`` seconds, then are aborted and ended cleanly (the
+        format's error, in-band after the 200, and its terminal marker; a
+        record each). ``server_grace``: the seconds the server gives them
+        before it cuts them (hypercorn's ``graceful_timeout``), of which
+        :data:`END_MARGIN` is kept for that ending. Called once the server
+        stops (SIGTERM/SIGINT: :func:`asgi_generate.server.serving.run`,
+        :mod:`asgi_generate.server.hypercorn.graceful`); later calls do
+        nothing."""
+        if self.shutting_down:
+            return
         self.shutting_down = True
+        grace = self.settings.shutdown_grace
+        if server_grace is not None:
+            grace = max(0.0, min(grace, server_grace - END_MARGIN))
+        self._drain_until = time.monotonic() + grace
+        if self.inflight:
+            log.info("shutdown: %d request(s) in flight get up to %g s to finish", len(self.inflight), grace)
         if self._shutdown_requested is not None:
             self._shutdown_requested.set()
 
+    def end_in_flight(self) -> None:
+        """End every in-flight request now, as :meth:`begin_shutdown` does
+        once its grace is over (a forced shutdown)."""
+        self.begin_shutdown()
+        self._drain_until = 0.0
+
     async def _drain_on_shutdown(self) -> None:
         await self._shutdown_requested.wait()
-        with anyio.move_on_after(self.settings.shutdown_grace):
-            while self.inflight:
-                await anyio.sleep(0.05)
+        while self.inflight and time.monotonic() < self._drain_until:
+            await anyio.sleep(0.05)
         if self.inflight:
             log.warning("shutdown: aborting %d requests still in flight", len(self.inflight))
         for gen in list(self.inflight.values()):
@@ -305,10 +348,14 @@ class App:
         (``reading_body``) and the body budget (bytes reserved, requests
         waiting for room), the routing policy's decisions (``routing``),
         pool figures, of this process (``pid``; ``serve
-        --workers N`` runs N of them, each with its own budget)."""
+        --workers N`` runs N of them, each with its own budget); whether
+        hypercorn serves patched (``hypercorn_patches``,
+        :func:`asgi_generate.server.hypercorn.patches.status`); an embedded
+        simulator's process id as its worker's ``pid``."""
         recorder = self.recorder
         return {
             "pid": os.getpid(),
+            "hypercorn_patches": hypercorn_patches.status(),
             **recorder.counters,
             "by_status": dict(recorder.by_status),
             "reading_body": self.body_budget.reading,
@@ -329,6 +376,7 @@ class App:
                     "connections_opened": w.pool.opened,
                     "connections_retired": w.pool.retired,
                     **({"aborts": self.aborts[w.id].stats()} if w.id in self.aborts else {}),
+                    **({"pid": self.simulators[w.url].pid} if w.url in self.simulators else {}),
                 }
                 for w in self.router.workers
             },

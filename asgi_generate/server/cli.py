@@ -15,8 +15,9 @@ import sys
 from typing import TYPE_CHECKING, Callable
 
 from .. import __version__
+from . import detach
 from ..config import SETTINGS, Setting, Settings
-from .serving import WORKER_CLASSES, ServerTLS, hold_signals, hypercorn_config, run
+from .serving import LOG_FORMAT, WORKER_CLASSES, ServerTLS, hold_signals, hypercorn_config, run
 from ..protocols import PROTOCOLS
 from ..sdk.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS
 
@@ -147,6 +148,11 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--pid-file", default=None, metavar="PATH",
                        help="write the server's process id here (removed at exit), for "
                             "kill -TERM $(cat PATH)")
+    serve.add_argument("--log-file", default=None, metavar="PATH",
+                       help="append the server's output here instead of stderr, once the port is bound")
+    serve.add_argument("--detach", action="store_true",
+                       help="once the port is bound, serve in the background (with --log-file): the command "
+                            "exits 0 when the server answers, else with its status and what it logged")
     serve.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                        help="log one line per request (hypercorn's access log format) at INFO")
     serve.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info",
@@ -283,6 +289,8 @@ def _serve(args: argparse.Namespace, d: Settings) -> int:
         if args.processes == 1:  # N processes get a folder of serve's own
             multiproc_dir()
         tls = _server_tls(args)
+        if args.detach and args.log_file is None:
+            raise ValueError("--detach needs --log-file: a server in the background logs there")
     except ValueError as exc:
         return _fail(str(exc))
     try:
@@ -293,9 +301,23 @@ def _serve(args: argparse.Namespace, d: Settings) -> int:
     pid_file = pathlib.Path(args.pid_file) if args.pid_file else None
     try:
         try:
+            if args.detach:
+                status = detach.fork(args.log_file, args.processes, _where(sock, tls))
+                if status is not None:
+                    pid_file = None  # the server's to write and remove
+                    return status
+            elif args.log_file is not None:
+                _output_to(args.log_file)
+        except OSError as exc:
+            pid_file = None
+            return _fail(f"--log-file: cannot append to {args.log_file!r}: {exc.strerror or exc}")
+        ready = detach.ready_fd()
+        try:
             codecs = load_codecs(settings.skip_broken_codecs, protocols=PROTOCOLS)
             if args.processes == 1:
                 app = App(settings, codecs)
+                if ready is not None:
+                    app.on_started = detach.announcer(ready)
             elif settings.trace_file or settings.trace_stderr or settings.otlp_endpoint:
                 Tracer(settings)  # fails here, once, rather than in every worker process
         except (CodecLoadError, TraceSetupError, MetricsSetupError) as exc:
@@ -311,7 +333,7 @@ def _serve(args: argparse.Namespace, d: Settings) -> int:
         if args.processes > 1:
             protocols = {item.codec.worker_protocol for item in codecs}
             return supervise(settings, sock, args.processes, args.worker_class, args.shutdown_grace, protocols,
-                             log_level=args.log_level, access_log=args.access_log, tls=tls)
+                             log_level=args.log_level, access_log=args.access_log, tls=tls, ready_fd=ready)
         # hypercorn's own deadline only backs up the app's: grace, then
         # aborts. hypercorn serves (and closes) the descriptor itself.
         config = hypercorn_config(fd=sock.detach(), graceful_timeout=settings.shutdown_grace + 15.0,
@@ -322,6 +344,18 @@ def _serve(args: argparse.Namespace, d: Settings) -> int:
         sock.close()  # a no-op once detached
         if pid_file is not None:
             pid_file.unlink(missing_ok=True)
+
+
+def _output_to(path: str) -> None:
+    """Append this process's stdout and stderr (the log, and its children's
+    output) to ``path``.
+
+    Raises:
+        OSError: ``path`` cannot be opened for appending.
+    """
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
 
 
 def _where(sock: socket.socket, tls: ServerTLS | None = None) -> str:
@@ -422,9 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(d).parse_args(argv)
     if args.command == "codecs":
         return _codecs()
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     if args.command == "serve":
         return _serve(args, d)
     return _sim(args)

@@ -12,6 +12,11 @@ exit with it.
 With ``--embedded-pd`` a prefill and a decode simulator per protocol start
 beside the aggregated ones (SGLang ``--disaggregation-mode``, vLLM
 ``--kv-role``), so the frontend serves prefill/decode pairs.
+
+The simulators tokenize text with the bundled tokenizer
+(:data:`asgi_generate.assets.TOKENIZER_PATH`), so a frontend serving them
+uses it too unless ``--tokenizer`` names another (:func:`tokenizer`): a
+streamed text prompt then migrates when its simulator dies.
 """
 
 from __future__ import annotations
@@ -26,10 +31,45 @@ from typing import AsyncIterator, Iterable, NamedTuple
 import anyio
 import orjson
 
+from ..assets import TOKENIZER_PATH
+from ..config import Settings
 from .serving import listening_socket
 from ..workers.http import ConnectionPool, WorkerError
 
 log = logging.getLogger("asgi_generate.server.embedded")
+
+
+def wanted(settings: Settings) -> bool:
+    """Whether ``settings`` configure no worker, so simulators serve."""
+    return not (settings.workers or settings.prefill or settings.decode or settings.workers_file)
+
+
+def tokenizer(settings: Settings) -> str | None:
+    """The tokenizer file the frontend loads: ``--tokenizer``, else the
+    simulators' own when they serve (:func:`wanted`), else none."""
+    if settings.tokenizer is not None or not wanted(settings):
+        return settings.tokenizer
+    return str(TOKENIZER_PATH)
+
+
+class Simulator(NamedTuple):
+    """One embedded simulator process.
+
+    Attributes:
+        protocol: ``sglang`` or ``vllm``.
+        role: ``aggregated``, ``prefill`` or ``decode``.
+        url: ``http://127.0.0.1:PORT``.
+        pid: its process id.
+    """
+
+    protocol: str
+    role: str
+    url: str
+    pid: int
+
+    def describe(self) -> str:
+        """``URL (ROLE, pid PID)``, as the start-up log names it."""
+        return f"{self.url} ({self.role}, pid {self.pid})"
 
 
 @asynccontextmanager
@@ -40,16 +80,17 @@ async def embedded_workers(
     itl_ms: float = 0.0,
     ready_timeout: float = 60.0,
     extra: Iterable[str] = (),
-) -> AsyncIterator[list[tuple[str, str]]]:
-    """Start ``count`` simulators speaking ``protocol`` (with ``extra``
-    ``sim`` flags); yield their ``(protocol, url)`` specs once each answers
-    ``/health``; stop them on exit.
+    role: str = "aggregated",
+) -> AsyncIterator[list[Simulator]]:
+    """Start ``count`` simulators speaking ``protocol`` in ``role`` (with
+    ``extra`` ``sim`` flags); yield them once each answers ``/health``, and
+    log them (URL, role, pid); stop them on exit.
 
     Raises:
         RuntimeError: a simulator exited or did not become healthy in time.
     """
     procs: list[anyio.abc.Process] = []
-    specs: list[tuple[str, str]] = []
+    sims: list[Simulator] = []
     try:
         for _ in range(count):
             sock = listening_socket("127.0.0.1", 0)
@@ -71,11 +112,11 @@ async def embedded_workers(
             finally:
                 sock.close()
             procs.append(proc)
-            specs.append((protocol, f"http://127.0.0.1:{port}"))
-        for proc, (_, url) in zip(procs, specs):
-            await _wait_ready(proc, url, ready_timeout)
-        log.info("embedded %s workers: %s", protocol, ", ".join(u for _, u in specs))
-        yield specs
+            sims.append(Simulator(protocol, role, f"http://127.0.0.1:{port}", proc.pid))
+        for proc, sim in zip(procs, sims):
+            await _wait_ready(proc, sim.url, ready_timeout)
+        log.info("embedded %s workers: %s", protocol, ", ".join(sim.describe() for sim in sims))
+        yield sims
     finally:
         with anyio.CancelScope(shield=True):
             for proc in procs:
@@ -136,11 +177,13 @@ PD_FLAGS = {
 
 
 class Fleet(NamedTuple):
-    """The embedded workers' ``(protocol, url)`` specs by role."""
+    """The embedded workers' ``(protocol, url)`` specs by role, and the
+    simulators serving them."""
 
     workers: list[tuple[str, str]]
     prefill: list[tuple[str, str]]
     decode: list[tuple[str, str]]
+    simulators: list[Simulator]
 
 
 @asynccontextmanager
@@ -150,24 +193,29 @@ async def embedded_fleet(
     """:func:`embedded_workers` for each of ``protocols`` the simulator
     speaks (in :data:`SIM_PROTOCOLS` order), and with ``pd`` one prefill
     and one decode simulator each; yields all their specs."""
-    wanted = set(protocols)
+    protocols = set(protocols)
     log.warning("no worker configured (--worker, ASGI_GENERATE_WORKERS): serving %d simulated "
                 "worker(s) per protocol (%s), not real engines", count,
-                ", ".join(p for p in SIM_PROTOCOLS if p in wanted))
+                ", ".join(p for p in SIM_PROTOCOLS if p in protocols))
     async with AsyncExitStack() as stack:
-        fleet = Fleet([], [], [])
+        fleet = Fleet([], [], [], [])
+
+        async def start(n: int, protocol: str, role: str = "aggregated", extra: Iterable[str] = ()) -> list[str]:
+            sims = await stack.enter_async_context(embedded_workers(n, protocol, ttft_ms, itl_ms, extra=extra,
+                                                                    role=role))
+            fleet.simulators.extend(sims)
+            return [sim.url for sim in sims]
+
         for protocol in SIM_PROTOCOLS:
-            if protocol not in wanted:
+            if protocol not in protocols:
                 continue
-            fleet.workers.extend(await stack.enter_async_context(embedded_workers(count, protocol, ttft_ms, itl_ms)))
+            fleet.workers.extend((protocol, url) for url in await start(count, protocol))
             if not pd:
                 continue
             prefill_flags, decode_flags = PD_FLAGS[protocol]
-            (spec,) = await stack.enter_async_context(embedded_workers(1, protocol, ttft_ms, itl_ms,
-                                                                       extra=prefill_flags))
+            (url,) = await start(1, protocol, "prefill", prefill_flags)
             if protocol == "sglang":
-                spec = (protocol, f"{spec[1]}?bootstrap_port={await _bootstrap_port(spec[1])}")
-            fleet.prefill.append(spec)
-            fleet.decode.extend(await stack.enter_async_context(embedded_workers(1, protocol, ttft_ms, itl_ms,
-                                                                                 extra=decode_flags)))
+                url = f"{url}?bootstrap_port={await _bootstrap_port(url)}"
+            fleet.prefill.append((protocol, url))
+            fleet.decode.extend((protocol, url) for url in await start(1, protocol, "decode", decode_flags))
         yield fleet

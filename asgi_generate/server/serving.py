@@ -1,8 +1,9 @@
 """Run an ASGI app under hypercorn, programmatically, on trio or asyncio.
 
 Used by ``asgi-generate serve`` and ``asgi-generate sim``. The first SIGINT or
-SIGTERM starts hypercorn's graceful shutdown; later ones are ignored, so a Ctrl-C that reaches a process twice (from the terminal and from
-``serve --workers N`` forwarding it) cannot cut the drain short. hypercorn
+SIGTERM starts hypercorn's graceful shutdown; the second only says that the
+process is stopping already and how to force it; the third forces it: the
+app ends its in-flight requests at once (``end_in_flight()``). hypercorn
 serves with the patches of :mod:`asgi_generate.server.hypercorn`
 (:func:`asgi_generate.server.hypercorn.patches.install`), or as released
 when they do not match it.
@@ -27,6 +28,9 @@ from .hypercorn import patches as hypercorn_patches
 #: hypercorn worker classes; ``uvloop`` is hypercorn's asyncio worker on
 #: uvloop's event loop (hypercorn's own ``--worker-class uvloop``).
 WORKER_CLASSES = ("trio", "asyncio", "uvloop")
+#: The log line of every process ``serve`` and ``sim`` run: time, process
+#: id (``serve --workers N`` runs several), level, logger, message.
+LOG_FORMAT = "%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s"
 log = logging.getLogger("asgi_generate")
 
 
@@ -187,9 +191,11 @@ def held_signal() -> int | None:
 
 def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
     """Raise the open-file limit (:func:`raise_fd_limit`), then serve ``app``
-    until SIGINT or SIGTERM, and shut down gracefully:
-    hypercorn stops accepting, and ``app.begin_shutdown()`` (when the app has
-    one) lets the app end its in-flight requests itself. hypercorn serves
+    until SIGINT or SIGTERM, and shut down gracefully: hypercorn stops
+    accepting, and ``app.begin_shutdown(config.graceful_timeout)`` (when the
+    app has one) lets the app end its in-flight requests itself, within
+    hypercorn's graceful timeout. A second signal is logged, a third calls
+    ``app.end_in_flight()`` (when the app has one). hypercorn serves
     with our patches if they match it (else as released, with one WARNING:
     :func:`asgi_generate.server.hypercorn.patches.install`); patched, an app
     with a true ``handles_send_errors`` gets an error from a ``send()`` to a
@@ -207,12 +213,15 @@ def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
     async def main() -> None:
         if worker_class == "trio":
             from hypercorn.trio import serve
+
+            if patched:
+                from .hypercorn.graceful import trio_serve as serve
         elif patched:
             from .hypercorn.asyncio_serve import serve
         else:
             from hypercorn.asyncio import serve
-        # Held open until hypercorn is done: a later signal lands in this
-        # receiver's unread queue instead of the default handler.
+        # Held open until hypercorn is done: a signal lands in this
+        # receiver's queue, never in the default handler.
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
 
             async def first_signal() -> None:
@@ -222,9 +231,29 @@ def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
                 log.info("%s: shutting down gracefully", signal.Signals(signum).name)
                 begin = getattr(app, "begin_shutdown", None)
                 if begin is not None:
-                    begin()
+                    begin(config.graceful_timeout)
+                tg.start_soon(later_signals)
 
-            await serve(app, config, shutdown_trigger=first_signal)
+            async def later_signals() -> None:
+                count = 1
+                async for signum in signals:
+                    count += 1
+                    name = signal.Signals(signum).name
+                    if count == 2:
+                        again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {name} again"
+                        log.warning("%s: already stopping; %s to force", name, again)
+                        continue
+                    log.warning("%s: forcing the shutdown: ending the requests in flight now", name)
+                    end = getattr(app, "end_in_flight", None)
+                    if end is not None:
+                        end()
+
+            async def serving() -> None:
+                await serve(app, config, shutdown_trigger=first_signal)
+                tg.cancel_scope.cancel()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(serving)
 
     # What is alive now (modules, codecs, the app) lives as long as the
     # process: out of the collector's sight, it is never traversed again,

@@ -3,16 +3,18 @@
 The supervisor binds the listening socket once, starts the embedded
 simulators once (when no worker is configured), then starts N children that
 serve the inherited socket with settings passed through ``ASGI_GENERATE_*``
-variables. Children and simulators run in sessions of their own, so a
-terminal's Ctrl-C reaches only the supervisor, which forwards SIGINT and
-SIGTERM to every child exactly once; each child runs its own graceful
-shutdown (and gets SIGTERM from the kernel should the supervisor die). The
-supervisor exits when all children have, then stops the simulators. Each child keeps its own counters: ``/stats`` answers for the
-process that took the connection (its ``pid`` says which). ``/metrics``
-answers for all of them: the supervisor gives the children a fresh
-``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client's multiprocess mode, see
-:mod:`asgi_generate.ops.metrics`), tells the library when each child is gone,
-and removes the folder at exit.
+variables (the simulators' specs and tokenizer among them; their process
+ids and roles on the child's command line, for ``/stats``). Children and
+simulators run in sessions of their own, so a terminal's Ctrl-C reaches only
+the supervisor, which forwards every SIGINT and SIGTERM to every child;
+each child runs its own graceful shutdown (and gets SIGTERM from the kernel
+should the supervisor die). The supervisor exits when all children have,
+then stops the simulators. Each child keeps its own counters: ``/stats``
+answers for the process that took the connection (its ``pid`` says which).
+``/metrics`` answers for all of them: the supervisor gives the children a
+fresh ``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client's multiprocess mode,
+see :mod:`asgi_generate.ops.metrics`), tells the library when each child is
+gone, and removes the folder at exit.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ import tempfile
 from contextlib import AsyncExitStack
 
 import anyio
+import orjson
 from prometheus_client import multiprocess
 
 from ..config import Settings
-from .embedded import embedded_fleet
+from . import detach, embedded
 from ..ops.metrics import MULTIPROC_ENV
-from .serving import ServerTLS, held_signal, hold_signals
+from .serving import LOG_FORMAT, ServerTLS, held_signal, hold_signals
 
 
 def supervise(
@@ -49,34 +52,44 @@ def supervise(
     log_level: str = "info",
     access_log: bool = True,
     tls: ServerTLS | None = None,
+    ready_fd: int | None = None,
 ) -> int:
     """Run ``processes`` frontend children on ``sock`` until they exit
     (embedded simulators for ``protocols`` when no worker is configured);
     returns the first non-zero exit code, else 0. ``log_level`` and
-    ``access_log`` are the children's (see :func:`serving.hypercorn_config`), as is ``tls``
-    (HTTPS)."""
+    ``access_log`` are the children's (see :func:`serving.hypercorn_config`),
+    as is ``tls`` (HTTPS). With ``ready_fd`` (``serve --detach``'s pipe,
+    :mod:`asgi_generate.server.detach`) each child announces on it once it
+    serves, and this process closes its own copy."""
 
     async def main() -> int:
         async with AsyncExitStack() as stack:
-            fleet = settings
-            if not (settings.workers or settings.prefill or settings.decode or settings.workers_file):
-                specs, prefill, decode = await stack.enter_async_context(
-                    embedded_fleet(protocols, settings.embedded_workers,
-                                   settings.embedded_ttft_ms, settings.embedded_itl_ms, settings.embedded_pd)
+            fleet, simulators = settings, []
+            if embedded.wanted(settings):
+                specs, prefill, decode, simulators = await stack.enter_async_context(
+                    embedded.embedded_fleet(protocols, settings.embedded_workers, settings.embedded_ttft_ms,
+                                            settings.embedded_itl_ms, settings.embedded_pd)
                 )
-                fleet = dataclasses.replace(settings, workers=specs, prefill=prefill, decode=decode)
+                fleet = dataclasses.replace(settings, workers=specs, prefill=prefill, decode=decode,
+                                            tokenizer=embedded.tokenizer(settings))
             metrics_dir = tempfile.mkdtemp(prefix="asgi-generate-metrics-")
             stack.callback(shutil.rmtree, metrics_dir, ignore_errors=True)
             env = {**os.environ, **fleet.to_env(), MULTIPROC_ENV: metrics_dir}
             cmd = [sys.executable, "-m", "asgi_generate.server.supervisor", "--fd", str(sock.fileno()),
                    "--worker-class", worker_class, "--shutdown-grace", str(shutdown_grace),
-                   "--parent-pid", str(os.getpid()), "--log-level", log_level, "--access-log" if access_log else "--no-access-log",
-                   *(tls.argv() if tls is not None else [])]
+                   "--parent-pid", str(os.getpid()), "--log-level", log_level,
+                   "--access-log" if access_log else "--no-access-log",
+                   "--simulators", orjson.dumps([tuple(sim) for sim in simulators]).decode(),
+                   *(tls.argv() if tls is not None else []),
+                   *(["--ready-fd", str(ready_fd)] if ready_fd is not None else [])]
+            fds = [sock.fileno(), *([ready_fd] if ready_fd is not None else [])]
             children = [
-                await anyio.open_process(cmd, pass_fds=[sock.fileno()], env=env, start_new_session=True,
+                await anyio.open_process(cmd, pass_fds=fds, env=env, start_new_session=True,
                                          stdin=subprocess.DEVNULL, stdout=None, stderr=None)
                 for _ in range(processes)
             ]
+            if ready_fd is not None:
+                os.close(ready_fd)  # the children announce
             forwarded: set[int] = set()
 
             async def reap(child) -> None:
@@ -136,6 +149,8 @@ def _child() -> int:
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--log-level", required=True)
     parser.add_argument("--access-log", action=argparse.BooleanOptionalAction, required=True)
+    parser.add_argument("--simulators", type=orjson.loads, required=True)
+    parser.add_argument("--ready-fd", type=int, default=None)
     for flag in ("--certfile", "--keyfile", "--ca-certs", "--ciphers"):
         parser.add_argument(flag, default=None)
     hold_signals()  # a stop forwarded while this child still imports is kept, not fatal
@@ -143,8 +158,10 @@ def _child() -> int:
     _die_with_parent()
     if os.getppid() != args.parent_pid:  # it died before the line above took effect
         return 0
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = App(Settings.from_env())
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    app = App(Settings.from_env(), simulators=[embedded.Simulator(*sim) for sim in args.simulators])
+    if args.ready_fd is not None:
+        app.on_started = detach.announcer(args.ready_fd)
     tls = ServerTLS(args.certfile, args.keyfile, args.ca_certs, args.ciphers) if args.certfile else None
     config = hypercorn_config(fd=args.fd, graceful_timeout=args.shutdown_grace + 15.0,
                               log_level=args.log_level, access_log=args.access_log, tls=tls)

@@ -1,6 +1,7 @@
 """Every patch to hypercorn, and nothing else: the fixes of its bugs
 (:mod:`.fixes`), its worker classes' connections (:mod:`.asyncio_serve`,
-:mod:`.trio_serve`) and leaner per-connection objects (:mod:`.lean`),
+:mod:`.trio_serve`), leaner per-connection objects (:mod:`.lean`) and the
+app told when the graceful shutdown begins (:mod:`.graceful`),
 installed together by :func:`.patches.install` once it has checked them
 against the installed hypercorn. ``UPSTREAM.md`` gives each bug's report
 for hypercorn's tracker and the test that shows it.

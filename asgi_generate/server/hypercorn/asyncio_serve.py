@@ -34,7 +34,8 @@ bug 1 of :mod:`asgi_generate.server.hypercorn.fixes`: no keep-alive wait for a c
 gone), a write to a closed connection reported to the protocol as
 ``Closed``, TLS (hypercorn's SSL context and handshake timeout), graceful
 shutdown (idle connections close, busy ones close after their answer, for at
-most ``graceful_timeout`` seconds), the lifespan, ``max_requests``.
+most ``graceful_timeout`` seconds), the lifespan, ``max_requests``. Added:
+the app told as the graceful shutdown begins (:mod:`.graceful`).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol import ProtocolWrapper
 from hypercorn.utils import ShutdownError, parse_socket_addr, raise_shutdown, repr_socket_addr, wrap_app
 
-from . import lean as hypercorn_lean
+from . import fixes, graceful, lean as hypercorn_lean
 
 #: "Nothing": a coroutine that finished (:func:`_step`), a yield handed on (:class:`_Resumed`).
 _NOTHING = object()
@@ -330,6 +331,17 @@ class Connection(asyncio.Protocol):
             pass
         transport.close()
 
+    def reset(self) -> None:
+        """Close the connection at once with a TCP reset, dropping what is
+        buffered for the client (the app cut it off): the protocol hears
+        ``Closed`` from the transport, and writes waiting on it end."""
+        if self._lost or self.transport is None:
+            return
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            fixes.reset_on_close(sock)
+        self.transport.abort()
+
     def _start_idle(self) -> None:
         self._idle = self.worker.loop.call_later(self.worker.config.keep_alive_timeout, self._idle_timeout)
         self.worker.idle.add(self)
@@ -465,7 +477,7 @@ async def worker_serve(app: Any, config: Config, *, sockets: Sockets | None = No
 
     try:
         async with asyncio.TaskGroup() as task_group:
-            task_group.create_task(raise_shutdown(shutdown_trigger))
+            task_group.create_task(raise_shutdown(graceful.announcing(app, config, shutdown_trigger)))
             task_group.create_task(raise_shutdown(context.terminate.wait))
     except BaseExceptionGroup as error:
         _, other_errors = error.split((ShutdownError, KeyboardInterrupt))

@@ -50,6 +50,16 @@ streams alike) takes a callback instead,
 called once when the connection closes (at once if it is closed already;
 ``None`` stops the watch); ``http.disconnect`` still reaches ``receive()``.
 
+Another: hypercorn can only close a connection gracefully, and on trio not
+while a write is stuck on a client that stopped reading (``TCPServer.
+protocol_send`` shields it), so a client the app cuts off keeps its socket,
+the bytes queued for it, and the app's task. The scope's extension
+``asgi_generate.connection_reset``
+(:data:`asgi_generate.request.watchdog.CONNECTION_RESET`, on HTTP/1.1: an
+h2 connection carries other streams) closes the connection at once with a
+TCP reset (:func:`reset_on_close`): the kernel drops what it buffers for
+the client and a stuck write ends.
+
 One saving: hypercorn writes a response's head as soon as the app sends
 ``http.response.start``, then its body in a second write: two ``send``
 syscalls and two loopback segments per unary answer. For a response with a
@@ -75,6 +85,8 @@ has disconnected, as nginx treats it. hypercorn already hands the app
 
 from __future__ import annotations
 
+import socket
+import struct
 from dataclasses import dataclass
 
 import h11
@@ -85,10 +97,22 @@ from hypercorn.protocol.events import Body, EndBody
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
-from ...request.watchdog import DISCONNECT_WATCH
+from ...request.watchdog import CONNECTION_RESET, DISCONNECT_WATCH
 
 #: Bytes of empty lines behind a request that do not stop hypercorn reading.
 STRAY_CRLF_BYTES = 4
+#: ``SO_LINGER`` on with a timeout of 0 s (``struct linger``): close() resets.
+_LINGER_0 = struct.pack("ii", 1, 0)
+
+
+def reset_on_close(sock: socket.socket) -> None:
+    """Make closing ``sock`` a TCP reset (``SO_LINGER`` on, 0 s): the kernel
+    drops at once what it still holds for the peer, instead of keeping an
+    orphaned socket with its queue for as long as the peer does not read."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_0)
+    except OSError:  # closed already
+        pass
 
 
 class _EdgeConnection(h11.Connection):
@@ -152,7 +176,10 @@ class _LazyContinue:
         self.stream = stream
 
     def __call__(self, scope, receive, send, sync_spawn, call_soon):
-        scope.setdefault("extensions", {})[DISCONNECT_WATCH] = self.stream.watch_disconnect
+        extensions = scope.setdefault("extensions", {})
+        extensions[DISCONNECT_WATCH] = self.stream.watch_disconnect
+        if scope["http_version"] != "2":  # an h2 connection carries other streams
+            extensions[CONNECTION_RESET] = self.stream.reset_connection
         receive = _FirstReceive(self.stream, receive)
         if type(self.app) is ASGIWrapper:
             app = self.app.app
@@ -191,6 +218,14 @@ class _LazyContinueStream(HTTPStream):
             callback()
         else:
             self.on_disconnect = callback
+
+    def reset_connection(self) -> None:
+        """Close the client's connection at once with a TCP reset (the
+        extension above): ``reset()`` of the connection serving it
+        (:class:`asgi_generate.server.hypercorn.asyncio_serve.Connection`,
+        :class:`asgi_generate.server.hypercorn.trio_serve.TCPServer`, the
+        task group hypercorn hands its streams)."""
+        self.task_group.reset()
 
     async def handle(self, event: StreamEvent) -> None:
         await super().handle(event)

@@ -1,15 +1,17 @@
 """hypercorn's patches, installed all together or not at all.
 
 The patches (:mod:`.fixes`, :mod:`.lean`, :mod:`.asyncio_serve`,
-:mod:`.trio_serve`) replace six hypercorn module globals and subclass or call
-hypercorn internals that no release promises to keep. They were written and
-tested against hypercorn :data:`SUPPORTED` (setup.cfg pins the same range).
-:func:`install` first checks the installed release and the shape of every
-internal they touch (:data:`EXPECTED`); on any mismatch it logs one WARNING
-naming each one and patches nothing, so hypercorn serves as released: every
-request then watches its client with a guard task on ``receive()``
+:mod:`.trio_serve`, :mod:`.graceful`) replace seven hypercorn module
+globals and subclass or call hypercorn internals that no release promises to
+keep. They were written and tested against hypercorn :data:`SUPPORTED`
+(setup.cfg pins the same range). :func:`install` first checks the installed
+release and the shape of every internal they touch (:data:`EXPECTED`); on
+any mismatch it logs one WARNING naming each one and patches nothing, so
+hypercorn serves as released: every request then watches its client with a
+guard task on ``receive()``
 (:func:`asgi_generate.request.handler.handle_generate`), and the bugs of
-``UPSTREAM.md`` (beside this module) are hypercorn's again.
+``UPSTREAM.md`` (beside this module) are hypercorn's again. ``/stats``
+says which (:func:`status`).
 
 Nothing is patched on import; the entry points call :func:`install`:
 :func:`asgi_generate.server.serving.run` and the ``hypercorn`` entry module
@@ -41,6 +43,7 @@ REPLACED = {
     ("hypercorn.asyncio.run", "worker_serve"): "hypercorn.asyncio.run.worker_serve",
     ("hypercorn.trio.run", "TCPServer"): "hypercorn.trio.tcp_server.TCPServer",
     ("hypercorn.trio.run", "WorkerContext"): "hypercorn.trio.worker_context.WorkerContext",
+    ("hypercorn.trio.run", "worker_serve"): "hypercorn.trio.run.worker_serve",
 }
 
 #: Every hypercorn callable the patches replace, subclass, override or call,
@@ -69,6 +72,11 @@ EXPECTED: dict[str, str | None] = {
     "hypercorn.asyncio.udp_server.UDPServer": "(app, loop, config, context, state)",
     "hypercorn.asyncio.worker_context.WorkerContext": "(max_requests)",
     "hypercorn.asyncio.worker_context.WorkerContext.event_class": None,
+    # graceful: the worker classes' serve, the app wrapper, the timeout
+    "hypercorn.trio.run.worker_serve": "(app, config, *, sockets, shutdown_trigger, task_status)",
+    "hypercorn.utils.wrap_app": "(app, wsgi_max_body_size, mode)",
+    "hypercorn.app_wrappers.ASGIWrapper": "(app)",
+    "hypercorn.config.Config.graceful_timeout": None,
     # trio_serve and lean: the trio connection, its keep-alive task, events
     "hypercorn.trio.tcp_server.TCPServer": "(app, config, context, state, stream)",
     "hypercorn.trio.tcp_server.TCPServer.protocol_send": "(self, event)",
@@ -83,10 +91,12 @@ EXPECTED: dict[str, str | None] = {
 
 #: ``True``: installed; ``False``: a mismatch, stock hypercorn; ``None``: not tried.
 _installed: bool | None = None
+#: What :func:`install` found did not match (:func:`mismatches`).
+_found: list[str] = []
 #: What :func:`mismatches` found nothing at.
 _MISSING = object()
 #: The modules of the patches (they import hypercorn's names as they load).
-_PATCH_MODULES = ("fixes", "lean", "asyncio_serve", "trio_serve")
+_PATCH_MODULES = ("fixes", "lean", "asyncio_serve", "trio_serve", "graceful")
 
 
 def parameters(obj: Any) -> str:
@@ -201,6 +211,7 @@ def install(send_errors: bool) -> bool:
     if _installed is None:
         found = mismatches()
         if found:
+            _found[:] = found
             log.warning("hypercorn patches not installed: %s; serving with stock hypercorn (a guard task "
                         "per request, the bugs of asgi_generate/server/hypercorn/UPSTREAM.md unfixed)",
                         "; ".join(found))
@@ -213,7 +224,7 @@ def install(send_errors: bool) -> bool:
     from hypercorn.protocol import h11 as protocol_h11, h2 as protocol_h2
     from hypercorn.trio import run as trio_run
 
-    from . import asyncio_serve, fixes, lean, trio_serve
+    from . import asyncio_serve, fixes, graceful, lean, trio_serve
 
     protocol.H11Protocol = fixes._H11Protocol
     # h2's streams too: the disconnect watch (no guard task per stream) and
@@ -225,5 +236,14 @@ def install(send_errors: bool) -> bool:
     asyncio_run.worker_serve = asyncio_serve.worker_serve
     trio_run.TCPServer = trio_serve.TCPServer
     trio_run.WorkerContext = lean.TrioWorkerContext
+    trio_run.worker_serve = graceful.trio_worker_serve
     _installed = True
     return True
+
+
+def status() -> dict[str, Any]:
+    """Whether hypercorn serves patched, for ``/stats``:
+    ``{"installed": True | False | None, "mismatches": [phrase, ...]}``,
+    ``None`` when :func:`install` never ran in this process (the app served
+    another way), ``mismatches`` what its WARNING named."""
+    return {"installed": _installed, "mismatches": list(_found)}

@@ -37,7 +37,7 @@ from hypercorn.protocol import ProtocolWrapper
 from hypercorn.trio import tcp_server as trio_tcp_server
 from hypercorn.utils import parse_socket_addr
 
-from . import lean as hypercorn_lean
+from . import fixes, lean as hypercorn_lean
 from ...workers.sockets import recv_nowait
 
 #: Bytes asked of one socket read (hypercorn's ``MAX_RECV``).
@@ -124,6 +124,16 @@ class TCPServer(trio_tcp_server.TCPServer):
         if self._reading_done and isinstance(event, Updated) and event.idle:
             return  # nobody left to keep alive for (bug 1)
         await super().protocol_send(event)
+
+    def reset(self) -> None:
+        """Close the connection at once with a TCP reset, dropping what is
+        buffered for the client (the app cut it off): a write stuck on it
+        (hypercorn shields them) and the read both end, as on a client that
+        closed."""
+        stream = self.stream
+        sock = stream.transport_stream.socket if isinstance(stream, trio.SSLStream) else stream.socket
+        fixes.reset_on_close(sock)
+        sock.close()  # trio's: wakes every task waiting on it first
 
     # hypercorn's trio TaskGroup, on the connection's parent nursery
 
