@@ -1,10 +1,79 @@
-"""Shared fixtures: simulator and frontend processes for the whole session."""
+"""Shared fixtures (simulator and frontend processes for the whole session)
+and the ``e2e`` guard: a test that starts a process must be marked ``e2e``,
+so that ``pytest -m "not e2e"`` starts none."""
 
 from __future__ import annotations
+
+import os
+import subprocess
 
 import pytest
 
 from support import start_frontend, start_sim
+
+
+class ProcessInUnitTest(RuntimeError):
+    """A test not marked ``e2e`` tried to start a process."""
+
+
+# The test whose phase is running while unmarked (None: no guard). Set by the
+# hook wrappers below, read by the patched process starts.
+_unit_test: pytest.Item | None = None
+_started: list[str] = []
+
+
+def _guarded(start):
+    def start_or_refuse(*args, **kwargs):
+        if _unit_test is not None:
+            what = " ".join(map(str, args[1])) if start.__name__ == "_execute_child" else start.__name__
+            _started.append(what)
+            raise ProcessInUnitTest(f"{_unit_test.nodeid} is not marked e2e but started a process: {what}")
+        return start(*args, **kwargs)
+
+    return start_or_refuse
+
+
+def pytest_configure(config):
+    # Every way a test, or the server code it runs in-process, starts a
+    # process: subprocess (and so asyncio's, trio's and anyio's process
+    # APIs, which all make a subprocess.Popen), fork and posix_spawn.
+    subprocess.Popen._execute_child = _guarded(subprocess.Popen._execute_child)
+    for name in ("fork", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            setattr(os, name, _guarded(getattr(os, name)))
+
+
+def _phase(item: pytest.Item):
+    """Run one phase (setup, call, teardown: a session fixture starts its
+    processes in the setup of the first test that uses it) under the guard
+    unless ``item`` is marked e2e; fail it if it started a process, even
+    when the code that tried caught the refusal."""
+    global _unit_test
+    if item.get_closest_marker("e2e") is not None:
+        return (yield)
+    _unit_test, _started[:] = item, []
+    try:
+        result = yield
+    finally:
+        _unit_test = None
+    if _started:
+        raise ProcessInUnitTest(f"not marked e2e but started a process: {', '.join(_started)}")
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _phase(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _phase(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    return (yield from _phase(item))
 
 
 @pytest.fixture(scope="session")

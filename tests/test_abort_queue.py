@@ -71,6 +71,7 @@ def _acked(sim, protocol: str, ids: list[str], **queue_args) -> tuple[AbortQueue
             after["abort_named_ids"][len(before["abort_named_ids"]):])
 
 
+@pytest.mark.e2e
 def test_vllm_aborts_waiting_together_go_in_one_request(sims):
     ids = _ids(300, "v")
     queue, requests, named = _acked(sims["vllm"], "vllm", ids, concurrency=1, batch=512)
@@ -79,6 +80,7 @@ def test_vllm_aborts_waiting_together_go_in_one_request(sims):
     assert (queue.requests, queue.pool.opened) == (1, 1)
 
 
+@pytest.mark.e2e
 def test_vllm_batches_are_capped(sims):
     ids = _ids(100, "c")
     queue, requests, named = _acked(sims["vllm"], "vllm", ids, concurrency=2, batch=40)
@@ -88,6 +90,7 @@ def test_vllm_batches_are_capped(sims):
     assert queue.pool.opened <= 2
 
 
+@pytest.mark.e2e
 def test_sglang_sends_one_rid_per_request_over_at_most_concurrency_connections(sims):
     ids = _ids(60, "s")
     queue, requests, named = _acked(sims["sglang"], "sglang", ids, concurrency=3, batch=512)
@@ -96,6 +99,7 @@ def test_sglang_sends_one_rid_per_request_over_at_most_concurrency_connections(s
     assert queue.pool.opened <= 3 and queue.peak_in_flight <= 3 and queue.requests == 60
 
 
+@pytest.mark.e2e
 def test_a_full_queue_refuses_at_once(sims):
     sim = sims["sglang"]
     queue = AbortQueue(_worker("sglang", sim.port), queue_size=2)
@@ -103,6 +107,7 @@ def test_a_full_queue_refuses_at_once(sims):
     assert (queue.refused, queue.requests) == (1, 2)
 
 
+@pytest.mark.e2e
 def test_past_the_deadline_the_abort_is_unacknowledged_and_never_sent(sims):
     sim = sims["sglang"]
     before = stats(sim)["abort_requests"]
@@ -144,6 +149,7 @@ def test_a_refused_connect_loses_the_batch_and_the_queue_at_once():
     assert lost[0][1].startswith("abort failed: connect to 127.0.0.1:")
 
 
+@pytest.mark.e2e
 def test_a_worker_marked_down_gets_no_abort(sims):
     sim = sims["sglang"]
     before = stats(sim)["abort_requests"]

@@ -25,6 +25,8 @@ import pytest
 from support import start_frontend, start_sim, stats
 from swarm import Swarm, http_get, http_post, post_bytes, raise_fd_limit
 
+pytestmark = pytest.mark.e2e
+
 STREAMS = 1000
 #: Seconds the request sent during the storm, and then the frontend's
 #: counters, may take (a loaded machine takes the disconnects in slowly).

@@ -16,6 +16,8 @@ import pytest
 
 from support import children, free_port, post, sse, start_frontend, start_sim, stats, wait_until
 
+pytestmark = pytest.mark.e2e
+
 FLUSHED = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"

@@ -30,6 +30,8 @@ from support import (
     without_timing,
 )
 
+pytestmark = pytest.mark.e2e
+
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
 VLLM = "/inference/v1/generate"
 SG_BODIES = {

@@ -253,6 +253,7 @@ class Upload:
         self.sock.close()
 
 
+@pytest.mark.e2e
 def test_stalled_body_gets_408_at_the_deadline_and_is_seen_while_it_waits(bounded):
     wait_idle(bounded)
     seen = settled_records(bounded)
@@ -281,6 +282,7 @@ def test_stalled_body_gets_408_at_the_deadline_and_is_seen_while_it_waits(bounde
     assert rec["replay"] == {"excluded": "not_decoded"}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("path", ["/generate", VLLM_PATH])
 def test_declared_length_over_the_cap_gets_413_and_close_without_reading(bounded, path):
     # hypercorn 0.18 would answer `100 Continue` itself as soon as it has
@@ -306,6 +308,7 @@ def test_declared_length_over_the_cap_gets_413_and_close_without_reading(bounded
         "rejected", 413, {"type": "too_large", "message": message})
 
 
+@pytest.mark.e2e
 def test_small_body_with_expect_continue_is_served(bounded, body_sims):
     wait_idle(bounded)
     payload = orjson.dumps({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3}})
@@ -322,6 +325,7 @@ def test_small_body_with_expect_continue_is_served(bounded, body_sims):
     assert len(direct.json()["output_ids"]) == 3
 
 
+@pytest.mark.e2e
 def test_beyond_the_budget_waits_then_gets_503_with_retry_after_unread(bounded):
     wait_idle(bounded)
     seen = settled_records(bounded)
@@ -356,6 +360,7 @@ def test_beyond_the_budget_waits_then_gets_503_with_retry_after_unread(bounded):
         503, {"type": "busy", "message": "too many request bodies in flight; retry later"})
 
 
+@pytest.mark.e2e
 def test_large_bodies_at_once_stay_within_the_budget_and_get_the_engines_400(bounded, body_sims):
     """Six 2.4 MiB over-long vLLM prompts at once: two fit the 6 MiB budget,
     the others wait their turn (not 503: each turn is quick), and all get
@@ -389,6 +394,7 @@ def test_large_bodies_at_once_stay_within_the_budget_and_get_the_engines_400(bou
     wait_idle(bounded)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("n", [CONTEXT, CONTEXT + 1])
 def test_sglang_prompt_over_the_context_gets_sglangs_400_without_reaching_it(bounded, body_sims, n):
     sim = body_sims["sglang"]
@@ -410,6 +416,7 @@ def test_sglang_prompt_over_the_context_gets_sglangs_400_without_reaching_it(bou
     assert stats(sim)["generate_requests"] == arrived + 2  # the direct one and the fitting one
 
 
+@pytest.mark.e2e
 def test_sglang_streamed_prompt_over_the_context_is_refused_in_band_as_sglang_does(bounded, body_sims):
     sim = body_sims["sglang"]
     body = {"input_ids": [5] * (CONTEXT + 3), "stream": True, "sampling_params": {"max_new_tokens": 1}}
@@ -422,6 +429,7 @@ def test_sglang_streamed_prompt_over_the_context_is_refused_in_band_as_sglang_do
     assert sse(sim.url, body) == (status, events)  # the simulator answers the same
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("n", [CONTEXT, CONTEXT + 1])
 def test_vllm_prompt_over_the_context_gets_vllms_400_without_reaching_it(bounded, body_sims, n):
     sim = body_sims["vllm"]
@@ -443,6 +451,7 @@ def test_vllm_prompt_over_the_context_gets_vllms_400_without_reaching_it(bounded
     assert stats(sim)["generate_requests"] == arrived + 1  # the direct one
 
 
+@pytest.mark.e2e
 def test_models_route_shows_each_workers_context_length(bounded):
     workers = httpx.get(bounded.url + "/v1/models", timeout=5).json()["workers"]
     assert [(w["protocol"], w["max_model_len"]) for w in workers] == [("sglang", CONTEXT), ("vllm", CONTEXT)]

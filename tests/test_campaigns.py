@@ -13,6 +13,8 @@ import pytest
 
 from support import post, start_frontend, start_sim, stats, wait_until
 
+pytestmark = pytest.mark.e2e
+
 
 def _body(i: int, n: int) -> dict:
     return {"input_ids": [50 + i, 60 + i % 7], "rid": f"c{i}", "stream": True,

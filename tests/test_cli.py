@@ -17,6 +17,8 @@ import asgi_generate
 from support import (Proc, RawClient, children, free_port, listening_socket, post, start_frontend, start_sim,
                      wait_until)
 
+pytestmark = pytest.mark.e2e
+
 
 def _serve(args: list[str], health: str = "/health") -> Proc:
     return Proc("serve", ["serve", "--log-level", "warning", *args], listening_socket(), health)

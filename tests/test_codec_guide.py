@@ -79,6 +79,7 @@ def ids_frontend(tmp_path_factory, sims):
 REQUEST = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
 
 
+@pytest.mark.e2e
 def test_the_guide_codec_answers_unary_with_the_engines_token_ids(ids_frontend):
     direct = post(ids_frontend.url, REQUEST).json()
     resp = post(ids_frontend.url, REQUEST, path="/ids/generate")
@@ -88,6 +89,7 @@ def test_the_guide_codec_answers_unary_with_the_engines_token_ids(ids_frontend):
     assert len(direct["output_ids"]) == 5
 
 
+@pytest.mark.e2e
 def test_the_guide_codec_streams_one_event_per_engine_event(ids_frontend):
     direct = post(ids_frontend.url, REQUEST).json()
     status, events = sse(ids_frontend.url, {**REQUEST, "stream": True}, path="/ids/generate")
@@ -97,6 +99,7 @@ def test_the_guide_codec_streams_one_event_per_engine_event(ids_frontend):
     assert [c["finish_reason"] for c in chunks] == [None] * 4 + ["length"]
 
 
+@pytest.mark.e2e
 def test_the_guide_codec_refuses_in_its_own_error_shape(ids_frontend):
     body = {"sampling_params": {"max_new_tokens": 5}}  # no input
     with pytest.raises(RequestError) as refused:

@@ -175,6 +175,7 @@ def _error_answer(status: int, message: bytes, length: int) -> list[dict]:
     ]
 
 
+@pytest.mark.e2e
 def test_the_request_modules_import_without_the_server_or_ops():
     code = ("import sys, asgi_generate.request.generation, asgi_generate.request.client_stream, "
             "asgi_generate.request.batches; "

@@ -13,6 +13,8 @@ import pytest
 from support import (RawClient, start_frontend, start_hypercorn, start_sim, stats, tcp_states, trace_records,
                      wait_until)
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def slow_sim():

@@ -136,6 +136,7 @@ class Fleet:
         assert stats(sim)["generate_requests"] - before == len(self.on(wid))
 
 
+@pytest.mark.e2e
 @pytest.mark.anyio
 async def test_dns_workers_join_after_their_probe_and_vanished_ones_drain(three_sims, caplog):
     a, b, c = three_sims
@@ -192,6 +193,7 @@ def _write(path, text: str) -> None:
     os.replace(tmp, path)
 
 
+@pytest.mark.e2e
 @pytest.mark.anyio
 async def test_workers_file_edits_join_and_drain_workers(three_sims, tmp_path):
     a, b, c = three_sims

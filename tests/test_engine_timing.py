@@ -141,6 +141,7 @@ def worker_class(request):
     return request.param
 
 
+@pytest.mark.e2e
 def test_slow_unary_engine_is_answered_once_and_stays_up(worker_class):
     """TTFT 0.5 s and 0.5 s of decode, each past the old ``--read-timeout``
     (0.3 s here; it marked both workers down and answered 503): the answer
@@ -166,6 +167,7 @@ def test_slow_unary_engine_is_answered_once_and_stays_up(worker_class):
             s.stop()
 
 
+@pytest.mark.e2e
 def test_comment_only_stall_ends_at_the_inter_token_deadline(worker_class, tmp_path):
     """After one event the worker sends only ``: ping`` comments: they do not
     reset the inter-token timer, so the stream ends in-band with a 504 error
@@ -198,6 +200,7 @@ def test_comment_only_stall_ends_at_the_inter_token_deadline(worker_class, tmp_p
             fe.stop()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode,flag,body,message", [
     ("no_headers", "--headers-timeout", STREAM, "worker w0 sent no response headers within 0.5 s"),
     ("headers_only", "--first-token-timeout", STREAM, "worker w0 sent no token within 0.5 s"),
@@ -226,6 +229,7 @@ def test_timeout_before_the_answer_is_504_and_not_replayed(worker_class, mode, f
             sim.stop()
 
 
+@pytest.mark.e2e
 def test_black_hole_worker_ends_its_requests_when_the_probe_gives_up(worker_class, tmp_path):
     """A healthy worker turns into a black hole (accepts, never answers): its
     in-flight request ends with 502 'worker lost' within one health interval

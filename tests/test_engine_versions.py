@@ -78,6 +78,7 @@ def fleet(request, sims):
     proc.stop()
 
 
+@pytest.mark.e2e
 def test_each_simulator_reports_the_version_it_plays(sims):
     old, new, sglang = sims
     assert httpx.get(old.url + "/version").json() == {"version": OLD}
@@ -85,6 +86,7 @@ def test_each_simulator_reports_the_version_it_plays(sims):
     assert httpx.get(sglang.url + "/get_server_info").json()["version"] == "0.5.6"
 
 
+@pytest.mark.e2e
 def test_models_shows_each_workers_engine_version(fleet):
     workers = httpx.get(fleet.url + "/v1/models").json()["workers"]
     assert [(w["protocol"], w["engine_version"]) for w in workers] == [
@@ -98,6 +100,7 @@ def _served_by(sims, before: list[int]) -> int:
     return moved[0]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("stream", [False, True])
 def test_mixed_fleet_answers_each_request_as_the_serving_version_does(fleet, sims, stream):
     # Requests alternate between the two vLLM workers (least outstanding,
@@ -130,6 +133,7 @@ def test_mixed_fleet_answers_each_request_as_the_serving_version_does(fleet, sim
     assert seen == {0, 1}
 
 
+@pytest.mark.e2e
 def test_trace_matched_from_the_newer_version_only(tmp_path, sims):
     # The codec reads stop_reason (the record's matched stop) only from a
     # worker whose reported version sends it.
@@ -155,6 +159,7 @@ def test_trace_matched_from_the_newer_version_only(tmp_path, sims):
     assert by_worker["w1"]["finish"] == {"finish_reason": "stop", "backend_finish_reason": "stop", "matched": 978}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("version, shown", [(OLD, False), (NEW, True)])
 def test_an_aborted_stream_shows_its_finish_only_from_0_32(version, shown):
     # vLLM before 0.32 skips an output without tokens (the abort's finish is

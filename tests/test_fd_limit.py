@@ -6,7 +6,11 @@ from __future__ import annotations
 import re
 import resource
 
+import pytest
+
 from support import start_frontend, start_sim
+
+pytestmark = pytest.mark.e2e
 
 
 def _soft_limit(pid: int) -> int:

@@ -158,6 +158,7 @@ def fe(request, fast_sim, tmp_path_factory):
 # -- sockets released ---------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_connections_the_client_closed_release_their_fds(fe):
     """Keep-alive connections whose clients close after complete answers
     (unary, SSE, a control route) are closed by the server within 2 s, not
@@ -193,6 +194,7 @@ TRAILING = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
 @pytest.mark.parametrize("trailing", list(TRAILING), ids=list(TRAILING))
 def test_connection_close_then_more_bytes_gets_the_first_answer(fe, fast_sim, stream, trailing):
@@ -220,6 +222,7 @@ def test_connection_close_then_more_bytes_gets_the_first_answer(fe, fast_sim, st
     assert (rec["status"], rec["http_status"], rec["output_tokens"]) == ("ok", 200, 4)
 
 
+@pytest.mark.e2e
 def test_keep_alive_pipelining_still_answers_in_order(fe, fast_sim):
     """Without ``Connection: close``, requests sent back to back are all
     answered, in order, and the one with ``Connection: close`` ends it."""
@@ -283,6 +286,7 @@ def _assert_aborted(sim, rid: str) -> None:
     assert stats(sim)["running"] == 0
 
 
+@pytest.mark.e2e
 def test_half_close_before_the_body_is_whole(slow_fe, slow_sim):
     seen, received = slow_fe.settled(), stats(slow_sim)["received"]
     sock = _connect(slow_fe.url)
@@ -297,6 +301,7 @@ def test_half_close_before_the_body_is_whole(slow_fe, slow_sim):
     assert stats(slow_sim)["received"] == received
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("stream,wait", [(False, 0.0), (True, 0.0), (False, 0.6)],
                          ids=["first-token-unary", "first-token-sse", "unary-generating"])
 def test_half_close_before_any_output(slow_fe, slow_sim, stream, wait):
@@ -317,6 +322,7 @@ def test_half_close_before_any_output(slow_fe, slow_sim, stream, wait):
     assert [(a["outcome"], a["abort_acked"]) for a in rec["attempts"]] == [("aborted", True)]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("k,trailing", [(1, b""), (5, b""), (3, b"\r\n")], ids=["1", "5", "crlf-3"])
 def test_half_close_mid_stream(slow_fe, slow_sim, k, trailing):
     """Also after a stray CRLF behind the request (which RFC 9112 section
@@ -343,6 +349,7 @@ def test_half_close_mid_stream(slow_fe, slow_sim, k, trailing):
 # -- consistency: unknown routes, SGLang's 5xx type ---------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("method,path", [("GET", "/nope"), ("POST", "/v1/generate"), ("DELETE", "/"),
                                          ("POST", "/generate/"), ("GET", "/inference/v1/generate/x")])
 def test_unknown_routes_are_fastapis_404(fe, method, path):
@@ -367,6 +374,7 @@ def test_sglang_5xx_has_one_type_unary_and_in_band():
             "error": {"message": err.message, "type": str(status), "code": status}}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("worker_class", WORKER_CLASSES)
 def test_sglang_unary_503_when_no_worker_is_up(worker_class):
     dead = socket.socket()
@@ -425,6 +433,7 @@ async def _serve_in_process(url: str, send_hook) -> tuple[list[dict], "RequestSt
     return out, st
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("backend", WORKER_CLASSES)
 @pytest.mark.parametrize("gone_at", [2, 5])
 @pytest.mark.parametrize("when", ["before", "during"])
@@ -513,6 +522,7 @@ def test_a_fixed_length_answer_leaves_in_one_write_a_streamed_head_at_once():
     assert len(abandoned) == 1 and re.fullmatch(head % (200, rb"content-length: 5\r\n"), abandoned[0])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
 def test_a_burst_of_connections_waits_in_the_listen_queue(worker_class):
     """400 clients connect at once while the frontend cannot accept (stopped):

@@ -81,6 +81,7 @@ def test_a_mismatch_patches_nothing_and_warns_once(monkeypatch, caplog):
         ("asgi_generate.server.hypercorn", "WARNING", WARNING.format(MISMATCHES["signature"][1]))]
 
 
+@pytest.mark.e2e
 def test_importing_the_server_patches_nothing():
     # Only the entry points install (serving.run, and the hypercorn entry
     # module asgi.py, whose import is hypercorn loading the app).
@@ -150,6 +151,7 @@ def _patch_warnings(log: str) -> list[str]:
     return [line for line in log.splitlines() if "hypercorn patches" in line]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind,worker_class", [("missing", "trio"), ("signature", "asyncio"), ("version", "uvloop")])
 def test_a_mismatched_hypercorn_serves_as_released_after_one_warning(slow_sim, tmp_path, kind, worker_class):
     fe = start_frontend([f"sglang={slow_sim.url}"], worker_class=worker_class, extra=["--max-body-bytes", "1000"],
@@ -162,6 +164,7 @@ def test_a_mismatched_hypercorn_serves_as_released_after_one_warning(slow_sim, t
     assert line.endswith(" WARNING asgi_generate.server.hypercorn: " + WARNING.format(MISMATCHES[kind][1]))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", [None, "missing"])
 def test_stats_say_whether_hypercorn_serves_patched(slow_sim, tmp_path, kind):
     """A patch that could not apply shows in /stats too, not only in the
@@ -175,6 +178,7 @@ def test_stats_say_whether_hypercorn_serves_patched(slow_sim, tmp_path, kind):
                    {"installed": False, "mismatches": [MISMATCHES[kind][1]]})
 
 
+@pytest.mark.e2e
 def test_hypercorn_run_yourself_under_a_mismatch_warns_once_and_serves(slow_sim, tmp_path):
     sock = listening_socket()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -206,6 +210,7 @@ def _get(url: str) -> int | None:
 # -- the lifespan state ---------------------------------------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio", "uvloop"])
 def test_each_request_gets_its_own_copy_of_the_lifespan_state(worker_class):
     sock = listening_socket()

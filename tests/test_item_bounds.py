@@ -15,6 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from support import Traced, post, sse, start_sim, stats, wait_until
 
+pytestmark = pytest.mark.e2e
+
 VLLM = "/inference/v1/generate"
 #: The body a new user sent: 73 bytes asking for 100,000 samples.
 N_100000 = b'{"input_ids": [1], "sampling_params": {"max_new_tokens": 1, "n": 100000}}'

@@ -8,6 +8,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: import-linter's Python API (``importlinter.cli.lint_imports``), which
 #: prints the report and returns the exit status.

@@ -16,6 +16,8 @@ from support import (
     wait_until,
 )
 
+pytestmark = pytest.mark.e2e
+
 CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
 
 

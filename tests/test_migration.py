@@ -36,6 +36,8 @@ from support import (
 
 from asgi_generate.assets import TOKENIZER_PATH
 
+pytestmark = pytest.mark.e2e
+
 VARIANTS = ("sglang", "sglang-incremental", "vllm")
 GEN = {"sglang": "/generate", "vllm": "/inference/v1/generate"}
 _rids = itertools.count()

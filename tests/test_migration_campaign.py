@@ -10,6 +10,8 @@ import pytest
 
 import migration_campaign
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
 def test_sigkill_campaign_scaled_down(protocol, tmp_path):

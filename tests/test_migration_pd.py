@@ -17,6 +17,8 @@ import pytest
 from support import PROMPT, sse, start_frontend, start_sim, wait_until, without_timing, trace_records
 from test_pd import DECODE, PREFILL, prefill_spec
 
+pytestmark = pytest.mark.e2e
+
 
 class PDFleet:
     """``prefills`` x ``decodes`` simulators of ``protocol`` behind a traced

@@ -68,6 +68,7 @@ def server_span(collector: Receiver, trace_id: int):
     return spans[0]
 
 
+@pytest.mark.e2e
 def test_server_span_leg_span_engine_traceparent_and_log_record(collector, fleet):
     fe, sglang, _, trace = fleet
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}, "stream": True}
@@ -125,6 +126,7 @@ def test_server_span_leg_span_engine_traceparent_and_log_record(collector, fleet
     assert resource["service.name"] == "asgi-generate"
 
 
+@pytest.mark.e2e
 def test_a_request_without_traceparent_is_a_root_and_vllm_gets_one(collector, fleet):
     fe, _, vllm, trace = fleet
     resp = post(fe.url, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}, path="/inference/v1/generate",
@@ -143,6 +145,7 @@ def test_a_request_without_traceparent_is_a_root_and_vllm_gets_one(collector, fl
     assert attributes(leg.attributes)["asgi_generate.tokens"] == 2
 
 
+@pytest.mark.e2e
 def test_rejected_request_is_a_span_without_legs_and_reaches_no_engine(collector, fleet):
     fe, sglang, _, _ = fleet
     before = stats(sglang)["generate_requests"]
@@ -157,6 +160,7 @@ def test_rejected_request_is_a_span_without_legs_and_reaches_no_engine(collector
     assert stats(sglang)["generate_requests"] == before
 
 
+@pytest.mark.e2e
 def test_unsampled_client_trace_exports_no_span_but_still_propagates(collector, fleet):
     fe, sglang, _, trace = fleet
     resp = post(fe.url, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}},
@@ -170,6 +174,7 @@ def test_unsampled_client_trace_exports_no_span_but_still_propagates(collector, 
     assert collector.trace(TRACE + 2) == []
 
 
+@pytest.mark.e2e
 def test_pd_legs_are_two_children_each_engine_with_its_traceparent(collector, tmp_path):
     prefill, decode = start_sim(extra=PREFILL), start_sim(extra=DECODE)
     fe = start_frontend([], extra=["--prefill", prefill_spec(prefill), "--decode", f"sglang={decode.url}",
@@ -193,6 +198,7 @@ def test_pd_legs_are_two_children_each_engine_with_its_traceparent(collector, tm
             p.stop()
 
 
+@pytest.mark.e2e
 def test_collector_refusing_counts_drops_and_answers_stay_whole(tmp_path):
     refusing = Receiver(status=400)
     sim = start_sim("sglang")
@@ -216,6 +222,7 @@ def test_collector_refusing_counts_drops_and_answers_stay_whole(tmp_path):
         refusing.close()
 
 
+@pytest.mark.e2e
 def test_off_by_default_no_traceparent_reaches_the_engine():
     sim = start_sim("sglang")
     fe = start_frontend([f"sglang={sim.url}"])
@@ -251,6 +258,7 @@ def test_traceparent_parsing_follows_w3c(value, parsed):
     assert parse_traceparent(value) == parsed
 
 
+@pytest.mark.e2e
 def test_a_migrated_stream_has_its_resumed_leg_as_a_second_child(collector):
     """A worker drops the stream after two tokens: the failed leg and the
     resumed one are both children of the request's span, each engine got

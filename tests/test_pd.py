@@ -192,6 +192,7 @@ BODIES = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", list(BODIES))
 def test_unary_is_the_aggregated_answer(fronts, sims, name):
     cum, _ = fronts
@@ -211,6 +212,7 @@ def test_unary_is_the_aggregated_answer(fronts, sims, name):
     assert rec["finish"]["backend_finish_reason"] == g["meta_info"]["finish_reason"]["type"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", list(BODIES))
 @pytest.mark.parametrize("incremental", [False, True], ids=["cumulative", "incremental"])
 def test_sse_is_the_aggregated_stream(fronts, sims, name, incremental):
@@ -228,6 +230,7 @@ def test_sse_is_the_aggregated_stream(fronts, sims, name, incremental):
     assert rec["status"] == "ok" and rec["output_tokens"] == len(ids)
 
 
+@pytest.mark.e2e
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     prompt=st.lists(st.integers(10, 4000), min_size=1, max_size=12),
@@ -254,6 +257,7 @@ def test_property_pd_equals_aggregated(fronts, sims, prompt, max_new, start, top
     cum.take()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("field,value", [
     ("bootstrap_room", 7), ("bootstrap_host", "10.0.0.1"), ("bootstrap_port", 8998), ("bootstrap_pair_key", "k"),
 ])
@@ -269,6 +273,7 @@ def test_client_bootstrap_fields_are_refused(fronts, sims, field, value):
     assert rec["status"] == "rejected" and rec["attempts"] == []
 
 
+@pytest.mark.e2e
 def test_models_and_stats_show_roles(fronts, sims):
     cum, _ = fronts
     workers = httpx.get(cum.url + "/v1/models", timeout=5).json()["workers"]
@@ -313,6 +318,7 @@ def _legs(p, d):
     return wait_until(lambda: (a := stats(p)["running_rids"]) and (b := stats(d)["running_rids"]) and (a[0], b[0]))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
 def test_disconnect_while_the_prefill_is_pending(slow_front, slow_pair, stream):
     p, d = slow_pair
@@ -329,6 +335,7 @@ def test_disconnect_while_the_prefill_is_pending(slow_front, slow_pair, stream):
         ("prefill", p_rid, "aborted", True), ("decode", d_rid, "aborted", True)]
 
 
+@pytest.mark.e2e
 def test_disconnect_during_decode(slow_front, slow_pair):
     p, d = slow_pair
     c = RawClient(slow_front.url)
@@ -347,6 +354,7 @@ def test_disconnect_during_decode(slow_front, slow_pair):
         ("prefill", "finished", None), ("decode", "aborted", True)]
 
 
+@pytest.mark.e2e
 def test_decode_that_never_gets_its_kv(tmp_path_factory):
     """The prefill worker stalls (its TTFT is past the decode's wait): the
     decode gives up with SGLang's transfer abort, which the client gets as
@@ -373,6 +381,7 @@ def test_decode_that_never_gets_its_kv(tmp_path_factory):
         d.stop()
 
 
+@pytest.mark.e2e
 def test_prefill_answering_an_error_fails_the_pair(tmp_path_factory):
     """The prefill engine aborts the request (503): the client gets that
     error, the decode leg waiting for the KV is aborted."""
@@ -410,6 +419,7 @@ def _aggregated_answer(fe, agg, answer: dict, legs: list[tuple]) -> dict:
     return rec
 
 
+@pytest.mark.e2e
 def test_prefill_worker_down_goes_to_another_pair(sims, tmp_path_factory):
     """Two prefill workers; the first is gone (the router has not noticed:
     its probes are far apart). The request runs on the other pair with a new
@@ -439,6 +449,7 @@ def test_prefill_worker_down_goes_to_another_pair(sims, tmp_path_factory):
             s.stop()
 
 
+@pytest.mark.e2e
 def test_sglang_wire_audit_of_every_prefill_and_decode_body(sims, tmp_path_factory):
     """A recording proxy before each worker: both legs get the client's body
     with their own minted rid (the client's never) and the same bootstrap
@@ -480,6 +491,7 @@ def test_sglang_wire_audit_of_every_prefill_and_decode_body(sims, tmp_path_facto
         dp.stop()
 
 
+@pytest.mark.e2e
 def test_decode_worker_down_goes_to_another_pair(sims, tmp_path_factory):
     """The first pair's decode worker is gone: its prefill leg, waiting for
     a decode that never comes, is aborted, and a new pair with a new room
@@ -503,6 +515,7 @@ def test_decode_worker_down_goes_to_another_pair(sims, tmp_path_factory):
             s.stop()
 
 
+@pytest.mark.e2e
 def test_prefill_worker_lost_to_the_health_probe_mid_request(sims, tmp_path_factory):
     """The prefill engine freezes mid-prefill (SIGSTOP): the health probe
     gives it up; the pair's decode leg is aborted and a new pair answers."""
@@ -531,6 +544,7 @@ def test_prefill_worker_lost_to_the_health_probe_mid_request(sims, tmp_path_fact
 GEN = "/inference/v1/generate"
 
 
+@pytest.mark.e2e
 def test_serve_embedded_pd_serves_pairs_of_both_protocols():
     """``serve --embedded-pd`` with no worker: a prefill and a decode
     simulator per protocol beside the aggregated ones; requests run as

@@ -16,10 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import orjson
+import pytest
 
 from support import JSON_HEADERS, RawClient, Traced, same, start_sim, stats, vnorm, wait_until
 from test_pd import DECODE, PREFILL, prefill_spec
 from test_pd_vllm import CONSUMER, EXPERTS, GEN, PRODUCER
+
+pytestmark = pytest.mark.e2e
 
 N = 300
 KV_EXPIRY_S = 0.3

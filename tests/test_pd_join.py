@@ -179,6 +179,7 @@ def _usage(rec: dict) -> list:
 # -- usage across legs -------------------------------------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
 def test_sglang_usage_is_the_aggregated_engines_and_each_leg_keeps_its_own(fronts, sims, stream):
     """A 20-token prompt asked twice: the second time the prefill's cache
@@ -196,6 +197,7 @@ def test_sglang_usage_is_the_aggregated_engines_and_each_leg_keeps_its_own(front
                               {"prompt_tokens": 20, "completion_tokens": 3, "cached_tokens": 19}]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("version", ["0.27", "0.33"])
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
 def test_vllm_usage_is_the_aggregated_engines_and_each_leg_keeps_its_own(fronts, sims, version, stream):
@@ -233,6 +235,7 @@ SG_EXPERTS = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", list(SG_EXPERTS))
 @pytest.mark.parametrize("decode", ["sequence", "own"])
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
@@ -254,6 +257,7 @@ V_EXPERTS = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", list(V_EXPERTS))
 @pytest.mark.parametrize("decode", ["0.27", "own"])
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
@@ -281,6 +285,7 @@ HANDOFF = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", list(HANDOFF))
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])
 def test_vllm_prefill_leg_hands_off_whatever_stops_the_answer(fronts, sims, name, stream):
@@ -318,6 +323,7 @@ def _heal(sim, fronts) -> None:
             "healthy_workers"] == want)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 @pytest.mark.parametrize("after", [0, 3], ids=["after_handover", "after_3_tokens"])
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "sse"])

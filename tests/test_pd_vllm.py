@@ -116,6 +116,7 @@ def _law(fe, agg, body: dict, stream: bool) -> list[int]:
     return got.json()["choices"][0]["token_ids"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", list(VBODIES))
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 def test_vllm_pd_is_the_aggregated_answer(vfront, vsims, name, stream):
@@ -131,6 +132,7 @@ def test_vllm_pd_is_the_aggregated_answer(vfront, vsims, name, stream):
     wait_until(lambda: stats(vsims["prefill"])["kv_blocks_held"] == 0)  # the consumer read them
 
 
+@pytest.mark.e2e
 def test_vllm_routed_experts_are_the_aggregated_array(vfront, vsims):
     """The joined rows are numpy's bytes of the aggregated array: the prompt
     positions (the prefill leg's), then the output positions but the last
@@ -148,6 +150,7 @@ def test_vllm_routed_experts_are_the_aggregated_array(vfront, vsims):
     vfront.take(2)
 
 
+@pytest.mark.e2e
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     prompt=st.lists(st.integers(10, 4000), min_size=1, max_size=10),
@@ -173,6 +176,7 @@ def test_property_vllm_pd_equals_aggregated(vfronts, vsims, prompt, max_tokens, 
     fe.take()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 def test_client_kv_transfer_params_are_refused_on_a_pd_fleet(vfront, vsims, stream):
     """The frontend owns kv_transfer_params: a client's is refused before
@@ -193,6 +197,7 @@ def test_client_kv_transfer_params_are_refused_on_a_pd_fleet(vfront, vsims, stre
 # -- --pd-fallback ---------------------------------------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", list(FALLBACK_BODIES))
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 def test_prefill_without_kv_transfer_params_is_an_error_without_fallback(vfronts, vsims, name, stream):
@@ -211,6 +216,7 @@ def test_prefill_without_kv_transfer_params_is_an_error_without_fallback(vfronts
     assert [(a["role"], a["outcome"]) for a in rec["attempts"]] == [("prefill", "finished")]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", list(FALLBACK_BODIES))
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 def test_pd_fallback_lets_the_decode_worker_prefill_alone(vfronts, vsims, name, stream):
@@ -229,6 +235,7 @@ def test_pd_fallback_lets_the_decode_worker_prefill_alone(vfronts, vsims, name, 
 # -- prompt logprobs across legs ----------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_prompt_logprobs_come_from_the_leg_that_computed_the_prompt(vsims):
     """The prefill leg computes the prompt logprobs; a consumer asked for
     them too loads no remote KV and prefills the prompt itself (vLLM from
@@ -269,6 +276,7 @@ def tampered(vsims, tmp_path_factory):
     proxy.stop()
 
 
+@pytest.mark.e2e
 def test_prompt_logprobs_that_differ_between_legs_fail_the_request(tampered):
     fe, mode = tampered
     mode["what"] = "prompt_logprobs"
@@ -287,6 +295,7 @@ def _npy_b64(arr: np.ndarray) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("rows,message", [
     ("bm90IG5weQ", "a P/D leg sent routed experts that are not base64"),
     (_npy_b64(np.zeros((2, 4, 2), np.uint16)),
@@ -308,6 +317,7 @@ def test_bad_decode_expert_rows_fail_the_request(tampered, rows, message):
 # -- the wire, as the workers saw it --------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_wire_audit_of_every_prefill_and_decode_body(vsims, tmp_path_factory):
     """A recording proxy before each worker: the prefill leg gets the
     client's body with the minted id, max_tokens 1, EOS ignored, no stop
@@ -391,6 +401,7 @@ def _quiet(*sims) -> None:
         wait_until(lambda s=s: (x := stats(s))["running"] == 0 and x.get("kv_blocks_held", 0) == 0, timeout=5)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 def test_disconnect_before_the_prefill_answered(held, stream):
     fe, p, d, proxy = held
@@ -408,6 +419,7 @@ def test_disconnect_before_the_prefill_answered(held, stream):
             for a in rec["attempts"]] == [("prefill", rid, "aborted", True)]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 def test_disconnect_between_the_prefill_answer_and_the_decode(held, stream):
     """The prefill answered (its blocks are held for the decode); the decode
@@ -433,6 +445,7 @@ def test_disconnect_between_the_prefill_answer_and_the_decode(held, stream):
     assert stats(d)["received"] == received and rid not in stats(d)["seen_rids"]
 
 
+@pytest.mark.e2e
 def test_disconnect_during_decode(vfront, vsims):
     p, d = vsims["prefill"], vsims["decode"]
     c = RawClient(vfront.url)
@@ -452,6 +465,7 @@ def test_disconnect_during_decode(vfront, vsims):
 # -- failures --------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_consumer_prefills_locally_when_blocks_expired(vsims):
     """The producer drops blocks nobody read after --kv-expiry-s; a consumer
     given them prefills alone (counted) and answers the same."""
@@ -488,6 +502,7 @@ def two_pairs(tmp_path_factory):
 BODY = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 6, "logprobs": 1, "prompt_logprobs": 1}}
 
 
+@pytest.mark.e2e
 def test_prefill_worker_lost_to_the_health_probe_mid_request(two_pairs, tmp_path_factory):
     """The prefill engine freezes mid-prefill (SIGSTOP): the health probe
     gives it up, the leg is dropped and the request runs on the other pair."""
@@ -512,6 +527,7 @@ def test_prefill_worker_lost_to_the_health_probe_mid_request(two_pairs, tmp_path
         fe.stop()
 
 
+@pytest.mark.e2e
 def test_prefill_worker_down_goes_to_another_pair(two_pairs, tmp_path_factory):
     p1, p2, d1, d2, agg = two_pairs  # the router probes rarely: the request meets p1 gone
     fe = Traced(tmp_path_factory, pd_args([p1, p2], [d1], "--health-interval", "60"))
@@ -527,6 +543,7 @@ def test_prefill_worker_down_goes_to_another_pair(two_pairs, tmp_path_factory):
         fe.stop()
 
 
+@pytest.mark.e2e
 def test_decode_worker_down_goes_to_another_pair(two_pairs, tmp_path_factory):
     """The first pair's decode worker is gone: a new pair runs the request;
     the blocks the first prefill kept for it expire."""
@@ -547,6 +564,7 @@ def test_decode_worker_down_goes_to_another_pair(two_pairs, tmp_path_factory):
         fe.stop()
 
 
+@pytest.mark.e2e
 def test_prefill_answering_an_error_is_the_answer(vsims, tmp_path_factory):
     """The prefill engine fails (vLLM's 500 for a dead engine core): the
     client gets that error as the engine gave it; no decode is sent."""

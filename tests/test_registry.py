@@ -24,6 +24,8 @@ import pytest
 from asgi_generate.protocols import PROTOCOLS
 from support import start_frontend
 
+pytestmark = pytest.mark.e2e
+
 SGLANG = importlib.metadata.distribution("asgi-generate-sglang")
 SGLANG_DESC = f"'sglang' (asgi-generate-sglang {SGLANG.version}, asgi_generate_sglang.codec:SGLangCodec)"
 HINT = "asgi-generate: start with --skip-broken-codecs to serve without the codecs that failed to load\n"

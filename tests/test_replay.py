@@ -10,6 +10,7 @@ import sys
 import time
 
 import orjson
+import pytest
 from hypothesis import given, settings, strategies as hs
 
 from asgi_generate.tracing.hashing import block_hashes
@@ -61,6 +62,7 @@ def _check_replayed(replayed: list[dict], rows: list[Row]) -> None:
     assert _renumbered([r["replay"]["block_hashes"] for r in ordered]) == [row.hash_ids for row in rows]
 
 
+@pytest.mark.e2e
 def test_a_recorded_campaign_replays_with_its_prefix_structure(tmp_path):
     sim = start_sim("sglang")
     try:
@@ -116,6 +118,7 @@ def _gaps(rows: list[Row]) -> int:
     return sum(max(1, row.output_length) - 1 for row in rows)
 
 
+@pytest.mark.e2e
 def test_a_mooncake_trace_replays_with_its_block_size(tmp_path):
     rows = [Row(0, 10, 3, [0, 1, 2]), Row(10, 12, 2, [0, 1, 3]), Row(20, 4, 1, [4]), Row(30, 8, 4, [0, 1])]
     path = tmp_path / "mooncake.jsonl"
@@ -137,6 +140,7 @@ def test_a_mooncake_trace_replays_with_its_block_size(tmp_path):
     _check_replayed(_records(tmp_path, "m"), rows)
 
 
+@pytest.mark.e2e
 def test_unreachable_frontend_counts_every_request_as_an_error(tmp_path):
     path = tmp_path / "mooncake.jsonl"
     path.write_text("".join(f'{{"timestamp": {i}, "input_length": 5, "output_length": 2, "hash_ids": [{i}]}}\n'
@@ -159,6 +163,7 @@ def _recorded(i: int, hashes: list[int], block_size: int = 16) -> dict:
             "replay": {"block_size": block_size, "input_length": 16 * len(hashes), "block_hashes": hashes}}
 
 
+@pytest.mark.e2e
 def test_an_export_carries_its_block_size_and_replay_uses_it(tmp_path):
     records = tmp_path / "trace.jsonl"
     records.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in (_recorded(0, [11, 12]), _recorded(1, [11, 13]))))
@@ -205,6 +210,7 @@ def test_the_reports_itl_plot_is_on_a_log_scale_and_errors_are_broken_down(tmp_p
             "</td></tr>") in report
 
 
+@pytest.mark.e2e
 def test_bad_input_is_one_line(tmp_path):
     path = tmp_path / "x.jsonl"
     path.write_text('{"timestamp": 0}\n')

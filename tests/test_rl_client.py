@@ -17,6 +17,8 @@ import pytest
 
 from support import post, sampled, sse, start_frontend, start_sim, stats, wait_until
 
+pytestmark = pytest.mark.e2e
+
 TOKENS = 30
 PROMPTS = [[7, 8, 9], [10, 11, 12, 13]]
 

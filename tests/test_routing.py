@@ -13,6 +13,8 @@ import pytest
 
 from support import free_port, post, sse, start_frontend, start_sim, stats, wait_until, without_timing, trace_records
 
+pytestmark = pytest.mark.e2e
+
 BODY = {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 4}}
 
 

@@ -34,6 +34,7 @@ def landed(sims, send) -> int:
     return moved[0]
 
 
+@pytest.mark.e2e
 def test_two_frontend_processes_agree_on_every_key(two_sims):
     urls = [f"sglang={s.url}" for s in two_sims]
     a = start_frontend(urls, extra=["--policy", "session"])
@@ -71,6 +72,7 @@ def _comparable(rec: dict) -> dict:
     return out
 
 
+@pytest.mark.e2e
 def test_answers_and_records_unchanged_by_the_policy(two_sims, tmp_path):
     urls = [f"sglang={s.url}" for s in two_sims]
     session = {"x-session-id": "s1"}
@@ -104,6 +106,7 @@ def test_answers_and_records_unchanged_by_the_policy(two_sims, tmp_path):
     assert records["session"] == records["cache-aware"] == records["least-outstanding"]
 
 
+@pytest.mark.e2e
 def test_flush_through_the_frontend_empties_the_trees(two_sims):
     fe = start_frontend([f"sglang={s.url}" for s in two_sims], extra=["--policy", "cache-aware"])
     try:
@@ -118,6 +121,7 @@ def test_flush_through_the_frontend_empties_the_trees(two_sims):
         fe.stop()
 
 
+@pytest.mark.e2e
 def test_sglang_sim_prefix_cache_reports_cached_tokens_and_the_record_carries_them(tmp_path):
     sim = start_sim(extra=["--cache-tokens", "64"])
     base = str(tmp_path / "trace")
@@ -149,6 +153,7 @@ def test_sglang_sim_prefix_cache_reports_cached_tokens_and_the_record_carries_th
         sim.stop()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("details", [True, False])
 def test_vllm_sim_reports_cached_tokens_only_with_prompt_tokens_details(details):
     sim = start_sim("vllm", extra=["--cache-tokens", "1000", *(["--enable-prompt-tokens-details"] * details)])
@@ -168,6 +173,7 @@ def test_vllm_sim_reports_cached_tokens_only_with_prompt_tokens_details(details)
         sim.stop()
 
 
+@pytest.mark.e2e
 def test_prefill_time_grows_with_uncached_tokens():
     sim = start_sim(extra=["--cache-tokens", "4096", "--prefill-us-per-token", "4000"])
     try:

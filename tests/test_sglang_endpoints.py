@@ -42,6 +42,8 @@ import pytest
 from asgi_generate.sim.tokenizer import SimTokenizer
 from support import post, sse, start_frontend, start_sim, without_timing
 
+pytestmark = pytest.mark.e2e
+
 PROMPT = [785, 2226, 374, 220, 19, 1010, 77, 3000]
 EOS_PROMPT = [243, 42]  # its greedy answer ends with EOS at token 20
 LAYERS_TOPK = 4 * 2  # the simulator's num_layers * experts_topk

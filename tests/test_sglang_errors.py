@@ -59,6 +59,7 @@ BAD = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name,body,status,expected", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_never_reaches_the_engine(frontend, sims, name, body, status, expected):
     before = _received(sims)
@@ -76,6 +77,7 @@ IN_BAND = [(name, orjson.loads(body) | {"stream": True}, expected) for name, bod
                         "negative-max")]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name,body,expected", IN_BAND, ids=[b[0] for b in IN_BAND])
 def test_streamed_bad_value_is_in_band_as_sglang_streams_it(frontend, sims, name, body, expected):
     """A streamed request the frontend refuses for a bad value gets SGLang's
@@ -88,6 +90,7 @@ def test_streamed_bad_value_is_in_band_as_sglang_streams_it(frontend, sims, name
     assert _received(sims) == before
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", SHARED)
 @pytest.mark.parametrize("stream", [False, True])
 def test_frontend_refusal_is_the_engines_own_answer(frontend, sims, name, stream):
@@ -113,6 +116,7 @@ PASS_THROUGH = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("body,message", PASS_THROUGH, ids=[m.split(" ")[0] for _, m in PASS_THROUGH])
 def test_fields_the_frontend_does_not_read_reach_the_engine(frontend, sims, body, message):
     """Validate only what the frontend relies on: the engine judges the rest,
@@ -124,6 +128,7 @@ def test_fields_the_frontend_does_not_read_reach_the_engine(frontend, sims, body
     assert (status, events) == (200, [orjson.dumps({"error": {"message": message}}), b"[DONE]"])
 
 
+@pytest.mark.e2e
 def test_text_and_input_ids_is_served_from_text_as_sglang_does(frontend, sims):
     body = {"text": "hello there", "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}}
     direct, through = post(sims[0].url, body), post(frontend.url, body)
@@ -132,12 +137,14 @@ def test_text_and_input_ids_is_served_from_text_as_sglang_does(frontend, sims):
     assert through.json()["meta_info"]["prompt_tokens"] == direct.json()["meta_info"]["prompt_tokens"] == 4  # the text's, not the ids'
 
 
+@pytest.mark.e2e
 def test_unknown_path_is_404(frontend):
     resp = post(frontend.url, {"input_ids": [1]}, path="/generat")
     assert resp.status_code == 404
     assert resp.json() == {"detail": "Not Found"}
 
 
+@pytest.mark.e2e
 def test_wrong_method_is_405_with_allow(frontend, sims):
     before = _received(sims)
     resp = httpx.get(frontend.url + "/generate", timeout=10)
@@ -147,6 +154,7 @@ def test_wrong_method_is_405_with_allow(frontend, sims):
     assert _received(sims) == before
 
 
+@pytest.mark.e2e
 def test_engine_value_error_is_passed_through(frontend, sims):
     """An id the engine refuses: the engine's own status and body (unary),
     SGLang's in-band error after the 200 (stream)."""
@@ -169,6 +177,7 @@ def capped():
     sim.stop()
 
 
+@pytest.mark.e2e
 def test_body_over_cap_is_413(capped):
     fe, sim = capped
     big = orjson.dumps({"input_ids": list(range(1, 400))})
@@ -179,6 +188,7 @@ def test_body_over_cap_is_413(capped):
     assert stats(sim)["received"] == 0
 
 
+@pytest.mark.e2e
 def test_chunked_body_over_cap_is_413(capped):
     fe, sim = capped
 
@@ -194,6 +204,7 @@ def test_chunked_body_over_cap_is_413(capped):
     assert stats(sim)["received"] == 0
 
 
+@pytest.mark.e2e
 def test_body_at_cap_is_served(capped):
     fe, sim = capped
     body = orjson.dumps({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
@@ -204,6 +215,7 @@ def test_body_at_cap_is_served(capped):
     assert len(resp.json()["output_ids"]) == 2
 
 
+@pytest.mark.e2e
 def test_too_deeply_nested_pass_through_is_400(frontend, sims):
     """orjson reads 1024 levels but writes 254: a field the frontend cannot
     forward is bad input, not an internal error."""
@@ -226,6 +238,7 @@ def test_engine_error_pages_that_are_not_json_get_sglang_shape():
     assert ex.worker_error(400, b'{"error": {"message": "x"}}') == (400, b'{"error": {"message": "x"}}')
 
 
+@pytest.mark.e2e
 def test_bad_logprob_start_len_is_the_engines_400(frontend, sims):
     body = {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": -5}
     direct, through = post(sims[0].url, body), post(frontend.url, body)

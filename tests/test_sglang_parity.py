@@ -13,6 +13,8 @@ import pytest
 
 from support import post, sse, without_timing
 
+pytestmark = pytest.mark.e2e
+
 PROMPT = [785, 2226, 374, 220, 19, 1010, 77, 3000]
 CASES = {
     "ids": {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 16}},

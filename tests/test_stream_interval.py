@@ -11,6 +11,8 @@ import pytest
 
 from support import sse, start_frontend, start_sim
 
+pytestmark = pytest.mark.e2e
+
 GEN = "/inference/v1/generate"
 JSON = {"content-type": "application/json"}
 

@@ -16,6 +16,8 @@ import trustme
 from asgi_generate.workers.http import ConnectFailed, ConnectionPool, tls_context
 from support import CONTINUATION, PROMPT, RawClient, start_frontend, start_sim, stats, wait_until
 
+pytestmark = pytest.mark.e2e
+
 UNARY = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8}}
 VERIFY_FAILED = "certificate verify failed: unable to get local issuer certificate"
 

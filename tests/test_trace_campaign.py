@@ -23,6 +23,8 @@ from asgi_generate.assets import TOKENIZER_PATH
 from support import start_frontend, start_sim
 from test_trace_e2e import raw_request, sse_then_hang_up, tokens_in
 
+pytestmark = pytest.mark.e2e
+
 N = 500
 SYSTEM_PROMPTS = [list(range(100 + 200 * i, 228 + 200 * i)) for i in range(3)]
 BAD_STATUS = {"json": 400, "empty": 400, "method": 405, "too_large": 413, "n": 400}

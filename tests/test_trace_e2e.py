@@ -30,6 +30,8 @@ from asgi_generate.tracing.hashing import block_hashes
 from asgi_generate.tracing.offline.validate import check_records, read_jsonl
 from support import JSON_HEADERS, RawClient, post, sse, start_frontend, start_sim, stats, wait_until, trace_records
 
+pytestmark = pytest.mark.e2e
+
 PARSERS = ["--tokenizer", str(TOKENIZER_PATH), "--reasoning-parser", "deepseek_r1", "--tool-call-parser", "hermes"]
 _EVENT = re.compile(rb"data: (.*?)\n\n", re.DOTALL)
 

@@ -220,6 +220,7 @@ def test_the_c_loop_refuses_what_is_not_packed_u32():
         chain(memoryview(b"12345678" * 2)[::2], 1)  # not contiguous
 
 
+@pytest.mark.e2e
 def test_an_unbuilt_extension_says_how_to_build_it():
     code = ("import sys\nsys.modules['asgi_generate.tracing._hashchain'] = None  # as if never built\n"
             "try:\n    import asgi_generate.tracing.hashing\nexcept ImportError as exc:\n    print(exc)\n")

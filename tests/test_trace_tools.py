@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import orjson
+import pytest
 
 from asgi_generate.tracing.schema import schema_json
 from asgi_generate.tracing.offline.rows import percentile
@@ -113,6 +114,7 @@ def test_export_refuses_mixed_block_sizes(capsys, tmp_path):
     assert err == "asgi-generate-trace: records use several block sizes [16, 64]; export them separately\n"
 
 
+@pytest.mark.e2e
 def test_console_script_prints_the_schema():
     out = subprocess.run([sys.executable, "-m", "asgi_generate.tracing.offline.tools", "schema"],
                          capture_output=True, check=True, timeout=30).stdout

@@ -26,6 +26,8 @@ from hypothesis import strategies as st
 
 from support import CONTINUATION, PROMPT, RawClient, same, start_frontend, start_sim, wait_until, trace_lines
 
+pytestmark = pytest.mark.e2e
+
 GEN = "/inference/v1/generate"
 JSON = {"content-type": "application/json"}
 OLD = ["--engine-version", "0.27.0"]

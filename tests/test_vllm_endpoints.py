@@ -49,6 +49,8 @@ import pytest
 from asgi_generate.sdk.versions import VLLM_VERSIONS, vllm_behaviour
 from support import CONTINUATION, PROMPT, same, sampled, start_frontend, start_sim
 
+pytestmark = pytest.mark.e2e
+
 GEN = "/inference/v1/generate"
 JSON = {"content-type": "application/json"}
 MAX_MODEL_LEN = 32768

@@ -13,6 +13,8 @@ import pytest
 
 from support import RawClient, start_frontend, start_sim, wait_until, trace_records
 
+pytestmark = pytest.mark.e2e
+
 STREAMS = 8
 #: What a stream's own read sees of a SIGKILLed worker: its FIN, or a reset
 #: when the kernel still held unread bytes of the connection.

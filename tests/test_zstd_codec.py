@@ -254,6 +254,7 @@ def test_gib_of_zeros_is_rejected_fast_within_the_cap(bombs, kind, status, messa
     assert elapsed < 2.0, elapsed
 
 
+@pytest.mark.e2e
 def test_bomb_peak_rss_including_zstd_own_buffers(bombs, tmp_path: pathlib.Path):
     """tracemalloc does not see libzstd's malloc; a fresh process's peak RSS does."""
     path = tmp_path / "bomb.zst"

@@ -15,6 +15,8 @@ from asgi_generate_zstd import decode_event, encode_request
 
 from support import post, sse, start_frontend, without_timing
 
+pytestmark = pytest.mark.e2e
+
 ZSTD = {"content-type": "application/zstd"}
 PATH = "/zstd/generate"
 MiB = 1024 * 1024
