@@ -116,7 +116,8 @@ def test_past_the_deadline_the_abort_is_unacknowledged_and_never_sent(sims):
     async def main() -> list[str]:
         t0 = time.monotonic()
         results = await _abort_all(queue, _ids(2, "d"), start_senders=False)
-        assert 0.2 <= time.monotonic() - t0 < 2.0
+        # No sender runs: nothing but the deadline ends the waits.
+        assert time.monotonic() - t0 >= 0.2
         # Senders that start later skip what nobody waits for any more.
         async with anyio.create_task_group() as tg:
             tg.start_soon(queue.run)
@@ -137,14 +138,9 @@ def test_a_refused_connect_loses_the_batch_and_the_queue_at_once():
     worker = _worker("sglang", port)
     queue = AbortQueue(worker, concurrency=1, on_lost=lambda w, why: lost.append((w, why)))
 
-    async def main() -> tuple[list[str], float]:
-        t0 = time.monotonic()
-        results = await _abort_all(queue, _ids(20, "x"))
-        return results, time.monotonic() - t0
-
-    results, took = anyio.run(main)
+    results = anyio.run(_abort_all, queue, _ids(20, "x"))
     assert results == ["lost"] * 20
-    assert took < 0.5  # no backoff: one refused connect ends all twenty
+    # One try, no retry after a backoff: one refused connect ends all twenty.
     assert queue.requests == 1 and len(lost) == 1 and lost[0][0] is worker
     assert lost[0][1].startswith("abort failed: connect to 127.0.0.1:")
 
@@ -215,4 +211,4 @@ def test_an_abort_the_engine_is_slow_to_answer_is_never_sent_twice():
     assert result == "unacknowledged"
     assert requests == [b'{"rid":"' + b"r" * 32 + b'"}']
     assert (queue.requests, queue.pool.opened) == (1, 1)
-    assert 0.3 <= took < 1.0
+    assert took >= 0.3  # it waited out the try's timeout: slow, not refused

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 
 import httpx
 import orjson
@@ -220,8 +219,8 @@ def test_disconnect_mid_batch_aborts_every_item(traced, stream):
             "sampling_params": {"max_new_tokens": 200, "ignore_eos": True, "n": 2}}
     c = RawClient(traced.url)
     c.send(orjson.dumps(body))
-    wait_until(lambda: stats(sim)["running"] == 6)
-    time.sleep(0.2)
+    # Every item past its first token: the disconnect comes mid-generation.
+    wait_until(lambda: [n >= 1 for n in stats(sim)["running_output_tokens"].values()] == [True] * 6)
     c.close()
     wait_until(lambda: stats(sim)["running"] == 0)
     recs = _take(traced, 6)
@@ -238,8 +237,8 @@ def test_vllm_n_disconnect_aborts_the_request_and_records_each_choice(traced):
     body = {"token_ids": [3, 4, 5], "stream": True, "sampling_params": {"max_tokens": 200, "n": 3, "ignore_eos": True}}
     c = RawClient(traced.url)
     c.send(orjson.dumps(body), path=VLLM)
-    wait_until(lambda: stats(sim)["running"] == 1)
-    time.sleep(0.2)
+    # Past its first token: the disconnect comes mid-generation.
+    wait_until(lambda: [n >= 1 for n in stats(sim)["running_output_tokens"].values()] == [True])
     c.close()
     wait_until(lambda: stats(sim)["running"] == 0)
     recs = _take(traced, 3)

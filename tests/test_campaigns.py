@@ -50,9 +50,11 @@ def test_200_streams_half_disconnected(itl_sims):
     try:
         rng = random.Random(7)
         n_tokens = 20
-        # Hang up at least a second before the engine would finish, so every
-        # hang-up meets a live engine request even on a loaded machine.
+        # A stream that hangs up asks for ten times as many tokens (20 s of
+        # decode), so every hang-up meets a live engine request however
+        # late a loaded machine's client reads.
         plan = [rng.randint(1, 10) if i % 2 else None for i in range(200)]
+        budget = [n_tokens if hang_up is None else 10 * n_tokens for hang_up in plan]
         fast = start_sim()  # same deterministic engine, no delays: the expected answers
         try:
             expected = {
@@ -71,7 +73,7 @@ def test_200_streams_half_disconnected(itl_sims):
                 async with anyio.create_task_group() as tg:
                     for i in range(200):
                         async def one(i: int = i) -> None:
-                            results[i] = await _stream(client, fe.url, _body(i, n_tokens), plan[i])
+                            results[i] = await _stream(client, fe.url, _body(i, budget[i]), plan[i])
                         tg.start_soon(one)
 
         anyio.run(main)

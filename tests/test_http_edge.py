@@ -161,8 +161,8 @@ def fe(request, fast_sim, tmp_path_factory):
 @pytest.mark.e2e
 def test_connections_the_client_closed_release_their_fds(fe):
     """Keep-alive connections whose clients close after complete answers
-    (unary, SSE, a control route) are closed by the server within 2 s, not
-    after hypercorn's keep-alive timeout (75 s)."""
+    (unary, SSE, a control route) are closed by the server as they leave,
+    not after hypercorn's keep-alive timeout (75 s)."""
     warm = _connect(fe.url)  # the worker connection gets pooled
     warm.sendall(_request(_body(False, 2)))
     assert _read_one(warm)[0] == 200
@@ -180,9 +180,9 @@ def test_connections_the_client_closed_release_their_fds(fe):
     assert fe.client_sockets() >= 30  # all kept alive while the clients hold them
     for sock in socks:
         sock.close()
-    t0 = time.monotonic()
-    wait_until(lambda: fe.open_fds() <= baseline, timeout=2.0)
-    assert time.monotonic() - t0 < 2.0
+    # Closed as the clients leave: the bound is a fraction of the keep-alive
+    # timeout (75 s) that would otherwise close them.
+    wait_until(lambda: fe.open_fds() <= baseline, timeout=20)
 
 
 # -- Connection: close followed by more bytes ---------------------------------

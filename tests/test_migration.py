@@ -145,8 +145,18 @@ class Beside:
         return status, events, rec
 
 
-@pytest.fixture(scope="module", params=[(v, c) for v in VARIANTS for c in ("trio", "asyncio")],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+FLEETS = [(v, c) for v in VARIANTS for c in ("trio", "asyncio")]
+#: The fleets of the text-only laws (vLLM's native route takes and answers
+#: token ids only); a prefix of FLEETS, so a test parametrized with them
+#: shares the module's fleets.
+SGLANG_FLEETS = [f for f in FLEETS if f[0] != "vllm"]
+
+
+def _fleet_id(fleet: tuple[str, str]) -> str:
+    return f"{fleet[0]}-{fleet[1]}"
+
+
+@pytest.fixture(scope="module", params=FLEETS, ids=_fleet_id)
 def fleet(request, tmp_path_factory):
     variant, worker_class = request.param
     f = Fleet(variant, worker_class, tmp_path_factory.mktemp(f"mig-{variant}-{worker_class}"))
@@ -564,6 +574,7 @@ def _straddling_stop(fleet: Fleet, budget: int, seam: int) -> str:
 
 
 @pytest.mark.parametrize("trim", [True, False], ids=["trimmed", "no_stop_trim"])
+@pytest.mark.parametrize("fleet", SGLANG_FLEETS, indirect=True, ids=_fleet_id)
 def test_stop_string_across_the_seam_stops_as_uninterrupted(fleet, plain, trim):
     """A stop string begun before the seam and completed after it: the
     engine of the resumed leg cannot see it, the frontend (``--tokenizer``)
@@ -571,8 +582,6 @@ def test_stop_string_across_the_seam_stops_as_uninterrupted(fleet, plain, trim):
     (the resumed leg is aborted). Without a tokenizer the request is not
     migrated: today's in-band error, ``not_migrated`` in the record and
     ``/stats``."""
-    if fleet.protocol != "sglang":
-        pytest.skip("a vLLM tokens-only server refuses stop strings")
     seam = 4
     stop = _straddling_stop(fleet, 12, seam)
     rid = f"m{next(_rids)}"
@@ -600,13 +609,12 @@ def test_stop_string_across_the_seam_stops_as_uninterrupted(fleet, plain, trim):
     assert httpx.get(plain.proc.url + "/stats", timeout=5).json()["not_migrated"] == before + 1
 
 
+@pytest.mark.parametrize("fleet", SGLANG_FLEETS, indirect=True, ids=_fleet_id)
 def test_text_prompt_migrates_with_a_tokenizer_only(fleet, plain):
     """A text prompt resumes as its token ids, tokenized as SGLang does
     (special tokens added by the tokenizer's post-processor, specials in
     the text parsed): the answer equals the uninterrupted one. Without
     ``--tokenizer`` it ends with today's in-band error, counted."""
-    if fleet.protocol != "sglang":
-        pytest.skip("vLLM's native route takes token ids only")
     from asgi_generate.sdk.text import PromptTokenizer
 
     text = "<|im_start|>user\nHello there<|im_end|>"
@@ -835,13 +843,12 @@ def test_503_before_any_token_is_a_failover(stream, tmp_path):
         ("w0", "aggregated", "error", None), ("w1", "aggregated", "finished", None)]
 
 
+@pytest.mark.parametrize("fleet", SGLANG_FLEETS, indirect=True, ids=_fleet_id)
 def test_text_across_a_seam_that_splits_a_character(fleet):
     """A seam right after a token holding only the first bytes of a
     character: the resumed engine would decode the rest alone (U+FFFD); the
     frontend's one decoder over the whole output (``--tokenizer``) gives
     the uninterrupted ``text`` in every chunk."""
-    if fleet.protocol != "sglang":
-        pytest.skip("vLLM's native route answers no text")
     from asgi_generate.sim.tokenizer import SimTokenizer
 
     tok = SimTokenizer()

@@ -101,7 +101,9 @@ def test_an_earlier_deadline_wakes_the_poller_sooner():
 
     first, second, waited, (heap, due) = trio.run(main)
     assert (first, second) == (b"0", None)
-    assert 0.05 <= waited < 1.0
+    # Its own deadline woke it, not the first read's 30 s one (half of that
+    # is room for a loaded machine).
+    assert 0.05 <= waited < 15
     # The first read's entry is stale and waits to come up; no fd is due.
     assert len(heap) == 1 and 29 < heap[0] < 30 and due == {}
 

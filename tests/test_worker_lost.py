@@ -35,7 +35,7 @@ def _records(tmp_path) -> list[dict]:
 
 
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
-def test_dead_worker_streams_are_recorded_within_100_ms(tmp_path, worker_class):
+def test_dead_worker_streams_are_recorded_as_they_end(tmp_path, worker_class):
     sim = start_sim(itl_ms=50)
     # The streams' own reads must notice the death: a probe every 0.2 s
     # (the suite's default) could give the worker up first and end them
@@ -70,7 +70,9 @@ def test_dead_worker_streams_are_recorded_within_100_ms(tmp_path, worker_class):
         fe.stop()
         sim.stop()
     lags = sorted(rec["event_time_unix_ms"] - broke_ms for rec in recs)
-    assert lags[-1] < 100, lags
+    # Written as the streams end, not at a timer: connect (5 s) and abort
+    # (10 s) timeouts, the probe (60 s here). 2 s is room for a loaded machine.
+    assert lags[-1] < 2_000, lags
     assert sorted(rec["error"]["message"] for rec in recs) == sorted(messages)
     for rec in recs:
         kind = ENDINGS[rec["error"]["message"]]

@@ -61,6 +61,8 @@ class Job:
     kv_cached: int | None = None
     output_ids: list[int] = field(default_factory=list)
     prefill_done: bool = False
+    #: Steps generated so far (``/sim/stats``' ``running_output_tokens``).
+    generated: int = 0
 
 
 @dataclass(slots=True)
@@ -346,6 +348,7 @@ class SimEngine:
                 step.append((sample, token))
             if self.cache is not None:  # the first sample's output is what gets cached
                 job.output_ids.append(step[0][1].token_id)
+            job.generated += 1
             yield step
             for sample, token in step:
                 if token.finish is not None:
@@ -392,6 +395,8 @@ class SimEngine:
         return {
             "running": len(self.running),
             "running_rids": sorted(self.running),
+            # A test waits on these to act mid-generation instead of sleeping.
+            "running_output_tokens": {rid: job.generated for rid, job in sorted(self.running.items())},
             "received": self.received,
             "generate_requests": self.generate_requests,
             "completed": self.completed,
