@@ -55,6 +55,13 @@ def sampled(prompt: list[int], sample: int, count: int, ignore_eos: bool = False
     return out
 
 
+def campaign_size(suite: int, full: int) -> int:
+    """A campaign's size: ``suite``, the smallest that still catches its
+    bug class, or ``full`` when ``CAMPAIGN_SIZE=full`` (what
+    bench/bench_campaigns.py sets)."""
+    return full if os.environ.get("CAMPAIGN_SIZE") == "full" else suite
+
+
 def free_port() -> int:
     """A loopback port nothing listens on (a worker that refuses connections)."""
     sock = socket.socket()

@@ -11,7 +11,8 @@ import httpx
 import orjson
 import pytest
 
-from support import post, sse, start_frontend, start_sim, stats, wait_until, without_timing, trace_records
+from support import (campaign_size, post, sse, start_frontend, start_sim, stats, wait_until, without_timing,
+                     trace_records)
 
 BODY = {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
 
@@ -34,6 +35,11 @@ def landed(sims, send) -> int:
     return moved[0]
 
 
+#: Session keys: a home that differs between two processes (a per-process
+#: hash seed) shows on most keys, and these 6 spread over both workers.
+KEYS = campaign_size(6, 12)
+
+
 @pytest.mark.e2e
 def test_two_frontend_processes_agree_on_every_key(two_sims):
     urls = [f"sglang={s.url}" for s in two_sims]
@@ -41,7 +47,7 @@ def test_two_frontend_processes_agree_on_every_key(two_sims):
     b = start_frontend(list(reversed(urls)), worker_class="asyncio", extra=["--policy", "session"])
     try:
         homes = []
-        for i in range(12):
+        for i in range(KEYS):
             key = {"x-session-id": f"agent-{i}"}
             via_a = landed(two_sims, lambda: post(a.url, BODY, headers=key).raise_for_status())
             via_b = landed(two_sims, lambda: post(b.url, BODY, headers=key).raise_for_status())
@@ -50,9 +56,9 @@ def test_two_frontend_processes_agree_on_every_key(two_sims):
             homes.append(via_a)
         assert set(homes) == {0, 1}  # the keys spread over both workers
         routing = httpx.get(a.url + "/stats").json()["routing"]
-        assert routing == {"policy": "session", "requests": 24, "keyless": 0,
+        assert routing == {"policy": "session", "requests": 2 * KEYS, "keyless": 0,
                            "headers": ["x-session-id", "x-smg-routing-key"], "epsilon": 1.0,
-                           "affinity_hits": 24, "spills": 0}
+                           "affinity_hits": 2 * KEYS, "spills": 0}
     finally:
         a.stop()
         b.stop()
