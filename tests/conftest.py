@@ -1,6 +1,8 @@
 """Shared fixtures (simulator and frontend processes for the whole session)
 and the ``e2e`` guard: a test that starts a process must be marked ``e2e``,
-so that ``pytest -m "not e2e"`` starts none."""
+so that ``pytest -m "not e2e"`` starts none. An unmarked test fails when it,
+or a fixture set up for it, starts one; in a whole run a session fixture an
+e2e test started first is already up, so the ``not e2e`` run is the check."""
 
 from __future__ import annotations
 
