@@ -226,6 +226,7 @@ def _dropped_record(recs: list[dict], proxy: WireProxy) -> tuple[str, dict]:
     return dropped, rec
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
 def test_fleet_fails_a_stream_the_worker_dropped_over_to_another_worker(tmp_path_factory, worker_class):
     a, b = start_sim(), start_sim()
@@ -244,6 +245,7 @@ def test_fleet_fails_a_stream_the_worker_dropped_over_to_another_worker(tmp_path
         b.stop()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
 @pytest.mark.parametrize("dropped_leg", ["prefill", "decode"])
 def test_sglang_fleet_runs_a_pair_whose_leg_the_worker_dropped_anew(tmp_path_factory, worker_class, dropped_leg):
