@@ -20,6 +20,8 @@ import pytest
 from asgi_generate.sdk.versions import VLLM_VERSIONS, vllm_behaviour
 from support import CONTINUATION, PROMPT, same, sse, start_frontend, start_sim, without_timing
 
+pytestmark = pytest.mark.e2e
+
 CONTEXT = 1024
 VOCAB = 8192
 HTTP = httpx.Client(timeout=30)
