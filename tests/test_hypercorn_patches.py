@@ -232,6 +232,7 @@ def test_each_request_gets_its_own_copy_of_the_lifespan_state(worker_class):
 # -- the connection reset ----------------------------------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio", "uvloop"])
 def test_a_connection_reset_drops_the_queue_and_ends_a_stuck_write(worker_class):
     """An app cuts off a client that stopped reading (tests/reset_app.py):

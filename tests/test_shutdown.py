@@ -17,6 +17,8 @@ import pytest
 
 from support import RawClient, listening_socket, start_frontend, start_sim, trace_records, wait_until
 
+pytestmark = pytest.mark.e2e
+
 #: The in-band error a stream ended by a shutdown carries (SGLang's shape).
 SHUTDOWN_EVENT = {"error": {"message": "server is shutting down", "type": "503", "code": 503}}
 STREAM = {"input_ids": [1, 2], "stream": True, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
