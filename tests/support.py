@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 
+import anyio
 import httpx
 import orjson
 
@@ -169,10 +170,17 @@ def start_sim(
     port: int = 0,
     extra: list[str] = (),
     verify: str | None = None,
+    cold: bool = True,
 ) -> Proc:
     """Start a simulator process and wait for its ``/health`` (over HTTPS,
-    checked against the CA file ``verify``, when given)."""
-    args = ["sim", "--protocol", protocol, "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms), *extra]
+    checked against the CA file ``verify``, when given).
+
+    ``cold`` (the default): no prefix cache (``--cache-tokens 0``), so a
+    prompt sent twice, or aggregated and as P/D, answers the same value for
+    value (``cached_tokens`` 0); ``cold=False``, or a ``--cache-tokens`` in
+    ``extra``, keeps a cache as the engines do."""
+    args = ["sim", "--protocol", protocol, "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms),
+            *(["--cache-tokens", "0"] if cold else []), *extra]
     if incremental:
         args.append("--incremental-streaming-output")
     return Proc(f"sim-{protocol}", args, listening_socket(port), "/health", verify)
@@ -362,6 +370,29 @@ def tcp_states(port: int, peer_port: int) -> list[str]:
         if int(local.rsplit(":", 1)[1], 16) == port and int(remote.rsplit(":", 1)[1], 16) == peer_port:
             states.append(state)
     return states
+
+
+async def asgi_json(app, method: str, path: str, body: dict | None = None) -> dict | None:
+    """One request to the ASGI ``app`` in process (no lifespan), within 5 s;
+    its JSON answer (``None`` for an empty body)."""
+    sent = [{"type": "http.request", "body": orjson.dumps(body) if body is not None else b"", "more_body": False}]
+    out: list[bytes] = []
+
+    async def receive() -> dict:
+        if sent:
+            return sent.pop()
+        await anyio.sleep_forever()
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body":
+            out.append(message.get("body", b""))
+
+    scope = {"type": "http", "method": method, "path": path, "query_string": b"",
+             "headers": [(b"content-type", b"application/json")]}
+    with anyio.fail_after(5):
+        await app(scope, receive, send)
+    raw = b"".join(out)
+    return orjson.loads(raw) if raw else None
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02):

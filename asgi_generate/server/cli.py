@@ -20,6 +20,7 @@ from ..config import SETTINGS, Setting, Settings
 from .serving import LOG_FORMAT, WORKER_CLASSES, ServerTLS, hold_signals, hypercorn_config, run
 from ..protocols import PROTOCOLS
 from ..sdk.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS
+from ..sim.prefix_cache import DEFAULT_CACHE_TOKENS
 
 if TYPE_CHECKING:
     from ..sim.app import SimApp
@@ -215,9 +216,18 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     sim.add_argument("--disconnect-abort-s", type=_bounded(float, 0), default=2.0, metavar="S",
                      help="SGLang: seconds after a client vanished before the engine aborts its request "
                           "itself, as SGLang's background abort does (default %(default)s)")
-    sim.add_argument("--cache-tokens", type=_bounded(int, 0), default=0, metavar="N",
-                     help="prefix cache capacity in tokens, LRU (SGLang radix cache, vLLM prefix caching in "
-                          "16-token blocks); 0 = no cache (default %(default)s)")
+    sim.add_argument("--cache-tokens", type=_bounded(int, 0), default=DEFAULT_CACHE_TOKENS, metavar="N",
+                     help="prefix cache capacity in tokens, LRU, keyed by SGLang extra_key and cache_salt, vLLM "
+                          "cache_salt (SGLang radix cache, vLLM prefix caching in 16-token blocks); 0 = no cache "
+                          "(default %(default)s, on as in both engines)")
+    sim.add_argument("--block-size", "--page-size", type=_bounded(int, 1), default=None, metavar="N",
+                     help="tokens per prefix cache block, the unit of hits and KV events (vLLM --block-size, "
+                          "default 16; SGLang --page-size, default 1)")
+    sim.add_argument("--kv-events-config", default=None, metavar="JSON",
+                     help="publish the prefix cache's KV events over ZMQ, configured as the engine takes it "
+                          "(vLLM: {\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+                          "\"replay_endpoint\": ...}; SGLang: {\"publisher\": \"zmq\", ...}); port 0 binds a "
+                          "free loopback port; discovery: vLLM GET /kv_event_sources, SGLang /server_info")
     sim.add_argument("--prefill-us-per-token", type=_bounded(float, 0), default=0.0, metavar="US",
                      help="prefill compute per uncached prompt token in microseconds, one prefill after "
                           "another, added to --ttft-ms (default %(default)s)")
@@ -418,6 +428,8 @@ def _sim_app(args: argparse.Namespace) -> "SimApp":
         max_model_len=args.max_model_len,
         max_logprobs=args.max_logprobs,
         vocab_size=args.vocab_size,
+        block_size=args.block_size,
+        kv_events_config=args.kv_events_config,
     )
 
 

@@ -43,9 +43,11 @@ import orjson
 
 from ..assets import ASSETS_DIR
 from ..request.framing import BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
-from ..sdk.versions import VLLM_DEFAULT_VERSION
+from ..sdk.versions import VLLM_DEFAULT_VERSION, parse_version
 from .disagg import DEFAULT_TIMEOUT_S, DecodeKV, PrefillRooms
+from .kv_events import KV_EVENT_SOURCES, EventWire, KVEventPublisher, KVEventsConfig
 from .kvconnector import DEFAULT_EXPIRY_S, KVConsumer, KVProducer
+from .prefix_cache import DEFAULT_CACHE_TOKENS
 from .admin import SimAdmin
 from .engine import SimEngine, SimFault
 from .sglang import CONTEXT_LENGTH, SGLangProtocol
@@ -99,7 +101,8 @@ class SimApp:
         disconnect_abort_s: SGLang: seconds after its client vanished that a
             request is aborted by the engine itself (SGLang's background abort
             task); tests raise it so only the frontend's abort can stop a job.
-        cache_tokens: prefix cache capacity in tokens (0: none; see
+        cache_tokens: prefix cache capacity in tokens (0: none; default
+            :data:`~asgi_generate.sim.prefix_cache.DEFAULT_CACHE_TOKENS`; see
             :class:`~asgi_generate.sim.engine.SimEngine`).
         prefill_us_per_token: prefill compute per uncached prompt token.
         enable_prompt_tokens_details: vLLM's server flag: usage reports
@@ -112,10 +115,15 @@ class SimApp:
             tokenizer's 4,096); larger pads it past the tokenizer, as real
             checkpoints are: every id below it is in vocabulary, none of the
             padding is ever generated.
+        block_size: the prefix cache's block (vLLM ``--block-size``, default
+            16; SGLang ``--page-size``, default 1).
+        kv_events_config: the engine's ``--kv-events-config`` JSON: publish
+            the cache's KV events (:mod:`asgi_generate.sim.kv_events`).
 
     Raises:
         ValueError: unknown protocol, a vLLM version that is not one, a
-            flag of the other engine's, or a model shape out of range.
+            flag of the other engine's, a model shape out of range, a
+            cache smaller than one block, or a bad ``kv_events_config``.
     """
 
     def __init__(
@@ -141,13 +149,15 @@ class SimApp:
         decode_expert_rows: str = "sequence",
         disconnect_abort_s: float = 2.0,
         routed_experts: bool = False,
-        cache_tokens: int = 0,
+        cache_tokens: int = DEFAULT_CACHE_TOKENS,
         prefill_us_per_token: float = 0.0,
         enable_prompt_tokens_details: bool = False,
         context_length: int | None = None,
         max_model_len: int | None = None,
         max_logprobs: int | None = None,
         vocab_size: int | None = None,
+        block_size: int | None = None,
+        kv_events_config: str | None = None,
     ) -> None:
         if protocol not in ("sglang", "vllm"):
             raise ValueError(f"unknown simulator protocol {protocol!r}")
@@ -181,6 +191,10 @@ class SimApp:
             KVProducer(kv_expiry_s, kv_connector) if kv_role == "producer"
             else KVConsumer() if kv_role == "consumer" else None
         )
+        if block_size is None:
+            block_size = 16 if protocol == "vllm" else 1
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
         self.tokenizer = SimTokenizer()
@@ -189,9 +203,14 @@ class SimApp:
         self.engine = SimEngine(
             model, ttft_ms / 1000.0, itl_ms / 1000.0,
             script=script, abort_after=abort_after, abort_status=abort_status,
-            cache_tokens=cache_tokens, cache_block=16 if protocol == "vllm" else 1,
+            cache_tokens=cache_tokens, cache_block=block_size, whole_runs=protocol == "sglang",
             prefill_us_per_token=prefill_us_per_token,
         )
+        events = KVEventsConfig.parse(protocol, kv_events_config) if kv_events_config else None
+        if events is not None:
+            if self.engine.cache is None:
+                raise ValueError("--kv-events-config needs the prefix cache (--cache-tokens above 0)")
+            self.engine.events = KVEventPublisher(events, EventWire(protocol, engine_version, block_size))
         self.protocol: SGLangProtocol | VLLMProtocol = (
             VLLMProtocol(
                 self.engine, model.vocab_size, model_name, usage_chunk,
@@ -225,6 +244,8 @@ class SimApp:
         p = self.protocol
         if path == "/sim/faults":
             await self._faults(method, receive, send)
+        elif path == "/sim/kv_events" and method == "POST":
+            await self._kv_events(receive, send)
         elif isinstance(p, VLLMProtocol):
             await self._vllm(p, scope, receive, send)
         elif path == "/generate" and method in ("POST", "PUT"):
@@ -243,6 +264,9 @@ class SimApp:
             info = p.server_info(self.model_path)
             if self.engine_version is not None:
                 info["version"] = self.engine_version
+            info["page_size"] = self.engine.cache.block if self.engine.cache is not None else 1
+            events = self.engine.events
+            info["kv_events"] = events.sglang_descriptor() if events is not None else None
             await send_unary(send, 200, orjson.dumps(info))
         elif path in ("/get_model_info", "/model_info") and method == "GET":
             info = p.model_info(self.model_path)
@@ -277,6 +301,8 @@ class SimApp:
 
     def _stats(self) -> dict:
         stats = self.engine.stats()
+        if self.engine.events is not None:
+            stats["kv_events"] = self.engine.events.stats()
         stats["admin_calls"] = dict(self.admin.calls)
         stats["traceparents"] = dict(self.traceparents)
         d = self.disagg
@@ -312,6 +338,9 @@ class SimApp:
             await self._health(send)
         elif path == "/version" and method == "GET":
             await send_unary(send, 200, orjson.dumps({"version": p.version}))
+        elif path == "/kv_event_sources" and method == "GET" and parse_version(p.version) >= KV_EVENT_SOURCES:
+            events = self.engine.events
+            await send_unary(send, 200, orjson.dumps(events.vllm_sources() if events is not None else {}))
         elif path == "/v1/models" and method == "GET":
             await send_unary(send, 200, orjson.dumps(p.models(self.model_path)))
         elif path == "/sim/stats" and method == "GET":
@@ -347,6 +376,34 @@ class SimApp:
                 {"detail": 'expected {"count": N >= 1, "after_tokens": T >= 0, "input_len": L >= 1 or null}'}))
             return
         self.engine.arm(count, after, length)
+        await send_unary(send, 200, b"{}")
+
+    async def _kv_events(self, receive: Receive, send: Send) -> None:
+        """``POST /sim/kv_events``: ``{"drop": [START, STOP]}`` keeps those
+        sequence numbers off the live wire (replay still has them);
+        ``{"restart": true}`` starts the sequence over with an empty cache,
+        as a restarted engine."""
+        body = await self._body(receive, send)
+        if body is None:
+            return
+        events = self.engine.events
+        try:
+            spec = orjson.loads(body)
+            drop = spec.get("drop")
+            if drop is not None and not (isinstance(drop, list) and len(drop) == 2
+                                         and all(type(v) is int and v >= 0 for v in drop)):
+                raise ValueError
+        except (orjson.JSONDecodeError, AttributeError, ValueError):
+            await send_unary(send, 400, orjson.dumps({"detail": 'expected {"drop": [START, STOP]} or {"restart": true}'}))
+            return
+        if events is None:
+            await send_unary(send, 409, orjson.dumps({"detail": "no --kv-events-config"}))
+            return
+        if drop is not None:
+            events.drop(*drop)
+        if spec.get("restart"):
+            events.restart()
+            self.engine.cache.clear()
         await send_unary(send, 200, b"{}")
 
     async def _body(self, receive: Receive, send: Send) -> bytes | None:
@@ -386,6 +443,8 @@ class SimApp:
                         await tg.start(self.kv.serve)
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
+                    if self.engine.events is not None:
+                        self.engine.events.close()
                     tg.cancel_scope.cancel()
                     break
         # Outside the cancelled scope, or the send itself would be cancelled.

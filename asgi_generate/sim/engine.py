@@ -9,12 +9,16 @@ the tokens (through :class:`~asgi_generate.sim.model.Model`), when they come
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 import anyio
 
-from ..workers.prefix_tree import PrefixTree, token_key
 from .model import Model, Step
+from ..workers.block_hash import block_hashes, namespace_seed
+from .prefix_cache import DEFAULT_CACHE_TOKENS, PrefixCache
+
+if TYPE_CHECKING:
+    from .kv_events import KVEventPublisher
 
 
 class DuplicateRequestId(Exception):
@@ -57,6 +61,7 @@ class Job:
     sample: int = 0
     aborted: bool = False
     abort_event: anyio.Event = field(default_factory=anyio.Event)
+    namespace: tuple[str | None, ...] = ()
     cached_tokens: int = 0
     kv_cached: int | None = None
     output_ids: list[int] = field(default_factory=list)
@@ -92,18 +97,21 @@ class SimEngine:
             as SGLang ends a request whose KV transfer failed.
         abort_status: the HTTP status of that abort.
         cache_tokens: the prefix cache's capacity in tokens (``sim
-            --cache-tokens``; 0: no cache, every prompt computed whole).
+            --cache-tokens``, default :data:`~asgi_generate.sim.prefix_cache.DEFAULT_CACHE_TOKENS`; 0: no
+            cache, every prompt computed whole).
         cache_block: the cache's unit: a hit counts whole blocks only (1 for
             SGLang's radix cache at page size 1; 16 for vLLM's default block
             size, ``vllm/v1/core/kv_cache_manager.py``).
+        whole_runs: evict whole radix nodes (SGLang), not single blocks
+            (vLLM); see :class:`~asgi_generate.sim.prefix_cache.PrefixCache`.
         prefill_us_per_token: prefill compute per uncached prompt token, in
             microseconds (``sim --prefill-us-per-token``). Prefills share
             one compute unit, one after another in arrival order, as a busy
             engine's batches do: a request's first token comes after the
             prefills before it, its own, then ``ttft_s``.
 
-    The prefix cache (a :class:`~asgi_generate.workers.prefix_tree.PrefixTree`
-    over token ids, LRU) is matched when a prefill starts and takes the
+    The prefix cache (a :class:`~asgi_generate.sim.prefix_cache.PrefixCache`
+    of token blocks in namespaces, LRU) is matched when a prefill starts and takes the
     prompt once its prefill is done, and the
     prompt with its output when the request ends, aborted or not, as
     SGLang's ``cache_unfinished_req``/``cache_finished_req`` do. A prompt's
@@ -122,15 +130,16 @@ class SimEngine:
         script: tuple[int, ...] = (),
         abort_after: int | None = None,
         abort_status: int = 503,
-        cache_tokens: int = 0,
+        cache_tokens: int = DEFAULT_CACHE_TOKENS,
         cache_block: int = 1,
+        whole_runs: bool = True,
         prefill_us_per_token: float = 0.0,
     ) -> None:
         self.model = model
-        # One more character than tokens: the key's kind marker.
-        self.cache = PrefixTree(cache_tokens + 1, cache_tokens + 1) if cache_tokens > 0 else None
+        #: Where the cache's KV events go (``sim --kv-events-config``).
+        self.events: KVEventPublisher | None = None
+        self.cache = PrefixCache(cache_tokens, cache_block, whole_runs) if cache_tokens > 0 else None
         self.cache_tokens = cache_tokens
-        self.cache_block = cache_block
         self.prefill_s_per_token = prefill_us_per_token / 1e6
         #: One prefill computes at a time (a busy engine's prefill batches).
         self._prefill_unit = anyio.Lock()
@@ -206,7 +215,21 @@ class SimEngine:
 
     def _cache_finished(self, job: Job) -> None:
         if self.cache is not None and job.prefill_done:
-            self.cache.insert(token_key([*job.input_ids, *job.output_ids]))
+            self._insert(job, [*job.input_ids, *job.output_ids])
+
+    def _insert(self, job: Job, ids: list[int]) -> None:
+        cache = self.cache
+        hashes = block_hashes(namespace_seed(job.namespace), ids, cache.block)
+        held, gone = cache.insert(hashes)
+        if self.events is not None:
+            wire, events = self.events.wire, []
+            if held < len(hashes):
+                parent = hashes[held - 1] if held else None
+                b = cache.block
+                events.append(wire.stored(hashes[held:], parent, ids[held * b : len(hashes) * b], job.namespace))
+            if gone:
+                events.append(wire.removed(gone))
+            self.events.publish(events)
 
     def flush_cache(self) -> None:
         """Empty the prefix cache (SGLang ``/flush_cache``, vLLM
@@ -214,6 +237,8 @@ class SimEngine:
         self.cache_flushes += 1
         if self.cache is not None:
             self.cache.clear()
+            if self.events is not None:
+                self.events.publish([self.events.wire.cleared()])
 
     async def _prefill(self, job: Job) -> None:
         """Run ``job``'s prefill: match its prompt against the cache (setting
@@ -230,16 +255,18 @@ class SimEngine:
             self._match(job)
         if self.cache is not None and not job.aborted:
             job.prefill_done = True
-            self.cache.insert(token_key(job.input_ids))
+            self._insert(job, job.input_ids)
 
     def _match(self, job: Job) -> None:
         prompt = len(job.input_ids)
+        cache = self.cache
         if job.kv_cached is not None:
             job.cached_tokens = job.kv_cached
-        elif self.cache is not None and prompt:
-            held = self.cache.match(token_key(job.input_ids)) - 1
-            block = self.cache_block
-            job.cached_tokens = max(0, min(held, prompt - 1)) // block * block
+        elif cache is not None and prompt:
+            block = cache.block
+            # The last prompt token is computed for its logits: never a hit.
+            usable = job.input_ids[: (prompt - 1) // block * block]
+            job.cached_tokens = cache.match(block_hashes(namespace_seed(job.namespace), usable, block)) * block
         self.prompt_tokens += prompt
         self.cached_tokens += job.cached_tokens
 
@@ -413,10 +440,10 @@ class SimEngine:
             "down": self.down,
             "cache": {
                 "capacity_tokens": self.cache_tokens,
-                "tokens": self.cache.tokens - (self.cache.tokens > 0) if self.cache is not None else 0,
+                "tokens": self.cache.tokens if self.cache is not None else 0,
                 "prompt_tokens": self.prompt_tokens,
                 "cached_tokens": self.cached_tokens,
-                "evicted_tokens": self.cache.evicted_tokens if self.cache is not None else 0,
+                "evicted_tokens": self.cache.evicted_blocks * self.cache.block if self.cache is not None else 0,
                 "flushes": self.cache_flushes,
             },
         }

@@ -231,6 +231,8 @@ class SGLangProtocol:
             stop_token_ids=frozenset(stop_ids),
             ignore_eos=bool(field(sp, "ignore_eos", (bool,), False)),
             logit_bias=bias,
+            # GenerateReqInput._normalize_single_inputs: "" is None.
+            namespace=(field(obj, "extra_key", (str,), None) or None, field(obj, "cache_salt", (str,), None) or None),
         )
         # The scheduler refuses these (Scheduler.handle_generate_request, then
         # its grammar manager): an abort with status 400 before any token.

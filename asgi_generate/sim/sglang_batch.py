@@ -14,8 +14,9 @@ normalize_batch_and_arguments``: ``_determine_batch_size``,
   ``n`` times, prompt-major (entry ``i * n + s`` is sample ``s`` of prompt
   ``i``), each sample under a fresh uuid rid (``regenerate_rid``), so the
   client's rids are never the samples' (SGLang also first runs each prompt
-  once with ``max_new_tokens`` 0 to cache it; the simulator has no cache to
-  fill and skips that).
+  once with ``max_new_tokens`` 0 to cache it, so every sample hits; the
+  simulator skips that run: its first sample computes the prompt and
+  caches it, the others hit).
 - Per-item fields given as a list of the batch's length (``return_logprob``,
   ``top_logprobs_num``, ``sampling_params``, ...) are the item's.
 - Unary: one JSON list of the entries' answers, in entry order; a refused

@@ -298,6 +298,7 @@ class VLLMProtocol:
             max_new_tokens=room if max_tokens is None else min(max_tokens, room),
             stop_token_ids=frozenset(sp.get("stop_token_ids") or ()),
             ignore_eos=sp.get("ignore_eos", False),
+            namespace=(obj.get("cache_salt") or None,),
         )
         opts = Options(
             stream=bool(obj.get("stream")),

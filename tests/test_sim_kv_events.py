@@ -1,0 +1,166 @@
+"""The simulator's KV cache events: the ZMQ wire each engine version sends
+(multipart topic, 8-byte big-endian sequence number, msgpack EventBatch),
+BlockStored/BlockRemoved/AllBlocksCleared at the engine's block size, the
+replay ROUTER socket, discovery routes, /sim/stats and the gap fault hook.
+In process: the app driven directly, a real SUB socket on loopback."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import orjson
+import pytest
+import zmq
+
+from asgi_generate.sim.app import SimApp
+from asgi_generate.sim.kv_events import END_SEQ, KVEventsConfig
+from support import asgi_json
+
+VLLM_CONFIG = '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0", "topic": "kv"}'
+SGLANG_CONFIG = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}'
+
+
+class Subscriber:
+    """A SUB socket on the app's publisher; ``take(n)`` gets n messages."""
+
+    def __init__(self, app: SimApp, topic: bytes = b"") -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sub.connect(app.engine.events.endpoint)
+        self.app = app
+
+    def settle(self) -> None:
+        """Wait until the subscription reached the publisher (PUB drops
+        everything before it): publish probes until one arrives."""
+        pub = self.app.engine.events
+        for _ in range(200):
+            pub.publish([{"type": "probe"}])
+            if self.sub.poll(20):
+                while self.sub.poll(20):
+                    self.sub.recv_multipart()
+                return
+        raise AssertionError("the subscription never reached the publisher")
+
+    def take(self, n: int) -> list[tuple[bytes, int, list]]:
+        out = []
+        for _ in range(n):
+            assert self.sub.poll(2000), "no event within 2 s"
+            topic, seq, payload = self.sub.recv_multipart()
+            out.append((topic, int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
+        assert not self.sub.poll(50)
+        return out
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+def _run(app: SimApp, *calls: tuple) -> list[dict]:
+    async def go() -> list[dict]:
+        return [await asgi_json(app, *c) for c in calls]
+    return anyio.run(go)
+
+
+def test_config_is_each_engines_own():
+    assert KVEventsConfig.parse("vllm", '{"enable_kv_cache_events": false}') is None
+    assert KVEventsConfig.parse("vllm", '{"enable_kv_cache_events": true}').endpoint == "tcp://*:5557"
+    assert KVEventsConfig.parse("sglang", '{"topic": "x"}') is None  # SGLang's publisher defaults to null
+    assert KVEventsConfig.parse("sglang", '{"publisher": "zmq", "bind": true}').buffer_steps == 10_000
+    with pytest.raises(ValueError, match="takes no bind"):
+        KVEventsConfig.parse("vllm", '{"enable_kv_cache_events": true, "bind": true}')
+    with pytest.raises(ValueError, match="takes no enable_kv_cache_events"):
+        KVEventsConfig.parse("sglang", '{"enable_kv_cache_events": true}')
+    with pytest.raises(ValueError, match="publisher"):
+        KVEventsConfig.parse("sglang", '{"publisher": "kafka"}')
+
+
+def test_vllm_events_blocks_removal_clear_and_discovery():
+    app = SimApp("vllm", cache_tokens=48, kv_events_config=VLLM_CONFIG)
+    sub = Subscriber(app, b"kv")
+    try:
+        sub.settle()
+        probes = app.engine.events.events
+        prompt = list(range(100, 140))  # 2 full blocks of 16 and 8 tokens over
+        body = {"token_ids": prompt, "sampling_params": {"max_tokens": 1}, "cache_salt": "s"}
+        _run(app, ("POST", "/inference/v1/generate", body))
+        (topic, seq, batch), = sub.take(1)  # the prompt's blocks; its output adds no full block
+        assert topic == b"kv" and len(batch) == 3 and batch[2] == 0
+        stored, = batch[1]
+        assert stored["type"] == "BlockStored" and stored["block_size"] == 16
+        assert stored["token_ids"] == prompt[:32] and stored["parent_block_hash"] is None
+        assert len(stored["block_hashes"]) == 2 and all(0 <= h < 2**64 for h in stored["block_hashes"])
+        assert stored["extra_keys"] == [["s"], None] and stored["medium"] == "GPU"
+        other = {"token_ids": list(range(500, 540)), "sampling_params": {"max_tokens": 1}}
+        _run(app, ("POST", "/inference/v1/generate", other))
+        (_, seq2, batch2), = sub.take(1)
+        assert seq2 == seq + 1
+        assert [e["type"] for e in batch2[1]] == ["BlockStored", "BlockRemoved"]
+        assert batch2[1][1]["block_hashes"] == [stored["block_hashes"][1]]  # the tail first, LRU
+        _run(app, ("POST", "/reset_prefix_cache", {}))
+        (_, _, batch3), = sub.take(1)
+        assert batch3[1] == [{"type": "AllBlocksCleared"}]
+        sources, st = _run(app, ("GET", "/kv_event_sources"), ("GET", "/sim/stats"))
+        assert sources["0"]["endpoint"] == app.engine.events.endpoint and sources["0"]["topic"] == "kv"
+        assert sources["0"]["replay_endpoint"].startswith("tcp://127.0.0.1:")
+        assert st["kv_events"]["events"] - probes == 4 and st["kv_events"]["replays"] == 0
+    finally:
+        sub.close()
+        app.engine.events.close()
+
+
+@pytest.mark.parametrize("version, maps", [(None, True), ("0.5.20", True), ("0.5.18", False)])
+def test_sglang_events_per_version_encoding(version, maps):
+    app = SimApp("sglang", engine_version=version, kv_events_config=SGLANG_CONFIG)
+    sub = Subscriber(app)
+    try:
+        sub.settle()
+        body = {"input_ids": [7, 8, 9], "sampling_params": {"max_new_tokens": 1, "ignore_eos": True},
+                "cache_salt": "s"}
+        _run(app, ("POST", "/generate", body))
+        (_, _, prompt), (_, _, finished) = sub.take(2)  # the prompt at prefill, the output at the end
+        stored = prompt[1][0]
+        if maps:
+            assert stored == {"type": "BlockStored", "block_hashes": stored["block_hashes"], "parent_block_hash": None,
+                              "token_ids": [7, 8, 9], "block_size": 1, "lora_id": None, "medium": "GPU",
+                              "cache_salt": "s"}
+            assert finished[1][0]["parent_block_hash"] == stored["block_hashes"][-1]
+        else:
+            assert stored == ["BlockStored", stored[1], None, [7, 8, 9], 1, None, "GPU", {"cache_salt": "s"}]
+        info, = _run(app, ("GET", "/server_info"))
+        assert info["kv_events"]["endpoint_host"] == "127.0.0.1" and info["kv_events"]["block_size"] == 1
+        assert info["page_size"] == 1 and "replay_endpoint_port_base" in info["kv_events"]
+    finally:
+        sub.close()
+        app.engine.events.close()
+
+
+def test_a_dropped_range_is_a_gap_that_replay_fills():
+    app = SimApp("vllm", kv_events_config=VLLM_CONFIG)
+    sub = Subscriber(app, b"kv")
+    ctx = zmq.Context()
+    try:
+        sub.settle()
+        first = app.engine.events.stats()["next_seq"]
+        _run(app, ("POST", "/sim/kv_events", {"drop": [first + 1, first + 3]}))
+        for i in range(4):
+            _run(app, ("POST", "/inference/v1/generate",
+                       {"token_ids": list(range(1000 + 40 * i, 1040 + 40 * i)), "sampling_params": {"max_tokens": 1}}))
+        seqs = [seq for _, seq, _ in sub.take(2)]
+        assert seqs == [first, first + 3]  # first+1 and first+2 never came
+        req = ctx.socket(zmq.DEALER)
+        req.connect(app.engine.events.replay_endpoint)
+        req.send_multipart((b"", (first + 1).to_bytes(8, "big")))
+        got = []
+        while True:
+            assert req.poll(2000)
+            _, topic, seq, payload = req.recv_multipart()
+            if seq == END_SEQ:
+                break
+            got.append(int.from_bytes(seq, "big"))
+        assert got == [first + 1, first + 2, first + 3]
+        st, = _run(app, ("GET", "/sim/stats"))
+        assert st["kv_events"]["dropped"] == 2 and st["kv_events"]["replays"] == 1
+    finally:
+        ctx.destroy(linger=0)
+        sub.close()
+        app.engine.events.close()
