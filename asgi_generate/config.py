@@ -25,14 +25,14 @@ from typing import Any, Callable, Mapping, get_type_hints
 from urllib.parse import urlsplit
 
 from .sdk import MAX_REQUEST_ITEMS
-from .worker_specs import parse_worker_spec, read_workers_file
+from .worker_specs import kv_source_text, parse_kv_source, parse_worker_spec, read_workers_file
 
 ENV_PREFIX = "ASGI_GENERATE_"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 #: ``--disaggregation``: when a request runs as a P/D pair.
 DISAGGREGATION_MODES = ("auto", "always", "never")
 #: ``--policy``: the routing policies (:mod:`asgi_generate.workers.policies`).
-POLICIES = ("least-outstanding", "session", "cache-aware")
+POLICIES = ("least-outstanding", "session", "cache-aware", "kv-aware")
 #: ``--session-headers``' default: the headers a session key is read from.
 DEFAULT_SESSION_HEADERS = "x-session-id,x-smg-routing-key"
 
@@ -264,8 +264,8 @@ class Settings:
     policy: str = setting(
         "least-outstanding", choices=POLICIES,
         help="routing policy: least outstanding requests, session affinity (rendezvous hashing on a "
-             "session header, bounded load) or cache-aware (longest prefix match, least outstanding when "
-             "load is imbalanced)")
+             "session header, bounded load), cache-aware (longest prefix match, least outstanding when "
+             "load is imbalanced) or kv-aware (the engines' KV cache events against load)")
     session_headers: str = setting(
         DEFAULT_SESSION_HEADERS, metavar="NAMES",
         help="session policy: comma-separated headers the session key is read from, the first present wins")
@@ -288,6 +288,22 @@ class Settings:
              "recently used leaves are evicted past it")
     max_tree_nodes: int = setting(
         1 << 16, gt=0, help="cache-aware policy: nodes each worker's prefix tree holds")
+    kv_overlap_weight: float = setting(
+        1.0, help="kv-aware policy: cost of each prompt token the worker's KV cache does not hold")
+    kv_load_weight: float = setting(
+        128.0, unit="tokens",
+        help="kv-aware policy: cost of each request outstanding on the worker, in prompt tokens")
+    kv_predict_ttl: float = setting(
+        5.0, unit="s",
+        help="kv-aware policy: seconds a routed request's blocks count as held on its worker (its siblings "
+             "follow it before the engine's events arrive) and, until the engine stores them, as queued "
+             "prefill")
+    kv_events: list[tuple[str, str, str | None]] = setting(
+        factory=list, item=parse_kv_source, item_text=kv_source_text,
+        metavar="URL=ENDPOINT[+REPLAY]",
+        help="kv-aware policy: where a worker publishes its KV events (tcp://HOST:PORT, and its replay "
+             "socket after +), instead of asking its discovery route (vLLM /kv_event_sources, SGLang "
+             "/server_info)")
     connect_timeout: float = setting(5.0, unit="s", gt=0, help="seconds to connect to a worker")
     headers_timeout: float = setting(
         60.0, unit="s",

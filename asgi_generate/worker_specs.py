@@ -1,6 +1,7 @@
 """How workers are written down: ``PROTOCOL=URL`` worker specs (the
-``--worker``, ``--prefill`` and ``--decode`` values and their variables) and
-the workers file (``--workers-file``).
+``--worker``, ``--prefill`` and ``--decode`` values and their variables),
+the workers file (``--workers-file``) and where a worker publishes its KV
+events (``--kv-events``).
 
 Pure parsing, below both the settings that check these values before the
 server starts and :mod:`asgi_generate.workers.discovery`, which rereads the
@@ -58,6 +59,29 @@ def parse_worker_spec(spec: str, role: str = "aggregated") -> tuple[str, str]:
         if not (bootstrap or "").isdigit() or not 0 < int(bootstrap) < 65536:
             raise ValueError(f"worker {spec!r}: bootstrap_port must be a port number, not {bootstrap!r}")
     return protocol, url.rstrip("/")
+
+
+def parse_kv_source(text: str) -> tuple[str, str, str | None]:
+    """``URL=ENDPOINT[+REPLAY]`` (``--kv-events``): a worker's base URL, its
+    KV events' PUB endpoint and its replay endpoint (or ``None``).
+
+    Raises:
+        ValueError: no ``=``, or an endpoint that is not ``tcp://HOST:PORT``.
+    """
+    url, eq, endpoints = text.rpartition("=")
+    if not eq or not url:
+        raise ValueError(f"{text!r} is not URL=ENDPOINT[+REPLAY]")
+    pub, _, replay = endpoints.partition("+")
+    for e in (pub, *filter(None, [replay])):
+        if not e.startswith("tcp://") or not e.rpartition(":")[2].isdigit():
+            raise ValueError(f"{e!r} in {text!r} is not tcp://HOST:PORT")
+    return url.rstrip("/"), pub, replay or None
+
+
+def kv_source_text(source: tuple[str, str, str | None]) -> str:
+    """The text :func:`parse_kv_source` reads back."""
+    url, pub, replay = source
+    return f"{url}={pub}" + (f"+{replay}" if replay else "")
 
 
 def read_workers_file(path: str) -> list[tuple[str, tuple[str, str]]]:

@@ -1,11 +1,12 @@
-"""Routing for prefix reuse on a multi-turn workload: asgi-generate's three
-policies and sglang-router's cache_aware and round_robin, side by side on
-the same simulated fleet.
+"""Routing for prefix reuse: asgi-generate's four policies and
+sglang-router's cache_aware and round_robin, side by side on the same
+simulated fleet, through one frontend (router) process or several.
 
 Fleet: ``--workers`` (4) simulated SGLang workers, each with a prefix cache
 of ``--cache-tokens`` tokens (LRU) and a prefill cost of
 ``--prefill-us-per-token`` per uncached prompt token (prefills one after
-another per worker, on top of ``--ttft-ms``), ``--itl-ms`` between tokens.
+another per worker, on top of ``--ttft-ms``), ``--itl-ms`` between tokens,
+publishing its KV cache events (``--kv-events-config``) for ``kv-aware``.
 
 Workload (built once, the same for every router): ``--sessions`` (64)
 conversations of ``--turns`` (8) turns; a turn's prompt is the previous
@@ -19,12 +20,19 @@ serves in its cache. Every turn carries ``X-Session-ID``. With
 ``--mooncake FILE`` the requests are instead the rows of a Mooncake trace
 (``input_length``, ``output_length``, ``hash_ids``: each hash id a
 512-token block, equal ids equal blocks), sent in order at the same
-concurrency, the first hash id as session key.
+concurrency, the first hash id as session key. With ``--workload grpo``:
+``--groups`` (24) prompts sharing one ``--system-tokens`` (1024) system
+prefix, each with its own ``--question-tokens`` (128), each sent as a group
+of ``--group-size`` (8) separate requests back to back (a GRPO group's
+samples), in order at the same concurrency, the group as session key.
 
 Routers, in turn, each in front of the same simulators, their caches
 flushed between routers: asgi-generate ``--policy least-outstanding``,
-``session``, ``cache-aware`` (asyncio worker class), sglang-router
-``--policy cache_aware`` (its defaults) and ``round_robin``.
+``session``, ``cache-aware``, ``kv-aware`` (asyncio worker class),
+sglang-router ``--policy cache_aware`` (its defaults) and ``round_robin``.
+With ``--replicas 1,4`` each runs as 1 and as 4 processes (separate
+``serve`` processes, separate routers), the client sending each request to
+the next replica in turn, as a load balancer spreads them.
 
 With ``--repeat N`` each router runs N times, the routers interleaved
 (A B C ... A B C ...), and its figures pool all N runs: on a shared
@@ -66,10 +74,13 @@ ROUTERS = {
     "least-outstanding": ("ours", "least-outstanding"),
     "session": ("ours", "session"),
     "cache-aware": ("ours", "cache-aware"),
+    "kv-aware": ("ours", "kv-aware"),
     "sglang-router cache_aware": ("sglang-router", "cache_aware"),
     "sglang-router round_robin": ("sglang-router", "round_robin"),
 }
 MOONCAKE_BLOCK = 512
+#: Each simulator publishes its KV events on free loopback ports.
+KV_EVENTS = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}'
 
 
 @dataclass
@@ -120,6 +131,18 @@ class Conversations:
         return s, turn + 1, prompt + answer + self.added[s][turn]
 
 
+def grpo_rows(args: argparse.Namespace) -> list[Request]:
+    """GRPO groups: one system prefix, a question per group, each group's
+    prompt sent ``--group-size`` times back to back."""
+    rng = random.Random(args.seed)
+    system = chunk(rng, args.system_tokens)
+    out = []
+    for g in range(args.groups):
+        prompt = system + chunk(rng, args.question_tokens)
+        out += [Request(f"group-{g}", prompt, args.output_tokens) for _ in range(args.group_size)]
+    return out
+
+
 def mooncake_rows(path: pathlib.Path, limit_output: int) -> list[Request]:
     """The trace's rows as requests: each hash id a deterministic 512-token block."""
     blocks: dict[int, list[int]] = {}
@@ -168,8 +191,15 @@ async def one_turn(client: httpx.AsyncClient, url: str, req: Request, result: Ru
     return ids
 
 
-async def drive(url: str, args: argparse.Namespace, work, result: RunResult) -> None:
+async def drive(urls: list[str], args: argparse.Namespace, work, result: RunResult) -> None:
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    sent = 0
+
+    def spread() -> str:  # the next replica, as a round-robin load balancer
+        nonlocal sent
+        sent += 1
+        return urls[sent % len(urls)]
+
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         if isinstance(work, Conversations):
             line = work.start()
@@ -187,7 +217,8 @@ async def drive(url: str, args: argparse.Namespace, work, result: RunResult) -> 
                     s, turn, prompt = line.popleft()
                     active += 1
                     try:
-                        ids = await one_turn(client, url, Request(f"session-{s}", prompt, work.output_tokens), result)
+                        ids = await one_turn(client, spread(), Request(f"session-{s}", prompt, work.output_tokens),
+                                             result)
                         if ids is not None:
                             result.answers[(f"session-{s}", turn)] = ids
                             nxt = work.follow(s, turn, prompt, ids)
@@ -204,7 +235,7 @@ async def drive(url: str, args: argparse.Namespace, work, result: RunResult) -> 
             async def row_loop() -> None:
                 while queue:
                     i, req = queue.popleft()
-                    ids = await one_turn(client, url, req, result)
+                    ids = await one_turn(client, spread(), req, result)
                     if ids is not None:
                         result.answers[(req.session, i)] = ids
 
@@ -225,7 +256,7 @@ def start_sims(stack: contextlib.ExitStack, args: argparse.Namespace, log_dir: p
         argv = [sys.executable, "-m", "asgi_generate", "sim", "--protocol", "sglang", "--fd", str(sock.fileno()),
                 "--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms),
                 "--cache-tokens", str(args.cache_tokens), "--prefill-us-per-token", str(args.prefill_us_per_token),
-                "--disconnect-abort-s", "60"]
+                "--disconnect-abort-s", "60", "--kv-events-config", KV_EVENTS]
         sim = Child(f"sim{i}", argv, None, log_dir, pass_fds=(sock.fileno(),))
         sock.close()
         stack.callback(sim.stop)
@@ -235,7 +266,7 @@ def start_sims(stack: contextlib.ExitStack, args: argparse.Namespace, log_dir: p
 
 
 def start_router(stack: contextlib.ExitStack, kind: str, policy: str, sim_ports: list[int],
-                 args: argparse.Namespace, log_dir: pathlib.Path, router_python: str | None) -> int:
+                 args: argparse.Namespace, log_dir: pathlib.Path, router_python: str | None, replica: int = 0) -> int:
     urls = [f"http://127.0.0.1:{p}" for p in sim_ports]
     probe = orjson.dumps({"input_ids": [ID_LOW], "sampling_params": {"max_new_tokens": 1}})
     if kind == "sglang-router":
@@ -243,7 +274,7 @@ def start_router(stack: contextlib.ExitStack, kind: str, policy: str, sim_ports:
         argv = [router_python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                 "--worker-urls", *urls, "--policy", policy, "--log-level", "warn",
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-        child = Child(f"sglang-router-{policy}", argv, None, log_dir)
+        child = Child(f"sglang-router-{policy}-{replica}", argv, None, log_dir)
         stack.callback(child.stop)
         wait_ready(child, port, "POST", "/generate", probe)
         # The router registers workers in the background: wait for all of them.
@@ -261,7 +292,7 @@ def start_router(stack: contextlib.ExitStack, kind: str, policy: str, sim_ports:
             "--session-balance-epsilon", str(args.session_balance_epsilon)]
     for u in urls:
         argv += ["--worker", f"sglang={u}"]
-    child = Child(f"asgi-generate-{policy}", argv, None, log_dir, pass_fds=(sock.fileno(),))
+    child = Child(f"asgi-generate-{policy}-{replica}", argv, None, log_dir, pass_fds=(sock.fileno(),))
     sock.close()
     stack.callback(child.stop)
     wait_ready(child, port, "GET", "/health")
@@ -269,20 +300,28 @@ def start_router(stack: contextlib.ExitStack, kind: str, policy: str, sim_ports:
     while orjson.loads(http_request(port, "GET", "/health")[1])["healthy_workers"] < len(urls):
         assert time.monotonic() < deadline, "workers never all up"
         time.sleep(0.1)
+    while policy == "kv-aware":  # every worker's subscriber found
+        workers = orjson.loads(http_request(port, "GET", "/stats")[1])["routing"]["workers"]
+        if len(workers) == len(urls) and all(w["source"] == "events" for w in workers.values()):
+            break
+        assert time.monotonic() < deadline, f"KV event subscribers never all up: {workers}"
+        time.sleep(0.1)
     return port
 
 
 def run_one(label: str, kind: str, policy: str, sim_ports: list[int], args: argparse.Namespace, work,
-            log_dir: pathlib.Path, router_python: str | None) -> RunResult:
+            log_dir: pathlib.Path, router_python: str | None, replicas: int = 1) -> RunResult:
     result = RunResult(label)
     with contextlib.ExitStack() as stack:
-        port = start_router(stack, kind, policy, sim_ports, args, log_dir, router_python)
+        ports = [start_router(stack, kind, policy, sim_ports, args, log_dir, router_python, i)
+                 for i in range(replicas)]
+        port = ports[0]
         for p in sim_ports:  # the probe and warm-up requests' prefixes too
             status, body = http_request(p, "POST", "/flush_cache")
             assert status == 200, body
         before = [sim_stats(p) for p in sim_ports]
         t0 = time.perf_counter()
-        asyncio.run(drive(f"http://127.0.0.1:{port}", args, work, result))
+        asyncio.run(drive([f"http://127.0.0.1:{p}" for p in ports], args, work, result))
         result.seconds = time.perf_counter() - t0
         after = [sim_stats(p) for p in sim_ports]
         if kind == "ours":
@@ -329,8 +368,8 @@ def report(results: list[RunResult], args: argparse.Namespace, context: list[str
               f"| {pct(r.ttft_ms, 0.99):.1f} | {n / r.seconds:.1f} | {r.output_tokens / r.seconds:,.0f} "
               f"| {' / '.join(map(str, r.per_worker))} | {spread:.2f} |")
     print()
-    ours = [r for r in results if ROUTERS[r.label][0] == "ours"]
-    ref = next((r for r in results if r.label == "sglang-router cache_aware"), None)
+    ours = [r for r in results if ROUTERS[r.label.split(" x")[0]][0] == "ours"]
+    ref = next((r for r in results if r.label.startswith("sglang-router cache_aware")), None)
     if ours and ref is not None and ref.ttft_ms:
         best = min(ours, key=lambda r: statistics.fmean(r.ttft_ms) if r.ttft_ms else float("inf"))
         hit = best.cached_tokens / best.prompt_tokens
@@ -339,8 +378,13 @@ def report(results: list[RunResult], args: argparse.Namespace, context: list[str
               f"{ref_hit:.3f} ({hit / ref_hit:.2f}x); mean TTFT {statistics.fmean(best.ttft_ms):.1f} vs "
               f"{statistics.fmean(ref.ttft_ms):.1f} ms ({statistics.fmean(best.ttft_ms) / statistics.fmean(ref.ttft_ms):.2f}x); "
               f"p99 {pct(best.ttft_ms, 0.99):.1f} vs {pct(ref.ttft_ms, 0.99):.1f} ms")
+    hits = {r.label: r.cached_tokens / r.prompt_tokens for r in results if r.prompt_tokens}
+    for r in results:
+        name, _, n = r.label.partition(" x")
+        if n and n != "1" and f"{name} x1" in hits:
+            print(f"- {name}: hit ratio at {n} replicas / at 1: {hits[r.label] / hits[f'{name} x1']:.3f}")
     for r in ours:
-        print(f"- {r.label} decisions (last run): {orjson.dumps(r.policy_stats).decode()}")
+        print(f"- {r.label} decisions (last run, first replica): {orjson.dumps(r.policy_stats).decode()}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -352,6 +396,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--mooncake", type=pathlib.Path, default=None, help="replay this Mooncake trace (JSONL) instead")
+    p.add_argument("--workload", choices=("conversations", "grpo"), default="conversations")
+    p.add_argument("--groups", type=int, default=24, help="grpo: groups (prompts)")
+    p.add_argument("--group-size", type=int, default=8, help="grpo: requests per group")
+    p.add_argument("--system-tokens", type=int, default=1024, help="grpo: the shared system prefix")
+    p.add_argument("--question-tokens", type=int, default=128, help="grpo: each group's own tokens")
+    p.add_argument("--replicas", default="1", help="comma-separated frontend (router) process counts to run")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--cache-tokens", type=int, default=32768, help="each simulator's prefix cache")
     p.add_argument("--prefill-us-per-token", type=float, default=100.0)
@@ -379,31 +429,43 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     router_python, router_version = (ensure_router(args.router_venv) if any(ROUTERS[n][0] == "sglang-router"
                                                                            for n in names) else (None, None))
-    work = mooncake_rows(args.mooncake, args.output_tokens) if args.mooncake else Conversations(args)
+    if args.mooncake:
+        work = mooncake_rows(args.mooncake, args.output_tokens)
+    else:
+        work = grpo_rows(args) if args.workload == "grpo" else Conversations(args)
+    replica_counts = [int(n) for n in args.replicas.split(",")]
     logs = LogDir("asgi-generate-bench-routing-")
     log_dir = logs.path
     results: list[RunResult] = []
     with logs:
         with contextlib.ExitStack() as stack:
             sim_ports = start_sims(stack, args, log_dir)
-            runs: dict[str, list[RunResult]] = {name: [] for name in names}
+            labels = [(name, n) for n in replica_counts for name in names]
+            runs: dict[tuple[str, int], list[RunResult]] = {label: [] for label in labels}
             for round_ in range(args.repeat):
-                for name in names:
+                for name, n in labels:
                     kind, policy = ROUTERS[name]
-                    print(f"{name} (run {round_ + 1} of {args.repeat}) ...", file=sys.stderr)
-                    runs[name].append(run_one(name, kind, policy, sim_ports, args, work, log_dir, router_python))
+                    label = f"{name} x{n}" if len(replica_counts) > 1 else name
+                    print(f"{label} (run {round_ + 1} of {args.repeat}) ...", file=sys.stderr)
+                    runs[(name, n)].append(run_one(label, kind, policy, sim_ports, args, work, log_dir,
+                                                   router_python, n))
             results = [pooled(r) for r in runs.values()]
         reference = results[0].answers if results else {}
         for r in results:
             if r.answers != reference:
                 r.problems.append(f"answers differ from {results[0].label}'s")
         load = os.getloadavg()[0]
-        shape = (f"Mooncake trace {args.mooncake.name}: {len(work)} requests" if args.mooncake else
-                 f"{args.sessions} sessions x {args.turns} turns ({args.first_tokens}-token first turn, "
-                 f"+{args.turn_tokens} tokens a turn, {args.output_tokens} output tokens)")
+        if args.mooncake:
+            shape = f"Mooncake trace {args.mooncake.name}: {len(work)} requests"
+        elif args.workload == "grpo":
+            shape = (f"{args.groups} GRPO groups of {args.group_size} ({args.system_tokens}-token shared system "
+                     f"prefix + {args.question_tokens} tokens each, {args.output_tokens} output tokens)")
+        else:
+            shape = (f"{args.sessions} sessions x {args.turns} turns ({args.first_tokens}-token first turn, "
+                     f"+{args.turn_tokens} tokens a turn, {args.output_tokens} output tokens)")
         report(results, args, [
             f"Workload: {shape}, concurrency {args.concurrency}, streamed; {args.repeat} run(s) per router, "
-            f"interleaved, pooled.",
+            f"interleaved, pooled; replicas {args.replicas} (requests spread round robin over them).",
             f"Fleet: {args.workers} simulated SGLang workers, prefix cache {args.cache_tokens} tokens each (LRU), "
             f"prefill {args.prefill_us_per_token:g} us per uncached token (one prefill at a time per worker) + "
             f"TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms. sglang-router {router_version or 'not run'} "

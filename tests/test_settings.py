@@ -21,13 +21,17 @@ def test_the_configuration_references_settings_table_is_the_generated_one():
     assert text[start:end] == settings_table()
 
 
+#: A list setting's sample value, where its items are not worker specs.
+ITEMS = {"kv_events": "http://127.0.0.1:9=tcp://127.0.0.1:5557+tcp://127.0.0.1:5558,http://127.0.0.1:10=tcp://h:1"}
+
+
 def _changed() -> Settings:
     """Settings in which every setting differs from its default."""
     d, values = Settings(), {}
     for s in SETTINGS.values():
         value = getattr(d, s.name)
         if s.item is not None:
-            value = s.parse("sglang=http://127.0.0.1:9,sglang=http://127.0.0.1:10", s.env)
+            value = s.parse(ITEMS.get(s.name, "sglang=http://127.0.0.1:9,sglang=http://127.0.0.1:10"), s.env)
         elif s.kind is bool:
             value = not value
         elif s.choices:

@@ -220,6 +220,10 @@ class Metrics:
         self.worker_failures = Counter(p + "worker_failures_total", "Engine legs that failed on the worker, by "
                                        "reason (connect_failed, worker_lost, error, timeout).",
                                        ("worker", "url", "reason"), registry=reg)
+        self.kv = Gauge(p + "kv_events", "kv-aware policy, per worker: KV event batches, events, gaps, replays, "
+                        "rebuilds and restarts seen, blocks in its index (index_blocks), blocks predicted and "
+                        "confirmed.", ("worker", "url", "quantity"), registry=reg,
+                        multiprocess_mode="livemostrecent")
         self.trace_written = Counter(p + "trace_records_written_total", "Request-end records written, by sink.",
                                      ("sink",), registry=reg)
         self.trace_dropped = Counter(p + "trace_records_dropped_total", "Request-end records lost, by cause "
@@ -318,10 +322,16 @@ class Metrics:
         if self.registry is not None:  # one process: exactly the workers there are now
             self.worker_up.clear()
             self.worker_outstanding.clear()
+            self.kv.clear()
+        urls = {}
         for w in router.workers:
             labels = (w.id, w.url, w.protocol.name, w.role)
+            urls[w.id] = w.url
             self.worker_up.labels(*labels).set(1 if w.healthy and not w.draining else 0)
             self.worker_outstanding.labels(*labels).set(w.outstanding)
+        for wid, quantity, value in router.policy.metrics():
+            if wid in urls:
+                self.kv.labels(wid, urls[wid], quantity).set(value)
 
     async def refresh_every(self, router: Router) -> None:
         """Forever: :meth:`refresh` every :data:`REFRESH_S` seconds (several

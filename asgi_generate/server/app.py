@@ -209,7 +209,7 @@ class App:
                     interval=st.discovery_interval,
                     health_interval=st.health_interval,
                     busy=self._worker_busy,
-                    services=self._start_aborts,
+                    services=self._worker_services,
                     on_remove=lambda worker: self.aborts.pop(worker.id, None),
                 )
                 async with anyio.create_task_group() as tg:
@@ -281,6 +281,21 @@ class App:
             gen.cancel_for_shutdown()
 
     # -- used by the handler -------------------------------------------------
+
+    def _worker_services(self, worker: Worker) -> Callable[[], Awaitable[None]]:
+        """A joining worker's tasks, to run: its abort queue and the routing
+        policy's own (a KV event subscriber), if any."""
+        aborts = self._start_aborts(worker)
+        policy = self.router.policy.service(worker)
+        if policy is None:
+            return aborts
+
+        async def both() -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(aborts)
+                tg.start_soon(policy)
+
+        return both
 
     def _start_aborts(self, worker: Worker) -> Callable[[], Awaitable[None]]:
         """A joining worker's abort queue (kept in :attr:`aborts`), to run."""

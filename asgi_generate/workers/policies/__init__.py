@@ -11,6 +11,8 @@ ties round-robin, today's rule and every policy's fallback. Policies:
 - ``cache-aware`` (:mod:`.cache_aware`): longest prefix match against an
   approximate prefix tree per worker, least outstanding when load is
   imbalanced.
+- ``kv-aware`` (:mod:`.kv_aware`): the blocks each engine's KV cache
+  events say it holds, and this frontend's recent decisions, against load.
 
 In P/D the policy picks the prefill worker; the decode worker is always
 least outstanding. A policy only chooses the worker: answers and trace
@@ -19,7 +21,7 @@ records are the same whichever it picks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
 
 from ...config import POLICIES
 
@@ -86,6 +88,15 @@ class Policy:
         was lost and may come back restarted): drop what the policy knows
         of it."""
 
+    def service(self, worker: Any) -> Callable[[], Awaitable[None]] | None:
+        """A task to run for ``worker`` while it is a member (a KV event
+        subscriber), or ``None``."""
+        return None
+
+    def metrics(self) -> list[tuple[str, str, float]]:
+        """``(worker id, quantity, value)`` gauges for ``/metrics``."""
+        return []
+
     def stats(self) -> dict[str, Any]:
         """The policy's block of ``/stats``: its name and counters."""
         return {"policy": self.name, "requests": self.requests, "keyless": self.keyless}
@@ -112,5 +123,17 @@ def build_policy(settings: "Settings") -> Policy:
             balance_rel_threshold=settings.balance_rel_threshold,
             max_tree_tokens=settings.max_tree_tokens,
             max_tree_nodes=settings.max_tree_nodes,
+        )
+    if settings.policy == "kv-aware":
+        from .kv_aware import KVAwarePolicy
+
+        return KVAwarePolicy(
+            overlap_weight=settings.kv_overlap_weight,
+            load_weight=settings.kv_load_weight,
+            ttl=settings.kv_predict_ttl,
+            max_blocks=settings.max_tree_tokens,
+            max_tree_tokens=settings.max_tree_tokens,
+            max_tree_nodes=settings.max_tree_nodes,
+            sources={url: (pub, replay) for url, pub, replay in settings.kv_events},
         )
     raise ValueError(f"unknown policy {settings.policy!r} (known: {', '.join(POLICIES)})")

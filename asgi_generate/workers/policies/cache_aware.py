@@ -47,6 +47,17 @@ if TYPE_CHECKING:
     from ...sdk.codec import GenerateRequest
 
 
+def tree_key(request: "GenerateRequest") -> str | None:
+    """The prompt's tree key: its token ids, else its text, else (or when
+    empty) ``None``."""
+    if request.input_ids:
+        packed = request.input_ids_packed
+        return token_key(packed.u32 if packed is not None else request.input_ids)
+    if request.prompt_text:
+        return text_key(request.prompt_text)
+    return None
+
+
 class CacheAwarePolicy(Policy):
     """``--policy cache-aware`` (see the module docstring).
 
@@ -82,14 +93,7 @@ class CacheAwarePolicy(Policy):
         self.hits = self.misses = self.imbalanced = 0
 
     def _key(self, request: "GenerateRequest", headers: Mapping[bytes, bytes]) -> str | None:
-        """The prompt's tree key: its token ids, else its text, else (or
-        when empty) ``None``."""
-        if request.input_ids:
-            packed = request.input_ids_packed
-            return token_key(packed.u32 if packed is not None else request.input_ids)
-        if request.prompt_text:
-            return text_key(request.prompt_text)
-        return None
+        return tree_key(request)
 
     def tree(self, worker: Candidate) -> PrefixTree:
         """``worker``'s tree (made on first use)."""

@@ -1,0 +1,303 @@
+"""KV-aware routing: score each worker by what its engine says it caches.
+
+Each worker's engine publishes KV cache events (vLLM ``--kv-events-config``,
+SGLang ``--kv-events-config``); a subscriber per worker
+(:class:`~asgi_generate.workers.kv_events.Subscriber`) keeps that worker's
+:class:`~asgi_generate.workers.kv_index.KVIndex`. Where to subscribe comes
+from the worker itself (vLLM ``GET /kv_event_sources``, 0.32 and later;
+SGLang ``/server_info``'s ``kv_events``), or is given per worker
+(``--kv-events URL=ENDPOINT[+REPLAY]``). A wildcard host (``*``,
+``0.0.0.0``, ``::``) is the worker URL's host.
+
+For a request with token ids, over the candidates, the cost of worker ``w``
+(after Dynamo's KV router, ``prefill blocks - overlap`` plus decode load):
+
+    cost(w) = overlap_weight x (prompt tokens not held on w)
+              + prefill tokens queued on w that this request does not share
+              + load_weight x outstanding requests on w
+
+"Held" counts the blocks the engine's events say it stores and the blocks
+predicted on it; "queued" are the predicted blocks not yet stored (requests
+routed here within the last ``ttl`` seconds whose prefill the engine has
+not published), less this request's own: a sibling waits for no prefill
+it shares.
+
+The lowest cost wins; ties go to the fewest outstanding requests, then to a
+rendezvous hash of the prompt's first block and the worker's URL, so that
+every frontend replica fed the same events picks the same worker at the
+same loads (``serve --workers N``, several hosts behind a balancer). The
+winner's blocks are then predicted on it for ``ttl`` seconds (sibling
+placement, :mod:`~asgi_generate.workers.kv_index`).
+
+A worker that publishes no events (no discovery answer, publishing off) is
+scored by an approximate prefix tree of the prompts this process sent it,
+as ``cache-aware`` keeps, and ``/stats`` says so (``source: tree`` and
+why). A request without token ids (a text prompt) is routed by those trees
+for every worker: the engine's blocks are of tokens the frontend cannot
+compute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Sequence
+from urllib.parse import urlsplit
+
+import anyio
+import orjson
+
+from ..block_hash import ROOT, block_hashes
+from ..http import WorkerError
+from ..kv_events import Source, Subscriber
+from ..kv_index import KVIndex
+from . import Candidate, Least, Policy, W
+from .cache_aware import CacheAwarePolicy, tree_key
+
+if TYPE_CHECKING:
+    from ...sdk.codec import GenerateRequest
+
+log = logging.getLogger("asgi_generate.kv_aware")
+#: Seconds a discovery request may take.
+DISCOVERY_TIMEOUT_S = 5.0
+#: Seconds between looks at a worker waiting to be up, or to come back.
+WATCH_S = 0.2
+_WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
+
+
+def _dial(endpoint: str, host: str) -> str:
+    """``endpoint`` with a wildcard host replaced by ``host``."""
+    rest = endpoint[len("tcp://"):]
+    name, _, port = rest.rpartition(":")
+    return f"tcp://{host}:{port}" if name in _WILDCARDS else endpoint
+
+
+class _Key:
+    """A request as the policy routes it: token ids (or ``None``), the tree
+    key, and the block hashes per block size, computed once each."""
+
+    __slots__ = ("ids", "tree", "_hashes")
+
+    def __init__(self, ids: Sequence[int] | None, tree: str) -> None:
+        self.ids = ids
+        self.tree = tree
+        self._hashes: dict[int, list[int]] = {}
+
+    def hashes(self, block: int) -> list[int]:
+        got = self._hashes.get(block)
+        if got is None:
+            got = self._hashes[block] = block_hashes(ROOT, self.ids, block)
+        return got
+
+
+class _WorkerKV:
+    """What the policy keeps of one worker."""
+
+    __slots__ = ("index", "subscriber", "why_tree")
+
+    def __init__(self, index: KVIndex) -> None:
+        self.index = index
+        self.subscriber: Subscriber | None = None
+        self.why_tree = "discovering"
+
+
+class KVAwarePolicy(Policy):
+    """``--policy kv-aware`` (see the module docstring).
+
+    Args:
+        overlap_weight: weight of the prompt tokens a worker does not hold.
+        load_weight: tokens one outstanding request costs.
+        ttl: seconds a routed request's blocks count as predicted (held,
+            and queued until the engine stores them).
+        max_blocks: blocks each worker's index holds at most.
+        max_tree_tokens, max_tree_nodes: the fallback trees' bounds.
+        sources: worker base URL to its ``(PUB endpoint, replay endpoint
+            or None)``, for workers whose discovery route is not to be asked.
+    """
+
+    name = "kv-aware"
+
+    def __init__(
+        self,
+        overlap_weight: float = 1.0,
+        load_weight: float = 128.0,
+        ttl: float = 5.0,
+        max_blocks: int = 1 << 20,
+        max_tree_tokens: int = 1 << 20,
+        max_tree_nodes: int = 1 << 16,
+        sources: Mapping[str, tuple[str, str | None]] | None = None,
+    ) -> None:
+        super().__init__()
+        self.overlap_weight = overlap_weight
+        self.load_weight = load_weight
+        self.ttl = ttl
+        self.max_blocks = max_blocks
+        self.sources = {url: Source(pub, replay) for url, (pub, replay) in (sources or {}).items()}
+        self.workers: dict[str, _WorkerKV] = {}
+        #: The fallback: its trees, one per worker routed to.
+        self.fallback = CacheAwarePolicy(max_tree_tokens=max_tree_tokens, max_tree_nodes=max_tree_nodes)
+        self.by_events = self.by_tree = self.overlapped = 0
+        self.clock: Callable[[], float] = time.monotonic
+
+    def _key(self, request: "GenerateRequest", headers: Mapping[bytes, bytes]) -> _Key | None:
+        tree = tree_key(request)
+        if tree is None:
+            return None
+        packed = request.input_ids_packed
+        ids = None if not request.input_ids else packed.u32 if packed is not None else request.input_ids
+        return _Key(ids, tree)
+
+    def _kv(self, worker: Candidate) -> _WorkerKV:
+        kv = self.workers.get(worker.id)
+        if kv is None:
+            kv = self.workers[worker.id] = _WorkerKV(KVIndex(self.max_blocks, self.ttl))
+        return kv
+
+
+    def choose(self, candidates: Sequence[W], key: _Key, least: Least[W]) -> W:
+        """See the module docstring."""
+        now = self.clock()
+        prompt = len(key.tree) - 1
+        costs = []
+        for w in candidates:
+            kv = self._kv(w)
+            index = kv.index
+            queued = 0
+            if key.ids is not None and kv.subscriber is not None and index.block_size:
+                blocks, guessed = index.overlap(key.hashes(index.block_size), now)
+                held = blocks * index.block_size
+                # Prefills queued here that this request does not share.
+                queued = (index.pending - guessed) * index.block_size
+            else:
+                tree = self.fallback.trees.get(w.id)
+                held = tree.match(key.tree) - 1 if tree is not None else 0
+            cost = self.overlap_weight * (prompt - held) + queued + self.load_weight * w.outstanding
+            costs.append((cost, w.outstanding, -_rendezvous(w.url, key), held, w))
+        _, _, _, held, best = min(costs, key=lambda c: c[:3])
+        kv = self._kv(best)
+        if held:
+            self.overlapped += 1
+        if key.ids is not None and kv.subscriber is not None and kv.index.block_size:
+            self.by_events += 1
+            kv.index.predict(key.hashes(kv.index.block_size), now)
+        else:
+            self.by_tree += 1
+        self.fallback.tree(best).insert(key.tree)
+        return best
+
+    def forget(self, worker: Candidate) -> None:
+        """``worker``'s cache is gone (flushed, or the worker lost): drop its
+        blocks, predictions and tree."""
+        kv = self.workers.get(worker.id)
+        if kv is not None:
+            kv.index.reset("forgotten")
+        self.fallback.forget(worker)
+
+    def service(self, worker: Any) -> Callable[[], Awaitable[None]]:
+        """``worker``'s subscriber task: once the worker is up, find where it
+        publishes and follow its events until cancelled; a worker without
+        events is scored by its tree, and asked again when it comes back."""
+
+        async def run() -> None:
+            kv = self._kv(worker)
+            try:
+                while True:
+                    while not worker.healthy:
+                        await anyio.sleep(WATCH_S)
+                    source, block_size, why = await self._discover(worker)
+                    if source is None:
+                        kv.why_tree = why
+                        log.warning("worker %s (%s) publishes no KV events (%s): routed by its prefix tree",
+                                    worker.id, worker.url, why)
+                        while worker.healthy:
+                            await anyio.sleep(WATCH_S)
+                        continue
+                    if block_size:
+                        kv.index.block_size = block_size
+                    kv.subscriber = Subscriber(source, kv.index)
+                    kv.why_tree = ""
+                    await kv.subscriber.run()
+            finally:
+                kv.subscriber = None
+
+        return run
+
+    async def _discover(self, worker: Any) -> tuple[Source | None, int | None, str]:
+        """Where ``worker`` publishes, its block size if it says, and why
+        not when it does not."""
+        host = urlsplit(worker.url).hostname or "127.0.0.1"
+        given = self.sources.get(worker.url)
+        if given is not None:
+            return given, None, ""
+        vllm = worker.protocol.name == "vllm"
+        path = b"/kv_event_sources" if vllm else b"/server_info"
+        try:
+            with anyio.fail_after(DISCOVERY_TIMEOUT_S):
+                async with worker.pool.request(b"GET", path) as resp:
+                    body = await resp.read()
+            if resp.status != 200:
+                return None, None, f"GET {path.decode()} answered {resp.status}"
+            info = orjson.loads(body)
+        except (TimeoutError, WorkerError, orjson.JSONDecodeError) as exc:
+            return None, None, f"GET {path.decode()} failed: {exc!r}"
+        if vllm:
+            config = info.get("0") if isinstance(info, dict) else None
+            if not isinstance(config, dict) or config.get("publisher") != "zmq":
+                return None, None, "GET /kv_event_sources lists no zmq publisher"
+            replay = config.get("replay_endpoint")
+            return (Source(_dial(config["endpoint"], host), replay and _dial(replay, host), config.get("topic") or ""),
+                    None, "")
+        events = info.get("kv_events") if isinstance(info, dict) else None
+        if not isinstance(events, dict) or events.get("publisher") != "zmq":
+            return None, None, "/server_info has no kv_events publisher"
+        name = events.get("endpoint_host") or host
+        dial = host if name in _WILDCARDS else name
+        replay = events.get("replay_endpoint_port_base")
+        source = Source(f"tcp://{dial}:{events['endpoint_port_base']}",
+                        f"tcp://{dial}:{replay}" if replay is not None else None, events.get("topic") or "")
+        return source, events.get("block_size"), ""
+
+    def metrics(self) -> list[tuple[str, str, float]]:
+        """Per worker: its subscriber's counters, its index's blocks, the
+        blocks predicted and confirmed (``asgi_generate_kv_events``)."""
+        rows = []
+        for wid, kv in self.workers.items():
+            index, sub = kv.index, kv.subscriber
+            rows += [(wid, "index_blocks", index.blocks), (wid, "predicted", index.predicted),
+                     (wid, "confirmed", index.confirmed)]
+            if sub is not None:
+                rows += [(wid, name, getattr(sub, name))
+                         for name in ("batches", "events", "gaps", "replays", "rebuilds", "restarts")]
+        return rows
+
+    def stats(self) -> dict[str, Any]:
+        """Decisions by source, and per worker where its blocks come from,
+        its index and its subscriber's counters."""
+        workers = {}
+        predicted = confirmed = 0
+        for wid, kv in sorted(self.workers.items()):
+            sub = kv.subscriber
+            row = {"source": "events" if sub is not None else "tree", **kv.index.stats()}
+            if sub is not None:
+                row["subscriber"] = sub.stats()
+            else:
+                row["why_tree"] = kv.why_tree
+            predicted += kv.index.predicted
+            confirmed += kv.index.confirmed
+            workers[wid] = row
+        return {
+            **super().stats(),
+            "by_events": self.by_events, "by_tree": self.by_tree, "overlapped": self.overlapped,
+            "prediction_hit_ratio": round(confirmed / predicted, 4) if predicted else None,
+            "overlap_weight": self.overlap_weight, "load_weight": self.load_weight, "ttl": self.ttl,
+            "workers": workers,
+        }
+
+
+def _rendezvous(url: str, key: _Key) -> int:
+    """The tie-break weight of ``url`` for ``key`` (its first 64 tokens or
+    characters): the same in every process."""
+    digest = hashlib.blake2b(url.encode(), digest_size=8)
+    digest.update(key.tree[1:65].encode("utf-32-le", "surrogatepass"))
+    return int.from_bytes(digest.digest(), "big")

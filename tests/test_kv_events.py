@@ -1,0 +1,218 @@
+"""The frontend's side of KV cache events, in process: the wire decoded as
+each engine version encodes it (tagged maps, positional arrays), the
+subscriber's sequence checks (gap filled by replay, gap replay cannot fill,
+restart) against the simulator's real publisher on loopback, and the index
+(stores chained by parent, removals, clears, predictions)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import anyio
+import msgspec
+import pytest
+
+from asgi_generate.sim.kv_events import EventWire, KVEventPublisher, KVEventsConfig
+from asgi_generate.workers.block_hash import ROOT, block_hashes, namespace_seed
+from asgi_generate.workers.kv_events import Cleared, Removed, Source, Stored, Subscriber, decode_batch
+from asgi_generate.workers.kv_index import KVIndex
+
+
+# Structs shaped as the engines declare theirs: vLLM 0.33 (tagged maps,
+# ``vllm/distributed/kv_events.py``), SGLang 0.5.18 (arrays,
+# ``sglang/srt/disaggregation/kv_events.py``).
+class VBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: Optional[int] = None
+
+
+class VEvent(msgspec.Struct, omit_defaults=True, tag=True):
+    pass
+
+
+class VStored(VEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: Optional[int]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+    lora_name: Optional[str]
+    extra_keys: Optional[list[Optional[tuple]]] = None
+    group_idx: Optional[int] = None
+
+
+class VRemoved(VEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: Optional[str]
+
+
+class SBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[Any]
+    attn_dp_rank: Optional[int] = None
+
+
+class SEvent(msgspec.Struct, array_like=True, tag=True):
+    pass
+
+
+class SStored(SEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: Optional[int]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str] = None
+
+
+class SMeta(msgspec.Struct):
+    cache_salt: str
+
+
+class SStoredSalted(SStored, tag="BlockStored", kw_only=True):
+    metadata: SMeta
+
+
+class SCleared(SEvent, tag="AllBlocksCleared"):
+    pass
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request):
+    return request.param
+
+
+def test_vllm_tagged_maps_decode():
+    payload = msgspec.msgpack.encode(VBatch(1.5, [
+        VStored([2**64 - 1, 7], None, list(range(32)), 16, None, "GPU", None, [("salt",), None], 0),
+        VRemoved([7], "GPU"),
+    ], 0))
+    stored, removed = decode_batch(payload)
+    assert stored == Stored([2**64 - 1, 7], None, list(range(32)), 16, "salt")
+    assert removed == Removed([7])
+
+
+def test_sglang_arrays_decode_with_and_without_salt():
+    payload = msgspec.msgpack.encode(SBatch(1.5, [
+        SStored([-3], None, [5], 1, None, "GPU"),
+        SStoredSalted([-4], -3, [6], 1, None, "GPU", metadata=SMeta("s")),
+        SCleared(),
+    ], 0))
+    a, b, c = decode_batch(payload)
+    assert a == Stored([-3], None, [5], 1, None) and b == Stored([-4], -3, [6], 1, "s")
+    assert isinstance(c, Cleared)
+    with pytest.raises(ValueError):
+        decode_batch(b"\x01\x02")
+
+
+def test_index_chains_by_parent_and_follows_removals():
+    index = KVIndex(1000, ttl=5.0)
+    ids = list(range(48))
+    ours = block_hashes(ROOT, ids, 16)
+    index.apply([Stored([101], None, ids[:16], 16, None)])
+    index.apply([Stored([102, 103], 101, ids[16:], 16, None)])
+    assert index.overlap(ours, 0) == (3, 0) and index.block_size == 16
+    index.apply([Stored([999], 555, ids[:16], 16, None)])  # its parent was never seen
+    assert index.orphans == 1
+    index.apply([Removed([103])])
+    assert index.overlap(ours, 0) == (2, 0)
+    salted = block_hashes(namespace_seed(("s",)), ids, 16)
+    index.apply([Stored([201], None, ids[:16], 16, "s")])
+    assert index.overlap(salted, 0) == (1, 0)
+    index.apply([Cleared()])
+    assert index.overlap(ours, 0) == (0, 0) and index.resets == {"cleared": 1}
+
+
+def test_predictions_expire_and_are_confirmed():
+    index = KVIndex(1000, ttl=5.0)
+    ids = list(range(32))
+    ours = block_hashes(ROOT, ids, 16)
+    index.predict(ours, now=100.0)
+    assert index.overlap(ours, 104.0) == (2, 2) and index.pending == 2
+    assert index.overlap(ours, 105.0) == (0, 0)  # expired
+    index.predict(ours, now=200.0)
+    index.apply([Stored([1, 2], None, ids, 16, None)])
+    assert (index.predicted, index.confirmed) == (4, 2)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list = []
+        self.resets: list[str] = []
+
+    def apply(self, events: list) -> None:
+        self.events.extend(events)
+
+    def reset(self, reason: str) -> None:
+        self.resets.append(reason)
+
+
+def _publisher(buffer_steps: int = 100) -> KVEventPublisher:
+    config = KVEventsConfig("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_steps=buffer_steps)
+    return KVEventPublisher(config, EventWire("vllm", None, 16))
+
+
+async def _until(predicate, timeout: float = 5.0) -> None:
+    with anyio.fail_after(timeout):
+        while not predicate():
+            await anyio.sleep(0.01)
+
+
+def _stored(i: int) -> dict:
+    return {"type": "BlockStored", "block_hashes": [i], "parent_block_hash": None, "token_ids": [i] * 16,
+            "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
+
+
+@pytest.mark.anyio
+async def test_subscriber_replays_history_and_gaps_and_sees_restarts():
+    pub = _publisher()
+    sink = Recorder()
+    sub = Subscriber(Source(pub.endpoint, pub.replay_endpoint), sink)
+    try:
+        pub.publish([_stored(0)])  # before anyone listened: replayed at the start
+        async with anyio.create_task_group() as tg:
+            await tg.start(sub.run)
+            while not sink.events:  # the slow joiner: publish until one arrives
+                pub.publish([_stored(1)])
+                await anyio.sleep(0.05)
+            await _until(lambda: sub.last_seq is not None)
+            assert sink.events[0].hashes == [0] and sub.replays == 1
+            seq = pub.stats()["next_seq"]
+            pub.drop(seq, seq + 2)
+            for i in range(3):
+                pub.publish([_stored(100 + i)])
+            await _until(lambda: sub.last_seq == seq + 2)
+            assert [e.hashes[0] for e in sink.events[-3:]] == [100, 101, 102]
+            assert (sub.gaps, sub.replays, sub.rebuilds, sink.resets) == (1, 2, 0, [])
+            pub.restart()
+            pub.publish([_stored(7)])
+            await _until(lambda: sub.restarts == 1)
+            assert sink.resets == ["restart"] and sink.events[-1].hashes == [7]
+            tg.cancel_scope.cancel()
+    finally:
+        pub.close()
+
+
+@pytest.mark.anyio
+async def test_a_gap_replay_cannot_fill_rebuilds():
+    pub = _publisher(buffer_steps=1)
+    sink = Recorder()
+    sub = Subscriber(Source(pub.endpoint, pub.replay_endpoint), sink)
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(sub.run)
+            while not sink.events:
+                pub.publish([_stored(1)])
+                await anyio.sleep(0.05)
+            seq = pub.stats()["next_seq"]
+            pub.drop(seq, seq + 2)
+            for i in range(3):  # the buffer keeps only the last
+                pub.publish([_stored(100 + i)])
+            await _until(lambda: sub.last_seq == seq + 2)
+            assert (sub.gaps, sub.rebuilds, sink.resets) == (1, 1, ["gap"])
+            assert sink.events[-1].hashes == [102]
+            tg.cancel_scope.cancel()
+    finally:
+        pub.close()
