@@ -6,11 +6,14 @@ restart) against the simulator's real publisher on loopback, and the index
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("zmq", reason="pyzmq (a dependency since KV events: pip install -e .)")
+
 from typing import Any, Optional
 
 import anyio
 import msgspec
-import pytest
 
 from asgi_generate.sim.kv_events import EventWire, KVEventPublisher, KVEventsConfig
 from asgi_generate.workers.block_hash import ROOT, block_hashes, namespace_seed

@@ -7,6 +7,10 @@ fed the same events pick the same worker for the same request."""
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("zmq", reason="pyzmq (a dependency since KV events: pip install -e .)")
+
 import concurrent.futures
 
 import httpx

@@ -6,10 +6,13 @@ In process: the app driven directly, a real SUB socket on loopback."""
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("zmq", reason="pyzmq (a dependency since KV events: pip install -e .)")
+
 import anyio
 import msgspec
 import orjson
-import pytest
 import zmq
 
 from asgi_generate.sim.app import SimApp

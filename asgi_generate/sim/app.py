@@ -45,7 +45,6 @@ from ..assets import ASSETS_DIR
 from ..request.framing import BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
 from ..sdk.versions import VLLM_DEFAULT_VERSION, parse_version
 from .disagg import DEFAULT_TIMEOUT_S, DecodeKV, PrefillRooms
-from .kv_events import KV_EVENT_SOURCES, EventWire, KVEventPublisher, KVEventsConfig
 from .kvconnector import DEFAULT_EXPIRY_S, KVConsumer, KVProducer
 from .prefix_cache import DEFAULT_CACHE_TOKENS
 from .admin import SimAdmin
@@ -61,6 +60,9 @@ MARKER_TEXT = '<think>Checking.</think><tool_call>{"name": "get_weather", "argum
 MAX_BODY = 1 << 30
 #: Request ids whose last ``traceparent`` /sim/stats keeps (the newest).
 MAX_TRACEPARENTS = 4096
+#: The first vLLM release with ``GET /kv_event_sources``
+#: (``vllm/entrypoints/serve/instrumentator/basic.py``).
+KV_EVENT_SOURCES = (0, 32)
 
 
 class SimApp:
@@ -206,11 +208,15 @@ class SimApp:
             cache_tokens=cache_tokens, cache_block=block_size, whole_runs=protocol == "sglang",
             prefill_us_per_token=prefill_us_per_token,
         )
-        events = KVEventsConfig.parse(protocol, kv_events_config) if kv_events_config else None
-        if events is not None:
-            if self.engine.cache is None:
-                raise ValueError("--kv-events-config needs the prefix cache (--cache-tokens above 0)")
-            self.engine.events = KVEventPublisher(events, EventWire(protocol, engine_version, block_size))
+        if kv_events_config:
+            # Imported only here: pyzmq is needed only by a simulator that publishes.
+            from .kv_events import EventWire, KVEventPublisher, KVEventsConfig
+
+            events = KVEventsConfig.parse(protocol, kv_events_config)
+            if events is not None:
+                if self.engine.cache is None:
+                    raise ValueError("--kv-events-config needs the prefix cache (--cache-tokens above 0)")
+                self.engine.events = KVEventPublisher(events, EventWire(protocol, engine_version, block_size))
         self.protocol: SGLangProtocol | VLLMProtocol = (
             VLLMProtocol(
                 self.engine, model.vocab_size, model_name, usage_chunk,

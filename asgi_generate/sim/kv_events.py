@@ -57,8 +57,6 @@ _VLLM_KEYS = frozenset({"enable_kv_cache_events", "publisher", "endpoint", "repl
                         "max_queue_size", "topic"})
 _SGLANG_KEYS = frozenset({"publisher", "endpoint", "bind", "replay_endpoint", "buffer_steps", "hwm",
                           "max_queue_size", "topic", "format"})
-#: The first vLLM release with ``GET /kv_event_sources``.
-KV_EVENT_SOURCES = (0, 32)
 #: The first SGLang release whose events are tagged maps.
 SGLANG_MAP_EVENTS = (0, 5, 20)
 
