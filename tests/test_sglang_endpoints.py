@@ -164,8 +164,6 @@ def test_ragged_token_ids_logprob_in_concurrent_requests(frontend, sims):
         assert len({tuple(r["output_ids"]) for r in results.values()}) == 1
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="needs the simulator's prefix cache keyed by "
-                   "extra_key and cache_salt (the prefix cache work); remove this mark when that lands")
 def test_extra_key_and_cache_salt_isolate_cached_prefixes():
     """A fresh ``extra_key`` or ``cache_salt`` reuses no prefix cached
     without it (SGLang's radix cache keys entries by both)."""

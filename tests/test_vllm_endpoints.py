@@ -441,8 +441,6 @@ def test_unknown_fields_are_ignored(served):
     assert (status, answer["choices"][0]["token_ids"]) == (200, CONTINUATION[:2])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="needs the simulator's prefix cache keyed by "
-                   "cache_salt (the prefix cache work); remove this mark when that lands")
 def test_cache_salt_isolates_cached_prefixes():
     """A request salted with a fresh ``cache_salt`` reuses no unsalted
     prefix: vLLM omits ``prompt_tokens_details`` when nothing was cached."""
