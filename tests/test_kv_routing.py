@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("zmq", reason="pyzmq (a dependency since KV events: pip install -e .)")
+pytestmark = pytest.mark.e2e
 
 import concurrent.futures
 
