@@ -113,6 +113,10 @@ class Generation(ClientStream):
                 failed = [leg.worker] if await self.judge(leg, await leg.run(self, self.ctx.router)) else []
             if not failed:
                 return
+            # A leg given up (silent past the inter-token deadline, its pair
+            # failed) is aborted now, not when the request ends: an engine
+            # that misses a closed socket would keep generating for nobody.
+            await self.abort_live_legs()
             tried += failed
 
     async def build(self, *attempts: Attempt) -> list[WorkerRequest] | None:
@@ -217,7 +221,7 @@ class Generation(ClientStream):
             return False
         if end is LegEnd.TIMED_OUT:
             if leg.phase == "inter_token" and self._migrate(attempt, f"sent no token for {leg.limit:g} s"):
-                state.end_leg(attempt, "timeout")  # still live: aborted when the request ends
+                state.end_leg(attempt, "timeout")  # still live: aborted before the next attempt (run)
                 return True
             # Slow is not dead: the leg stays live so that it is aborted.
             await self.fail(leg.error, "timeout")

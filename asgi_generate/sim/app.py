@@ -17,7 +17,10 @@ makes the next ``N`` generate requests (with a prompt of ``L`` tokens) drop
 their connection after ``T`` generated tokens (0: right after the
 response headers of a stream), and from then on the health routes answer
 503, so the frontend's probe finds the worker gone, until
-``DELETE /sim/faults`` disarms everything.
+``DELETE /sim/faults`` disarms everything. With ``"stall": true`` the
+requests instead send nothing more after ``T`` tokens, their connection
+open and the worker healthy, until they are aborted (an engine stuck on a
+request).
 
 SGLang mode plays a P/D role with ``disaggregation_mode`` ``prefill`` (a
 bootstrap listener on ``bootstrap_port``) or ``decode``
@@ -373,15 +376,17 @@ class SimApp:
         try:
             spec = orjson.loads(body)
             count, after, length = spec.get("count", 1), spec["after_tokens"], spec.get("input_len")
-            if type(count) is not int or type(after) is not int or count < 1 or after < 0:
+            stall = spec.get("stall", False)
+            if type(count) is not int or type(after) is not int or count < 1 or after < 0 or type(stall) is not bool:
                 raise ValueError
             if length is not None and (type(length) is not int or length < 1):
                 raise ValueError
         except (orjson.JSONDecodeError, AttributeError, KeyError, ValueError):
             await send_unary(send, 400, orjson.dumps(
-                {"detail": 'expected {"count": N >= 1, "after_tokens": T >= 0, "input_len": L >= 1 or null}'}))
+                {"detail": 'expected {"count": N >= 1, "after_tokens": T >= 0, "input_len": L >= 1 or null, '
+                           '"stall": bool}'}))
             return
-        self.engine.arm(count, after, length)
+        self.engine.arm(count, after, length, stall)
         await send_unary(send, 200, b"{}")
 
     async def _kv_events(self, receive: Receive, send: Send) -> None:

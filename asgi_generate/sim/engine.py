@@ -56,6 +56,9 @@ class Job:
     refused: tuple[int, str] | None = None
     prefilled: int | None = None
     fail_after: int | None = None
+    #: The armed fault stalls the job (no token, no error, health up)
+    #: until it is aborted, instead of dropping its connection.
+    stall: bool = False
     #: The parallel sample this job draws (see :meth:`Model.sampled`); 0
     #: for every ``n`` = 1 request.
     sample: int = 0
@@ -164,8 +167,8 @@ class SimEngine:
         self.abort_named_ids: list[str] = []
         self.seen_rids: list[str] = []
         #: Armed faults: (token count after which a request fails, the
-        #: prompt length it must have or ``None`` for any).
-        self.faults: list[tuple[int, int | None]] = []
+        #: prompt length it must have or ``None`` for any, whether it stalls).
+        self.faults: list[tuple[int, int | None, bool]] = []
         self.faults_fired = 0
         #: A fault fired: health routes answer 503 until the faults are cleared.
         self.down = False
@@ -177,12 +180,14 @@ class SimEngine:
         #: running and new jobs make no progress until :meth:`release`.
         self.held = False
 
-    def arm(self, count: int, after_tokens: int, input_len: int | None = None) -> None:
+    def arm(self, count: int, after_tokens: int, input_len: int | None = None, stall: bool = False) -> None:
         """Make the next ``count`` submitted requests (with a prompt of
         ``input_len`` tokens, if given) fail after ``after_tokens``
         generated tokens (0: right after the response headers),
-        deterministically (``POST /sim/faults``)."""
-        self.faults.extend([(after_tokens, input_len)] * count)
+        deterministically (``POST /sim/faults``): drop their connection, or
+        with ``stall`` send nothing more (the worker stays healthy) until
+        they are aborted."""
+        self.faults.extend([(after_tokens, input_len, stall)] * count)
 
     def clear_faults(self) -> None:
         """Disarm every fault and answer health probes again (``DELETE /sim/faults``)."""
@@ -199,9 +204,9 @@ class SimEngine:
             raise DuplicateRequestId(job.rid)
         self.received += 1
         self.seen_rids.append(job.rid)
-        for i, (after, length) in enumerate(self.faults):
+        for i, (after, length, stall) in enumerate(self.faults):
             if length is None or length == len(job.input_ids):
-                job.fail_after = after
+                job.fail_after, job.stall = after, stall
                 del self.faults[i]
                 break
         self.running[job.rid] = job
@@ -363,6 +368,10 @@ class SimEngine:
             if self.held:
                 await self._while_held(job)
             if job.aborted:
+                return
+            if i == job.fail_after and job.stall:
+                self.faults_fired += 1
+                await job.abort_event.wait()
                 return
             if i == job.fail_after:
                 self.faults_fired += 1
