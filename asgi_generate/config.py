@@ -321,6 +321,15 @@ class Settings:
         3, metavar="N",
         help="resumed attempts a stream may make after its first when workers die mid-answer; "
              "0 = no migration")
+    max_concurrent_migrations: int = setting(
+        0, metavar="N",
+        help="migrated streams (resumed or replayed) running at once in this process, each holding its "
+             "slot to its last token; more wait their turn after their backoff; 0 = twice the workers' "
+             "count")
+    migration_wait: float = setting(
+        30.0, unit="s", gt=0,
+        help="seconds a migrated stream may wait for a --max-concurrent-migrations slot before it ends "
+             "with the format's error")
     health_interval: float = setting(
         2.0, unit="s", gt=0, help="seconds between health probes of each worker")
     health_timeout: float = setting(30.0, unit="s", gt=0, help="seconds one health probe may take")

@@ -209,6 +209,9 @@ class Metrics:
                                   registry=reg)
         self.migrations = Counter(p + "migrations_total", "Streams resumed on another worker.", ("format",),
                                   registry=reg)
+        self.migration_waits = Counter(p + "migration_waits_total", "Streams that waited for a "
+                                       "--max-concurrent-migrations slot, by result (taken, timed_out: ended "
+                                       "with the format's error).", ("format", "result"), registry=reg)
         self.legs = Counter(p + "engine_legs_total", "Engine legs by role (aggregated, prefill, decode, "
                             "resumed) and outcome.", ("role", "outcome"), registry=reg)
         self.aborts = Counter(p + "aborts_total", "Engine aborts sent, by result (acknowledged, "
@@ -230,9 +233,9 @@ class Metrics:
                                      "(queue_full, sink_error, build_error, closed).", ("cause",), registry=reg)
 
         self._requests, self._http_requests, self._prompt, self._generation, self._body, self._migrations, \
-            self._legs, self._failures, self._aborts = map(_Children, (
+            self._migration_waits, self._legs, self._failures, self._aborts = map(_Children, (
                 self.requests, self.http_requests, self.prompt_tokens, self.generation_tokens, self.body_bytes,
-                self.migrations, self.legs, self.worker_failures, self.aborts))
+                self.migrations, self.migration_waits, self.legs, self.worker_failures, self.aborts))
         self._ttft = _Children(self.ttft, TTFT_BUCKETS)
         self._tpot = _Children(self.tpot, ITL_BUCKETS)
         self._itl = _Children(self.itl, ITL_BUCKETS)
@@ -241,7 +244,7 @@ class Metrics:
         self._e2e = _Children(self.e2e, E2E_BUCKETS)
         #: What request ends counted, moved into the metrics by :meth:`flush`.
         self._counted = (self._requests, self._http_requests, self._prompt, self._generation, self._body, self._migrations,
-                         self._legs, self._failures, self._ttft, self._tpot, self._itl, self._e2e)
+                         self._migration_waits, self._legs, self._failures, self._ttft, self._tpot, self._itl, self._e2e)
         #: Requests started minus ended since the last :meth:`flush`.
         self._in_flight = 0
         #: Several processes: every request's counts go to the files at once.
@@ -295,6 +298,8 @@ class Metrics:
             self._body.add(fmt, st.body_bytes)
         if st.migrations:
             self._migrations.add(fmt, st.migrations)
+        if st.migration_wait is not None:
+            self._migration_waits.add((fmt, st.migration_wait), 1)
         for a in st.attempts:
             outcome = a.outcome or "none"
             self._legs.add((a.role, outcome), 1)

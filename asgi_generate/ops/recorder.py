@@ -36,7 +36,10 @@ class Recorder:
             prompts and each parallel sample count one each),
             ``aborts_sent`` and their results (``aborts_acknowledged``,
             ``aborts_unacknowledged``, ``aborts_worker_lost``),
-            ``migrations``, ``replays`` and ``not_migrated``.
+            ``migrations``, ``replays`` and ``not_migrated``, and the
+            streams that waited for a migration slot and got one
+            (``migration_waits_taken``) or ended at ``--migration-wait``
+            (``migration_waits_timed_out``).
         by_status: request items by their record's ``status``.
         metrics: the Prometheus metrics.
         tracer: the trace writer (:class:`asgi_generate.tracing.Tracer`);
@@ -58,6 +61,8 @@ class Recorder:
             "migrations": 0,
             "replays": 0,
             "not_migrated": 0,
+            "migration_waits_taken": 0,
+            "migration_waits_timed_out": 0,
         }
         self.by_status: dict[str, int] = {}
         self.metrics = Metrics()
@@ -111,6 +116,8 @@ class Recorder:
             counters["migrations"] += st.migrations
             counters["replays"] += st.replays
             counters["not_migrated"] += st.not_migrated is not None
+        if st.migration_wait is not None:
+            counters["migration_waits_" + st.migration_wait] += 1
         self.metrics.request_finished(st)
         self.by_status[st.status or "unknown"] = self.by_status.get(st.status or "unknown", 0) + 1
 

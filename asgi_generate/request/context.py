@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ..workers.router import Router, Worker
     from ..tracing.state import RequestState
     from .budget import BodyBudget
+    from .migrations import MigrationSlots
     from .watchdog import Watchdog
 
 
@@ -80,6 +81,7 @@ class RequestContext(Protocol):
         recorder: counts requests and takes their records.
         watchdog: the client timers of requests served without a guard task.
         body_budget: request body bytes being read and decoded at once.
+        migrations: the slots of migrated streams running at once.
         inflight: requests being generated, by minted id (the handler adds
             and removes them).
         open_requests: every request from its start to its record (its
@@ -92,6 +94,7 @@ class RequestContext(Protocol):
     recorder: Recorder
     watchdog: Watchdog
     body_budget: BodyBudget
+    migrations: MigrationSlots
     inflight: dict[str, Running]
     open_requests: dict[str, RequestState]
     shutting_down: bool

@@ -80,44 +80,67 @@ class Generation(ClientStream):
         tried = self.tried
         protocol = self.codec.worker_protocol
         key = router.routing_key(self.req, self.st.headers)  # the policy's, once per request
-        while True:
-            backoff = 0.0
-            if self.resuming and self.st.migrations + self.st.replays >= self.ctx.settings.migration_limit:
-                # Only a resumed leg that could not even connect gets here.
-                await self.fail(RequestError(502, self._failed(tried[-1], "could not be reached"), "engine"),
-                                "engine_error")
-                return
-            if self.resuming:  # migration or replay: bounded, backing off
-                backoff = migration_backoff(self.st.migrations + self.st.replays + 1)
-                await anyio.sleep(backoff)
-                # A resumed leg runs aggregated, else on a new pair.
-                worker = router.pick(protocol, tried, key=key)
-                plan = (worker,) if worker is not None else router.plan(protocol, tried, key)
-            else:
-                plan = router.plan(protocol, tried, key)
-            if plan is None and self.resuming:
-                moved = self.st.migrations + self.st.replays
-                await self.fail(RequestError(
-                    502, f"no worker left to resume on after {moved} migration(s)", "worker_lost"
-                ), "engine_error")
-                return
-            if plan is None:
-                why = "no healthy worker" if router.has_protocol(protocol) else "no worker configured"
-                await self.fail(
-                    RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"), "unavailable"
-                )
-                return
-            failed = await handshake(plan).run(self, plan, self._next_role(), backoff)
-            if type(failed) is Leg:  # the attempt's client leg, run in this frame (Handshake.run)
-                leg = failed
-                failed = [leg.worker] if await self.judge(leg, await leg.run(self, self.ctx.router)) else []
-            if not failed:
-                return
-            # A leg given up (silent past the inter-token deadline, its pair
-            # failed) is aborted now, not when the request ends: an engine
-            # that misses a closed socket would keep generating for nobody.
-            await self.abort_live_legs()
-            tried += failed
+        slot = False  # one of the process's migration slots, held to the answer's end
+        try:
+            while True:
+                backoff = 0.0
+                if self.resuming and self.st.migrations + self.st.replays >= self.ctx.settings.migration_limit:
+                    # Only a resumed leg that could not even connect gets here.
+                    await self.fail(RequestError(502, self._failed(tried[-1], "could not be reached"), "engine"),
+                                    "engine_error")
+                    return
+                if self.resuming:  # migration or replay: bounded, backing off
+                    backoff = migration_backoff(self.st.migrations + self.st.replays + 1)
+                    await anyio.sleep(backoff)
+                    if not slot:
+                        slot = await self._migration_slot()
+                        if not slot:
+                            return
+                    # A resumed leg runs aggregated, else on a new pair.
+                    worker = router.pick(protocol, tried, key=key)
+                    plan = (worker,) if worker is not None else router.plan(protocol, tried, key)
+                else:
+                    plan = router.plan(protocol, tried, key)
+                if plan is None and self.resuming:
+                    moved = self.st.migrations + self.st.replays
+                    await self.fail(RequestError(
+                        502, f"no worker left to resume on after {moved} migration(s)", "worker_lost"
+                    ), "engine_error")
+                    return
+                if plan is None:
+                    why = "no healthy worker" if router.has_protocol(protocol) else "no worker configured"
+                    await self.fail(
+                        RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"), "unavailable"
+                    )
+                    return
+                failed = await handshake(plan).run(self, plan, self._next_role(), backoff)
+                if type(failed) is Leg:  # the attempt's client leg, run in this frame (Handshake.run)
+                    leg = failed
+                    failed = [leg.worker] if await self.judge(leg, await leg.run(self, self.ctx.router)) else []
+                if not failed:
+                    return
+                # A leg given up (silent past the inter-token deadline, its pair
+                # failed) is aborted now, not when the request ends: an engine
+                # that misses a closed socket would keep generating for nobody.
+                await self.abort_live_legs()
+                tried += failed
+        finally:
+            if slot:
+                self.ctx.migrations.give_back()
+
+    async def _migration_slot(self) -> bool:
+        """Take a migration slot (:mod:`asgi_generate.request.migrations`),
+        waiting up to ``--migration-wait``; past it, end the answer with
+        the format's error and return ``False``."""
+        settings = self.ctx.settings
+        slots = self.ctx.migrations
+        taken = await slots.take(settings.migration_wait, self.st)
+        if taken:
+            return True
+        await self.fail(RequestError(
+            503, f"no migration slot within {settings.migration_wait:g} s: {slots.active} streams already "
+                 f"migrating (--max-concurrent-migrations {slots.limit()})", "unavailable"), "unavailable")
+        return False
 
     async def build(self, *attempts: Attempt) -> list[WorkerRequest] | None:
         """The codec's worker requests for ``attempts``, in order; ``None``

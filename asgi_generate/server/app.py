@@ -31,6 +31,7 @@ from ..config import Settings
 from . import embedded
 from .hypercorn import patches as hypercorn_patches
 from ..request.budget import BodyBudget
+from ..request.migrations import MigrationSlots
 from ..request.framing import Receive, Send, send_unary
 from ..request.handler import handle_generate, reject_method
 from ..ops.recorder import Recorder
@@ -106,6 +107,8 @@ class App:
         #: Client timers of the requests served without a guard task.
         self.watchdog = Watchdog()
         self.body_budget = BodyBudget(settings.body_budget_bytes)
+        self.migrations = MigrationSlots(
+            lambda: settings.max_concurrent_migrations or max(1, 2 * len(self.router.workers)))
         self.shutting_down = False
         self._shutdown_requested: anyio.Event | None = None
         #: ``time.monotonic()`` at which a shutdown ends what is in flight.
@@ -361,7 +364,8 @@ class App:
     def stats(self) -> dict[str, Any]:
         """The ``/stats`` body: request and abort counters, bodies being read
         (``reading_body``) and the body budget (bytes reserved, requests
-        waiting for room), the routing policy's decisions (``routing``),
+        waiting for room), migrated streams running and waiting
+        (``migration_slots``), the routing policy's decisions (``routing``),
         pool figures, of this process (``pid``; ``serve
         --workers N`` runs N of them, each with its own budget); whether
         hypercorn serves patched (``hypercorn_patches``,
@@ -379,6 +383,7 @@ class App:
                 "in_use_bytes": self.body_budget.in_use,
                 "waiting": self.body_budget.waiting,
             },
+            "migration_slots": self.migrations.stats(),
             "trace": recorder.tracer.stats() if recorder.tracer is not None else {"enabled": False},
             "routing": self.router.policy.stats(),
             "workers": {

@@ -68,6 +68,9 @@ class RequestState:
     trace: TraceContext | None = None
     replays: int = 0
     not_migrated: str | None = None
+    #: The request waited for a migration slot: ``taken`` once it got one,
+    #: ``timed_out`` when it ended at ``--migration-wait``; ``None``: no wait.
+    migration_wait: str | None = None
     response_started: bool = False
     response_complete: bool = False
     #: An item of a request that carried several: the request's id, the
