@@ -21,6 +21,7 @@ from asgi_generate.request.budget import BodyBudget
 from asgi_generate.request.client_stream import ClientStream, abort_live_legs, finish_record
 from asgi_generate.request.context import RequestContext
 from asgi_generate.request.generation import Generation
+from asgi_generate.request.migrations import MigrationSlots
 from asgi_generate.request.watchdog import Watchdog
 from asgi_generate.sdk.codec import Attempt, RequestError
 from asgi_generate.workers.router import Router
@@ -72,6 +73,7 @@ class FakeContext:
         self.recorder = FakeRecorder()
         self.watchdog = Watchdog()
         self.body_budget = BodyBudget(1 << 20)
+        self.migrations = MigrationSlots(lambda: 4)
         self.inflight: dict = {}
         self.open_requests: dict = {}
         self.shutting_down = False

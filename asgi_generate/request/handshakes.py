@@ -6,7 +6,14 @@ planned, one strategy per kind of plan and worker protocol.
 - :data:`SGLANG_PAIR` (SGLang ``disaggregation/mini_lb.py``): the prefill
   and decode legs run concurrently, both with the client's body and a
   bootstrap host, port and room that join them (the prefill worker's host
-  and bootstrap port, a room minted per pair).
+  and bootstrap port, a room minted per pair). The legs race, and one rule
+  settles it in every mode (unary and SSE, with or without what only the
+  prefill computed): the client gets no decode event before the prefill
+  leg answered successfully. The decode's first payload waits for the
+  prefill's answer (SGLang's prefill answers once its KV went over, about
+  when the decode computes its first token); a prefill that fails cancels
+  and aborts the decode leg before any of its tokens went out, so a
+  request whose prefill failed never ends ``ok``.
 - :data:`VLLM_PAIR` (vLLM's P/D proxies,
   ``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py``): the legs
   run one after the other under one engine id; the prefill leg (unary, one
@@ -189,16 +196,15 @@ async def _run_prefill(
 ) -> None:
     """Run a prefill leg, its whole answer into the codec (it answers once
     the decode took its KV: a streamed leg's one event is its first token),
-    how it ended into ``prefill``. A failure before the client got anything
-    cancels ``decode_scope`` (the pair is then aborted); ``gate`` opens
-    however the leg ends."""
+    how it ended into ``prefill``. A failure cancels ``decode_scope``
+    before ``gate`` opens, so the decode leg waiting on it sends the client
+    nothing (the pair is then aborted); ``gate`` opens however the leg ends."""
     try:
         leg = Leg(loop.st, loop.ctx.settings, worker, attempt, wreq)
         prefill.judge(leg, await leg.run(prefill, loop.ctx.router))
     finally:
-        if (prefill.retry or prefill.error is not None) and not loop.st.response_started and not loop.pending:
-            if decode_scope is not None:
-                decode_scope.cancel()
+        if (prefill.retry or prefill.error is not None) and decode_scope is not None:
+            decode_scope.cancel()
         if gate is not None:
             gate.set()
 
@@ -248,15 +254,15 @@ class SGLangPair:
             p_req, d_req = built
             loop.begin(p_att, p_req)
             loop.begin(d_att, d_req)
-            # The decode's first event waits for the prefill's answer when the
-            # codec joins them (e.g. prompt logprobs only the prefill computed).
+            # The decode's first event waits for the prefill's answer (the
+            # legs' race, see the module docstring).
             gate = anyio.Event()
             result = _Prefill(loop.ex)
             retry_decode = False
             async with anyio.create_task_group() as tg:
                 with anyio.CancelScope() as decode_scope:
                     tg.start_soon(_run_prefill, loop, result, prefill, p_att, p_req, gate, decode_scope)
-                    leg = loop.client_leg(decode, d_att, d_req, gate if loop.ex.waits_for_prefill else None)
+                    leg = loop.client_leg(decode, d_att, d_req, gate)
                     retry_decode = await loop.judge(leg, await leg.run(loop, loop.ctx.router))
                 if p_att.live and (d_att.outcome != "finished" or loop.st.finish_reason == "abort"):
                     # No decode will take the prefill's KV: stop waiting for it
@@ -271,9 +277,19 @@ async def _after_pair(loop: AttemptLoop, prefill: "Worker", decode: "Worker", re
                       retry_decode: bool) -> "list[Worker]":
     """What a concurrent pair's end means for the request (see :meth:`Handshake.run`)."""
     st = loop.st
-    if retry_decode or result.retry:
+    if result.retry or result.error is not None:  # the decode leg sent nothing of this pair's
+        await loop.abort_live_legs()
+        if not st.response_started and not loop.pending:
+            if result.retry:
+                return [w for w, failed in ((prefill, True), (decode, retry_decode)) if failed]
+            await _prefill_failed(loop, result)
+        elif not st.response_complete:  # a resumed pair: the client has earlier attempts' tokens
+            err = result.error or RequestError(502, "the prefill leg of a resumed pair failed", "engine")
+            await loop.fail(err, "engine_error")
+        return []
+    if retry_decode:
         if st.response_started or loop.pending:
-            if retry_decode and loop.resuming:  # the decode leg died mid-answer: migrate
+            if loop.resuming:  # the decode leg died mid-answer: migrate
                 await loop.abort_live_legs()
                 return [decode]
             # The decode leg already answered the client (in part): no retry.
@@ -281,10 +297,7 @@ async def _after_pair(loop: AttemptLoop, prefill: "Worker", decode: "Worker", re
                 await loop.fail(RequestError(502, "a P/D leg failed mid-answer", "engine"), "engine_error")
             return []
         await loop.abort_live_legs()
-        return [w for w, failed in ((prefill, result.retry), (decode, retry_decode)) if failed]
-    if result.error is not None and not st.response_started and not loop.pending:
-        await loop.abort_live_legs()
-        await _prefill_failed(loop, result)
+        return [decode]
     return []
 
 

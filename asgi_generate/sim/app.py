@@ -20,7 +20,11 @@ response headers of a stream), and from then on the health routes answer
 ``DELETE /sim/faults`` disarms everything. With ``"stall": true`` the
 requests instead send nothing more after ``T`` tokens, their connection
 open and the worker healthy, until they are aborted (an engine stuck on a
-request).
+request). On an SGLang prefill server, ``{"count": N, "prefill_abort":
+"before"}`` makes the next ``N`` prefill requests end with an abort (status
+500, the worker healthy) instead of handing their KV over, and
+``{"prefill_abort": "after", "delay_ms": D}`` D ms after the decode server
+took it: a prefill leg failing before and after its decode leg streams.
 
 SGLang mode plays a P/D role with ``disaggregation_mode`` ``prefill`` (a
 bootstrap listener on ``bootstrap_port``) or ``decode``
@@ -375,6 +379,14 @@ class SimApp:
             return
         try:
             spec = orjson.loads(body)
+            if "prefill_abort" in spec:
+                count, when, delay = spec.get("count", 1), spec["prefill_abort"], spec.get("delay_ms", 0)
+                if when not in ("before", "after") or type(count) is not int or count < 1 or \
+                        type(delay) not in (int, float) or delay < 0:
+                    raise ValueError
+                self.engine.prefill_faults.extend([(when, delay / 1000)] * count)
+                await send_unary(send, 200, b"{}")
+                return
             count, after, length = spec.get("count", 1), spec["after_tokens"], spec.get("input_len")
             stall = spec.get("stall", False)
             if type(count) is not int or type(after) is not int or count < 1 or after < 0 or type(stall) is not bool:
@@ -384,7 +396,8 @@ class SimApp:
         except (orjson.JSONDecodeError, AttributeError, KeyError, ValueError):
             await send_unary(send, 400, orjson.dumps(
                 {"detail": 'expected {"count": N >= 1, "after_tokens": T >= 0, "input_len": L >= 1 or null, '
-                           '"stall": bool}'}))
+                           '"stall": bool} or {"count": N >= 1, "prefill_abort": "before"|"after", '
+                           '"delay_ms": D >= 0}'}))
             return
         self.engine.arm(count, after, length, stall)
         await send_unary(send, 200, b"{}")

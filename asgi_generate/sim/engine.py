@@ -59,6 +59,10 @@ class Job:
     #: The armed fault stalls the job (no token, no error, health up)
     #: until it is aborted, instead of dropping its connection.
     stall: bool = False
+    #: A P/D prefill leg's armed failure: ``("before", 0)`` ends it with
+    #: an abort before its KV is handed over, ``("after", s)`` ``s``
+    #: seconds after (``POST /sim/faults`` ``prefill_abort``).
+    prefill_fault: tuple[str, float] | None = None
     #: The parallel sample this job draws (see :meth:`Model.sampled`); 0
     #: for every ``n`` = 1 request.
     sample: int = 0
@@ -170,6 +174,9 @@ class SimEngine:
         #: prompt length it must have or ``None`` for any, whether it stalls).
         self.faults: list[tuple[int, int | None, bool]] = []
         self.faults_fired = 0
+        #: Armed prefill failures, each for the next prefill leg
+        #: (:attr:`Job.prefill_fault`).
+        self.prefill_faults: list[tuple[str, float]] = []
         #: A fault fired: health routes answer 503 until the faults are cleared.
         self.down = False
         #: Requests carrying several items (an SGLang batch or ``n`` > 1, a
@@ -192,6 +199,7 @@ class SimEngine:
     def clear_faults(self) -> None:
         """Disarm every fault and answer health probes again (``DELETE /sim/faults``)."""
         self.faults.clear()
+        self.prefill_faults.clear()
         self.down = False
 
     def submit(self, job: Job) -> None:

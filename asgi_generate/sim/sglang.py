@@ -355,6 +355,10 @@ class SGLangProtocol:
                 return
             job, opts = self.parse(obj)
             if isinstance(self.disagg, PrefillRooms):
+                if self.engine.prefill_faults:
+                    job.prefill_fault = self.engine.prefill_faults.pop(0)
+                    if job.prefill_fault[0] == "before":
+                        job.refused = (500, "simulated prefill failure before the KV hand-over (POST /sim/faults)")
                 try:
                     room = self.disagg.claim(opts["pd"][2])
                 except ValueError as exc:
@@ -565,6 +569,9 @@ class SGLangProtocol:
         waited = await self.disagg.hand_over(job, opts["room"], job.input_ids, out_ids[0])
         if waited is not None:
             return ("abort", (500, bootstrap_failed(job.rid, room, waited)))
+        if job.prefill_fault is not None:  # armed: fails once its decode has the KV
+            await anyio.sleep(job.prefill_fault[1])
+            return ("abort", (500, "simulated prefill failure after the KV hand-over (POST /sim/faults)"))
         return ("length", 0)
 
     def _logprob(self, token: Token, token_id: int) -> float:
