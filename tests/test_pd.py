@@ -612,7 +612,6 @@ ROW_A, ROW_B, ZERO_ROW = "AQAAAAIAAAA=", "AwAAAAQAAAA=", "AAAAAAAAAAA="
 ])
 def test_codec_joins_expert_rows(decode_ids, finish, own, want):
     ex, p, d = _legs_exchange({"input_ids": [1], "return_routed_experts": True})
-    assert ex.waits_for_prefill
     ev = ex.feed(p, _answer([7], {"type": "length", "length": 0}, ROW_A))
     assert (ev.token_ids, ev.finish_reason, ev.error) == ([], "length", None)
     ex.feed(d, _answer(decode_ids, finish, own))
@@ -641,7 +640,6 @@ def test_codec_refuses_bad_expert_rows(pre, own, dtype, message):
 
 def test_codec_prefill_abort_is_an_engine_error():
     ex, p, _ = _legs_exchange({"input_ids": [1, 2]})
-    assert not ex.waits_for_prefill
     ev = ex.feed(p, _answer([], {"type": "abort", "message": "KV transfer failed", "status_code": 500,
                                  "err_type": None}))
     assert (ev.error.status, ev.error.message) == (500, "KV transfer failed")

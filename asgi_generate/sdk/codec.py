@@ -369,11 +369,6 @@ class Exchange:
     never delivered. Only the decode leg's events reach the client.
     """
 
-    #: P/D: the decode leg's first event needs the prefill leg's answer
-    #: (e.g. the prompt logprobs only the prefill computed), so the handler
-    #: feeds that answer first.
-    waits_for_prefill: bool = False
-
     def worker_request(self, attempt: Attempt) -> WorkerRequest:
         """The worker request for ``attempt``. A ``resumed`` attempt's body
         carries the prompt followed by ``attempt.resumes``, the budget

@@ -307,7 +307,7 @@ class SGLangExchange(Exchange):
 
     __slots__ = (
         "request", "public_id", "seen", "last", "incremental", "payload", "engine_tag", "public_tag",
-        "waits_for_prefill", "decode_chunks", "base", "tokenizer", "prompt_ids", "watch",
+        "decode_chunks", "base", "tokenizer", "prompt_ids", "watch",
     )
 
     def __init__(self, request: GenerateRequest, public_id: str, tokenizer: PromptTokenizer | None = None) -> None:
@@ -317,8 +317,6 @@ class SGLangExchange(Exchange):
         self.prompt_ids: list[int] | None = None
         #: Stop strings over the whole output, once the stream resumed.
         self.watch: StopWatch | None = None
-        native = request.native
-        self.waits_for_prefill = native.get("return_logprob") is True or native.get("return_routed_experts") is True
         #: Chunks the running decode leg sent (its first carries the
         #: prefill's prompt logprobs in incremental mode).
         self.decode_chunks = 0

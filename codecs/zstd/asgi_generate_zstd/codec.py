@@ -123,11 +123,6 @@ class ZstdExchange(Exchange):
         self.sglang = sglang
         self.cctx = zstandard.ZstdCompressor()
 
-    @property
-    def waits_for_prefill(self) -> bool:
-        """As the SGLang exchange (P/D: prompt logprobs from the prefill leg)."""
-        return self.sglang.waits_for_prefill
-
     def worker_request(self, attempt: Attempt) -> WorkerRequest:
         """The SGLang worker request (workers speak plain SGLang)."""
         return self.sglang.worker_request(attempt)
