@@ -7,9 +7,16 @@ A request with ``GenerateRequest.items`` runs as :class:`BatchGeneration`:
   prompt groups (``BatchItem.group``: a prompt and its samples) are spread
   over the healthy workers of the protocol, one leg per worker, run at once;
   the client's answer is the same (a unary list joined in item order, SSE
-  chunks as they come with each item's index). Batches run aggregated (no
-  P/D pair) and never migrate; a leg that cannot connect fails over to
+  chunks as they come with each item's index). Batches run aggregated and
+  never migrate mid-answer; a leg that cannot connect fails over to
   another worker before anything reached the client.
+- **P/D pairs.** Where no aggregated worker is up, or ``--disaggregation``
+  is ``always``, the whole request runs on a prefill/decode pair as any
+  request does (:class:`~asgi_generate.request.generation.Generation`'s
+  attempts, :mod:`~asgi_generate.request.handshakes`), each leg carrying
+  every item; a handshake whose engine cannot run several items on a pair
+  (``Handshake.items_refusal``: vLLM ``n`` > 1) answers 400 in the format's
+  shape, saying why.
 - **Aborts.** Where the engine runs each item under an id of its own (SGLang
   entries, samples included), the codec sends the ids the frontend minted per
   item (``Attempt.entry_ids``), so a disconnect aborts exactly the unfinished
@@ -39,6 +46,7 @@ from ..sdk.codec import LEG_DONE, Attempt, Codec, Event, Exchange, GenerateReque
 from ..tracing.state import RequestState
 from .framing import Send
 from .generation import Generation
+from .handshakes import PAIRS
 
 if TYPE_CHECKING:
     from .context import RequestContext
@@ -85,6 +93,15 @@ class BatchGeneration(Generation):
     async def run(self) -> None:
         protocol = self.codec.worker_protocol
         router = self.ctx.router
+        if router.disaggregation == "always" or (router.disaggregation == "auto" and
+                                                 not router.up(protocol, "aggregated") and router.can_plan(protocol)):
+            pairs = PAIRS.get(protocol)
+            refusal = pairs.items_refusal if pairs is not None else None
+            if refusal is not None:
+                await self.refuse(RequestError(400, refusal, "rejected"))
+                return
+            await super().run()  # on pairs, as one item is
+            return
         parts = [list(range(len(self.items)))]
         if self.ctx.settings.split_batches:
             workers = max(1, sum(1 for w in router.workers if w.healthy and w.protocol.name == protocol
@@ -110,6 +127,14 @@ class BatchGeneration(Generation):
         async with anyio.create_task_group() as tg:
             for part, prepared in zip(parts, first):
                 tg.start_soon(self._leg_then_check, part, spread, prepared, tg.cancel_scope)
+
+    def carry(self, attempt: Attempt) -> None:
+        """Give ``attempt`` every item, each under an id of its own where
+        the engine runs them so (a leg of an attempt on a pair)."""
+        attempt.entries = list(range(len(self.items)))
+        attempt.unfinished = set(attempt.entries)
+        if getattr(self.ex, "names_entries", False):
+            attempt.entry_ids = {j: ids.mint() for j in attempt.entries}
 
     async def _leg_then_check(self, entries: list[int], spread: list, prepared: tuple,
                               scope: anyio.CancelScope) -> None:

@@ -154,6 +154,10 @@ class Generation(ClientStream):
         finally:
             self.release_body()
 
+    def carry(self, attempt: Attempt) -> None:
+        """A request of one item: nothing to give ``attempt`` (see
+        :meth:`~asgi_generate.request.handshakes.AttemptLoop.carry`)."""
+
     def begin(self, attempt: Attempt, wreq: WorkerRequest) -> None:
         """Count ``attempt`` among the request's legs (its record lists it)
         and, with OpenTelemetry export on, give the leg its span id and the

@@ -73,6 +73,11 @@ class AttemptLoop(Protocol):
     async def build(self, *attempts: Attempt) -> "list[WorkerRequest] | None":
         """The attempts' worker requests; ``None`` once a refusal was answered."""
 
+    def carry(self, attempt: Attempt) -> None:
+        """Give ``attempt`` the items it carries: a batch's, each under an
+        id of its own (``Attempt.entries``, ``entry_ids``); nothing for a
+        request of one item."""
+
     def begin(self, attempt: Attempt, wreq: "WorkerRequest") -> None:
         """Count ``attempt`` among the request's legs."""
 
@@ -97,6 +102,10 @@ class AttemptLoop(Protocol):
 
 class Handshake(Protocol):
     """One attempt's strategy (see the module docstring)."""
+
+    #: Why a request with several items (a batch, ``n`` > 1) cannot run on
+    #: this handshake's pairs, the client's 400; ``None``: it can.
+    items_refusal: str | None
 
     async def run(
         self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float
@@ -125,6 +134,8 @@ def _attempt(engine_id: str, role: str, worker: "Worker", backoff: float, resume
 class Aggregated:
     """One worker, one leg."""
 
+    items_refusal = None
+
     async def run(
         self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float
     ) -> "list[Worker] | Leg":
@@ -132,6 +143,7 @@ class Aggregated:
         (worker,) = workers
         resumes = list(loop.sent_ids) if role == "resumed" else None  # where the client's answer stands
         attempt = _attempt(ids.mint(), role, worker, backoff, resumes)
+        loop.carry(attempt)
         built = await loop.build(attempt)
         if built is None:
             return []
@@ -235,19 +247,30 @@ def bootstrap_host(worker: "Worker") -> str:
 
 
 class SGLangPair:
-    """Concurrent legs joined by a bootstrap room (see the module docstring)."""
+    """Concurrent legs joined by a bootstrap room (see the module docstring).
+    A batch (or ``n`` > 1, sent expanded) runs on one pair, both legs with
+    every entry and a room per entry, in the order of the body's entries
+    (``bootstrap_room`` as a list, SGLang ``io_struct.GenerateReqInput.
+    _normalize_bootstrap_params``)."""
+
+    #: Batches and ``n`` > 1 run on a pair.
+    items_refusal = None
 
     async def run(self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float) -> "list[Worker]":
         """See :meth:`Handshake.run`."""
         prefill, decode = workers
-        room = mint_room()
-        _live_rooms.add(room)
+        pair = Pair({"bootstrap_host": bootstrap_host(prefill), "bootstrap_port": prefill.bootstrap_port})
+        resumes = list(loop.sent_ids) if role == "resumed" else None
+        p_att = _attempt(ids.mint(), "prefill", prefill, backoff, resumes, pair)
+        d_att = _attempt(ids.mint(), "decode", decode, backoff, resumes, pair)
+        loop.carry(p_att)
+        loop.carry(d_att)
+        rooms = []
+        for _ in d_att.entries or (None,):
+            rooms.append(mint_room())
+            _live_rooms.add(rooms[-1])
+        pair.fields["bootstrap_room"] = rooms if d_att.entries is not None else rooms[0]
         try:
-            pair = Pair({"bootstrap_host": bootstrap_host(prefill), "bootstrap_port": prefill.bootstrap_port,
-                         "bootstrap_room": room})
-            resumes = list(loop.sent_ids) if role == "resumed" else None
-            p_att = _attempt(ids.mint(), "prefill", prefill, backoff, resumes, pair)
-            d_att = _attempt(ids.mint(), "decode", decode, backoff, resumes, pair)
             built = await loop.build(p_att, d_att)
             if built is None:
                 return []
@@ -270,7 +293,7 @@ class SGLangPair:
                     tg.cancel_scope.cancel()
             return await _after_pair(loop, prefill, decode, result, retry_decode)
         finally:
-            _live_rooms.discard(room)
+            _live_rooms.difference_update(rooms)
 
 
 async def _after_pair(loop: AttemptLoop, prefill: "Worker", decode: "Worker", result: _Prefill,
@@ -304,6 +327,17 @@ async def _after_pair(loop: AttemptLoop, prefill: "Worker", decode: "Worker", re
 class VLLMPair:
     """Sequential legs under one engine id, joined by ``kv_transfer_params``
     (see the module docstring)."""
+
+    #: Why ``n`` > 1 cannot run on a pair: vLLM runs each of the ``n``
+    #: choices as a request of its own (``ParentRequest.get_child_info`` in
+    #: ``v1/engine/parallel_sampling.py``), each sharing the one
+    #: ``kv_transfer_params`` and reading the producer's blocks, which the
+    #: producer frees after the first reader's notification
+    #: (``consumer_notification_counts_by_req`` in
+    #: ``distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py``).
+    items_refusal = ("n > 1 cannot run on a vLLM prefill/decode pair: each choice would read the one "
+                     "prefill's KV, which the producer frees after the first read; send n requests of n = 1, "
+                     "or add an aggregated worker")
 
     async def run(
         self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float

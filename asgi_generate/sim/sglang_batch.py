@@ -19,6 +19,12 @@ normalize_batch_and_arguments``: ``_determine_batch_size``,
   caches it, the others hit).
 - Per-item fields given as a list of the batch's length (``return_logprob``,
   ``top_logprobs_num``, ``sampling_params``, ...) are the item's.
+- P/D (``_normalize_bootstrap_params``): ``bootstrap_host``/``bootstrap_port``
+  given once hold for every entry; a ``bootstrap_room`` given once becomes
+  ``room + i`` for entry ``i``; a list is the batch's, one per prompt, and
+  with ``n`` > 1 every sample of a prompt gets that prompt's room (SGLang's
+  samples copy their prompt's request), so a prefill server refuses the
+  second sample's room as already in use.
 - Unary: one JSON list of the entries' answers, in entry order; a refused
   entry (an abort with an error status) makes the whole answer that error.
   SSE: the entries' chunks as they come, each with ``"index"`` (the entry's
@@ -40,6 +46,7 @@ import anyio
 import orjson
 
 from ..request.framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
+from .disagg import PrefillRooms
 from .engine import DuplicateRequestId, Job, SimEngine
 from .sglang_checks import SGLangError, value_error
 
@@ -50,6 +57,8 @@ PER_ITEM = (
     "lora_path", "custom_logit_processor", "extra_key", "cache_salt", "image_data", "video_data", "audio_data",
     "return_routed_experts",
 )
+#: The P/D fields SGLang expands per entry.
+BOOTSTRAP = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
 def _n(obj: dict) -> object:
@@ -121,6 +130,7 @@ def entries(obj: dict) -> list[dict]:
                                                                     isinstance(value[0], list)):
                 item[name] = value[i]
         items.append(item)
+    _bootstrap(obj, items, n)
     if n == 1:
         return items
     out = []
@@ -130,6 +140,30 @@ def entries(obj: dict) -> list[dict]:
             sample["sampling_params"] = {**(item.get("sampling_params") or {}), "n": 1}
             out.append(sample)
     return out
+
+
+def _bootstrap(obj: dict, items: list[dict], n: int) -> None:
+    """Give each prompt's item its bootstrap fields, as SGLang expands them
+    (see the module docstring).
+
+    Raises:
+        SGLangError: a list shorter than the batch.
+    """
+    num = len(items) * n
+    for name in BOOTSTRAP:
+        value = obj.get(name)
+        if value is None:
+            continue
+        if isinstance(value, list):
+            if len(value) < len(items):
+                raise value_error(f"{name} has {len(value)} values for a batch of {len(items)}.")
+            per = value
+        elif name == "bootstrap_room" and type(value) is int:
+            per = [value + i for i in range(num)]
+        else:
+            per = [value] * num
+        for item, v in zip(items, per):
+            item[name] = v
 
 
 class BatchHost(Protocol):
@@ -191,9 +225,8 @@ async def serve_batch(proto: BatchHost, obj: dict, receive: Receive, send: Send)
     stream = obj.get("stream") is True
     engine = proto.engine
     jobs: list[tuple[Job, dict]] = []
+    rooms = proto.disagg if isinstance(proto.disagg, PrefillRooms) else None
     try:
-        if proto.disagg is not None:
-            raise value_error("The simulator does not serve batches on a prefill or decode server.")
         parsed = [proto.parse(entry) for entry in entries(obj)]
         seen: Counter = Counter()
         for job, opts in parsed:
@@ -201,11 +234,18 @@ async def serve_batch(proto: BatchHost, obj: dict, receive: Receive, send: Send)
             job.sample = seen[prompt]
             seen[prompt] += 1
             opts["room"] = None
+            if rooms is not None:
+                try:
+                    opts["room"] = rooms.claim(opts["pd"][2])
+                except ValueError as exc:
+                    raise value_error(str(exc)) from None
+            jobs.append((job, opts))  # before submit: its room is released whatever happens
             engine.submit(job)
-            jobs.append((job, opts))
     except (SGLangError, DuplicateRequestId) as exc:
-        for job, _ in jobs:
-            engine.finish(job)
+        for job, opts in jobs:
+            engine.finish(job)  # a job never submitted is not running: nothing
+            if opts["room"] is not None:
+                rooms.release(opts["pd"][2], opts["room"])
         if isinstance(exc, DuplicateRequestId):
             exc = value_error(f"Duplicate request ID: {exc}")
         await proto.refuse(exc, stream, send)
@@ -225,8 +265,10 @@ async def serve_batch(proto: BatchHost, obj: dict, receive: Receive, send: Send)
                     runs.start_soon(proto.run_job, job, opts, sink, done)
             tg.cancel_scope.cancel()
     finally:
-        for job, _ in jobs:
+        for job, opts in jobs:
             engine.finish(job)
+            if opts["room"] is not None:
+                rooms.release(opts["pd"][2], opts["room"])
     if stream:
         await send({"type": "http.response.body", "body": DONE, "more_body": False})
         return

@@ -268,13 +268,15 @@ class Router:
         """Whether :meth:`plan` would find workers now, without moving the
         round-robin (a migration asks this before it decides)."""
         exclude = list(exclude)
-
-        def up(role: str) -> bool:
-            return any(w.healthy and w not in exclude for w in self._groups.get((protocol, role), ()))
-
-        if self.disaggregation != "never" and up("prefill") and up("decode"):
+        if self.disaggregation != "never" and self.up(protocol, "prefill", exclude) and \
+                self.up(protocol, "decode", exclude):
             return True
-        return self.disaggregation != "always" and up("aggregated")
+        return self.disaggregation != "always" and self.up(protocol, "aggregated", exclude)
+
+    def up(self, protocol: str, role: str, exclude: Iterable[Worker] = ()) -> bool:
+        """Whether a healthy ``role`` worker of ``protocol`` is in the
+        rotation outside ``exclude``."""
+        return any(w.healthy and w not in exclude for w in self._groups.get((protocol, role), ()))
 
     def plan(self, protocol: str, exclude: Iterable[Worker] = (), key: Any = None) -> tuple[Worker, ...] | None:
         """The workers of a request's next attempt, per ``disaggregation``:

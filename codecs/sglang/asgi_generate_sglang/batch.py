@@ -22,6 +22,15 @@ manager does with it; per-item fields given as a list follow their item.
 A leg carrying the whole ``n`` = 1 batch sends the client's body with only
 ``rid`` replaced.
 
+On a P/D pair both legs carry the same entries, with the pair's bootstrap
+host and port and ``bootstrap_room`` a list of one room per entry in body
+order (SGLang's ``_normalize_bootstrap_params`` takes a list as given when
+``n`` is 1, which the expanded body always is; a scalar would become
+``room + i``, and a list with ``n`` > 1 would repeat its rooms for every
+sample). The prefill leg's answer is kept per entry in the pair
+(``Pair.from_prefill``) and joined into that entry's decode answer as for
+one request (:mod:`.join`).
+
 The answer is the engine's: unary, the JSON list of the entries' objects in
 entry order (legs joined in order); SSE, each chunk as the engine sent it
 with ``meta_info.id`` the client's id for the entry and ``index`` its place
@@ -41,6 +50,8 @@ from asgi_generate.sdk import (
     Attempt, BatchItem, EngineError, Event, Exchange, GenerateRequest, RequestError, WorkerRequest, dump_body,
     LEG_DONE, engine_error_page,
 )
+
+from .join import join_experts, join_prefill
 
 #: Top-level fields SGLang reads per batch item when given as a list.
 PER_ITEM = (
@@ -179,6 +190,8 @@ class SGLangBatchExchange(Exchange):
         #: between an event and its rendering).
         self.outs: dict[int, bytes] = {}
         self.incremental: dict[int, bool] = {}
+        #: P/D: the entries whose decode answer already carries the prefill's prompt logprobs.
+        self.joined: set[int] = set()
 
     def resume_refusal(self) -> str | None:
         """Batches are not resumed mid-answer."""
@@ -206,6 +219,8 @@ class SGLangBatchExchange(Exchange):
         else:
             body = self._entries_body(entries)
         body["rid"] = [attempt.entry_ids[j] for j in entries]
+        if attempt.pair is not None:
+            body.update(attempt.pair.fields)
         stream = self.request.stream
         self.incremental[id(attempt)] = stream and bool(attempt.worker_info.get("incremental_streaming_output"))
         return WorkerRequest(b"/generate", dump_body(body), stream=stream)
@@ -259,10 +274,17 @@ class SGLangBatchExchange(Exchange):
             if type(got.get("meta_info")) is not dict or type(k) is not int or not 0 <= k < len(entries):
                 raise RequestError(502, "worker sent a batch chunk without a valid index", "engine")
             pairs = [(entries[k], got)]
+        if attempt.role == "prefill":
+            return _prefill_event(attempt, pairs)
         incremental = self.incremental.get(id(attempt), False)
+        pre = attempt.pair.from_prefill if attempt.pair is not None and attempt.role == "decode" else None
         subs = []
         for j, chunk in pairs:
             meta = chunk["meta_info"]
+            if pre is not None:
+                if j not in pre:
+                    raise RequestError(502, f"the prefill leg answered nothing for entry {j}", "engine")
+                self._join(j, pre[j], meta, incremental)
             meta["id"] = self._public(j, attempt)
             if "index" in chunk:
                 chunk["index"] = j
@@ -287,6 +309,15 @@ class SGLangBatchExchange(Exchange):
             self.outs[id(event)] = orjson.dumps(got)
         return event
 
+    def _join(self, j: int, pre: dict, meta: dict, incremental: bool) -> None:
+        """Entry ``j``'s decode ``meta`` joined with its prefill's ``pre``
+        (:mod:`.join`): prompt logprobs in every cumulative chunk, an
+        incremental stream's first; expert rows at its finish."""
+        join_prefill(pre, meta, not incremental or j not in self.joined)
+        self.joined.add(j)
+        if type(meta.get("finish_reason")) is dict:
+            join_experts(pre, meta, self.request.native.get("routed_experts_start_len"))
+
     def end_of_stream(self, attempt: Attempt) -> Event | None:
         """A leg whose entries all finished while other legs still run:
         :data:`~asgi_generate.sdk.codec.LEG_DONE`; ``None`` when one of its
@@ -310,6 +341,28 @@ class SGLangBatchExchange(Exchange):
         from .codec import SGLangCodec
 
         return engine_error_page(status, body, SGLangCodec().error_body)
+
+
+def _prefill_event(attempt: Attempt, pairs: list[tuple[int, dict]]) -> Event:
+    """A P/D prefill leg's answer for the entries of ``pairs``: each
+    entry's ``meta_info`` kept in the pair (``Pair.from_prefill``, by
+    entry) for the decode leg to join; the leg's event finishes once every
+    entry it carries has (an entry's abort is the leg's error)."""
+    kept = attempt.pair.from_prefill
+    if kept is None:
+        kept = attempt.pair.from_prefill = {}
+    for j, chunk in pairs:
+        meta = chunk["meta_info"]
+        finish = meta.get("finish_reason")
+        kind = finish.get("type") if type(finish) is dict else None
+        if kind == "abort":
+            status = finish.get("status_code")
+            return Event([], error=EngineError(
+                status if type(status) is int and status >= 400 else 500, str(finish.get("message", ""))))
+        if kind is not None:
+            kept[j] = meta
+    done = all(j in kept for j in attempt.entries)
+    return Event([], "length" if done else None)
 
 
 def _is_list_batch(obj: dict) -> bool:

@@ -111,7 +111,7 @@ from asgi_generate.sdk import (
     pack_token_ids,
 )
 
-from . import experts
+from .join import PREFILL_LOGPROBS, join_experts, join_prefill
 from .seam import OUTPUT_LOGPROBS, across_seam
 
 from .batch import SGLangBatchExchange, decode_batch, is_batch
@@ -121,11 +121,6 @@ from .batch import SGLangBatchExchange, decode_batch, is_batch
 # request's KV.
 FRONTEND_OWNED = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key")
 MULTIMODAL = ("image_data", "video_data", "audio_data")
-#: What only the prefill leg computes, put into the client's answer.
-PREFILL_LOGPROBS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
-#: The prefill leg's prefix-cache report, the client's (the leg that
-#: computed the prompt; a decode counts what it received as it may).
-PREFILL_CACHE = ("cached_tokens", "cached_tokens_details")
 CONSTRAINED = ("json_schema", "regex", "ebnf", "structural_tag")
 #: Sampling parameters whose default makes them inert, and that otherwise
 #: depend on the output so far (SGLang's penalizers count output tokens).
@@ -531,53 +526,20 @@ class SGLangExchange(Exchange):
                      completion_tokens=meta.get("completion_tokens"), cached_tokens=meta.get("cached_tokens"))
 
     def _join_prefill(self, pre: dict, meta: dict) -> None:
-        """Put the prefill leg's prompt logprobs before the decode leg's
-        (in every cumulative chunk, the first incremental one) and its
-        prefix-cache report in place of the decode's."""
-        joined = False
-        if self.decode_chunks == 0 or not self.incremental:
-            for key in PREFILL_LOGPROBS:
-                got = pre.get(key)
-                if type(got) is list:
-                    own = meta.get(key)
-                    meta[key] = got + own if type(own) is list else got
-                    joined = True
-        for key in PREFILL_CACHE:
-            if key in pre and meta.get(key) != pre[key]:
-                meta[key] = pre[key]
-                joined = True
-        if joined:
+        """Join the prefill leg's prompt logprobs and prefix-cache report
+        (:func:`.join.join_prefill`)."""
+        if join_prefill(pre, meta, self.decode_chunks == 0 or not self.incremental):
             self.payload = b""  # re-serialised: not the engine's bytes any more
 
     def _join_experts(self, pre: dict, meta: dict) -> None:
-        """Final decode answer: the expert rows by token position, the
-        prompt's from the prefill leg, the output's from the decode leg
-        (:func:`.experts.join`), as the aggregated engine answers them; an
-        aborted answer gets none of the prefill's.
+        """Final decode answer: the expert rows by token position
+        (:func:`.join.join_experts`).
 
         Raises:
-            RequestError: 502, rows that are not base64 int32, of counts
-                that fit neither leg, or of another dtype than the decode
-                leg's.
+            RequestError: 502, rows that cannot be joined.
         """
-        rows = pre.get("routed_experts")
-        if rows is None or meta["finish_reason"].get("type") == "abort":
-            return
-        if pre.get("routed_experts_dtype") != meta.get("routed_experts_dtype"):
-            raise RequestError(502, "prefill and decode legs sent routed experts of different dtypes", "engine")
-        own = meta.get("routed_experts")
-        prompt, tokens = meta.get("prompt_tokens"), meta.get("completion_tokens")
-        if type(prompt) is not int or type(tokens) is not int:
-            raise RequestError(502, "the decode leg sent routed experts without its token counts", "engine")
-        start = self.request.native.get("routed_experts_start_len")
-        value = experts.join(rows, own, prompt, start if type(start) is int else 0, tokens)
-        if own is None and "e2e_latency" in meta:  # where the aggregated engine has it
-            rest = {k: meta.pop(k) for k in list(meta)[list(meta).index("e2e_latency"):]}
-            meta["routed_experts"] = value
-            meta.update(rest)
-        else:
-            meta["routed_experts"] = value
-        self.payload = b""
+        if join_experts(pre, meta, self.request.native.get("routed_experts_start_len")):
+            self.payload = b""
 
     def client_event(self, event: Event) -> bytes | None:
         """The worker's chunk, ``meta_info.id`` restored."""
