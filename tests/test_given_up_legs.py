@@ -132,15 +132,14 @@ def test_migration_slots_are_taken_in_turn_and_held_until_given_back():
         taken = await slots.take(wait, states[i])
         order.append((i, taken))
         if taken:
-            await anyio.sleep(0.1)
+            await anyio.sleep(0.6)
             slots.give_back()
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
-            for i, wait in enumerate((1, 1, 1, 0.05, 1)):
+            for i, wait in enumerate((5, 5, 5, 0.3, 5)):
                 tg.start_soon(stream, i, wait)
                 await anyio.sleep(0.01)
-            await anyio.sleep(0.02)
             assert (slots.active, slots.waiting) == (2, 3)
 
     anyio.run(main)
