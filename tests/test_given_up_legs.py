@@ -39,6 +39,7 @@ def _stall(sims, after_tokens: int, count: int = 1) -> None:
                                                 "stall": True, "count": count}, timeout=5).raise_for_status()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
 def test_a_stalled_leg_is_aborted_when_the_stream_moves_on(protocol, worker_class, tmp_path):
@@ -78,6 +79,7 @@ def _in_band_error(protocol: str, events: list[bytes]) -> str | None:
     return errors[0]["message"] if errors else None
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
 def test_a_migration_storm_runs_within_the_bound(protocol, worker_class, tmp_path):

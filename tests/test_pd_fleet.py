@@ -25,6 +25,9 @@ import pytest
 
 from support import PROMPT, post, same, sse, stats, start_sim, Traced, wait_until, without_timing
 
+#: Every test here starts simulators and frontends.
+pytestmark = pytest.mark.e2e
+
 PREFILL = ["--disaggregation-mode", "prefill", "--bootstrap-port", "0"]
 DECODE = ["--disaggregation-mode", "decode"]
 #: Four tokens, 0.1 s apart: the decode leg streams them all before the
