@@ -104,7 +104,8 @@ async def test_aggregated_request_the_only_worker_dropped_is_a_502_not_a_resend(
     assert (client.status, client.st.status, client.st.http_status) == (502, "engine_error", 502)
     assert orjson.loads(client.body) == {
         "object": "error", "type": "502", "param": None, "code": 502,
-        "message": "worker w0 failed: worker closed the connection before answering"}
+        "message": "worker w0 failed: worker closed the connection before answering "
+                   "(migration impossible: no worker left to resume on)"}
     assert client.attempts() == [("e0", "aggregated", "w0", "error", False)]
     assert client.aborts == [("w0", "e0")]
 
