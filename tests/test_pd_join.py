@@ -205,15 +205,15 @@ def test_vllm_usage_is_the_aggregated_engines_and_each_leg_keeps_its_own(fronts,
     holds 32 of it (two 16-token blocks), as the aggregated engine's does. A
     0.27 consumer counts the 40 tokens it loaded as cached, a 0.33 one
     reports the producer's 32 (``remote_prefill_cached_tokens``): the client
-    gets 32 either way (nothing the first time, as the aggregated engine
-    leaves ``prompt_tokens_details`` out), the record both legs' own."""
+    gets 32 either way (0 the first time, as the aggregated engine reports a
+    cold cache), the record both legs' own."""
     fe, agg = (fronts["pairs"], sims["v27_agg"]) if version == "0.27" else (fronts["own"], sims["v_agg"])
     prompt = list(range(2000 + 100 * stream + _salt(fe), 2040 + 100 * stream + _salt(fe)))
     body = {"token_ids": prompt, "sampling_params": {"max_tokens": 4, "ignore_eos": True}}
     for _ in range(2):
         _vllm(fe, agg, body, stream)
     first, second = fe.take(2)
-    assert ("cached_tokens" in first, second["cached_tokens"]) == (False, 32)
+    assert (first["cached_tokens"], second["cached_tokens"]) == (0, 32)
     decode_cached = 40 if version == "0.27" else 32
     assert _usage(second) == [{"prompt_tokens": 40, "completion_tokens": 1, "cached_tokens": 32},
                               {"prompt_tokens": 40, "completion_tokens": 4, "cached_tokens": decode_cached}]

@@ -167,9 +167,10 @@ def test_vllm_sim_reports_cached_tokens_only_with_prompt_tokens_details(details)
         body = {"token_ids": list(range(100, 140)), "sampling_params": {"max_tokens": 2}}
         first = post(sim.url, body, path="/inference/v1/generate").json()["usage"]
         second = post(sim.url, body, path="/inference/v1/generate").json()["usage"]
-        assert first["prompt_tokens_details"] is None  # nothing cached: vLLM leaves it out
+        nulls = {"created_cache_tokens": None, "multimodal_tokens": None}
+        assert first["prompt_tokens_details"] == ({"cached_tokens": 0, **nulls} if details else None)
         # 39 of 40 tokens are held, counted in whole 16-token blocks.
-        assert second["prompt_tokens_details"] == ({"cached_tokens": 32} if details else None)
+        assert second["prompt_tokens_details"] == ({"cached_tokens": 32, **nulls} if details else None)
         status, events = sse(sim.url, {**body, "stream": True, "stream_options": {"include_usage": True}},
                              path="/inference/v1/generate")
         usage = orjson.loads(events[-2])["usage"]

@@ -20,6 +20,17 @@ and ``serving.py``):
   ``request_id``, from 0.25 (before, a fresh random uuid);
 - every version takes ``sampling_params.n > 1`` and answers ``n`` choices;
   ``sampling_params`` is a required field in every release;
+- ``usage`` is ``UsageInfo`` (``entrypoints/openai/engine/protocol.py``,
+  from 0.29 ``entrypoints/serve/engine/protocol.py``): unary answers keep its
+  null fields (``JSONResponse(content=...model_dump())``), a stream's closing
+  usage chunk drops them (``model_dump_json(exclude_none=True)``); with
+  ``--enable-prompt-tokens-details`` its ``prompt_tokens_details``
+  (``PromptTokenUsageInfo``) is set whenever the engine reports
+  ``num_cached_tokens`` (V1 always does, 0 included), else null;
+- 0.26: ``PromptTokenUsageInfo`` gains ``created_cache_tokens`` (before,
+  ``cached_tokens`` and ``multimodal_tokens`` only);
+- 0.28: ``UsageInfo`` gains ``completion_tokens_details`` (null on this
+  route);
 - 0.30: validation errors show a cleaned dotted ``loc`` and a bounded
   ``input`` (before, pydantic's own: a ``loc`` tuple and the whole input);
 - 0.31: a ``--tokens-only`` server refuses stop strings (before, it accepted
@@ -107,6 +118,10 @@ class VLLMBehaviour:
         expert_rows_by_block: a P/D consumer returning routed experts
             prefills the prompt itself (else it loads the KV and answers
             prompt rows no forward pass wrote).
+        created_cache_tokens: ``prompt_tokens_details`` has a
+            ``created_cache_tokens`` field.
+        completion_tokens_details: ``usage`` has a
+            ``completion_tokens_details`` field.
     """
 
     version: str
@@ -118,6 +133,8 @@ class VLLMBehaviour:
     relays_prefill_cache: bool
     prompt_logprobs_prefill_locally: bool
     expert_rows_by_block: bool
+    created_cache_tokens: bool
+    completion_tokens_details: bool
 
     @property
     def stop_reason(self) -> bool:
@@ -132,4 +149,4 @@ def vllm_behaviour(version: object) -> VLLMBehaviour | None:
     if v is None:
         return None
     return VLLMBehaviour(str(version), v >= (0, 25), v >= (0, 30), v >= (0, 31), v >= (0, 32), v >= (0, 34),
-                         v >= (0, 32), v >= (0, 32), v >= (0, 33))
+                         v >= (0, 32), v >= (0, 32), v >= (0, 33), v >= (0, 26), v >= (0, 28))

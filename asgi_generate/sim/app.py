@@ -114,8 +114,9 @@ class SimApp:
             :data:`~asgi_generate.sim.prefix_cache.DEFAULT_CACHE_TOKENS`; see
             :class:`~asgi_generate.sim.engine.SimEngine`).
         prefill_us_per_token: prefill compute per uncached prompt token.
-        enable_prompt_tokens_details: vLLM's server flag: usage reports
-            ``prompt_tokens_details.cached_tokens`` when the cache served any.
+        enable_prompt_tokens_details: vLLM's server flag: the final usage
+            reports ``prompt_tokens_details.cached_tokens``, the prefix-cache
+            hit (0 included).
         context_length: SGLang ``--context-length`` (``None``: 32,768).
         max_model_len: vLLM ``--max-model-len`` (``None``: 32,768).
         max_logprobs: vLLM ``--max-logprobs`` (``None``: 20; -1: the

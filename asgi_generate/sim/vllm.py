@@ -158,9 +158,10 @@ class VLLMProtocol:
         kv: the P/D KV connector, if any.
         routed_experts: answer each finished choice's ``routed_experts``.
         prompt_tokens_details: vLLM's ``--enable-prompt-tokens-details``:
-            the final usage carries ``prompt_tokens_details.cached_tokens``
-            when the prefix cache served any (``ServingTokens`` in
-            ``vllm/entrypoints/serve/disagg/serving.py``).
+            the final usage carries ``prompt_tokens_details`` with the
+            prefix-cache hit as ``cached_tokens``, 0 included (``ServingTokens``
+            in ``vllm/entrypoints/scale_out/token_in_token_out/serving.py``);
+            off, ``prompt_tokens_details`` is null.
         decode_expert_rows: a consumer's routed experts after it read the
             prompt's KV: ``sequence`` (every position, zeros for the
             prompt's) or ``own`` (the output positions only); ``own`` also
@@ -394,12 +395,31 @@ class VLLMProtocol:
         return {"index": index, "finish_reason": finish, "stop_reason": stop_reason, "token_ids": ids,
                 "routed_experts": experts, "sampling_mask": None, "weight_versions": None, "logprobs": logprobs}
 
+    def _usage(self, prompt: int, completion: int) -> dict:
+        """vLLM's ``UsageInfo`` for ``prompt`` input and ``completion`` output
+        tokens, null fields included (``model_dump``), in the played
+        version's fields."""
+        usage = {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": None,
+        }
+        if self.behaviour.completion_tokens_details:
+            usage["completion_tokens_details"] = None
+        return usage
+
     def _final_usage(self, job: Job, completion: int) -> dict:
-        """The answer's usage: with ``prompt_tokens_details`` on and a cache
-        hit, ``{"cached_tokens": N}`` in ``prompt_tokens_details``."""
-        usage = _usage(len(job.input_ids), completion)
-        if self.prompt_tokens_details and job.cached_tokens:
-            usage["prompt_tokens_details"] = {"cached_tokens": job.cached_tokens}
+        """The answer's usage: with ``prompt_tokens_details`` on, vLLM's
+        ``PromptTokenUsageInfo`` with the prefix-cache hit as
+        ``cached_tokens`` (0 included) and its other fields null."""
+        usage = self._usage(len(job.input_ids), completion)
+        if self.prompt_tokens_details:
+            details: dict[str, Any] = {"cached_tokens": job.cached_tokens}
+            if self.behaviour.created_cache_tokens:
+                details["created_cache_tokens"] = None
+            details["multimodal_tokens"] = None  # this route fills it for no modality
+            usage["prompt_tokens_details"] = details
         return usage
 
     def _chunk(self, rid: str, choices: list[dict], usage: dict | None) -> dict:
@@ -506,9 +526,7 @@ class VLLMProtocol:
             tail = b""
             if opts.include_usage and self.usage_chunk:
                 # The closing chunk leaves out null fields (vLLM's exclude_none).
-                usage = self._final_usage(job, completion)
-                if usage["prompt_tokens_details"] is None:
-                    del usage["prompt_tokens_details"]
+                usage = _without_nulls(self._final_usage(job, completion))
                 tail = sse_event(orjson.dumps(self._chunk(job.rid, [], usage)))
             return [{"type": "http.response.body", "body": tail + DONE, "more_body": False}]
         pk = opts.prompt_logprobs
@@ -555,7 +573,7 @@ class VLLMProtocol:
         ``generated`` tokens (vLLM's ``num_generated_tokens[i]``)."""
         logprobs = {"content": content[-len(ids):]} if opts.logprobs is not None and ids else None
         choice = self._choice(index, logprobs, finish, stop_reason, ids, experts)
-        usage = _usage(prompt, generated) if opts.continuous_usage else None
+        usage = self._usage(prompt, generated) if opts.continuous_usage else None
         await self._send_chunk(send, self._chunk(rid, [choice], usage))
 
     @staticmethod
@@ -614,11 +632,7 @@ class VLLMProtocol:
         }
 
 
-def _usage(prompt: int, completion: int) -> dict:
-    """vLLM's ``UsageInfo`` for ``prompt`` input and ``completion`` output tokens."""
-    return {
-        "prompt_tokens": prompt,
-        "total_tokens": prompt + completion,
-        "completion_tokens": completion,
-        "prompt_tokens_details": None,
-    }
+def _without_nulls(obj: dict) -> dict:
+    """``obj`` without its null fields, nested objects' too (pydantic's
+    ``exclude_none``)."""
+    return {k: _without_nulls(v) if type(v) is dict else v for k, v in obj.items() if v is not None}

@@ -300,11 +300,14 @@ def _usage_event(token_ids: list[int], finish: str, usage: Any, matched: int | s
 def _join_details(usage: dict, details: Any, exclude_none: bool) -> None:
     """Make a decode leg's ``usage.prompt_tokens_details`` the prefill
     leg's ``details`` (the leg that computed the prompt; a consumer counts
-    the prompt it loaded as cached before vLLM 0.32): absent when the
-    prefill's was, left out of a stream's closing usage chunk
-    (``exclude_none``), null in a unary answer, as vLLM renders them."""
+    the prompt it loaded as cached before vLLM 0.32), as vLLM renders
+    them: in a unary answer as the (unary) prefill answer holds it, null
+    fields and a null object included; in a stream's closing usage chunk
+    (``exclude_none``) without its null fields, and left out when null."""
     if details is None and exclude_none:
         usage.pop("prompt_tokens_details", None)
+    elif exclude_none and type(details) is dict:
+        usage["prompt_tokens_details"] = {k: v for k, v in details.items() if v is not None}
     else:
         usage["prompt_tokens_details"] = details
 
