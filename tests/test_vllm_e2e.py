@@ -35,7 +35,9 @@ OLD = ["--engine-version", "0.27.0"]
 HTTP = httpx.Client(timeout=30)
 
 
-@pytest.fixture(scope="module", autouse=True)
+# Session scope: an xdist worker may come back to this module after another
+# (--dist worksteal), and a module teardown would have closed what it reuses.
+@pytest.fixture(scope="session", autouse=True)
 def _close_http():
     yield
     HTTP.close()

@@ -58,7 +58,9 @@ HTTP = httpx.Client(timeout=30)
 SIMS: dict[str, object] = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
+# Session scope: an xdist worker may come back to this module after another
+# (--dist worksteal), and a module teardown would have closed what it reuses.
+@pytest.fixture(scope="session", autouse=True)
 def _stop_all():
     yield
     for sim in SIMS.values():
