@@ -27,9 +27,9 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CAMPAIGNS = [
-    "tests/test_rl_client.py",
-    "tests/test_trace_campaign.py",
-    "tests/test_routing_policies.py::test_two_frontend_processes_agree_on_every_key",
+    "tests/campaigns/test_rl_client.py",
+    "tests/campaigns/test_trace_campaign.py",
+    "tests/workers/test_routing_policies.py::test_two_frontend_processes_agree_on_every_key",
 ]
 
 

@@ -5,7 +5,7 @@ Run it after adding or changing a setting::
 
     .venv/bin/python docs/settings_table.py
 
-tests/test_settings.py fails while the page and the code differ.
+tests/server/test_settings.py fails while the page and the code differ.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The migration SIGKILL campaign, shared by the scaled-down test
-(``tests/test_migration_campaign.py``) and the full run
+(``tests/campaigns/test_migration_campaign.py``) and the full run
 (``bench/bench_migration_campaign.py``).
 
 Per protocol, three simulators with timing on (TTFT, ITL) serve one traced

@@ -24,7 +24,7 @@ from asgi_generate.server.hypercorn import patches
 from hypercorn_mismatch import MISMATCHES, apply, environment
 from support import RawClient, listening_socket, post, start_frontend, start_sim, stats, tcp_states, wait_until
 
-HERE = pathlib.Path(__file__).resolve().parent
+TESTS = pathlib.Path(__file__).resolve().parents[1]  # the shared helpers (state_app.py, reset_app.py)
 
 WARNING = ("hypercorn patches not installed: {}; serving with stock hypercorn (a guard task per request, "
            "the bugs of asgi_generate/server/hypercorn/UPSTREAM.md unfixed)")
@@ -41,7 +41,7 @@ def test_the_pinned_hypercorn_matches_the_patches():
 
 def test_setup_cfg_pins_the_releases_the_patches_were_written_for():
     cfg = configparser.ConfigParser()
-    cfg.read(HERE.parent / "setup.cfg")
+    cfg.read(TESTS.parent / "setup.cfg")
     requires = [line.strip() for line in cfg["options"]["install_requires"].splitlines()]
     assert [r for r in requires if r.startswith("hypercorn")] == ["hypercorn" + patches.SUPPORTED]
 
@@ -215,7 +215,7 @@ def _get(url: str) -> int | None:
 def test_each_request_gets_its_own_copy_of_the_lifespan_state(worker_class):
     sock = listening_socket()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    proc = subprocess.Popen([sys.executable, str(HERE / "state_app.py"), "--fd", str(sock.fileno()),
+    proc = subprocess.Popen([sys.executable, str(TESTS / "state_app.py"), "--fd", str(sock.fileno()),
                              "--worker-class", worker_class], pass_fds=[sock.fileno()], stdin=subprocess.DEVNULL)
     sock.close()
     try:
@@ -241,7 +241,7 @@ def test_a_connection_reset_drops_the_queue_and_ends_a_stuck_write(worker_class)
     gone at once; the client reads a reset."""
     sock = listening_socket()
     port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, str(HERE / "reset_app.py"), "--fd", str(sock.fileno()),
+    proc = subprocess.Popen([sys.executable, str(TESTS / "reset_app.py"), "--fd", str(sock.fileno()),
                              "--worker-class", worker_class], pass_fds=[sock.fileno()], stdin=subprocess.DEVNULL)
     sock.close()
     url = f"http://127.0.0.1:{port}"

@@ -13,11 +13,11 @@ on a tokens-only server, ``max_tokens`` beyond the context) are asserted per
 version.
 
 Asked elsewhere: routed-expert rows (the simulator serves them with
-``--enable-return-routed-experts``: tests/test_migration.py,
-tests/test_pd_join.py; here only their null without the flag), the model
+``--enable-return-routed-experts``: tests/e2e/test_migration.py,
+tests/request/test_pd_join.py; here only their null without the flag), the model
 shape flags (``--max-model-len``, ``--max-logprobs``, ``--vocab-size``) and
 ``structured_outputs``, which a ``--tokens-only`` server refuses
-(tests/test_engine_shape.py).
+(tests/e2e/test_engine_shape.py).
 
 Left out, because they need a real model, a tokenizer or a GPU feature the
 simulator does not have, or the simulator does not play them:
@@ -271,7 +271,7 @@ def test_too_many_logprobs_is_refused(served):
 @pytest.mark.parametrize("key, what", [("logprobs", "sample"), ("prompt_logprobs", "prompt")])
 def test_logprobs_minus_one_is_the_vocabulary_above_max_logprobs(served, key, what):
     """-1 asks for the whole vocabulary (4,096 ids), above the default
-    ``--max-logprobs`` 20 (tests/test_engine_shape.py serves it with -1)."""
+    ``--max-logprobs`` 20 (tests/e2e/test_engine_shape.py serves it with -1)."""
     assert ask(served, sp(**{key: -1})) == (400, {"error": {
         "message": f"Requested {what} logprobs of 4096, which is greater than max allowed: 20",
         "type": "BadRequestError", "param": key, "code": 400}})

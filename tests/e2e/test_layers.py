@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: import-linter's Python API (``importlinter.cli.lint_imports``), which
 #: prints the report and returns the exit status.
 LINT = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"

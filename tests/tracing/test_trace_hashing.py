@@ -121,7 +121,7 @@ KNOWN_HASHES = [3480597578098033343, 2575318956255022795, 15087857196529367026, 
 
 
 def test_known_prompt_hashes_to_the_documented_values():
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "traces.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "traces.md").read_text()
     assert "`0, 1, ..., 199` at block size 64" in readme
     assert all(f"`{h}`" in readme for h in KNOWN_HASHES)
     assert block_hashes(KNOWN_PROMPT, 64) == KNOWN_HASHES

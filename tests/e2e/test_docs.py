@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_the_documentation_builds_strictly(tmp_path):

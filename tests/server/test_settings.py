@@ -9,7 +9,7 @@ import pathlib
 from asgi_generate.config import SETTINGS, Settings, settings_table
 from asgi_generate.server.cli import _settings, build_parser
 
-PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def test_the_configuration_references_settings_table_is_the_generated_one():

@@ -14,8 +14,8 @@ stop token ids and stop strings with ``matched``, ``ignore_eos``,
 ``extra_key``/``cache_salt`` isolation of cached prefixes, an ``abort`` finish
 with an error status, ``--stream-interval`` chunking, and the info routes.
 Grammars refused as SGLang's scheduler refuses them and ``--context-length``
-/ ``--vocab-size`` are tests/test_engine_shape.py's; ``n`` > 1 is
-tests/test_batches.py's.
+/ ``--vocab-size`` are tests/e2e/test_engine_shape.py's; ``n`` > 1 is
+tests/e2e/test_batches.py's.
 
 Left out (they need a real model or a GPU, or are not the frontend's):
 - answer quality: ``test_simple_decode``, ``test_parallel_sample``'s
@@ -27,7 +27,7 @@ Left out (they need a real model or a GPU, or are not the frontend's):
   timing, ``test_custom_logit_processor``, ``return_hidden_states``,
   LoRA, multimodal inputs, ``input_embeds`` and ``/generate_from_file``;
 - ``abort_all``, ``/get_server_info`` and ``/get_model_info`` through the
-  frontend are tests/test_admin_routes.py's.
+  frontend are tests/e2e/test_admin_routes.py's.
 """
 
 from __future__ import annotations

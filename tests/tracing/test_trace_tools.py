@@ -13,7 +13,7 @@ from asgi_generate.tracing.schema import schema_json
 from asgi_generate.tracing.offline.rows import percentile
 from asgi_generate.tracing.offline.tools import main
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "trace" / "examples" / "request_trace.v1.jsonl"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "trace" / "examples" / "request_trace.v1.jsonl"
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -26,7 +26,7 @@ from asgi_generate.sdk.codec import RequestError
 from asgi_generate_sglang import SGLangCodec
 from support import post, sse, start_frontend
 
-GUIDE = pathlib.Path(__file__).parent.parent / "docs" / "writing-a-codec.md"
+GUIDE = pathlib.Path(__file__).parents[2] / "docs" / "writing-a-codec.md"
 BLOCK = re.compile(r'^```(\w+)(?: title="(\S+)")?\n(.*?)^```$', re.S | re.M)
 
 

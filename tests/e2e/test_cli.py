@@ -288,7 +288,7 @@ def test_a_ctrl_c_while_starting_up_stops_cleanly(tmp_path):
 # -- startup and configuration errors -------------------------------------------
 
 
-TOKENIZER = str(pathlib.Path(__file__).parent.parent / "asgi_generate" / "assets" / "tokenizer.json")
+TOKENIZER = str(pathlib.Path(__file__).parents[2] / "asgi_generate" / "assets" / "tokenizer.json")
 
 
 @pytest.mark.parametrize("args,env,line", [

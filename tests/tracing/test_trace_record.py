@@ -21,7 +21,7 @@ from asgi_generate.tracing.record import build_record, session_fields
 from asgi_generate.tracing.schema import ATTEMPT_OUTCOMES, STATUSES, schema_json
 from asgi_generate.tracing.offline.validate import check_records, read_jsonl
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ANALYZER = OutputAnalyzer(str(TOKENIZER_PATH), "qwen3", "hermes")
 RID = "0123456789abcdef0000000000000001"
 

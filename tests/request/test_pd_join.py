@@ -415,7 +415,7 @@ def test_vllm_last_rows_keep_the_array_layout():
     assert experts.last(rows, 0) == experts.Rows("|u1", (0, 2, 2), b"")
 
 
-# -- the request path, in process (tests/test_legs.py's fake workers) -------------------
+# -- the request path, in process (tests/request/test_legs.py's fake workers) -------------------
 
 PROMPT_LP = [[None, 1, None], [-0.5, 2, None]]  # the prompt logprobs of [1, 2]
 
