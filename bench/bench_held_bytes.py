@@ -14,7 +14,7 @@ memory's growth divided by the count):
   Python ints (~36 bytes an id).
 
 The goals beside each figure are the ones the pieces were built to: the
-run prints both and says which are met. tests/request/test_stream_memory.py checks
+run prints both and says which are met. tests/codecs/test_held_bytes.py checks
 the same pieces' values; bench_streams.py measures a whole open stream.
 
 Usage: ``.venv/bin/python bench/bench_held_bytes.py [--count 200]``.

@@ -481,3 +481,29 @@ async def test_vllm_prefill_without_kv_transfer_params_fails_or_prefills_locally
     client.st.t_done = client.st.t_received
     rows = build_record(client.st, 16)["attempts"]
     assert [(r["role"], r.get("local_prefill")) for r in rows] == [("prefill", None), ("decode", True)]
+
+
+@pytest.mark.anyio
+async def test_a_leg_does_not_hold_its_request_body():
+    # The attempt loop keeps its WorkerRequest for the leg's whole life; the
+    # body (a whole prompt's JSON) goes to the pool and is not kept there.
+    from asgi_generate.tracing.state import RequestState
+    from asgi_generate.sdk.codec import WorkerRequest
+    from asgi_generate.config import Settings
+    from asgi_generate.request.legs import Leg
+
+    sent = []
+
+    class Pool:
+        def request(self, method, path, body, headers, head_deadline):
+            sent.append((method, path, body, headers))
+            return object()
+
+    class Worker:
+        id, pool = "w0", Pool()
+
+    wreq = WorkerRequest(b"/generate", b'{"input_ids":[1,2,3]}', [(b"x-a", b"1")])
+    leg = Leg(RequestState("r", "sglang", "/generate", "POST"), Settings(), Worker(), Attempt("a" * 32, "aggregated"),
+              wreq)
+    assert sent == [(b"POST", b"/generate", b'{"input_ids":[1,2,3]}', [(b"x-a", b"1")])]
+    assert wreq.body == b"" and wreq.stream is True and leg.phase == "headers"

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
+
 from asgi_generate.config import SETTINGS, Settings, settings_table
 from asgi_generate.server.cli import _settings, build_parser
+from asgi_generate.worker_specs import parse_worker_spec
 
 PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
@@ -76,3 +79,30 @@ def test_the_variables_are_serves_defaults_and_its_flags_win():
     args = build_parser(env).parse_args(["serve", "--worker", "vllm=http://127.0.0.1:10", "--no-trace-stderr"])
     got = _settings(args, env)
     assert (got.workers, got.trace_stderr) == ([("vllm", "http://127.0.0.1:10")], False)
+
+
+@pytest.mark.parametrize("spec,error", [
+    ("sglang", "worker 'sglang': expected PROTOCOL=http://HOST:PORT"),
+    ("tgi=http://h:1", "worker 'tgi=http://h:1': unknown protocol 'tgi' (known: sglang, vllm)"),
+    ("sglang=ftp://h:1", "worker 'sglang=ftp://h:1': expected an http(s)://HOST:PORT or dns://NAME:PORT URL"),
+    ("sglang=http://h", "worker 'sglang=http://h': expected an http(s)://HOST:PORT or dns://NAME:PORT URL"),
+])
+def test_bad_worker_specs(spec, error):
+    with pytest.raises(ValueError) as exc:
+        parse_worker_spec(spec)
+    assert str(exc.value) == error
+
+
+def test_settings_round_trip_through_the_environment():
+    s = Settings(workers=[("sglang", "http://127.0.0.1:9"), ("sglang", "http://127.0.0.1:10")],
+                 max_body_bytes=1234, inter_token_timeout=7.5, request_timeout=600.0,
+                 health_failures=5, skip_broken_codecs=True)
+    assert Settings.from_env(s.to_env()) == s
+    assert Settings.from_env({}) == Settings()
+    # The old name of the inter-token timeout still works; the new one wins.
+    assert Settings.from_env({"ASGI_GENERATE_READ_TIMEOUT": "9"}).inter_token_timeout == 9.0
+    both = {"ASGI_GENERATE_READ_TIMEOUT": "9", "ASGI_GENERATE_INTER_TOKEN_TIMEOUT": "4"}
+    assert Settings.from_env(both).inter_token_timeout == 4.0
+    with pytest.raises(ValueError) as exc:
+        Settings.from_env({"ASGI_GENERATE_READ_TIMEOUT": "soon"})
+    assert str(exc.value) == "ASGI_GENERATE_READ_TIMEOUT='soon' is not a number"

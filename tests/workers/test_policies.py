@@ -289,3 +289,19 @@ def test_tree_stays_within_its_bounds(max_tokens, max_nodes, ops):
             assert t.match(probe) <= best
             if not evicted:
                 assert t.match(probe) == best
+
+
+def test_router_least_outstanding_then_round_robin():
+    r = Router([("sglang", "http://127.0.0.1:1"), ("sglang", "http://127.0.0.1:2"),
+                ("sglang", "http://127.0.0.1:3"), ("vllm", "http://127.0.0.1:4")])
+    for w in r.workers:
+        w.healthy = True
+    assert [r.pick("sglang").id for _ in range(4)] == ["w0", "w1", "w2", "w0"]
+    r.workers[1].inflight.add(object())
+    r.workers[2].inflight.add(object())
+    assert [r.pick("sglang").id for _ in range(2)] == ["w0", "w0"]
+    r.workers[0].healthy = False
+    assert r.pick("sglang").id == "w1"
+    assert r.pick("sglang", exclude=[r.workers[1], r.workers[2]]) is None
+    assert r.pick("vllm").id == "w3"
+    assert r.pick("other") is None

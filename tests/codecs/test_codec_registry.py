@@ -1,0 +1,16 @@
+"""Loading the installed codecs, with none installed (the registry through
+the CLI, with throwaway codec distributions: tests/e2e/test_registry.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_no_codec_to_serve_is_refused(monkeypatch):
+    from asgi_generate.sdk import registry
+    from asgi_generate.protocols import PROTOCOLS
+
+    monkeypatch.setattr(registry, "entry_points", lambda group: [])
+    with pytest.raises(registry.CodecLoadError) as exc:
+        registry.load_codecs(protocols=PROTOCOLS)
+    assert str(exc.value) == "no codec to serve: none is installed in the entry point group asgi_generate.codecs"

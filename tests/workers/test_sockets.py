@@ -1,0 +1,156 @@
+"""The worker connection is a bare socket (bench/bench_streams.py measures
+what an open stream holds): round trips, waits, read deadlines and
+cancellation leave nothing registered with the loop, on both backends."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+
+import anyio
+import pytest
+import sniffio
+
+from asgi_generate.workers import sockets, trio_poller
+from asgi_generate.workers.sockets import TCPConnection, connect
+
+
+
+
+
+@pytest.fixture(params=["trio", "asyncio"])
+def anyio_backend(request):
+    return request.param
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+async def test_bare_socket_round_trip(host):
+    big = bytes(range(256)) * 8192  # 2 MiB: more than a socket buffer takes at once
+
+    async def serve(stream) -> None:
+        async with stream:
+            got = b""
+            while len(got) < len(big):
+                got += await stream.receive()
+            await stream.send(b"ok:%d" % (got == big))
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, serve)
+        conn = await connect(host, port)
+        assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        await conn.send(big)
+        assert await conn.receive(100) == b"ok:1"
+        assert await conn.receive(100) == b""  # the server closed its side
+        conn.close()
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_bare_socket_receive_waits_and_is_cancellable():
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    conn = TCPConnection(a)
+    with anyio.move_on_after(0.1) as scope:
+        await conn.receive(10)
+    assert scope.cancelled_caught
+    b.send(b"late")
+    assert await conn.receive(10) == b"late"
+    conn.close()
+    b.close()
+
+
+def _registrations(fd: int) -> tuple[bool, int]:
+    """(whether the running loop watches ``fd`` for reading, live timers
+    of the lean wait); on trio, whether the poller has a read parked on
+    ``fd`` (its deadline entries are lazy: none counted)."""
+    if sniffio.current_async_library() != "asyncio":
+        return fd in trio_poller.current()._parked, 0
+    loop = asyncio.get_running_loop()
+    try:
+        key = loop._selector.get_key(fd)
+    except KeyError:
+        reading = False
+    else:
+        reading = key.data[0] is not None
+    timers = sum(1 for h in loop._scheduled if not h.cancelled() and h._callback is sockets._wake)
+    return reading, timers
+
+
+@pytest.mark.anyio
+async def test_bare_socket_read_deadline_is_none_and_leaves_nothing_registered():
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    conn = TCPConnection(a)
+    start = anyio.current_time()
+    assert await conn.receive(10, start + 0.1) is None
+    assert 0.1 <= anyio.current_time() - start < 1.0
+    assert _registrations(a.fileno()) == (False, 0)
+    # Data before the deadline: returned, its timer gone.
+    b.send(b"x")
+    assert await conn.receive(10, anyio.current_time() + 5) == b"x"
+
+    async def later() -> None:
+        await anyio.sleep(0.05)
+        b.send(b"late")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(later)
+        assert await conn.receive(10, anyio.current_time() + 5) == b"late"
+    assert _registrations(a.fileno()) == (False, 0)
+    # A deadline already passed is None even with data waiting, which stays
+    # unread (as a cancel scope past its deadline cut the read before).
+    b.send(b"waiting")
+    await anyio.sleep(0.01)
+    assert await conn.receive(10, anyio.current_time() - 1) is None
+    assert await conn.receive(10) == b"waiting"
+    conn.close()
+    b.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("with_deadline", [False, True])
+async def test_bare_socket_wait_cancelled_removes_its_reader_and_timer(with_deadline):
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    conn = TCPConnection(a)
+    seen: list = []
+
+    async def look() -> None:
+        await anyio.sleep(0.05)
+        seen.append(_registrations(a.fileno()))
+        tg.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(look)
+        await conn.receive(10, anyio.current_time() + 30 if with_deadline else math.inf)
+    asyncio_loop = sniffio.current_async_library() == "asyncio"
+    assert seen == [(True, int(asyncio_loop and with_deadline))]
+    assert _registrations(a.fileno()) == (False, 0)
+    b.send(b"next")  # the socket is usable again: no stale registration
+    assert await conn.receive(10, anyio.current_time() + 5) == b"next"
+    conn.close()
+    b.close()
+
+
+@pytest.mark.anyio
+async def test_connect_is_a_checkpoint_even_when_refused_at_once():
+    # A P/D pair starts its prefill leg, then connects its decode leg: a
+    # refusal must not come back before the prefill task got its turn.
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    ran: list[int] = []
+
+    async def mark() -> None:
+        ran.append(1)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(mark)
+        with pytest.raises(ConnectionRefusedError):
+            await connect("127.0.0.1", port)
+        assert ran == [1]
