@@ -42,12 +42,15 @@ def _sim_model():
     return tok.model(), tok.eos_id
 
 
-def sampled(prompt: list[int], sample: int, count: int, ignore_eos: bool = False) -> list[int]:
-    """The simulator model's parallel sample ``sample`` of ``prompt``: its
-    first ``count`` tokens (fewer when it ends with EOS first, unless
-    ``ignore_eos``); sample 0 is the greedy continuation."""
+def sampled(prompt: list[int], sample: int, count: int, ignore_eos: bool = False,
+            version: str = "default") -> list[int]:
+    """The simulator model's parallel sample ``sample`` of ``prompt`` under
+    weight ``version``: its first ``count`` tokens (fewer when it ends with
+    EOS first, unless ``ignore_eos``); sample 0 is the greedy continuation."""
+    from asgi_generate.sim.model import version_origin
+
     model, eos = _sim_model()
-    state, out = model.fold(prompt), []
+    state, out = model.fold(prompt, version_origin(version)), []
     while len(out) < count:
         out.append(model.step(model.sampled(state, sample)).token)
         state = model.advance(state, out[-1])

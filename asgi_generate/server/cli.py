@@ -243,6 +243,10 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     sim.add_argument("--vocab-size", type=_bounded(int, 4096), default=None, metavar="N",
                      help="the model's vocabulary: token ids below it are in vocabulary; past the bundled "
                           "tokenizer's 4096 they are padding, never generated (default 4096)")
+    sim.add_argument("--tp-size", type=_bounded(int, 1), default=1, metavar="N",
+                     help="tensor-parallel size played: the ranks taken in a weight-update group")
+    sim.add_argument("--weights-group-registry", default=None, metavar="PATH",
+                     help="a file the fleet's simulators share to refuse overlapping weight-update ranks")
     sim.add_argument("--model-name", default="sim", help="served model name (default %(default)s)")
     sim.add_argument("--parent-pid", type=_bounded(int, 1), default=None, help="exit when this process exits")
     sim.add_argument("--worker-class", choices=WORKER_CLASSES, default="asyncio",
@@ -430,6 +434,8 @@ def _sim_app(args: argparse.Namespace) -> "SimApp":
         vocab_size=args.vocab_size,
         block_size=args.block_size,
         kv_events_config=args.kv_events_config,
+        tp_size=args.tp_size,
+        weights_group_registry=args.weights_group_registry,
     )
 
 

@@ -10,9 +10,6 @@ SGLang (``python/sglang/srt/entrypoints/http_server.py``):
   (``PauseGenerationReqInput``, default ``abort``): holds scheduling; ``abort``
   also aborts everything running. ``POST /continue_generation`` lets it go
   on. Both answer ``{"message": ..., "status": "ok"}``.
-- ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"?}``:
-  ``{"success", "message", "num_paused_requests"}``; the new
-  ``weight_version`` shows in ``/get_model_info``.
 - ``GET``/``POST /release_memory_occupation``, ``/resume_memory_occupation``:
   200 ``null`` (the handlers return nothing).
 
@@ -25,9 +22,13 @@ vLLM dev routes (``vllm/entrypoints/serve/dev/``; ``rlhf/api_router.py``,
 - ``GET /is_sleeping``: ``{"is_sleeping": bool}``.
 - ``POST /pause?mode=abort|wait|keep``: ``{"status": "paused"}``, holding
   scheduling (``abort``, the default, also aborts everything running;
-  ``wait`` first lets running requests finish);
+  ``wait`` first lets running requests finish); in ``abort`` and ``wait``
+  modes new generate requests are refused with 503 until ``/resume``
+  (``rl/online/api_router.py`` ``pause_generation``), in ``keep`` they wait;
   ``POST /resume``: ``{"status": "resumed"}``; ``GET /is_paused``:
   ``{"is_paused": bool}``.
+
+The weight routes are :mod:`asgi_generate.sim.weights`'s.
 
 Every call is counted in ``/sim/stats`` ``admin_calls`` (path to count).
 """
@@ -41,6 +42,7 @@ import orjson
 
 from ..request.framing import Send, send_unary
 from .engine import SimEngine
+from .weights import SimWeights
 
 FLUSHED = (
     b"Cache flushed.\nPlease check backend logs for more details. "
@@ -52,7 +54,6 @@ SGLANG_ROUTES = {
     "/flush_cache": ("GET", "POST"),
     "/pause_generation": ("POST",),
     "/continue_generation": ("POST",),
-    "/update_weights_from_disk": ("POST",),
     "/release_memory_occupation": ("GET", "POST"),
     "/resume_memory_occupation": ("GET", "POST"),
 }
@@ -68,23 +69,26 @@ VLLM_ROUTES = {
 
 
 class SimAdmin:
-    """Admin state of one simulator: pause, sleep, weight version, counters.
+    """Admin state of one simulator: pause, sleep, weights, counters.
 
     Args:
         engine: the engine whose scheduling a pause holds.
         protocol: ``sglang`` or ``vllm``: which routes it serves.
+        weights: its weight routes' state.
     """
 
-    def __init__(self, engine: SimEngine, protocol: str) -> None:
+    def __init__(self, engine: SimEngine, protocol: str, weights: SimWeights) -> None:
         self.engine = engine
         self.routes = VLLM_ROUTES if protocol == "vllm" else SGLANG_ROUTES
+        self.weights = weights
         self.calls: dict[str, int] = {}
         self.sleeping = False
-        self.weight_version = "default"
+        #: vLLM paused in ``abort`` or ``wait`` mode: new requests are refused.
+        self.refusing = False
 
     def serves(self, method: str, path: str) -> bool:
-        """Whether ``(method, path)`` is one of its admin routes."""
-        return method in self.routes.get(path, ())
+        """Whether ``(method, path)`` is one of its admin or weight routes."""
+        return method in self.routes.get(path, ()) or self.weights.serves(method, path)
 
     async def serve(self, path: str, query: bytes, body: bytes, send: Send) -> None:
         """Answer one admin call (a route :meth:`serves`)."""
@@ -98,9 +102,13 @@ class SimAdmin:
             await send_unary(send, 400, orjson.dumps({"error": {"message": "the body is not a JSON object"}}))
             return
         if path == "/pause" and args.get("mode") == "wait":
+            self.refusing = True
             while self.engine.running:  # vLLM's "wait": in-flight requests finish first
                 await anyio.sleep(0.01)
-        status, answer = getattr(self, "_" + path.strip("/"))(args, obj)
+        if path in self.weights.routes:
+            status, answer = self.weights.answer(path, args, obj)
+        else:
+            status, answer = getattr(self, "_" + path.strip("/"))(args, obj)
         if isinstance(answer, bytes):
             await send_unary(send, status, answer, b"text/plain; charset=utf-8")
         else:
@@ -124,14 +132,6 @@ class SimAdmin:
     def _continue_generation(self, args: dict, obj: dict) -> tuple[int, dict]:
         self.engine.release()
         return 200, {"message": "Generation continued successfully.", "status": "ok"}
-
-    def _update_weights_from_disk(self, args: dict, obj: dict) -> tuple[int, dict]:
-        message = "Succeeded to update model weights."
-        version = obj.get("weight_version")
-        if isinstance(version, str):
-            self.weight_version = version
-            message += f" Weight version updated to {version}."
-        return 200, {"success": True, "message": message, "num_paused_requests": 0}
 
     def _release_memory_occupation(self, args: dict, obj: dict) -> tuple[int, None]:
         return 200, None
@@ -161,9 +161,11 @@ class SimAdmin:
         if mode not in VLLM_PAUSE_MODES:
             return 400, {"error": f"Invalid pause mode {mode!r}"}
         self._hold(mode == "abort")
+        self.refusing = mode != "keep"
         return 200, {"status": "paused"}
 
     def _resume(self, args: dict, obj: dict) -> tuple[int, dict]:
+        self.refusing = False
         self.engine.release()
         return 200, {"status": "resumed"}
 

@@ -25,6 +25,12 @@ request). On an SGLang prefill server, ``{"count": N, "prefill_abort":
 500, the worker healthy) instead of handing their KV over, and
 ``{"prefill_abort": "after", "delay_ms": D}`` D ms after the decode server
 took it: a prefill leg failing before and after its decode leg streams.
+``{"weight_updates": N}`` makes the next ``N`` weight loads fail
+(:mod:`asgi_generate.sim.weights`).
+
+``tp_size`` is the tensor-parallel size the simulator plays: the ranks it
+takes in a weight-update group, SGLang's ``/get_server_info`` ``tp_size``,
+vLLM's ``/get_world_size``.
 
 SGLang mode plays a P/D role with ``disaggregation_mode`` ``prefill`` (a
 bootstrap listener on ``bootstrap_port``) or ``decode``
@@ -55,6 +61,7 @@ from .disagg import DEFAULT_TIMEOUT_S, DecodeKV, PrefillRooms
 from .kvconnector import DEFAULT_EXPIRY_S, KVConsumer, KVProducer
 from .prefix_cache import DEFAULT_CACHE_TOKENS
 from .admin import SimAdmin
+from .weights import GroupRegistry, SimWeights
 from .engine import SimEngine, SimFault
 from .sglang import CONTEXT_LENGTH, SGLangProtocol
 from .tokenizer import SimTokenizer
@@ -129,6 +136,10 @@ class SimApp:
             16; SGLang ``--page-size``, default 1).
         kv_events_config: the engine's ``--kv-events-config`` JSON: publish
             the cache's KV events (:mod:`asgi_generate.sim.kv_events`).
+        tp_size: the tensor-parallel size played (the ranks taken in a
+            weight-update group).
+        weights_group_registry: the file of the fleet's
+            :class:`~asgi_generate.sim.weights.GroupRegistry`, or ``None``.
 
     Raises:
         ValueError: unknown protocol, a vLLM version that is not one, a
@@ -168,6 +179,8 @@ class SimApp:
         vocab_size: int | None = None,
         block_size: int | None = None,
         kv_events_config: str | None = None,
+        tp_size: int = 1,
+        weights_group_registry: str | None = None,
     ) -> None:
         if protocol not in ("sglang", "vllm"):
             raise ValueError(f"unknown simulator protocol {protocol!r}")
@@ -241,7 +254,9 @@ class SimApp:
                                 decode_expert_rows=decode_expert_rows,
                                 context_length=context_length or CONTEXT_LENGTH)
         )
-        self.admin = SimAdmin(self.engine, protocol)
+        registry = GroupRegistry(weights_group_registry) if weights_group_registry else None
+        self.weights = SimWeights(self.engine, protocol, tp_size, registry)
+        self.admin = SimAdmin(self.engine, protocol, self.weights)
         self.engine_version = engine_version
         self.traceparents: dict[str, str] = {}
         self.model_name = model_name
@@ -276,6 +291,7 @@ class SimApp:
             await self._health(send)
         elif path in ("/get_server_info", "/server_info") and method == "GET":
             info = p.server_info(self.model_path)
+            info["tp_size"] = self.weights.tp_size
             if self.engine_version is not None:
                 info["version"] = self.engine_version
             info["page_size"] = self.engine.cache.block if self.engine.cache is not None else 1
@@ -284,7 +300,7 @@ class SimApp:
             await send_unary(send, 200, orjson.dumps(info))
         elif path in ("/get_model_info", "/model_info") and method == "GET":
             info = p.model_info(self.model_path)
-            info["weight_version"] = self.admin.weight_version
+            info["weight_version"] = self.weights.version
             await send_unary(send, 200, orjson.dumps(info))
         elif path == "/v1/models" and method == "GET":
             await send_unary(send, 200, orjson.dumps(self._models()))
@@ -318,6 +334,7 @@ class SimApp:
         if self.engine.events is not None:
             stats["kv_events"] = self.engine.events.stats()
         stats["admin_calls"] = dict(self.admin.calls)
+        stats["weights"] = self.weights.stats()
         stats["traceparents"] = dict(self.traceparents)
         d = self.disagg
         if d is not None:
@@ -338,8 +355,9 @@ class SimApp:
         if path == "/inference/v1/generate" and method == "POST":
             self.engine.generate_requests += 1
             body = await self._body(receive, send)
-            if body is not None and self.admin.sleeping:
-                refused = error("The engine is sleeping; POST /wake_up first.", "ServiceUnavailableError", 503)
+            if body is not None and (self.admin.sleeping or self.admin.refusing):
+                why = "sleeping; POST /wake_up" if self.admin.sleeping else "paused; POST /resume"
+                refused = error(f"The engine is {why} first.", "ServiceUnavailableError", 503)
                 await send_unary(send, 503, orjson.dumps(refused.body))
             elif body is not None:
                 self._note_traceparent(scope, body)
@@ -372,6 +390,7 @@ class SimApp:
     async def _faults(self, method: str, receive: Receive, send: Send) -> None:
         if method == "DELETE":
             self.engine.clear_faults()
+            self.weights.failures = 0
             await send_unary(send, 200, b"{}")
             return
         body = await self._body(receive, send) if method == "POST" else None
@@ -388,6 +407,13 @@ class SimApp:
                 self.engine.prefill_faults.extend([(when, delay / 1000)] * count)
                 await send_unary(send, 200, b"{}")
                 return
+            if isinstance(spec, dict) and set(spec) == {"weight_updates"}:
+                failures = spec["weight_updates"]
+                if type(failures) is not int or failures < 1:
+                    raise ValueError
+                self.weights.failures += failures
+                await send_unary(send, 200, b"{}")
+                return
             count, after, length = spec.get("count", 1), spec["after_tokens"], spec.get("input_len")
             stall = spec.get("stall", False)
             if type(count) is not int or type(after) is not int or count < 1 or after < 0 or type(stall) is not bool:
@@ -398,7 +424,7 @@ class SimApp:
             await send_unary(send, 400, orjson.dumps(
                 {"detail": 'expected {"count": N >= 1, "after_tokens": T >= 0, "input_len": L >= 1 or null, '
                            '"stall": bool} or {"count": N >= 1, "prefill_abort": "before"|"after", '
-                           '"delay_ms": D >= 0}'}))
+                           '"delay_ms": D >= 0} or {"weight_updates": N >= 1}'}))
             return
         self.engine.arm(count, after, length, stall)
         await send_unary(send, 200, b"{}")

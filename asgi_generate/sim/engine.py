@@ -366,8 +366,10 @@ class SimEngine:
         holds, faults and aborts as :meth:`tokens`.
         """
         model = self.model
+        origin = model.origin
         start = model.fold(job.input_ids)
         states = dict.fromkeys(samples, start)
+        outs: dict[int, list[int]] = {sample: [] for sample in samples}
         script = self.script[self._script_start(job.input_ids) :]
         if job.prefilled is None:
             await self._prefill(job)
@@ -381,6 +383,9 @@ class SimEngine:
                 self.faults_fired += 1
                 await job.abort_event.wait()
                 return
+            if model.origin != origin:  # new weights loaded mid-stream: the rest is theirs
+                origin = model.origin
+                states = {s: model.fold([*job.input_ids, *outs[s]]) for s in states}
             if i == job.fail_after:
                 self.faults_fired += 1
                 self.down = True
@@ -389,6 +394,7 @@ class SimEngine:
             for sample, state in states.items():
                 token = self._draw(job, state, sample, i, script)
                 states[sample] = model.advance(state, token.token_id)
+                outs[sample].append(token.token_id)
                 step.append((sample, token))
             if self.cache is not None:  # the first sample's output is what gets cached
                 job.output_ids.append(step[0][1].token_id)

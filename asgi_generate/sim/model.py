@@ -10,6 +10,12 @@ The prefix state is a 64-bit fold over the tokens (a SplitMix64-style mixer),
 computed incrementally, so a resumed prefix reaches the same state as the
 original run token by token.
 
+The weights are a version: ``"default"`` (what an engine starts with) is
+the empty prefix's state above; any other weight version mixes a seed
+derived from its name into that state (:func:`version_origin`), so every
+answer, logprob and expert row changes with the version, deterministically
+across processes, and a test can tell which version produced each token.
+
 Parallel samples (SGLang and vLLM ``n`` > 1) stand for independent random
 draws: sample ``i`` ranks its next token at the prefix state mixed with
 ``i`` (:meth:`Model.sampled`), so its output is a pure function of the
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import array
 import base64
+import hashlib
 import struct
 import sys
 from dataclasses import dataclass
@@ -32,6 +39,19 @@ _GOLDEN = 0x9E3779B97F4A7C15
 NUM_CANDIDATES = 20
 #: Mixed with a sample index > 0 into the state its next token is drawn at.
 _SAMPLE_SALT = 0x5A3D1E0000
+#: The empty prefix's state under the default weights.
+_ORIGIN = 0x243F6A8885A308D3
+#: The weight version an engine starts with (SGLang's and vLLM's default).
+DEFAULT_VERSION = "default"
+
+
+def version_origin(version: str) -> int:
+    """The empty prefix's state under weight version ``version``: the
+    default's, mixed with the first 8 bytes of the version's BLAKE2b digest
+    for any other (the same in every process)."""
+    if version == DEFAULT_VERSION:
+        return _ORIGIN
+    return _mix(_ORIGIN, int.from_bytes(hashlib.blake2b(version.encode(), digest_size=8).digest(), "little"))
 
 
 def _mix(h: int, x: int) -> int:
@@ -78,6 +98,8 @@ class Model:
             ``>= num_special`` ordinary (default ``vocab_size``): the
             tokenizer's, when the vocabulary is padded past it as real
             checkpoints' are (the padding ids are never picked).
+        weight_version: the weights it starts with (see
+            :meth:`load_version`).
 
     Raises:
         ValueError: ``drawn`` is above ``vocab_size``.
@@ -95,6 +117,7 @@ class Model:
         experts_topk: int = 2,
         unsampled: frozenset[int] = frozenset(),
         drawn: int | None = None,
+        weight_version: str = DEFAULT_VERSION,
     ) -> None:
         if drawn is not None and drawn > vocab_size:
             raise ValueError(f"a vocabulary of {vocab_size} ids cannot hold the tokenizer's {drawn}")
@@ -108,11 +131,17 @@ class Model:
         self.experts_topk = experts_topk
         self.unsampled = unsampled
         self._cache: dict[int, Step] = {}
+        self.load_version(weight_version)
 
-    @staticmethod
-    def initial_state() -> int:
-        """The state of the empty prefix."""
-        return 0x243F6A8885A308D3
+    def load_version(self, version: str) -> None:
+        """Answer with weight version ``version`` from now on (the empty
+        prefix's state is its :func:`version_origin`)."""
+        self.weight_version = version
+        self.origin = version_origin(version)
+
+    def initial_state(self) -> int:
+        """The state of the empty prefix under the current weights."""
+        return self.origin
 
     @staticmethod
     def advance(state: int, token_id: int) -> int:

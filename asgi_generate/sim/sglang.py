@@ -450,7 +450,7 @@ class SGLangProtocol:
                 "id": job.rid,
                 "finish_reason": self.finish_reason(finish, job.aborted) if done else None,
                 "prompt_tokens": len(job.input_ids),
-                "weight_version": "default",
+                "weight_version": self.engine.model.weight_version,
                 "completion_tokens": len(out_ids),
                 "cached_tokens": job.cached_tokens,
             }
@@ -626,7 +626,7 @@ class SGLangProtocol:
             "tokenizer_path": model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": "default",
+            "weight_version": self.engine.model.weight_version,
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": "qwen2",
