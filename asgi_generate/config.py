@@ -360,6 +360,10 @@ class Settings:
              "which ps does not show)")
     admin_timeout: float = setting(
         60.0, unit="s", gt=0, help="seconds an admin route waits for each worker's answer")
+    weight_update_timeout: float = setting(
+        600.0, unit="s", gt=0,
+        help="seconds each step of a weight update (a weight route: group set-up, load, version) waits for "
+             "each worker's answer; past it the step answers 502 naming the worker")
     shutdown_grace: float = setting(
         30.0, unit="s",
         help="seconds in-flight requests get to finish on SIGTERM/SIGINT before they are aborted and "

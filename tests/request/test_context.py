@@ -303,7 +303,7 @@ def _members(protocol: type) -> set[str]:
 
 
 def _protocols_and_their_implementations():
-    from asgi_generate.ops.admin import AdminContext
+    from asgi_generate.ops.fanout import AdminContext
     from asgi_generate.request.context import Recorder, Running
     from asgi_generate.request.handshakes import AttemptLoop
     from asgi_generate.request.legs import LegReader

@@ -1,0 +1,221 @@
+"""Weight routes: a trainer's weight updates, made to the whole fleet.
+
+A trainer talks to one URL, the frontend's; behind it are N engines, each
+with its own parallel size. Every route here is an admin route (the token,
+a named worker, skipped workers and the combined answer as
+:mod:`asgi_generate.ops.fanout` says) whose deadline per worker is
+``weight_update_timeout``. It is a fleet transaction: 200 only when every
+worker called answered 200, else 502 with each worker's result.
+
+The same body goes to every worker of the protocol, but for the rank
+arithmetic below:
+
+- SGLang (``srt/entrypoints/http_server.py``): ``POST
+  /destroy_weights_update_group``, ``/update_weights_from_distributed``,
+  ``/update_weights_from_tensor``, ``/update_weights_from_ipc``,
+  ``/update_weights_from_disk``, ``/begin_weight_update``,
+  ``/end_weight_update``, ``GET``/``POST
+  /get_weights_by_name``, ``/weights_checker``. Tensor handles and IPC
+  socket paths name one engine's devices: name the worker (``?worker=w1``).
+- vLLM (``vllm/entrypoints/rl/online/api_router.py``): ``POST
+  /shutdown_weight_transfer_engine``, ``/start_weight_update``,
+  ``/update_weights``, ``/finish_weight_update``, ``/weight_checker``,
+  ``GET /weight_info``.
+- Both: ``POST /update_weight_version`` (``new_version``) goes to every
+  worker of either protocol.
+
+Rank arithmetic. ``POST /init_weights_update_group`` (SGLang,
+``InitWeightsUpdateGroupReqInput``) and ``POST /init_weight_transfer_engine``
+(vLLM, its ``init_info``: ``NCCLWeightTransferInitInfo``) set up one NCCL
+group of the trainer's ranks and every engine's. The client's
+``rank_offset`` is the first engine rank (the trainer's ranks are below it,
+usually just rank 0). Each worker called, in the order ``/v1/models`` lists
+them, gets the ranks after the previous workers': worker ``i``'s
+``rank_offset`` is the client's plus the parallel sizes of workers ``0 ..
+i-1``, and every worker gets one ``world_size``, the client's ``rank_offset``
+plus the sum of the parallel sizes. A worker's parallel size is read from
+it first: SGLang ``GET /get_server_info`` ``tp_size`` (its ranks are
+``rank_offset + tp_rank``, ``weight_updater.py``
+``init_weights_update_group``), vLLM ``GET /get_world_size`` ``world_size``
+(tensor x pipeline x data parallel). A client ``world_size`` that is not that
+sum is refused with 400 (the trainer joins the same group with it); leave it
+out, or read it first from ``GET /get_world_size``, which answers the
+fleet's sum for vLLM (``{"world_size"}``) and, with ``?protocol=sglang``, for
+SGLang. The 200 answer is the first worker's plus ``world_size`` and
+``assignment``: ``[{"worker", "rank_offset", "ranks"}]`` per worker; a 502's
+list gives each worker's ``rank_offset`` and ``ranks`` with its result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ..workers.router import Worker
+from .fanout import (JSON, AdminContext, Answer, Endpoint, body_of, call_each, chosen, error, failed, guarded,
+                     none_up, parsed, skipped_header, to_every_worker)
+
+#: Weight routes sent as they are: path, methods, protocol.
+FAN_OUT = (
+    ("/destroy_weights_update_group", ("POST",), "sglang"),
+    ("/update_weights_from_distributed", ("POST",), "sglang"),
+    ("/update_weights_from_tensor", ("POST",), "sglang"),
+    ("/update_weights_from_ipc", ("POST",), "sglang"),
+    ("/update_weights_from_disk", ("POST",), "sglang"),
+    ("/begin_weight_update", ("POST",), "sglang"),
+    ("/end_weight_update", ("POST",), "sglang"),
+    ("/get_weights_by_name", ("GET", "POST"), "sglang"),
+    ("/weights_checker", ("GET", "POST"), "sglang"),
+    ("/shutdown_weight_transfer_engine", ("POST",), "vllm"),
+    ("/start_weight_update", ("POST",), "vllm"),
+    ("/update_weights", ("POST",), "vllm"),
+    ("/finish_weight_update", ("POST",), "vllm"),
+    ("/weight_checker", ("POST",), "vllm"),
+    ("/weight_info", ("GET",), "vllm"),
+)
+#: Routes that set up a group: path, protocol.
+GROUP_INITS = (("/init_weights_update_group", "sglang"), ("/init_weight_transfer_engine", "vllm"))
+#: Every path this module serves (``/update_weight_version`` is both engines').
+PATHS = frozenset({*(p for p, _, _ in FAN_OUT), *(p for p, _ in GROUP_INITS), "/get_world_size",
+                   "/update_weight_version"})
+
+
+def routes(ctx: AdminContext) -> list[Route]:
+    """The starlette routes of :data:`PATHS` for ``ctx``."""
+    out = [Route(path, guarded(ctx, _fan_out(ctx, protocol)), methods=list(methods))
+           for path, methods, protocol in FAN_OUT]
+    out.append(Route("/update_weight_version", guarded(ctx, _version(ctx)), methods=["POST"]))
+    out += [Route(path, guarded(ctx, _init_group(ctx, protocol)), methods=["POST"]) for path, protocol in GROUP_INITS]
+    out.append(Route("/get_world_size", guarded(ctx, _world_size(ctx)), methods=["GET"]))
+    return out
+
+
+def _fan_out(ctx: AdminContext, protocol: str) -> Endpoint:
+    async def endpoint(request: Request) -> Response:
+        body = await body_of(ctx, request)
+        if isinstance(body, Response):
+            return body
+        return (await to_every_worker(ctx, protocol, request, body, ctx.settings.weight_update_timeout))[0]
+
+    return endpoint
+
+
+def _version(ctx: AdminContext) -> Endpoint:
+    """``/update_weight_version``: both engines serve it, with one body
+    (``new_version``); every worker of either protocol gets it."""
+    async def endpoint(request: Request) -> Response:
+        body = await body_of(ctx, request)
+        if isinstance(body, Response):
+            return body
+        protocols = [p for p in ("sglang", "vllm") if any(w.protocol.name == p for w in ctx.router.workers)]
+        if not protocols:
+            return error(503, "no worker configured")
+        results = [await to_every_worker(ctx, p, request, body, ctx.settings.weight_update_timeout)
+                   for p in protocols]
+        refused = [response for response, _ in results if response.status_code != 200]
+        if not refused:
+            return results[0][0]
+        if len(results) == 1:
+            return refused[0]
+        return failed([a.result() for _, answers in results for a in answers])
+
+    return endpoint
+
+
+async def _parallel_sizes(ctx: AdminContext, protocol: str, request: Request, workers: list[Worker],
+                          skipped: list[Worker]) -> list[Answer]:
+    path = b"/get_server_info" if protocol == "sglang" else b"/get_world_size"
+    return await call_each(ctx, request, workers, skipped, lambda w: b"", ctx.settings.weight_update_timeout,
+                           "GET", path)
+
+
+def _size(protocol: str, answer: Answer) -> int | None:
+    """A worker's parallel size from its info answer, ``None`` when it gave none."""
+    obj = parsed(answer.body) if answer.status == 200 else None
+    size = obj.get("tp_size" if protocol == "sglang" else "world_size") if isinstance(obj, dict) else None
+    return size if type(size) is int and size > 0 else None
+
+
+async def _sizes(ctx: AdminContext, protocol: str, request: Request) -> tuple[list[tuple[Worker, int]],
+                                                                                list[Worker]] | Response:
+    """The workers to call with their parallel sizes and the ones skipped,
+    or the error answer (502 naming a worker whose size cannot be read)."""
+    picked = chosen(ctx, protocol, request)
+    if isinstance(picked, Response):
+        return picked
+    workers, skipped = picked
+    answers = await _parallel_sizes(ctx, protocol, request, workers, skipped)
+    if not answers:
+        return none_up(protocol, skipped)
+    unread = [a for a in answers if _size(protocol, a) is None]
+    if unread:
+        return failed([{**a.result(), "body": f"no parallel size: {a.body.decode('utf-8', 'replace')}"}
+                       for a in unread], skipped)
+    return [(a.worker, _size(protocol, a)) for a in answers], skipped  # type: ignore[misc]
+
+
+def _world_size(ctx: AdminContext) -> Endpoint:
+    """``GET /get_world_size``: the fleet's sum (vLLM's shape)."""
+    async def endpoint(request: Request) -> Response:
+        protocol = request.query_params.get("protocol", "vllm")
+        if protocol not in ("sglang", "vllm"):
+            return error(400, "protocol must be 'sglang' or 'vllm'")
+        sizes = await _sizes(ctx, protocol, request)
+        if isinstance(sizes, Response):
+            return sizes
+        total = sum(size for _, size in sizes[0])
+        return Response(orjson.dumps({"world_size": total}), 200, skipped_header(sizes[1]), media_type=JSON)
+
+    return endpoint
+
+
+def _init_group(ctx: AdminContext, protocol: str) -> Endpoint:
+    """A group's set-up, with each worker's ranks (module docstring)."""
+    async def endpoint(request: Request) -> Response:
+        body = await body_of(ctx, request)
+        if isinstance(body, Response):
+            return body
+        obj = parsed(body) if body.strip() else None
+        args = obj.get("init_info") if protocol == "vllm" and isinstance(obj, dict) else obj
+        if not isinstance(args, dict):
+            what = "an object with an 'init_info' object" if protocol == "vllm" else "a JSON object"
+            return error(400, f"the body must be {what}")
+        offset = args.get("rank_offset")
+        if type(offset) is not int or offset < 0:
+            return error(400, "'rank_offset' (the first engine rank: the trainer's ranks are below it) "
+                              "must be an integer >= 0")
+        sizes = await _sizes(ctx, protocol, request)
+        if isinstance(sizes, Response):
+            return sizes
+        workers, skipped = sizes
+        world = offset + sum(size for _, size in workers)
+        given = args.get("world_size")
+        if given is not None and given != world:
+            return error(400, f"world_size {given!r} is not the group's: rank_offset {offset} plus the "
+                              f"workers' parallel sizes ({', '.join(f'{w.id}: {n}' for w, n in workers)}) "
+                              f"is {world}")
+        assignment: dict[str, dict[str, Any]] = {}
+        for w, size in workers:
+            assignment[w.id] = {"worker": w.id, "rank_offset": offset, "ranks": size}
+            offset += size
+
+        def body_for(w: Worker) -> bytes:
+            mine = {**args, "rank_offset": assignment[w.id]["rank_offset"], "world_size": world}
+            return orjson.dumps({**obj, "init_info": mine} if protocol == "vllm" else mine)
+
+        answers = await call_each(ctx, request, [w for w, _ in workers], skipped, body_for,
+                                  ctx.settings.weight_update_timeout)
+        if not answers:
+            return none_up(protocol, skipped)
+        if all(a.status == 200 for a in answers):
+            first = parsed(answers[0].body)
+            answer = {**(first if isinstance(first, dict) else {"answer": first}), "world_size": world,
+                      "assignment": [assignment[a.worker.id] for a in answers]}
+            return Response(orjson.dumps(answer), 200, skipped_header(skipped), media_type=JSON)
+        return failed([{**a.result(), **assignment[a.worker.id]} for a in answers], skipped)
+
+    return endpoint
