@@ -43,6 +43,9 @@ class WorkerProtocol:
             its handshake (:mod:`asgi_generate.request.handshakes`).
         models_path: GET, the OpenAI model list, read for ``max_model_len``
             when the info route lacks the context length (SGLang).
+        weight_version_path: GET, ``{"weight_version": ...}``: the weights
+            the engine serves (SGLang ``get_model_info``, vLLM
+            ``rl/online/api_router.py`` ``weight_info``).
     """
 
     name: str
@@ -56,6 +59,7 @@ class WorkerProtocol:
     version_path: bytes | None = None
     pd: bool = False
     models_path: bytes | None = None
+    weight_version_path: bytes | None = None
 
     def read_info(self, obj: object) -> dict:
         """Normalise the info route's JSON, with the context length in tokens
@@ -67,9 +71,10 @@ class WorkerProtocol:
         return self.info_reader(obj)
 
     @staticmethod
-    def read_version(obj: object) -> str | None:
-        """The ``version`` string of a ``version_path`` answer, else ``None``."""
-        version = obj.get("version") if isinstance(obj, dict) else None
+    def read_version(obj: object, field: str = "version") -> str | None:
+        """The ``field`` string of a ``version_path`` (or, with
+        ``weight_version``, ``weight_version_path``) answer, else ``None``."""
+        version = obj.get(field) if isinstance(obj, dict) else None
         return version if isinstance(version, str) else None
 
     def abort_body(self, engine_ids: list[str]) -> bytes:
@@ -110,10 +115,10 @@ def _int(value: object) -> int | None:
 
 SGLANG = WorkerProtocol(
     "sglang", b"/health", b"/get_server_info", b"/abort_request", read_server_info, "rid", pd=True,
-    models_path=b"/v1/models",
+    models_path=b"/v1/models", weight_version_path=b"/get_model_info",
 )
 VLLM = WorkerProtocol(
     "vllm", b"/health", b"/v1/models", b"/abort_requests", read_model_card, "request_ids", abort_takes_list=True,
-    engine_id_prefix="generate-tokens-", version_path=b"/version", pd=True,
+    engine_id_prefix="generate-tokens-", version_path=b"/version", pd=True, weight_version_path=b"/weight_info",
 )
 PROTOCOLS = {p.name: p for p in (SGLANG, VLLM)}

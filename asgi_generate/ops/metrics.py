@@ -220,6 +220,15 @@ class Metrics:
                                WORKER_LABELS, registry=reg, multiprocess_mode="livemostrecent")
         self.worker_outstanding = Gauge(p + "worker_outstanding_requests", "Engine legs in flight on the worker.",
                                         WORKER_LABELS, registry=reg, multiprocess_mode="livesum")
+        self.worker_weight_version = Gauge(p + "worker_weight_version_info", "1 for the weight version the "
+                                           "worker serves (empty when unknown).", (*WORKER_LABELS, "weight_version"),
+                                           registry=reg, multiprocess_mode="livemostrecent")
+        self.worker_fenced = Gauge(p + "worker_fenced", "1 while the worker is fenced out of the rotation for a "
+                                   "failed weight update.", WORKER_LABELS, registry=reg,
+                                   multiprocess_mode="livemostrecent")
+        self.worker_failed_updates = Gauge(p + "worker_weight_update_failures", "Weight updates the worker failed "
+                                           "(since the process started).", WORKER_LABELS, registry=reg,
+                                           multiprocess_mode="livemostrecent")
         self.worker_failures = Counter(p + "worker_failures_total", "Engine legs that failed on the worker, by "
                                        "reason (connect_failed, worker_lost, error, timeout).",
                                        ("worker", "url", "reason"), registry=reg)
@@ -325,15 +334,18 @@ class Metrics:
         requests' counts into the metrics."""
         self.flush()
         if self.registry is not None:  # one process: exactly the workers there are now
-            self.worker_up.clear()
-            self.worker_outstanding.clear()
-            self.kv.clear()
+            for gauge in (self.worker_up, self.worker_outstanding, self.worker_weight_version, self.worker_fenced,
+                          self.worker_failed_updates, self.kv):
+                gauge.clear()
         urls = {}
         for w in router.workers:
             labels = (w.id, w.url, w.protocol.name, w.role)
             urls[w.id] = w.url
-            self.worker_up.labels(*labels).set(1 if w.healthy and not w.draining else 0)
+            self.worker_up.labels(*labels).set(1 if router.routable(w) and not w.draining else 0)
             self.worker_outstanding.labels(*labels).set(w.outstanding)
+            self.worker_weight_version.labels(*labels, w.weight_version or "").set(1)
+            self.worker_fenced.labels(*labels).set(0 if w.fence is None else 1)
+            self.worker_failed_updates.labels(*labels).set(w.failed_updates)
         for wid, quantity, value in router.policy.metrics():
             if wid in urls:
                 self.kv.labels(wid, urls[wid], quantity).set(value)

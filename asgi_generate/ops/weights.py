@@ -44,6 +44,15 @@ fleet's sum for vLLM (``{"world_size"}``) and, with ``?protocol=sglang``, for
 SGLang. The 200 answer is the first worker's plus ``world_size`` and
 ``assignment``: ``[{"worker", "rank_offset", "ranks"}]`` per worker; a 502's
 list gives each worker's ``rank_offset`` and ``ranks`` with its result.
+
+The version fence (:mod:`asgi_generate.workers.router`). A route that loads
+weights or sets their version (:data:`LOADS`) tells the router which workers
+now serve which version; called on the whole fleet, its version becomes the
+fleet's, and every worker that did not answer 200 is fenced out of the
+rotation. ``POST /clear_weight_fence?worker=wN`` lets a fenced worker back
+(an operator fixed it): its weight version is read from its engine again,
+and it takes requests once that is the fleet's; the answer is ``{"worker",
+"weight_version", "in_rotation"}``.
 """
 
 from __future__ import annotations
@@ -56,8 +65,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..workers.router import Worker
-from .fanout import (JSON, AdminContext, Answer, Endpoint, body_of, call_each, chosen, error, failed, guarded,
-                     none_up, parsed, skipped_header, to_every_worker)
+from .fanout import (JSON, WORKER_HEADER, AdminContext, Answer, Endpoint, body_of, call_each, chosen, error, failed,
+                     guarded, none_up, parsed, skipped_header, to_every_worker)
 
 #: Weight routes sent as they are: path, methods, protocol.
 FAN_OUT = (
@@ -77,11 +86,23 @@ FAN_OUT = (
     ("/weight_checker", ("POST",), "vllm"),
     ("/weight_info", ("GET",), "vllm"),
 )
+#: Routes that change the weights or their version: path to the body field
+#: naming the new version and whether the call loads weights too
+#: (:meth:`~asgi_generate.workers.router.Router.weights_loaded`).
+LOADS = {
+    "/update_weights_from_distributed": ("weight_version", True),
+    "/update_weights_from_tensor": ("weight_version", True),
+    "/update_weights_from_ipc": ("weight_version", True),
+    "/update_weights_from_disk": ("weight_version", True),
+    "/update_weights": (None, True),
+    "/finish_weight_update": ("weight_version", False),
+    "/update_weight_version": ("new_version", False),
+}
 #: Routes that set up a group: path, protocol.
 GROUP_INITS = (("/init_weights_update_group", "sglang"), ("/init_weight_transfer_engine", "vllm"))
 #: Every path this module serves (``/update_weight_version`` is both engines').
 PATHS = frozenset({*(p for p, _, _ in FAN_OUT), *(p for p, _ in GROUP_INITS), "/get_world_size",
-                   "/update_weight_version"})
+                   "/update_weight_version", "/clear_weight_fence"})
 
 
 def routes(ctx: AdminContext) -> list[Route]:
@@ -91,6 +112,7 @@ def routes(ctx: AdminContext) -> list[Route]:
     out.append(Route("/update_weight_version", guarded(ctx, _version(ctx)), methods=["POST"]))
     out += [Route(path, guarded(ctx, _init_group(ctx, protocol)), methods=["POST"]) for path, protocol in GROUP_INITS]
     out.append(Route("/get_world_size", guarded(ctx, _world_size(ctx)), methods=["GET"]))
+    out.append(Route("/clear_weight_fence", guarded(ctx, _clear_fence(ctx)), methods=["POST"]))
     return out
 
 
@@ -99,9 +121,27 @@ def _fan_out(ctx: AdminContext, protocol: str) -> Endpoint:
         body = await body_of(ctx, request)
         if isinstance(body, Response):
             return body
-        return (await to_every_worker(ctx, protocol, request, body, ctx.settings.weight_update_timeout))[0]
+        return await _to_fleet(ctx, protocol, request, body)
 
     return endpoint
+
+
+async def _to_fleet(ctx: AdminContext, protocol: str, request: Request, body: bytes) -> Response:
+    """The call to every worker of ``protocol`` (or the named one); when
+    it changes weights, the router told who loaded what and who failed."""
+    response, answers = await to_every_worker(ctx, protocol, request, body, ctx.settings.weight_update_timeout)
+    load = LOADS.get(request.url.path)
+    if load is not None and answers:
+        field, with_weights = load
+        obj = parsed(body) if body.strip() else {}
+        version = obj.get(field) if field is not None and isinstance(obj, dict) else None
+        failed = {a.worker: f"failed {request.url.path}: {a.status or 'no answer'} "
+                            f"{a.body[:200].decode('utf-8', 'replace')}"
+                  for a in answers if a.status != 200}
+        fleet = not (request.query_params.get("worker") or request.headers.get(WORKER_HEADER))
+        ctx.router.weights_loaded(protocol, [a.worker for a in answers if a.status == 200], failed,
+                                  version if isinstance(version, str) else None, fleet, with_weights)
+    return response
 
 
 def _version(ctx: AdminContext) -> Endpoint:
@@ -114,16 +154,21 @@ def _version(ctx: AdminContext) -> Endpoint:
         protocols = [p for p in ("sglang", "vllm") if any(w.protocol.name == p for w in ctx.router.workers)]
         if not protocols:
             return error(503, "no worker configured")
-        results = [await to_every_worker(ctx, p, request, body, ctx.settings.weight_update_timeout)
-                   for p in protocols]
-        refused = [response for response, _ in results if response.status_code != 200]
+        responses = [await _to_fleet(ctx, p, request, body) for p in protocols]
+        refused = [r for r in responses if r.status_code != 200]
         if not refused:
-            return results[0][0]
-        if len(results) == 1:
+            return responses[0]
+        if len(responses) == 1:
             return refused[0]
-        return failed([a.result() for _, answers in results for a in answers])
+        return Response(orjson.dumps([x for r in refused for x in _listed(r)]), 502, media_type=JSON)
 
     return endpoint
+
+
+def _listed(response: Response) -> list[Any]:
+    """A refused answer's per-worker list (a 502's), or the answer as one entry."""
+    obj = parsed(bytes(response.body))
+    return obj if isinstance(obj, list) else [{"status": response.status_code, "body": obj}]
 
 
 async def _parallel_sizes(ctx: AdminContext, protocol: str, request: Request, workers: list[Worker],
@@ -217,5 +262,21 @@ def _init_group(ctx: AdminContext, protocol: str) -> Endpoint:
                       "assignment": [assignment[a.worker.id] for a in answers]}
             return Response(orjson.dumps(answer), 200, skipped_header(skipped), media_type=JSON)
         return failed([{**a.result(), **assignment[a.worker.id]} for a in answers], skipped)
+
+    return endpoint
+
+
+def _clear_fence(ctx: AdminContext) -> Endpoint:
+    """``POST /clear_weight_fence?worker=wN``: an operator lets a fenced
+    worker back; its weight version is read from its engine again."""
+    async def endpoint(request: Request) -> Response:
+        named = request.query_params.get("worker") or request.headers.get(WORKER_HEADER)
+        worker = next((w for w in ctx.router.workers if w.id == named), None)
+        if worker is None:
+            return error(404, f"no worker {named!r}" if named else "name the worker: ?worker=wN")
+        ctx.router.clear_fence(worker, await ctx.router.read_weight_version(worker))
+        answer = {"worker": worker.id, "weight_version": worker.weight_version,
+                  "in_rotation": ctx.router.routable(worker)}
+        return Response(orjson.dumps(answer), 200, media_type=JSON)
 
     return endpoint

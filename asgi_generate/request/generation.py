@@ -108,10 +108,8 @@ class Generation(ClientStream):
                     ), "engine_error")
                     return
                 if plan is None:
-                    why = "no healthy worker" if router.has_protocol(protocol) else "no worker configured"
-                    await self.fail(
-                        RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"), "unavailable"
-                    )
+                    await self.fail(RequestError(503, router.unavailable(protocol, key), "unavailable"),
+                                    "unavailable")
                     return
                 failed = await handshake(plan).run(self, plan, self._next_role(), backoff)
                 if type(failed) is Leg:  # the attempt's client leg, run in this frame (Handshake.run)

@@ -386,11 +386,16 @@ class App:
             "migration_slots": self.migrations.stats(),
             "trace": recorder.tracer.stats() if recorder.tracer is not None else {"enabled": False},
             "routing": self.router.policy.stats(),
+            "fleet_weight_versions": dict(self.router.fleet_versions),
             "workers": {
                 w.id: {
                     "url": w.url,
                     "role": w.role,
                     "state": w.describe()["state"],
+                    "weight_version": w.weight_version,
+                    "fence": w.fence,
+                    "failed_weight_updates": w.failed_updates,
+                    "in_rotation": self.router.routable(w) and not w.draining,
                     "outstanding": w.outstanding,
                     "idle_connections": w.pool.idle,
                     "connections_opened": w.pool.opened,

@@ -155,6 +155,8 @@ def build_record(st: RequestState, block_size: int, analyzer: OutputAnalyzer | N
             row["local_prefill"] = True
         if a.backoff_ms:
             row["backoff_ms"] = a.backoff_ms
+        if a.worker_info.get("weight_version") is not None:
+            row["weight_version"] = a.worker_info["weight_version"]
         if a.usage is not None:
             usage = a.usage.prompt_tokens, a.usage.completion_tokens, a.usage.cached_tokens
             reported = {k: v for k, v in zip(USAGE_FIELDS, usage) if v is not None}

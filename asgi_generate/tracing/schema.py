@@ -158,6 +158,11 @@ SCHEMA: dict[str, Any] = {
                         _COUNT, "Milliseconds the request waited before this leg (migration backoff); "
                         "absent when none.",
                     ),
+                    "weight_version": _d(
+                        {"type": "string"}, "The weight version the leg's worker served when the leg was sent "
+                        "(SGLang /get_model_info, vLLM /weight_info, or the weight update the frontend made); "
+                        "absent when unknown.",
+                    ),
                     "usage": {
                         "description": "The token counts this leg's engine reported for it, as reported (a "
                         "P/D decode that received the prompt's KV may count the whole prompt as cached, a "

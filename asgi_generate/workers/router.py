@@ -19,13 +19,25 @@ marks down has its in-flight requests told at once
 (:meth:`Router.worker_lost`) rather than left to their timeouts. A down
 worker comes back when its health route answers 200 again and its server
 info was read (SGLang's streaming mode is a server flag the codec needs).
+
+The version fence. Each worker's weight version is read with its server
+info (SGLang ``/get_model_info``, vLLM ``/weight_info``) and set by the
+weight routes that change it (:meth:`Router.weights_loaded`). Once a weight
+version is set on a protocol's fleet, a request goes only to workers at that
+version; a worker that failed its update is fenced (out of the rotation,
+logged, counted, its reason shown) until it reaches the fleet's version or
+an operator clears the fence. A request may ask for a minimum version
+(:data:`MIN_VERSION_HEADER`); versions compare part by part, digits as
+numbers (``v9`` < ``v10``).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import re
 import ssl
+from dataclasses import dataclass
 from typing import Any, Iterable, Protocol
 from urllib.parse import parse_qsl, urlsplit
 
@@ -40,6 +52,22 @@ log = logging.getLogger("asgi_generate.router")
 ROLES = ("aggregated", "prefill", "decode")
 #: SGLang's ``--disaggregation-bootstrap-port`` default.
 DEFAULT_BOOTSTRAP_PORT = 8998
+#: The request header asking for workers at this weight version or later.
+MIN_VERSION_HEADER = b"asgi-generate-min-weight-version"
+
+
+def version_order(version: str) -> tuple:
+    """A sort key for weight versions: digit runs as numbers, the rest as text."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", version) if p)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteKey:
+    """A routing key with a minimum weight version: the policy's key and
+    the version a request asked for at least."""
+
+    policy_key: Any
+    min_version: str
 
 
 class InFlight(Protocol):
@@ -73,6 +101,11 @@ class Worker:
         bootstrap_port: an SGLang prefill worker's bootstrap port, else ``None``.
         draining: left the fleet: gets no new requests, its in-flight ones
             finish (:meth:`Router.drain`).
+        fence: why it is fenced (it failed a weight update), else ``None``.
+        failed_updates: weight updates it failed.
+
+    ``info`` is replaced, never changed in place, so an attempt keeps the
+    info (the weight version) its worker had when the attempt was sent.
     """
 
     def __init__(
@@ -93,6 +126,13 @@ class Worker:
         self.last_error: str | None = None
         self.index = 0
         self.draining = False
+        self.fence: str | None = None
+        self.failed_updates = 0
+
+    @property
+    def weight_version(self) -> str | None:
+        """The weight version its engine serves, ``None`` when unknown."""
+        return self.info.get("weight_version")
 
     @property
     def outstanding(self) -> int:
@@ -113,6 +153,8 @@ class Worker:
             "engine_version": self.info.get("version"),
             "max_model_len": self.info.get("max_model_len"),
             "last_error": self.last_error,
+            "weight_version": self.weight_version,
+            "fence": self.fence,
         }
 
 
@@ -172,6 +214,8 @@ class Router:
         self.connect_timeout = connect_timeout
         self.health_timeout = health_timeout
         self.health_failures = max(1, health_failures)
+        #: The weight version set on each protocol's fleet.
+        self.fleet_versions: dict[str, str] = {}
         for role, listed in (("aggregated", specs), ("prefill", prefill), ("decode", decode)):
             for protocol, url in listed:
                 self.add(protocol, url, role)
@@ -237,24 +281,93 @@ class Router:
 
     def routing_key(self, request: Any, headers: Any) -> Any:
         """What the policy routes a request by (see
-        :meth:`~asgi_generate.workers.policies.Policy.routing_key`)."""
-        return self.policy.routing_key(request, headers)
+        :meth:`~asgi_generate.workers.policies.Policy.routing_key`), as a
+        :class:`RouteKey` when the request asks for a minimum weight
+        version (:data:`MIN_VERSION_HEADER`)."""
+        key = self.policy.routing_key(request, headers)
+        floor = headers.get(MIN_VERSION_HEADER)
+        return RouteKey(key, floor.decode("latin-1").strip()) if floor else key
+
+    def routable(self, worker: Worker, min_version: str | None = None) -> bool:
+        """Whether ``worker`` may get a new request: up, not fenced, at its
+        fleet's weight version once one is set, and at ``min_version`` or
+        later when given."""
+        if not worker.healthy or worker.fence is not None:
+            return False
+        have = worker.weight_version
+        target = self.fleet_versions.get(worker.protocol.name)
+        if target is not None and have != target:
+            return False
+        return min_version is None or (have is not None and version_order(have) >= version_order(min_version))
+
+    def unavailable(self, protocol: str, key: Any = None) -> str:
+        """Why no worker of ``protocol`` can take a request with ``key``:
+        the 503's message."""
+        if not self.has_protocol(protocol):
+            return f"no worker configured for protocol {protocol!r}"
+        workers = [w for w in self.workers if w.protocol.name == protocol and w.healthy and not w.draining]
+        target = self.fleet_versions.get(protocol)
+        fenced = any(w.fence is not None for w in workers)
+        if not workers or (target is None and not fenced and not isinstance(key, RouteKey)):
+            return f"no healthy worker for protocol {protocol!r}"
+        wanted = ["unfenced"] if fenced else []
+        if target is not None:
+            wanted.append(f"at the fleet's weight version {target!r}")
+        if isinstance(key, RouteKey):
+            wanted.append(f"at weight version {key.min_version!r} or later")
+        seen = ", ".join(f"{w.id}: {w.weight_version}" + (f" (fenced: {w.fence})" if w.fence else "")
+                         for w in workers)
+        return f"no healthy worker for protocol {protocol!r} {' and '.join(wanted)} ({seen})"
+
+    def weights_loaded(self, protocol: str, loaded: list[Worker], failed: dict[Worker, str],
+                       version: str | None, fleet: bool, with_weights: bool) -> None:
+        """A weight route answered: ``loaded`` workers now serve ``version``
+        (``None``: the label is kept), each of ``failed`` (with why) is
+        fenced and counted. With ``fleet`` (the call went to every worker,
+        not a named one) ``version`` becomes the fleet's. A fenced worker
+        that reaches the fleet's version is let back when the call loaded
+        weights with it (``with_weights``) or named that worker; a fleet
+        call that only relabels keeps it fenced (it missed the weights)."""
+        if fleet and version is not None:
+            self.fleet_versions[protocol] = version
+        for w in loaded:
+            if version is not None:
+                w.info = {**w.info, "weight_version": version}
+            back = with_weights or not fleet
+            if w.fence is not None and back and w.weight_version == self.fleet_versions.get(protocol):
+                log.warning("worker %s (%s) reached weight version %r: back in the rotation", w.id, w.url,
+                            w.weight_version)
+                w.fence = None
+        for w, why in failed.items():
+            w.failed_updates += 1
+            w.fence = why
+            log.warning("worker %s (%s) fenced out of the rotation: %s", w.id, w.url, why)
+
+    def clear_fence(self, worker: Worker, version: str | None) -> None:
+        """An operator let ``worker`` back, its engine now at ``version``."""
+        log.warning("worker %s (%s) fence cleared by an operator (was: %s); weight version %r", worker.id,
+                    worker.url, worker.fence, version)
+        worker.fence = None
+        worker.info = {**worker.info, "weight_version": version}
 
     def pick(
         self, protocol: str, exclude: Iterable[Worker] = (), role: str = "aggregated", key: Any = None
     ) -> Worker | None:
-        """A healthy ``role`` worker of ``protocol`` outside ``exclude``;
+        """A :meth:`routable` ``role`` worker of ``protocol`` outside ``exclude``;
         ``None`` if none is left. The policy chooses for a ``key``
         (:meth:`routing_key`) unless ``role`` is ``decode``; otherwise, and
         always as the policy's fallback: the fewest outstanding requests,
         ties round-robin. Without a key, picking changes no policy state
         (a pick may be asked only to learn whether a worker is left)."""
+        floor = key.min_version if isinstance(key, RouteKey) else None
+        key = key.policy_key if isinstance(key, RouteKey) else key
         group = self._groups.get((protocol, role))
         if not group:
             return None
         n = len(group)
         start = self._next.get((protocol, role), 0)
-        candidates = [w for w in (group[(start + i) % n] for i in range(n)) if w.healthy and w not in exclude]
+        candidates = [w for w in (group[(start + i) % n] for i in range(n))
+                      if self.routable(w, floor) and w not in exclude]
         if not candidates:
             return None
         if key is None or role == "decode":
@@ -274,9 +387,9 @@ class Router:
         return self.disaggregation != "always" and self.up(protocol, "aggregated", exclude)
 
     def up(self, protocol: str, role: str, exclude: Iterable[Worker] = ()) -> bool:
-        """Whether a healthy ``role`` worker of ``protocol`` is in the
-        rotation outside ``exclude``."""
-        return any(w.healthy and w not in exclude for w in self._groups.get((protocol, role), ()))
+        """Whether a :meth:`routable` ``role`` worker of ``protocol`` is in
+        the rotation outside ``exclude``."""
+        return any(self.routable(w) and w not in exclude for w in self._groups.get((protocol, role), ()))
 
     def plan(self, protocol: str, exclude: Iterable[Worker] = (), key: Any = None) -> tuple[Worker, ...] | None:
         """The workers of a request's next attempt, per ``disaggregation``:
@@ -361,7 +474,24 @@ class Router:
             # An engine without the route still serves; its version
             # stays unknown and codecs rely on no versioned behaviour.
             info["version"] = proto.read_version(orjson.loads(body)) if resp.status == 200 else None
+        if proto.weight_version_path is not None:
+            info["weight_version"] = await self.read_weight_version(worker)
         return info
+
+    @staticmethod
+    async def read_weight_version(worker: Worker) -> str | None:
+        """The weight version ``worker``'s engine reports now; ``None`` when
+        it has no such route or gives none (an engine without the RL routes
+        still serves)."""
+        path = worker.protocol.weight_version_path
+        if path is None:
+            return None
+        try:
+            async with worker.probe_pool.request(b"GET", path) as resp:
+                body = await resp.read()
+            return worker.protocol.read_version(orjson.loads(body), "weight_version") if resp.status == 200 else None
+        except (WorkerError, orjson.JSONDecodeError):
+            return None
 
     def _probe_failed(self, worker: Worker, reason: str, at_once: bool) -> None:
         worker.failures += 1
@@ -390,7 +520,7 @@ class Router:
 
     @property
     def healthy_count(self) -> int:
-        """Workers routable now (up and not draining)."""
+        """Workers up and not draining."""
         return sum(w.healthy and not w.draining for w in self.workers)
 
     async def aclose(self) -> None:
