@@ -330,6 +330,17 @@ class Settings:
         30.0, unit="s", gt=0,
         help="seconds a migrated stream may wait for a --max-concurrent-migrations slot before it ends "
              "with the format's error")
+    resume_after_pause: bool = setting(
+        False,
+        help="hold a stream the engine aborted for a fleet pause (SGLang pause_generation abort, vLLM "
+             "pause?mode=abort) and resume it after the fleet's resume, on the new weights; a request's "
+             "asgi-generate-resume-after-pause header (1 or 0) overrides it")
+    pause_hold_limit: int = setting(
+        4096, gt=0, metavar="N",
+        help="streams held across pauses at once; one more ends with 503")
+    pause_hold_timeout: float = setting(
+        600.0, unit="s", gt=0,
+        help="seconds a stream is held for the fleet's resume; past it, it ends with 503")
     health_interval: float = setting(
         2.0, unit="s", gt=0, help="seconds between health probes of each worker")
     health_timeout: float = setting(30.0, unit="s", gt=0, help="seconds one health probe may take")

@@ -29,6 +29,13 @@ combined answer, skipped workers):
 
 The weight routes are :mod:`asgi_generate.ops.weights`'s.
 
+A pause that aborts running requests (SGLang ``/pause_generation``
+``abort``, vLLM ``/pause?mode=abort``) is noted before it reaches the
+engines, and the fleet's resume (``/continue_generation``, ``/resume``)
+after it was answered, so that streams may be held across it
+(:mod:`asgi_generate.workers.pauses`, ``--resume-after-pause``). vLLM's
+``/pause?mode=wait`` answers once the engines' running requests finished.
+
 ``POST /abort_request`` ``{"abort_all": true}`` fans out as above. With
 ``{"rid": R}`` it aborts the frontend's own live SGLang requests whose
 public id starts with ``R`` (SGLang's scheduler matches by prefix), each by
@@ -75,6 +82,22 @@ PATHS = frozenset({*INFO_PATHS, "/health_generate", "/abort_request", *(p for p,
 
 #: Admin routes that empty the engines' prefix caches.
 CACHE_RESETS = ("/flush_cache", "/reset_prefix_cache")
+#: Admin routes that end a pause (:mod:`asgi_generate.workers.pauses`).
+RESUMES = ("/continue_generation", "/resume")
+
+
+def _aborting_pause(request: Request, body: bytes) -> bool:
+    """Whether the call is a pause that aborts running requests: SGLang
+    ``/pause_generation`` with ``mode`` ``abort`` (the default,
+    ``PauseGenerationReqInput``), vLLM ``/pause`` with ``mode=abort`` (the
+    default, ``rl/online/api_router.py`` ``pause_generation``)."""
+    path = request.url.path
+    if path == "/pause":
+        return request.query_params.get("mode", "abort") == "abort"
+    if path == "/pause_generation":
+        obj = parsed(body) if body.strip() else {}
+        return isinstance(obj, dict) and obj.get("mode", "abort") == "abort"
+    return False
 
 
 def build(ctx: AdminContext) -> Router:
@@ -94,8 +117,13 @@ def _fan_out(ctx: AdminContext, protocol: str) -> Endpoint:
         body = await body_of(ctx, request)
         if isinstance(body, Response):
             return body
+        pauses, path = ctx.router.pauses, request.url.path
+        if _aborting_pause(request, body):
+            pauses.begin(protocol)  # before the engines abort: their aborts are the pause's
         response, answers = await to_every_worker(ctx, protocol, request, body)
-        if request.url.path in CACHE_RESETS:
+        if path in RESUMES:
+            pauses.end(protocol)
+        if path in CACHE_RESETS:
             for a in answers:
                 if a.status == 200:  # that engine's prefix cache is empty now
                     ctx.router.policy.forget(a.worker)

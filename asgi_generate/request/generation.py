@@ -9,6 +9,17 @@ the client's answer ended decides between failover (no token reached the
 client yet), migration (a stream continues on another worker as a
 ``resumed`` attempt) and ending the request with the format's error. What
 the client sees is written by :class:`ClientStream`.
+
+Resuming after a pause (``resume_after_pause``, or the request's
+:data:`RESUME_HEADER`): when a leg ends with the engine's abort after a pause
+of its fleet began (:mod:`asgi_generate.workers.pauses`), the abort is not
+the answer: the tokens it carried go out, the stream is held until the
+fleet's resume, then continues as a ``resumed`` leg (prompt plus the tokens
+sent so far, the remaining budget) on a worker at the fleet's weight
+version. It counts as a migration in the record but not against
+``migration_limit``. Past ``pause_hold_limit`` held streams or
+``pause_hold_timeout`` seconds the request ends with 503, in-band after the
+200.
 """
 
 from __future__ import annotations
@@ -40,6 +51,8 @@ log = logging.getLogger("asgi_generate.request.handler")
 #: more slowly, never in a tight loop.
 MIGRATION_BACKOFF_S = 0.05
 MIGRATION_BACKOFF_MAX_S = 1.0
+#: The request header that turns resuming after a pause on (``1``) or off (``0``).
+RESUME_HEADER = b"asgi-generate-resume-after-pause"
 
 
 def migration_backoff(k: int) -> float:
@@ -51,7 +64,7 @@ def migration_backoff(k: int) -> float:
 class Generation(ClientStream):
     """Drives one request's attempts; its answer is written by the base."""
 
-    __slots__ = ("lease", "resuming", "tried", "unmoved")
+    __slots__ = ("lease", "resuming", "tried", "unmoved", "pause_epoch", "held_by_pause", "after_pause")
 
     def __init__(
         self, ctx: "RequestContext", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
@@ -67,6 +80,15 @@ class Generation(ClientStream):
         #: Why the last failure was not migrated, for the client's error
         #: (:meth:`_failed`); ``None`` when nothing needs saying.
         self.unmoved: str | None = None
+        #: The fleet's pause count when the current plan was made; ``None``
+        #: when the request does not resume after a pause.
+        wanted = st.headers.get(RESUME_HEADER, b"").strip().lower()
+        opted = wanted in (b"1", b"true") or (ctx.settings.resume_after_pause and wanted not in (b"0", b"false"))
+        self.pause_epoch: int | None = 0 if opted else None
+        #: The last leg ended with a pause's abort, held (:meth:`settle`).
+        self.held_by_pause = False
+        #: The next leg resumes the stream after a pause.
+        self.after_pause = False
 
     def cancel_for_shutdown(self) -> None:
         """Stop this request because the server is shutting down; the
@@ -84,12 +106,13 @@ class Generation(ClientStream):
         try:
             while True:
                 backoff = 0.0
-                if self.resuming and self.st.migrations + self.st.replays >= self.ctx.settings.migration_limit:
+                if self.resuming and not self.after_pause \
+                        and self.st.migrations + self.st.replays >= self.ctx.settings.migration_limit:
                     # Only a resumed leg that could not even connect gets here.
                     await self.fail(RequestError(502, self._failed(tried[-1], "could not be reached"), "engine"),
                                     "engine_error")
                     return
-                if self.resuming:  # migration or replay: bounded, backing off
+                if self.resuming and not self.after_pause:  # migration or replay: bounded, backing off
                     backoff = migration_backoff(self.st.migrations + self.st.replays + 1)
                     await anyio.sleep(backoff)
                     if not slot:
@@ -101,6 +124,9 @@ class Generation(ClientStream):
                     plan = (worker,) if worker is not None else router.plan(protocol, tried, key)
                 else:
                     plan = router.plan(protocol, tried, key)
+                self.after_pause = False
+                if self.pause_epoch is not None:
+                    self.pause_epoch = router.pauses.epoch(protocol)
                 if plan is None and self.resuming:
                     moved = self.st.migrations + self.st.replays
                     await self.fail(RequestError(
@@ -115,7 +141,7 @@ class Generation(ClientStream):
                 if type(failed) is Leg:  # the attempt's client leg, run in this frame (Handshake.run)
                     leg = failed
                     failed = [leg.worker] if await self.judge(leg, await leg.run(self, self.ctx.router)) else []
-                if not failed:
+                if not failed and not self.after_pause:
                     return
                 # A leg given up (silent past the inter-token deadline, its pair
                 # failed) is aborted now, not when the request ends: an engine
@@ -227,6 +253,10 @@ class Generation(ClientStream):
         id on another worker; with none left the request ends with 502.
         """
         st, attempt, worker = self.st, leg.attempt, leg.worker
+        if self.held_by_pause:
+            self.held_by_pause = False
+            await self._hold_for_resume()
+            return False
         if end is LegEnd.FINISHED:
             return False
         if end is LegEnd.CONNECT_FAILED:
@@ -316,6 +346,36 @@ class Generation(ClientStream):
                      st.request_id, attempt.worker_id, why, len(self.sent_ids), st.migrations + 1)
         return True
 
+    def _paused_abort(self, attempt: Attempt, event: Event) -> bool:
+        """Whether ``event``, the engine's abort of ``attempt``, is a pause's
+        to hold (module docstring): the request resumes after pauses, one
+        began since its plan, and the codec can resume the stream (or, unary
+        with nothing sent, replay it)."""
+        if self.pause_epoch is None or event.finish_reason != "abort" or event.error is not None:
+            return False
+        if self.ctx.router.pauses.epoch(self.codec.worker_protocol) <= self.pause_epoch:
+            return False
+        if self.sent_ids is None:
+            return not self.st.response_started and self.pending == 0
+        return self.ex.resume_refusal() is None
+
+    async def _hold_for_resume(self) -> None:
+        """Wait for the fleet's resume, then resume the stream; past the
+        bound, end it with 503."""
+        settings, protocol = self.ctx.settings, self.codec.worker_protocol
+        why = await self.ctx.router.pauses.hold(protocol, settings.pause_hold_limit, settings.pause_hold_timeout)
+        if why is None:
+            self.resuming = self.after_pause = True
+            self.st.pause_resumes += 1
+            log.info("request %s: resuming after the pause of the %s fleet (%d tokens sent)", self.st.request_id,
+                     protocol, len(self.sent_ids or ()))
+            return
+        message = (f"held across a pause: {settings.pause_hold_limit} streams are held already (pause_hold_limit)"
+                   if why == "full" else
+                   f"held across a pause: the fleet did not resume within {settings.pause_hold_timeout:g} s "
+                   f"(pause_hold_timeout)")
+        await self.fail(RequestError(503, message, "unavailable"), "unavailable")
+
     def _failed(self, worker: Worker, what: str) -> str:
         """The client's message for a worker failure that ends the request,
         saying why it did not move on: the migration limit was reached, no
@@ -361,6 +421,16 @@ class Generation(ClientStream):
         with the usage its engine reported, unless the codec cut the answer
         short of the engine) and deliver it."""
         attempt.tokens += len(event.token_ids)
+        if self._paused_abort(attempt, event):
+            # Not the answer: its tokens go out, the stream goes on after the resume.
+            attempt.live = False
+            state.end_leg(attempt, "aborted")
+            attempt.usage = event.reported()
+            self.held_by_pause = True
+            event.finish_reason = None
+            if event.token_ids:
+                await self._deliver(event)
+            return
         if (event.error is not None or event.finish_reason is not None) and not event.cut:
             attempt.live = False
             state.end_leg(attempt, "finished" if event.error is None else "error")
@@ -374,5 +444,5 @@ class Generation(ClientStream):
         Raises:
             WorkerError: the codec holds no finish.
         """
-        if not await self._held_finish(attempt):
+        if not self.held_by_pause and not await self._held_finish(attempt):
             raise WorkerError("worker ended the response without a finish reason")

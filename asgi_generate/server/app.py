@@ -387,6 +387,7 @@ class App:
             "trace": recorder.tracer.stats() if recorder.tracer is not None else {"enabled": False},
             "routing": self.router.policy.stats(),
             "fleet_weight_versions": dict(self.router.fleet_versions),
+            "pauses": self.router.pauses.stats(),
             "workers": {
                 w.id: {
                     "url": w.url,

@@ -24,6 +24,20 @@ USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 _TRUE = ("1", "true", "yes")
 
 
+def _segments(st: RequestState) -> list[dict]:
+    """The output tokens sent per run of legs at one weight version."""
+    segments: list[dict] = []
+    for a in st.attempts:
+        if a.role == "prefill" or not a.tokens:
+            continue
+        version = a.worker_info.get("weight_version")
+        if segments and segments[-1]["weight_version"] == version:
+            segments[-1]["tokens"] += a.tokens
+        else:
+            segments.append({"weight_version": version, "tokens": a.tokens})
+    return segments
+
+
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
 
@@ -140,6 +154,9 @@ def build_record(st: RequestState, block_size: int, analyzer: OutputAnalyzer | N
         rec["migrations"] = st.migrations
     if st.replays:
         rec["replays"] = st.replays
+    if st.pause_resumes:
+        rec["pause_resumes"] = st.pause_resumes
+        rec["segments"] = _segments(st)
     if st.not_migrated is not None:
         rec["not_migrated"] = st.not_migrated
     attempts = []

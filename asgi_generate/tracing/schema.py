@@ -119,6 +119,26 @@ SCHEMA: dict[str, Any] = {
             _COUNT, "Times the request continued on another worker mid-answer (resumed attempts); "
             "absent when none.",
         ),
+        "pause_resumes": _d(
+            _COUNT, "Times the stream was held across a fleet pause (the engine's abort) and resumed after "
+            "it (--resume-after-pause); absent when none.",
+        ),
+        "segments": _d(
+            {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["weight_version", "tokens"],
+                    "properties": {
+                        "weight_version": {"type": ["string", "null"]},
+                        "tokens": _COUNT,
+                    },
+                },
+            },
+            "With pause_resumes: which weights produced the tokens sent, in order: each run of legs at one "
+            "weight version (null when unknown) and the output tokens they sent.",
+        ),
         "replays": _d(
             _COUNT, "Times a unary request ran again from scratch on another worker after its worker died "
             "mid-answer (replayed attempts); absent when none.",

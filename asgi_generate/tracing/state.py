@@ -63,6 +63,8 @@ class RequestState:
     t_done: float | None = None
     attempts: list[Attempt] = field(default_factory=list)
     migrations: int = 0
+    #: Times the stream was held across a fleet pause and resumed.
+    pause_resumes: int = 0
     #: Its W3C trace context, made at its first engine leg (or at export)
     #: when OpenTelemetry export is on (set by that export); ``None`` otherwise.
     trace: TraceContext | None = None

@@ -45,6 +45,7 @@ import anyio
 import orjson
 
 from .http import ConnectFailed, ConnectionPool, WorkerDisconnected, WorkerError, tls_context
+from .pauses import Pauses
 from .policies import Policy
 from ..protocols import PROTOCOLS, WorkerProtocol, read_model_card
 
@@ -216,6 +217,8 @@ class Router:
         self.health_failures = max(1, health_failures)
         #: The weight version set on each protocol's fleet.
         self.fleet_versions: dict[str, str] = {}
+        #: Each protocol's pauses and the streams held across them.
+        self.pauses = Pauses()
         for role, listed in (("aggregated", specs), ("prefill", prefill), ("decode", decode)):
             for protocol, url in listed:
                 self.add(protocol, url, role)
