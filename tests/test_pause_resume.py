@@ -15,7 +15,7 @@ import pytest
 
 from support import post, sampled, sse, start_frontend, start_sim, stats, trace_records, wait_until
 
-N = 40
+N = 100
 PROMPTS = [[100 + i, 7, 8] for i in range(3)]
 
 

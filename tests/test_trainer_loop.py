@@ -1,0 +1,14 @@
+"""The trainer loop (tests/trainer_loop.py) with a few streams, under both
+worker classes; bench/bench_trainer_loop.py runs it with 50."""
+
+from __future__ import annotations
+
+import pytest
+
+import trainer_loop
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_trainer_loop(tmp_path, worker_class):
+    problems, _ = trainer_loop.run(str(tmp_path), worker_class, streams=8)
+    assert problems == []
