@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -48,11 +49,13 @@ class Fleet:
     def __init__(self, tmp: str, worker_class: str) -> None:
         self.registry = f"{tmp}/groups.json"
         shared = ["--weights-group-registry", self.registry]
-        self.sims: list = []
+        specs = [(protocol, tp) for protocol, sizes in (("sglang", SGLANG_TP), ("vllm", VLLM_TP)) for tp in sizes]
+        with ThreadPoolExecutor(len(specs)) as pool:  # started side by side: each waits for its health
+            started = [pool.submit(start_sim, p, itl_ms=20, extra=["--tp-size", str(tp), *shared]) for p, tp in specs]
+        self.sims = [f.result() for f in started if f.exception() is None]
         try:
-            for protocol, sizes in (("sglang", SGLANG_TP), ("vllm", VLLM_TP)):
-                for tp in sizes:
-                    self.sims.append(start_sim(protocol, itl_ms=20, extra=["--tp-size", str(tp), *shared]))
+            if len(self.sims) < len(specs):
+                raise next(f.exception() for f in started if f.exception() is not None)
             self.trace = f"{tmp}/trace"
             workers = [f"{'sglang' if i < 4 else 'vllm'}={s.url}" for i, s in enumerate(self.sims)]
             self.fe = start_frontend(workers, worker_class=worker_class,
@@ -202,7 +205,7 @@ def _failed_worker(fleet: Fleet, version: str, problems: list[str]) -> None:
     before = stats(fleet.sims[3])["received"]
     for i in range(8):
         path, body = _request("sglang", i, f"after-{version}")
-        body["stream"] = False
+        body["stream"], body["sampling_params"]["max_new_tokens"] = False, 2
         got = post(url, body, path).json()["meta_info"]["weight_version"]
         if got != version:
             problems.append(f"a request after the update ran on weight version {got}")
