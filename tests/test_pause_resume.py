@@ -15,6 +15,8 @@ import pytest
 
 from support import post, sampled, sse, start_frontend, start_sim, stats, trace_records, wait_until
 
+pytestmark = pytest.mark.e2e
+
 N = 100
 PROMPTS = [[100 + i, 7, 8] for i in range(3)]
 

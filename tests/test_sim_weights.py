@@ -13,6 +13,8 @@ import pytest
 
 from support import post, sampled, sse, start_sim, stats, wait_until
 
+pytestmark = pytest.mark.e2e
+
 PROMPT = [11, 12, 13]
 
 

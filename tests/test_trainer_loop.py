@@ -7,6 +7,8 @@ import pytest
 
 import trainer_loop
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
 def test_trainer_loop(tmp_path, worker_class):

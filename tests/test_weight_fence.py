@@ -11,6 +11,8 @@ import pytest
 
 from support import post, start_frontend, start_sim, stats, trace_records, wait_until
 
+pytestmark = pytest.mark.e2e
+
 BODY = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 3}}
 MIN = "asgi-generate-min-weight-version"
 

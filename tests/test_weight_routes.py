@@ -10,6 +10,8 @@ import pytest
 
 from support import post, start_frontend, start_sim, stats
 
+pytestmark = pytest.mark.e2e
+
 SKIPPED = "asgi-generate-skipped-workers"
 
 
