@@ -19,7 +19,7 @@ engine with different tensor-parallel sizes, while rollouts stream.
 - one worker failing its update: 502 naming it, the worker out of the
   rotation, new requests only on workers at the new version.
 
-Used by tests/test_trainer_loop.py (a few streams) and
+Used by tests/e2e/test_trainer_loop.py (a few streams) and
 bench/bench_trainer_loop.py (50).
 """
 
