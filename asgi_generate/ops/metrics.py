@@ -6,11 +6,11 @@ O(legs) for the per-leg counters), except the gaps between a stream's token
 events, observed as the client is sent each event (:class:`Gaps`: O(1), into
 counts kept per format, no object kept per event); aborts and trace records
 are counted where they happen. A request's counts are plain
-additions (a few dict updates, no lock, no prometheus-client call), moved into the prometheus-client metrics when
-``/metrics`` is scraped (one process), or at once (several processes: a
-scrape of another process reads this one's files). Worker gauges are read from the router
-when ``/metrics`` is scraped (and, with several processes, every
-:data:`REFRESH_S` seconds by each of them).
+additions (a few dict updates, no lock, no prometheus-client call), moved
+into the prometheus-client metrics when ``/metrics`` is scraped, and, with
+several processes, every :data:`REFRESH_S` seconds and whenever a sibling's
+scrape asks (:mod:`asgi_generate.ops.siblings`). Worker gauges are read from
+the router at the same moments.
 
 Names and histogram buckets follow the engines' own metrics where ours
 measure the same thing (vLLM ``vllm/v1/metrics/loggers.py``
@@ -24,8 +24,11 @@ measure the same thing (vLLM ``vllm/v1/metrics/loggers.py``
 Several processes (``serve --workers N``, ``hypercorn -w N``) are merged with
 prometheus-client's multiprocess mode: each process writes its values to
 files under ``PROMETHEUS_MULTIPROC_DIR`` and a scrape of any of them reads
-all of them. The variable must name an empty folder before the processes
-start (``serve`` makes and removes one itself).
+all of them, once it had every other process move its counts into its files
+(:mod:`asgi_generate.ops.siblings`). The variable must name an empty folder
+before the processes start (``serve`` makes and removes one itself). A
+process killed outright (SIGKILL) loses what it counted since its last
+move, at most :data:`REFRESH_S` seconds' worth.
 """
 
 from __future__ import annotations
@@ -40,14 +43,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, mult
 
 from ..tracing.state import RequestState
 from ..request.framing import Send, send_unary
+from . import siblings
 
 if TYPE_CHECKING:
     from ..workers.router import Router
 
 #: The folder prometheus-client's multiprocess mode keeps its files in.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-#: Seconds between refreshes of the worker gauges by each process, when
-#: several processes serve (a scrape reaches only one of them).
+#: Seconds between moves of each process's counts (and worker gauges) into
+#: the shared files, when several processes serve.
 REFRESH_S = 1.0
 # vLLM's buckets (vllm/v1/metrics/buckets.py): TTFT from 1 ms to 2560 s
 # (queueing included), inter-token latency (also per request, mean time per
@@ -73,11 +77,16 @@ def multiproc_dir() -> str | None:
     """``PROMETHEUS_MULTIPROC_DIR`` when set (multiprocess mode), else ``None``.
 
     Raises:
-        MetricsSetupError: it is set but names no folder.
+        MetricsSetupError: it is set but names no folder, or one whose path
+            is too long for the processes' sockets
+            (:func:`asgi_generate.ops.siblings.folder_problem`).
     """
     folder = os.environ.get(MULTIPROC_ENV) or None
     if folder is not None and not os.path.isdir(folder):
         raise MetricsSetupError(f"{MULTIPROC_ENV}={folder!r} is not a folder")
+    problem = None if folder is None else siblings.folder_problem(folder)
+    if problem is not None:
+        raise MetricsSetupError(f"{MULTIPROC_ENV}: {problem}")
     return folder
 
 
@@ -253,19 +262,16 @@ class Metrics:
         self._e2e = _Children(self.e2e, E2E_BUCKETS)
         #: What request ends counted, moved into the metrics by :meth:`flush`.
         self._counted = (self._requests, self._http_requests, self._prompt, self._generation, self._body, self._migrations,
-                         self._migration_waits, self._legs, self._failures, self._ttft, self._tpot, self._itl, self._e2e)
+                         self._migration_waits, self._legs, self._failures, self._aborts, self._ttft, self._tpot, self._itl,
+                         self._e2e)
         #: Requests started minus ended since the last :meth:`flush`.
         self._in_flight = 0
-        #: Several processes: every request's counts go to the files at once.
-        self._at_once = self.multiproc_dir is not None
 
     # -- updates -------------------------------------------------------------
 
     def request_started(self) -> None:
         """A request was accepted (its end calls :meth:`request_ended`)."""
         self._in_flight += 1
-        if self._at_once:
-            self.flush()
 
     def request_ended(self, st: RequestState) -> None:
         """The request of ``st``, accepted by :meth:`request_started`, ended:
@@ -273,12 +279,10 @@ class Metrics:
         items (each counted by :meth:`request_finished`)."""
         self._http_requests.add((st.format, st.route, "" if st.http_status is None else str(st.http_status)), 1)
         self._in_flight -= 1
-        if self._at_once:
-            self.flush()
 
     def flush(self) -> None:
-        """Move what ended requests counted into the metrics (a scrape
-        calls it; with several processes every request end does)."""
+        """Move what requests counted into the metrics (a scrape calls it;
+        with several processes :meth:`run` does too)."""
         for children in self._counted:
             if children.pending:
                 children.flush()
@@ -314,8 +318,6 @@ class Metrics:
             self._legs.add((a.role, outcome), 1)
             if outcome in WORKER_FAILURES:
                 self._failures.add((a.worker_id, getattr(a.worker, "url", ""), outcome), 1)
-        if self._at_once:
-            self.flush()
 
     def gaps(self, fmt: str) -> Gaps:
         """The inter-token latency of format ``fmt``, for its streams to
@@ -327,7 +329,7 @@ class Metrics:
 
     def abort(self, result: str) -> None:
         """Count one abort and its result (``acked``, ``unacknowledged``, ``lost``)."""
-        self._aborts[ABORT_RESULTS[result]].inc()
+        self._aborts.add(ABORT_RESULTS[result], 1)
 
     def refresh(self, router: Router) -> None:
         """Set the worker gauges from ``router``'s workers; move the ended
@@ -350,12 +352,25 @@ class Metrics:
             if wid in urls:
                 self.kv.labels(wid, urls[wid], quantity).set(value)
 
-    async def refresh_every(self, router: Router) -> None:
-        """Forever: :meth:`refresh` every :data:`REFRESH_S` seconds (several
-        processes: a scrape refreshes only the process it reached)."""
-        while True:
-            self.refresh(router)
-            await anyio.sleep(REFRESH_S)
+    async def run(self, router: Router, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """Several processes, until cancelled: :meth:`refresh` every
+        :data:`REFRESH_S` seconds and whenever a sibling's scrape asks
+        (:func:`asgi_generate.ops.siblings.answer`); reports started once
+        siblings can ask; a last :meth:`flush` when cancelled (the end of
+        the lifespan), so a process that stops leaves all its counts.
+
+        Raises:
+            OSError: this process's socket cannot be made.
+        """
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(siblings.answer, self.multiproc_dir, lambda: self.refresh(router))
+                task_status.started()
+                while True:
+                    self.refresh(router)
+                    await anyio.sleep(REFRESH_S)
+        finally:
+            self.flush()
 
     # -- the route -------------------------------------------------------------
 
@@ -369,8 +384,12 @@ class Metrics:
         return prometheus_client.generate_latest(registry)
 
     async def serve(self, router: Router, send: Send) -> None:
-        """Answer ``GET /metrics``: refresh the gauges, then render in a
-        worker thread (multiprocess mode reads every process's files)."""
+        """Answer ``GET /metrics``: refresh this process's values (and,
+        with several processes, have the others refresh theirs:
+        :func:`asgi_generate.ops.siblings.ask`), then render in a worker
+        thread (multiprocess mode reads every process's files)."""
         self.refresh(router)
+        if self.multiproc_dir is not None:
+            await siblings.ask(self.multiproc_dir)
         body = await anyio.to_thread.run_sync(self.render)
         await send_unary(send, 200, body, prometheus_client.CONTENT_TYPE_LATEST.encode())

@@ -222,7 +222,7 @@ class App:
                     if recorder.tracer is not None:
                         await tg.start(recorder.tracer.run)
                     if recorder.metrics.multiproc_dir is not None:
-                        tg.start_soon(recorder.metrics.refresh_every, self.router)
+                        await tg.start(recorder.metrics.run, self.router)
                     self._shutdown_requested = anyio.Event()
                     if self.shutting_down:  # stopped while starting up
                         self._shutdown_requested.set()

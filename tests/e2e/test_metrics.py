@@ -215,6 +215,59 @@ def test_metrics_merged_across_worker_processes(tmp_path):
     assert list(fe.tmp.iterdir()) == []
 
 
+#: Histograms of times: their counts compare across runs, their sums and buckets not.
+TIMED = ("asgi_generate_time_to_first_token_seconds", "asgi_generate_request_time_per_output_token_seconds",
+         "asgi_generate_inter_token_latency_seconds", "asgi_generate_e2e_request_latency_seconds")
+
+
+def comparable(samples: dict) -> dict:
+    """A scrape less what depends on timing (time histograms' sums and finite buckets)."""
+    return {(name, labels): v for (name, labels), v in samples.items()
+            if not (name.startswith(TIMED) and (name.endswith("_sum") or
+                                                (name.endswith("_bucket") and ("le", "+Inf") not in labels)))}
+
+
+def test_one_process_and_two_scrape_the_same_values_for_the_same_traffic():
+    """The same requests (unary, streamed, rejected), each on a fresh
+    connection, to ``serve`` and to ``serve --workers 2`` (until both of its
+    processes served some): the two scrapes hold the same series with the
+    same values, timing aside, whichever process answers the scrape."""
+    sim = start_sim("sglang")
+    url = sim.url
+    one = start_frontend([f"sglang={url}"], worker_class="asyncio")
+    two = Proc("frontend-workers", ["serve", "--workers", "2", "--worker", f"sglang={url}",
+                                    "--health-interval", "0.2", "--log-level", "warning"], listening_socket(), "/health")
+    try:
+        def traffic(fe: Proc) -> set[int]:
+            """One round of requests; the process ids that served them."""
+            pids = set()
+            for body in ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}},
+                         {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, "stream": True}, b"{bad"):
+                with httpx.Client(timeout=10) as client:  # a fresh connection: either process may take it
+                    data = body if isinstance(body, bytes) else orjson.dumps(body)
+                    r = client.post(fe.url + "/generate", content=data, headers={"content-type": "application/json"})
+                    assert r.status_code == (400 if body == b"{bad" else 200)
+                    pids.add(client.get(fe.url + "/stats").json()["pid"])
+            return pids
+
+        served: set[int] = set()
+        rounds = 0
+        while len(served) < 2 and rounds < 40:  # bounded: until both processes served
+            served |= traffic(two)
+            rounds += 1
+        assert len(served) == 2
+        for _ in range(rounds):
+            traffic(one)
+        single = comparable(scrape(one.url))
+        assert value(single, "asgi_generate_requests_total", format="sglang", route="/generate", status="ok",
+                     code="200") == 2 * rounds
+        for _ in range(3):
+            assert comparable(scrape(two.url)) == single
+    finally:
+        for p in (one, two, sim):
+            p.stop()
+
+
 def test_batch_items_leave_nothing_in_flight():
     """A request with two items is one request in flight and two counted
     ends (one per item record); once answered, nothing is in flight (each
