@@ -25,6 +25,7 @@ from _procs import Child
 _LUA = r"""
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
+%(close)s
 wrk.body = [==[%(body)s]==]
 local stream = %(stream)s
 local want_tokens = %(tokens)d
@@ -157,9 +158,12 @@ def wrk_path() -> str | None:
     return shutil.which("wrk")
 
 
-def write_script(path: pathlib.Path, body: bytes, stream: bool, tokens: int, final_ids: list[int]) -> None:
+def write_script(path: pathlib.Path, body: bytes, stream: bool, tokens: int, final_ids: list[int],
+                 close: bool = False) -> None:
     """Write the Lua script that sends ``body`` and checks each answer
-    against ``tokens`` output tokens ending with ``final_ids``."""
+    against ``tokens`` output tokens ending with ``final_ids``; with
+    ``close`` every request asks ``Connection: close`` (wrk then connects
+    anew for the next: one connection per request)."""
     text = body.decode()
     if "]==]" in text:
         raise ValueError("body cannot be embedded in a Lua long string")
@@ -168,6 +172,7 @@ def write_script(path: pathlib.Path, body: bytes, stream: bool, tokens: int, fin
         % {
             "body": text,
             "stream": "true" if stream else "false",
+            "close": 'wrk.headers["Connection"] = "close"' if close else "",
             "tokens": tokens,
             "ids": ",".join(map(str, final_ids)),
         }

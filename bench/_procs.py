@@ -20,16 +20,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _PR_SET_PDEATHSIG = 1
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def listening_socket() -> socket.socket:
-    """A listening, inheritable TCP socket on a free loopback port."""
+def listening_socket(reuse_port: bool = False) -> socket.socket:
+    """A listening, inheritable TCP socket on a free loopback port (with
+    ``SO_REUSEPORT`` when ``reuse_port``: ``serve --workers N`` then gives
+    each process a socket of its own beside it)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind(("127.0.0.1", 0))
     sock.listen(1024)
     sock.set_inheritable(True)
@@ -202,3 +207,16 @@ def wait_ready(child: Child, port: int, method: str, path: str, body: bytes = b"
             pass
         time.sleep(0.1)
     raise RuntimeError(f"{child.name} not ready after {timeout:g} s:\n{child.tail()}")
+
+
+def run_main(main: Callable[[], int]) -> None:
+    """Exit with ``main()``'s status; on Ctrl-C or SIGTERM (also when started
+    in the background with SIGINT ignored) ``main`` unwinds, stopping every
+    child it started, and the exit status is 130 (143 for SIGTERM)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted; every process the benchmark started was stopped", file=sys.stderr)
+        sys.exit(130)

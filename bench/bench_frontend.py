@@ -39,7 +39,6 @@ import datetime
 import os
 import pathlib
 import platform
-import signal
 import subprocess
 import sys
 import time
@@ -51,7 +50,8 @@ import orjson
 
 from _check import answer, check_direct, compare
 from _loadgen import WRK_INSTALL, LoadResult, run_wrk, write_script, wrk_path
-from _procs import Child, LogDir, cpus_busy_seconds, free_port, http_request, listening_socket, wait_ready
+from _procs import (Child, LogDir, cpus_busy_seconds, free_port, http_request, listening_socket, run_main,
+                    wait_ready)
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROUTER_REQUIREMENT = "sglang-router>=0.3,<0.4"
@@ -489,10 +489,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown hop(s) {unknown}; choose from {list(HOPS)}", file=sys.stderr)
         return 2
-    # Unwind (stopping every child) on Ctrl-C or SIGTERM, even when started
-    # in the background with SIGINT ignored.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load_before = os.getloadavg()[0]
     wrk = wrk_path()
     if wrk is None:
@@ -551,8 +547,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("interrupted; every process the benchmark started was stopped", file=sys.stderr)
-        sys.exit(130)
+    run_main(main)

@@ -144,8 +144,9 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                        help="hypercorn worker class; asyncio measured faster than trio, uvloop (asyncio on "
                             "uvloop's loop) faster still (bench/) (default %(default)s)")
     serve.add_argument("--workers", type=_bounded(int, 1), default=1, dest="processes", metavar="WORKERS",
-                       help="frontend processes sharing the port; each keeps its own /stats "
-                            "(default %(default)s)")
+                       help="frontend processes sharing the port (on Linux each with a socket of its own, "
+                            "connections spread evenly; an inherited --fd socket is shared unless it has "
+                            "SO_REUSEPORT set); each keeps its own /stats (default %(default)s)")
     serve.add_argument("--pid-file", default=None, metavar="PATH",
                        help="write the server's process id here (removed at exit), for "
                             "kill -TERM $(cat PATH)")
@@ -308,7 +309,8 @@ def _serve(args: argparse.Namespace, d: Settings) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     try:
-        sock = socket.socket(fileno=args.fd) if args.fd is not None else listening_socket(args.host, args.port)
+        sock = (socket.socket(fileno=args.fd) if args.fd is not None
+                else listening_socket(args.host, args.port, reuse_port=args.processes > 1))
     except OSError as exc:
         where = f"fd {args.fd}" if args.fd is not None else f"{args.host}:{args.port}"
         return _fail(f"cannot listen on {where}: {exc.strerror or exc}")

@@ -17,6 +17,7 @@ import resource
 import signal
 import socket
 import ssl
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,20 +122,72 @@ class ServerTLS:
 LISTEN_BACKLOG = 2048
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
+#: Whether this platform spreads connections over sockets sharing a port
+#: (Linux's ``SO_REUSEPORT``: by a hash of each connection's addresses and
+#: ports; the BSDs' option of that name does not balance).
+REUSE_PORT = sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
+
+
+def listening_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """A listening TCP socket on ``host:port`` (``0``: any free port) that
     child processes can inherit, with a queue of :data:`LISTEN_BACKLOG`.
+    With ``reuse_port`` (and :data:`REUSE_PORT`) it lets
+    :func:`port_group` add sockets on its address; the address must still
+    be free of any other socket (checked by binding it first without the
+    option), so a second server on the port fails as it would without.
 
     Raises:
         OSError: the address cannot be bound.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    reuse_port = reuse_port and REUSE_PORT
+    if reuse_port:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+            port = probe.getsockname()[1]
+    return _listen(family, (host, port), reuse_port)
+
+
+def _listen(family: int, address: tuple, reuse_port: bool) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(LISTEN_BACKLOG)
-    sock.set_inheritable(True)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
     return sock
+
+
+def port_group(sock: socket.socket, n: int) -> list[socket.socket]:
+    """``n`` listening sockets for ``n`` processes, ``sock`` first. When
+    ``sock`` lets its port be reused (``SO_REUSEPORT`` set, on Linux: see
+    :func:`listening_socket`), the others are new sockets on its address and
+    each process accepts from its own: the kernel spreads connections over
+    them evenly, by hash. Otherwise ``sock`` ``n`` times: the processes share
+    one queue and take connections as the kernel wakes them, which favours
+    a few.
+
+    Raises:
+        OSError: a socket cannot be bound to the address.
+    """
+    if not (REUSE_PORT and sock.family in (socket.AF_INET, socket.AF_INET6)
+            and sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT)):
+        return [sock] * n
+    group = [sock]
+    try:
+        for _ in range(n - 1):
+            group.append(_listen(sock.family, sock.getsockname(), True))
+    except OSError:
+        for other in group[1:]:
+            other.close()
+        raise
+    return group
 
 
 def hypercorn_config(

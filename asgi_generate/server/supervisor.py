@@ -1,14 +1,20 @@
-"""``asgi-generate serve --workers N``: N frontend processes on one socket.
+"""``asgi-generate serve --workers N``: N frontend processes on one port.
 
 The supervisor binds the listening socket once, starts the embedded
 simulators once (when no worker is configured), then starts N children that
-serve the inherited socket with settings passed through ``ASGI_GENERATE_*``
+each serve a listening socket of their own on the port
+(:func:`asgi_generate.server.serving.port_group`: Linux's ``SO_REUSEPORT``,
+which spreads connections over the processes evenly; one shared socket
+elsewhere, or when an inherited ``--fd`` socket does not allow it), with
+settings passed through ``ASGI_GENERATE_*``
 variables (the simulators' specs and tokenizer among them; their process
 ids and roles on the child's command line, for ``/stats``). Children and
 simulators run in sessions of their own, so a terminal's Ctrl-C reaches only
 the supervisor, which forwards every SIGINT and SIGTERM to every child;
 each child runs its own graceful shutdown (and gets SIGTERM from the kernel
-should the supervisor die). The supervisor exits when all children have,
+should the supervisor die). The supervisor closes its copies of the
+sockets once the children hold them (a child that dies takes its socket out
+of the port's group). It exits when all children have,
 then stops the simulators. Each child keeps its own counters: ``/stats``
 answers for the process that took the connection (its ``pid`` says which).
 ``/metrics`` answers for all of them: the supervisor gives the children a
@@ -38,7 +44,7 @@ from prometheus_client import multiprocess
 from ..config import Settings
 from . import detach, embedded
 from ..ops.metrics import MULTIPROC_ENV
-from .serving import LOG_FORMAT, ServerTLS, held_signal, hold_signals
+from .serving import LOG_FORMAT, ServerTLS, held_signal, hold_signals, port_group
 
 
 def supervise(
@@ -54,13 +60,17 @@ def supervise(
     tls: ServerTLS | None = None,
     ready_fd: int | None = None,
 ) -> int:
-    """Run ``processes`` frontend children on ``sock`` until they exit
+    """Run ``processes`` frontend children on ``sock``'s port until they exit
     (embedded simulators for ``protocols`` when no worker is configured);
     returns the first non-zero exit code, else 0. ``log_level`` and
     ``access_log`` are the children's (see :func:`serving.hypercorn_config`),
     as is ``tls`` (HTTPS). With ``ready_fd`` (``serve --detach``'s pipe,
     :mod:`asgi_generate.server.detach`) each child announces on it once it
-    serves, and this process closes its own copy."""
+    serves, and this process closes its own copy.
+
+    Raises:
+        OSError: the children's sockets cannot be bound to ``sock``'s address.
+    """
 
     async def main() -> int:
         async with AsyncExitStack() as stack:
@@ -75,19 +85,25 @@ def supervise(
             metrics_dir = tempfile.mkdtemp(prefix="asgi-generate-metrics-")
             stack.callback(shutil.rmtree, metrics_dir, ignore_errors=True)
             env = {**os.environ, **fleet.to_env(), MULTIPROC_ENV: metrics_dir}
-            cmd = [sys.executable, "-m", "asgi_generate.server.supervisor", "--fd", str(sock.fileno()),
+            socks = port_group(sock, processes)
+            cmd = [sys.executable, "-m", "asgi_generate.server.supervisor",
                    "--worker-class", worker_class, "--shutdown-grace", str(shutdown_grace),
                    "--parent-pid", str(os.getpid()), "--log-level", log_level,
                    "--access-log" if access_log else "--no-access-log",
                    "--simulators", orjson.dumps([tuple(sim) for sim in simulators]).decode(),
                    *(tls.argv() if tls is not None else []),
                    *(["--ready-fd", str(ready_fd)] if ready_fd is not None else [])]
-            fds = [sock.fileno(), *([ready_fd] if ready_fd is not None else [])]
-            children = [
-                await anyio.open_process(cmd, pass_fds=fds, env=env, start_new_session=True,
-                                         stdin=subprocess.DEVNULL, stdout=None, stderr=None)
-                for _ in range(processes)
-            ]
+            ready = [ready_fd] if ready_fd is not None else []
+            try:
+                children = [
+                    await anyio.open_process([*cmd, "--fd", str(own.fileno())], pass_fds=[own.fileno(), *ready],
+                                             env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+                                             stdout=None, stderr=None)
+                    for own in socks
+                ]
+            finally:
+                for own in socks:
+                    own.close()  # the children's now
             if ready_fd is not None:
                 os.close(ready_fd)  # the children announce
             forwarded: set[int] = set()

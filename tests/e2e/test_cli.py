@@ -144,6 +144,42 @@ def test_several_processes_share_the_port_and_stop_on_sigterm():
         sim.stop()
 
 
+def test_processes_on_a_port_each_take_a_share_and_one_killed_leaves_the_rest_serving():
+    """``serve --workers 2 --port P`` on Linux: each process accepts on a
+    socket of its own (SO_REUSEPORT), so fresh connections spread over both
+    by the kernel's hash; the supervisor keeps no copy, so a process killed
+    outright takes its socket away and every new connection reaches the other."""
+    from asgi_generate.server.serving import REUSE_PORT
+
+    if not REUSE_PORT:
+        pytest.skip("SO_REUSEPORT spreads connections on Linux only")
+    sim = start_sim()
+    port = free_port()
+    proc, _ = _spawn(["asgi_generate", "serve", "--port", str(port), "--workers", "2", "--log-level", "warning",
+                      "--worker", f"sglang={sim.url}"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: len(children(proc.pid)) == 2 and _get_ok(url + "/health"), timeout=30)
+        served: dict[int, int] = {}
+        for _ in range(120):  # each a fresh connection, from its own source port
+            pid = httpx.get(url + "/stats", timeout=5).json()["pid"]
+            served[pid] = served.get(pid, 0) + 1
+        assert set(served) == set(children(proc.pid)) and min(served.values()) >= 30, served
+        victim, survivor = list(served)
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: _gone(victim), timeout=10)
+        assert {httpx.get(url + "/stats", timeout=5).json()["pid"] for _ in range(30)} == {survivor}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            sim.stop()
+
+
 def test_help_documents_every_serve_flag():
     out = subprocess.run([sys.executable, "-m", "asgi_generate", "serve", "--help"],
                          capture_output=True, text=True, check=True).stdout
