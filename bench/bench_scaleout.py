@@ -35,6 +35,7 @@ import datetime
 import os
 import pathlib
 import sys
+import threading
 
 import orjson
 
@@ -87,6 +88,25 @@ def per_process(port: int, processes: int, tries: int = 400) -> dict[int, int]:
     raise RuntimeError(f"only {len(seen)} of {processes} processes answered /stats in {tries} connections")
 
 
+def connections(pids: list[int], port: int) -> dict[int, int]:
+    """Established TCP connections to ``port`` that each of ``pids`` holds
+    (its descriptors' socket inodes matched against ``/proc/net/tcp``)."""
+    established = set()
+    for line in pathlib.Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port and fields[3] == "01":
+            established.add(fields[9])
+    out = {}
+    for pid in pids:
+        held = 0
+        for fd in pathlib.Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                held += target.startswith("socket:[") and target[8:-1] in established
+        out[pid] = held
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line flags."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -127,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     cores = {c for c in (args.sim_cpu, args.loadgen_cpu, *(hop_cpus or ())) if c is not None} \
         or os.sched_getaffinity(0)
     logs = LogDir("asgi-generate-scaleout-")
-    rows: list[tuple[str, str, LoadResult, dict[int, int] | None]] = []
+    rows: list[tuple[str, str, LoadResult, dict[int, int] | None, dict[int, int]]] = []
     with logs, contextlib.ExitStack() as stack:
         sim_port, sim = start_sim(stack, sim_cpus, logs.path)
         body = request_body(128, 16, False, 0)
@@ -144,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                 run_wrk(wrk, scripts[load], port, args.concurrency, args.warmup, loadgen, logs.path, meters)
                 settle(meters)
                 before = per_process(port, processes) if processes else None
+                held: dict[int, int] = {}
+                if before is not None and load == "keep-alive":  # the connections' split, a second in
+                    threading.Timer(1.0, lambda: held.update(connections(list(before), port))).start()
                 measured = run_wrk(wrk, scripts[load], port, args.concurrency, args.seconds, loadgen, logs.path,
                                    {**meters, "cores": lambda: cpus_busy_seconds(cores)})
                 settle(meters)
@@ -151,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 if before is not None:
                     after = per_process(port, processes)
                     served = {pid: after[pid] - before.get(pid, 0) for pid in after}
-                rows.append((label, load, measured, served))
+                rows.append((label, load, measured, served, held))
 
         print(f"{DIRECT}:", file=sys.stderr)
         cell(DIRECT, sim_port, {"sim": sim.cpu_seconds}, 0)
@@ -167,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.ExitStack() as hop_stack:
                 hop_stack.callback(child.stop)  # one hop at a time on the hop's cores
                 cell(label, port, {"sim": sim.cpu_seconds, "hop": child.cpu_seconds}, processes)
-        logs.ok = all(lr.bad == 0 and lr.errors == 0 for _, _, lr, _ in rows)
+        logs.ok = all(lr.bad == 0 and lr.errors == 0 for _, _, lr, *_ in rows)
     report(rows, args, load_before, router_version)
     return 0 if logs.ok else 1
 
@@ -185,22 +208,25 @@ def report(rows: list, args: argparse.Namespace, load_before: float, router_vers
           f"our worker class {args.worker_class}.")
     print()
     print("| path | load | req/s | through/direct | hop CPU ms/req | hop busy (cores) | req per busy core "
-          "| others (cores) | requests per process | max/min |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
-    direct = {load: lr for label, load, lr, _ in rows if label == DIRECT}
-    for label, load, lr, served in rows:
+          "| others (cores) | requests per process | max/min | connections per process |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|")
+    direct = {load: lr for label, load, lr, *_ in rows if label == DIRECT}
+    for label, load, lr, served, held in rows:
         hop = label != DIRECT
         cpu = lr.cpu_ms_per_request("hop") if hop else None
         per_core = lr.requests / lr.cpu["hop"] if hop and lr.cpu["hop"] > 0 else None
-        spread = " / ".join(f"{n:,}" for n in sorted(served.values(), reverse=True)) if served else "-"
+        spread = " / ".join(f"{served[pid]:,}" for pid in sorted(served, key=served.get, reverse=True)) \
+            if served else "-"
+        split = " / ".join(str(held.get(pid, 0)) for pid in sorted(served, key=served.get, reverse=True)) \
+            if held and served else "-"
         balance = _fmt(_ratio(max(served.values()), min(served.values())), 3) if served else "-"
         busy = f"{lr.busy('hop'):.2f}" if hop else "-"
         print(f"| {label} | {load} | {_fmt(lr.rps)} | {_fmt(_ratio(lr.rps, direct[load].rps)) if hop else '-'} "
               f"| {_fmt(cpu, 3) if hop else '-'} | {busy} "
-              f"| {_fmt(per_core) if hop else '-'} | {lr.others_busy():.2f} | {spread} | {balance} |")
-    bad = [(label, load, lr) for label, load, lr, _ in rows if lr.bad or lr.errors]
+              f"| {_fmt(per_core) if hop else '-'} | {lr.others_busy():.2f} | {spread} | {balance} | {split} |")
+    bad = [(label, load, lr) for label, load, lr, *_ in rows if lr.bad or lr.errors]
     print()
-    print(f"Every response checked by the wrk script: {sum(lr.ok + lr.bad for _, _, lr, _ in rows):,}, "
+    print(f"Every response checked by the wrk script: {sum(lr.ok + lr.bad for _, _, lr, *_ in rows):,}, "
           f"{'all good' if not bad else 'PROBLEMS:'}")
     for label, load, lr in bad:
         print(f"- {label} {load}: {lr.bad} bad ({lr.first_bad or 'n/a'}), {lr.errors} wrk errors")

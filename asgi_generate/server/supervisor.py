@@ -5,7 +5,9 @@ simulators once (when no worker is configured), then starts N children that
 each serve a listening socket of their own on the port
 (:func:`asgi_generate.server.serving.port_group`: Linux's ``SO_REUSEPORT``,
 which spreads connections over the processes evenly; one shared socket
-elsewhere, or when an inherited ``--fd`` socket does not allow it), with
+elsewhere, or when an inherited ``--fd`` socket does not allow it; with
+sockets of their own, the children also even out their keep-alive
+connections through a table they share, :mod:`asgi_generate.server.spread`), with
 settings passed through ``ASGI_GENERATE_*``
 variables (the simulators' specs and tokenizer among them; their process
 ids and roles on the child's command line, for ``/stats``). Children and
@@ -42,7 +44,7 @@ import orjson
 from prometheus_client import multiprocess
 
 from ..config import Settings
-from . import detach, embedded
+from . import detach, embedded, spread
 from ..ops.metrics import MULTIPROC_ENV
 from .serving import LOG_FORMAT, ServerTLS, held_signal, hold_signals, port_group
 
@@ -86,6 +88,7 @@ def supervise(
             stack.callback(shutil.rmtree, metrics_dir, ignore_errors=True)
             env = {**os.environ, **fleet.to_env(), MULTIPROC_ENV: metrics_dir}
             socks = port_group(sock, processes)
+            table = spread.Table.create(processes) if socks[0] is not socks[-1] else None
             cmd = [sys.executable, "-m", "asgi_generate.server.supervisor",
                    "--worker-class", worker_class, "--shutdown-grace", str(shutdown_grace),
                    "--parent-pid", str(os.getpid()), "--log-level", log_level,
@@ -93,13 +96,14 @@ def supervise(
                    "--simulators", orjson.dumps([tuple(sim) for sim in simulators]).decode(),
                    *(tls.argv() if tls is not None else []),
                    *(["--ready-fd", str(ready_fd)] if ready_fd is not None else [])]
-            ready = [ready_fd] if ready_fd is not None else []
+            shared = [*([ready_fd] if ready_fd is not None else []), *([table.fd] if table is not None else [])]
             try:
                 children = [
-                    await anyio.open_process([*cmd, "--fd", str(own.fileno())], pass_fds=[own.fileno(), *ready],
-                                             env=env, start_new_session=True, stdin=subprocess.DEVNULL,
-                                             stdout=None, stderr=None)
-                    for own in socks
+                    await anyio.open_process([*cmd, "--fd", str(own.fileno()),
+                                              *(table.argv(slot) if table is not None else [])],
+                                             pass_fds=[own.fileno(), *shared], env=env, start_new_session=True,
+                                             stdin=subprocess.DEVNULL, stdout=None, stderr=None)
+                    for slot, own in enumerate(socks)
                 ]
             finally:
                 for own in socks:
@@ -108,16 +112,18 @@ def supervise(
                 os.close(ready_fd)  # the children announce
             forwarded: set[int] = set()
 
-            async def reap(child) -> None:
+            async def reap(slot: int, child) -> None:
                 await child.wait()
-                # Its in-flight and per-worker gauges no longer count.
+                # Its in-flight and per-worker gauges, and its connections, no longer count.
                 multiprocess.mark_process_dead(child.pid, metrics_dir)
+                if table is not None:
+                    table.clear(slot)
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_forward_signals, children, forwarded)
                 async with anyio.create_task_group() as reapers:
-                    for child in children:
-                        reapers.start_soon(reap, child)
+                    for slot, child in enumerate(children):
+                        reapers.start_soon(reap, slot, child)
                 tg.cancel_scope.cancel()
             codes = [child.returncode for child in children]
         # A child that a forwarded stop reached before it could handle it
@@ -167,6 +173,7 @@ def _child() -> int:
     parser.add_argument("--access-log", action=argparse.BooleanOptionalAction, required=True)
     parser.add_argument("--simulators", type=orjson.loads, required=True)
     parser.add_argument("--ready-fd", type=int, default=None)
+    parser.add_argument("--connections", type=spread.from_flag, default=None)
     for flag in ("--certfile", "--keyfile", "--ca-certs", "--ciphers"):
         parser.add_argument(flag, default=None)
     hold_signals()  # a stop forwarded while this child still imports is kept, not fatal
@@ -176,6 +183,7 @@ def _child() -> int:
         return 0
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     app = App(Settings.from_env(), simulators=[embedded.Simulator(*sim) for sim in args.simulators])
+    spread.current = args.connections
     if args.ready_fd is not None:
         app.on_started = detach.announcer(args.ready_fd)
     tls = ServerTLS(args.certfile, args.keyfile, args.ca_certs, args.ciphers) if args.certfile else None

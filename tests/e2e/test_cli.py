@@ -144,6 +144,17 @@ def test_several_processes_share_the_port_and_stop_on_sigterm():
         sim.stop()
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, and SIGKILL if it has not exited within 20 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 def test_processes_on_a_port_each_take_a_share_and_one_killed_leaves_the_rest_serving():
     """``serve --workers 2 --port P`` on Linux: each process accepts on a
     socket of its own (SO_REUSEPORT), so fresh connections spread over both
@@ -170,14 +181,42 @@ def test_processes_on_a_port_each_take_a_share_and_one_killed_leaves_the_rest_se
         wait_until(lambda: _gone(victim), timeout=10)
         assert {httpx.get(url + "/stats", timeout=5).json()["pid"] for _ in range(30)} == {survivor}
     finally:
-        proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(20)
+            _stop(proc)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
             sim.stop()
+
+
+def test_processes_on_a_port_even_out_keep_alive_connections():
+    """32 keep-alive clients of ``serve --workers 2 --port P``: the kernel's
+    hash splits their connections unevenly (17/15 or worse, mostly); a
+    process over its share answers with ``connection: close`` (one
+    connection at a time), the client connects anew, until 16/16."""
+    from asgi_generate.server.serving import REUSE_PORT
+
+    if not REUSE_PORT:
+        pytest.skip("SO_REUSEPORT spreads connections on Linux only")
+    port = free_port()
+    proc, _ = _spawn(["asgi_generate", "serve", "--port", str(port), "--workers", "2", "--log-level", "warning",
+                      "--embedded-workers", "1"])
+    url = f"http://127.0.0.1:{port}"
+    clients = [httpx.Client(timeout=5) for _ in range(32)]
+    try:
+        wait_until(lambda: _get_ok(url + "/health"), timeout=30)
+        splits = []
+        for _ in range(30):  # bounded: rounds of one request per client, each on its kept connection
+            per_pid: dict[int, int] = {}
+            for client in clients:
+                pid = client.get(url + "/stats").json()["pid"]
+                per_pid[pid] = per_pid.get(pid, 0) + 1
+            splits.append(sorted(per_pid.values()))
+            if splits[-1] == [16, 16]:
+                break
+        assert splits[-1] == [16, 16], splits
+    finally:
+        for client in clients:
+            client.close()
+        _stop(proc)
 
 
 def test_help_documents_every_serve_flag():

@@ -232,12 +232,15 @@ def test_one_process_and_two_scrape_the_same_values_for_the_same_traffic():
     connection, to ``serve`` and to ``serve --workers 2`` (until both of its
     processes served some): the two scrapes hold the same series with the
     same values, timing aside, whichever process answers the scrape."""
-    sim = start_sim("sglang")
-    url = sim.url
-    one = start_frontend([f"sglang={url}"], worker_class="asyncio")
-    two = Proc("frontend-workers", ["serve", "--workers", "2", "--worker", f"sglang={url}",
-                                    "--health-interval", "0.2", "--log-level", "warning"], listening_socket(), "/health")
+    started = [start_sim("sglang")]
+    url = started[0].url
     try:
+        one = start_frontend([f"sglang={url}"], worker_class="asyncio")
+        started.append(one)
+        two = Proc("frontend-workers", ["serve", "--workers", "2", "--worker", f"sglang={url}", "--health-interval",
+                                        "0.2", "--log-level", "warning"], listening_socket(), "/health")
+        started.append(two)
+
         def traffic(fe: Proc) -> set[int]:
             """One round of requests; the process ids that served them."""
             pids = set()
@@ -264,7 +267,7 @@ def test_one_process_and_two_scrape_the_same_values_for_the_same_traffic():
         for _ in range(3):
             assert comparable(scrape(two.url)) == single
     finally:
-        for p in (one, two, sim):
+        for p in reversed(started):
             p.stop()
 
 

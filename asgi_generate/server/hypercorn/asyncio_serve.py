@@ -60,6 +60,7 @@ from hypercorn.protocol import ProtocolWrapper
 from hypercorn.utils import ShutdownError, parse_socket_addr, raise_shutdown, repr_socket_addr, wrap_app
 
 from . import fixes, graceful, lean as hypercorn_lean
+from .. import spread
 
 #: "Nothing": a coroutine that finished (:func:`_step`), a yield handed on (:class:`_Resumed`).
 _NOTHING = object()
@@ -140,6 +141,8 @@ class _Worker:
 
     def closed(self) -> None:
         self.open -= 1
+        if spread.current is not None:
+            spread.current.closed()
         if not self.open and self.emptied is not None and not self.emptied.done():
             self.emptied.set_result(None)
 
@@ -191,6 +194,8 @@ class Connection(asyncio.Protocol):
         self.transport = transport
         worker = self.worker
         worker.open += 1
+        if spread.current is not None:
+            spread.current.opened()
         sock = transport.get_extra_info("socket")
         try:
             client = parse_socket_addr(sock.family, sock.getpeername())

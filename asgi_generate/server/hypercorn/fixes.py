@@ -60,6 +60,11 @@ h2 connection carries other streams) closes the connection at once with a
 TCP reset (:func:`reset_on_close`): the kernel drops what it buffers for
 the client and a stuck write ends.
 
+One more for ``serve --workers N``: a process holding more than its share
+of its siblings' keep-alive connections asks the client of its next answer
+to close the connection after it, by hypercorn's own ``connection: close``
+at ``keep_alive_max_requests`` (:mod:`asgi_generate.server.spread`).
+
 One saving: hypercorn writes a response's head as soon as the app sends
 ``http.response.start``, then its body in a second write: two ``send``
 syscalls and two loopback segments per unary answer. For a response with a
@@ -93,10 +98,11 @@ import h11
 from hypercorn.events import RawData
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.protocol.h11 import H11Protocol
-from hypercorn.protocol.events import Body, EndBody
+from hypercorn.protocol.events import Body, EndBody, Response
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
+from .. import spread
 from ...request.watchdog import CONNECTION_RESET, DISCONNECT_WATCH
 
 #: Bytes of empty lines behind a request that do not stop hypercorn reading.
@@ -263,6 +269,10 @@ class _H11Protocol(H11Protocol):
         if self._head is not None and not isinstance(event, (Body, EndBody)):
             head, self._head = self._head, None  # no body came: the head alone
             await self.send(RawData(data=head))
+        elif (type(event) is Response and event.status_code >= 200 and spread.current is not None
+              and spread.current.ask_to_close()):
+            # hypercorn answers "connection: close" at its keep-alive limit
+            self.keep_alive_requests = self.config.keep_alive_max_requests
         await super().stream_send(event)
 
     async def _send_h11_event(self, event) -> None:

@@ -38,6 +38,7 @@ from hypercorn.trio import tcp_server as trio_tcp_server
 from hypercorn.utils import parse_socket_addr
 
 from . import fixes, lean as hypercorn_lean
+from .. import spread
 from ...workers.sockets import recv_nowait
 
 #: Bytes asked of one socket read (hypercorn's ``MAX_RECV``).
@@ -76,6 +77,9 @@ class TCPServer(trio_tcp_server.TCPServer):
         else:
             alpn, sock, ssl = "http/1.1", stream.socket, False
         self._nursery = trio.lowlevel.current_task().parent_nursery
+        table = spread.current
+        if table is not None:
+            table.opened()
         try:
             client = parse_socket_addr(sock.family, sock.getpeername())
             server = parse_socket_addr(sock.family, sock.getsockname())
@@ -118,6 +122,8 @@ class TCPServer(trio_tcp_server.TCPServer):
             if self.protocol is not None:
                 await self.protocol.handle(Closed())
         finally:
+            if table is not None:
+                table.closed()
             await self._close()
 
     async def protocol_send(self, event: Event) -> None:
