@@ -187,7 +187,8 @@ def test_processes_on_a_port_each_take_a_share_and_one_killed_leaves_the_rest_se
             sim.stop()
 
 
-def test_processes_on_a_port_even_out_keep_alive_connections():
+@pytest.mark.parametrize("worker_class", ["asyncio", "trio"])
+def test_processes_on_a_port_even_out_keep_alive_connections(worker_class):
     """32 keep-alive clients of ``serve --workers 2 --port P``: the kernel's
     hash splits their connections unevenly (17/15 or worse, mostly); a
     process over its share answers with ``connection: close`` (one
@@ -198,7 +199,7 @@ def test_processes_on_a_port_even_out_keep_alive_connections():
         pytest.skip("SO_REUSEPORT spreads connections on Linux only")
     port = free_port()
     proc, _ = _spawn(["asgi_generate", "serve", "--port", str(port), "--workers", "2", "--log-level", "warning",
-                      "--embedded-workers", "1"])
+                      "--embedded-workers", "1", "--worker-class", worker_class])
     url = f"http://127.0.0.1:{port}"
     clients = [httpx.Client(timeout=5) for _ in range(32)]
     try:
