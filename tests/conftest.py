@@ -13,6 +13,9 @@ import pytest
 
 from support import start_frontend, start_sim
 
+# No process left behind: a leak fails the run, naming who started it.
+pytest_plugins = ["leak_guard"]
+
 
 class ProcessInUnitTest(RuntimeError):
     """A test not marked ``e2e`` tried to start a process."""

@@ -89,7 +89,10 @@ class Proc:
     """A server process on ``url``; :meth:`stop` ends it. Its ``TMPDIR`` is
     a folder of its own (:attr:`tmp`), so a test that looks at what a server
     left in the temporary folder never sees another test's or another
-    suite's files."""
+    suite's files. :attr:`live` holds every one started and not yet stopped
+    (tests/leak_guard.py stops, and reports, what an owner left running)."""
+
+    live: set[Proc] = set()
 
     def __init__(self, name: str, args: list[str], sock: socket.socket, health: str, verify: str | None = None,
                  env: dict[str, str] | None = None, module: str = "asgi_generate") -> None:
@@ -118,6 +121,7 @@ class Proc:
             stderr=subprocess.STDOUT,
             env=env,
         )
+        Proc.live.add(self)
         sock.close()
         try:
             self.wait_ready(health)
@@ -153,15 +157,20 @@ class Proc:
         self.proc.send_signal(sig)
 
     def stop(self) -> None:
-        """Terminate (then kill after 10 s) and reap the process."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
+        """Terminate (then kill after 10 s) and reap the process; killed
+        at once if the wait is interrupted (a test's timeout)."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.terminate()
                 self.proc.wait(10)
-            except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait(10)
-        self._log.close()
+            Proc.live.discard(self)
+            self._log.close()
 
 
 def start_sim(

@@ -55,28 +55,31 @@ GEN = "/inference/v1/generate"
 JSON = {"content-type": "application/json"}
 MAX_MODEL_LEN = 32768
 HTTP = httpx.Client(timeout=30)
-SIMS: dict[str, object] = {}
 
 
 # Session scope: an xdist worker may come back to this module after another
 # (--dist worksteal), and a module teardown would have closed what it reuses.
-@pytest.fixture(scope="session", autouse=True)
-def _stop_all():
-    yield
-    for sim in SIMS.values():
-        sim.stop()
-    HTTP.close()
+@pytest.fixture(scope="session")
+def version_sims():
+    """A simulator playing each vLLM version, by version."""
+    sims = {}
+    try:
+        for version in VLLM_VERSIONS:
+            sims[version] = start_sim("vllm", extra=["--engine-version", version])
+        yield sims
+    finally:
+        for sim in sims.values():
+            sim.stop()
+        HTTP.close()
 
 
 @pytest.fixture(scope="module", params=[(v, wc) for v in VLLM_VERSIONS for wc in ("trio", "asyncio")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
-def served(request):
+def served(request, version_sims):
     """``(version, simulator, frontend)``: a simulator playing ``version``
     (shared by both worker classes) and a frontend in front of it alone."""
     version, worker_class = request.param
-    if version not in SIMS:
-        SIMS[version] = start_sim("vllm", extra=["--engine-version", version])
-    sim = SIMS[version]
+    sim = version_sims[version]
     front = start_frontend([f"vllm={sim.url}"], worker_class=worker_class)
     yield version, sim, front
     front.stop()
