@@ -384,11 +384,12 @@ def tcp_states(port: int, peer_port: int) -> list[str]:
     return states
 
 
-async def asgi_json(app, method: str, path: str, body: dict | None = None) -> dict | None:
-    """One request to the ASGI ``app`` in process (no lifespan), within 5 s;
-    its JSON answer (``None`` for an empty body)."""
-    sent = [{"type": "http.request", "body": orjson.dumps(body) if body is not None else b"", "more_body": False}]
-    out: list[bytes] = []
+async def asgi_request(app, method: str, path: str, body: bytes = b"", query: bytes = b"",
+                       headers: list[tuple[bytes, bytes]] = ()) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One request to the ASGI ``app`` in process (no lifespan; a JSON
+    content type, then ``headers``), within 5 s; its status, headers and body."""
+    sent = [{"type": "http.request", "body": body, "more_body": False}]
+    out: list[dict] = []
 
     async def receive() -> dict:
         if sent:
@@ -396,14 +397,19 @@ async def asgi_json(app, method: str, path: str, body: dict | None = None) -> di
         await anyio.sleep_forever()
 
     async def send(message: dict) -> None:
-        if message["type"] == "http.response.body":
-            out.append(message.get("body", b""))
+        out.append(message)
 
-    scope = {"type": "http", "method": method, "path": path, "query_string": b"",
-             "headers": [(b"content-type", b"application/json")]}
+    scope = {"type": "http", "method": method, "path": path, "query_string": query, "root_path": "",
+             "headers": [(b"content-type", b"application/json"), *headers]}
     with anyio.fail_after(5):
         await app(scope, receive, send)
-    raw = b"".join(out)
+    return out[0]["status"], dict(out[0]["headers"]), b"".join(m.get("body", b"") for m in out[1:])
+
+
+async def asgi_json(app, method: str, path: str, body: dict | None = None) -> dict | None:
+    """:func:`asgi_request` with a JSON object (or none); its JSON answer
+    (``None`` for an empty body)."""
+    _, _, raw = await asgi_request(app, method, path, orjson.dumps(body) if body is not None else b"")
     return orjson.loads(raw) if raw else None
 
 

@@ -68,7 +68,7 @@ class FakeContext:
     """A :class:`RequestContext` of plain objects; every abort is acked."""
 
     def __init__(self, router: Router, **settings) -> None:
-        self.settings = Settings(sse_keepalive=0, **settings)
+        self.settings = Settings(**{"sse_keepalive": 0, **settings})
         self.router = router
         self.recorder = FakeRecorder()
         self.watchdog = Watchdog()

@@ -1,0 +1,177 @@
+"""The admin routes (asgi_generate/ops/admin.py, fanout.py) in process: the
+starlette router called as an ASGI app, over a real router whose workers
+are fake connection pools answering from a script (no socket, no process):
+the admin token, the fan-out to every worker that is up, a named worker,
+the combined answer, skipped workers, pauses and cache resets."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from asgi_generate.config import Settings
+from asgi_generate.ops import admin
+from asgi_generate.ops.fanout import SKIPPED_HEADER, WORKER_HEADER, target
+from asgi_generate.workers.http import ConnectFailed
+from asgi_generate.workers.router import Router
+from starlette.requests import Request
+
+from support import asgi_request
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class Response:
+    def __init__(self, status: int, body: bytes, content_type: bytes | None = b"application/json") -> None:
+        self.status, self.body, self.content_type = status, body, content_type
+
+    async def read(self, deadline: float | None = None) -> bytes:
+        return self.body
+
+
+class Pool:
+    """A worker's pool: answers every call with ``answer`` (a Response, an
+    exception its head raises, or a function of (method, target, body)
+    returning either); ``calls`` lists (method, target, body)."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.calls: list[tuple[bytes, bytes, bytes]] = []
+
+    def request(self, method, target, body, headers, head_deadline=None):
+        self.calls.append((method, target, body))
+        pool = self
+
+        class Exchange:
+            async def __aenter__(self):
+                answer = pool.answer(method, target, body) if callable(pool.answer) else pool.answer
+                if isinstance(answer, BaseException):
+                    raise answer
+                return answer
+
+            async def __aexit__(self, *exc) -> None:
+                return None
+
+        return Exchange()
+
+
+class Ctx:
+    """The app as the admin routes see it (fanout.AdminContext)."""
+
+    def __init__(self, router: Router, **settings) -> None:
+        self.settings = Settings(**settings)
+        self.router = router
+        self.codecs: list = []
+        self.inflight: dict = {}
+
+    async def abort_engine_request(self, worker, engine_id: str) -> str:
+        return "acked"
+
+
+def fleet(*answers, protocol: str = "sglang") -> tuple[Router, list[Pool]]:
+    """A router with one worker per answer (``None``: a worker that is down)."""
+    router = Router([(protocol, f"http://127.0.0.1:{9 + i}") for i in range(len(answers))])
+    pools = []
+    for w, answer in zip(router.workers, answers):
+        w.pool = Pool(answer)
+        w.healthy = answer is not None
+        w.last_error = None if answer is not None else "connection refused"
+        pools.append(w.pool)
+    return router, pools
+
+
+async def call(ctx: Ctx, method: str, path: str, body: bytes = b"", query: bytes = b"",
+               headers: list[tuple[bytes, bytes]] = ()) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One request to the admin router; its status, headers and body."""
+    return await asgi_request(admin.build(ctx), method, path, body, query, headers)
+
+
+OK = Response(200, b'{"success": true}')
+
+
+@pytest.mark.anyio
+async def test_a_call_goes_to_every_worker_that_is_up_and_answers_the_first_ones_answer():
+    router, pools = fleet(OK, Response(200, b'{"success": true, "w": 1}'), None)
+    status, headers, body = await call(Ctx(router), "POST", "/flush_cache", b"{}")
+    assert (status, body) == (200, b'{"success": true}')
+    assert headers[SKIPPED_HEADER.encode()] == b"w2"
+    assert [p.calls for p in pools] == [[(b"POST", b"/flush_cache", b"{}")]] * 2 + [[]]
+
+
+@pytest.mark.anyio
+async def test_one_worker_failing_makes_a_502_listing_every_worker():
+    router, _ = fleet(OK, Response(500, b'{"error": "oom"}'), ConnectFailed("connection refused"))
+    status, headers, body = await call(Ctx(router), "POST", "/flush_cache")
+    assert status == 502
+    assert orjson.loads(body) == [
+        {"worker": "w0", "status": 200, "body": {"success": True}},
+        {"worker": "w1", "status": 500, "body": {"error": "oom"}},
+        {"worker": "w2", "status": None, "skipped": True, "body": "down: connection refused"},
+    ]
+    assert headers[SKIPPED_HEADER.encode()] == b"w2"
+    assert not router.workers[2].healthy  # a refused call marks it down, as a request's leg would
+
+
+@pytest.mark.anyio
+async def test_every_worker_down_is_a_503_naming_each():
+    router, _ = fleet(None, None)
+    status, _, body = await call(Ctx(router), "POST", "/pause_generation")
+    assert (status, orjson.loads(body)) == (503, {"error": {
+        "message": "no worker of protocol 'sglang' is up: w0 (connection refused), w1 (connection refused)"}})
+
+
+@pytest.mark.anyio
+async def test_a_named_worker_alone_is_called_and_the_parameter_is_not_sent_on():
+    router, pools = fleet(OK, OK)
+    status, _, _ = await call(Ctx(router), "GET", "/flush_cache", query=b"worker=w1&x=1")
+    assert status == 200
+    assert [p.calls for p in pools] == [[], [(b"GET", b"/flush_cache?x=1", b"")]]
+    assert (await call(Ctx(router), "GET", "/flush_cache", headers=[(WORKER_HEADER.encode(), b"w0")]))[0] == 200
+    assert len(pools[0].calls) == 1
+    status, _, body = await call(Ctx(router), "GET", "/flush_cache", query=b"worker=w7")
+    assert (status, orjson.loads(body)) == (404, {"error": {"message": "no worker 'w7' of protocol 'sglang'"}})
+
+
+@pytest.mark.anyio
+async def test_the_admin_token_is_required_when_set():
+    router, pools = fleet(OK)
+    ctx = Ctx(router, admin_token="s3cret")
+    status, headers, _ = await call(ctx, "POST", "/flush_cache")
+    assert (status, headers[b"www-authenticate"], pools[0].calls) == (401, b"Bearer", [])
+    assert (await call(ctx, "POST", "/flush_cache", headers=[(b"authorization", b"Bearer wrong")]))[0] == 401
+    assert (await call(ctx, "POST", "/flush_cache", headers=[(b"authorization", b"bearer s3cret")]))[0] == 200
+
+
+@pytest.mark.anyio
+async def test_an_aborting_pause_begins_before_the_call_and_a_resume_ends_it():
+    router, _ = fleet(OK)
+    ctx = Ctx(router)
+    epoch = router.pauses.epoch("sglang")
+    assert (await call(ctx, "POST", "/pause_generation", b'{"mode": "retract"}'))[0] == 200
+    assert router.pauses.epoch("sglang") == epoch  # not an aborting pause
+    assert (await call(ctx, "POST", "/pause_generation", b"{}"))[0] == 200
+    assert (router.pauses.epoch("sglang"), router.pauses.paused("sglang")) == (epoch + 1, True)
+    assert (await call(ctx, "POST", "/continue_generation"))[0] == 200
+    assert (router.pauses.epoch("sglang"), router.pauses.paused("sglang")) == (epoch + 1, False)
+
+
+@pytest.mark.anyio
+async def test_info_is_the_first_healthy_sglang_workers_answer_verbatim():
+    info = Response(200, b'{"model_path": "m", "is_generation": true}')
+    router, pools = fleet(None, info)
+    status, _, body = await call(Ctx(router), "GET", "/get_model_info")
+    assert (status, body, pools[1].calls) == (200, info.body, [(b"GET", b"/get_model_info", b"")])
+    status, _, body = await call(Ctx(fleet(None)[0]), "GET", "/server_info")
+    assert (status, orjson.loads(body)) == (503, {"error": {"message": "no healthy worker for protocol 'sglang'"}})
+
+
+def test_target_drops_only_the_worker_parameter():
+    def request(query: bytes) -> Request:
+        return Request({"type": "http", "method": "GET", "path": "/pause", "query_string": query, "headers": []})
+
+    assert target(request(b"mode=abort&worker=w1")) == b"/pause?mode=abort"
+    assert target(request(b"worker=w1")) == b"/pause"
+    assert target(request(b"mode=keep&clear_cache=")) == b"/pause?mode=keep&clear_cache="
