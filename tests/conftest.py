@@ -6,6 +6,7 @@ e2e test started first is already up, so the ``not e2e`` run is the check."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 
@@ -38,7 +39,25 @@ def _guarded(start):
     return start_or_refuse
 
 
+def _one_default_ssl_context() -> None:
+    """Every httpx client the tests make with the default ``verify=True``
+    (each ``httpx.get``/``post``/``stream``: thousands a run) shares one SSL
+    context: making one loads certifi's CA bundle, ~30 ms of CPU each."""
+    from httpx._transports import default
+
+    make = default.create_ssl_context
+    shared = functools.cache(lambda trust_env: make(verify=True, trust_env=trust_env))
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is True and cert is None:
+            return shared(trust_env)
+        return make(verify=verify, cert=cert, trust_env=trust_env)
+
+    default.create_ssl_context = create_ssl_context
+
+
 def pytest_configure(config):
+    _one_default_ssl_context()
     # Every way a test, or the server code it runs in-process, starts a
     # process: subprocess (and so asyncio's, trio's and anyio's process
     # APIs, which all make a subprocess.Popen), fork and posix_spawn.
