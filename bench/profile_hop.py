@@ -15,6 +15,14 @@ SSE 256 events), every answer checked for status and size, and reports:
   for the measured requests only: calls per request (exact) and each
   function's share of the profiled time (own and cumulative).
 
+``--trace on`` serves with ``--trace-file`` (a JSONL file in the run's
+folder), ``--trace parsers`` also with bench_tracing.py's tokenizer and
+parsers: the counts then include the trace writer's thread, which is given
+a second after the warm-up and after the measured requests to write their
+records (the figure of bench_tracing.py's ``on`` and ``parsers`` modes,
+without the load's noise). ``--input-len`` and ``--unary-tokens`` set the
+request's shape.
+
 Usage: ``.venv/bin/python bench/profile_hop.py --hop asyncio --workload
 unary --tool callgrind`` (see ``--help``).
 """
@@ -39,7 +47,22 @@ import h11
 from _procs import Child, http_request, listening_socket, wait_ready
 from bench_frontend import HOPS, python_args, request_body, start_sim
 
+from asgi_generate.assets import TOKENIZER_PATH
+
 HERE = pathlib.Path(__file__).resolve().parent
+#: Seconds the trace writer is given to write what it holds (it gathers
+#: records for 0.1 s; a hop under callgrind runs about 50x slower).
+TRACE_SETTLE_S = 1.0
+
+
+def trace_args(trace: str, log_dir: pathlib.Path) -> list[str]:
+    """``serve`` arguments for ``--trace`` ``off``, ``on`` or ``parsers``."""
+    if trace == "off":
+        return []
+    args = ["--trace-file", str(log_dir / "trace.jsonl")]
+    if trace == "parsers":
+        args += ["--tokenizer", str(TOKENIZER_PATH), "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes"]
+    return args
 
 
 async def _one_connection(port: int, body: bytes, count: int, want_bytes: int, failures: list[str]) -> None:
@@ -124,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--unary-tokens", type=int, default=16)
     p.add_argument("--sse-tokens", type=int, default=256)
+    p.add_argument("--trace", choices=("off", "on", "parsers"), default="off",
+                   help="request-end tracing: off, on (JSONL file), on with the tokenizer and both parsers")
     args = p.parse_args(argv)
     stream = args.workload == "sse"
     requests = args.requests or (40 if stream else 300)
@@ -144,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         (log_dir / "unary.json").write_bytes(unary_answer)
         (log_dir / "sse.txt").write_bytes(sse_answer)
         cmd = python_args(args.hop, sim_port, sock.fileno(), log_dir)
+        if args.trace != "off":
+            if args.hop.startswith("floor"):
+                p.error("--trace is for asgi-generate's hops")
+            cmd += trace_args(args.trace, log_dir)
         if args.tool == "callgrind":
             argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-instr=no",
                     "--collect-atstart=yes", sys.executable, *cmd]
@@ -155,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(hop.stop, 60.0)
         wait_ready(hop, port, "GET", "/health", timeout=600.0)
         failures = send_requests(port, body, warmup, args.concurrency, want)
+        if args.trace != "off":
+            time.sleep(TRACE_SETTLE_S)
         if args.tool == "callgrind":
             subprocess.run(["callgrind_control", "--zero", str(hop.pid)], check=True, capture_output=True)
         else:
@@ -163,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         failures += send_requests(port, body, requests, args.concurrency, want)
         elapsed = time.monotonic() - started
+        if args.trace != "off":
+            time.sleep(TRACE_SETTLE_S)
         if args.tool == "callgrind":
             subprocess.run(["callgrind_control", "--dump", str(hop.pid)], check=True, capture_output=True)
             dumps = sorted(log_dir.glob("callgrind.out*"), key=lambda f: f.stat().st_mtime)
@@ -172,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             deadline = time.monotonic() + 30
             while not out.exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
-    print(f"hop {args.hop}, {args.workload}, {args.tool}: {requests} requests after {warmup} warm-up, "
+    print(f"hop {args.hop}, {args.workload}, {args.tool}, trace {args.trace}, input {args.input_len} tokens: "
+          f"{requests} requests after {warmup} warm-up, "
           f"{args.concurrency} connections, {elapsed:.1f} s; 1-min load average {os.getloadavg()[0]:.2f}; "
           f"failures: {len(failures)}{' (' + failures[0] + ')' if failures else ''}")
     (callgrind_report if args.tool == "callgrind" else cprofile_report)(out, requests, args.top)

@@ -30,6 +30,7 @@ except ImportError as exc:  # a checkout updated without reinstalling: say what 
                       f"run `pip install -r requirements.txt` (or `pip install -e .`) again ({exc})") from exc
 
 SEED = 1337  # the C loop's (_hashchain.c), named here for readers and tests
+_LITTLE = sys.byteorder == "little"
 
 
 class TokenIdOutOfRange(ValueError):
@@ -68,6 +69,8 @@ def block_hashes_json(token_ids: Sequence[int], block_size: int) -> bytes:
 
     Args and Raises: as :func:`block_hashes`.
     """
+    if type(token_ids) is array.array and token_ids.typecode == "I" and _LITTLE:
+        return chain_json(token_ids, block_size)  # a codec's packed prompt, as is
     return chain_json(_packed(token_ids), block_size)
 
 
@@ -76,7 +79,7 @@ def _packed(token_ids: Sequence[int]) -> array.array:
         packed = as_u32(token_ids)
     except OverflowError:
         raise TokenIdOutOfRange("a token id is outside [0, 2**32)") from None
-    if sys.byteorder == "big":
+    if not _LITTLE:
         packed = array.array("I", packed)
         packed.byteswap()
     return packed

@@ -52,6 +52,11 @@ class ToolCallParser:
     """
 
     kind = "tool_call"
+    #: Text that every tool call of the format contains (Hermes:
+    #: ``<tool_call>``), or ``None``. A parser that sets it promises that
+    #: :meth:`tool_call_names` finds no call in text without it, so the
+    #: analyzer need not decode an answer whose tokens cannot start it.
+    marker: str | None = None
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer

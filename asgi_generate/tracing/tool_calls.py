@@ -32,6 +32,8 @@ class HermesToolCallParser(ToolCallParser):
             token (a model without them cannot emit this format).
     """
 
+    marker = "<tool_call>"
+
     def __init__(self, tokenizer: Tokenizer) -> None:
         super().__init__(tokenizer)
         marker_id(tokenizer, "<tool_call>", "hermes")

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from asgi_generate.sdk.codec import Attempt
 from asgi_generate.sdk.token_ids import pack_token_ids
-from asgi_generate.tracing._hashchain import NOGIL_BYTES, chain, chain_json
+from asgi_generate.tracing._hashchain import NOGIL_BYTES, chain, chain_json, loops, use_loop
 from asgi_generate.tracing.hashing import SEED, TokenIdOutOfRange, block_hashes, block_hashes_json
 
 token_ids = st.lists(st.integers(0, 2**32 - 1), max_size=300)
@@ -173,6 +173,36 @@ def test_the_c_loop_reads_any_buffer_of_little_endian_u32(ids, bs):
     assert chain(memoryview(data), bs) == expected
     assert chain_json(data, bs) == orjson.dumps(expected)
     assert block_hashes_json(ids, bs) == orjson.dumps(expected)
+
+
+@pytest.mark.parametrize("loop", loops())
+@settings(max_examples=100, deadline=None)
+@given(ids=token_ids, bs=block_sizes)
+def test_every_xxh3_loop_gives_the_definitions_hashes(loop, ids, bs):
+    before = use_loop(loop)
+    try:
+        assert chain(array.array("I", ids), bs) == by_hand(ids, bs)
+        assert chain_json(array.array("I", ids), bs) == orjson.dumps(by_hand(ids, bs))
+    finally:
+        use_loop(before)
+
+
+def test_loops_are_named_best_first_and_unknown_ones_refused():
+    assert loops()[-1] == "baseline"
+    assert set(loops()) <= {"avx2", "baseline"}
+    with pytest.raises(ValueError, match="no XXH3 loop 'sse9'"):
+        use_loop("sse9")
+    assert use_loop(loops()[0]) == loops()[0]  # the best one is in use
+
+
+def test_the_json_text_of_short_hashes():
+    # One-token blocks whose hashes have 16 down to 11 digits (found by search):
+    # below 10**16 the digits take the general path.
+    ids = [1202, 8774, 282082, 5879261, 15660530, 44994277]
+    hashes = [by_hand([i], 1)[0] for i in ids]
+    assert [len(str(h)) for h in hashes] == [16, 15, 14, 13, 12, 11]
+    for i, h in zip(ids, hashes):
+        assert chain_json(array.array("I", [i]), 1) == b"[%d]" % h
 
 
 def test_the_json_text_of_extreme_hashes():

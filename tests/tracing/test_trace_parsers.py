@@ -4,11 +4,13 @@ finish-reason rewrite rules, and parser loading (built in and plugins)."""
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, models
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models
 
 from asgi_generate.assets import TOKENIZER_PATH
 from asgi_generate.tracing import parsers
-from asgi_generate.tracing.analysis import Analysis, OutputAnalyzer, final_finish_reason
+from asgi_generate.tracing.analysis import Analysis, OutputAnalyzer, final_finish_reason, ids_starting
 from asgi_generate.tracing.parser_api import ParserError, ReasoningParser
 from asgi_generate.tracing.parsers import load_parser
 from asgi_generate.tracing.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
@@ -124,6 +126,46 @@ def test_analyzer_decodes_only_the_answer_once():
     assert counting.decodes == 1
     # All reasoning: no answer to decode.
     assert a.analyze(R1_TOOL[:10], finished=True) == Analysis(10, [])
+    assert counting.decodes == 1
+
+
+def test_the_ids_that_can_start_a_marker():
+    ids = ids_starting(TOK, "<tool_call>")
+    assert TOK.token_to_id("<tool_call>") in ids
+    # Tokens whose '<' goes on otherwise cannot start it.
+    assert not {TOK.token_to_id(t) for t in ("<think>", "</tool_call>", "<|im_end|>")} & ids
+    one = {i for i in range(TOK.get_vocab_size()) if "<" in TOK.decode([i], skip_special_tokens=False)}
+    assert ids < one
+    # Not a byte-level decoder, or not printable ASCII: any id can.
+    wordpiece = Tokenizer(models.WordLevel({"a": 0, "<": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    wordpiece.decoder = decoders.WordPiece()
+    assert ids_starting(wordpiece, "<tool_call>") is None
+    assert ids_starting(TOK, "<é>") is None and ids_starting(TOK, "< x") is None and ids_starting(TOK, "") is None
+
+
+MARKER_PIECES = [TOK.token_to_id(t) for t in ("<tool_call>", "<|im_end|>", "<think>")] + enc("<tool_call>")
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, TOK.get_vocab_size() - 1), st.sampled_from(MARKER_PIECES)), max_size=40))
+def test_an_answer_without_those_ids_decodes_without_the_marker(ids):
+    # Byte-level pieces that are halves of characters included.
+    if ids_starting(TOK, "<tool_call>").isdisjoint(ids):
+        assert "<tool_call>" not in TOK.decode(ids, skip_special_tokens=False)
+
+
+def test_analyzer_decodes_no_answer_that_cannot_hold_the_marker():
+    a = OutputAnalyzer(str(TOKENIZER_PATH), "qwen3", "hermes")
+    counting = CountingTokenizer(a.tokenizer)
+    a.tokenizer = counting
+    plain = enc("Paris is the capital of France.</b> 17 * 23 <= 391<|im_end|>")
+    assert a.analyze(QWEN3_THINKING, finished=True) == Analysis(37, [])
+    assert a.analyze(plain, finished=True) == Analysis(0, [])
+    assert counting.decodes == 0
+    # The marker spelled by ordinary tokens is decoded and parsed as the marker.
+    spelled = enc("<") + enc("tool_call>") + enc('\n{"name": "f"}\n</tool_call>')
+    assert TOK.token_to_id("<tool_call>") not in spelled
+    assert a.analyze(spelled, finished=True) == Analysis(0, ["f"])
     assert counting.decodes == 1
 
 

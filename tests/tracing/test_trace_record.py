@@ -17,7 +17,7 @@ from asgi_generate.request.state import fail
 from asgi_generate.sdk.codec import Attempt
 from asgi_generate.tracing.analysis import OutputAnalyzer
 from asgi_generate.tracing.hashing import block_hashes
-from asgi_generate.tracing.record import build_record, session_fields
+from asgi_generate.tracing.record import _ms, build_record, session_fields
 from asgi_generate.tracing.schema import ATTEMPT_OUTCOMES, STATUSES, schema_json
 from asgi_generate.tracing.offline.validate import check_records, read_jsonl
 
@@ -96,6 +96,25 @@ def test_the_block_hashes_text_is_what_orjson_makes_of_the_list():
     listed = {**rec, "replay": {**rec["replay"], "block_hashes": block_hashes(list(range(10, 140)), 64)}}
     assert orjson.dumps(rec) == orjson.dumps(listed)
     assert orjson.loads(orjson.dumps(rec)) == listed  # u64 hashes survive JSON
+
+
+# Durations in seconds as the handler measures them, ties of the third
+# decimal of a millisecond (exact and one float off either side), and any float.
+durations = st.one_of(
+    st.floats(0, 100),
+    st.integers(0, 10**9).map(lambda us: us / 1e6),
+    st.integers(0, 10**9).map(lambda us: (us + 0.5) / 1e6),
+    st.builds(lambda us, k: math.nextafter((us + 0.5) / 1e6, k), st.integers(0, 10**9), st.sampled_from([0, 1])),
+    st.floats(allow_nan=True, allow_infinity=True),
+)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(durations)
+def test_milliseconds_are_round_to_three_decimals_exactly(seconds):
+    expected = round(seconds * 1000.0, 3)
+    got = _ms(seconds)
+    assert repr(got) == repr(expected)  # -0.0 and nan included
 
 
 def test_minimal_record_has_no_empty_fields():
