@@ -120,12 +120,16 @@ def ensure_router(venv: pathlib.Path) -> tuple[str, str]:
     return str(python), out.stdout.strip()
 
 
-def start_sim(stack: contextlib.ExitStack, cpus: set[int] | None, log_dir: pathlib.Path) -> tuple[int, Child]:
-    """Start the simulator with zero TTFT/ITL; return its port and process."""
+def start_sim(stack: contextlib.ExitStack, cpus: set[int] | None, log_dir: pathlib.Path,
+              context_length: int | None = None) -> tuple[int, Child]:
+    """Start the simulator with zero TTFT/ITL (and ``--context-length`` when
+    given); return its port and process."""
     sock = listening_socket()
     port = sock.getsockname()[1]
     argv = [sys.executable, "-m", "asgi_generate", "sim", "--protocol", "sglang",
             "--fd", str(sock.fileno()), "--ttft-ms", "0", "--itl-ms", "0"]
+    if context_length is not None:
+        argv += ["--context-length", str(context_length)]
     sim = Child("sim", argv, cpus, log_dir, pass_fds=(sock.fileno(),))
     sock.close()
     stack.callback(sim.stop)

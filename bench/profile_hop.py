@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="asgi-generate-profile-"))
     out = log_dir / ("callgrind.out" if args.tool == "callgrind" else "profile.pstats")
     with contextlib.ExitStack() as stack:
-        sim_port, _sim = start_sim(stack, None, log_dir)
+        sim_port, _sim = start_sim(stack, None, log_dir,
+                                   context_length=args.input_len + max(args.unary_tokens, args.sse_tokens) + 1024)
         sse_answer = http_request(sim_port, "POST", "/generate", request_body(args.input_len, args.sse_tokens,
                                                                             True, 0))[1]
         unary_answer = http_request(sim_port, "POST", "/generate", request_body(args.input_len,
