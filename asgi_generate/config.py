@@ -298,6 +298,11 @@ class Settings:
         help="kv-aware policy: seconds a routed request's blocks count as held on its worker (its siblings "
              "follow it before the engine's events arrive) and, until the engine stores them, as queued "
              "prefill")
+    kv_load_interval: float = setting(
+        0.1, unit="s", ge=0,
+        help="kv-aware policy: seconds between readings of each engine's own load (SGLang GET /v1/loads, "
+             "vLLM GET /metrics), which every frontend replica reads alike; 0 = weigh only this replica's "
+             "own outstanding requests")
     kv_events: list[tuple[str, str, str | None]] = setting(
         factory=list, item=parse_kv_source, item_text=kv_source_text,
         metavar="URL=ENDPOINT[+REPLAY]",

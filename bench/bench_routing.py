@@ -18,13 +18,19 @@ the end of the line, so every conversation stays open the whole run (as an
 RL rollout's agents do) and a worker can only keep the conversations it
 serves in its cache. Every turn carries ``X-Session-ID``. With
 ``--mooncake FILE`` the requests are instead the rows of a Mooncake trace
-(``input_length``, ``output_length``, ``hash_ids``: each hash id a
-512-token block, equal ids equal blocks), sent in order at the same
-concurrency, the first hash id as session key. With ``--workload grpo``:
-``--groups`` (24) prompts sharing one ``--system-tokens`` (1024) system
-prefix, each with its own ``--question-tokens`` (128), each sent as a group
-of ``--group-size`` (8) separate requests back to back (a GRPO group's
-samples), in order at the same concurrency, the group as session key.
+(JSONL, one request a line: ``timestamp``, ``input_length``,
+``output_length``, ``hash_ids``: each hash id a 512-token block, equal ids
+equal blocks; ``bench/mooncake_sample.jsonl`` is a small one), sent in
+timestamp order at the same concurrency (a closed loop: the timestamps
+order the rows, they do not pace them), output capped at
+``--output-tokens``, the first hash id as session key. With ``--workload
+grpo``: ``--groups`` (24) prompts sharing one ``--system-tokens`` (1024)
+system prefix, each with its own ``--question-tokens`` (128), each sent as
+a group of ``--group-size`` (8) separate requests back to back (a GRPO
+group's samples, concurrent), in order at the same concurrency, the group
+as session key; with ``--workload grpo-n`` each group is one request with
+``n`` = ``--group-size`` (SGLang answers its samples in one stream, each
+chunk with its ``index``).
 
 Routers, in turn, each in front of the same simulators, their caches
 flushed between routers: asgi-generate ``--policy least-outstanding``,
@@ -36,13 +42,18 @@ the next replica in turn, as a load balancer spreads them.
 
 With ``--repeat N`` each router runs N times, the routers interleaved
 (A B C ... A B C ...), and its figures pool all N runs: on a shared
-machine the noise between runs is larger than the hop's own cost.
+machine the noise between runs is larger than the hop's own cost. The
+table gives each run's hit ratio and mean TTFT as a min-max range; the
+goals below it compare routers within each round of runs as well as
+pooled: each router's hit ratio at N replicas over its own at 1, and
+``kv-aware`` against the best other router at each replica count.
 
 Per router: the cache-hit ratio (cached / prompt tokens, from the
 simulators' ``/sim/stats``), mean and p99 TTFT at the client (request sent
 to first token event), throughput (requests and output tokens per second),
 and requests per worker (max/min). Every answer is checked: status 200,
-``--output-tokens`` tokens, and the same tokens under every router.
+``--output-tokens`` tokens (every sample's), and the same tokens under
+every router.
 
 Usage: ``.venv/bin/python bench/bench_routing.py [--sessions 64 --turns 8
 --concurrency 16] [--routers ours,sglang-router]``. sglang-router is
@@ -85,11 +96,13 @@ KV_EVENTS = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "replay_endpo
 
 @dataclass
 class Request:
-    """One request of the workload: a conversation's turn or a trace row."""
+    """One request of the workload: a conversation's turn, a GRPO sample
+    (or a whole group as ``n`` samples) or a trace row."""
 
     session: str
     prompt: list[int]
     output_tokens: int
+    n: int = 1
 
 
 @dataclass
@@ -104,6 +117,16 @@ class RunResult:
     problems: list[str] = field(default_factory=list)
     answers: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     policy_stats: dict | None = None
+    #: A pooled result's runs, for their spread.
+    runs: list["RunResult"] = field(default_factory=list)
+
+    @property
+    def hit(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else float("nan")
+
+    @property
+    def mean_ttft(self) -> float:
+        return statistics.fmean(self.ttft_ms) if self.ttft_ms else float("nan")
 
 
 def chunk(rng: random.Random, n: int) -> list[int]:
@@ -133,24 +156,27 @@ class Conversations:
 
 def grpo_rows(args: argparse.Namespace) -> list[Request]:
     """GRPO groups: one system prefix, a question per group, each group's
-    prompt sent ``--group-size`` times back to back."""
+    prompt sent ``--group-size`` times back to back (``grpo``) or once with
+    ``n`` = ``--group-size`` (``grpo-n``)."""
     rng = random.Random(args.seed)
     system = chunk(rng, args.system_tokens)
     out = []
     for g in range(args.groups):
         prompt = system + chunk(rng, args.question_tokens)
-        out += [Request(f"group-{g}", prompt, args.output_tokens) for _ in range(args.group_size)]
+        if args.workload == "grpo-n":
+            out.append(Request(f"group-{g}", prompt, args.output_tokens, n=args.group_size))
+        else:
+            out += [Request(f"group-{g}", prompt, args.output_tokens) for _ in range(args.group_size)]
     return out
 
 
 def mooncake_rows(path: pathlib.Path, limit_output: int) -> list[Request]:
-    """The trace's rows as requests: each hash id a deterministic 512-token block."""
+    """The trace's rows as requests, in timestamp order: each hash id a
+    deterministic 512-token block."""
     blocks: dict[int, list[int]] = {}
     out = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        row = orjson.loads(line)
+    rows = [orjson.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for row in sorted(rows, key=lambda r: r.get("timestamp", 0)):
         ids: list[int] = []
         for h in row["hash_ids"]:
             if h not in blocks:
@@ -163,9 +189,10 @@ def mooncake_rows(path: pathlib.Path, limit_output: int) -> list[Request]:
 
 
 async def one_turn(client: httpx.AsyncClient, url: str, req: Request, result: RunResult) -> list[int] | None:
-    """Send one streamed request; record its TTFT; return its output ids."""
-    body = orjson.dumps({"input_ids": req.prompt, "stream": True,
-                         "sampling_params": {"max_new_tokens": req.output_tokens, "ignore_eos": True}})
+    """Send one streamed request; record its TTFT; return its output ids
+    (with ``n`` > 1, every sample's, in ``index`` order)."""
+    sampling = {"max_new_tokens": req.output_tokens, "ignore_eos": True, **({"n": req.n} if req.n > 1 else {})}
+    body = orjson.dumps({"input_ids": req.prompt, "stream": True, "sampling_params": sampling})
     headers = {"content-type": "application/json", "x-session-id": req.session}
     t0 = time.perf_counter()
     first = None
@@ -182,13 +209,17 @@ async def one_turn(client: httpx.AsyncClient, url: str, req: Request, result: Ru
     if len(events) < 2 or events[-1] != b"[DONE]":
         result.problems.append("stream did not end with [DONE]")
         return None
-    ids = orjson.loads(events[-2]).get("output_ids")
-    if first is None or not isinstance(ids, list) or len(ids) != req.output_tokens:
-        result.problems.append(f"answer has {len(ids) if isinstance(ids, list) else ids} tokens")
+    last: dict[int, list] = {}  # each sample's last chunk (output_ids are cumulative)
+    for e in events[:-1]:
+        chunk_ = orjson.loads(e)
+        last[chunk_.get("index", 0)] = chunk_.get("output_ids")
+    samples = [last.get(i) for i in range(req.n)]
+    if first is None or any(not isinstance(ids, list) or len(ids) != req.output_tokens for ids in samples):
+        result.problems.append(f"answer has {[len(x) if isinstance(x, list) else x for x in samples]} tokens")
         return None
     result.ttft_ms.append((first - t0) * 1000)
-    result.output_tokens += len(ids)
-    return ids
+    result.output_tokens += req.output_tokens * req.n
+    return [t for ids in samples for t in ids]
 
 
 async def drive(urls: list[str], args: argparse.Namespace, work, result: RunResult) -> None:
@@ -338,7 +369,7 @@ def pooled(runs: list[RunResult]) -> RunResult:
     requests per worker; the first run's answers, and each run's problems
     (with a note when a run's answers differ from the first's)."""
     out = RunResult(runs[0].label, answers=runs[0].answers, policy_stats=runs[-1].policy_stats,
-                    per_worker=[0] * len(runs[0].per_worker))
+                    per_worker=[0] * len(runs[0].per_worker), runs=runs)
     for r in runs:
         out.ttft_ms += r.ttft_ms
         out.seconds += r.seconds
@@ -355,36 +386,60 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
+def _range(values: list[float], fmt: str) -> str:
+    """``min-max`` of one figure over the runs (one value: that value)."""
+    if len(values) < 2:
+        return format(values[0], fmt) if values else "-"
+    return f"{min(values):{fmt}}-{max(values):{fmt}}"
+
+
 def report(results: list[RunResult], args: argparse.Namespace, context: list[str]) -> None:
+    """The table (figures pooled over the runs, each run's hit ratio and
+    mean TTFT as a min-max range), then the goals: each router's hit ratio
+    at N replicas over its own at 1 (pooled, and the range of the ratio
+    within each round of runs), and ``kv-aware`` against every other
+    router at each replica count."""
     print("\n".join(context))
     print()
-    print("| router | hit ratio | mean TTFT ms | p99 TTFT ms | req/s | output tok/s | requests per worker | max/min |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|")
+    print("| router | hit ratio | (runs) | mean TTFT ms | (runs) | p99 TTFT ms | req/s | output tok/s "
+          "| requests per worker | max/min |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for r in results:
         n = len(r.ttft_ms)
-        hit = r.cached_tokens / r.prompt_tokens if r.prompt_tokens else float("nan")
         spread = (max(r.per_worker) / min(r.per_worker)) if min(r.per_worker, default=0) > 0 else float("inf")
-        print(f"| {r.label} | {hit:.3f} | {statistics.fmean(r.ttft_ms) if n else float('nan'):.1f} "
-              f"| {pct(r.ttft_ms, 0.99):.1f} | {n / r.seconds:.1f} | {r.output_tokens / r.seconds:,.0f} "
-              f"| {' / '.join(map(str, r.per_worker))} | {spread:.2f} |")
+        runs = r.runs or [r]
+        print(f"| {r.label} | {r.hit:.3f} | {_range([x.hit for x in runs], '.3f')} | {r.mean_ttft:.1f} "
+              f"| {_range([x.mean_ttft for x in runs], '.1f')} | {pct(r.ttft_ms, 0.99):.1f} | {n / r.seconds:.1f} "
+              f"| {r.output_tokens / r.seconds:,.0f} | {' / '.join(map(str, r.per_worker))} | {spread:.2f} |")
     print()
-    ours = [r for r in results if ROUTERS[r.label.split(" x")[0]][0] == "ours"]
-    ref = next((r for r in results if r.label.startswith("sglang-router cache_aware")), None)
-    if ours and ref is not None and ref.ttft_ms:
-        best = min(ours, key=lambda r: statistics.fmean(r.ttft_ms) if r.ttft_ms else float("inf"))
-        hit = best.cached_tokens / best.prompt_tokens
-        ref_hit = ref.cached_tokens / ref.prompt_tokens
-        print(f"Best of ours by mean TTFT: {best.label}: hit ratio {hit:.3f} vs sglang-router cache_aware "
-              f"{ref_hit:.3f} ({hit / ref_hit:.2f}x); mean TTFT {statistics.fmean(best.ttft_ms):.1f} vs "
-              f"{statistics.fmean(ref.ttft_ms):.1f} ms ({statistics.fmean(best.ttft_ms) / statistics.fmean(ref.ttft_ms):.2f}x); "
-              f"p99 {pct(best.ttft_ms, 0.99):.1f} vs {pct(ref.ttft_ms, 0.99):.1f} ms")
-    hits = {r.label: r.cached_tokens / r.prompt_tokens for r in results if r.prompt_tokens}
+    by_label = {r.label: r for r in results}
+
+    def split(label: str) -> tuple[str, str]:
+        name, _, n = label.partition(" x")
+        return name, n or "1"
+
     for r in results:
-        name, _, n = r.label.partition(" x")
-        if n and n != "1" and f"{name} x1" in hits:
-            print(f"- {name}: hit ratio at {n} replicas / at 1: {hits[r.label] / hits[f'{name} x1']:.3f}")
-    for r in ours:
-        print(f"- {r.label} decisions (last run, first replica): {orjson.dumps(r.policy_stats).decode()}")
+        name, n = split(r.label)
+        one = by_label.get(f"{name} x1")
+        if n != "1" and one is not None and one.hit:
+            rounds = [a.hit / b.hit for a, b in zip(r.runs or [r], one.runs or [one]) if b.hit]
+            print(f"- {name}: hit ratio at {n} replicas / at 1: {r.hit / one.hit:.3f} "
+                  f"(per round of runs: {_range(rounds, '.3f')})")
+    for r in results:
+        name, n = split(r.label)
+        if name != "kv-aware":
+            continue
+        others = [o for o in results if split(o.label)[1] == n and o is not r]
+        if not others:
+            continue
+        best_hit = max(others, key=lambda o: o.hit)
+        best_ttft = min(others, key=lambda o: o.mean_ttft)
+        print(f"- kv-aware at {n} replica(s): hit ratio {r.hit:.3f} vs best other {best_hit.hit:.3f} "
+              f"({best_hit.label}, {r.hit / best_hit.hit:.3f}x); mean TTFT {r.mean_ttft:.1f} vs best other "
+              f"{best_ttft.mean_ttft:.1f} ms ({best_ttft.label}, {r.mean_ttft / best_ttft.mean_ttft:.2f}x)")
+    for r in results:
+        if ROUTERS[split(r.label)[0]][0] == "ours":
+            print(f"- {r.label} decisions (last run, first replica): {orjson.dumps(r.policy_stats).decode()}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -396,7 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--mooncake", type=pathlib.Path, default=None, help="replay this Mooncake trace (JSONL) instead")
-    p.add_argument("--workload", choices=("conversations", "grpo"), default="conversations")
+    p.add_argument("--workload", choices=("conversations", "grpo", "grpo-n"), default="conversations",
+                   help="grpo: each group as --group-size concurrent requests; grpo-n: as one request with n")
     p.add_argument("--groups", type=int, default=24, help="grpo: groups (prompts)")
     p.add_argument("--group-size", type=int, default=8, help="grpo: requests per group")
     p.add_argument("--system-tokens", type=int, default=1024, help="grpo: the shared system prefix")
@@ -432,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mooncake:
         work = mooncake_rows(args.mooncake, args.output_tokens)
     else:
-        work = grpo_rows(args) if args.workload == "grpo" else Conversations(args)
+        work = grpo_rows(args) if args.workload.startswith("grpo") else Conversations(args)
     replica_counts = [int(n) for n in args.replicas.split(",")]
     logs = LogDir("asgi-generate-bench-routing-")
     log_dir = logs.path
@@ -445,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
             for round_ in range(args.repeat):
                 for name, n in labels:
                     kind, policy = ROUTERS[name]
-                    label = f"{name} x{n}" if len(replica_counts) > 1 else name
+                    label = f"{name} x{n}" if len(replica_counts) > 1 or n != 1 else name
                     print(f"{label} (run {round_ + 1} of {args.repeat}) ...", file=sys.stderr)
                     runs[(name, n)].append(run_one(label, kind, policy, sim_ports, args, work, log_dir,
                                                    router_python, n))
@@ -457,9 +513,10 @@ def main(argv: list[str] | None = None) -> int:
         load = os.getloadavg()[0]
         if args.mooncake:
             shape = f"Mooncake trace {args.mooncake.name}: {len(work)} requests"
-        elif args.workload == "grpo":
-            shape = (f"{args.groups} GRPO groups of {args.group_size} ({args.system_tokens}-token shared system "
-                     f"prefix + {args.question_tokens} tokens each, {args.output_tokens} output tokens)")
+        elif args.workload.startswith("grpo"):
+            sent = "one request with n" if args.workload == "grpo-n" else "concurrent requests"
+            shape = (f"{args.groups} GRPO groups of {args.group_size} as {sent} ({args.system_tokens}-token shared "
+                     f"system prefix + {args.question_tokens} tokens each, {args.output_tokens} output tokens)")
         else:
             shape = (f"{args.sessions} sessions x {args.turns} turns ({args.first_tokens}-token first turn, "
                      f"+{args.turn_tokens} tokens a turn, {args.output_tokens} output tokens)")

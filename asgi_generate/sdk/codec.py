@@ -165,6 +165,9 @@ class GenerateRequest:
         items: the items of a request that carries several (a batch, or
             ``n`` > 1), in answer order; ``None`` for one prompt, one answer.
             The exchange's events then carry ``entries``.
+        cache_salt: the request's prefix-cache namespace (vLLM and SGLang
+            ``cache_salt``): the engine finds no block a request of another
+            salt stored, so KV-aware routing chains its block hashes from it.
     """
 
     stream: bool
@@ -177,6 +180,7 @@ class GenerateRequest:
     native: Any = None
     items: list[BatchItem] | None = None
     prompt_text: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True, eq=False)

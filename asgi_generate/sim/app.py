@@ -2,12 +2,14 @@
 
 Routes (SGLang mode): ``POST|PUT /generate``, ``POST /abort_request``,
 ``GET /health``, ``/health_generate``, ``/get_server_info`` (``/server_info``),
-``/get_model_info`` (``/model_info``), ``/v1/models``, the admin routes
+``/get_model_info`` (``/model_info``), ``/v1/models``, ``/v1/loads``
+(:mod:`asgi_generate.sim.loads`), the admin routes
 (``/flush_cache``, ``/pause_generation``, ...: :mod:`asgi_generate.sim.admin`),
 and ``GET /sim/stats`` for tests.
 
 Routes (vLLM mode): ``POST /inference/v1/generate``, ``POST /abort_requests``,
-``GET /health``, ``/version``, ``/v1/models``, the dev admin routes
+``GET /health``, ``/version``, ``/v1/models``, ``/metrics`` (the scheduler's
+gauges, :mod:`asgi_generate.sim.loads`), the dev admin routes
 (``/sleep``, ``/pause``, ...: :mod:`asgi_generate.sim.admin`) and
 ``GET /sim/stats``.
 
@@ -63,7 +65,8 @@ from .prefix_cache import DEFAULT_CACHE_TOKENS
 from .admin import SimAdmin
 from .weights import GroupRegistry, SimWeights
 from .engine import SimEngine, SimFault
-from .sglang import CONTEXT_LENGTH, SGLangProtocol
+from .loads import PROMETHEUS, sglang_loads, vllm_metrics
+from .sglang import CONTEXT_LENGTH, MAX_TOTAL_NUM_TOKENS, SGLangProtocol
 from .tokenizer import SimTokenizer
 from .vllm import MAX_LOGPROBS, MAX_MODEL_LEN, VLLMProtocol, error
 
@@ -304,6 +307,11 @@ class SimApp:
             await send_unary(send, 200, orjson.dumps(info))
         elif path == "/v1/models" and method == "GET":
             await send_unary(send, 200, orjson.dumps(self._models()))
+        elif path == "/v1/loads" and method == "GET":
+            version = self.engine_version or p.server_info(self.model_path)["version"]
+            status, body, kind = sglang_loads(self.engine, scope.get("query_string", b""), version,
+                                              MAX_TOTAL_NUM_TOKENS)
+            await send_unary(send, status, body, kind)
         elif path == "/sim/stats" and method == "GET":
             await send_unary(send, 200, orjson.dumps(self._stats()))
         elif self.admin.serves(method, path):
@@ -375,6 +383,8 @@ class SimApp:
             await send_unary(send, 200, orjson.dumps(events.vllm_sources() if events is not None else {}))
         elif path == "/v1/models" and method == "GET":
             await send_unary(send, 200, orjson.dumps(p.models(self.model_path)))
+        elif path == "/metrics" and method == "GET":
+            await send_unary(send, 200, vllm_metrics(self.engine, p.model_name), PROMETHEUS)
         elif path == "/sim/stats" and method == "GET":
             await send_unary(send, 200, orjson.dumps(self._stats()))
         elif self.admin.serves(method, path):

@@ -160,6 +160,9 @@ class SimEngine:
         self.abort_after = abort_after
         self.abort_status = abort_status
         self.running: dict[str, Job] = {}
+        #: Jobs queued for the prefill unit (by ``id``): the engines' waiting
+        #: queue, the rest of ``running`` their running batch.
+        self.waiting: dict[int, Job] = {}
         self.received = 0
         #: Generate requests that arrived, refused ones included.
         self.generate_requests = 0
@@ -260,10 +263,17 @@ class SimEngine:
         is taken when the prefill starts, as SGLang's scheduler takes it
         when it schedules a request: a prompt queued behind its twin hits."""
         if self.prefill_s_per_token > 0:
-            async with self._prefill_unit:
+            self.waiting[id(job)] = job
+            try:
+                await self._prefill_unit.acquire()
+            finally:
+                del self.waiting[id(job)]
+            try:
                 if not job.aborted:
                     self._match(job)
                     await self._pause(job, (len(job.input_ids) - job.cached_tokens) * self.prefill_s_per_token)
+            finally:
+                self._prefill_unit.release()
         else:
             self._match(job)
         if self.cache is not None and not job.aborted:
@@ -439,6 +449,22 @@ class SimEngine:
             if prompt[-k:] == list(script[:k]):
                 return k
         return 0
+
+    def load(self) -> tuple[int, int, int]:
+        """``(running, waiting, waiting uncached tokens)``: the requests
+        past their prefill's start, those queued for it, and the prompt
+        tokens of the queued ones the cache does not hold now (SGLang
+        ``SchedulerLoadInquirer.get_num_waiting_uncached_tokens``, each
+        request's prompt less its matched prefix)."""
+        waiting = list(self.waiting.values())
+        uncached = 0
+        for job in waiting:
+            held = 0
+            if self.cache is not None:
+                block = self.cache.block
+                held = self.cache.match(block_hashes(namespace_seed(job.namespace), job.input_ids, block)) * block
+            uncached += max(0, len(job.input_ids) - held)
+        return max(0, len(self.running) - len(waiting)), len(waiting), uncached
 
     def stats(self) -> dict:
         """The ``/sim/stats`` body."""

@@ -3,7 +3,9 @@ over ZMQ on loopback, real frontends subscribing. Routing follows what the
 engines cache (an eviction stops attracting requests), siblings land
 together before any event arrives, a worker without events is routed by
 its tree (and /stats says so), two frontend processes (and ``--workers 2``)
-fed the same events pick the same worker for the same request."""
+fed the same events and reading the same engines' loads pick the same
+worker for the same request, and both steer new prompts off workers the
+engines say are busy with requests neither replica sent."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ pytest.importorskip("zmq", reason="pyzmq (a dependency since KV events: pip inst
 pytestmark = pytest.mark.e2e
 
 import concurrent.futures
+import threading
 
 import httpx
 
@@ -47,6 +50,21 @@ def _synced(fe, sims, processes: int = 1) -> None:
             if sub is None or sub["last_seq"] != stats(sim)["kv_events"]["next_seq"] - 1:
                 return False
         seen.add(body["pid"])
+        return len(seen) == processes
+    wait_until(done, timeout=20)
+
+
+def _loads_read(fe, want: list[int], processes: int = 1) -> None:
+    """Wait until each of ``fe``'s ``processes`` last read the engines'
+    loads as ``want`` (requests per worker, in worker order)."""
+    seen: set[int] = set()
+
+    def done() -> bool:
+        body = httpx.get(fe.url + "/stats", timeout=5).json()
+        workers = body["routing"]["workers"]
+        got = [workers.get(f"w{i}", {}).get("load", {}).get("engine_requests") for i in range(len(want))]
+        if got == want:
+            seen.add(body["pid"])
         return len(seen) == processes
     wait_until(done, timeout=20)
 
@@ -131,11 +149,32 @@ def test_two_frontend_replicas_pick_the_same_worker():
         fresh = [list(range(2000 + 50 * i, 2050 + 50 * i)) for i in range(2)]  # cached nowhere: the tie-break
         for i, p in enumerate(prefixes + fresh):
             ids = p + [3000 + i]
+            if i >= len(prefixes):  # a tie: at the same loads (a cached prefix outweighs one request)
+                _loads_read(a, [0, 0, 0])
+                _loads_read(b, [0, 0, 0], processes=2)
             via_a = _landed(sims, a, ids)
             via_b = _landed(sims, b, ids)
             assert via_a == via_b
             picks.append(via_a)
         assert picks[:3] == [0, 1, 2]  # where each prefix was cached
+        # Sims 0 and 2 busy (paused in place) with requests neither replica
+        # sent: both replicas read it from the engines and place new prompts
+        # on sim 1.
+        for i in (0, 2):
+            post(sims[i].url, {"mode": "in_place"}, path="/pause_generation").raise_for_status()
+        busy = [threading.Thread(target=post, args=(sims[i].url, _body([5, 6, 7]))) for i in (0, 0, 2)]
+        for t in busy:
+            t.start()
+        try:
+            _loads_read(a, [2, 0, 1])
+            _loads_read(b, [2, 0, 1], processes=2)
+            new = [list(range(2400 + 50 * i, 2450 + 50 * i)) for i in range(3)]
+            assert [(_landed(sims, a, p), _landed(sims, b, p + [1])) for p in new] == [(1, 1)] * 3
+        finally:
+            for i in (0, 2):
+                post(sims[i].url, {}, path="/continue_generation").raise_for_status()
+            for t in busy:
+                t.join(10)
     finally:
         a.stop()
         b.stop()

@@ -131,6 +131,7 @@ def build_policy(settings: "Settings") -> Policy:
             overlap_weight=settings.kv_overlap_weight,
             load_weight=settings.kv_load_weight,
             ttl=settings.kv_predict_ttl,
+            load_interval=settings.kv_load_interval,
             max_blocks=settings.max_tree_tokens,
             max_tree_tokens=settings.max_tree_tokens,
             max_tree_nodes=settings.max_tree_nodes,

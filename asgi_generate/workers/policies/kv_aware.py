@@ -14,7 +14,7 @@ For a request with token ids, over the candidates, the cost of worker ``w``
 
     cost(w) = overlap_weight x (prompt tokens not held on w)
               + prefill tokens queued on w that this request does not share
-              + load_weight x outstanding requests on w
+              + load_weight x requests on w (the fleet's, below)
 
 "Held" counts the blocks the engine's events say it stores and the blocks
 predicted on it; "queued" are the predicted blocks not yet stored (requests
@@ -22,7 +22,26 @@ routed here within the last ``ttl`` seconds whose prefill the engine has
 not published), less this request's own: a sibling waits for no prefill
 it shares.
 
-The lowest cost wins; ties go to the fewest outstanding requests, then to a
+The requests on ``w`` are the whole fleet's, not this replica's alone: this
+replica's own outstanding requests now, plus the others' as the engine
+last counted them: its running and waiting requests
+(:mod:`~asgi_generate.workers.engine_load`: SGLang ``GET /v1/loads``, vLLM
+``GET /metrics``), read every ``load_interval`` seconds, less this
+replica's outstanding ones at that reading. Every replica reads the same
+engines, so replicas weigh the same load and spread new prompts as one
+router would; a replica counting only its own requests sees a quarter of
+the load at four replicas and piles new prompts onto workers the others
+filled. Its own requests it counts fresh, never from a stale reading: one
+replica alone routes exactly as without readings. Without a reading
+(``load_interval`` 0, a worker that does not serve the route) the others
+count 0, and ``/stats`` says why.
+
+The lowest cost wins; ties go to the worker whose cache holds the fewest
+tokens (its engine's blocks and this replica's predictions: as
+sglang-router's ``cache_aware`` sends a miss to its smallest tree, but
+counted from the engine's own cache, the same in every replica, so that
+replicas spread new prompts where the caches have room), then to the
+fewest requests, then to a
 rendezvous hash of the prompt's first block and the worker's URL, so that
 every frontend replica fed the same events picks the same worker at the
 same loads (``serve --workers N``, several hosts behind a balancer). The
@@ -48,7 +67,8 @@ from urllib.parse import urlsplit
 import anyio
 import orjson
 
-from ..block_hash import ROOT, block_hashes
+from ..block_hash import ROOT, block_hashes, namespace_seed
+from ..engine_load import LOAD_PATHS, EngineLoad, parse_load
 from ..http import WorkerError
 from ..kv_events import Source, Subscriber
 from ..kv_index import KVIndex
@@ -75,31 +95,45 @@ def _dial(endpoint: str, host: str) -> str:
 
 class _Key:
     """A request as the policy routes it: token ids (or ``None``), the tree
-    key, and the block hashes per block size, computed once each."""
+    key, its ``cache_salt``, and the block hashes per block size, computed
+    once each and chained from the salt's seed as the index keys a salted
+    store (:class:`~asgi_generate.workers.kv_index.KVIndex`)."""
 
-    __slots__ = ("ids", "tree", "_hashes")
+    __slots__ = ("ids", "tree", "seed", "_hashes")
 
-    def __init__(self, ids: Sequence[int] | None, tree: str) -> None:
+    def __init__(self, ids: Sequence[int] | None, tree: str, salt: str | None = None) -> None:
         self.ids = ids
         self.tree = tree
+        self.seed = namespace_seed((salt,)) if salt else ROOT
         self._hashes: dict[int, list[int]] = {}
 
     def hashes(self, block: int) -> list[int]:
         got = self._hashes.get(block)
         if got is None:
-            got = self._hashes[block] = block_hashes(ROOT, self.ids, block)
+            got = self._hashes[block] = block_hashes(self.seed, self.ids, block)
         return got
 
 
 class _WorkerKV:
     """What the policy keeps of one worker."""
 
-    __slots__ = ("index", "subscriber", "why_tree")
+    __slots__ = ("index", "subscriber", "why_tree", "engine", "others", "why_own", "readings")
 
     def __init__(self, index: KVIndex) -> None:
         self.index = index
         self.subscriber: Subscriber | None = None
         self.why_tree = "discovering"
+        #: The engine's last load reading, and the requests in it that
+        #: other replicas sent.
+        self.engine: EngineLoad | None = None
+        self.others = self.readings = 0
+        self.why_own = "no reading yet"
+
+    def read(self, load: EngineLoad | None, own: int) -> None:
+        """Take an engine's ``load`` reading (``None``: none) while this
+        replica had ``own`` requests outstanding there."""
+        self.engine = load
+        self.others = max(0, load.requests - own) if load is not None else 0
 
 
 class KVAwarePolicy(Policy):
@@ -110,6 +144,8 @@ class KVAwarePolicy(Policy):
         load_weight: tokens one outstanding request costs.
         ttl: seconds a routed request's blocks count as predicted (held,
             and queued until the engine stores them).
+        load_interval: seconds between readings of each engine's load
+            (0: none, this replica's own counts only).
         max_blocks: blocks each worker's index holds at most.
         max_tree_tokens, max_tree_nodes: the fallback trees' bounds.
         sources: worker base URL to its ``(PUB endpoint, replay endpoint
@@ -123,6 +159,7 @@ class KVAwarePolicy(Policy):
         overlap_weight: float = 1.0,
         load_weight: float = 128.0,
         ttl: float = 5.0,
+        load_interval: float = 0.1,
         max_blocks: int = 1 << 20,
         max_tree_tokens: int = 1 << 20,
         max_tree_nodes: int = 1 << 16,
@@ -132,6 +169,7 @@ class KVAwarePolicy(Policy):
         self.overlap_weight = overlap_weight
         self.load_weight = load_weight
         self.ttl = ttl
+        self.load_interval = load_interval
         self.max_blocks = max_blocks
         self.sources = {url: Source(pub, replay) for url, (pub, replay) in (sources or {}).items()}
         self.workers: dict[str, _WorkerKV] = {}
@@ -146,7 +184,7 @@ class KVAwarePolicy(Policy):
             return None
         packed = request.input_ids_packed
         ids = None if not request.input_ids else packed.u32 if packed is not None else request.input_ids
-        return _Key(ids, tree)
+        return _Key(ids, tree, request.cache_salt)
 
     def _kv(self, worker: Candidate) -> _WorkerKV:
         kv = self.workers.get(worker.id)
@@ -169,12 +207,15 @@ class KVAwarePolicy(Policy):
                 held = blocks * index.block_size
                 # Prefills queued here that this request does not share.
                 queued = (index.pending - guessed) * index.block_size
+                cached = (index.blocks + index.pending) * index.block_size
             else:
                 tree = self.fallback.trees.get(w.id)
                 held = tree.match(key.tree) - 1 if tree is not None else 0
-            cost = self.overlap_weight * (prompt - held) + queued + self.load_weight * w.outstanding
-            costs.append((cost, w.outstanding, -_rendezvous(w.url, key), held, w))
-        _, _, _, held, best = min(costs, key=lambda c: c[:3])
+                cached = tree.tokens if tree is not None else 0
+            requests = w.outstanding + kv.others
+            cost = self.overlap_weight * (prompt - held) + queued + self.load_weight * requests
+            costs.append((cost, cached, requests, -_rendezvous(w.url, key), held, w))
+        *_, held, best = min(costs, key=lambda c: c[:4])
         kv = self._kv(best)
         if held:
             self.overlapped += 1
@@ -195,11 +236,18 @@ class KVAwarePolicy(Policy):
         self.fallback.forget(worker)
 
     def service(self, worker: Any) -> Callable[[], Awaitable[None]]:
-        """``worker``'s subscriber task: once the worker is up, find where it
-        publishes and follow its events until cancelled; a worker without
-        events is scored by its tree, and asked again when it comes back."""
+        """``worker``'s tasks: its subscriber (once the worker is up, find
+        where it publishes and follow its events until cancelled; a worker
+        without events is scored by its tree, and asked again when it comes
+        back) and its engine's load readings."""
 
-        async def run() -> None:
+        async def both() -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(events)
+                if self.load_interval > 0:
+                    tg.start_soon(self._read_loads, worker)
+
+        async def events() -> None:
             kv = self._kv(worker)
             try:
                 while True:
@@ -221,7 +269,43 @@ class KVAwarePolicy(Policy):
             finally:
                 kv.subscriber = None
 
-        return run
+        return both
+
+    async def _read_loads(self, worker: Any) -> None:
+        """Read ``worker``'s engine load every ``load_interval`` seconds
+        while it is up; on a failed reading count only this replica's
+        requests until one succeeds."""
+        kv = self._kv(worker)
+        protocol = worker.protocol.name
+        path = LOAD_PATHS.get(protocol)
+        if path is None:
+            kv.why_own = f"no load route known for {protocol}"
+            return
+        while True:
+            if not worker.healthy:
+                kv.read(None, 0)
+                kv.why_own = "worker down"
+                await anyio.sleep(WATCH_S)
+                continue
+            asked = worker.outstanding
+            try:
+                with anyio.fail_after(DISCOVERY_TIMEOUT_S):
+                    async with worker.pool.request(b"GET", path) as resp:
+                        body = await resp.read()
+                if resp.status != 200:
+                    raise ValueError(f"answered {resp.status}")
+                # Own requests that began or ended meanwhile may be in it or
+                # not: count the most, so none is counted twice.
+                kv.read(parse_load(protocol, body), max(asked, worker.outstanding))
+                kv.readings += 1
+            except (TimeoutError, WorkerError, ValueError) as exc:
+                why = f"GET {path.decode()}: {exc!r}"
+                if why != kv.why_own:  # once per reason, not per reading
+                    log.warning("worker %s (%s): no load reading (%s): weighed by this replica's own "
+                                "requests", worker.id, worker.url, why)
+                kv.read(None, 0)
+                kv.why_own = why
+            await anyio.sleep(self.load_interval)
 
     async def _discover(self, worker: Any) -> tuple[Source | None, int | None, str]:
         """Where ``worker`` publishes, its block size if it says, and why
@@ -265,7 +349,9 @@ class KVAwarePolicy(Policy):
         for wid, kv in self.workers.items():
             index, sub = kv.index, kv.subscriber
             rows += [(wid, "index_blocks", index.blocks), (wid, "predicted", index.predicted),
-                     (wid, "confirmed", index.confirmed)]
+                     (wid, "confirmed", index.confirmed), (wid, "load_readings", kv.readings)]
+            if kv.engine is not None:
+                rows += [(wid, "engine_requests", kv.engine.requests), (wid, "others_requests", kv.others)]
             if sub is not None:
                 rows += [(wid, name, getattr(sub, name))
                          for name in ("batches", "events", "gaps", "replays", "rebuilds", "restarts")]
@@ -283,6 +369,9 @@ class KVAwarePolicy(Policy):
                 row["subscriber"] = sub.stats()
             else:
                 row["why_tree"] = kv.why_tree
+            row["load"] = ({"engine_requests": kv.engine.requests, "engine_waiting_tokens": kv.engine.waiting_tokens,
+                            "others": kv.others, "readings": kv.readings}
+                           if kv.engine is not None else {"own_counts": kv.why_own, "readings": kv.readings})
             predicted += kv.index.predicted
             confirmed += kv.index.confirmed
             workers[wid] = row
@@ -291,6 +380,7 @@ class KVAwarePolicy(Policy):
             "by_events": self.by_events, "by_tree": self.by_tree, "overlapped": self.overlapped,
             "prediction_hit_ratio": round(confirmed / predicted, 4) if predicted else None,
             "overlap_weight": self.overlap_weight, "load_weight": self.load_weight, "ttl": self.ttl,
+            "load_interval": self.load_interval,
             "workers": workers,
         }
 

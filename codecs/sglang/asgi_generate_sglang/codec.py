@@ -246,6 +246,7 @@ class SGLangCodec(Codec):
             replay_excluded=excluded,
             native=obj,
             prompt_text=text,
+            cache_salt=salt if type(salt := obj.get("cache_salt")) is str and salt else None,
         )
 
     def exchange(self, request: GenerateRequest, request_id: str) -> "SGLangExchange | SGLangBatchExchange":

@@ -224,6 +224,7 @@ class VLLMCodec(Codec):
             model=obj.get("model"),
             replay_excluded=excluded,
             native=native,
+            cache_salt=obj.get("cache_salt") or None,
             # n > 1: one item per choice, for their records (the engine runs
             # them under the one request id, which aborts them all).
             items=[BatchItem(public_id, input_ids, excluded) for _ in range(n)] if type(n) is int and n > 1 else None,
