@@ -452,19 +452,14 @@ class SimEngine:
 
     def load(self) -> tuple[int, int, int]:
         """``(running, waiting, waiting uncached tokens)``: the requests
-        past their prefill's start, those queued for it, and the prompt
-        tokens of the queued ones the cache does not hold now (SGLang
-        ``SchedulerLoadInquirer.get_num_waiting_uncached_tokens``, each
-        request's prompt less its matched prefix)."""
-        waiting = list(self.waiting.values())
-        uncached = 0
-        for job in waiting:
-            held = 0
-            if self.cache is not None:
-                block = self.cache.block
-                held = self.cache.match(block_hashes(namespace_seed(job.namespace), job.input_ids, block)) * block
-            uncached += max(0, len(job.input_ids) - held)
-        return max(0, len(self.running) - len(waiting)), len(waiting), uncached
+        past their prefill's start, those queued for it, and the queued
+        prompts' tokens times the cache's miss rate so far (SGLang
+        ``SchedulerLoadInquirer.get_num_waiting_uncached_tokens`` when its
+        waiting queue is not prefix-matched yet)."""
+        waiting = len(self.waiting)
+        miss = 1.0 - self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 1.0
+        uncached = sum(int(len(job.input_ids) * miss) for job in self.waiting.values())
+        return max(0, len(self.running) - waiting), waiting, uncached
 
     def stats(self) -> dict:
         """The ``/sim/stats`` body."""

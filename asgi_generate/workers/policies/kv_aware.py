@@ -117,7 +117,7 @@ class _Key:
 class _WorkerKV:
     """What the policy keeps of one worker."""
 
-    __slots__ = ("index", "subscriber", "why_tree", "engine", "others", "why_own", "readings")
+    __slots__ = ("index", "subscriber", "why_tree", "engine", "others", "why_own", "readings", "peak")
 
     def __init__(self, index: KVIndex) -> None:
         self.index = index
@@ -128,6 +128,9 @@ class _WorkerKV:
         self.engine: EngineLoad | None = None
         self.others = self.readings = 0
         self.why_own = "no reading yet"
+        #: The most requests this replica had outstanding here since the
+        #: current reading was asked for.
+        self.peak = 0
 
     def read(self, load: EngineLoad | None, own: int) -> None:
         """Take an engine's ``load`` reading (``None``: none) while this
@@ -217,6 +220,7 @@ class KVAwarePolicy(Policy):
             costs.append((cost, cached, requests, -_rendezvous(w.url, key), held, w))
         *_, held, best = min(costs, key=lambda c: c[:4])
         kv = self._kv(best)
+        kv.peak = max(kv.peak, best.outstanding + 1)
         if held:
             self.overlapped += 1
         if key.ids is not None and kv.subscriber is not None and kv.index.block_size:
@@ -287,16 +291,17 @@ class KVAwarePolicy(Policy):
                 kv.why_own = "worker down"
                 await anyio.sleep(WATCH_S)
                 continue
-            asked = worker.outstanding
+            # Own requests that ended shortly before the reading may still be
+            # in the engine's count: subtract the most this replica had there
+            # since the previous reading was asked for.
+            window, kv.peak = kv.peak, worker.outstanding
             try:
                 with anyio.fail_after(DISCOVERY_TIMEOUT_S):
                     async with worker.pool.request(b"GET", path) as resp:
                         body = await resp.read()
                 if resp.status != 200:
                     raise ValueError(f"answered {resp.status}")
-                # Own requests that began or ended meanwhile may be in it or
-                # not: count the most, so none is counted twice.
-                kv.read(parse_load(protocol, body), max(asked, worker.outstanding))
+                kv.read(parse_load(protocol, body), max(window, kv.peak, worker.outstanding))
                 kv.readings += 1
             except (TimeoutError, WorkerError, ValueError) as exc:
                 why = f"GET {path.decode()}: {exc!r}"
