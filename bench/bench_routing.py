@@ -327,15 +327,18 @@ def start_router(stack: contextlib.ExitStack, kind: str, policy: str, sim_ports:
     sock.close()
     stack.callback(child.stop)
     wait_ready(child, port, "GET", "/health")
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while orjson.loads(http_request(port, "GET", "/health")[1])["healthy_workers"] < len(urls):
         assert time.monotonic() < deadline, "workers never all up"
         time.sleep(0.1)
-    while policy == "kv-aware":  # every worker's subscriber found
+    while policy == "kv-aware":  # every worker's subscriber found and caught up (its history replayed)
         workers = orjson.loads(http_request(port, "GET", "/stats")[1])["routing"]["workers"]
-        if len(workers) == len(urls) and all(w["source"] == "events" for w in workers.values()):
+        published = [sim_stats(p)["kv_events"]["next_seq"] - 1 for p in sim_ports]
+        if len(workers) == len(urls) and all(
+                w["source"] == "events" and (w["subscriber"]["last_seq"] or -1) >= last
+                for w, last in zip((workers[f"w{i}"] for i in range(len(urls))), published)):
             break
-        assert time.monotonic() < deadline, f"KV event subscribers never all up: {workers}"
+        assert time.monotonic() < deadline, f"KV event subscribers never all caught up: {workers}"
         time.sleep(0.1)
     return port
 

@@ -55,15 +55,19 @@ def _synced(fe, sims, processes: int = 1) -> None:
 
 
 def _loads_read(fe, want: list[int], processes: int = 1) -> None:
-    """Wait until each of ``fe``'s ``processes`` last read the engines'
-    loads as ``want`` (requests per worker, in worker order)."""
+    """Wait until each of ``fe``'s ``processes`` read the engines' loads as
+    ``want`` (requests per worker, in worker order) in readings begun
+    after this call (none in flight from before)."""
+    first: dict[int, list[int]] = {}
     seen: set[int] = set()
 
     def done() -> bool:
         body = httpx.get(fe.url + "/stats", timeout=5).json()
-        workers = body["routing"]["workers"]
-        got = [workers.get(f"w{i}", {}).get("load", {}).get("engine_requests") for i in range(len(want))]
-        if got == want:
+        workers = [body["routing"]["workers"].get(f"w{i}", {}).get("load", {}) for i in range(len(want))]
+        readings = [w.get("readings", 0) for w in workers]
+        before = first.setdefault(body["pid"], readings)
+        if [w.get("engine_requests") for w in workers] == want and all(
+                r > b + 1 for r, b in zip(readings, before)):
             seen.add(body["pid"])
         return len(seen) == processes
     wait_until(done, timeout=20)
