@@ -12,7 +12,7 @@ import anyio
 import orjson
 import pytest
 
-from asgi_generate.sdk.codec import GenerateRequest
+from asgi_generate.sdk.codec import BatchItem, GenerateRequest
 from asgi_generate.sim.app import SimApp
 from asgi_generate.workers.engine_load import EngineLoad, parse_load
 from asgi_generate.workers.kv_events import Stored
@@ -143,3 +143,12 @@ def test_both_codecs_carry_cache_salt():
         body = orjson.dumps({"token_ids": [1, 2], "sampling_params": {"max_tokens": 1},
                              **({"cache_salt": salt} if salt else {})})
         assert vllm.decode(body, headers).cache_salt == salt
+
+
+def test_n_samples_of_one_prompt_route_by_that_prompt():
+    policy = KVAwarePolicy()
+    ids = list(range(100, 164))
+    samples = GenerateRequest(stream=False, items=[BatchItem(None, ids, None, 0) for _ in range(4)])
+    assert policy.routing_key(samples, {}).ids == ids
+    two = GenerateRequest(stream=False, items=[BatchItem(None, ids, None, 0), BatchItem(None, ids[1:], None, 1)])
+    assert policy.routing_key(two, {}) is None  # two prompts: least outstanding, as before

@@ -47,12 +47,25 @@ if TYPE_CHECKING:
     from ...sdk.codec import GenerateRequest
 
 
-def tree_key(request: "GenerateRequest") -> str | None:
-    """The prompt's tree key: its token ids, else its text, else (or when
-    empty) ``None``."""
+def prompt_ids(request: "GenerateRequest") -> Sequence[int] | None:
+    """The token ids of the one prompt ``request`` carries: its own, or the
+    prompt every item shares (``n`` samples of one prompt: items of one
+    group); ``None`` for text, several prompts, or none."""
     if request.input_ids:
         packed = request.input_ids_packed
-        return token_key(packed.u32 if packed is not None else request.input_ids)
+        return packed.u32 if packed is not None else request.input_ids
+    items = request.items
+    if items and items[0].input_ids and all(item.group == items[0].group for item in items):
+        return items[0].input_ids
+    return None
+
+
+def tree_key(request: "GenerateRequest") -> str | None:
+    """The prompt's tree key: its token ids (:func:`prompt_ids`), else its
+    text, else (or when empty) ``None``."""
+    ids = prompt_ids(request)
+    if ids:
+        return token_key(ids)
     if request.prompt_text:
         return text_key(request.prompt_text)
     return None

@@ -73,7 +73,7 @@ from ..http import WorkerError
 from ..kv_events import Source, Subscriber
 from ..kv_index import KVIndex
 from . import Candidate, Least, Policy, W
-from .cache_aware import CacheAwarePolicy, tree_key
+from .cache_aware import CacheAwarePolicy, prompt_ids, tree_key
 
 if TYPE_CHECKING:
     from ...sdk.codec import GenerateRequest
@@ -185,9 +185,7 @@ class KVAwarePolicy(Policy):
         tree = tree_key(request)
         if tree is None:
             return None
-        packed = request.input_ids_packed
-        ids = None if not request.input_ids else packed.u32 if packed is not None else request.input_ids
-        return _Key(ids, tree, request.cache_salt)
+        return _Key(prompt_ids(request), tree, request.cache_salt)
 
     def _kv(self, worker: Candidate) -> _WorkerKV:
         kv = self.workers.get(worker.id)
