@@ -72,7 +72,7 @@ class ItemTally:
 class BatchGeneration(Generation):
     """Drives a request with items; see the module docstring."""
 
-    __slots__ = ("items", "tallies", "outbox_items", "pending_items", "write_lock")
+    __slots__ = ("items", "tallies", "outbox_items", "pending_items", "write_lock", "key")
 
     def __init__(
         self, ctx: "RequestContext", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
@@ -86,6 +86,8 @@ class BatchGeneration(Generation):
         self.pending_items: list[tuple[int, int, bool]] = []
         #: Legs run at once (``--split-batches``) share the client.
         self.write_lock = anyio.Lock()
+        #: The routing key of a batch sent whole to one worker, else ``None``.
+        self.key = None
         st.expand = self.item_states
 
     # -- legs ---------------------------------------------------------------
@@ -112,6 +114,10 @@ class BatchGeneration(Generation):
             parts = [[] for _ in range(min(workers, len(groups)))]
             for k, members in enumerate(groups.values()):
                 parts[k % len(parts)].extend(members)
+        # A batch on one worker goes where the policy sends its prompt (n
+        # samples of one prompt: its prefix is cached there); legs split
+        # over workers go least outstanding.
+        self.key = router.routing_key(self.req, self.st.headers) if len(parts) == 1 else None
         spread: list = []  # workers given a leg: the next leg prefers another
         # Every leg's body is built (and checked) before any is sent: a
         # refused item refuses the whole batch before an engine sees it.
@@ -147,7 +153,8 @@ class BatchGeneration(Generation):
         ``None`` once the client was answered (no worker, or refused)."""
         router = self.ctx.router
         protocol = self.codec.worker_protocol
-        worker = router.pick(protocol, [*tried, *spread]) or router.pick(protocol, tried)
+        key = self.key
+        worker = router.pick(protocol, [*tried, *spread], key=key) or router.pick(protocol, tried, key=key)
         if worker is None:
             why = "no healthy worker" if router.has_protocol(protocol) else "no worker configured"
             await self.fail(RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"), "unavailable")
