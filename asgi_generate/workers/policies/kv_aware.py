@@ -32,7 +32,10 @@ engines, so replicas weigh the same load and spread new prompts as one
 router would; a replica counting only its own requests sees a quarter of
 the load at four replicas and piles new prompts onto workers the others
 filled. Its own requests it counts fresh, never from a stale reading: one
-replica alone routes exactly as without readings. Without a reading
+replica alone routes exactly as without readings. Requests count in the
+engine's units: a request of ``n`` samples is ``n`` (the engines run each
+sample as a request), by a moving average of the samples per request this
+replica routed to ``w``. Without a reading
 (``load_interval`` 0, a worker that does not serve the route) the others
 count 0, and ``/stats`` says why.
 
@@ -99,12 +102,14 @@ class _Key:
     once each and chained from the salt's seed as the index keys a salted
     store (:class:`~asgi_generate.workers.kv_index.KVIndex`)."""
 
-    __slots__ = ("ids", "tree", "seed", "_hashes")
+    __slots__ = ("ids", "tree", "seed", "sequences", "_hashes")
 
-    def __init__(self, ids: Sequence[int] | None, tree: str, salt: str | None = None) -> None:
+    def __init__(self, ids: Sequence[int] | None, tree: str, salt: str | None = None, sequences: int = 1) -> None:
         self.ids = ids
         self.tree = tree
         self.seed = namespace_seed((salt,)) if salt else ROOT
+        #: Sequences the engine runs for it (``n`` samples: ``n``).
+        self.sequences = sequences
         self._hashes: dict[int, list[int]] = {}
 
     def hashes(self, block: int) -> list[int]:
@@ -117,7 +122,7 @@ class _Key:
 class _WorkerKV:
     """What the policy keeps of one worker."""
 
-    __slots__ = ("index", "subscriber", "why_tree", "engine", "others", "why_own", "readings", "peak")
+    __slots__ = ("index", "subscriber", "why_tree", "engine", "others", "why_own", "readings", "peak", "per_request")
 
     def __init__(self, index: KVIndex) -> None:
         self.index = index
@@ -131,12 +136,20 @@ class _WorkerKV:
         #: The most requests this replica had outstanding here since the
         #: current reading was asked for.
         self.peak = 0
+        #: Engine sequences per request this replica routed here (a moving
+        #: average): the engines count ``n`` samples as ``n`` requests.
+        self.per_request = 1.0
+
+    def requests(self, outstanding: int) -> float:
+        """The fleet's requests here, in the engine's units, given this
+        replica's ``outstanding`` ones."""
+        return outstanding * self.per_request + self.others
 
     def read(self, load: EngineLoad | None, own: int) -> None:
         """Take an engine's ``load`` reading (``None``: none) while this
         replica had ``own`` requests outstanding there."""
         self.engine = load
-        self.others = max(0, load.requests - own) if load is not None else 0
+        self.others = max(0, round(load.requests - own * self.per_request)) if load is not None else 0
 
 
 class KVAwarePolicy(Policy):
@@ -185,7 +198,7 @@ class KVAwarePolicy(Policy):
         tree = tree_key(request)
         if tree is None:
             return None
-        return _Key(prompt_ids(request), tree, request.cache_salt)
+        return _Key(prompt_ids(request), tree, request.cache_salt, len(request.items) if request.items else 1)
 
     def _kv(self, worker: Candidate) -> _WorkerKV:
         kv = self.workers.get(worker.id)
@@ -213,12 +226,13 @@ class KVAwarePolicy(Policy):
                 tree = self.fallback.trees.get(w.id)
                 held = tree.match(key.tree) - 1 if tree is not None else 0
                 cached = tree.tokens if tree is not None else 0
-            requests = w.outstanding + kv.others
+            requests = kv.requests(w.outstanding)
             cost = self.overlap_weight * (prompt - held) + queued + self.load_weight * requests
             costs.append((cost, cached, requests, -_rendezvous(w.url, key), held, w))
         *_, held, best = min(costs, key=lambda c: c[:4])
         kv = self._kv(best)
         kv.peak = max(kv.peak, best.outstanding + 1)
+        kv.per_request += 0.2 * (key.sequences - kv.per_request)
         if held:
             self.overlapped += 1
         if key.ids is not None and kv.subscriber is not None and kv.index.block_size:
