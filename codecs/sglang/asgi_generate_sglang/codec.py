@@ -113,6 +113,7 @@ from asgi_generate.sdk import (
 
 from .join import PREFILL_LOGPROBS, join_experts, join_prefill
 from .seam import OUTPUT_LOGPROBS, across_seam
+from .tail import Layout, layout, read_tail
 
 from .batch import SGLangBatchExchange, decode_batch, is_batch
 
@@ -302,8 +303,8 @@ class SGLangExchange(Exchange):
     """One SGLang request's state across worker attempts."""
 
     __slots__ = (
-        "request", "public_id", "seen", "last", "incremental", "payload", "engine_tag", "public_tag",
-        "decode_chunks", "base", "tokenizer", "prompt_ids", "watch",
+        "request", "public_id", "seen", "_last", "incremental", "payload", "engine_tag", "public_tag",
+        "decode_chunks", "base", "tokenizer", "prompt_ids", "watch", "tail",
     )
 
     def __init__(self, request: GenerateRequest, public_id: str, tokenizer: PromptTokenizer | None = None) -> None:
@@ -318,7 +319,10 @@ class SGLangExchange(Exchange):
         self.decode_chunks = 0
         self.public_id = public_id
         self.seen = 0
-        self.last: dict | None = None
+        self._last: dict | None = None
+        #: The last cumulative chunk's bytes and layout, while the running
+        #: attempt's chunks are read from their new tail (:mod:`.tail`).
+        self.tail: Layout | None = None
         self.incremental = False
         self.payload = b""
         self.engine_tag = b""
@@ -326,6 +330,19 @@ class SGLangExchange(Exchange):
         #: A resumed attempt's starting point: the client's view at the
         #: seam (the last chunk sent, and the output count).
         self.base: tuple[dict, int] | None = None
+
+    @property
+    def last(self) -> dict | None:
+        """The last chunk fed, parsed; once sent to the client, only what a
+        resumed attempt continues from (:func:`_resume_base`). A chunk read
+        from its tail is parsed whole only when this is read."""
+        if self._last is None and self.tail is not None:
+            self._last = _resume_base(orjson.loads(self.tail.data), self.incremental)
+        return self._last
+
+    @last.setter
+    def last(self, chunk: dict | None) -> None:
+        self._last = chunk
 
     def resume_refusal(self) -> str | None:
         """Why this request cannot resume mid-answer (see the module docstring)."""
@@ -372,6 +389,9 @@ class SGLangExchange(Exchange):
             body.update(attempt.pair.fields)
         stream = self.request.stream
         if attempt.role != "prefill":  # a prefill's answer never reaches the client
+            if self.tail is not None:  # the client's view so far, parsed before its bytes go
+                self.last = self.last
+                self.tail = None
             self.incremental = stream and bool(attempt.worker_info.get("incremental_streaming_output"))
             self.engine_tag = dumps_compact(attempt.engine_id)
             self.decode_chunks = 0
@@ -451,10 +471,23 @@ class SGLangExchange(Exchange):
         finish type and matched stop, usage (the decode leg's own, beside
         the joined figures, on a P/D pair's or a resumed leg's last chunk).
 
+        A running aggregated stream's cumulative chunk that extends the
+        last one is read from its new tail only (:func:`.tail.read_tail`).
+
         Raises:
             RequestError: 502, the chunk is not an SGLang object, or a P/D
                 pair's expert rows cannot be joined (:mod:`.experts`).
         """
+        tail = self.tail
+        if tail is not None and self.seen == tail.count and attempt.pair is None and not attempt.resumes:
+            read = read_tail(payload, tail)
+            if read is not None:
+                new, meta = read
+                self.payload = payload
+                self._last = None  # the chunk is parsed whole only if asked for (:attr:`last`)
+                self.decode_chunks += 1
+                self.seen += len(new)
+                return _event(new, meta)
         try:
             chunk = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -466,7 +499,7 @@ class SGLangExchange(Exchange):
             return self._prefill_event(attempt, chunk, meta)
         self.payload = payload
         if type(meta) is not dict:
-            self.last = chunk
+            self.last, self.tail = chunk, None
             return _error_event(chunk)
         meta["id"] = self.public_id
         finish = meta.get("finish_reason")
@@ -491,19 +524,14 @@ class SGLangExchange(Exchange):
         if self.watch is not None and attempt.resumes:
             keep = across_seam(self.watch, chunk, meta, new, self.seen, self.incremental)
             if keep is not None:
-                new, cut = new[:keep], True
-                finish, is_dict = meta["finish_reason"], True
+                new, cut = new[:keep], True  # the finish it set in meta
         self.seen += len(new)
         self.last = chunk
-        event = Event(
-            new,
-            finish.get("type") if is_dict else None,
-            matched=finish.get("matched") if is_dict else None,
-            prompt_tokens=meta.get("prompt_tokens"),
-            completion_tokens=meta.get("completion_tokens"),
-            cached_tokens=meta.get("cached_tokens"),
-            cut=cut,
-        )
+        # Its successors are read from their tails when the client gets the
+        # engine's chunks as they are.
+        self.tail = layout(payload, chunk) if self.request.stream and pair is None and not attempt.resumes \
+            and not self.incremental else None
+        event = _event(new, meta, cut)
         if own is not None:
             event.leg_usage = own
         return event
@@ -546,18 +574,27 @@ class SGLangExchange(Exchange):
         """The worker's chunk, ``meta_info.id`` restored."""
         data = self._restored()
         # Sent: held while the stream waits for its next chunk is only what
-        # a resumed attempt continues from.
+        # a resumed attempt continues from: the chunk's bytes, when the next
+        # is read from its tail, parsed when a resume asks (:attr:`last`).
         self.payload = b""
-        self.last = _resume_base(self.last, self.incremental)
+        self._last = None if self.tail is not None else _resume_base(self._last, self.incremental)
         return data
 
     def _restored(self) -> bytes:
         # The minted engine id is a unique 32-hex string, so swapping it in
         # the worker's own bytes restores the client's id without
-        # re-serialising: the client gets the engine's bytes.
-        if self.engine_tag in self.payload:
-            return self.payload.replace(self.engine_tag, self.public_tag, 1)
-        return orjson.dumps(self.last)
+        # re-serialising: the client gets the engine's bytes. As a JSON
+        # string it can only be a value, never inside the text: a chunk
+        # with a layout is searched from its meta_info on.
+        payload, tag, tail = self.payload, self.engine_tag, self.tail
+        at = payload.find(tag, tail.meta if tail is not None and tail.data is payload else 0)
+        if at >= 0:
+            return b"".join((payload[:at], self.public_tag, payload[at + len(tag) :]))
+        chunk = self._last
+        if chunk is None:  # read from its tail: parsed whole only now
+            chunk = orjson.loads(payload)
+            chunk["meta_info"]["id"] = self.public_id
+        return orjson.dumps(chunk)
 
     def unary_body(self) -> tuple[int, bytes]:
         """The engine's one answer, ``meta_info.id`` restored. (An engine
@@ -597,6 +634,21 @@ def _resume_base(chunk: dict, incremental: bool) -> dict:
     base = {k: chunk[k] for k in ("text", "output_ids") if k in chunk}
     base["meta_info"] = {k: meta[k] for k in (*_BASE_META, *PREFILL_LOGPROBS, *OUTPUT_LOGPROBS) if k in meta}
     return base
+
+
+def _event(new: list, meta: dict, cut: bool = False) -> Event:
+    """The event of a chunk whose new output ids are ``new``."""
+    finish = meta.get("finish_reason")
+    is_dict = type(finish) is dict
+    return Event(
+        new,
+        finish.get("type") if is_dict else None,
+        matched=finish.get("matched") if is_dict else None,
+        prompt_tokens=meta.get("prompt_tokens"),
+        completion_tokens=meta.get("completion_tokens"),
+        cached_tokens=meta.get("cached_tokens"),
+        cut=cut,
+    )
 
 
 def _error_event(chunk: dict) -> Event:
