@@ -20,7 +20,7 @@ import anyio
 from . import state
 from ..sdk.codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError
 from ..tracing.state import RequestState
-from .framing import KEEPALIVE, SSE_HEADERS, Receive, Send, send_unary, sse_event
+from .framing import KEEPALIVE, SSE_HEADERS, Receive, Send, send_unary, sse_event, sse_parts
 from ..workers.aborts import ACKED, LOST
 
 if TYPE_CHECKING:
@@ -177,7 +177,7 @@ class ClientStream:
         """A streamed event's bytes into the outbox (sent by :meth:`flush`)."""
         data = self.ex.client_event(event)
         if data is not None:
-            self.outbox.append(sse_event(data))
+            self.outbox.extend(sse_parts(data))
         self.outbox_tokens += len(event.token_ids)
 
     def _queued(self, event: Event) -> bool:
