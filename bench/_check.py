@@ -1,8 +1,10 @@
 """Whole-answer checks: a sample of requests sent concurrently through a hop
 must get, event for event, the same values the simulator gives directly.
 
-Timing and id fields (``meta_info.id``, ``meta_info.e2e_latency``) are left
-out of the comparison; everything else, every event, in order, must match.
+Timing and id fields (``meta_info.id``, ``meta_info.e2e_latency``) and the
+prefix cache's hit (``meta_info.cached_tokens``: the simulator caches by
+default, so a prompt sent again is a hit) are left out of the comparison;
+everything else, every event, in order, must match.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from _procs import http_request
 def _normalized(obj: dict) -> dict:
     meta = obj.get("meta_info")
     if isinstance(meta, dict):
-        meta = {k: v for k, v in meta.items() if k not in ("id", "e2e_latency")}
+        meta = {k: v for k, v in meta.items() if k not in ("id", "e2e_latency", "cached_tokens")}
         obj = {**obj, "meta_info": meta}
     return obj
 
