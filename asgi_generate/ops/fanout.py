@@ -25,7 +25,9 @@ route sends. The rules every fanned-out call follows:
   or a connection to it was refused) is skipped, not called: a dead worker
   cannot hold every admin call at 502 (embedded simulators are never
   restarted). So is one whose connection the call itself finds refused (the
-  engine never got it; it is marked down as a request's leg would mark it).
+  engine never got it; it is marked down as a request's leg would mark it),
+  and one that closed a reused connection before answering and then refuses
+  a new one (a worker killed just now: whatever it read died with it).
   Skipped workers are named in every such answer: the header
   :data:`SKIPPED_HEADER` (``w1, w3``; the 200 body stays the engine's own),
   and in a 502 list as ``{"worker", "status": null, "skipped": true, "body":
@@ -50,7 +52,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..request.framing import BodyTimeout, BodyTooLarge, ClientDisconnected, read_body
-from ..workers.http import ConnectFailed, WorkerError
+from ..workers.http import ConnectFailed, Unanswered, WorkerError
 from ..workers.router import Worker
 
 if TYPE_CHECKING:
@@ -149,8 +151,25 @@ async def call(worker: Worker, method: str, target: bytes, body: bytes, headers:
                 return Answer(worker, resp.status, data, ctype)
     except TimeoutError:
         return Answer(worker, None, f"no answer within {timeout:g} s".encode())
+    except Unanswered as exc:
+        return Answer(worker, None, (str(exc) or type(exc).__name__).encode(), refused=await _refuses(worker, timeout))
     except WorkerError as exc:
         return Answer(worker, None, (str(exc) or type(exc).__name__).encode(), refused=isinstance(exc, ConnectFailed))
+
+
+async def _refuses(worker: Worker, timeout: float) -> bool:
+    """Whether ``worker`` now refuses a new connection (its health read,
+    within ``timeout`` seconds): after a call went unanswered, that tells a
+    dead worker from a live one that may have taken the call."""
+    try:
+        with anyio.fail_after(timeout):
+            async with worker.probe_pool.request(b"GET", worker.protocol.health_path, idempotent=True) as resp:
+                await resp.read()
+    except ConnectFailed:
+        return True
+    except (WorkerError, TimeoutError):
+        pass
+    return False
 
 
 async def body_of(ctx: AdminContext, request: Request) -> bytes | Response:

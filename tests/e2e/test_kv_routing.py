@@ -122,7 +122,11 @@ def test_siblings_land_together_before_any_event_and_a_silent_worker_uses_its_tr
         workers = _routing(fe)["workers"]
         assert [workers[w]["source"] for w in ("w0", "w1", "w2")] == ["events", "events", "tree"]
         assert "kv_events" in workers["w2"]["why_tree"]
-        group = list(range(100, 700))  # a GRPO group: 6 samples of one prompt, sent at once
+        # A GRPO group: 6 samples of one prompt, sent at once. The prompt
+        # outweighs what the group's own load costs (--kv-load-weight 128
+        # tokens a request, counted twice at most: own and engine readings),
+        # so the samples stay together however many are in flight.
+        group = list(range(100, 1700))
         before = _received(sims)
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             answers = list(pool.map(lambda _: post(fe.url, _body(group)).status_code, range(6)))

@@ -12,7 +12,7 @@ import pytest
 from asgi_generate.config import Settings
 from asgi_generate.ops import admin
 from asgi_generate.ops.fanout import SKIPPED_HEADER, WORKER_HEADER, target
-from asgi_generate.workers.http import ConnectFailed
+from asgi_generate.workers.http import ConnectFailed, Unanswered
 from asgi_generate.workers.router import Router
 from starlette.requests import Request
 
@@ -41,7 +41,7 @@ class Pool:
         self.answer = answer
         self.calls: list[tuple[bytes, bytes, bytes]] = []
 
-    def request(self, method, target, body, headers, head_deadline=None):
+    def request(self, method, target, body=b"", headers=(), head_deadline=None, idempotent=False):
         self.calls.append((method, target, body))
         pool = self
 
@@ -113,6 +113,27 @@ async def test_one_worker_failing_makes_a_502_listing_every_worker():
     ]
     assert headers[SKIPPED_HEADER.encode()] == b"w2"
     assert not router.workers[2].healthy  # a refused call marks it down, as a request's leg would
+
+
+@pytest.mark.anyio
+async def test_an_unanswered_call_to_a_worker_that_then_refuses_is_a_skip_and_to_a_live_one_a_failure():
+    # w1 was killed as the call went out on a reused connection: its new
+    # connection is refused. w2 closed the connection too but still answers
+    # its health read: it may have taken the call.
+    router, pools = fleet(OK, Unanswered("connection closed before the response head"),
+                          Unanswered("connection closed before the response head"))
+    router.workers[1].probe_pool = Pool(ConnectFailed("connection refused"))
+    router.workers[2].probe_pool = Pool(OK)
+    status, headers, body = await call(Ctx(router), "POST", "/flush_cache")
+    assert status == 502
+    assert orjson.loads(body) == [
+        {"worker": "w0", "status": 200, "body": {"success": True}},
+        {"worker": "w2", "status": None, "body": "connection closed before the response head"},
+        {"worker": "w1", "status": None, "skipped": True, "body": "down: connection closed before the response head"},
+    ]
+    assert headers[SKIPPED_HEADER.encode()] == b"w1"
+    assert [w.healthy for w in router.workers] == [True, False, True]
+    assert router.workers[1].probe_pool.calls == [(b"GET", b"/health", b"")]
 
 
 @pytest.mark.anyio
