@@ -56,6 +56,7 @@ def _one_default_ssl_context() -> None:
     default.create_ssl_context = create_ssl_context
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown when run with -p no:xdist
 def pytest_xdist_auto_num_workers(config):
     # ``-n auto``: two test processes per core the run may use. Most e2e
     # tests wait on the simulators and servers they start (starts, streams

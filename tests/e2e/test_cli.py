@@ -129,13 +129,20 @@ def test_several_processes_share_the_port_and_stop_on_sigterm():
     sim = start_sim()
     fe = _serve(["--workers", "2", "--worker", f"sglang={sim.url}"])
     try:
-        prefixes = set()
-        for _ in range(40):
+        # The first process up answers the readiness check; the second may
+        # still be starting, so requests go on (bounded) until both answered.
+        prefixes, pids = set(), set()
+
+        def minted() -> bool:
             rid = post(fe.url, {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}).json()["meta_info"]["id"]
             prefixes.add(rid[:16])
+            return len(prefixes) >= 2
+
+        wait_until(minted, timeout=30, interval=0)
         assert len(prefixes) == 2  # each process mints under its own prefix
         # /stats is per process, and says which: fresh connections reach both.
-        pids = {httpx.get(fe.url + "/stats").json()["pid"] for _ in range(40)}
+        wait_until(lambda: pids.add(httpx.get(fe.url + "/stats").json()["pid"]) or len(pids) >= 2,
+                   timeout=30, interval=0)
         assert len(pids) == 2 and fe.proc.pid not in pids
         fe.signal(signal.SIGTERM)
         assert fe.proc.wait(20) == 0
