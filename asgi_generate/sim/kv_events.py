@@ -274,10 +274,12 @@ class KVEventPublisher:
             first = int.from_bytes(start, "big")
             with self._lock:
                 batches = [(seq, payload) for seq, payload in self._buffer if seq >= first]
+            # Counted before the answer goes out: a client that has read the
+            # end marker finds its replay in the stats.
+            self.replays += 1
             for seq, payload in batches:
                 router.send_multipart((ident, b"", self._topic, seq.to_bytes(8, "big"), payload))
             router.send_multipart((ident, b"", b"", END_SEQ, b""))
-            self.replays += 1
 
     def close(self) -> None:
         """Stop the replay thread and close the sockets."""
