@@ -243,6 +243,10 @@ class Generation(ClientStream):
         marked down and nothing is retried, except that a stream silent past
         ``inter_token_timeout`` migrates.
 
+        A stream whose worker is lost before anything reached the client
+        fails over to the next worker, whether the broken connection or
+        the health probe noticed first; no migration is counted.
+
         Migration (:meth:`_migrate`): a stream cut mid-answer by a worker
         that is gone (broken connection and failed probe, or lost by the
         health probe), silent between tokens, or answering 503 continues on
@@ -281,11 +285,12 @@ class Generation(ClientStream):
             # Slow is not dead: the leg stays live so that it is aborted.
             await self.fail(leg.error, "timeout")
             return False
-        if end is LegEnd.WORKER_LOST or end is LegEnd.UNANSWERED:
+        if end is LegEnd.WORKER_LOST or end is LegEnd.UNANSWERED or end is LegEnd.CANCELLED:
             if self.req.stream and not st.response_started and self.pending == 0 and (
-                    end is LegEnd.WORKER_LOST  # the worker is down: planning says if any other is up
+                    end is not LegEnd.UNANSWERED  # the worker is down: planning says if any other is up
                     or self.ctx.router.can_plan(self.codec.worker_protocol, [*self.tried, worker])):
-                return True  # nothing reached the client: a plain failover
+                return True  # nothing reached the client: a plain failover, whichever noticed first
+        if end is LegEnd.WORKER_LOST or end is LegEnd.UNANSWERED:
             if await self._held_finish(attempt) or self._migrate(attempt, f"failed: {leg.lost}"):
                 return not st.response_complete
             await self.fail(RequestError(502, self._failed(worker, f"failed: {leg.lost}"), "engine"), "engine_error")

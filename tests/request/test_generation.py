@@ -5,6 +5,7 @@ with the exact worker bodies, client bytes and error messages."""
 
 from __future__ import annotations
 
+import anyio
 import orjson
 import pytest
 
@@ -12,7 +13,7 @@ from asgi_generate.request.generation import migration_backoff
 from asgi_generate.workers.http import ConnectFailed, TimedOut
 from asgi_generate_sglang import SGLangCodec
 from asgi_generate_vllm import VLLMCodec
-from test_legs import (BROKEN, FIRST, Client, FakePool, FakeResponse, FakeRouter, answer, anyio_backend,  # noqa: F401
+from test_legs import (BROKEN, FIRST, STALL, Client, FakePool, FakeResponse, FakeRouter, answer, anyio_backend,  # noqa: F401
                        minted, sse, worker)
 
 STREAM = {"input_ids": [1, 2], "rid": "mine", "stream": True, "sampling_params": {"max_new_tokens": 2}}
@@ -183,3 +184,36 @@ async def test_a_vllm_stream_migrates_with_its_tokens_appended_to_the_prompt(min
     assert client.attempts() == [("e0", "aggregated", "w0", "worker_lost", False),
                                  ("e1", "resumed", "w1", "finished", False)]
     assert (client.st.migrations, client.st.output_tokens, client.st.status) == (1, 2, "ok")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("tokens", [0, 1])
+async def test_a_stream_whose_worker_the_probe_gives_up_fails_over_before_a_token_and_migrates_after(minted, tokens):
+    """The health probe may notice a dead worker before the leg reads the
+    broken connection: before any token reached the client that is the same
+    failover as a broken connection's, not a migration of zero tokens."""
+    first = FakePool(FakeResponse(200, [sse(answer([5], None))] * tokens + [STALL]))
+    done = [5, 6] if tokens else [6, 7]
+    second = FakePool(FakeResponse(200, [sse(answer(done, {"type": "length", "length": 2})), None]))
+    w0 = worker("w0", "sglang", first)
+    router = Router((w0,), (worker("w1", "sglang", second),))
+    client = Client(SGLangCodec(), STREAM, router)
+    async with anyio.create_task_group() as tg:
+        async def lose() -> None:
+            await anyio.wait_all_tasks_blocked()
+            (leg,) = w0.inflight
+            leg.worker_lost(w0, "health probe failed")
+        tg.start_soon(lose)
+        await client.run()
+    body = second.sent[0][1]
+    if tokens:
+        assert (body["input_ids"], body["sampling_params"], body["rid"]) == ([1, 2, 5], {"max_new_tokens": 1}, "e1")
+        assert client.attempts() == [("e0", "aggregated", "w0", "worker_lost", False),
+                                     ("e1", "resumed", "w1", "finished", False)]
+        assert (client.st.migrations, client.st.status) == (1, "ok")
+    else:
+        assert (body["input_ids"], body["sampling_params"], body["rid"]) == ([1, 2], {"max_new_tokens": 2}, "e1")
+        assert client.attempts() == [("e0", "aggregated", "w0", "worker_lost", False),
+                                     ("e1", "aggregated", "w1", "finished", False)]
+        assert (client.st.migrations, client.st.status) == (0, "ok")
+    assert client.aborts == [("w0", "e0")]

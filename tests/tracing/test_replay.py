@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import matplotlib.font_manager  # noqa: F401  (see below)
 import orjson
 import pytest
 from hypothesis import given, settings, strategies as hs
@@ -18,6 +19,9 @@ from asgi_generate.tracing.offline.replay import Row, prompt_tokens
 from asgi_generate.tracing.offline.tools import mooncake_rows
 from support import post, free_port, sse, start_frontend, start_sim, trace_records
 
+# matplotlib builds its font cache on first use, starting fc-list: importing
+# its font manager above builds it at collection, where a process may start,
+# so that on a fresh machine the report tests (unit tests) start none.
 BLOCK = 16
 P1 = list(range(500, 540))  # 2 full blocks and 8 tokens
 P2 = list(range(700, 724))
