@@ -18,7 +18,7 @@ import orjson
 import pytest
 import zstandard
 from asgi_generate_sglang import SGLangCodec
-from asgi_generate_sglang.codec import MULTIMODAL
+from asgi_generate_sglang.request import MULTIMODAL
 from asgi_generate_zstd import ZstdCodec, decode_body, decode_event, encode_request
 from asgi_generate_zstd.frame import MAGIC, decompress_frame
 from hypothesis import HealthCheck, given, settings

@@ -52,6 +52,7 @@ from asgi_generate.sdk import (
 )
 
 from .join import join_experts, join_prefill
+from .request import MULTIMODAL, check_prompt_length, error_body
 
 #: Top-level fields SGLang reads per batch item when given as a list.
 PER_ITEM = (
@@ -59,7 +60,6 @@ PER_ITEM = (
     "lora_path", "custom_logit_processor", "extra_key", "cache_salt", "image_data", "video_data", "audio_data",
     "return_routed_experts",
 )
-MULTIMODAL = ("image_data", "video_data", "audio_data")
 
 
 def is_batch(obj: dict) -> bool:
@@ -206,8 +206,6 @@ class SGLangBatchExchange(Exchange):
                 context length: SGLang's own 400 for the batch, before any
                 engine sees it.
         """
-        from .codec import check_prompt_length
-
         entries = attempt.entries
         obj = self.obj
         info = attempt.worker_info
@@ -338,9 +336,7 @@ class SGLangBatchExchange(Exchange):
 
     def worker_error(self, status: int, body: bytes) -> tuple[int, bytes]:
         """SGLang workers answer in this format's shapes: pass through."""
-        from .codec import SGLangCodec
-
-        return engine_error_page(status, body, SGLangCodec().error_body)
+        return engine_error_page(status, body, error_body)
 
 
 def _prefill_event(attempt: Attempt, pairs: list[tuple[int, dict]]) -> Event:

@@ -3,7 +3,7 @@
 Wire format: vLLM ``vllm/entrypoints/serve/disagg/`` (``protocol.py``,
 ``serving.py``, ``api_router.py``; later ``vllm/entrypoints/scale_out/
 token_in_token_out/``). Requests are checked only where the frontend relies on
-them, as vLLM checks them (:mod:`asgi_generate_vllm.schema`); every field
+them, as vLLM checks them (:mod:`asgi_generate_vllm.request`); every field
 passes to the engine untouched except ``request_id`` and, on streaming legs,
 ``stream_options``, so values only the engine judges get the answer of the
 vLLM version behind the worker. ``kv_transfer_params`` is the frontend's to
@@ -98,8 +98,6 @@ are the replayed leg's own, the uninterrupted values.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any, Mapping
 
 import orjson
@@ -107,7 +105,6 @@ import orjson
 from asgi_generate.sdk import (
     NO_KV_TRANSFER,
     Attempt,
-    BatchItem,
     Codec,
     EngineError,
     Event,
@@ -123,32 +120,12 @@ from asgi_generate.sdk import (
 )
 
 from .join import PREFILL_DROPS, PREFILL_KV, Prefilled, join_details, join_experts, join_unary
-from .schema import GENERATE_REQUEST, VLLMRequestError, bad_request, check, validation_error
+from .request import CONSTRAINED, PENALTIES, VLLMRequest, check_prompt_length, decode_request, error_body
 
 PATH = "/inference/v1/generate"
 #: What vLLM puts before a request id to make the engine id.
 ENGINE_PREFIX = "generate-tokens-"
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
 _JSON = (b"content-type", b"application/json")
-
-
-@dataclass(slots=True)
-class VLLMRequest:
-    """The codec's parsed request (``GenerateRequest.native``).
-
-    Attributes:
-        body: the client's JSON object, as sent.
-        public_id: ``X-Request-Id``, else the body ``request_id``, else ``None``.
-        include_usage: the client asked for the closing usage chunk.
-        continuous_usage: the client asked for usage on every chunk.
-        n: the choices asked for (``sampling_params.n``, as sent).
-    """
-
-    body: dict
-    public_id: str | None
-    include_usage: bool
-    continuous_usage: bool
-    n: int = 1
 
 
 class VLLMCodec(Codec):
@@ -159,76 +136,13 @@ class VLLMCodec(Codec):
     worker_protocol = "vllm"
 
     def decode(self, body: bytes, headers: Mapping[bytes, bytes]) -> GenerateRequest:
-        """Check what the frontend relies on in a vLLM ``GenerateRequest``
-        body (see :mod:`asgi_generate_vllm.schema`); ``X-Request-Id``
-        overrides ``request_id``. Values only the engine judges (``n``
-        below 1 or past its ``max_num_seqs``, ``max_tokens`` below 1,
-        logprob counts, multimodal ranges, ...) pass to it untouched,
-        whatever vLLM version answers them.
+        """A vLLM request, checked (:func:`asgi_generate_vllm.request.decode_request`).
 
         Raises:
             RequestError: 400 in vLLM's validation shape; 400 in its
                 ``BadRequestError`` shape for ``n`` past :attr:`max_items`.
         """
-        media = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
-        if media != b"application/json":  # vLLM's api_router accepts JSON only
-            raise VLLMRequestError(
-                400,
-                "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
-                "unsupported_media_type",
-                "Bad Request",
-            )
-        if not body:
-            raise validation_error("missing", (), "Field required", None)
-        try:
-            obj = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise validation_error("json_invalid", (exc.pos,), "JSON decode error", {}, {"error": exc.msg}) from None
-        check(obj, GENERATE_REQUEST)
-        if obj.get("kv_transfer_params") is not None:
-            # The frontend's to set for P/D: a client naming another
-            # request's KV blocks could read them (null, as vLLM's render
-            # routes send it, is no value).
-            raise bad_request(
-                "kv_transfer_params is set by the frontend for prefill/decode routing; do not send it.",
-                "kv_transfer_params",
-            )
-        sp = obj.get("sampling_params") or {}
-        n = sp.get("n", 1)
-        if n > self.max_items:  # before one item is made; smaller values of n are the engine's to judge
-            raise bad_request(f"sampling_params.n must be at most {self.max_items} on this server "
-                              f"(--max-request-items), got {n}.")
-        max_tokens = sp.get("max_tokens")
-        token_ids = obj["token_ids"]
-        features = obj.get("features")
-        header_id = headers.get(b"x-request-id")
-        public_id = header_id.decode("latin-1") if header_id is not None else obj.get("request_id")
-        # vLLM's should_include_usage: include_usage defaults to true once
-        # stream_options is given; continuous usage needs include_usage.
-        so = obj.get("stream_options")
-        include = so is not None and bool(so.get("include_usage", True))
-        native = VLLMRequest(
-            body=obj,
-            public_id=public_id,
-            include_usage=include,
-            continuous_usage=include and bool(so.get("continuous_usage_stats")),
-            n=n,
-        )
-        input_ids = token_ids if features is None else None
-        excluded = "multimodal" if features is not None else None
-        return GenerateRequest(
-            stream=bool(obj.get("stream")),
-            public_id=public_id,
-            input_ids=input_ids,
-            max_new_tokens=max_tokens if max_tokens is not None and max_tokens > 0 else None,
-            model=obj.get("model"),
-            replay_excluded=excluded,
-            native=native,
-            cache_salt=obj.get("cache_salt") or None,
-            # n > 1: one item per choice, for their records (the engine runs
-            # them under the one request id, which aborts them all).
-            items=[BatchItem(public_id, input_ids, excluded) for _ in range(n)] if type(n) is int and n > 1 else None,
-        )
+        return decode_request(body, headers, self.max_items)
 
     def exchange(self, request: GenerateRequest, request_id: str) -> "VLLMExchange":
         """Per-request state; ``request_id`` stands in for vLLM's random uuid
@@ -236,11 +150,8 @@ class VLLMCodec(Codec):
         return VLLMExchange(request, request_id)
 
     def error_body(self, error: RequestError) -> bytes:
-        """vLLM's nested ``{"error": {"message", "type", "param", "code"}}``."""
-        status = error.status
-        err_type = getattr(error, "err_type", None) or _ERROR_TYPES.get(status) or HTTPStatus(status).phrase
-        param = getattr(error, "param", None)
-        return orjson.dumps({"error": {"message": error.message, "type": err_type, "param": param, "code": status}})
+        """vLLM's error object (:func:`asgi_generate_vllm.request.error_body`)."""
+        return error_body(error)
 
     def in_band_error(self, error: RequestError) -> bytes:
         """The same object as an SSE payload, as vLLM streams errors."""
@@ -306,38 +217,6 @@ def _stop_reason(attempt: Attempt, choice: dict) -> int | str | None:
         return None
     reason = choice.get("stop_reason")
     return reason if type(reason) in (int, str) else None
-
-
-#: Sampling parameters that make a resumed attempt differ from the rest of
-#: the uninterrupted run, with their inert defaults.
-PENALTIES = (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1))
-CONSTRAINED = ("structured_outputs", "guided_decoding")
-
-def check_prompt_length(body: dict, limit: int | None) -> None:
-    """Refuse a text-only prompt that does not fit a model of ``limit``
-    tokens, as vLLM's ``InputProcessor._validate_prompt_len``
-    (``vllm/v1/engine/input_processor.py``) does: longer than the limit, or
-    exactly as long (no room for the one output token a generation needs).
-    Multimodal prompts (``features``) are left to the engine, whose wording
-    depends on the model.
-
-    Raises:
-        VLLMRequestError: 400 ``BadRequestError`` with vLLM's message.
-    """
-    if limit is None or body.get("features") is not None:
-        return
-    n = len(body["token_ids"])
-    if n > limit:
-        raise bad_request(
-            f"The decoder prompt (length {n}) is longer than the maximum model length of {limit}. "
-            "Make sure that `max_model_len` is no smaller than the number of text tokens."
-        )
-    if n == limit:
-        raise bad_request(
-            f"The decoder prompt (length {n}) plus the number of requested output tokens (at least 1) "
-            f"is longer than the maximum model length of {limit}. Make sure that `max_model_len` is no "
-            "smaller than the number of text tokens (prompt + requested output tokens)."
-        )
 
 
 class VLLMExchange(Exchange):
