@@ -9,7 +9,8 @@ one's outcome and wall time:
 - ``test_rl_client``: 25 SGLang and 25 vLLM rollout streams (5 and 5 in the
   suite) through a pause, weight update and continue, 8 s first token;
 - ``test_trace_campaign``: 500 mixed requests (100), one worker killed;
-- ``test_routing_policies``' two frontend processes: 12 session keys (6).
+- ``test_routing_policies``' two frontend processes: 12 session keys (6);
+- ``test_campaigns``' half-disconnected streams: 200 (100).
 
 The migration campaign's full size has its own script,
 ``bench_migration_campaign.py``.
@@ -30,6 +31,7 @@ CAMPAIGNS = [
     "tests/campaigns/test_rl_client.py",
     "tests/campaigns/test_trace_campaign.py",
     "tests/workers/test_routing_policies.py::test_two_frontend_processes_agree_on_every_key",
+    "tests/campaigns/test_campaigns.py::test_streams_half_disconnected",
 ]
 
 

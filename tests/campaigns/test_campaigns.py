@@ -11,7 +11,7 @@ import httpx
 import orjson
 import pytest
 
-from support import post, start_frontend, start_sim, stats, wait_until
+from support import campaign_size, post, start_frontend, start_sim, stats, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -45,7 +45,14 @@ def itl_sims():
         p.stop()
 
 
-def test_200_streams_half_disconnected(itl_sims):
+#: Streams in the half-disconnected campaign (bench/bench_campaigns.py: 200).
+STREAMS = campaign_size(100, 200)
+
+
+def test_streams_half_disconnected(itl_sims):
+    """:data:`STREAMS` concurrent streams, every other one hanging up after
+    1-10 tokens: every hang-up aborts its engine request once, every other
+    stream is the engine's exact answer."""
     fe = start_frontend([f"sglang={s.url}" for s in itl_sims], extra=["--sse-keepalive", "0"])
     try:
         rng = random.Random(7)
@@ -53,13 +60,13 @@ def test_200_streams_half_disconnected(itl_sims):
         # A stream that hangs up asks for ten times as many tokens (20 s of
         # decode), so every hang-up meets a live engine request however
         # late a loaded machine's client reads.
-        plan = [rng.randint(1, 10) if i % 2 else None for i in range(200)]
+        plan = [rng.randint(1, 10) if i % 2 else None for i in range(STREAMS)]
         budget = [n_tokens if hang_up is None else 10 * n_tokens for hang_up in plan]
         fast = start_sim()  # same deterministic engine, no delays: the expected answers
         try:
             expected = {
                 i: post(fast.url, {**_body(i, n_tokens), "stream": False}).json()["output_ids"]
-                for i in range(0, 200, 2)
+                for i in range(0, STREAMS, 2)
             }
         finally:
             fast.stop()
@@ -68,16 +75,16 @@ def test_200_streams_half_disconnected(itl_sims):
         results: dict[int, list[bytes]] = {}
 
         async def main() -> None:
-            limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
+            limits = httpx.Limits(max_connections=STREAMS + 50, max_keepalive_connections=0)
             async with httpx.AsyncClient(limits=limits, timeout=60) as client:
                 async with anyio.create_task_group() as tg:
-                    for i in range(200):
+                    for i in range(STREAMS):
                         async def one(i: int = i) -> None:
                             results[i] = await _stream(client, fe.url, _body(i, budget[i]), plan[i])
                         tg.start_soon(one)
 
         anyio.run(main)
-        for i in range(200):
+        for i in range(STREAMS):
             if plan[i] is None:
                 assert results[i][-1] == b"[DONE]"
                 assert orjson.loads(results[i][-2])["output_ids"] == expected[i]
@@ -86,12 +93,12 @@ def test_200_streams_half_disconnected(itl_sims):
                 assert [len(orjson.loads(e)["output_ids"]) for e in results[i]] == list(range(1, plan[i] + 1))
         wait_until(lambda: sum(stats(s)["running"] for s in itl_sims) == 0)
         aborted = sum(len(stats(s)["aborted_rids"]) for s in itl_sims) - aborted_before
-        assert aborted == 100
-        assert sum(stats(s)["abort_requests"] for s in itl_sims) - abort_calls_before == 100
-        wait_until(lambda: httpx.get(fe.url + "/stats").json()["request_items"] == 200)
+        assert aborted == STREAMS // 2
+        assert sum(stats(s)["abort_requests"] for s in itl_sims) - abort_calls_before == STREAMS // 2
+        wait_until(lambda: httpx.get(fe.url + "/stats").json()["request_items"] == STREAMS)
         fe_stats = httpx.get(fe.url + "/stats").json()
-        assert fe_stats["by_status"] == {"ok": 100, "client_disconnect": 100}
-        assert fe_stats["aborts_sent"] == 100 and fe_stats["aborts_unacknowledged"] == 0
+        assert fe_stats["by_status"] == {"ok": STREAMS // 2, "client_disconnect": STREAMS // 2}
+        assert fe_stats["aborts_sent"] == STREAMS // 2 and fe_stats["aborts_unacknowledged"] == 0
     finally:
         fe.stop()
 

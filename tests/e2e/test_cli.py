@@ -19,6 +19,8 @@ from support import (Proc, RawClient, children, free_port, listening_socket, pos
 
 pytestmark = pytest.mark.e2e
 
+TOKENIZER = str(pathlib.Path(__file__).parents[2] / "asgi_generate" / "assets" / "tokenizer.json")
+
 
 def _serve(args: list[str], health: str = "/health") -> Proc:
     return Proc("serve", ["serve", "--log-level", "warning", *args], listening_socket(), health)
@@ -375,76 +377,23 @@ def test_a_ctrl_c_while_starting_up_stops_cleanly(tmp_path):
 # -- startup and configuration errors -------------------------------------------
 
 
-TOKENIZER = str(pathlib.Path(__file__).parents[2] / "asgi_generate" / "assets" / "tokenizer.json")
-
-
-@pytest.mark.parametrize("args,env,line", [
-    (["--max-body-bytes", "-5"], {},
-     "asgi-generate: --max-body-bytes (ASGI_GENERATE_MAX_BODY_BYTES) must be above 0, not -5"),
-    (["--health-timeout", "nan"], {},
-     "asgi-generate: --health-timeout (ASGI_GENERATE_HEALTH_TIMEOUT) must be above 0, not nan"),
-    (["--read-timeout", "-1"], {},
-     "asgi-generate: --inter-token-timeout (ASGI_GENERATE_INTER_TOKEN_TIMEOUT) must be 0 or more, not -1.0"),
-    (["--trace-rotate-bytes", "-1"], {},
-     "asgi-generate: --trace-rotate-bytes (ASGI_GENERATE_TRACE_ROTATE_BYTES) must be 0 or more, not -1"),
-    (["--port", "70000"], {},
-     "asgi-generate serve: error: argument --port: must be between 0 and 65535, not 70000 (see --help)"),
-    (["--workers", "0"], {},
-     "asgi-generate serve: error: argument --workers: must be 1 or more, not 0 (see --help)"),
-    (["--log-level", "loud"], {},
-     "asgi-generate serve: error: argument --log-level: invalid choice: 'loud' (choose from 'debug', "
-     "'info', 'warning', 'error', 'critical') (see --help)"),
-    (["--trace-file", "{tmp}/missing/t.jsonl"], {},
-     "asgi-generate: --trace-file (ASGI_GENERATE_TRACE_FILE): folder '{tmp}/missing' does not exist"),
-    (["--tokenizer", "{tmp}/nope.json", "--reasoning-parser", "qwen3", "--trace-stderr"], {},
-     "asgi-generate: --tokenizer: cannot load '{tmp}/nope.json': No such file or directory (os error 2)"),
-    (["--tokenizer", TOKENIZER, "--reasoning-parser", "qwen3"], {},
-     "asgi-generate: --reasoning-parser and --tool-call-parser only annotate trace records: give "
-     "--trace-file, --trace-stderr or --otlp-endpoint"),
-    (["--trace-otlp"], {}, "asgi-generate: --trace-otlp exports records to the --otlp-endpoint collector: give one"),
-    (["--otlp-endpoint", "collector:4318"], {},
-     "asgi-generate: --otlp-endpoint (ASGI_GENERATE_OTLP_ENDPOINT) must be an http(s)://HOST[:PORT] URL, not "
-     "'collector:4318'"),
-    ([], {"PROMETHEUS_MULTIPROC_DIR": "{tmp}/missing"},
-     "asgi-generate: PROMETHEUS_MULTIPROC_DIR='{tmp}/missing' is not a folder"),
-    ([], {"ASGI_GENERATE_READ_TIMEOUT": "soon"}, "asgi-generate: ASGI_GENERATE_READ_TIMEOUT='soon' is not a number"),
-    ([], {"ASGI_GENERATE_TRACE_STDERR": "maybe"},
-     "asgi-generate: ASGI_GENERATE_TRACE_STDERR='maybe' is not a boolean (1/0, true/false, yes/no, on/off)"),
-    ([], {"ASGI_GENERATE_EMBEDDED_WORKERS": "0"},
-     "asgi-generate: --embedded-workers (ASGI_GENERATE_EMBEDDED_WORKERS) must be above 0, not 0"),
-])
-def test_a_bad_start_is_one_line_and_exit_2_before_anything_starts(tmp_path, args, env, line):
-    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    env = {k: v.replace("{tmp}", str(tmp_path)) for k, v in env.items()}
-    out = subprocess.run([sys.executable, "-m", "asgi_generate", "serve", "--port", "0", *args],
-                         capture_output=True, text=True, timeout=30, env={**os.environ, **env})
-    assert (out.returncode, out.stderr, out.stdout) == (2, line.replace("{tmp}", str(tmp_path)) + "\n", "")
-
-
-@pytest.mark.parametrize("args,line", [
-    (["--stream-interval", "0"], "argument --stream-interval: must be 1 or more, not 0"),
-    (["--abort-after", "-1"], "argument --abort-after: must be 0 or more, not -1"),
-    (["--abort-status", "1000"], "argument --abort-status: must be between 100 and 599, not 1000"),
-    (["--itl-ms", "soon"], "argument --itl-ms: 'soon' is not a number"),
-    (["--protocol", "tgi"], "argument --protocol: invalid choice: 'tgi' (choose from 'sglang', 'vllm')"),
-])
-def test_a_bad_sim_flag_is_one_line(args, line):
-    out = subprocess.run([sys.executable, "-m", "asgi_generate", "sim", "--port", "0", *args],
-                         capture_output=True, text=True, timeout=30)
-    assert (out.returncode, out.stderr) == (2, f"asgi-generate sim: error: {line} (see --help)\n")
-
-
-@pytest.mark.parametrize("variable,hint", [
-    ("ASGI_GENERATE_WORKER", "did you mean ASGI_GENERATE_WORKERS?"),
-    ("ASGI_GENERATE_TRACE_QUEUE", "did you mean ASGI_GENERATE_TRACE_QUEUE_SIZE?"),
-    ("ASGI_GENERATE_READTIMEOUT", "did you mean ASGI_GENERATE_READ_TIMEOUT?"),
-    ("ASGI_GENERATE_ZZZ", "no setting has a name like it"),
-])
-def test_an_unknown_variable_is_refused_suggesting_the_nearest_name(variable, hint):
-    out = subprocess.run([sys.executable, "-m", "asgi_generate", "serve", "--port", "0"], capture_output=True,
-                         text=True, timeout=30, env={**os.environ, variable: "sglang=http://h:1"})
-    assert (out.returncode, out.stderr) == (
-        2, f"asgi-generate: unknown variable {variable}: {hint} (asgi-generate serve --help lists the settings)\n")
+def test_a_bad_start_from_the_command_line_is_one_line_and_exit_2():
+    """The console entry itself (tests/server/test_cli_errors.py checks
+    every refusal in process): a bad flag, a bad variable, a bad simulator
+    flag, each one line on stderr and exit status 2, nothing on stdout."""
+    cases = [
+        (["serve", "--port", "0", "--max-body-bytes", "-5"], {},
+         "asgi-generate: --max-body-bytes (ASGI_GENERATE_MAX_BODY_BYTES) must be above 0, not -5"),
+        (["serve", "--port", "0"], {"ASGI_GENERATE_WORKER": "sglang=http://h:1"},
+         "asgi-generate: unknown variable ASGI_GENERATE_WORKER: did you mean ASGI_GENERATE_WORKERS? "
+         "(asgi-generate serve --help lists the settings)"),
+        (["sim", "--port", "0", "--stream-interval", "0"], {},
+         "asgi-generate sim: error: argument --stream-interval: must be 1 or more, not 0 (see --help)"),
+    ]
+    for args, env, line in cases:
+        out = subprocess.run([sys.executable, "-m", "asgi_generate", *args],
+                             capture_output=True, text=True, timeout=30, env={**os.environ, **env})
+        assert (out.returncode, out.stderr, out.stdout) == (2, line + "\n", "")
 
 
 def test_a_port_in_use_is_one_line_before_any_simulator_starts():

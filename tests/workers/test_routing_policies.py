@@ -46,6 +46,10 @@ def test_two_frontend_processes_agree_on_every_key(two_sims):
     a = start_frontend(urls, extra=["--policy", "session"])
     b = start_frontend(list(reversed(urls)), worker_class="asyncio", extra=["--policy", "session"])
     try:
+        # Ready may mean one worker up: a key's home is chosen among the
+        # workers up, so both must be before the first key is sent.
+        for fe in (a, b):
+            wait_until(lambda: httpx.get(fe.url + "/health", timeout=5).json()["healthy_workers"] == 2)
         homes = []
         for i in range(KEYS):
             key = {"x-session-id": f"agent-{i}"}
