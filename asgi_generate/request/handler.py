@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import anyio
 
@@ -36,7 +36,7 @@ from ..tracing.state import RequestState
 from .framing import BodyTimeout, BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
 from .batches import BatchGeneration
 from .generation import Generation
-from .watchdog import CONNECTION_RESET, DISCONNECT_WATCH
+from .watchdog import CONNECTION_RESET, DISCONNECT_WATCH, RECEIVE_NOWAIT
 
 if TYPE_CHECKING:
     from .context import RequestContext
@@ -135,7 +135,8 @@ async def _admit(
         return None
     request = None
     try:
-        request = await _read_and_decode(ctx, codec, receive, send, st, headers, length)
+        nowait = scope.get("extensions", {}).get(RECEIVE_NOWAIT)
+        request = await _read_and_decode(ctx, codec, receive, send, st, headers, length, nowait)
     finally:
         if request is None:
             lease.release()
@@ -144,13 +145,13 @@ async def _admit(
 
 async def _read_and_decode(
     ctx: "RequestContext", codec: Codec, receive: Receive, send: Send, st: RequestState, headers: dict,
-    length: int | None,
+    length: int | None, receive_nowait: Callable[[], dict | None] | None = None,
 ) -> GenerateRequest | None:
     """The decoded request, or ``None`` once the client was answered (or left)."""
     settings = ctx.settings
     ctx.body_budget.reading += 1
     try:
-        body = await read_body(receive, settings.max_body_bytes, length, settings.body_read_timeout)
+        body = await read_body(receive, settings.max_body_bytes, length, settings.body_read_timeout, receive_nowait)
     except BodyTooLarge as exc:
         await _send_error(codec, send, st, RequestError(413, str(exc), "too_large"), CLOSE)
         return None

@@ -37,6 +37,10 @@ DISCONNECT_WATCH = "asgi_generate.disconnect_watch"
 #: a TCP reset (what is buffered for the client is dropped, a write stuck on
 #: it ends).
 CONNECTION_RESET = "asgi_generate.connection_reset"
+#: The ASGI scope extension our hypercorn offers beside them: a function of
+#: no arguments returning the next message ``receive()`` would return if
+#: it is queued already (taken, as ``receive()`` takes it), else ``None``.
+RECEIVE_NOWAIT = "asgi_generate.receive_nowait"
 
 
 class Watched(Protocol):

@@ -96,12 +96,20 @@ class TCPConnection:
 
     Errors are the socket's own :class:`OSError` (``ConnectionResetError``,
     ``BrokenPipeError``, ...), also for a connection closed here.
+
+    Args:
+        sock: the connected socket.
+        loop: the asyncio event loop it is read in (:func:`connect` passes
+            the running one), ``None`` on trio or to look it up at each
+            wait: ``asyncio.get_running_loop()`` is a ``getpid(2)`` on
+            CPython 3.11.
     """
 
-    __slots__ = ("sock",)
+    __slots__ = ("sock", "loop")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.sock = sock
+        self.loop = loop
 
     async def receive(self, max_bytes: int, deadline: float = math.inf) -> bytes | None:
         """Up to ``max_bytes`` bytes, waiting for at least one until
@@ -110,7 +118,8 @@ class TCPConnection:
         when it had passed already, whatever has arrived). Always a
         checkpoint (cancellable), as anyio's streams are, so a fast worker
         cannot starve other tasks."""
-        if deadline != math.inf and anyio.current_time() >= deadline:
+        loop = self.loop
+        if deadline != math.inf and (anyio.current_time() if loop is None else loop.time()) >= deadline:
             await checkpoint()
             return None
         sock = self.sock
@@ -120,7 +129,7 @@ class TCPConnection:
             return data
         # The wait inline, not a coroutine of its own (about 250 bytes per
         # open stream).
-        if sniffio.current_async_library() != "asyncio":
+        if loop is None and sniffio.current_async_library() != "asyncio":
             if trio_poller.AVAILABLE:
                 poller = trio_poller.current()
                 fd = sock.fileno()
@@ -141,7 +150,8 @@ class TCPConnection:
                 if (data := recv_nowait(sock, max_bytes)) is not None:
                     return data
         # asyncio: cancellable, and the reader and timer are gone however it ends.
-        loop = asyncio.get_running_loop()
+        if loop is None:
+            loop = asyncio.get_running_loop()
         fd = sock.fileno()
         while True:
             waiter, timer = _readable(loop, fd, deadline)
@@ -272,5 +282,6 @@ async def connect(host: str, port: int) -> TCPConnection:
         except BaseException:  # cancelled (the connect timeout)
             sock.close()
             raise
-        return TCPConnection(sock)
+        asyncio_loop = asyncio.get_running_loop() if sniffio.current_async_library() == "asyncio" else None
+        return TCPConnection(sock, asyncio_loop)
     raise error

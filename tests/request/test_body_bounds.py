@@ -22,7 +22,8 @@ import orjson
 import pytest
 
 from asgi_generate.request.budget import BodyBudget
-from asgi_generate.request.framing import BodyTimeout, read_body
+from asgi_generate.request.framing import BodyTimeout, ClientDisconnected, read_body
+from asgi_generate.server.hypercorn.lean import AppQueue, TrioAppQueue
 from asgi_generate.protocols import SGLANG, VLLM, read_model_card
 from support import post, sse, start_frontend, start_sim, stats, trace_records
 
@@ -98,6 +99,36 @@ async def test_read_body_gives_up_at_the_deadline():
     with pytest.raises(BodyTimeout):
         await read_body(stalled, 100, 10, timeout=0.2)
     assert 0.2 <= anyio.current_time() - t0 < 2.0
+
+
+@pytest.mark.anyio
+async def test_a_body_queued_whole_is_taken_with_no_deadline_to_keep(monkeypatch, anyio_backend):
+    queue = AppQueue(0) if anyio_backend == "asyncio" else TrioAppQueue(0)
+    await queue.put({"type": "http.request", "body": b"{}", "more_body": False})
+
+    def no_scope(_timeout):
+        raise AssertionError("a deadline scope for a body that was all there")
+
+    monkeypatch.setattr(anyio, "move_on_after", no_scope)
+    assert await read_body(queue.get, 100, 2, timeout=0.2, receive_nowait=queue.get_nowait) == b"{}"
+    assert queue.get_nowait() is None
+
+
+@pytest.mark.anyio
+async def test_a_body_partly_queued_is_read_on_under_the_deadline(anyio_backend):
+    queue = AppQueue(0) if anyio_backend == "asyncio" else TrioAppQueue(0)
+    await queue.put({"type": "http.request", "body": b"[1,", "more_body": True})
+    t0 = anyio.current_time()
+    with pytest.raises(BodyTimeout):
+        await read_body(queue.get, 100, 5, timeout=0.2, receive_nowait=queue.get_nowait)
+    assert 0.2 <= anyio.current_time() - t0 < 2.0
+    await queue.put({"type": "http.request", "body": b"[1,", "more_body": True})
+    await queue.put({"type": "http.request", "body": b"2]", "more_body": False})
+    assert await read_body(queue.get, 100, 5, timeout=5.0, receive_nowait=queue.get_nowait) == b"[1,2]"
+    await queue.put({"type": "http.disconnect"})
+    with pytest.raises(ClientDisconnected):
+        await read_body(queue.get, 100, 5, timeout=5.0, receive_nowait=queue.get_nowait)
+    assert queue.get_nowait() is None
 
 
 def test_server_info_gives_the_context_length_under_one_key():

@@ -103,7 +103,8 @@ from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
 from .. import spread
-from ...request.watchdog import CONNECTION_RESET, DISCONNECT_WATCH
+from .lean import AppQueue, TrioAppQueue
+from ...request.watchdog import CONNECTION_RESET, DISCONNECT_WATCH, RECEIVE_NOWAIT
 
 #: Bytes of empty lines behind a request that do not stop hypercorn reading.
 STRAY_CRLF_BYTES = 4
@@ -187,6 +188,8 @@ class _LazyContinue:
         if scope["http_version"] != "2":  # an h2 connection carries other streams
             extensions[CONNECTION_RESET] = self.stream.reset_connection
         receive = _FirstReceive(self.stream, receive)
+        if isinstance(getattr(receive.receive, "__self__", None), (AppQueue, TrioAppQueue)):
+            extensions[RECEIVE_NOWAIT] = receive.nowait
         if type(self.app) is ASGIWrapper:
             app = self.app.app
             # App's dispatch: the handler's coroutine itself, no frame of App's.
@@ -209,6 +212,16 @@ class _FirstReceive:
             stream, self.stream = self.stream, None
             await stream.send(_Continue(stream_id=stream.stream_id))
         return await self.receive()
+
+    def nowait(self):
+        """The :data:`~asgi_generate.request.watchdog.RECEIVE_NOWAIT`
+        extension, over :mod:`asgi_generate.server.hypercorn.lean`'s app
+        queues: the next message if it is queued, else ``None``. A message
+        already there makes a pending 100 moot: none is sent then."""
+        message = self.receive.__self__.get_nowait()
+        if message is not None:
+            self.stream = None
+        return message
 
 
 class _LazyContinueStream(HTTPStream):

@@ -108,6 +108,16 @@ class AppQueue:
         if self._getters:
             _wake_one(self._getters)
 
+    def get_nowait(self) -> Any:
+        """The next item, taken as :meth:`get` takes it, if one is queued;
+        else ``None`` (ASGI messages are dicts)."""
+        if not self._items:
+            return None
+        item = self._items.pop(0)
+        if self._putters:
+            _wake_one(self._putters)
+        return item
+
     async def get(self) -> Any:
         while not self._items:
             if self._getters is None:
@@ -183,6 +193,17 @@ class TrioAppQueue:
         if self._getters:
             unpark_one(self._getters)
         await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def get_nowait(self) -> Any:
+        """The next item, taken as :meth:`get` takes it (but no
+        checkpoint), if one is queued; else ``None`` (ASGI messages are
+        dicts)."""
+        if not self._items:
+            return None
+        item = self._items.pop(0)
+        if self._putters:
+            unpark_one(self._putters)
+        return item
 
     async def get(self) -> Any:
         await trio.lowlevel.checkpoint_if_cancelled()
