@@ -14,6 +14,12 @@ SSE 256 events), every answer checked for status and size, and reports:
 - ``--tool cprofile``: the hop runs under cProfile (``bench/_profiled.py``)
   for the measured requests only: calls per request (exact) and each
   function's share of the profiled time (own and cumulative).
+- ``--tool strace``: ``strace -f -c`` attaches to the hop (all its threads)
+  after the warm-up and detaches after the measured requests: system calls
+  per request by kind. The counts move a little with timing (whether a read
+  finds its bytes already there, how many sockets one ``epoll_wait``
+  returns), not with the machine's load as such; ``--concurrency 1`` gives
+  the per-request sequence without batching.
 
 ``--trace on`` serves with ``--trace-file`` (a JSONL file in the run's
 folder), ``--trace parsers`` also with bench_tracing.py's tokenizer and
@@ -133,13 +139,50 @@ def cprofile_report(out: pathlib.Path, requests: int, top: int) -> None:
             print(f"{100 * data[key] / total:6.1f}%  {data[1] / requests:8.2f}  {name}  {where}")
 
 
+def strace_attach(pid: int, out: pathlib.Path) -> subprocess.Popen:
+    """``strace -f -c`` attached to every thread of ``pid``, counting into
+    ``out``; returns once it is attached (its "attached" lines on stderr)."""
+    tracer = subprocess.Popen(["strace", "-f", "-c", "-o", str(out), "-p", str(pid)],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    threads = len(os.listdir(f"/proc/{pid}/task"))
+    attached = 0
+    while attached < threads:
+        line = tracer.stderr.readline()
+        if not line:
+            raise RuntimeError(f"strace exited with {tracer.wait()}")
+        attached += b"attached" in line
+    return tracer
+
+
+def strace_detach(tracer: subprocess.Popen) -> None:
+    """Detach (SIGINT) and wait for the summary to be written."""
+    tracer.send_signal(signal.SIGINT)
+    tracer.communicate(timeout=30)
+
+
+def strace_report(out: pathlib.Path, requests: int, top: int) -> None:
+    """Print system calls per request by kind from ``strace -c``'s table."""
+    rows = []
+    for line in out.read_text().splitlines():
+        cells = line.split()
+        # % time, seconds, usecs/call, calls, [errors], syscall
+        if len(cells) >= 5 and cells[0][0].isdigit() and cells[3].isdigit():
+            errors = int(cells[4]) if len(cells) == 6 else 0
+            rows.append((cells[-1], int(cells[3]), errors))
+    total = next((calls for name, calls, _ in rows if name == "total"), 0)
+    print(f"system calls per request: {total / requests:.2f} ({total:,} for {requests} requests)")
+    print("\n| syscall | per request | errors per request |\n|---|---:|---:|")
+    for name, calls, errors in sorted((r for r in rows if r[0] != "total"), key=lambda r: -r[1])[:top]:
+        print(f"| {name} | {calls / requests:.2f} | {errors / requests:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--hop", default="asyncio", choices=[h for h in HOPS if h != "router"],
                    help="asgi-generate's worker class, or a floor hop (hypercorn alone, bench_frontend.py)")
     p.add_argument("--workload", choices=("unary", "sse"), default="unary")
-    p.add_argument("--tool", choices=("callgrind", "cprofile"), default="callgrind")
+    p.add_argument("--tool", choices=("callgrind", "cprofile", "strace"), default="callgrind")
     p.add_argument("--requests", type=int, default=None, help="measured requests (default 300 unary, 40 SSE)")
     p.add_argument("--warmup", type=int, default=None, help="requests before measuring (default 60 / 10)")
     p.add_argument("--concurrency", type=int, default=8, help="keep-alive connections")
@@ -156,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.sse_tokens if stream else args.unary_tokens
     body = request_body(args.input_len, tokens, stream, 0)
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="asgi-generate-profile-"))
-    out = log_dir / ("callgrind.out" if args.tool == "callgrind" else "profile.pstats")
+    out = log_dir / {"callgrind": "callgrind.out", "cprofile": "profile.pstats", "strace": "strace.txt"}[args.tool]
     with contextlib.ExitStack() as stack:
         sim_port, _sim = start_sim(stack, None, log_dir,
                                    context_length=args.input_len + max(args.unary_tokens, args.sse_tokens) + 1024)
@@ -177,8 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.tool == "callgrind":
             argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-instr=no",
                     "--collect-atstart=yes", sys.executable, *cmd]
-        else:
+        elif args.tool == "cprofile":
             argv = [sys.executable, str(HERE / "_profiled.py"), *cmd]
+        else:
+            argv = [sys.executable, *cmd]
         os.environ["PROFILED_OUT"] = str(out)
         hop = Child(f"hop-{args.hop}", argv, None, log_dir, pass_fds=(sock.fileno(),))
         sock.close()
@@ -189,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(TRACE_SETTLE_S)
         if args.tool == "callgrind":
             subprocess.run(["callgrind_control", "--zero", str(hop.pid)], check=True, capture_output=True)
+        elif args.tool == "strace":
+            tracer = strace_attach(hop.pid, out)
+            stack.callback(tracer.kill)
         else:
             os.kill(hop.pid, signal.SIGUSR1)
             time.sleep(0.5)
@@ -201,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["callgrind_control", "--dump", str(hop.pid)], check=True, capture_output=True)
             dumps = sorted(log_dir.glob("callgrind.out*"), key=lambda f: f.stat().st_mtime)
             out = dumps[-1]
+        elif args.tool == "strace":
+            strace_detach(tracer)
         else:
             os.kill(hop.pid, signal.SIGUSR2)
             deadline = time.monotonic() + 30
@@ -210,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{requests} requests after {warmup} warm-up, "
           f"{args.concurrency} connections, {elapsed:.1f} s; 1-min load average {os.getloadavg()[0]:.2f}; "
           f"failures: {len(failures)}{' (' + failures[0] + ')' if failures else ''}")
-    (callgrind_report if args.tool == "callgrind" else cprofile_report)(out, requests, args.top)
+    report = {"callgrind": callgrind_report, "cprofile": cprofile_report, "strace": strace_report}[args.tool]
+    report(out, requests, args.top)
     print(f"(dump kept: {out})")
     return 1 if failures else 0
 
