@@ -66,32 +66,35 @@ async def read_body(
     """
     if content_length is not None and content_length > limit:
         raise BodyTooLarge(limit)
-    message = None if receive_nowait is None else receive_nowait()
-    if message is not None and message["type"] == "http.request" and not message.get("more_body", False):
-        body = message.get("body", b"")
-        if len(body) > limit:
-            raise BodyTooLarge(limit)
-        return body
     chunks: list[bytes] = []
     size = 0
+    # What the server has queued already is taken with no deadline to keep.
+    while receive_nowait is not None and (message := receive_nowait()) is not None:
+        size, more = _body_part(message, chunks, size, limit)
+        if not more:
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
     # One deadline for the whole body. ASGI servers hand messages over
     # through queues: a receive() cut short by the deadline loses nothing.
     with anyio.move_on_after(timeout):
         while True:
-            if message is None:
-                message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientDisconnected()
-            chunk = message.get("body", b"")
-            if chunk:
-                size += len(chunk)
-                if size > limit:
-                    raise BodyTooLarge(limit)
-                chunks.append(chunk)
-            if not message.get("more_body", False):
+            size, more = _body_part(await receive(), chunks, size, limit)
+            if not more:
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            message = None
     raise BodyTimeout()
+
+
+def _body_part(message: dict, chunks: list[bytes], size: int, limit: int) -> tuple[int, bool]:
+    """Add a ``receive()`` message's body bytes to ``chunks``; the bytes
+    so far, and whether more are to come (raises as :func:`read_body`)."""
+    if message["type"] == "http.disconnect":
+        raise ClientDisconnected()
+    chunk = message.get("body", b"")
+    if chunk:
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+    return size, message.get("more_body", False)
 
 
 async def send_unary(

@@ -112,6 +112,11 @@ async def test_a_body_queued_whole_is_taken_with_no_deadline_to_keep(monkeypatch
     monkeypatch.setattr(anyio, "move_on_after", no_scope)
     assert await read_body(queue.get, 100, 2, timeout=0.2, receive_nowait=queue.get_nowait) == b"{}"
     assert queue.get_nowait() is None
+    # hypercorn's shape: the body's bytes, then an empty last message
+    await queue.put({"type": "http.request", "body": b"[1]", "more_body": True})
+    await queue.put({"type": "http.request", "body": b"", "more_body": False})
+    assert await read_body(queue.get, 100, 3, timeout=0.2, receive_nowait=queue.get_nowait) == b"[1]"
+    assert queue.get_nowait() is None
 
 
 @pytest.mark.anyio
