@@ -201,9 +201,9 @@ class Response:
         return b"".join(parts)
 
 
-async def _receive(conn: _Connection, deadline: float) -> None:
+async def _receive(conn: _Connection, deadline: float, wait_first: bool = False) -> None:
     try:
-        data = await conn.stream.receive(RECEIVE_SIZE, deadline)
+        data = await conn.stream.receive(RECEIVE_SIZE, deadline, wait_first)
     except OSError as exc:
         raise _lost(exc) from None
     _take(conn, data)
@@ -228,6 +228,8 @@ def _next_event(conn: _Connection) -> h11.Event:
 
 
 async def _next_response(conn: _Connection, deadline: float) -> h11.Response:
+    # Called right after the request went out: its first read would find nothing.
+    wait_first = True
     while True:
         try:
             event = _next_event(conn)
@@ -238,7 +240,8 @@ async def _next_response(conn: _Connection, deadline: float) -> h11.Response:
         if type(event) is h11.Response:
             return event
         if event is h11.NEED_DATA:
-            await _receive(conn, deadline)
+            await _receive(conn, deadline, wait_first)
+            wait_first = False
         elif type(event) is h11.ConnectionClosed:
             raise WorkerDisconnected("worker closed the connection before answering")
 

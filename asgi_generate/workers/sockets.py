@@ -12,7 +12,10 @@ another anyio cancel scope (0.9 KB); a read here waits with what the loop
 itself needs (asyncio: one future, the reader callback and, with a
 deadline, one timer, awaited in :meth:`TCPConnection.receive`'s own frame;
 trio: the socket in :mod:`asgi_generate.workers.trio_poller`'s epoll set,
-its deadline in that poller's heap). Writes and connects are short and
+its deadline in that poller's heap). On asyncio the socket stays in the
+loop's selector between reads, so a request on a kept connection costs no
+``epoll_ctl(2)``; the first read of an answer waits before it reads
+(``wait_first``). Writes and connects are short and
 still go through ``anyio.wait_writable``.
 :class:`TLSConnection` gives an ``https://`` worker's anyio TLS stream the
 same interface.
@@ -65,6 +68,15 @@ def _forget(loop: asyncio.AbstractEventLoop, fd: int, timer: asyncio.TimerHandle
         timer.cancel()
 
 
+def _parked(conn: TCPConnection) -> None:
+    """asyncio: the reader of a connection no read waits on: it turned
+    readable (the next bytes came before the next read, or the worker
+    closed the idle connection), so it leaves the loop's selector (the next
+    read registers it again). Being the callback, it holds ``conn``: a
+    registered socket is never closed behind the selector's back."""
+    conn.loop.remove_reader(conn.sock.fileno())
+
+
 def recv_nowait(sock: socket.socket, max_bytes: int) -> bytes | None:
     """What the non-blocking ``sock`` has, up to ``max_bytes`` (``b""``: the
     peer closed), ``None`` if nothing yet; other errors are the socket's
@@ -102,7 +114,11 @@ class TCPConnection:
         loop: the asyncio event loop it is read in (:func:`connect` passes
             the running one), ``None`` on trio or to look it up at each
             wait: ``asyncio.get_running_loop()`` is a ``getpid(2)`` on
-            CPython 3.11.
+            CPython 3.11. With it, the socket stays in the loop's selector
+            between reads (re-pointing its reader is no system call, where
+            adding and removing it is an ``epoll_ctl(2)`` each) until it
+            turns readable with no read waiting (:func:`_parked`) or is
+            closed (:meth:`close`, which only its reader calls).
     """
 
     __slots__ = ("sock", "loop")
@@ -111,22 +127,26 @@ class TCPConnection:
         self.sock = sock
         self.loop = loop
 
-    async def receive(self, max_bytes: int, deadline: float = math.inf) -> bytes | None:
+    async def receive(self, max_bytes: int, deadline: float = math.inf, wait_first: bool = False) -> bytes | None:
         """Up to ``max_bytes`` bytes, waiting for at least one until
         ``deadline`` (``anyio.current_time()``'s clock); ``b""`` once the
         peer closed its side, ``None`` when ``deadline`` passed first (also
         when it had passed already, whatever has arrived). Always a
         checkpoint (cancellable), as anyio's streams are, so a fast worker
-        cannot starve other tasks."""
+        cannot starve other tasks. ``wait_first``: wait for readiness
+        before the first read, which would find nothing (the first read of
+        an answer to a request just sent: a ``recvfrom(2)`` failing with
+        ``EAGAIN`` saved)."""
         loop = self.loop
         if deadline != math.inf and (anyio.current_time() if loop is None else loop.time()) >= deadline:
             await checkpoint()
             return None
         sock = self.sock
-        data = recv_nowait(sock, max_bytes)
-        if data is not None:
-            await checkpoint()
-            return data
+        if not wait_first:
+            data = recv_nowait(sock, max_bytes)
+            if data is not None:
+                await checkpoint()
+                return data
         # The wait inline, not a coroutine of its own (about 250 bytes per
         # open stream).
         if loop is None and sniffio.current_async_library() != "asyncio":
@@ -149,10 +169,26 @@ class TCPConnection:
                         return None
                 if (data := recv_nowait(sock, max_bytes)) is not None:
                     return data
-        # asyncio: cancellable, and the reader and timer are gone however it ends.
-        if loop is None:
-            loop = asyncio.get_running_loop()
         fd = sock.fileno()
+        if loop is not None:
+            # asyncio, the socket kept in the selector: cancellable, and the
+            # timer gone and the reader parked however the wait ends.
+            while True:
+                waiter = loop.create_future()
+                loop.add_reader(fd, _wake, waiter, True)
+                timer = None if deadline == math.inf else loop.call_at(deadline, _wake, waiter, False,
+                                                                       context=_NO_CONTEXT)
+                try:
+                    if not await waiter:
+                        return None
+                finally:
+                    loop.add_reader(fd, _parked, self)
+                    if timer is not None:
+                        timer.cancel()
+                if (data := recv_nowait(sock, max_bytes)) is not None:
+                    return data
+        # asyncio: cancellable, and the reader and timer are gone however it ends.
+        loop = asyncio.get_running_loop()
         while True:
             waiter, timer = _readable(loop, fd, deadline)
             try:
@@ -192,9 +228,11 @@ class TCPConnection:
             view = view[sent:]
 
     def close(self) -> None:
-        """Close the socket (idempotent). Only its reader closes it, never
-        while a read of another task is parked on it (see
-        :mod:`asgi_generate.workers.trio_poller`)."""
+        """Close the socket (idempotent), out of its loop's selector first.
+        Only its reader closes it, never while a read of another task is
+        parked on it (see :mod:`asgi_generate.workers.trio_poller`)."""
+        if self.loop is not None and (fd := self.sock.fileno()) >= 0:
+            self.loop.remove_reader(fd)
         self.sock.close()
 
 
@@ -209,8 +247,9 @@ class TLSConnection:
     def __init__(self, stream: anyio.abc.ByteStream) -> None:
         self.stream = stream
 
-    async def receive(self, max_bytes: int, deadline: float = math.inf) -> bytes | None:
-        """As :meth:`TCPConnection.receive`."""
+    async def receive(self, max_bytes: int, deadline: float = math.inf, wait_first: bool = False) -> bytes | None:
+        """As :meth:`TCPConnection.receive` (``wait_first`` changes nothing:
+        the TLS stream reads when it must)."""
         with anyio.CancelScope(deadline=deadline):
             try:
                 return await self.stream.receive(max_bytes)

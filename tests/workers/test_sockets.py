@@ -1,6 +1,8 @@
 """The worker connection is a bare socket (bench/bench_streams.py measures
 what an open stream holds): round trips, waits, read deadlines and
-cancellation leave nothing registered with the loop, on both backends."""
+cancellation leave nothing registered with the loop, on both backends; on
+asyncio a connection given its loop (as ``connect`` gives it) stays in the
+selector between reads until it turns readable unread or is closed."""
 
 from __future__ import annotations
 
@@ -132,6 +134,79 @@ async def test_bare_socket_wait_cancelled_removes_its_reader_and_timer(with_dead
     assert _registrations(a.fileno()) == (False, 0)
     b.send(b"next")  # the socket is usable again: no stale registration
     assert await conn.receive(10, anyio.current_time() + 5) == b"next"
+    conn.close()
+    b.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_connection_given_its_loop_stays_in_the_selector_between_reads(anyio_backend, monkeypatch):
+    loop = asyncio.get_running_loop()
+    registered: list[int] = []
+    register = loop._selector.register
+    monkeypatch.setattr(loop._selector, "register", lambda fd, *a: registered.append(fd) or register(fd, *a))
+
+    def callback(fd: int):
+        try:
+            return loop._selector.get_key(fd).data[0]._callback
+        except KeyError:
+            return None
+
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    conn = TCPConnection(a, loop)
+    for n in range(3):  # each read waits: one registration for the three
+        loop.call_later(0.01, b.send, b"%d" % n)
+        assert await conn.receive(10, anyio.current_time() + 5) == b"%d" % n
+        assert callback(a.fileno()) is sockets._parked
+    assert registered == [a.fileno()]
+    # Readable with no read waiting (bytes nobody asked for yet, a close):
+    # dropped from the selector at the next turn, the bytes left for the next read.
+    b.send(b"early")
+    await anyio.sleep(0.05)
+    assert callback(a.fileno()) is None
+    assert await conn.receive(10) == b"early"
+    # A deadline, a cancellation: the reader parked, the timer gone.
+    assert await conn.receive(10, anyio.current_time() + 0.05) is None
+    with anyio.move_on_after(0.05):
+        await conn.receive(10)
+    assert (callback(a.fileno()), _registrations(a.fileno())[1]) == (sockets._parked, 0)
+    # Closing takes it out of the selector before the fd number is free.
+    fd = a.fileno()
+    conn.close()
+    assert callback(fd) is None
+    b.close()
+    c, d = socket.socketpair()  # likely the same fd number: registers afresh
+    c.setblocking(False)
+    other = TCPConnection(c, loop)
+    loop.call_later(0.01, d.send, b"fresh")
+    assert await other.receive(10, anyio.current_time() + 5) == b"fresh"
+    other.close()
+    d.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("wait_first, reads", [(False, 2), (True, 1)])
+async def test_wait_first_skips_the_read_that_would_find_nothing(wait_first, reads, monkeypatch):
+    calls: list[int] = []
+    recv_nowait = sockets.recv_nowait
+    monkeypatch.setattr(sockets, "recv_nowait", lambda sock, n: calls.append(n) or recv_nowait(sock, n))
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    loop = asyncio.get_running_loop() if sniffio.current_async_library() == "asyncio" else None
+    conn = TCPConnection(a, loop)
+
+    async def later() -> None:
+        await anyio.sleep(0.02)
+        b.send(b"answer")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(later)
+        assert await conn.receive(10, anyio.current_time() + 5, wait_first) == b"answer"
+    assert len(calls) == reads
+    b.send(b"there")  # already there: found after the wait, none lost
+    await anyio.sleep(0.01)
+    assert await conn.receive(10, anyio.current_time() + 5, wait_first) == b"there"
     conn.close()
     b.close()
 
