@@ -136,13 +136,16 @@ class TCPConnection:
         cannot starve other tasks. ``wait_first``: wait for readiness
         before the first read, which would find nothing (the first read of
         an answer to a request just sent: a ``recvfrom(2)`` failing with
-        ``EAGAIN`` saved)."""
+        ``EAGAIN`` saved); on asyncio with the loop given only (on trio a
+        wait parks through :mod:`~asgi_generate.workers.trio_poller`'s
+        task, dearer than the read it would save when the answer is
+        there already)."""
         loop = self.loop
         if deadline != math.inf and (anyio.current_time() if loop is None else loop.time()) >= deadline:
             await checkpoint()
             return None
         sock = self.sock
-        if not wait_first:
+        if not wait_first or loop is None:
             data = recv_nowait(sock, max_bytes)
             if data is not None:
                 await checkpoint()

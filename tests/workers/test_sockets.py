@@ -186,8 +186,8 @@ async def test_a_connection_given_its_loop_stays_in_the_selector_between_reads(a
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("wait_first, reads", [(False, 2), (True, 1)])
-async def test_wait_first_skips_the_read_that_would_find_nothing(wait_first, reads, monkeypatch):
+@pytest.mark.parametrize("wait_first", [False, True])
+async def test_wait_first_skips_the_read_that_would_find_nothing_on_asyncio(wait_first, monkeypatch):
     calls: list[int] = []
     recv_nowait = sockets.recv_nowait
     monkeypatch.setattr(sockets, "recv_nowait", lambda sock, n: calls.append(n) or recv_nowait(sock, n))
@@ -203,7 +203,7 @@ async def test_wait_first_skips_the_read_that_would_find_nothing(wait_first, rea
     async with anyio.create_task_group() as tg:
         tg.start_soon(later)
         assert await conn.receive(10, anyio.current_time() + 5, wait_first) == b"answer"
-    assert len(calls) == reads
+    assert len(calls) == (1 if wait_first and loop is not None else 2)
     b.send(b"there")  # already there: found after the wait, none lost
     await anyio.sleep(0.01)
     assert await conn.receive(10, anyio.current_time() + 5, wait_first) == b"there"
