@@ -63,8 +63,14 @@ HOPS = {
     "floor-trio": "floor: hypercorn alone (trio)",
     "floor-asyncio": "floor: hypercorn alone (asyncio)",
     "floor-uvloop": "floor: hypercorn alone (uvloop)",
+    "baseline-trio": "asgi-generate (trio, baseline)",
+    "baseline-asyncio": "asgi-generate (asyncio, baseline)",
+    "baseline-uvloop": "asgi-generate (uvloop, baseline)",
 }
 FLOOR = "floor-"
+#: A hop served by the code of ``--baseline`` (another checkout of the
+#: repository, first on ``PYTHONPATH``): before and after in one run.
+BASELINE = "baseline-"
 DIRECT = "direct (simulator)"
 # Token ids well inside the bundled tokenizer's 4096-entry vocabulary.
 ID_LOW, ID_SPAN = 100, 3900
@@ -140,7 +146,9 @@ def start_sim(stack: contextlib.ExitStack, cpus: set[int] | None, log_dir: pathl
 def python_args(hop: str, sim_port: int, fd: int, log_dir: pathlib.Path) -> list[str]:
     """The Python arguments that serve ``hop`` (ours or a ``floor-*`` hop,
     which answers ``log_dir``'s recorded ``unary.json`` / ``sse.txt``) on
-    the listening socket ``fd``, in front of the simulator at ``sim_port``."""
+    the listening socket ``fd``, in front of the simulator at ``sim_port``
+    (a ``baseline-*`` hop's are its worker class's)."""
+    hop = hop.removeprefix(BASELINE)
     if hop.startswith(FLOOR):
         return [str(HERE / "_floor.py"), "--fd", str(fd), "--worker-class", hop[len(FLOOR):],
                 "--unary", str(log_dir / "unary.json"), "--sse", str(log_dir / "sse.txt")]
@@ -156,11 +164,12 @@ def start_hop(
     log_dir: pathlib.Path,
     router_python: str | None,
     probe_body: bytes,
+    baseline: pathlib.Path | None = None,
 ) -> tuple[Child, int]:
-    """Start ``hop`` (``trio``, ``asyncio``, ``uvloop``, ``router``, or a
+    """Start ``hop`` (``trio``, ``asyncio``, ``uvloop``, ``router``, a
     ``floor-*`` hop answering the recorded ``unary.json`` / ``sse.txt`` in
-    ``log_dir``) in front of the simulator; return it and its port once it
-    serves."""
+    ``log_dir``, or a ``baseline-*`` hop running the checkout ``baseline``)
+    in front of the simulator; return it and its port once it serves."""
     worker = f"http://127.0.0.1:{sim_port}"
     if hop == "router":
         port = free_port()
@@ -176,6 +185,8 @@ def start_hop(
     sock = listening_socket()
     port = sock.getsockname()[1]
     argv = [sys.executable, *python_args(hop, sim_port, sock.fileno(), log_dir)]
+    if hop.startswith(BASELINE):
+        argv = ["env", f"PYTHONPATH={baseline}", *argv]
     child = Child(f"asgi-generate-{hop}", argv, cpus, log_dir, pass_fds=(sock.fileno(),))
     sock.close()
     stack.callback(child.stop)
@@ -327,11 +338,11 @@ def print_floor(ours: list[HopResult], floors: dict[str, HopResult], router: Hop
     print("| worker class | floor CPU ms/req unary / SSE | hop CPU ms/req unary / SSE "
           "| ours = hop - floor, unary / SSE | floor/router unary / SSE |")
     print("|---|---:|---:|---:|---:|")
-    for key in ("trio", "asyncio", "uvloop"):
-        floor = floors.get(HOPS[FLOOR + key])
-        if floor is None:
-            continue
+    for key in ("trio", "asyncio", "uvloop", *(BASELINE + k for k in ("trio", "asyncio", "uvloop"))):
+        floor = floors.get(HOPS[FLOOR + key.removeprefix(BASELINE)])
         hop = next((r for r in ours if r.label == HOPS[key]), None)
+        if floor is None or (hop is None and key.startswith(BASELINE)):
+            continue
         f = [floor.load[wl].cpu_ms_per_request("hop") for wl in ("unary", "sse")]
         h = [hop.load[wl].cpu_ms_per_request("hop") for wl in ("unary", "sse")] if hop else [None, None]
         mine = [None if a is None else a - b for a, b in zip(h, f)]
@@ -446,7 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="interleaved repetitions of every hop's cells (medians reported, spread listed)")
     p.add_argument("--hops", default="trio,asyncio,uvloop,router,floor-trio,floor-asyncio,floor-uvloop",
                    help="comma-separated hops to measure besides direct: trio, asyncio, uvloop, router, "
-                        "floor-trio, floor-asyncio, floor-uvloop")
+                        "floor-trio, floor-asyncio, floor-uvloop, baseline-trio, baseline-asyncio, "
+                        "baseline-uvloop (with --baseline)")
+    p.add_argument("--baseline", type=pathlib.Path, default=None,
+                   help="a checkout of the repository (e.g. from git worktree add or git archive) that the "
+                        "baseline-trio, baseline-asyncio and baseline-uvloop hops run, first on PYTHONPATH "
+                        "(its C extension built in place): before and after side by side")
     p.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
     p.add_argument("--unary-tokens", type=int, default=16, help="output tokens of a unary request")
     p.add_argument("--sse-tokens", type=int, default=256, help="output tokens (= events) of an SSE request")
@@ -493,6 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown hop(s) {unknown}; choose from {list(HOPS)}", file=sys.stderr)
         return 2
+    if any(h.startswith(BASELINE) for h in hops) and args.baseline is None:
+        print("the baseline-* hops need --baseline DIR", file=sys.stderr)
+        return 2
     load_before = os.getloadavg()[0]
     wrk = wrk_path()
     if wrk is None:
@@ -531,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{DIRECT}:", file=sys.stderr)
             results.append(measure(DIRECT, sim_port, {"sim": sim.cpu_seconds}, args, wrk, scripts,
                                    log_dir, samples))
-            started = {hop: start_hop(stack, hop, sim_port, hop_cpus, log_dir, router_python, probe) for hop in hops}
+            started = {hop: start_hop(stack, hop, sim_port, hop_cpus, log_dir, router_python, probe, args.baseline)
+                       for hop in hops}
             reps: dict[str, list[HopResult]] = {hop: [] for hop in hops}
             for rep in range(args.reps):  # interleaved: the order rotates every repetition
                 for hop in hops[rep % len(hops):] + hops[:rep % len(hops)]:

@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--unary-tokens", type=int, default=16)
     p.add_argument("--sse-tokens", type=int, default=256)
+    p.add_argument("--baseline", type=pathlib.Path, default=None,
+                   help="the checkout a baseline-* hop runs (bench_frontend.py --baseline)")
     p.add_argument("--trace", choices=("off", "on", "parsers"), default="off",
                    help="request-end tracing: off, on (JSONL file), on with the tokenizer and both parsers")
     args = p.parse_args(argv)
@@ -225,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             argv = [sys.executable, *cmd]
         os.environ["PROFILED_OUT"] = str(out)
+        if args.hop.startswith("baseline-"):
+            if args.baseline is None:
+                p.error("a baseline-* hop needs --baseline DIR")
+            os.environ["PYTHONPATH"] = str(args.baseline)
         hop = Child(f"hop-{args.hop}", argv, None, log_dir, pass_fds=(sock.fileno(),))
         sock.close()
         stack.callback(hop.stop, 60.0)
