@@ -46,6 +46,46 @@ def test_app_dispatch_hands_a_stream_the_handlers_own_coroutine():
             coro.close()
 
 
+def test_a_request_over_our_app_queue_gets_receive_nowait_and_a_queued_body_owes_no_100():
+    from asgi_generate.request.watchdog import RECEIVE_NOWAIT
+    from asgi_generate.server.hypercorn.fixes import _LazyContinue
+
+    class Stream:
+        stream_id = 1
+        watch_disconnect = reset_connection = None
+
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        async def send(self, event) -> None:
+            self.sent.append(event)
+
+    def call(receive) -> tuple[dict, object, Stream]:
+        stream, seen = Stream(), {}
+
+        def app(scope, receive, send, *_):
+            seen.update(scope["extensions"])
+            return receive
+
+        return seen, _LazyContinue(app, stream)({"http_version": "1.1"}, receive, None, None, None), stream
+
+    async def main() -> None:
+        queue = AppQueue(0)
+        extensions, receive, stream = call(queue.get)
+        nowait = extensions[RECEIVE_NOWAIT]
+        assert nowait() is None  # nothing queued yet: a 100 still owed
+        body = {"type": "http.request", "body": b"{}", "more_body": False}
+        await queue.put(body)
+        assert nowait() is body
+        await queue.put({"type": "http.disconnect"})
+        assert await receive() == {"type": "http.disconnect"}
+        assert stream.sent == []  # the body came: no 100 sent after it
+        # Another server's queue: no extension (the handler reads with a deadline).
+        assert RECEIVE_NOWAIT not in call(asyncio.Queue().get)[0]
+
+    asyncio.run(main())
+
+
 # -- hypercorn's asyncio app queue and event ----------------------------------
 
 
