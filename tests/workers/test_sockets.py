@@ -229,3 +229,20 @@ async def test_connect_is_a_checkpoint_even_when_refused_at_once():
         with pytest.raises(ConnectionRefusedError):
             await connect("127.0.0.1", port)
         assert ran == [1]
+
+
+def test_a_connection_closed_after_its_loop_closes_closes_quietly():
+    loop = asyncio.new_event_loop()
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    conn = TCPConnection(a, loop)
+
+    async def read_once() -> bytes | None:
+        loop.call_later(0.01, b.send, b"x")
+        return await conn.receive(10, loop.time() + 5)
+
+    assert loop.run_until_complete(read_once()) == b"x"  # its reader parked in the selector
+    loop.close()
+    conn.close()  # no "Event loop is closed"
+    assert a.fileno() == -1
+    b.close()
