@@ -234,9 +234,8 @@ class TCPConnection:
         """Close the socket (idempotent), out of its loop's selector first.
         Only its reader closes it, never while a read of another task is
         parked on it (see :mod:`asgi_generate.workers.trio_poller`)."""
-        loop = self.loop
-        if loop is not None and (fd := self.sock.fileno()) >= 0 and not loop.is_closed():
-            loop.remove_reader(fd)
+        if self.loop is not None and (fd := self.sock.fileno()) >= 0:
+            self.loop.remove_reader(fd)
         self.sock.close()
 
 

@@ -13,6 +13,7 @@ import socket
 import anyio
 import pytest
 import sniffio
+import uvloop
 
 from asgi_generate.workers import sockets, trio_poller
 from asgi_generate.workers.sockets import TCPConnection, connect
@@ -231,8 +232,9 @@ async def test_connect_is_a_checkpoint_even_when_refused_at_once():
         assert ran == [1]
 
 
-def test_a_connection_closed_after_its_loop_closes_closes_quietly():
-    loop = asyncio.new_event_loop()
+@pytest.mark.parametrize("make_loop", [asyncio.new_event_loop, uvloop.new_event_loop])
+def test_a_connection_closed_after_its_loop_closes_closes_quietly(make_loop):
+    loop = make_loop()
     a, b = socket.socketpair()
     a.setblocking(False)
     conn = TCPConnection(a, loop)
