@@ -15,9 +15,8 @@ health probe, a server-info read) gets one fresh try when a reused
 connection closes so (RFC 9110 section 9.2.2). What makes such a close
 likely, reusing a connection the worker is closing, is kept rare: an idle
 connection is trusted for :data:`IDLE_TIMEOUT` seconds, less than the
-engines' own keep-alive timeout, and one idle for :data:`POLL_AFTER`
-seconds or more is checked for the worker's close without waiting
-(:meth:`~asgi_generate.workers.sockets.TCPConnection.stale`, one ``poll(2)``)
+engines' own keep-alive timeout, and is checked for the worker's close
+without waiting (:meth:`~asgi_generate.workers.sockets.TCPConnection.stale`)
 before it carries a request.
 
 A pool for an ``https://`` worker speaks TLS over anyio's TLS stream
@@ -58,18 +57,6 @@ RECEIVE_SIZE = 65536
 #: ``build_and_serve`` to ``serve_http``), with a second to spare for the
 #: response's own transit (uvicorn's timer starts once it has sent it).
 IDLE_TIMEOUT = 4.0
-#: Seconds a connection must have been idle before the pool checks it for
-#: the worker's close (one ``poll(2)``) before reusing it. A worker closes
-#: an idle keep-alive connection only once its keep-alive timer runs out
-#: (5 s on both engines, see :data:`IDLE_TIMEOUT`), so a connection idle
-#: for less has not been closed that way; any other close (the worker
-#: restarting or dying) can come at any moment, also just after the check
-#: or as the request goes out, and is handled as it is then: the request is
-#: :class:`Unanswered` (an ``idempotent`` one retried once on a fresh
-#: connection). Under load a connection is reused within milliseconds, so
-#: the check, a system call per request, is spent only on connections that
-#: sat idle.
-POLL_AFTER = 1.0
 
 
 class WorkerError(Exception):
@@ -260,8 +247,6 @@ class ConnectionPool:
         idle_timeout: seconds an idle connection is trusted; older ones are
             closed rather than reused (:data:`IDLE_TIMEOUT`: under the
             engines' own keep-alive timeout).
-        poll_after: seconds of idleness after which a connection is checked
-            for the worker's close before it is reused (:data:`POLL_AFTER`).
     """
 
     def __init__(
@@ -272,7 +257,6 @@ class ConnectionPool:
         connect_timeout: float = 5.0,
         max_idle: int = 256,
         idle_timeout: float = IDLE_TIMEOUT,
-        poll_after: float = POLL_AFTER,
         ssl_context: ssl.SSLContext | None = None,
         tls_hostname: str | None = None,
     ) -> None:
@@ -283,7 +267,6 @@ class ConnectionPool:
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle
         self.idle_timeout = idle_timeout
-        self.poll_after = poll_after
         #: Oldest first: reuse takes the newest, expiry closes from the oldest.
         self._idle: deque[_Connection] = deque()
         self._host_header = f"{host}:{port}".encode()
@@ -319,14 +302,11 @@ class ConnectionPool:
 
     async def _take_idle(self) -> _Connection | None:
         """The newest idle connection that is neither past ``idle_timeout``
-        nor closed by the worker (checked once idle for ``poll_after``); the
-        others it passes are closed."""
-        now = time.monotonic()
-        trusted_since = now - self.idle_timeout
-        fresh_since = now - self.poll_after
+        nor closed by the worker; the others it passes are closed."""
+        trusted_since = time.monotonic() - self.idle_timeout
         while self._idle:
             conn = self._idle.pop()
-            if conn.idle_since > trusted_since and (conn.idle_since > fresh_since or not conn.stream.stale()):
+            if conn.idle_since > trusted_since and not conn.stream.stale():
                 return conn
             self.retired += 1
             await conn.aclose()

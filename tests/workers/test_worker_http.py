@@ -11,7 +11,6 @@ import anyio
 import pytest
 
 from asgi_generate.workers.http import ConnectFailed, ConnectionPool, TimedOut, Unanswered
-from asgi_generate.workers.sockets import TCPConnection
 
 pytestmark = pytest.mark.anyio
 
@@ -166,7 +165,6 @@ async def test_a_request_the_worker_read_and_dropped_is_never_sent_again(method)
 async def test_an_idle_connection_the_worker_closed_carries_no_request():
     async with anyio.create_task_group() as tg:
         server, pool = await _serve(tg, [EOF, _response(b"first"), _response(b"second")])
-        pool.poll_after = 0.1
         async with pool.request(b"POST", b"/generate", b"1") as resp:
             assert await resp.read() == b"first"
         await anyio.sleep(0.2)  # the worker's FIN reaches the idle connection
@@ -176,41 +174,6 @@ async def test_an_idle_connection_the_worker_closed_carries_no_request():
         assert [(n, body) for n, _, body in server.requests] == [(1, b"1"), (2, b"2")]
         assert (pool.opened, pool.retired, pool.idle) == (2, 1, 1)
         await pool.aclose()
-        tg.cancel_scope.cancel()
-
-
-@pytest.mark.parametrize("idle, polls", [(0.0, 0), (0.3, 1)])
-async def test_only_a_connection_idle_for_poll_after_is_checked_for_the_workers_close(idle, polls, monkeypatch):
-    checks = []
-    stale = TCPConnection.stale
-    monkeypatch.setattr(TCPConnection, "stale", lambda self: checks.append(self) or stale(self))
-    async with anyio.create_task_group() as tg:
-        server, pool = await _serve(tg, [_response(b"a"), _response(b"b")])
-        pool.poll_after = 0.2
-        async with pool.request(b"POST", b"/", b"1") as resp:
-            assert await resp.read() == b"a"
-        await anyio.sleep(idle)
-        async with pool.request(b"POST", b"/", b"2") as resp:
-            assert await resp.read() == b"b"
-        assert (len(checks), pool.opened, pool.idle, server.connections) == (polls, 1, 1, 1)
-        await pool.aclose()
-        tg.cancel_scope.cancel()
-
-
-async def test_a_recently_used_connection_the_worker_closed_is_unanswered_not_polled():
-    # Closed by the worker right after an answer (a restart, not its
-    # keep-alive timer): within poll_after the pool does not look, and the
-    # request is Unanswered, as for a close racing the request.
-    async with anyio.create_task_group() as tg:
-        server, pool = await _serve(tg, [EOF, _response(b"first"), _response(b"never")])
-        pool.poll_after = 60.0
-        async with pool.request(b"POST", b"/generate", b"1") as resp:
-            assert await resp.read() == b"first"
-        await anyio.sleep(0.1)  # the worker's FIN reaches the idle connection
-        with pytest.raises(Unanswered):
-            async with pool.request(b"POST", b"/generate", b"2"):
-                pass
-        assert (pool.opened, pool.retired, pool.idle) == (1, 1, 0)
         tg.cancel_scope.cancel()
 
 
