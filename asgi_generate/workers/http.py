@@ -16,8 +16,9 @@ connection closes so (RFC 9110 section 9.2.2). What makes such a close
 likely, reusing a connection the worker is closing, is kept rare: an idle
 connection is trusted for :data:`IDLE_TIMEOUT` seconds, less than the
 engines' own keep-alive timeout, and is checked for the worker's close
-without waiting (:meth:`~asgi_generate.workers.sockets.TCPConnection.stale`)
-before it carries a request.
+without waiting (:meth:`~asgi_generate.workers.sockets.TCPConnection.stale`:
+on asyncio the loop's selector keeps watching a pooled connection, so the
+check is free; elsewhere one ``poll(2)``) before it carries a request.
 
 A pool for an ``https://`` worker speaks TLS over anyio's TLS stream
 (:class:`~asgi_generate.workers.sockets.TLSConnection` around

@@ -75,6 +75,7 @@ def _parked(conn: TCPConnection) -> None:
     read registers it again). Being the callback, it holds ``conn``: a
     registered socket is never closed behind the selector's back."""
     conn.loop.remove_reader(conn.sock.fileno())
+    conn.watched = False
 
 
 def recv_nowait(sock: socket.socket, max_bytes: int) -> bytes | None:
@@ -118,14 +119,20 @@ class TCPConnection:
             between reads (re-pointing its reader is no system call, where
             adding and removing it is an ``epoll_ctl(2)`` each) until it
             turns readable with no read waiting (:func:`_parked`) or is
-            closed (:meth:`close`, which only its reader calls).
+            closed (:meth:`close`, which only its reader calls); meanwhile
+            :meth:`stale` needs no system call.
+
+    Attributes:
+        watched: the socket is in ``loop``'s selector, with a read's waiter
+            or the parked reader.
     """
 
-    __slots__ = ("sock", "loop")
+    __slots__ = ("sock", "loop", "watched")
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.sock = sock
         self.loop = loop
+        self.watched = False
 
     async def receive(self, max_bytes: int, deadline: float = math.inf, wait_first: bool = False) -> bytes | None:
         """Up to ``max_bytes`` bytes, waiting for at least one until
@@ -179,6 +186,7 @@ class TCPConnection:
             while True:
                 waiter = loop.create_future()
                 loop.add_reader(fd, _wake, waiter, True)
+                self.watched = True
                 timer = None if deadline == math.inf else loop.call_at(deadline, _wake, waiter, False,
                                                                        context=_NO_CONTEXT)
                 try:
@@ -205,8 +213,12 @@ class TCPConnection:
     def stale(self) -> bool:
         """The idle connection is no use for another request: the peer
         closed or reset it, or sent bytes nobody asked for
-        (:func:`readable_now`)."""
-        return readable_now(self.sock)
+        (:func:`readable_now`). While the loop's selector watches it
+        (:attr:`watched`) the answer is known without a system call: it
+        would have turned readable at the loop's last turn, and its parked
+        reader dropped it (bytes that came since then are as a close racing
+        the request: the pool's :class:`~asgi_generate.workers.http.Unanswered`)."""
+        return not self.watched and readable_now(self.sock)
 
     async def send(self, data: bytes) -> None:
         """All of ``data``, waiting while the socket's buffer is full.
@@ -234,8 +246,9 @@ class TCPConnection:
         """Close the socket (idempotent), out of its loop's selector first.
         Only its reader closes it, never while a read of another task is
         parked on it (see :mod:`asgi_generate.workers.trio_poller`)."""
-        if self.loop is not None and (fd := self.sock.fileno()) >= 0:
-            self.loop.remove_reader(fd)
+        if self.watched:
+            self.watched = False
+            self.loop.remove_reader(self.sock.fileno())
         self.sock.close()
 
 

@@ -161,11 +161,12 @@ async def test_a_connection_given_its_loop_stays_in_the_selector_between_reads(a
         assert await conn.receive(10, anyio.current_time() + 5) == b"%d" % n
         assert callback(a.fileno()) is sockets._parked
     assert registered == [a.fileno()]
+    assert (conn.watched, conn.stale()) == (True, False)  # known with no poll(2)
     # Readable with no read waiting (bytes nobody asked for yet, a close):
     # dropped from the selector at the next turn, the bytes left for the next read.
     b.send(b"early")
     await anyio.sleep(0.05)
-    assert callback(a.fileno()) is None
+    assert (callback(a.fileno()), conn.watched, conn.stale()) == (None, False, True)
     assert await conn.receive(10) == b"early"
     # A deadline, a cancellation: the reader parked, the timer gone.
     assert await conn.receive(10, anyio.current_time() + 0.05) is None

@@ -10,6 +10,7 @@ import socket
 import anyio
 import pytest
 
+from asgi_generate.workers import sockets
 from asgi_generate.workers.http import ConnectFailed, ConnectionPool, TimedOut, Unanswered
 
 pytestmark = pytest.mark.anyio
@@ -173,6 +174,22 @@ async def test_an_idle_connection_the_worker_closed_carries_no_request():
         assert server.after_eof == [b""]  # the closed one was closed, nothing written to it
         assert [(n, body) for n, _, body in server.requests] == [(1, b"1"), (2, b"2")]
         assert (pool.opened, pool.retired, pool.idle) == (2, 1, 1)
+        await pool.aclose()
+        tg.cancel_scope.cancel()
+
+
+async def test_a_reused_connection_is_checked_for_the_workers_close_by_poll_only_off_asyncio(anyio_backend,
+                                                                                          monkeypatch):
+    # asyncio's selector keeps watching a pooled connection: the check is free.
+    polls = []
+    readable_now = sockets.readable_now
+    monkeypatch.setattr(sockets, "readable_now", lambda sock: polls.append(sock) or readable_now(sock))
+    async with anyio.create_task_group() as tg:
+        server, pool = await _serve(tg, [_response(b"a"), _response(b"b"), _response(b"c")])
+        for body, answer in ((b"1", b"a"), (b"2", b"b"), (b"3", b"c")):
+            async with pool.request(b"POST", b"/", body) as resp:
+                assert await resp.read() == answer
+        assert (len(polls), pool.opened, server.connections) == (0 if anyio_backend == "asyncio" else 2, 1, 1)
         await pool.aclose()
         tg.cancel_scope.cancel()
 
