@@ -69,7 +69,8 @@ def test_the_embedded_default_migrates_a_text_prompt(worker_class):
         assert rest[-1] == b"[DONE]" and len(first) == 3
         assert (final["text"], final["output_ids"]) == (whole["text"], whole["output_ids"])
         assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 80}
-        counters = httpx.get(fe.url + "/stats").json()
+        # Counted when the request ends, just after its [DONE] went out.
+        counters = wait_until(lambda: (c := httpx.get(fe.url + "/stats").json())["request_items"] == 2 and c)
         assert (counters["migrations"], counters["not_migrated"]) == (1, 0)
     finally:
         fe.stop()
