@@ -335,12 +335,18 @@ def start_router(stack: contextlib.ExitStack, kind: str, policy: str, sim_ports:
         workers = orjson.loads(http_request(port, "GET", "/stats")[1])["routing"]["workers"]
         published = [sim_stats(p)["kv_events"]["next_seq"] - 1 for p in sim_ports]
         if len(workers) == len(urls) and all(
-                w["source"] == "events" and (w["subscriber"]["last_seq"] or -1) >= last
+                w["source"] == "events" and _seq(w["subscriber"]["last_seq"]) >= last
                 for w, last in zip((workers[f"w{i}"] for i in range(len(urls))), published)):
             break
         assert time.monotonic() < deadline, f"KV event subscribers never all caught up: {workers}"
         time.sleep(0.1)
     return port
+
+
+def _seq(last_seq: int | None) -> int:
+    """A subscriber's last sequence number, -1 before any (0 is a sequence
+    number: a worker that has published only its first batch)."""
+    return -1 if last_seq is None else last_seq
 
 
 def run_one(label: str, kind: str, policy: str, sim_ports: list[int], args: argparse.Namespace, work,
