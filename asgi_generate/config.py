@@ -289,7 +289,11 @@ class Settings:
     max_tree_nodes: int = setting(
         1 << 16, gt=0, help="cache-aware policy: nodes each worker's prefix tree holds")
     kv_overlap_weight: float = setting(
-        1.0, help="kv-aware policy: cost of each prompt token the worker's KV cache does not hold")
+        1.25, help="kv-aware policy: cost of each prompt token the worker's KV cache does not hold")
+    kv_queued_weight: float = setting(
+        0.0, ge=0,
+        help="kv-aware policy: cost of each prefill token queued on the worker (routed there, not stored yet) "
+             "that the request does not share; 0 = not counted")
     kv_load_weight: float = setting(
         128.0, unit="tokens",
         help="kv-aware policy: cost of each request outstanding on the worker, in prompt tokens")

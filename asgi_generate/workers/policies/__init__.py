@@ -129,6 +129,7 @@ def build_policy(settings: "Settings") -> Policy:
 
         return KVAwarePolicy(
             overlap_weight=settings.kv_overlap_weight,
+            queued_weight=settings.kv_queued_weight,
             load_weight=settings.kv_load_weight,
             ttl=settings.kv_predict_ttl,
             load_interval=settings.kv_load_interval,

@@ -13,7 +13,8 @@ For a request with token ids, over the candidates, the cost of worker ``w``
 (after Dynamo's KV router, ``prefill blocks - overlap`` plus decode load):
 
     cost(w) = overlap_weight x (prompt tokens not held on w)
-              + prefill tokens queued on w that this request does not share
+              + queued_weight x (prefill tokens queued on w that this
+                                 request does not share)
               + load_weight x requests on w (the fleet's, below)
 
 "Held" counts the blocks the engine's events say it stores and the blocks
@@ -21,6 +22,24 @@ predicted on it; "queued" are the predicted blocks not yet stored (requests
 routed here within the last ``ttl`` seconds whose prefill the engine has
 not published), less this request's own: a sibling waits for no prefill
 it shares.
+
+The defaults (``overlap_weight`` 1.25, ``queued_weight`` 0,
+``load_weight`` 128) were chosen on ``bench/bench_routing.py``'s four
+workloads (figures in ``bench/README.md``):
+
+- The queue is off by default. Waiting behind a queued prefill costs the
+  request about what computing its prefix again elsewhere would, so at
+  weight 1 it moved conversation turns and a shared system prompt off
+  their worker at every short queue; the copy elsewhere then took cache
+  room from other prompts and split the prefix's later requests between
+  two workers (the Mooncake sample through one process: hit ratio 0.59 at
+  weight 1, 0.60-0.66 a run at 0.1, 0.664 every run at 0).
+- A held token counts 1.25 prompt tokens, so a worker holding a prefix
+  keeps it a margin past the load at which a copy elsewhere only breaks
+  even: at weight 1 a GRPO group's 1,024-token system prefix tied with
+  8 requests (8 x 128), and at four replicas, whose load readings lag,
+  the next group tied often and went to a second worker (hit ratio 0.96
+  against 0.978).
 
 The requests on ``w`` are the whole fleet's, not this replica's alone: this
 replica's own outstanding requests now, plus the others' as the engine
@@ -35,8 +54,10 @@ filled. Its own requests it counts fresh, never from a stale reading: one
 replica alone routes exactly as without readings. Requests count in the
 engine's units: a request of ``n`` samples is ``n`` (the engines run each
 sample as a request), by a moving average of the samples per request this
-replica routed to ``w``. Without a reading
-(``load_interval`` 0, a worker that does not serve the route) the others
+replica routed to ``w``, seeded by the first (so a replica's first
+groups of ``n`` count as ``n``, not as 1 and then a fraction of the way
+to ``n``: every replica's first groups went to one worker). Without a
+reading (``load_interval`` 0, a worker that does not serve the route) the others
 count 0, and ``/stats`` says why.
 
 The lowest cost wins; ties go to the worker whose cache holds the fewest
@@ -45,8 +66,10 @@ sglang-router's ``cache_aware`` sends a miss to its smallest tree, but
 counted from the engine's own cache, the same in every replica, so that
 replicas spread new prompts where the caches have room), then to the
 fewest requests, then to a
-rendezvous hash of the prompt's first block and the worker's URL, so that
-every frontend replica fed the same events picks the same worker at the
+rendezvous hash of the prompt's last 64 tokens and the worker's URL (the
+same for a request's siblings, different for prompts that share only a
+system prefix: hashing the first tokens sent every replica's first GRPO
+group to one worker), so that every frontend replica fed the same events picks the same worker at the
 same loads (``serve --workers N``, several hosts behind a balancer). The
 winner's blocks are then predicted on it for ``ttl`` seconds (sibling
 placement, :mod:`~asgi_generate.workers.kv_index`).
@@ -122,7 +145,8 @@ class _Key:
 class _WorkerKV:
     """What the policy keeps of one worker."""
 
-    __slots__ = ("index", "subscriber", "why_tree", "engine", "others", "why_own", "readings", "peak", "per_request")
+    __slots__ = ("index", "subscriber", "why_tree", "engine", "others", "why_own", "readings", "peak", "per_request",
+                 "routed")
 
     def __init__(self, index: KVIndex) -> None:
         self.index = index
@@ -137,8 +161,10 @@ class _WorkerKV:
         #: current reading was asked for.
         self.peak = 0
         #: Engine sequences per request this replica routed here (a moving
-        #: average): the engines count ``n`` samples as ``n`` requests.
+        #: average, seeded by the first): the engines count ``n`` samples
+        #: as ``n`` requests.
         self.per_request = 1.0
+        self.routed = 0
 
     def requests(self, outstanding: int) -> float:
         """The fleet's requests here, in the engine's units, given this
@@ -157,6 +183,8 @@ class KVAwarePolicy(Policy):
 
     Args:
         overlap_weight: weight of the prompt tokens a worker does not hold.
+        queued_weight: weight of the prefill tokens queued on a worker
+            (routed there, not stored yet) that the request does not share.
         load_weight: tokens one outstanding request costs.
         ttl: seconds a routed request's blocks count as predicted (held,
             and queued until the engine stores them).
@@ -172,7 +200,8 @@ class KVAwarePolicy(Policy):
 
     def __init__(
         self,
-        overlap_weight: float = 1.0,
+        overlap_weight: float = 1.25,
+        queued_weight: float = 0.0,
         load_weight: float = 128.0,
         ttl: float = 5.0,
         load_interval: float = 0.1,
@@ -183,6 +212,7 @@ class KVAwarePolicy(Policy):
     ) -> None:
         super().__init__()
         self.overlap_weight = overlap_weight
+        self.queued_weight = queued_weight
         self.load_weight = load_weight
         self.ttl = ttl
         self.load_interval = load_interval
@@ -227,12 +257,13 @@ class KVAwarePolicy(Policy):
                 held = tree.match(key.tree) - 1 if tree is not None else 0
                 cached = tree.tokens if tree is not None else 0
             requests = kv.requests(w.outstanding)
-            cost = self.overlap_weight * (prompt - held) + queued + self.load_weight * requests
+            cost = self.overlap_weight * (prompt - held) + self.queued_weight * queued + self.load_weight * requests
             costs.append((cost, cached, requests, -_rendezvous(w.url, key), held, w))
         *_, held, best = min(costs, key=lambda c: c[:4])
         kv = self._kv(best)
         kv.peak = max(kv.peak, best.outstanding + 1)
-        kv.per_request += 0.2 * (key.sequences - kv.per_request)
+        kv.per_request = key.sequences if not kv.routed else kv.per_request + 0.2 * (key.sequences - kv.per_request)
+        kv.routed += 1
         if held:
             self.overlapped += 1
         if key.ids is not None and kv.subscriber is not None and kv.index.block_size:
@@ -396,15 +427,15 @@ class KVAwarePolicy(Policy):
             **super().stats(),
             "by_events": self.by_events, "by_tree": self.by_tree, "overlapped": self.overlapped,
             "prediction_hit_ratio": round(confirmed / predicted, 4) if predicted else None,
-            "overlap_weight": self.overlap_weight, "load_weight": self.load_weight, "ttl": self.ttl,
-            "load_interval": self.load_interval,
+            "overlap_weight": self.overlap_weight, "queued_weight": self.queued_weight,
+            "load_weight": self.load_weight, "ttl": self.ttl, "load_interval": self.load_interval,
             "workers": workers,
         }
 
 
 def _rendezvous(url: str, key: _Key) -> int:
-    """The tie-break weight of ``url`` for ``key`` (its first 64 tokens or
+    """The tie-break weight of ``url`` for ``key`` (its last 64 tokens or
     characters): the same in every process."""
     digest = hashlib.blake2b(url.encode(), digest_size=8)
-    digest.update(key.tree[1:65].encode("utf-32-le", "surrogatepass"))
+    digest.update(key.tree[max(1, len(key.tree) - 64):].encode("utf-32-le", "surrogatepass"))
     return int.from_bytes(digest.digest(), "big")
