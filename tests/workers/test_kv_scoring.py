@@ -1,0 +1,109 @@
+"""kv-aware scoring, in process: the cost of each worker (the prompt tokens
+it does not hold x ``overlap_weight``, the prefill queued there x
+``queued_weight``, its requests x ``load_weight``) and the tie-breaks, with
+exact costs worked out in each test. A worker's index is fed a
+``BlockStored`` of 16-token blocks, as an engine's events do."""
+
+from __future__ import annotations
+
+from asgi_generate.sdk.codec import BatchItem, GenerateRequest
+from asgi_generate.workers.block_hash import ROOT, block_hashes
+from asgi_generate.workers.kv_events import Stored
+from asgi_generate.workers.policies.kv_aware import KVAwarePolicy
+
+BLOCK = 16
+SYSTEM = list(range(1000, 2024))  # a 1,024-token system prefix (64 blocks)
+NOW = 100.0
+
+
+class _Worker:
+    """A candidate as the router hands it to the policy."""
+
+    def __init__(self, i: int, outstanding: int = 0) -> None:
+        self.id, self.url, self.outstanding = f"w{i}", f"http://127.0.0.1:{9000 + i}", outstanding
+
+
+def _policy(workers: list[_Worker], holding: dict[str, list[int]] | None = None, **weights: float) -> KVAwarePolicy:
+    """A policy whose workers all publish events; ``holding`` maps a worker
+    id to the tokens its engine says it stores."""
+    policy = KVAwarePolicy(**weights)
+    policy.clock = lambda: NOW
+    for w in workers:
+        kv = policy._kv(w)
+        kv.subscriber = object()  # events arrive: the index, not the tree, scores it
+        kv.index.block_size = BLOCK
+        ids = (holding or {}).get(w.id)
+        if ids:
+            kv.index.apply([Stored(list(range(len(ids) // BLOCK)), None, ids, BLOCK, None)])
+    return policy
+
+
+def _pick(policy: KVAwarePolicy, workers: list[_Worker], request: GenerateRequest) -> str:
+    key = policy.routing_key(request, {})
+    return policy.choose(workers, key, lambda c: min(c, key=lambda w: w.outstanding)).id
+
+
+def _prompt(ids: list[int]) -> GenerateRequest:
+    return GenerateRequest(stream=False, input_ids=ids)
+
+
+def test_a_held_prefix_outweighs_the_load_at_which_a_copy_elsewhere_breaks_even():
+    """A 1,152-token prompt whose 1,024-token prefix w0 holds, w0 busy, w1
+    idle: w0 costs 1.25 x 128 + 128 x its requests, w1 1.25 x 1,152 =
+    1,440. At 8 requests (a GRPO group's siblings) w0 costs 1,184 and keeps
+    the prompt; at weight 1 the two tied (1,152) and the tie went to the
+    emptier cache, w1: a second copy of the prefix."""
+    prompt = _prompt(SYSTEM + list(range(5000, 5128)))
+    for outstanding, weight, expected in ((8, 1.25, "w0"), (9, 1.25, "w0"), (10, 1.25, "w1"), (8, 1.0, "w1"),
+                                          (7, 1.0, "w0")):
+        workers = [_Worker(0, outstanding), _Worker(1)]
+        policy = _policy(workers, {"w0": SYSTEM}, overlap_weight=weight)
+        assert (outstanding, weight, _pick(policy, workers, prompt)) == (outstanding, weight, expected)
+    assert KVAwarePolicy().overlap_weight == 1.25
+
+
+def test_the_queued_prefill_counts_at_its_own_weight():
+    """w0 holds the prefix and has 2,048 tokens of another prompt routed
+    and not yet stored (128 predicted blocks). Not counted (the default),
+    w0 costs 1.25 x 128 = 160 and keeps the prompt; at weight 1 it costs
+    160 + 2,048 = 2,208 against w1's 1,440."""
+    prompt = _prompt(SYSTEM + list(range(5000, 5128)))
+    queued = block_hashes(ROOT, list(range(7000, 9048)), BLOCK)
+    picks = {}
+    for weight in (0.0, 1.0):
+        workers = [_Worker(0), _Worker(1)]
+        policy = _policy(workers, {"w0": SYSTEM}, queued_weight=weight)
+        policy._kv(workers[0]).index.predict(queued, NOW)
+        assert policy._kv(workers[0]).index.pending == 128
+        picks[weight] = _pick(policy, workers, prompt)
+    assert picks == {0.0: "w0", 1.0: "w1"}
+    assert KVAwarePolicy().queued_weight == 0.0
+
+
+def test_a_workers_first_request_of_n_samples_counts_n():
+    """The samples per request start at the first request's ``n`` (8), not
+    at 1 moved a fifth of the way (2.4); later requests move the average."""
+    workers = [_Worker(0), _Worker(1)]
+    policy = _policy(workers)
+    ids = SYSTEM + list(range(5000, 5128))
+    group = GenerateRequest(stream=False, items=[BatchItem(None, ids, None, 0) for _ in range(8)])
+    chosen = _pick(policy, workers, group)
+    kv = policy.workers[chosen]
+    assert (kv.per_request, kv.requests(1)) == (8, 8)
+    single = [w for w in workers if w.id == chosen]
+    _pick(policy, single, _prompt(ids))
+    assert kv.per_request == 8 + 0.2 * (1 - 8)
+
+
+def test_ties_hash_the_prompts_end_so_groups_sharing_a_system_prefix_spread():
+    """Eight GRPO groups (the system prefix, then 128 tokens each) on four
+    idle, empty workers: every cost ties, and each group is a replica's
+    first request. Hashed on the prompt's first 64 tokens (the system
+    prefix) all eight went to one worker in every replica; hashed on its
+    last 64 they spread, and the same prompt picks the same worker in
+    every replica."""
+    groups = [SYSTEM + list(range(5000 + 128 * g, 5128 + 128 * g)) for g in range(8)]
+    workers = [_Worker(i) for i in range(4)]
+    picks = [_pick(_policy(workers), workers, _prompt(g)) for g in groups]
+    assert picks == [_pick(_policy(workers), workers, _prompt(g)) for g in groups]
+    assert picks == ["w3", "w3", "w3", "w2", "w3", "w3", "w1", "w0"]
