@@ -45,6 +45,12 @@ def block_hashes(seed: int, ids: Sequence[int], block: int, parent: int | None =
     ``parent`` when given (a chain continued), else ``seed``."""
     out = []
     h = seed if parent is None else parent
+    if block == 1:  # SGLang's page size 1: a block a token, the same hashes without slicing
+        append = out.append
+        for token in ids:
+            h = hash((h, token))
+            append(h)
+        return out
     for start in range(0, len(ids) - block + 1, block):
         h = hash((h, *ids[start : start + block]))
         out.append(h)

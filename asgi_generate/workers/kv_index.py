@@ -52,7 +52,8 @@ class KVIndex:
         self._keys: dict = {}  # engine hash -> our key
         self._held: set[int] = set()
         self._predicted: dict[int, float] = {}
-        self._expiry: deque[tuple[float, int]] = deque()
+        #: Each routed request's newly predicted keys, with their expiry.
+        self._expiry: deque[tuple[float, list[int]]] = deque()
         self.resets: dict[str, int] = {}
         self.orphans = self.predicted = self.confirmed = 0
 
@@ -131,22 +132,23 @@ class KVIndex:
         """Count ``keys`` (a request routed here) as held for ``ttl`` seconds."""
         until = now + self.ttl
         held, predicted = self._held, self._predicted
-        for key in keys:
-            if key in held:
-                continue
-            if key not in predicted:
-                self.predicted += 1
-            predicted[key] = until
-            self._expiry.append((until, key))
+        new = [key for key in keys if key not in held]
+        before = len(predicted)
+        # One dict update and one expiry entry per request, not per block: a
+        # 2,000-token prompt at SGLang's page size 1 is 2,000 blocks.
+        predicted.update(dict.fromkeys(new, until))
+        self.predicted += len(predicted) - before
+        self._expiry.append((until, new))
         if len(predicted) > self.max_blocks:  # bounded, whatever the traffic
             self._expire(float("inf"))
 
     def _expire(self, now: float) -> None:
         expiry, predicted = self._expiry, self._predicted
         while expiry and expiry[0][0] <= now:
-            until, key = expiry.popleft()
-            if predicted.get(key) == until:
-                del predicted[key]
+            until, keys = expiry.popleft()
+            for key in keys:
+                if predicted.get(key) == until:
+                    del predicted[key]
 
     def stats(self) -> dict:
         """Sizes and counters, for ``/stats``."""
