@@ -119,9 +119,6 @@ class ClientStream:
         finally:
             self.in_send = False
             self.last_send = time.monotonic()
-            leg = self.leg
-            if leg is not None and leg.lost is not None and not self.st.response_complete:
-                leg.scope.cancel()  # the worker was lost during this write
 
     async def _send(self, body: bytes, more: bool) -> None:
         await self._write({"type": "http.response.body", "body": body, "more_body": more})

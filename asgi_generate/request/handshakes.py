@@ -156,7 +156,6 @@ class _Prefill:
     client; keeps how the leg ended for the pair."""
 
     __slots__ = ("ex", "leg", "retry", "error", "page")
-    in_send = False
     outbox: tuple = ()
 
     def __init__(self, ex: "Exchange") -> None:

@@ -87,9 +87,6 @@ class LegReader(Protocol):
     :class:`~asgi_generate.request.generation.Generation`) or a P/D prefill
     leg's keeper (:mod:`asgi_generate.request.handshakes`)."""
 
-    #: A client write is under way: a lost worker's leg is cancelled only
-    #: once it is done (a write is never cut in two).
-    in_send: bool
     #: Client bytes :meth:`take` queued, sent by :meth:`flush` after each read.
     outbox: list
     #: The leg running for this reader (set by :meth:`Leg.run`), ``None`` between legs.
@@ -145,7 +142,7 @@ class Leg:
 
     __slots__ = (
         "worker", "attempt", "stream", "first_token", "between", "gate", "phase", "limit", "deadline",
-        "scope", "page", "error", "lost", "reader", "_exchange",
+        "scope", "page", "error", "lost", "delivering", "reader", "_exchange",
     )
 
     def __init__(
@@ -166,6 +163,9 @@ class Leg:
         self.page: tuple[int, bytes] | None = None
         self.error: RequestError | None = None
         self.lost: str | None = None
+        #: The leg's own task is handing events to its reader (a client
+        #: write may be under way): a lost worker cancels it after that.
+        self.delivering = False
         self.reader: LegReader | None = None
         # Keeps the body only until it is sent; the caller's request object
         # lives as long as the leg, its body (the whole prompt) need not.
@@ -191,14 +191,16 @@ class Leg:
     def worker_lost(self, worker: "Worker", reason: str) -> None:
         """The health probe gave ``worker`` up (see
         :meth:`asgi_generate.workers.router.InFlight.worker_lost`): cancel
-        the leg at once, or right after the client write under way; not
+        the leg at once, or, with a client write under way, once that write
+        and the rest of its worker read reached the client (:meth:`run`: a
+        cancelled write would lose tokens the request counts as sent); not
         once its reader wants nothing more from it. (The leg is in the
         worker's in-flight set only while :meth:`run` runs it.)"""
         reader = self.reader
         if self.lost is not None or reader.answered(self.attempt):
             return
         self.lost = reason
-        if not reader.in_send:
+        if not self.delivering:
             self.scope.cancel()
 
     async def run(self, reader: LegReader, router: "Router") -> LegEnd:
@@ -237,7 +239,9 @@ class Leg:
                             if gate is not None:
                                 await gate.wait()
                             if (event := reader.take(attempt, payload)) is not None:
+                                self.delivering = True
                                 await reader.settle(attempt, event)
+                                self.delivering = False
                         else:
                             decoder = SSEDecoder()
                             between = self.between
@@ -258,13 +262,20 @@ class Leg:
                                             await gate.wait()
                                             gate = None
                                         if (event := reader.take(attempt, payload)) is not None:
+                                            self.delivering = True
                                             await reader.settle(attempt, event)  # else taken with no await
+                                            self.delivering = False
                                 payloads = payload = event = None
                                 if reader.outbox:
+                                    self.delivering = True
                                     await reader.flush()
+                                    self.delivering = False
                                 if attempt.live and reader.answered(attempt):
                                     break  # the reader ended the answer (a stop string across a seam)
+                                if self.lost is not None:  # given up while this read was delivered
+                                    self.scope.cancel()
                         if not reader.answered(attempt):
+                            self.delivering = True
                             await reader.cut_short(attempt)
                 except BaseException as exc:
                     await self._exchange.__aexit__(type(exc), exc, exc.__traceback__)

@@ -217,3 +217,34 @@ async def test_a_stream_whose_worker_the_probe_gives_up_fails_over_before_a_toke
                                      ("e1", "aggregated", "w1", "finished", False)]
         assert (client.st.migrations, client.st.status) == (0, "ok")
     assert client.aborts == [("w0", "e0")]
+
+
+@pytest.mark.anyio
+async def test_a_worker_lost_during_a_client_write_still_delivers_the_rest_of_that_read(minted):
+    """The health probe gives the worker up while the stream's first write
+    (its head) is under way: the leg ends only once every event of that
+    worker read reached the client, so the stream resumes after the tokens
+    the client has, none lost between the two legs."""
+    chunks = b"".join(sse(answer(ids, None)) for ids in ([5], [5, 6], [5, 6, 7]))
+    first = FakePool(FakeResponse(200, [chunks, STALL]))
+    second = FakePool(FakeResponse(200, [sse(answer([8], {"type": "length", "length": 1})), None]))
+    w0 = worker("w0", "sglang", first)
+    router = Router((w0,), (worker("w1", "sglang", second),))
+
+    class LostDuringTheHead(Client):
+        async def send(self, message: dict) -> None:
+            if message["type"] == "http.response.start":
+                (leg,) = w0.inflight
+                leg.worker_lost(w0, "health probe failed")
+            await anyio.sleep(0)  # a server's send is a checkpoint: cancelled there, nothing went out
+            await super().send(message)
+
+    client = LostDuringTheHead(SGLangCodec(), {**STREAM, "sampling_params": {"max_new_tokens": 4}}, router)
+    await client.run()
+    assert second.sent[0][1]["input_ids"] == [1, 2, 5, 6, 7]
+    outputs = [orjson.loads(block[6:])["output_ids"] for block in client.body.split(b"\n\n")
+               if block.startswith(b"data: {")]
+    assert outputs == [[5], [5, 6], [5, 6, 7], [5, 6, 7, 8]]
+    assert client.attempts() == [("e0", "aggregated", "w0", "worker_lost", False),
+                                 ("e1", "resumed", "w1", "finished", False)]
+    assert (client.st.migrations, client.st.output_tokens, client.st.status) == (1, 4, "ok")

@@ -185,7 +185,6 @@ class Client:
 class Reader:
     """A leg reader over a codec exchange: records the events it settled."""
 
-    in_send = False
     outbox: list = []
     leg = None
 
