@@ -49,7 +49,10 @@ The version fence (:mod:`asgi_generate.workers.router`). A route that loads
 weights or sets their version (:data:`LOADS`) tells the router which workers
 now serve which version; called on the whole fleet, its version becomes the
 fleet's, and every worker that did not answer 200 is fenced out of the
-rotation. ``POST /clear_weight_fence?worker=wN`` lets a fenced worker back
+rotation, unless every worker refused the call with a 4xx (a bad body: no
+weights changed anywhere, nothing is fenced). A fenced worker named in a
+later call that loads the fleet's version (any, while no fleet call set
+one) is back. ``POST /clear_weight_fence?worker=wN`` lets a fenced worker back
 (an operator fixed it): its weight version is read from its engine again,
 and it takes requests once that is the fleet's; the answer is ``{"worker",
 "weight_version", "in_rotation"}``.
@@ -139,8 +142,13 @@ async def _to_fleet(ctx: AdminContext, protocol: str, request: Request, body: by
                             f"{a.body[:200].decode('utf-8', 'replace')}"
                   for a in answers if a.status != 200}
         fleet = not (request.query_params.get("worker") or request.headers.get(WORKER_HEADER))
-        ctx.router.weights_loaded(protocol, [a.worker for a in answers if a.status == 200], failed,
-                                  version if isinstance(version, str) else None, fleet, with_weights)
+        loaded = [a.worker for a in answers if a.status == 200]
+        if fleet and not loaded and all(a.status is not None and 400 <= a.status < 500 for a in answers):
+            # Every worker refused the call (a bad body): no weights changed
+            # anywhere, so no worker is behind the others and none is fenced.
+            return response
+        ctx.router.weights_loaded(protocol, loaded, failed, version if isinstance(version, str) else None, fleet,
+                                  with_weights)
     return response
 
 

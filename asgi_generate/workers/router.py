@@ -328,16 +328,18 @@ class Router:
         (``None``: the label is kept), each of ``failed`` (with why) is
         fenced and counted. With ``fleet`` (the call went to every worker,
         not a named one) ``version`` becomes the fleet's. A fenced worker
-        that reaches the fleet's version is let back when the call loaded
-        weights with it (``with_weights``) or named that worker; a fleet
-        call that only relabels keeps it fenced (it missed the weights)."""
+        that reaches the fleet's version (any, while no fleet call set one)
+        is let back when the call loaded weights with it (``with_weights``)
+        or named that worker; a fleet call that only relabels keeps it
+        fenced (it missed the weights)."""
         if fleet and version is not None:
             self.fleet_versions[protocol] = version
+        target = self.fleet_versions.get(protocol)
         for w in loaded:
             if version is not None:
                 w.info = {**w.info, "weight_version": version}
             back = with_weights or not fleet
-            if w.fence is not None and back and w.weight_version == self.fleet_versions.get(protocol):
+            if w.fence is not None and back and (target is None or w.weight_version == target):
                 log.warning("worker %s (%s) reached weight version %r: back in the rotation", w.id, w.url,
                             w.weight_version)
                 w.fence = None

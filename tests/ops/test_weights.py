@@ -68,3 +68,27 @@ async def test_a_worker_that_fails_a_load_is_fenced_out_of_the_rotation():
     assert [(r["worker"], r["status"]) for r in orjson.loads(answer)] == [("w0", 200), ("w1", 400)]
     assert (router.routable(router.workers[0]), router.routable(router.workers[1])) == (True, False)
     assert router.workers[1].fence is not None
+
+
+@pytest.mark.anyio
+async def test_a_bad_body_every_worker_refuses_fences_none():
+    """A malformed weight call is refused by every engine with 400: no
+    weights changed anywhere, so the rotation stays whole."""
+    refused = Response(400, b'{"error": {"message": "the body is not a JSON object"}}')
+    router, _ = fleet(refused, refused)
+    status, _, answer = await call(Ctx(router), "POST", "/update_weights_from_disk", b"{bad")
+    assert status == 502
+    assert [(r["worker"], r["status"]) for r in orjson.loads(answer)] == [("w0", 400), ("w1", 400)]
+    assert [(router.routable(w), w.fence) for w in router.workers] == [(True, None), (True, None)]
+
+
+@pytest.mark.anyio
+async def test_a_fenced_worker_named_in_a_load_that_succeeds_is_back_with_no_fleet_version_set():
+    """The retry docs/admin.md gives (``?worker=wN``): before any fleet call
+    set a version, a fenced worker that loads again is back."""
+    router, _ = fleet(OK, OK)
+    router.workers[1].fence = "failed /update_weights_from_disk: 400"
+    status, _, _ = await call(Ctx(router), "POST", "/update_weights_from_disk", orjson.dumps({"model_path": "/m"}),
+                              query=b"worker=w1")
+    assert status == 200
+    assert [(router.routable(w), w.fence) for w in router.workers] == [(True, None), (True, None)]
