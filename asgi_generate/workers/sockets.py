@@ -184,11 +184,8 @@ class TCPConnection:
             # asyncio, the socket kept in the selector: cancellable, and the
             # timer gone and the reader parked however the wait ends.
             while True:
-                waiter = loop.create_future()
-                loop.add_reader(fd, _wake, waiter, True)
+                waiter, timer = _readable(loop, fd, deadline)
                 self.watched = True
-                timer = None if deadline == math.inf else loop.call_at(deadline, _wake, waiter, False,
-                                                                       context=_NO_CONTEXT)
                 try:
                     if not await waiter:
                         return None
