@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 
+import forked
 from support import start_frontend, start_sim
 
 # No process left behind: a leak fails the run, naming who started it.
@@ -31,7 +32,8 @@ _started: list[str] = []
 def _guarded(start):
     def start_or_refuse(*args, **kwargs):
         if _unit_test is not None:
-            what = " ".join(map(str, args[1])) if start.__name__ == "_execute_child" else start.__name__
+            argv = args[1] if len(args) > 1 else None  # Popen._execute_child's, Forked's, posix_spawn's
+            what = " ".join(map(str, argv)) if isinstance(argv, (list, tuple)) else start.__name__
             _started.append(what)
             raise ProcessInUnitTest(f"{_unit_test.nodeid} is not marked e2e but started a process: {what}")
         return start(*args, **kwargs)
@@ -69,8 +71,10 @@ def pytest_configure(config):
     _one_default_ssl_context()
     # Every way a test, or the server code it runs in-process, starts a
     # process: subprocess (and so asyncio's, trio's and anyio's process
-    # APIs, which all make a subprocess.Popen), fork and posix_spawn.
+    # APIs, which all make a subprocess.Popen), fork, posix_spawn, and a
+    # fork of the fork server (forked.py).
     subprocess.Popen._execute_child = _guarded(subprocess.Popen._execute_child)
+    forked.Forked.__init__ = _guarded(forked.Forked.__init__)
     for name in ("fork", "posix_spawn", "posix_spawnp"):
         if hasattr(os, name):
             setattr(os, name, _guarded(getattr(os, name)))

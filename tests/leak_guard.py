@@ -31,6 +31,7 @@ import uuid
 
 import pytest
 
+import forked
 import support
 
 #: The environment variable every process started under a test or fixture
@@ -45,7 +46,7 @@ class LeftRunning(RuntimeError):
 
 @dataclasses.dataclass
 class _Started:
-    popen: subprocess.Popen
+    popen: subprocess.Popen | forked.Forked
     owner: object  # the FixtureDef or pytest.Item that started it
     scope: pytest.Item | pytest.Collector | pytest.Session  # it must be stopped when this node's teardown ends
     name: str  # the owner, as the report names it
@@ -79,6 +80,7 @@ def _recording(init):
 
 def pytest_configure(config):
     subprocess.Popen.__init__ = _recording(subprocess.Popen.__init__)
+    forked.Forked.__init__ = _recording(forked.Forked.__init__)
 
 
 def _command(popen: subprocess.Popen) -> str:

@@ -23,6 +23,8 @@ import anyio
 import httpx
 import orjson
 
+import forked
+
 LOG_DIR = pathlib.Path(tempfile.mkdtemp(prefix="asgi-generate-tests-"))
 
 # A prompt and the simulator model's greedy continuation of it (either
@@ -90,12 +92,17 @@ class Proc:
     a folder of its own (:attr:`tmp`), so a test that looks at what a server
     left in the temporary folder never sees another test's or another
     suite's files. :attr:`live` holds every one started and not yet stopped
-    (tests/leak_guard.py stops, and reports, what an owner left running)."""
+    (tests/leak_guard.py stops, and reports, what an owner left running).
+
+    ``asgi-generate`` runs as a fork of a process that imported the package
+    already (forked.py: a start costs no import), unless ``fork`` is False
+    or its environment sets what an interpreter reads as it starts
+    (:func:`forked.can_fork`); another ``module`` runs in a fresh interpreter."""
 
     live: set[Proc] = set()
 
     def __init__(self, name: str, args: list[str], sock: socket.socket, health: str, verify: str | None = None,
-                 env: dict[str, str] | None = None, module: str = "asgi_generate") -> None:
+                 env: dict[str, str] | None = None, module: str = "asgi_generate", fork: bool = True) -> None:
         self.name = name
         self.port = sock.getsockname()[1]
         #: With ``verify`` (the CA file its certificate chains to) it serves HTTPS.
@@ -110,17 +117,22 @@ class Proc:
             # (0.2-0.5 s, hundreds of starts a suite): bytecode is cached in
             # the session's folder instead, never in the tree.
             env["PYTHONPYCACHEPREFIX"] = str(LOG_DIR / "pycache")
-        # ``{fd}`` in an argument: the listening socket's descriptor, else ``--fd`` passes it.
-        fd = str(sock.fileno())
-        argv = [a.replace("{fd}", fd) for a in args] if any("{fd}" in a for a in args) else [*args, "--fd", fd]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *argv],
-            pass_fds=[sock.fileno()],
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+        if fork and module == "asgi_generate" and forked.can_fork(env):
+            # A fork of a process that imported the package already (forked.py).
+            self.proc = forked.Forked(args if any("{fd}" in a for a in args) else [*args, "--fd", "{fd}"],
+                                      sock=sock, log_path=str(self.log_path), env=env)
+        else:
+            # ``{fd}`` in an argument: the listening socket's descriptor, else ``--fd`` passes it.
+            fd = str(sock.fileno())
+            argv = [a.replace("{fd}", fd) for a in args] if any("{fd}" in a for a in args) else [*args, "--fd", fd]
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", module, *argv],
+                pass_fds=[sock.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
         Proc.live.add(self)
         sock.close()
         try:
@@ -200,14 +212,17 @@ def start_sim(
 
 def start_frontend(
     workers: list[str], *, worker_class: str = "trio", extra: list[str] = (), health: str = "/health",
-    verify: str | None = None, env: dict[str, str] | None = None,
+    verify: str | None = None, env: dict[str, str] | None = None, fork: bool = True,
 ) -> Proc:
     """Start ``asgi-generate serve`` in front of ``workers`` (``PROTOCOL=URL``);
-    ``verify`` as for :func:`start_sim`; ``env`` added to its environment."""
+    ``verify`` as for :func:`start_sim`; ``env`` added to its environment.
+    ``fork=False``: a fresh interpreter started by this process, so it
+    inherits this process's own state (its limits), as a run from a shell
+    does; else a fork of the fork server (forked.py), as :class:`Proc`."""
     args = ["serve", "--worker-class", worker_class, "--health-interval", "0.2", "--log-level", "warning"]
     for w in workers:
         args += ["--worker", w]
-    return Proc(f"frontend-{worker_class}", [*args, *extra], listening_socket(), health, verify, env)
+    return Proc(f"frontend-{worker_class}", [*args, *extra], listening_socket(), health, verify, env, fork=fork)
 
 
 def start_hypercorn(workers: list[str], *, worker_class: str = "trio", env: dict[str, str] | None = None) -> Proc:

@@ -24,7 +24,8 @@ def test_serve_raises_the_soft_fd_limit_to_the_hard_one():
     resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))  # inherited by the children
     try:
         sim = start_sim()
-        fe = start_frontend([f"sglang={sim.url}"], extra=["--log-level", "info"])
+        # Started by this process, not forked from the fork server: it inherits the lowered limit.
+        fe = start_frontend([f"sglang={sim.url}"], extra=["--log-level", "info"], fork=False)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     try:
