@@ -9,6 +9,8 @@ on the second CPU with wrk, each hop in turn:
   bench_frontend.py serves it;
 - ``floor-asyncio`` (...): hypercorn alone with a fixed answer
   (``bench/_floor.py``): one TCP connection, the client's;
+  ``baseline-floor-asyncio`` (...) serves it with the ``--baseline``
+  checkout's server;
 - ``direct``: the simulator itself (for the latency column; its
   "hop" figures are the simulator's);
 - ``relay``: ``bench/_relay.py``, asyncio protocols passing bytes between
@@ -58,7 +60,9 @@ from bench_frontend import BASELINE, HOPS, request_body, start_hop, start_sim
 HERE = pathlib.Path(__file__).resolve().parent
 RELAY = "relay"
 DIRECT = "direct"
-LABELS = {**HOPS, RELAY: "byte relay (asyncio protocols)", DIRECT: "direct (the simulator; hop = simulator)"}
+LABELS = {**HOPS, RELAY: "byte relay (asyncio protocols)", DIRECT: "direct (the simulator; hop = simulator)",
+          # The floor served by the --baseline checkout: the server's own change, before and after.
+          **{BASELINE + h: f"{HOPS[h]}, baseline" for h in HOPS if h.startswith("floor-")}}
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -186,7 +190,7 @@ def print_cells(cells: list[Cell]) -> None:
     for hop in dict.fromkeys(c.hop for c in cells):
         mine = sorted((c.per_request_us(c.hop_use) for c in cells if c.hop == hop), key=sum)
         medians[hop] = mine[len(mine) // 2]
-    floors = [h for h in medians if h.startswith("floor-")]
+    floors = [h for h in medians if h.startswith("floor-")]  # this checkout's
     if floors and RELAY in medians:
         floor = floors[0]
         fu, fs = medians[floor]
@@ -197,7 +201,7 @@ def print_cells(cells: list[Cell]) -> None:
               "(relay system - floor system) | system beyond the relay's |")
         print("|---|---:|---:|---:|---:|")
         for hop, (u, s) in medians.items():
-            if hop in (floor, DIRECT):
+            if hop in (floor, DIRECT) or hop.startswith(BASELINE + "floor-"):
                 continue
             print(f"| {LABELS[hop]} | {u - fu:.0f} | {s - fs:.0f} | {rs - fs:.0f} | {s - rs:.0f} |")
         print()
