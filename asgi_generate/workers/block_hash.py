@@ -10,13 +10,22 @@ seeds the chain, so no block of one namespace is found from another.
 The simulator's prefix cache and the frontend's KV index both chain with
 :func:`block_hashes`: 64-bit signed ints from Python's tuple hash of ints,
 the same in every process (``PYTHONHASHSEED`` salts only str and bytes), so
-two frontend replicas compute the same keys.
+two frontend replicas compute the same keys. The chain runs in C
+(:mod:`._blockhash`, CPython's tuple and int hashes written out:
+:func:`reference_block_hashes` is the same chain in Python, for readers
+and tests).
 """
 
 from __future__ import annotations
 
 import hashlib
 from typing import Sequence
+
+try:
+    from ._blockhash import block_hashes as _chain
+except ImportError as exc:  # a checkout updated without reinstalling: say what to do
+    raise ImportError(f"asgi_generate's C extension (workers/_blockhash.c) is not built: "
+                      f"run `pip install -r requirements.txt` (or `pip install -e .`) again ({exc})") from exc
 
 #: The chain's seed without a namespace.
 ROOT = 0
@@ -40,9 +49,25 @@ def namespace_seed(namespace: tuple[str | None, ...]) -> int:
 
 
 def block_hashes(seed: int, ids: Sequence[int], block: int, parent: int | None = None) -> list[int]:
-    """The hashes of the full ``block``-token blocks of ``ids``, each over
-    its parent's hash and its tokens; the first block's parent is
-    ``parent`` when given (a chain continued), else ``seed``."""
+    """The hashes of the full ``block``-token blocks of ``ids`` (ints, or
+    an ``array('I')`` such as a packed prompt's ``u32``), each over its
+    parent's hash and its tokens, ``hash((parent, *tokens))``; the first
+    block's parent is ``parent`` when given (a chain continued), else
+    ``seed`` (a 64-bit signed int, as both are).
+
+    Raises:
+        TypeError: ``ids`` neither a sequence nor a buffer of unsigned
+            32-bit ints (a sequence's items are hashed as the tuple hash
+            would: ints are what the codecs let through).
+        OverflowError: ``seed``/``parent`` past 64 bits.
+        ValueError: ``block`` below 1.
+    """
+    return _chain(seed if parent is None else parent, ids, block)
+
+
+def reference_block_hashes(seed: int, ids: Sequence[int], block: int, parent: int | None = None) -> list[int]:
+    """:func:`block_hashes` in Python, the definition the C loop matches
+    (a tuple hash per block: ~110 ns a token through the interpreter)."""
     out = []
     h = seed if parent is None else parent
     if block == 1:  # SGLang's page size 1: a block a token, the same hashes without slicing

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
+from ._blockhash import expire, missing, walk
 from .block_hash import ROOT, block_hashes, namespace_seed
 from .kv_events import Cleared, Event, Removed, Stored
 
@@ -68,10 +69,8 @@ class KVIndex:
             if isinstance(event, Stored):
                 self._store(event)
             elif isinstance(event, Removed):
-                for h in event.hashes:
-                    key = self._keys.pop(h, None)
-                    if key is not None:
-                        self._held.discard(key)
+                pop = self._keys.pop
+                self._held.difference_update([pop(h, None) for h in event.hashes])
             elif isinstance(event, Cleared):
                 self.reset("cleared")
         if len(self._held) > self.max_blocks:
@@ -93,12 +92,17 @@ class KVIndex:
                 return
             seed = ROOT
         ours = block_hashes(seed, event.token_ids, size, parent)
+        if len(ours) > len(event.hashes):  # fewer engine hashes than blocks: index those named
+            ours = ours[: len(event.hashes)]
+        # In bulk: one dict update and one set update per event, not per block.
+        self._keys.update(zip(event.hashes, ours))
+        self._held.update(ours)
         predicted = self._predicted
-        for engine_hash, key in zip(event.hashes, ours):
-            self._keys[engine_hash] = key
-            self._held.add(key)
-            if predicted.pop(key, None) is not None:
-                self.confirmed += 1
+        if predicted:
+            confirmed = predicted.keys() & ours
+            for key in confirmed:
+                del predicted[key]
+            self.confirmed += len(confirmed)
 
     def reset(self, reason: str) -> None:
         """Forget every block (predictions too)."""
@@ -109,18 +113,11 @@ class KVIndex:
         self._expiry.clear()
 
     def overlap(self, keys: Sequence[int], now: float) -> tuple[int, int]:
-        """How many leading ``keys`` are held or predicted (unexpired), and
-        how many of those are predicted only."""
+        """How many leading ``keys`` (a list) are held or predicted
+        (unexpired), and how many of those are predicted only: one probe a
+        key, in C, up to the first key in neither."""
         self._expire(now)
-        held, predicted = self._held, self._predicted
-        n = guessed = 0
-        for key in keys:
-            if key not in held:
-                if key not in predicted:
-                    break
-                guessed += 1
-            n += 1
-        return n, guessed
+        return walk(keys, self._held, self._predicted)
 
     @property
     def pending(self) -> int:
@@ -131,8 +128,8 @@ class KVIndex:
     def predict(self, keys: Sequence[int], now: float) -> None:
         """Count ``keys`` (a request routed here) as held for ``ttl`` seconds."""
         until = now + self.ttl
-        held, predicted = self._held, self._predicted
-        new = [key for key in keys if key not in held]
+        predicted = self._predicted
+        new = missing(keys, self._held)
         before = len(predicted)
         # One dict update and one expiry entry per request, not per block: a
         # 2,000-token prompt at SGLang's page size 1 is 2,000 blocks.
@@ -146,9 +143,7 @@ class KVIndex:
         expiry, predicted = self._expiry, self._predicted
         while expiry and expiry[0][0] <= now:
             until, keys = expiry.popleft()
-            for key in keys:
-                if predicted.get(key) == until:
-                    del predicted[key]
+            expire(keys, predicted, until)
 
     def stats(self) -> dict:
         """Sizes and counters, for ``/stats``."""
