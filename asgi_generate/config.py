@@ -297,6 +297,11 @@ class Settings:
     kv_load_weight: float = setting(
         128.0, unit="tokens",
         help="kv-aware policy: cost of each request outstanding on the worker, in prompt tokens")
+    kv_active_weight: float = setting(
+        0.0, ge=0,
+        help="kv-aware policy: cost of each token the worker's running requests hold in its KV cache (their "
+             "prompts and the tokens generated so far: Dynamo's decode blocks), this replica's requests counted "
+             "as they run, the other replicas' from the engine's load reading; 0 = not counted")
     kv_predict_ttl: float = setting(
         5.0, unit="s",
         help="kv-aware policy: seconds a routed request's blocks count as held on its worker (its siblings "

@@ -72,7 +72,7 @@ class ItemTally:
 class BatchGeneration(Generation):
     """Drives a request with items; see the module docstring."""
 
-    __slots__ = ("items", "tallies", "outbox_items", "pending_items", "write_lock", "key")
+    __slots__ = ("items", "tallies", "outbox_items", "pending_items", "write_lock")
 
     def __init__(
         self, ctx: "RequestContext", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send

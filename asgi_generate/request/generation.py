@@ -25,7 +25,7 @@ version. It counts as a migration in the record but not against
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -64,7 +64,7 @@ def migration_backoff(k: int) -> float:
 class Generation(ClientStream):
     """Drives one request's attempts; its answer is written by the base."""
 
-    __slots__ = ("lease", "resuming", "tried", "unmoved", "pause_epoch", "held_by_pause", "after_pause")
+    __slots__ = ("lease", "resuming", "tried", "unmoved", "pause_epoch", "held_by_pause", "after_pause", "key")
 
     def __init__(
         self, ctx: "RequestContext", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
@@ -89,6 +89,10 @@ class Generation(ClientStream):
         self.held_by_pause = False
         #: The next leg resumes the stream after a pause.
         self.after_pause = False
+        #: The request's routing key (:meth:`Router.routing_key`), once
+        #: computed; every leg carries it, so the policy can weigh what
+        #: the requests running on a worker hold there.
+        self.key: Any = None
 
     def cancel_for_shutdown(self) -> None:
         """Stop this request because the server is shutting down; the
@@ -101,7 +105,7 @@ class Generation(ClientStream):
         router = self.ctx.router
         tried = self.tried
         protocol = self.codec.worker_protocol
-        key = router.routing_key(self.req, self.st.headers)  # the policy's, once per request
+        key = self.key = router.routing_key(self.req, self.st.headers)  # the policy's, once per request
         slot = False  # one of the process's migration slots, held to the answer's end
         try:
             while True:
@@ -232,7 +236,7 @@ class Generation(ClientStream):
             # One unary worker answer carries no token timing: TTFT and ITL
             # stay unknown rather than equal to the total.
             self.timed = False
-        return Leg(self.st, settings, worker, attempt, wreq, settings.inter_token_timeout, gate)
+        return Leg(self.st, settings, worker, attempt, wreq, settings.inter_token_timeout, gate, self.key)
 
     async def judge(self, leg: Leg, end: LegEnd) -> bool:
         """Failover, migration or the request's end, from how a

@@ -35,7 +35,7 @@ with the format's error (the engine's error answer).
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 import anyio
@@ -69,6 +69,9 @@ class AttemptLoop(Protocol):
     resuming: bool
     #: Every output token id sent so far (``None``: the request cannot resume).
     sent_ids: list[int] | None
+    #: The request's routing key (``None`` before it is routed, or for
+    #: legs spread least outstanding), carried by its legs.
+    key: Any
 
     async def build(self, *attempts: Attempt) -> "list[WorkerRequest] | None":
         """The attempts' worker requests; ``None`` once a refusal was answered."""
@@ -211,7 +214,7 @@ async def _run_prefill(
     before ``gate`` opens, so the decode leg waiting on it sends the client
     nothing (the pair is then aborted); ``gate`` opens however the leg ends."""
     try:
-        leg = Leg(loop.st, loop.ctx.settings, worker, attempt, wreq)
+        leg = Leg(loop.st, loop.ctx.settings, worker, attempt, wreq, route_key=loop.key)
         prefill.judge(leg, await leg.run(prefill, loop.ctx.router))
     finally:
         if (prefill.retry or prefill.error is not None) and decode_scope is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import math
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -133,6 +133,11 @@ class Leg:
         gate: an event the leg's first payload waits for before the codec
             reads it (a P/D decode leg whose answer joins its prefill
             leg's), or ``None``.
+        route_key: the request's routing key
+            (:meth:`~asgi_generate.workers.router.Router.routing_key`), or
+            ``None``: the policy reads it from the worker's in-flight set
+            to weigh what the requests running there hold
+            (:class:`~asgi_generate.workers.router.InFlight`).
 
     After :meth:`run`: :attr:`phase` and :attr:`limit` are the phase that
     ran last (``headers``, ``first_token``, ``inter_token`` or ``request``),
@@ -142,12 +147,12 @@ class Leg:
 
     __slots__ = (
         "worker", "attempt", "stream", "first_token", "between", "gate", "phase", "limit", "deadline",
-        "scope", "page", "error", "lost", "delivering", "reader", "_exchange",
+        "scope", "page", "error", "lost", "delivering", "reader", "route_key", "_exchange",
     )
 
     def __init__(
         self, st: "RequestState", settings: "Settings", worker: "Worker", attempt: "Attempt", wreq: "WorkerRequest",
-        between: float | None = None, gate: anyio.Event | None = None,
+        between: float | None = None, gate: anyio.Event | None = None, route_key: Any = None,
     ) -> None:
         if st.t_dispatched is None:
             st.t_dispatched = time.monotonic()
@@ -167,6 +172,7 @@ class Leg:
         #: write may be under way): a lost worker cancels it after that.
         self.delivering = False
         self.reader: LegReader | None = None
+        self.route_key = route_key
         # Keeps the body only until it is sent; the caller's request object
         # lives as long as the leg, its body (the whole prompt) need not.
         self._exchange = worker.pool.request(b"POST", wreq.path, wreq.body, wreq.headers, head_deadline=self.deadline)

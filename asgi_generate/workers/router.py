@@ -73,7 +73,17 @@ class RouteKey:
 
 class InFlight(Protocol):
     """A request riding a worker, as the router sees it (the handler's
-    generation)."""
+    leg).
+
+    Attributes:
+        route_key: its request's routing key (:meth:`Router.routing_key`),
+            or ``None``.
+        attempt: its attempt; ``attempt.tokens`` are the output tokens it
+            produced so far.
+    """
+
+    route_key: Any
+    attempt: Any
 
     def worker_lost(self, worker: "Worker", reason: str) -> None:
         """``worker`` was declared lost by its health probe: stop waiting

@@ -88,6 +88,7 @@ class _Worker:
 
     def __init__(self, i: int) -> None:
         self.id, self.url, self.outstanding = f"w{i}", f"http://127.0.0.1:{9000 + i}", 0
+        self.inflight: list = []
 
 
 def _pick(policy: KVAwarePolicy, workers: list, ids: list[int], salt: str | None = None) -> str:

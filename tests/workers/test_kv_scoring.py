@@ -21,6 +21,7 @@ class _Worker:
 
     def __init__(self, i: int, outstanding: int = 0) -> None:
         self.id, self.url, self.outstanding = f"w{i}", f"http://127.0.0.1:{9000 + i}", outstanding
+        self.inflight: list = []
 
 
 def _policy(workers: list[_Worker], holding: dict[str, list[int]] | None = None, **weights: float) -> KVAwarePolicy:
@@ -107,3 +108,85 @@ def test_ties_hash_the_prompts_end_so_groups_sharing_a_system_prefix_spread():
     picks = [_pick(_policy(workers), workers, _prompt(g)) for g in groups]
     assert picks == [_pick(_policy(workers), workers, _prompt(g)) for g in groups]
     assert picks == ["w3", "w3", "w3", "w2", "w3", "w3", "w1", "w0"]
+
+
+class _Leg:
+    """A leg riding a worker (its ``inflight``): the request's routing key
+    and the output tokens it produced so far."""
+
+    def __init__(self, key: object, generated: int = 0) -> None:
+        self.route_key = key
+
+        class _Attempt:
+            tokens = generated
+
+        self.attempt = _Attempt()
+
+
+def _run(policy: KVAwarePolicy, worker: _Worker, ids: list[int], generated: int = 0, n: int = 1) -> None:
+    """A request of ``ids`` (``n`` samples) running on ``worker``, routed by
+    ``policy`` (its routing key on the leg)."""
+    request = (_prompt(ids) if n == 1 else
+               GenerateRequest(stream=False, items=[BatchItem(None, ids, None, 0) for _ in range(n)]))
+    worker.inflight.append(_Leg(policy.routing_key(request, {}), generated))
+    worker.outstanding += 1
+
+
+def test_the_active_tokens_of_running_requests_weigh_on_their_worker():
+    """w0 and w1 both hold the system prefix and each runs one request:
+    w0 an 8,000-token prompt that has generated 32 tokens, w1 a 100-token
+    one. A new 1,152-token prompt costs 1.25 x 128 + 128 x 1 = 288 on each
+    before the running requests' tokens count: a tie, which goes to the
+    emptier cache, w0 (w1 also holds 2,048 tokens of another prompt). At
+    active weight 0.05, w0 costs 288 + 0.05 x 8,032 = 689.6 and w1
+    288 + 0.05 x 100 = 293: w1."""
+    prompt = _prompt(SYSTEM + list(range(5000, 5128)))
+    picks = {}
+    for weight in (0.0, 0.05):
+        workers = [_Worker(0), _Worker(1)]
+        policy = _policy(workers, {"w0": SYSTEM, "w1": SYSTEM + list(range(7000, 9048))}, active_weight=weight)
+        _run(policy, workers[0], list(range(20_000, 28_000)), generated=32)
+        _run(policy, workers[1], list(range(30_000, 30_100)))
+        assert [policy.active(w, policy._kv(w)) for w in workers] == [8032, 100]
+        picks[weight] = _pick(policy, workers, prompt)
+    assert picks == {0.0: "w0", 0.05: "w1"}
+    assert KVAwarePolicy().active_weight == 0.0
+
+
+def test_a_new_group_leaves_the_worker_its_last_group_fills_and_pays_the_prefix_once():
+    """A GRPO group of 8 x 1,152 tokens runs on w0, which holds the system
+    prefix; w1 is idle and empty. The next group's prompt costs, on w0,
+    1.25 x 128 + 128 x 8 = 1,184 by requests alone, under w1's
+    1.25 x 1,152 = 1,440: it piled onto w0. With the group's tokens at
+    weight 0.05 (8 x 1,152 = 9,216 tokens, +460.8) w0 costs 1,644.8: the
+    group goes to w1."""
+    group = SYSTEM + list(range(5000, 5128))
+    prompt = _prompt(SYSTEM + list(range(6000, 6128)))
+    picks = {}
+    for weight in (0.0, 0.05):
+        workers = [_Worker(0), _Worker(1)]
+        policy = _policy(workers, {"w0": SYSTEM}, active_weight=weight)
+        for _ in range(8):
+            _run(policy, workers[0], group)
+        assert policy.active(workers[0], policy._kv(workers[0])) == 9216
+        picks[weight] = _pick(policy, workers, prompt)
+    assert picks == {0.0: "w0", 0.05: "w1"}
+
+
+def test_n_samples_hold_their_prompt_once_per_sample_and_other_replicas_count_by_their_reading():
+    """A running request of ``n`` = 8 samples of a 1,152-token prompt holds
+    8 x 1,152 = 9,216 tokens, as 8 separate requests do. The other
+    replicas' requests (the engine's reading less this replica's own) each
+    count the prompt tokens per sample of the requests this replica routed
+    (a moving average, seeded by the first: 1,152)."""
+    from asgi_generate.workers.engine_load import EngineLoad
+
+    workers = [_Worker(0), _Worker(1)]
+    policy = _policy(workers, active_weight=0.05)
+    ids = SYSTEM + list(range(5000, 5128))
+    _pick(policy, workers, GenerateRequest(stream=False, items=[BatchItem(None, ids, None, 0) for _ in range(8)]))
+    assert policy.tokens_per_sequence == 1152
+    _run(policy, workers[0], ids, n=8)
+    kv0, kv1 = policy._kv(workers[0]), policy._kv(workers[1])
+    kv1.read(EngineLoad(3, 0), 0)
+    assert (policy.active(workers[0], kv0), kv1.others, policy.active(workers[1], kv1)) == (9216, 3, 3 * 1152)

@@ -21,7 +21,7 @@ records are the same whichever it picks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Collection, Mapping, Protocol, Sequence, TypeVar
 
 from ...config import POLICIES
 
@@ -36,6 +36,8 @@ class Candidate(Protocol):
 
     id: str
     url: str
+    #: The legs riding it now (:class:`~asgi_generate.workers.router.InFlight`).
+    inflight: Collection[Any]
 
     @property
     def outstanding(self) -> int:
@@ -131,6 +133,7 @@ def build_policy(settings: "Settings") -> Policy:
             overlap_weight=settings.kv_overlap_weight,
             queued_weight=settings.kv_queued_weight,
             load_weight=settings.kv_load_weight,
+            active_weight=settings.kv_active_weight,
             ttl=settings.kv_predict_ttl,
             load_interval=settings.kv_load_interval,
             max_blocks=settings.max_tree_tokens,

@@ -16,6 +16,8 @@ For a request with token ids, over the candidates, the cost of worker ``w``
               + queued_weight x (prefill tokens queued on w that this
                                  request does not share)
               + load_weight x requests on w (the fleet's, below)
+              + active_weight x tokens the requests running on w hold
+                                (Dynamo's decode blocks, in tokens)
 
 "Held" counts the blocks the engine's events say it stores and the blocks
 predicted on it; "queued" are the predicted blocks not yet stored (requests
@@ -23,8 +25,18 @@ routed here within the last ``ttl`` seconds whose prefill the engine has
 not published), less this request's own: a sibling waits for no prefill
 it shares.
 
+The running requests' tokens (:meth:`KVAwarePolicy.active`) are this
+replica's own as they run (each leg on ``w`` carries its request's
+routing key: its prompt tokens times its samples, plus the output tokens
+the leg produced so far) and the other replicas', known only as the
+request count of the engine's load reading (below), each taken at the
+prompt tokens per sample of the requests this replica routed (a moving
+average). With them a worker busy with long requests weighs more than one
+busy with as many short ones, as in Dynamo's KV router
+(``overlap_weight x prefill blocks + decode blocks``).
+
 The defaults (``overlap_weight`` 1.25, ``queued_weight`` 0,
-``load_weight`` 128) were chosen on ``bench/bench_routing.py``'s four
+``load_weight`` 128, ``active_weight`` 0) were chosen on ``bench/bench_routing.py``'s four
 workloads (figures in ``bench/README.md``):
 
 - The queue is off by default. Waiting behind a queued prefill costs the
@@ -40,6 +52,14 @@ workloads (figures in ``bench/README.md``):
   8 requests (8 x 128), and at four replicas, whose load readings lag,
   the next group tied often and went to a second worker (hit ratio 0.96
   against 0.978).
+- The running requests' tokens are off by default. At 0.05 to 0.15 a
+  token (with ``load_weight`` 128, or 0 at 0.1 and 0.15) GRPO groups
+  alternated between two workers (hit ratio 0.959 against 0.978, mean
+  TTFT 50 against 56 ms at one replica, one sitting) or stayed on one,
+  and the Mooncake sample through one process fell from 0.664 to 0.615 in
+  every such run: long conversation turns running on a worker pushed the
+  one-shot requests' shared system prompt off it, and the copies took
+  cache room from the conversations. At 0.02 nothing moved.
 
 The requests on ``w`` are the whole fleet's, not this replica's alone: this
 replica's own outstanding requests now, plus the others' as the engine
@@ -125,7 +145,7 @@ class _Key:
     once each and chained from the salt's seed as the index keys a salted
     store (:class:`~asgi_generate.workers.kv_index.KVIndex`)."""
 
-    __slots__ = ("ids", "tree", "seed", "sequences", "_hashes")
+    __slots__ = ("ids", "tree", "seed", "sequences", "tokens", "_hashes")
 
     def __init__(self, ids: Sequence[int] | None, tree: str, salt: str | None = None, sequences: int = 1) -> None:
         self.ids = ids
@@ -133,6 +153,10 @@ class _Key:
         self.seed = namespace_seed((salt,)) if salt else ROOT
         #: Sequences the engine runs for it (``n`` samples: ``n``).
         self.sequences = sequences
+        #: Prompt tokens its sequences hold in the engine's KV cache while
+        #: they run (each sample's prompt counted, as the engine counts
+        #: ``n`` requests).
+        self.tokens = (len(ids) if ids is not None else len(tree) - 1) * sequences
         self._hashes: dict[int, list[int]] = {}
 
     def hashes(self, block: int) -> list[int]:
@@ -186,6 +210,8 @@ class KVAwarePolicy(Policy):
         queued_weight: weight of the prefill tokens queued on a worker
             (routed there, not stored yet) that the request does not share.
         load_weight: tokens one outstanding request costs.
+        active_weight: weight of each token the worker's running requests
+            hold (prompt and generated so far).
         ttl: seconds a routed request's blocks count as predicted (held,
             and queued until the engine stores them).
         load_interval: seconds between readings of each engine's load
@@ -203,6 +229,7 @@ class KVAwarePolicy(Policy):
         overlap_weight: float = 1.25,
         queued_weight: float = 0.0,
         load_weight: float = 128.0,
+        active_weight: float = 0.0,
         ttl: float = 5.0,
         load_interval: float = 0.1,
         max_blocks: int = 1 << 20,
@@ -214,6 +241,12 @@ class KVAwarePolicy(Policy):
         self.overlap_weight = overlap_weight
         self.queued_weight = queued_weight
         self.load_weight = load_weight
+        self.active_weight = active_weight
+        #: Prompt tokens per engine sequence of the requests routed (a
+        #: moving average, seeded by the first): what one of the other
+        #: replicas' requests is taken to hold.
+        self.tokens_per_sequence = 0.0
+        self.keyed = 0
         self.ttl = ttl
         self.load_interval = load_interval
         self.max_blocks = max_blocks
@@ -258,12 +291,18 @@ class KVAwarePolicy(Policy):
                 cached = tree.tokens if tree is not None else 0
             requests = kv.requests(w.outstanding)
             cost = self.overlap_weight * (prompt - held) + self.queued_weight * queued + self.load_weight * requests
+            if self.active_weight:
+                cost += self.active_weight * self.active(w, kv)
             costs.append((cost, cached, requests, -_rendezvous(w.url, key), held, w))
         *_, held, best = min(costs, key=lambda c: c[:4])
         kv = self._kv(best)
         kv.peak = max(kv.peak, best.outstanding + 1)
         kv.per_request = key.sequences if not kv.routed else kv.per_request + 0.2 * (key.sequences - kv.per_request)
         kv.routed += 1
+        per_sequence = key.tokens / key.sequences
+        self.tokens_per_sequence = (per_sequence if not self.keyed else
+                                    self.tokens_per_sequence + 0.2 * (per_sequence - self.tokens_per_sequence))
+        self.keyed += 1
         if held:
             self.overlapped += 1
         if key.ids is not None and kv.subscriber is not None and kv.index.block_size:
@@ -273,6 +312,21 @@ class KVAwarePolicy(Policy):
             self.by_tree += 1
         self.fallback.tree(best).insert(key.tree)
         return best
+
+    def active(self, worker: Candidate, kv: _WorkerKV) -> float:
+        """Tokens the requests running on ``worker`` hold in its KV cache
+        (Dynamo's decode blocks, in tokens): this replica's own, each its
+        prompt (times its samples) and the output tokens its leg produced
+        so far, read from the worker's in-flight legs; plus the other
+        replicas' requests in the engine's last load reading
+        (:meth:`_WorkerKV.read`), each at :attr:`tokens_per_sequence`."""
+        own = 0
+        for leg in worker.inflight:
+            key = getattr(leg, "route_key", None)
+            key = getattr(key, "policy_key", key)  # a RouteKey's policy key
+            if isinstance(key, _Key):
+                own += key.tokens + leg.attempt.tokens
+        return own + kv.others * self.tokens_per_sequence
 
     def forget(self, worker: Candidate) -> None:
         """``worker``'s cache is gone (flushed, or the worker lost): drop its
@@ -428,7 +482,7 @@ class KVAwarePolicy(Policy):
             "by_events": self.by_events, "by_tree": self.by_tree, "overlapped": self.overlapped,
             "prediction_hit_ratio": round(confirmed / predicted, 4) if predicted else None,
             "overlap_weight": self.overlap_weight, "queued_weight": self.queued_weight,
-            "load_weight": self.load_weight, "ttl": self.ttl, "load_interval": self.load_interval,
+            "load_weight": self.load_weight, "active_weight": self.active_weight, "ttl": self.ttl, "load_interval": self.load_interval,
             "workers": workers,
         }
 
