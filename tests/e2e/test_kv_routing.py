@@ -190,3 +190,32 @@ def test_two_frontend_replicas_pick_the_same_worker():
         b.stop()
         for s in sims:
             s.stop()
+
+
+def test_the_tokens_a_running_request_holds_count_on_its_worker_until_it_ends():
+    """``--kv-active-weight``: a streamed request of a 300-token prompt
+    running on a worker holds its prompt plus the tokens generated so far
+    there (``/stats`` ``load.active_tokens``, read from the leg's routing
+    key), and nothing once it ended; the other worker holds none."""
+    sims = [start_sim(extra=["--cache-tokens", "2000", "--kv-events-config", EVENTS], itl_ms=50) for _ in range(2)]
+    fe = start_frontend([f"sglang={s.url}" for s in sims],
+                        extra=["--policy", "kv-aware", "--kv-active-weight", "0.05", "--kv-load-interval", "0"])
+    try:
+        wait_until(lambda: len(_routing(fe)["workers"]) == 2
+                   and all(w["source"] == "events" for w in _routing(fe)["workers"].values()))
+        body = {"input_ids": list(range(1000, 1300)), "stream": True,
+                "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+        seen: list[list[int]] = []
+        with httpx.stream("POST", fe.url + "/generate", json=body, timeout=30) as resp:
+            assert resp.status_code == 200
+            for n, _ in enumerate(resp.iter_lines()):
+                if n == 10:  # mid-answer
+                    workers = _routing(fe)["workers"]
+                    seen.append(sorted(workers[w]["load"]["active_tokens"] for w in ("w0", "w1")))
+        assert len(seen) == 1 and seen[0][0] == 0 and 300 < seen[0][1] < 340
+        wait_until(lambda: [w["load"]["active_tokens"] for w in _routing(fe)["workers"].values()] == [0, 0])
+        assert _routing(fe)["active_weight"] == 0.05
+    finally:
+        fe.stop()
+        for s in sims:
+            s.stop()

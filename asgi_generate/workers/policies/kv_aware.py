@@ -169,11 +169,13 @@ class _Key:
 class _WorkerKV:
     """What the policy keeps of one worker."""
 
-    __slots__ = ("index", "subscriber", "why_tree", "engine", "others", "why_own", "readings", "peak", "per_request",
-                 "routed")
+    __slots__ = ("index", "worker", "subscriber", "why_tree", "engine", "others", "why_own", "readings", "peak",
+                 "per_request", "routed")
 
-    def __init__(self, index: KVIndex) -> None:
+    def __init__(self, index: KVIndex, worker: Candidate) -> None:
         self.index = index
+        #: The worker itself (its in-flight legs, for ``/stats``).
+        self.worker = worker
         self.subscriber: Subscriber | None = None
         self.why_tree = "discovering"
         #: The engine's last load reading, and the requests in it that
@@ -266,7 +268,7 @@ class KVAwarePolicy(Policy):
     def _kv(self, worker: Candidate) -> _WorkerKV:
         kv = self.workers.get(worker.id)
         if kv is None:
-            kv = self.workers[worker.id] = _WorkerKV(KVIndex(self.max_blocks, self.ttl))
+            kv = self.workers[worker.id] = _WorkerKV(KVIndex(self.max_blocks, self.ttl), worker)
         return kv
 
 
@@ -461,7 +463,9 @@ class KVAwarePolicy(Policy):
 
     def stats(self) -> dict[str, Any]:
         """Decisions by source, and per worker where its blocks come from,
-        its index and its subscriber's counters."""
+        its index, its subscriber's counters and its load (the engine's
+        reading, and the tokens its running requests hold:
+        :meth:`active`)."""
         workers = {}
         predicted = confirmed = 0
         for wid, kv in sorted(self.workers.items()):
@@ -474,6 +478,7 @@ class KVAwarePolicy(Policy):
             row["load"] = ({"engine_requests": kv.engine.requests, "engine_waiting_tokens": kv.engine.waiting_tokens,
                             "others": kv.others, "readings": kv.readings}
                            if kv.engine is not None else {"own_counts": kv.why_own, "readings": kv.readings})
+            row["load"]["active_tokens"] = round(self.active(kv.worker, kv))
             predicted += kv.index.predicted
             confirmed += kv.index.confirmed
             workers[wid] = row
