@@ -25,6 +25,14 @@ floor is ours (handler, codec, worker client, pool, metrics). The sampled
 answers are not compared for the floor (it has one answer for every prompt);
 every response under load is checked as for the other hops.
 
+A saturated floor serves several times the requests per second that a hop
+held back by the simulator does, and an event loop's cost per request falls
+as its load rises (more requests a wake-up), so the **paced** unary cell
+(``--paced-rate``, 1,000 requests/s) also runs every hop at one arrival
+rate: wrk's connections each wait ``concurrency / rate`` between requests.
+There the floor costs what hypercorn costs at the hop's own load, and hop
+minus floor is ours at the same rate.
+
 Usage: ``.venv/bin/python bench/bench_frontend.py [--seconds 10]
 [--concurrency 32]`` (see ``--help``). sglang-router is installed on first
 use into its own venv, ``bench/.venv-router``; wrk must be on PATH (when it
@@ -99,6 +107,8 @@ class HopResult:
     latency: dict[str, LoadResult] = field(default_factory=dict)
     sample_problems: list[str] = field(default_factory=list)
     samples: int = 0
+    #: The unary cell at ``--paced-rate`` (None: not run).
+    paced: LoadResult | None = None
 
 
 def request_body(input_len: int, tokens: int, stream: bool, variant: int) -> bytes:
@@ -318,6 +328,20 @@ def print_report(results: list[HopResult], args: argparse.Namespace, context: li
             print(f"- trio CPU per request at most 1.2x {other}'s: {_fmt(cpu[0])} unary / {_fmt(cpu[1])} SSE "
                   f"-> {'met' if met else 'NOT met'}")
     for r in ours:
+        floor = floors.get(HOPS[FLOOR + next(k for k, v in HOPS.items() if v == r.label).removeprefix(BASELINE)])
+        if floor is None:
+            continue
+        share = [_ratio(r.load[wl].cpu_ms_per_request("hop") - floor.load[wl].cpu_ms_per_request("hop"),
+                        floor.load[wl].cpu_ms_per_request("hop")) for wl in ("unary", "sse")]
+        paced = None
+        if r.paced is not None and floor.paced is not None:
+            pf = floor.paced.cpu_ms_per_request("hop")
+            paced = _ratio(r.paced.cpu_ms_per_request("hop") - pf, pf)
+        print(f"- {r.label}: ours (hop - floor) at most 1.5x the floor unary, 0.8x SSE: unary {_fmt(share[0])} "
+              f"against the saturated floor, {_fmt(paced)} with both at {args.paced_rate:,} requests/s; "
+              f"SSE {_fmt(share[1])} -> unary {'met' if paced is not None and paced <= 1.5 else 'NOT met'} "
+              f"at the same rate, SSE {'met' if share[1] is not None and share[1] <= 0.8 else 'NOT met'}")
+    for r in ours:
         extra = added(r, "unary", "p50_ms")
         print(f"- {r.label}: added unary p50 at most +0.3 ms: {extra:+.3f} ms -> {'met' if extra <= 0.3 else 'NOT met'}")
     print(f"- never loses or reorders an event: {checked:,} responses checked under load "
@@ -336,8 +360,9 @@ def print_floor(ours: list[HopResult], floors: dict[str, HopResult], router: Hop
           "(hop CPU ms/req minus its worker class's floor):")
     print()
     print("| worker class | floor CPU ms/req unary / SSE | hop CPU ms/req unary / SSE "
-          "| ours = hop - floor, unary / SSE | floor/router unary / SSE |")
-    print("|---|---:|---:|---:|---:|")
+          "| ours = hop - floor, unary / SSE | ours/floor unary / SSE | floor/router unary / SSE "
+          "| paced unary: floor / hop / ours (ms/req) | paced ours/floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for key in ("trio", "asyncio", "uvloop", *(BASELINE + k for k in ("trio", "asyncio", "uvloop"))):
         floor = floors.get(HOPS[FLOOR + key.removeprefix(BASELINE)])
         hop = next((r for r in ours if r.label == HOPS[key]), None)
@@ -348,8 +373,14 @@ def print_floor(ours: list[HopResult], floors: dict[str, HopResult], router: Hop
         mine = [None if a is None else a - b for a, b in zip(h, f)]
         vs = [_ratio(a, router.load[wl].cpu_ms_per_request("hop")) if router else None
               for a, wl in zip(f, ("unary", "sse"))]
+        share = [_ratio(a, b) for a, b in zip(mine, f)]
+        paced = ["n/a"] * 3 + [None]
+        if floor.paced is not None and hop is not None and hop.paced is not None:
+            pf, ph = floor.paced.cpu_ms_per_request("hop"), hop.paced.cpu_ms_per_request("hop")
+            paced = [_fmt(pf, 3), _fmt(ph, 3), _fmt(ph - pf, 3), _ratio(ph - pf, pf)]
         print(f"| {key} | {_fmt(f[0], 3)} / {_fmt(f[1])} | {_fmt(h[0], 3)} / {_fmt(h[1])} "
-              f"| {_fmt(mine[0], 3)} / {_fmt(mine[1])} | {_fmt(vs[0])} / {_fmt(vs[1])} |")
+              f"| {_fmt(mine[0], 3)} / {_fmt(mine[1])} | {_fmt(share[0])} / {_fmt(share[1])} "
+              f"| {_fmt(vs[0])} / {_fmt(vs[1])} | {' / '.join(paced[:3])} | {_fmt(paced[3])} |")
     print()
 
 
@@ -364,6 +395,8 @@ def median_result(runs: list[HopResult]) -> HopResult:
     for wl in runs[0].load:
         out.load[wl] = pick([r.load[wl] for r in runs], lambda lr: lr.cpu_ms_per_request("hop"))
         out.latency[wl] = pick([r.latency[wl] for r in runs], lambda lr: lr.p50_ms)
+    if runs[0].paced is not None:
+        out.paced = pick([r.paced for r in runs], lambda lr: lr.cpu_ms_per_request("hop"))
     return out
 
 
@@ -373,9 +406,9 @@ def print_spread(reps: dict[str, list[HopResult]], args: argparse.Namespace) -> 
     print(f"Spread over {args.reps} interleaved repetitions (per repetition, in order; others = cores' "
           "worth of the pinned cores that other processes took, unary / SSE):")
     print()
-    print("| path | hop CPU ms/req unary | hop CPU ms/req SSE | unary p50 ms | ours/router CPU unary | "
-          "ours/router CPU SSE | others unary / SSE |")
-    print("|---|---|---|---|---|---|---|")
+    print("| path | hop CPU ms/req unary | hop CPU ms/req SSE | paced unary hop CPU ms/req | unary p50 ms "
+          "| ours/router CPU unary | ours/router CPU SSE | others unary / SSE |")
+    print("|---|---|---|---|---|---|---|---|")
     router = reps.get("router")
     for hop, runs in reps.items():
         def per(f: Callable[[HopResult], float | None], digits: int = 3) -> str:
@@ -389,6 +422,7 @@ def print_spread(reps: dict[str, list[HopResult]], args: argparse.Namespace) -> 
         others = ", ".join(f"{r.load['unary'].others_busy():.2f} / {r.load['sse'].others_busy():.2f}" for r in runs)
         print(f"| {HOPS[hop]} | {per(lambda r: r.load['unary'].cpu_ms_per_request('hop'))} "
               f"| {per(lambda r: r.load['sse'].cpu_ms_per_request('hop'))} "
+              f"| {per(lambda r: r.paced.cpu_ms_per_request('hop') if r.paced else None)} "
               f"| {per(lambda r: r.latency['unary'].p50_ms)} | {vs[0]} | {vs[1]} | {others} |")
     print()
 
@@ -402,9 +436,10 @@ def measure(
     scripts: dict[str, pathlib.Path],
     log_dir: pathlib.Path,
     samples: tuple[list[bytes], list[list]],
+    paced: pathlib.Path | None = None,
 ) -> HopResult:
     """Check a sample, then run every workload's load and latency cells
-    against ``port``."""
+    against ``port``, and the ``paced`` unary script's cell when given."""
     result = HopResult(label)
     bodies, expected = samples if not label.startswith("floor") else ([], [])
     result.samples = len(bodies)
@@ -423,6 +458,11 @@ def measure(
               file=sys.stderr)
         cell(script, args.concurrency, args.warmup)
         result.load[name] = cell(script, args.concurrency, args.seconds)
+    if paced is not None:
+        print(f"  {label}: unary paced at {args.paced_rate:,} requests/s, warm-up, then {args.seconds} s",
+              file=sys.stderr)
+        cell(paced, args.concurrency, args.warmup)
+        result.paced = cell(paced, args.concurrency, args.seconds)
     for name, script in scripts.items():
         print(f"  {label}: {name} latency, {args.latency_seconds} s at 1 connection", file=sys.stderr)
         result.latency[name] = cell(script, 1, args.latency_seconds)
@@ -463,6 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a checkout of the repository (e.g. from git worktree add or git archive) that the "
                         "baseline-trio, baseline-asyncio and baseline-uvloop hops run, first on PYTHONPATH "
                         "(its C extension built in place): before and after side by side")
+    p.add_argument("--paced-rate", type=int, default=1000,
+                   help="requests/s of the paced unary cell, every hop at the same arrival rate (0: none)")
     p.add_argument("--input-len", type=int, default=128, help="prompt length in tokens")
     p.add_argument("--unary-tokens", type=int, default=16, help="output tokens of a unary request")
     p.add_argument("--sse-tokens", type=int, default=256, help="output tokens (= events) of an SSE request")
@@ -546,6 +588,11 @@ def main(argv: list[str] | None = None) -> int:
                     bodies.append(body)
                     expected.append(answer(sim_port, body))
             samples = (bodies, expected)
+            paced = None
+            if args.paced_rate > 0:
+                paced = log_dir / "unary-paced.lua"
+                wait_ms = max(1, round(args.concurrency * 1000 / args.paced_rate))
+                paced.write_text(scripts["unary"].read_text() + f"\nfunction delay()\n  return {wait_ms}\nend\n")
             probe = request_body(4, 1, False, 0)
             print(f"{DIRECT}:", file=sys.stderr)
             results.append(measure(DIRECT, sim_port, {"sim": sim.cpu_seconds}, args, wrk, scripts,
@@ -558,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{HOPS[hop]} (repetition {rep + 1} of {args.reps}):", file=sys.stderr)
                     child, port = started[hop]
                     meters = {"sim": sim.cpu_seconds, "hop": child.cpu_seconds}
-                    reps[hop].append(measure(HOPS[hop], port, meters, args, wrk, scripts, log_dir, samples))
+                    reps[hop].append(measure(HOPS[hop], port, meters, args, wrk, scripts, log_dir, samples, paced))
             results += [median_result(reps[hop]) for hop in hops]
         print_report(results, args, _context(args, wrk, router_version, load_before))
         if args.reps > 1:
