@@ -54,18 +54,12 @@ def _readable(
 ) -> tuple[asyncio.Future, asyncio.TimerHandle | None]:
     """asyncio: a future set to ``True`` once ``fd`` is readable, ``False``
     at ``deadline`` (the loop's clock, ``anyio.current_time()``), and the
-    deadline's timer; the caller awaits it, then hands both to
-    :func:`_forget` however the wait ended."""
+    deadline's timer; the caller awaits it, then parks the socket's reader
+    (:func:`_parked`) and cancels the timer however the wait ended."""
     waiter = loop.create_future()
     loop.add_reader(fd, _wake, waiter, True)
     timer = None if deadline == math.inf else loop.call_at(deadline, _wake, waiter, False, context=_NO_CONTEXT)
     return waiter, timer
-
-
-def _forget(loop: asyncio.AbstractEventLoop, fd: int, timer: asyncio.TimerHandle | None) -> None:
-    loop.remove_reader(fd)
-    if timer is not None:
-        timer.cancel()
 
 
 def _parked(conn: TCPConnection) -> None:
@@ -113,9 +107,9 @@ class TCPConnection:
     Args:
         sock: the connected socket.
         loop: the asyncio event loop it is read in (:func:`connect` passes
-            the running one), ``None`` on trio or to look it up at each
-            wait: ``asyncio.get_running_loop()`` is a ``getpid(2)`` on
-            CPython 3.11. With it, the socket stays in the loop's selector
+            the running one; looking it up at each wait,
+            ``asyncio.get_running_loop()``, is a ``getpid(2)`` on CPython
+            3.11), ``None`` on trio. The socket stays in the loop's selector
             between reads (re-pointing its reader is no system call, where
             adding and removing it is an ``epoll_ctl(2)`` each) until it
             turns readable with no read waiting (:func:`_parked`) or is
@@ -143,7 +137,7 @@ class TCPConnection:
         cannot starve other tasks. ``wait_first``: wait for readiness
         before the first read, which would find nothing (the first read of
         an answer to a request just sent: a ``recvfrom(2)`` failing with
-        ``EAGAIN`` saved); on asyncio with the loop given only (on trio a
+        ``EAGAIN`` saved); on asyncio only (on trio a
         wait parks through :mod:`~asgi_generate.workers.trio_poller`'s
         task, dearer than the read it would save when the answer is
         there already)."""
@@ -159,7 +153,7 @@ class TCPConnection:
                 return data
         # The wait inline, not a coroutine of its own (about 250 bytes per
         # open stream).
-        if loop is None and sniffio.current_async_library() != "asyncio":
+        if loop is None:  # trio
             if trio_poller.AVAILABLE:
                 poller = trio_poller.current()
                 fd = sock.fileno()
@@ -179,31 +173,19 @@ class TCPConnection:
                         return None
                 if (data := recv_nowait(sock, max_bytes)) is not None:
                     return data
+        # asyncio, the socket kept in the selector: cancellable, and the
+        # timer gone and the reader parked however the wait ends.
         fd = sock.fileno()
-        if loop is not None:
-            # asyncio, the socket kept in the selector: cancellable, and the
-            # timer gone and the reader parked however the wait ends.
-            while True:
-                waiter, timer = _readable(loop, fd, deadline)
-                self.watched = True
-                try:
-                    if not await waiter:
-                        return None
-                finally:
-                    loop.add_reader(fd, _parked, self)
-                    if timer is not None:
-                        timer.cancel()
-                if (data := recv_nowait(sock, max_bytes)) is not None:
-                    return data
-        # asyncio: cancellable, and the reader and timer are gone however it ends.
-        loop = asyncio.get_running_loop()
         while True:
             waiter, timer = _readable(loop, fd, deadline)
+            self.watched = True
             try:
                 if not await waiter:
                     return None
             finally:
-                _forget(loop, fd, timer)
+                loop.add_reader(fd, _parked, self)
+                if timer is not None:
+                    timer.cancel()
             if (data := recv_nowait(sock, max_bytes)) is not None:
                 return data
 

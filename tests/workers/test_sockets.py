@@ -1,8 +1,8 @@
 """The worker connection is a bare socket (bench/bench_streams.py measures
 what an open stream holds): round trips, waits, read deadlines and
-cancellation leave nothing registered with the loop, on both backends; on
-asyncio a connection given its loop (as ``connect`` gives it) stays in the
-selector between reads until it turns readable unread or is closed."""
+cancellation leave no read waiting and no timer, on both backends; on
+asyncio the connection stays in the loop's selector between reads (its
+reader parked) until it turns readable unread or is closed."""
 
 from __future__ import annotations
 
@@ -17,9 +17,6 @@ import uvloop
 
 from asgi_generate.workers import sockets, trio_poller
 from asgi_generate.workers.sockets import TCPConnection, connect
-
-
-
 
 
 @pytest.fixture(params=["trio", "asyncio"])
@@ -56,7 +53,7 @@ async def test_bare_socket_round_trip(host):
 async def test_bare_socket_receive_waits_and_is_cancellable():
     a, b = socket.socketpair()
     a.setblocking(False)
-    conn = TCPConnection(a)
+    conn = _connection(a)
     with anyio.move_on_after(0.1) as scope:
         await conn.receive(10)
     assert scope.cancelled_caught
@@ -66,9 +63,15 @@ async def test_bare_socket_receive_waits_and_is_cancellable():
     b.close()
 
 
+def _connection(sock: socket.socket) -> TCPConnection:
+    """``sock`` as :func:`connect` makes it: with the running asyncio loop, none on trio."""
+    return TCPConnection(sock, asyncio.get_running_loop() if sniffio.current_async_library() == "asyncio" else None)
+
+
 def _registrations(fd: int) -> tuple[bool, int]:
-    """(whether the running loop watches ``fd`` for reading, live timers
-    of the lean wait); on trio, whether the poller has a read parked on
+    """(whether a read waits on ``fd``, live timers of the lean wait): on
+    asyncio, whether the loop's reader for ``fd`` is a waiting read's (not
+    the parked one); on trio, whether the poller has a read parked on
     ``fd`` (its deadline entries are lazy: none counted)."""
     if sniffio.current_async_library() != "asyncio":
         return fd in trio_poller.current()._parked, 0
@@ -78,16 +81,16 @@ def _registrations(fd: int) -> tuple[bool, int]:
     except KeyError:
         reading = False
     else:
-        reading = key.data[0] is not None
+        reading = key.data[0] is not None and key.data[0]._callback is sockets._wake
     timers = sum(1 for h in loop._scheduled if not h.cancelled() and h._callback is sockets._wake)
     return reading, timers
 
 
 @pytest.mark.anyio
-async def test_bare_socket_read_deadline_is_none_and_leaves_nothing_registered():
+async def test_bare_socket_read_deadline_is_none_and_leaves_no_read_waiting():
     a, b = socket.socketpair()
     a.setblocking(False)
-    conn = TCPConnection(a)
+    conn = _connection(a)
     start = anyio.current_time()
     assert await conn.receive(10, start + 0.1) is None
     assert 0.1 <= anyio.current_time() - start < 1.0
@@ -116,10 +119,10 @@ async def test_bare_socket_read_deadline_is_none_and_leaves_nothing_registered()
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("with_deadline", [False, True])
-async def test_bare_socket_wait_cancelled_removes_its_reader_and_timer(with_deadline):
+async def test_bare_socket_wait_cancelled_leaves_no_read_waiting_and_no_timer(with_deadline):
     a, b = socket.socketpair()
     a.setblocking(False)
-    conn = TCPConnection(a)
+    conn = _connection(a)
     seen: list = []
 
     async def look() -> None:
@@ -195,8 +198,8 @@ async def test_wait_first_skips_the_read_that_would_find_nothing_on_asyncio(wait
     monkeypatch.setattr(sockets, "recv_nowait", lambda sock, n: calls.append(n) or recv_nowait(sock, n))
     a, b = socket.socketpair()
     a.setblocking(False)
-    loop = asyncio.get_running_loop() if sniffio.current_async_library() == "asyncio" else None
-    conn = TCPConnection(a, loop)
+    conn = _connection(a)
+    loop = conn.loop
 
     async def later() -> None:
         await anyio.sleep(0.02)
