@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -121,6 +122,9 @@ async def embedded_workers(
         with anyio.CancelScope(shield=True):
             for proc in procs:
                 await _stop(proc)
+        if procs:
+            log.info("embedded %s workers stopped: %s", protocol,
+                     ", ".join(f"pid {p.pid} ({_ended(p.returncode)})" for p in procs))
 
 
 async def _wait_ready(proc: anyio.abc.Process, url: str, timeout: float) -> None:
@@ -153,6 +157,11 @@ async def _stop(proc: anyio.abc.Process) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def _ended(code: int) -> str:
+    """How a stopped simulator ended: ``exit 0``, or the signal that ended it."""
+    return f"exit {code}" if code >= 0 else signal.Signals(-code).name
 
 
 async def _bootstrap_port(url: str) -> int:

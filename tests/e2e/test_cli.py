@@ -27,7 +27,7 @@ def _serve(args: list[str], health: str = "/health") -> Proc:
 
 
 def test_embedded_default_serves_both_routes_and_stops_its_workers():
-    fe = _serve([])
+    fe = _serve(["--log-level", "info"])
     try:
         workers = httpx.get(fe.url + "/v1/models").json()["workers"]
         assert [(w["protocol"], w["state"]) for w in workers] == [
@@ -42,6 +42,15 @@ def test_embedded_default_serves_both_routes_and_stops_its_workers():
         for w in workers:
             with pytest.raises(httpx.ConnectError):
                 httpx.get(w["url"] + "/health", timeout=2)
+        # The log says they stopped, and how (a simulator ends on SIGTERM with
+        # status 0), naming the pids the start-up line gave.
+        lines = [line.split("] ", 1)[1] for line in fe.log().splitlines()]
+        pids = {p: re.findall(r"pid (\d+)", next(x for x in lines if x.startswith(
+            f"INFO asgi_generate.server.embedded: embedded {p} workers: "))) for p in ("sglang", "vllm")}
+        assert [len(pids[p]) for p in pids] == [2, 2]
+        assert sorted(x for x in lines if "workers stopped" in x) == [
+            f"INFO asgi_generate.server.embedded: embedded {p} workers stopped: "
+            + ", ".join(f"pid {pid} (exit 0)" for pid in pids[p]) for p in ("sglang", "vllm")]
     finally:
         fe.stop()
 
