@@ -15,26 +15,87 @@ Predictions (sibling placement, after Dynamo's
 counted as held for ``ttl`` seconds, so the rest of its group (best-of-N, a
 GRPO group sent as separate requests) follows it before the engine has
 published anything. A ``BlockStored`` of a predicted block confirms it.
+
+Workers share one :class:`SharedBlocks` (up to 64 of them; a policy
+starts another past that): block key -> the mask of workers holding it,
+as Dynamo's KV router keeps one radix tree with a worker set per node. A
+request's walk goes down its block keys once, narrowing the mask; each
+worker's overlap is where it dropped out, the leading run a walk of that
+worker's own set would count (a property test checks the two agree), in
+one probe a key instead of one a key a worker. Predictions stay each
+worker's own (a key predicted again expires with the later prediction),
+probed only where that worker is still in the walk and lacks the key.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
+from typing import Iterable, Sequence
 
-from ._blockhash import expire, missing, walk
+from ._blockhash import expire, mask_drop, mask_missing, mask_remove, mask_set, mask_walk
 from .block_hash import ROOT, block_hashes, namespace_seed
 from .kv_events import Cleared, Event, Removed, Stored
 
+#: Workers one :class:`SharedBlocks` indexes at most (a mask is 64 bits).
+MAX_WORKERS = 64
+
+
+class SharedBlocks:
+    """The blocks of up to :data:`MAX_WORKERS` workers, each a bit: block key
+    -> mask of the workers whose engines hold it (``held``). Written only
+    through each worker's :class:`KVIndex`, which keeps its own
+    predictions (the walk probes them only where that worker still walks
+    and does not hold the key)."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, int] = {}
+        self._bits = 0  # bits given out
+
+    @property
+    def full(self) -> bool:
+        """Every bit given out."""
+        return self._bits >= MAX_WORKERS
+
+    def take_bit(self) -> int:
+        """A new worker's bit (an int with one bit set).
+
+        Raises:
+            ValueError: :attr:`full`.
+        """
+        if self.full:
+            raise ValueError(f"a SharedBlocks indexes at most {MAX_WORKERS} workers")
+        self._bits += 1
+        return 1 << (self._bits - 1)
+
+    def overlaps(self, keys: list[int], indexes: Iterable["KVIndex"], now: float) -> dict["KVIndex", tuple[int, int]]:
+        """:meth:`KVIndex.overlap` of each of ``indexes`` (this one's, all of
+        one block size: ``keys`` are that size's block hashes), in one walk."""
+        indexes = list(indexes)
+        active = 0
+        predicted = []
+        for index in indexes:
+            index._expire(now)
+            active |= index.bit
+            if index._predicted:
+                predicted.append((index.slot, index._predicted))
+        blocks, guessed = mask_walk(keys, self.held, active, predicted)
+        return {index: (blocks[index.slot], guessed[index.slot]) for index in indexes}
+
 
 class KVIndex:
-    """The blocks of one worker (a :class:`~asgi_generate.workers.kv_events.Sink`).
+    """The blocks of one worker (a :class:`~asgi_generate.workers.kv_events.Sink`),
+    its bit in a :class:`SharedBlocks`.
 
     Args:
         max_blocks: blocks held at most; past it the index is dropped and
             rebuilt from the events that follow (an engine's cache is
             bounded; an index this large means removals were missed).
         ttl: seconds a prediction lasts.
+        shared: the index it shares with other workers (``None``: one of
+            its own).
+
+    Raises:
+        ValueError: ``shared`` is :attr:`~SharedBlocks.full`.
 
     Attributes:
         block_size: tokens per block, from the events (``None`` before the
@@ -46,12 +107,15 @@ class KVIndex:
             ``BlockStored`` confirmed.
     """
 
-    def __init__(self, max_blocks: int, ttl: float) -> None:
+    def __init__(self, max_blocks: int, ttl: float, shared: SharedBlocks | None = None) -> None:
         self.max_blocks = max_blocks
         self.ttl = ttl
+        self.shared = shared if shared is not None else SharedBlocks()
+        self.bit = self.shared.take_bit()
+        self.slot = self.bit.bit_length() - 1
         self.block_size: int | None = None
         self._keys: dict = {}  # engine hash -> our key
-        self._held: set[int] = set()
+        self._count = 0  # keys whose held mask has our bit
         self._predicted: dict[int, float] = {}
         #: Each routed request's newly predicted keys, with their expiry.
         self._expiry: deque[tuple[float, list[int]]] = deque()
@@ -61,7 +125,7 @@ class KVIndex:
     @property
     def blocks(self) -> int:
         """Blocks held now (by the engine's events)."""
-        return len(self._held)
+        return self._count
 
     def apply(self, events: list[Event]) -> None:
         """Take one batch's events."""
@@ -69,17 +133,16 @@ class KVIndex:
             if isinstance(event, Stored):
                 self._store(event)
             elif isinstance(event, Removed):
-                pop = self._keys.pop
-                self._held.difference_update([pop(h, None) for h in event.hashes])
+                self._count -= mask_remove(event.hashes, self._keys, self.shared.held, self.bit)
             elif isinstance(event, Cleared):
                 self.reset("cleared")
-        if len(self._held) > self.max_blocks:
+        if self._count > self.max_blocks:
             self.reset("overflow")
 
     def _store(self, event: Stored) -> None:
         size = event.block_size
         if self.block_size != size:
-            if self._held:  # a block size never changes on a running engine: a new one
+            if self._count:  # a block size never changes on a running engine: a new one
                 self.reset("restart")
             self.block_size = size
         if event.parent is None:
@@ -94,9 +157,9 @@ class KVIndex:
         ours = block_hashes(seed, event.token_ids, size, parent)
         if len(ours) > len(event.hashes):  # fewer engine hashes than blocks: index those named
             ours = ours[: len(event.hashes)]
-        # In bulk: one dict update and one set update per event, not per block.
+        # In bulk: one dict update and one C pass over the masks per event, not per block.
         self._keys.update(zip(event.hashes, ours))
-        self._held.update(ours)
+        self._count += mask_set(ours, self.shared.held, self.bit)
         predicted = self._predicted
         if predicted:
             confirmed = predicted.keys() & ours
@@ -107,17 +170,19 @@ class KVIndex:
     def reset(self, reason: str) -> None:
         """Forget every block (predictions too)."""
         self.resets[reason] = self.resets.get(reason, 0) + 1
+        if self._count:  # every key with our bit: an engine hash reused for another block left its first one
+            mask_drop(self.shared.held, self.bit)
         self._keys.clear()
-        self._held.clear()
+        self._count = 0
         self._predicted.clear()
         self._expiry.clear()
 
     def overlap(self, keys: Sequence[int], now: float) -> tuple[int, int]:
         """How many leading ``keys`` (a list) are held or predicted
         (unexpired), and how many of those are predicted only: one probe a
-        key, in C, up to the first key in neither."""
-        self._expire(now)
-        return walk(keys, self._held, self._predicted)
+        key, in C, up to the first key in neither
+        (:meth:`SharedBlocks.overlaps` for this worker alone)."""
+        return self.shared.overlaps(keys, (self,), now)[self]
 
     @property
     def pending(self) -> int:
@@ -125,15 +190,20 @@ class KVIndex:
         prefills routed here that the engine has not stored yet."""
         return len(self._predicted)
 
-    def predict(self, keys: Sequence[int], now: float) -> None:
-        """Count ``keys`` (a request routed here) as held for ``ttl`` seconds."""
+    def predict(self, keys: Sequence[int], now: float, held: int = 0) -> None:
+        """Count ``keys`` (a request routed here, a list) as held for ``ttl``
+        seconds; ``held``: how many leading keys the engine is known to
+        hold (an :meth:`overlap` with nothing guessed), not looked at again."""
         until = now + self.ttl
         predicted = self._predicted
-        new = missing(keys, self._held)
+        new = mask_missing(keys, self.shared.held, self.bit, held)
         before = len(predicted)
-        # One dict update and one expiry entry per request, not per block: a
+        # One dict built and one expiry entry per request, not per block: a
         # 2,000-token prompt at SGLang's page size 1 is 2,000 blocks.
-        predicted.update(dict.fromkeys(new, until))
+        if predicted:
+            predicted.update(dict.fromkeys(new, until))
+        else:
+            predicted = self._predicted = dict.fromkeys(new, until)
         self.predicted += len(predicted) - before
         self._expiry.append((until, new))
         if len(predicted) > self.max_blocks:  # bounded, whatever the traffic
@@ -147,6 +217,6 @@ class KVIndex:
 
     def stats(self) -> dict:
         """Sizes and counters, for ``/stats``."""
-        return {"block_size": self.block_size, "blocks": len(self._held), "predicted_now": len(self._predicted),
+        return {"block_size": self.block_size, "blocks": self._count, "predicted_now": len(self._predicted),
                 "predicted": self.predicted, "confirmed": self.confirmed, "orphans": self.orphans,
                 "resets": dict(sorted(self.resets.items()))}

@@ -117,7 +117,7 @@ from ..block_hash import ROOT, block_hashes, namespace_seed
 from ..engine_load import LOAD_PATHS, EngineLoad, parse_load
 from ..http import WorkerError
 from ..kv_events import Source, Subscriber
-from ..kv_index import KVIndex
+from ..kv_index import KVIndex, SharedBlocks
 from . import Candidate, Least, Policy, W
 from .cache_aware import CacheAwarePolicy, prompt_ids, tree_key
 
@@ -254,6 +254,8 @@ class KVAwarePolicy(Policy):
         self.max_blocks = max_blocks
         self.sources = {url: Source(pub, replay) for url, (pub, replay) in (sources or {}).items()}
         self.workers: dict[str, _WorkerKV] = {}
+        #: The workers' indexes share one (one a 64 workers).
+        self.shared = SharedBlocks()
         #: The fallback: its trees, one per worker routed to.
         self.fallback = CacheAwarePolicy(max_tree_tokens=max_tree_tokens, max_tree_nodes=max_tree_nodes)
         self.by_events = self.by_tree = self.overlapped = 0
@@ -268,7 +270,9 @@ class KVAwarePolicy(Policy):
     def _kv(self, worker: Candidate) -> _WorkerKV:
         kv = self.workers.get(worker.id)
         if kv is None:
-            kv = self.workers[worker.id] = _WorkerKV(KVIndex(self.max_blocks, self.ttl), worker)
+            if self.shared.full:
+                self.shared = SharedBlocks()
+            kv = self.workers[worker.id] = _WorkerKV(KVIndex(self.max_blocks, self.ttl, self.shared), worker)
         return kv
 
 
@@ -276,13 +280,14 @@ class KVAwarePolicy(Policy):
         """See the module docstring."""
         now = self.clock()
         prompt = len(key.tree) - 1
+        kvs = [self._kv(w) for w in candidates]
+        overlaps = self._overlaps(key, kvs, now) if key.ids is not None else {}
         costs = []
-        for w in candidates:
-            kv = self._kv(w)
+        for w, kv in zip(candidates, kvs):
             index = kv.index
             queued = 0
-            if key.ids is not None and kv.subscriber is not None and index.block_size:
-                blocks, guessed = index.overlap(key.hashes(index.block_size), now)
+            if index in overlaps:
+                blocks, guessed = overlaps[index]
                 held = blocks * index.block_size
                 # Prefills queued here that this request does not share.
                 queued = (index.pending - guessed) * index.block_size
@@ -307,13 +312,30 @@ class KVAwarePolicy(Policy):
         self.keyed += 1
         if held:
             self.overlapped += 1
-        if key.ids is not None and kv.subscriber is not None and kv.index.block_size:
+        walked = overlaps.get(kv.index)
+        if walked is not None:
             self.by_events += 1
-            kv.index.predict(key.hashes(kv.index.block_size), now)
+            # A leading run held with nothing guessed needs no second look.
+            kv.index.predict(key.hashes(kv.index.block_size), now, walked[0] if not walked[1] else 0)
         else:
             self.by_tree += 1
         self.fallback.tree(best).insert(key.tree)
         return best
+
+    @staticmethod
+    def _overlaps(key: _Key, kvs: list[_WorkerKV], now: float) -> dict[KVIndex, tuple[int, int]]:
+        """The (blocks, predicted only) overlap of ``key`` on each of ``kvs``
+        scored by events: one walk per shared index and block size (one in
+        all for a fleet of one engine kind)."""
+        groups: dict[tuple[int, int], list[KVIndex]] = {}
+        for kv in kvs:
+            index = kv.index
+            if kv.subscriber is not None and index.block_size:
+                groups.setdefault((id(index.shared), index.block_size), []).append(index)
+        out: dict[KVIndex, tuple[int, int]] = {}
+        for (_, block), indexes in groups.items():
+            out.update(indexes[0].shared.overlaps(key.hashes(block), indexes, now))
+        return out
 
     def active(self, worker: Candidate, kv: _WorkerKV) -> float:
         """Tokens the requests running on ``worker`` hold in its KV cache
