@@ -24,17 +24,25 @@ batch, the median of ``--reps`` (5) passes, kv-aware beside cache-aware
 
 Usage: ``.venv/bin/python bench/bench_kv_routing_cpu.py`` (a few seconds);
 ``--profile`` prints cProfile's top functions for kv-aware's requests.
+``--baseline DIR`` measures a checkout of the frontend (``git archive
+<commit> | tar -x -C DIR``, its C extension built in place:
+``python setup.py build_ext --inplace``) beside this one, each pass a
+child process of each in turn (``PYTHONPATH``), and prints before, after
+and after / before.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import os
 import pstats
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 from asgi_generate.sdk.codec import GenerateRequest
 from asgi_generate.sdk.token_ids import pack_token_ids
@@ -128,7 +136,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--profile", action="store_true", help="cProfile kv-aware's requests instead")
+    p.add_argument("--baseline", metavar="DIR", help="a checkout to measure beside this one (see above)")
+    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one pass, for --baseline's children
     args = p.parse_args()
+    if args.baseline:
+        compare(args)
+        return
     requests = [_request(_prompt(n, args.prompt_tokens)) for n in range(args.requests)]
     if args.profile:
         prof = cProfile.Profile()
@@ -136,6 +149,10 @@ def main() -> None:
         route_kv(args, requests)
         prof.disable()
         pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(12)
+        return
+    if args.json:
+        print(json.dumps({"kv": route_kv(args, requests), "cache": route_cache(args, requests),
+                          "events": apply_events(args)}))
         return
     load = os.getloadavg()[0]
     kv = statistics.median(route_kv(args, requests) for _ in range(args.reps))
@@ -149,6 +166,38 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     print(f"| route one request (key + choose) | {kv * 1e6:,.1f} | {cache * 1e6:,.1f} | {kv / cache:.2f}x |")
     print(f"| apply one prompt's BlockStored + BlockRemoved | {events * 1e6:,.1f} | - | - |")
+
+
+def compare(args: argparse.Namespace) -> None:
+    """``--baseline``: each pass runs this script once against the baseline
+    checkout and once against this one, alternating, and the table gives
+    the medians side by side."""
+    here = str(Path(__file__).resolve().parents[1])
+    flags = [f"--{name.replace('_', '-')}={getattr(args, name)}"
+             for name in ("workers", "block_size", "held", "prompt_tokens", "requests")]
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    load = os.getloadavg()[0]
+    for _ in range(args.reps):
+        for name, root in (("before", args.baseline), ("after", here)):
+            env = {**os.environ, "PYTHONPATH": root}
+            out = subprocess.run([sys.executable, __file__, "--json", *flags], env=env, check=True,
+                                 capture_output=True, text=True, cwd=root).stdout
+            runs[name].append(json.loads(out))
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("kv", "cache", "events")}
+           for name, rs in runs.items()}
+    print(f"{args.workers} workers, block size {args.block_size}, {args.prompt_tokens}-token prompts "
+          f"({SYSTEM} shared), {args.held} prompts held per worker; median of {args.reps} alternating passes of "
+          f"{args.requests}; before: {args.baseline}; 1-min load {load:.2f} before, {os.getloadavg()[0]:.2f} after")
+    print()
+    print("| work | before µs | after µs | after / before |")
+    print("|---|---:|---:|---:|")
+    for label, k in (("kv-aware: route one request (key + choose)", "kv"),
+                     ("cache-aware: route one request (key + choose)", "cache"),
+                     ("kv-aware: apply one prompt's BlockStored + BlockRemoved", "events")):
+        b, a = med["before"][k], med["after"][k]
+        print(f"| {label} | {b * 1e6:,.1f} | {a * 1e6:,.1f} | {a / b:.2f}x |")
+    print(f"| kv-aware / cache-aware, routing | {med['before']['kv'] / med['before']['cache']:.2f}x "
+          f"| {med['after']['kv'] / med['after']['cache']:.2f}x | |")
 
 
 if __name__ == "__main__":
