@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asgi_generate.sdk.codec import GenerateRequest
-from asgi_generate.workers._blockhash import mask_clear, mask_drop, mask_missing, mask_remove, mask_set, mask_walk, missing, walk
+from asgi_generate.workers._blockhash import (mask_clear, mask_drop, mask_missing, mask_remove, mask_set, mask_walk,
+                                               missing, walk)
 from asgi_generate.workers.block_hash import ROOT, block_hashes
 from asgi_generate.workers.kv_events import Cleared, Removed, Stored
 from asgi_generate.workers.kv_index import MAX_WORKERS, KVIndex, SharedBlocks
@@ -75,8 +76,9 @@ class _OwnSet:
                 del self.predicted[key]
         elif isinstance(event, Removed):
             self.held.difference_update([self.keys.pop(h, None) for h in event.hashes])
-        else:
-            self.keys.clear(), self.held.clear(), self.predicted.clear(), self.expiry.clear()
+        else:  # Cleared
+            for part in (self.keys, self.held, self.predicted, self.expiry):
+                part.clear()
 
     def predict(self, keys, now) -> None:
         new = missing(keys, self.held)
