@@ -7,12 +7,11 @@
  * out for 64-bit ints, so keys stay the ones the simulator and every
  * replica compute: the interpreter spent ~110 ns a token building and
  * hashing a tuple per block (SGLang's page size 1: a block a token).
- * walk(), missing() and expire() are one worker's prefix walk, prediction
- * filter and prediction expiry, one set or dict probe a key without the
- * interpreter's loop; the mask_*() functions are the same over the index
- * all workers share (block key -> a 64-bit mask of the workers holding
- * it): one walk narrows the mask and gives every worker's overlap, probing
- * a worker's own predictions only where it still walks and lacks the key.
+ * The mask_*() functions are the index all workers share (block key -> a
+ * 64-bit mask of the workers holding it), one dict probe a key without the
+ * interpreter's loop: one walk narrows the mask and gives every worker's
+ * overlap, probing a worker's own predictions only where it still walks and
+ * lacks the key; expire() is a worker's prediction expiry.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -140,68 +139,6 @@ fail:
     return NULL;
 }
 
-PyDoc_STRVAR(walk_doc,
-"walk(keys, held, predicted) -> (n, guessed)\n\n"
-"How many leading keys (a list) are in the set held or the dict predicted,\n"
-"and how many of those are in predicted only: the walk stops at the first\n"
-"key in neither.");
-
-static PyObject *
-walk_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 3 || !PyList_Check(args[0]) || !PyAnySet_Check(args[1]) || !PyDict_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "walk(keys: list, held: set, predicted: dict)");
-        return NULL;
-    }
-    PyObject *keys = args[0], *held = args[1], *predicted = args[2];
-    int guess = PyDict_GET_SIZE(predicted) > 0;
-    Py_ssize_t n = 0, guessed = 0, size = PyList_GET_SIZE(keys);
-    for (; n < size; n++) {
-        PyObject *key = PyList_GET_ITEM(keys, n);
-        int in = PySet_Contains(held, key);
-        if (in < 0)
-            return NULL;
-        if (in)
-            continue;
-        if (!guess)
-            break;
-        in = PyDict_Contains(predicted, key);
-        if (in < 0)
-            return NULL;
-        if (!in)
-            break;
-        guessed++;
-    }
-    return Py_BuildValue("(nn)", n, guessed);
-}
-
-PyDoc_STRVAR(missing_doc,
-"missing(keys, held) -> list\n\n"
-"The keys (a list) not in the set held, in order.");
-
-static PyObject *
-missing_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 2 || !PyList_Check(args[0]) || !PyAnySet_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "missing(keys: list, held: set)");
-        return NULL;
-    }
-    PyObject *keys = args[0], *held = args[1];
-    PyObject *out = PyList_New(0);
-    if (out == NULL)
-        return NULL;
-    Py_ssize_t size = PyList_GET_SIZE(keys);
-    for (Py_ssize_t i = 0; i < size; i++) {
-        PyObject *key = PyList_GET_ITEM(keys, i);
-        int in = PySet_Contains(held, key);
-        if (in < 0 || (!in && PyList_Append(out, key) < 0)) {
-            Py_DECREF(out);
-            return NULL;
-        }
-    }
-    return out;
-}
-
 PyDoc_STRVAR(expire_doc,
 "expire(keys, predicted, until) -> None\n\n"
 "Delete from the dict predicted each of keys (a list) whose value still\n"
@@ -277,8 +214,8 @@ PyDoc_STRVAR(mask_walk_doc,
 "pairs, worker slot's predicted keys (bit 1 << slot; workers predicting\n"
 "nothing left out). Worker i's overlap (overlaps[i], lists of 64) is its\n"
 "count of leading keys whose held mask has bit i or that are in its\n"
-"predicted dict, and guessed[i] how many of those are predicted only:\n"
-"walk() of each worker's own set and dict. A predicted dict is probed only\n"
+"predicted dict, and guessed[i] how many of those are predicted only.\n"
+"A predicted dict is probed only\n"
 "where its worker is still in the walk and does not hold the key; the walk\n"
 "stops once no active worker is left. Bits outside active are 0.");
 
@@ -407,47 +344,6 @@ fail:
     return NULL;
 }
 
-PyDoc_STRVAR(mask_clear_doc,
-"mask_clear(keys, masks, bit) -> int\n\n"
-"Clear bit in the mask of each of keys (an iterable; None is skipped) in\n"
-"the dict masks, deleting a key whose mask falls to 0; the count of masks\n"
-"that had it.");
-
-static PyObject *
-mask_clear_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 3 || !PyDict_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "mask_clear(keys, masks: dict, bit: int)");
-        return NULL;
-    }
-    PyObject *masks = args[1];
-    uint64_t bit;
-    if (bit_arg(args[2], &bit) < 0)
-        return NULL;
-    PyObject *seq = PySequence_Fast(args[0], "keys must be iterable");
-    if (seq == NULL)
-        return NULL;
-    Py_ssize_t cleared = 0, size = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < size && PyDict_GET_SIZE(masks) > 0; i++) {
-        uint64_t m;
-        if (items[i] == Py_None)
-            continue;
-        if (mask_of(masks, items[i], &m) < 0)
-            goto fail;
-        if (!(m & bit))
-            continue;
-        if (mask_put(masks, items[i], m & ~bit) < 0)
-            goto fail;
-        cleared++;
-    }
-    Py_DECREF(seq);
-    return PyLong_FromSsize_t(cleared);
-fail:
-    Py_DECREF(seq);
-    return NULL;
-}
-
 PyDoc_STRVAR(mask_drop_doc,
 "mask_drop(masks, bit) -> int\n\n"
 "Clear bit in every mask of the dict masks, deleting the keys whose mask\n"
@@ -503,7 +399,8 @@ PyDoc_STRVAR(mask_remove_doc,
 "mask_remove(hashes, keys, masks, bit) -> int\n\n"
 "For each of hashes (a sequence: engine block hashes), pop it from the dict\n"
 "keys (engine hash -> block key) and clear bit in that block key's mask in\n"
-"the dict masks (mask_clear); hashes keys does not hold are skipped. The\n"
+"the dict masks, deleting a key whose mask falls to 0; hashes keys does\n"
+"not hold are skipped. The\n"
 "count of masks that had bit.");
 
 static PyObject *
@@ -549,7 +446,7 @@ fail:
 PyDoc_STRVAR(mask_missing_doc,
 "mask_missing(keys, masks, bit, start=0) -> list\n\n"
 "The keys (a list) from index start on whose mask in the dict masks lacks\n"
-"bit, in order: missing() of one worker's share of the index (a caller\n"
+"bit, in order: one worker's keys not in its share of the index (a caller\n"
 "that knows the first start keys have bit skips them).");
 
 static PyObject *
@@ -590,12 +487,9 @@ mask_missing_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 static PyMethodDef methods[] = {
     {"block_hashes", (PyCFunction)(void (*)(void))block_hashes_py, METH_FASTCALL, block_hashes_doc},
-    {"walk", (PyCFunction)(void (*)(void))walk_py, METH_FASTCALL, walk_doc},
-    {"missing", (PyCFunction)(void (*)(void))missing_py, METH_FASTCALL, missing_doc},
     {"expire", (PyCFunction)(void (*)(void))expire_py, METH_FASTCALL, expire_doc},
     {"mask_walk", (PyCFunction)(void (*)(void))mask_walk_py, METH_FASTCALL, mask_walk_doc},
     {"mask_set", (PyCFunction)(void (*)(void))mask_set_py, METH_FASTCALL, mask_set_doc},
-    {"mask_clear", (PyCFunction)(void (*)(void))mask_clear_py, METH_FASTCALL, mask_clear_doc},
     {"mask_drop", (PyCFunction)(void (*)(void))mask_drop_py, METH_FASTCALL, mask_drop_doc},
     {"mask_remove", (PyCFunction)(void (*)(void))mask_remove_py, METH_FASTCALL, mask_remove_doc},
     {"mask_missing", (PyCFunction)(void (*)(void))mask_missing_py, METH_FASTCALL, mask_missing_doc},

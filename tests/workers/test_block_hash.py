@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from asgi_generate.workers._blockhash import expire, missing, walk
+from asgi_generate.workers._blockhash import expire
 from asgi_generate.workers.block_hash import ROOT, block_hashes, namespace_seed, reference_block_hashes
 
 
@@ -51,14 +51,8 @@ def test_bad_arguments_raise():
         block_hashes(2**64, [1], 1)
 
 
-def test_walk_missing_and_expire():
-    """The walk counts leading keys held or predicted and stops at the
-    first in neither; ``missing`` keeps order; ``expire`` deletes only the
-    keys still at the given expiry."""
-    assert walk([1, 2, 3, 4, 5], {1, 2, 5}, {3: 9.0}) == (3, 1)
-    assert walk([1, 2, 3], {1, 2, 3}, {}) == (3, 0)
-    assert walk([7, 1], {1}, {}) == (0, 0)
-    assert missing([4, 1, 3, 2], {1, 2}) == [4, 3]
+def test_expire():
+    """``expire`` deletes only the keys still at the given expiry."""
     predicted = {1: 5.0, 2: 7.0, 3: 5.0}
     expire([1, 2, 3, 4], predicted, 5.0)
     assert predicted == {2: 7.0}

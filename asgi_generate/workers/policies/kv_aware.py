@@ -509,7 +509,8 @@ class KVAwarePolicy(Policy):
             "by_events": self.by_events, "by_tree": self.by_tree, "overlapped": self.overlapped,
             "prediction_hit_ratio": round(confirmed / predicted, 4) if predicted else None,
             "overlap_weight": self.overlap_weight, "queued_weight": self.queued_weight,
-            "load_weight": self.load_weight, "active_weight": self.active_weight, "ttl": self.ttl, "load_interval": self.load_interval,
+            "load_weight": self.load_weight, "active_weight": self.active_weight, "ttl": self.ttl,
+            "load_interval": self.load_interval,
             "workers": workers,
         }
 
