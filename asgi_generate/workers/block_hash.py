@@ -11,9 +11,9 @@ The simulator's prefix cache and the frontend's KV index both chain with
 :func:`block_hashes`: 64-bit signed ints from Python's tuple hash of ints,
 the same in every process (``PYTHONHASHSEED`` salts only str and bytes), so
 two frontend replicas compute the same keys. The chain runs in C
-(:mod:`._blockhash`, CPython's tuple and int hashes written out:
-:func:`reference_block_hashes` is the same chain in Python, for readers
-and tests).
+(:mod:`._blockhash`, CPython's tuple and int hashes written out; its
+definition in Python, ``hash((parent, *tokens))`` per block, is what
+tests/workers/test_block_hash.py checks it against).
 """
 
 from __future__ import annotations
@@ -63,20 +63,3 @@ def block_hashes(seed: int, ids: Sequence[int], block: int, parent: int | None =
         ValueError: ``block`` below 1.
     """
     return _chain(seed if parent is None else parent, ids, block)
-
-
-def reference_block_hashes(seed: int, ids: Sequence[int], block: int, parent: int | None = None) -> list[int]:
-    """:func:`block_hashes` in Python, the definition the C loop matches
-    (a tuple hash per block: ~110 ns a token through the interpreter)."""
-    out = []
-    h = seed if parent is None else parent
-    if block == 1:  # SGLang's page size 1: a block a token, the same hashes without slicing
-        append = out.append
-        for token in ids:
-            h = hash((h, token))
-            append(h)
-        return out
-    for start in range(0, len(ids) - block + 1, block):
-        h = hash((h, *ids[start : start + block]))
-        out.append(h)
-    return out

@@ -9,7 +9,19 @@ import random
 import pytest
 
 from asgi_generate.workers._blockhash import expire
-from asgi_generate.workers.block_hash import ROOT, block_hashes, namespace_seed, reference_block_hashes
+from asgi_generate.workers.block_hash import ROOT, block_hashes, namespace_seed
+
+
+def reference_block_hashes(seed: int, ids: list[int], block: int, parent: int | None = None) -> list[int]:
+    """The chain's definition in Python: a tuple hash per full block over
+    its parent's hash and its tokens (the C loop writes CPython's tuple and
+    int hashes out)."""
+    out = []
+    h = seed if parent is None else parent
+    for start in range(0, len(ids) - block + 1, block):
+        h = hash((h, *ids[start : start + block]))
+        out.append(h)
+    return out
 
 
 def test_pinned_values():
