@@ -166,6 +166,12 @@ class _Key:
         return got
 
 
+def _moving_average(average: float, sample: float, samples_before: int) -> float:
+    """``average`` moved a fifth of the way to ``sample``, or ``sample``
+    itself when it is the first (no start value to creep up from)."""
+    return average + 0.2 * (sample - average) if samples_before else sample
+
+
 class _WorkerKV:
     """What the policy keeps of one worker."""
 
@@ -304,11 +310,9 @@ class KVAwarePolicy(Policy):
         *_, held, best = min(costs, key=lambda c: c[:4])
         kv = self._kv(best)
         kv.peak = max(kv.peak, best.outstanding + 1)
-        kv.per_request = key.sequences if not kv.routed else kv.per_request + 0.2 * (key.sequences - kv.per_request)
+        kv.per_request = _moving_average(kv.per_request, key.sequences, kv.routed)
         kv.routed += 1
-        per_sequence = key.tokens / key.sequences
-        self.tokens_per_sequence = (per_sequence if not self.keyed else
-                                    self.tokens_per_sequence + 0.2 * (per_sequence - self.tokens_per_sequence))
+        self.tokens_per_sequence = _moving_average(self.tokens_per_sequence, key.tokens / key.sequences, self.keyed)
         self.keyed += 1
         if held:
             self.overlapped += 1
