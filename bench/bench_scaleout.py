@@ -5,11 +5,18 @@ beside sglang-router.
 One simulated SGLang worker (zero TTFT and ITL) is measured directly, then
 through each hop in turn, unary requests only (128-token ``input_ids``, 16
 output tokens, ``ignore_eos``; every answer checked by the wrk script), under
-two loads:
+three loads:
 
-- **keep-alive**: wrk's ``--concurrency`` connections, kept open;
+- **keep-alive**: wrk's ``--concurrency`` connections, kept open, as fast as
+  the hop answers;
 - **short**: the same number of clients, each request on a connection of its
-  own (``Connection: close``, wrk connects anew).
+  own (``Connection: close``, wrk connects anew);
+- **paced**: the keep-alive connections, each waiting between requests so
+  that every process of ours gets ``--paced-rate`` requests/s (2 processes:
+  twice the rate in all). An event loop's CPU per request falls as its load
+  rises (more requests a wake-up), so comparing 1 process with 2 at one total
+  rate charges the 2 with half the load each; at one rate per process the
+  comparison is what adding a core with its own process gives.
 
 The hops: asgi-generate with 1 process, with 2 processes sharing one
 listening socket (the kernel wakes whichever it likes: ``serve --workers 2
@@ -51,7 +58,7 @@ HOPS = {
     "n2": ("asgi-generate, 2 processes, a socket each (SO_REUSEPORT)", 2, True),
     "router": ("sglang-router", 0, False),
 }
-LOADS = ("keep-alive", "short")
+LOADS = ("keep-alive", "short", "paced")
 
 
 def start_ours(stack: contextlib.ExitStack, processes: int, reuse_port: bool, sim_port: int, cpus: set[int] | None,
@@ -116,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, default, what in (("--seconds", 10, "measured seconds per cell"),
                                 ("--warmup", 1, "unmeasured seconds before each cell"),
                                 ("--concurrency", 32, "wrk connections (keep-alive) or clients (short)"),
+                                ("--paced-rate", 500, "requests/s per process of ours in the paced cell (0: none)"),
                                 ("--sim-cpu", sim_cpu, "CPU for the simulator"),
                                 ("--loadgen-cpu", hop_cpu, "CPU for wrk (default: the hop's, as in bench_frontend.py)")):
         p.add_argument(flag, type=int, default=default, help=what)
@@ -154,20 +162,31 @@ def main(argv: list[str] | None = None) -> int:
         final = answer(sim_port, body)
         check_direct(final, 16, False)
         scripts = {}
-        for load in LOADS:
+        for load in LOADS[:2]:
             scripts[load] = logs.path / f"{load}.lua"
             write_script(scripts[load], body, False, 16, final[0]["output_ids"], close=load == "short")
+        loads = LOADS if args.paced_rate > 0 else LOADS[:2]
+
+        def paced_script(processes: int) -> pathlib.Path:
+            """The keep-alive script with each connection waiting so that the
+            whole load is ``--paced-rate`` per process (the router and direct
+            count as one)."""
+            wait_ms = max(1, round(args.concurrency * 1000 / (args.paced_rate * max(1, processes))))
+            path = logs.path / f"paced-{wait_ms}ms.lua"
+            path.write_text(scripts["keep-alive"].read_text() + f"\nfunction delay()\n  return {wait_ms}\nend\n")
+            return path
 
         def cell(label: str, port: int, meters: dict, processes: int) -> None:
-            for load in LOADS:
+            for load in loads:
+                script = paced_script(processes) if load == "paced" else scripts[load]
                 print(f"  {label}: {load}, warm-up then {args.seconds} s", file=sys.stderr)
-                run_wrk(wrk, scripts[load], port, args.concurrency, args.warmup, loadgen, logs.path, meters)
+                run_wrk(wrk, script, port, args.concurrency, args.warmup, loadgen, logs.path, meters)
                 settle(meters)
                 before = per_process(port, processes) if processes else None
                 held: dict[int, int] = {}
                 if before is not None and load == "keep-alive":  # the connections' split, a second in
                     threading.Timer(1.0, lambda: held.update(connections(list(before), port))).start()
-                measured = run_wrk(wrk, scripts[load], port, args.concurrency, args.seconds, loadgen, logs.path,
+                measured = run_wrk(wrk, script, port, args.concurrency, args.seconds, loadgen, logs.path,
                                    {**meters, "cores": lambda: cpus_busy_seconds(cores)})
                 settle(meters)
                 served = None
@@ -204,7 +223,8 @@ def report(rows: list, args: argparse.Namespace, load_before: float, router_vers
           f"{router_version or 'not run'}.")
     print(f"- Pinning: simulator on CPU {args.sim_cpu}, the hop's processes on CPUs {args.hop_cpus or 'any'}, "
           f"wrk on CPU {args.loadgen_cpu}; {args.concurrency} connections (keep-alive) or clients (short, one "
-          f"connection per request), {args.seconds} s per cell; unary, 128-token input_ids, 16 output tokens; "
+          f"connection per request), {args.seconds} s per cell; paced: {args.paced_rate:,} requests/s per process "
+          f"of ours (direct and the router: one); unary, 128-token input_ids, 16 output tokens; "
           f"our worker class {args.worker_class}.")
     print()
     print("| path | load | req/s | through/direct | hop CPU ms/req | hop busy (cores) | req per busy core "
@@ -221,9 +241,18 @@ def report(rows: list, args: argparse.Namespace, load_before: float, router_vers
             if held and served else "-"
         balance = _fmt(_ratio(max(served.values()), min(served.values())), 3) if served else "-"
         busy = f"{lr.busy('hop'):.2f}" if hop else "-"
-        print(f"| {label} | {load} | {_fmt(lr.rps)} | {_fmt(_ratio(lr.rps, direct[load].rps)) if hop else '-'} "
+        # Paced, 2 processes were offered twice the direct cell's rate.
+        offered = direct[load].rps * (len(served) if load == "paced" and served else 1)
+        print(f"| {label} | {load} | {_fmt(lr.rps)} | {_fmt(_ratio(lr.rps, offered)) if hop else '-'} "
               f"| {_fmt(cpu, 3) if hop else '-'} | {busy} "
               f"| {_fmt(per_core) if hop else '-'} | {lr.others_busy():.2f} | {spread} | {balance} | {split} |")
+    cpu = {(label, load): lr.cpu_ms_per_request("hop") for label, load, lr, *_ in rows if label != DIRECT}
+    one = HOPS["n1"][0]
+    for hop in ("n2", "n2-shared"):
+        ratios = [f"{load} {_fmt(_ratio(cpu[HOPS[hop][0], load], cpu[one, load]), 3)}"
+                  for load in LOADS if (HOPS[hop][0], load) in cpu and (one, load) in cpu]
+        if ratios:
+            print(f"\nCPU per request, {HOPS[hop][0]} over 1 process: {', '.join(ratios)}.")
     bad = [(label, load, lr) for label, load, lr, *_ in rows if lr.bad or lr.errors]
     print()
     print(f"Every response checked by the wrk script: {sum(lr.ok + lr.bad for _, _, lr, *_ in rows):,}, "
