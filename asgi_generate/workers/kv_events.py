@@ -14,9 +14,11 @@ ROUTER socket answers ``[b"", start sequence as 8 bytes]`` with each
 buffered batch from there on as ``[b"", topic, seq, payload]``, then
 ``[b"", b"", -1 as 8 bytes, b""]``.
 
-:class:`Subscriber` runs one worker's SUB socket (pyzmq; its blocking calls
-in a worker thread, so it runs on asyncio and trio alike) and hands the
-batches, in sequence, to its sink. On connecting it replays from 0 (what
+:class:`Subscriber` runs one worker's SUB socket (pyzmq, non-blocking: it
+waits on the socket's ``zmq.FD`` through the event loop, asyncio or trio
+alike, and takes every queued message at each wake-up; the rare replay's
+blocking calls run in a worker thread) and hands the batches, in sequence,
+to its sink. On connecting it replays from 0 (what
 the engine published before this frontend listened, as far as the buffer
 reaches; the live copies of those are skipped). A sequence number that goes back is a restarted engine: the
 sink resets. A gap is filled from the replay socket; when that cannot fill
@@ -40,8 +42,6 @@ log = logging.getLogger("asgi_generate.kv_events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 #: Seconds a replay may take before the gap counts as unfillable.
 REPLAY_TIMEOUT_S = 2.0
-#: Milliseconds a blocking receive waits, so cancellation is seen this often.
-POLL_MS = 100
 
 _decode = msgspec.msgpack.Decoder().decode
 
@@ -187,16 +187,22 @@ class Subscriber:
                 for seq, payload in history:
                     self._apply(seq, payload)
             caught_up = self.last_seq
+            # zmq.FD signals by edge: readable means "look at zmq.EVENTS",
+            # so the queue is drained before each wait (and a message that
+            # came while the FD was not watched is still taken).
+            fd = sub.getsockopt(zmq.FD)
             while True:
-                frames = await anyio.to_thread.run_sync(_receive, sub)
-                if frames is None or len(frames) != 3:
-                    continue
-                seq = int.from_bytes(frames[1], "big")
-                if caught_up is not None:
-                    if seq <= caught_up:
+                while sub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    frames = sub.recv_multipart(zmq.NOBLOCK)
+                    if len(frames) != 3:
                         continue
-                    caught_up = None
-                await self._take(ctx, seq, frames[2])
+                    seq = int.from_bytes(frames[1], "big")
+                    if caught_up is not None:
+                        if seq <= caught_up:
+                            continue
+                        caught_up = None
+                    await self._take(ctx, seq, frames[2])
+                await anyio.wait_readable(fd)
         finally:
             ctx.destroy(linger=0)
 
@@ -234,13 +240,6 @@ class Subscriber:
         self.batches += 1
         self.events += len(events)
         self.sink.apply(events)
-
-
-def _receive(sub: zmq.Socket) -> list[bytes] | None:
-    """One multipart message, or ``None`` after :data:`POLL_MS` without one."""
-    if not sub.poll(POLL_MS):
-        return None
-    return sub.recv_multipart(zmq.NOBLOCK)
 
 
 def _replay(ctx: zmq.Context, endpoint: str | None, start: int, stop: int | None) -> list[tuple[int, bytes]] | None:

@@ -219,3 +219,38 @@ async def test_a_gap_replay_cannot_fill_rebuilds():
             tg.cancel_scope.cancel()
     finally:
         pub.close()
+
+
+@pytest.mark.anyio
+async def test_a_burst_of_batches_is_taken_on_the_event_loop_in_order(monkeypatch):
+    """Live batches are received without a worker thread (the socket's
+    zmq.FD is waited on by the event loop): only the start's replay runs
+    in one. A burst published at once arrives whole and in order, and an
+    idle subscriber makes no thread calls at all."""
+    threads = []
+    real = anyio.to_thread.run_sync
+
+    async def counted(fn, *args, **kwargs):
+        threads.append(fn.__name__)
+        return await real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", counted)
+    pub = _publisher()
+    sink = Recorder()
+    sub = Subscriber(Source(pub.endpoint, pub.replay_endpoint), sink)
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(sub.run)
+            while not sink.events:  # the slow joiner
+                pub.publish([_stored(1)])
+                await anyio.sleep(0.05)
+            await anyio.sleep(0.3)  # idle: nothing to receive, no thread
+            first = sub.last_seq
+            for i in range(50):
+                pub.publish([_stored(200 + i)])
+            await _until(lambda: sub.last_seq == first + 50)
+            assert [e.hashes[0] for e in sink.events[-50:]] == list(range(200, 250))
+            assert threads == ["_replay"] and (sub.gaps, sub.rebuilds) == (0, 0)
+            tg.cancel_scope.cancel()
+    finally:
+        pub.close()
