@@ -312,6 +312,11 @@ class Settings:
         help="kv-aware policy: seconds between readings of each engine's own load (SGLang GET /v1/loads, "
              "vLLM GET /metrics), which every frontend replica reads alike; 0 = weigh only this replica's "
              "own outstanding requests")
+    kv_load_idle_interval: float = setting(
+        1.0, unit="s", ge=0,
+        help="kv-aware policy: seconds an engine's load reading of no requests may stand while this replica "
+             "routes nothing there and the engine publishes no KV event; 0 = read every engine every "
+             "--kv-load-interval")
     kv_events: list[tuple[str, str, str | None]] = setting(
         factory=list, item=parse_kv_source, item_text=kv_source_text,
         metavar="URL=ENDPOINT[+REPLAY]",

@@ -136,6 +136,7 @@ def build_policy(settings: "Settings") -> Policy:
             active_weight=settings.kv_active_weight,
             ttl=settings.kv_predict_ttl,
             load_interval=settings.kv_load_interval,
+            load_idle_interval=settings.kv_load_idle_interval,
             max_blocks=settings.max_tree_tokens,
             max_tree_tokens=settings.max_tree_tokens,
             max_tree_nodes=settings.max_tree_nodes,

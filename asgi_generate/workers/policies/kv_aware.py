@@ -176,7 +176,7 @@ class _WorkerKV:
     """What the policy keeps of one worker."""
 
     __slots__ = ("index", "worker", "subscriber", "why_tree", "engine", "others", "why_own", "readings", "peak",
-                 "per_request", "routed")
+                 "per_request", "routed", "read_at", "read_mark", "skipped")
 
     def __init__(self, index: KVIndex, worker: Candidate) -> None:
         self.index = index
@@ -197,6 +197,18 @@ class _WorkerKV:
         #: as ``n`` requests.
         self.per_request = 1.0
         self.routed = 0
+        #: When the last reading was taken (the policy's clock), what had
+        #: happened here by then (:meth:`activity`), and the readings
+        #: skipped as idle since the first (:meth:`KVAwarePolicy.read_due`).
+        self.read_at = 0.0
+        self.read_mark: tuple[int, int] = (-1, -1)
+        self.skipped = 0
+
+    def activity(self) -> tuple[int, int]:
+        """What moves when anyone uses the worker: the requests this
+        replica routed here, and the event batches its engine published
+        (another replica's request is prefilled, and published, here)."""
+        return self.routed, self.subscriber.batches if self.subscriber is not None else 0
 
     def requests(self, outstanding: int) -> float:
         """The fleet's requests here, in the engine's units, given this
@@ -224,6 +236,8 @@ class KVAwarePolicy(Policy):
             and queued until the engine stores them).
         load_interval: seconds between readings of each engine's load
             (0: none, this replica's own counts only).
+        load_idle_interval: seconds an idle engine's reading may stand
+            (:meth:`read_due`; 0: read every ``load_interval``).
         max_blocks: blocks each worker's index holds at most.
         max_tree_tokens, max_tree_nodes: the fallback trees' bounds.
         sources: worker base URL to its ``(PUB endpoint, replay endpoint
@@ -240,6 +254,7 @@ class KVAwarePolicy(Policy):
         active_weight: float = 0.0,
         ttl: float = 5.0,
         load_interval: float = 0.1,
+        load_idle_interval: float = 1.0,
         max_blocks: int = 1 << 20,
         max_tree_tokens: int = 1 << 20,
         max_tree_nodes: int = 1 << 16,
@@ -257,6 +272,7 @@ class KVAwarePolicy(Policy):
         self.keyed = 0
         self.ttl = ttl
         self.load_interval = load_interval
+        self.load_idle_interval = load_idle_interval
         self.max_blocks = max_blocks
         self.sources = {url: Source(pub, replay) for url, (pub, replay) in (sources or {}).items()}
         self.workers: dict[str, _WorkerKV] = {}
@@ -416,6 +432,11 @@ class KVAwarePolicy(Policy):
                 kv.why_own = "worker down"
                 await anyio.sleep(WATCH_S)
                 continue
+            if not self.read_due(kv, worker.outstanding, self.clock()):
+                kv.skipped += 1
+                await anyio.sleep(self.load_interval)
+                continue
+            kv.read_at, kv.read_mark = self.clock(), kv.activity()
             # Own requests that ended shortly before the reading may still be
             # in the engine's count: subtract the most this replica had there
             # since the previous reading was asked for.
@@ -436,6 +457,20 @@ class KVAwarePolicy(Policy):
                 kv.read(None, 0)
                 kv.why_own = why
             await anyio.sleep(self.load_interval)
+
+    def read_due(self, kv: _WorkerKV, outstanding: int, now: float) -> bool:
+        """Whether to read ``kv``'s engine load at ``now``, given this
+        replica's ``outstanding`` requests there. An idle engine's reading
+        cannot change: when its last reading counted no requests, this
+        replica has none there, and since that reading it has neither
+        routed one there nor seen its engine publish an event (a request
+        another replica sent there is prefilled and published), the
+        reading waits, up to ``load_idle_interval`` seconds after the last.
+        A busy engine is read every ``load_interval`` seconds.
+        """
+        if kv.engine is None or kv.engine.requests or outstanding:
+            return True
+        return now - kv.read_at >= self.load_idle_interval or kv.activity() != kv.read_mark
 
     async def _discover(self, worker: Any) -> tuple[Source | None, int | None, str]:
         """Where ``worker`` publishes, its block size if it says, and why
@@ -502,7 +537,7 @@ class KVAwarePolicy(Policy):
             else:
                 row["why_tree"] = kv.why_tree
             row["load"] = ({"engine_requests": kv.engine.requests, "engine_waiting_tokens": kv.engine.waiting_tokens,
-                            "others": kv.others, "readings": kv.readings}
+                            "others": kv.others, "readings": kv.readings, "skipped_idle": kv.skipped}
                            if kv.engine is not None else {"own_counts": kv.why_own, "readings": kv.readings})
             row["load"]["active_tokens"] = round(self.active(kv.worker, kv))
             predicted += kv.index.predicted
@@ -514,7 +549,7 @@ class KVAwarePolicy(Policy):
             "prediction_hit_ratio": round(confirmed / predicted, 4) if predicted else None,
             "overlap_weight": self.overlap_weight, "queued_weight": self.queued_weight,
             "load_weight": self.load_weight, "active_weight": self.active_weight, "ttl": self.ttl,
-            "load_interval": self.load_interval,
+            "load_interval": self.load_interval, "load_idle_interval": self.load_idle_interval,
             "workers": workers,
         }
 
