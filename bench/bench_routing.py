@@ -20,10 +20,14 @@ serves in its cache. Every turn carries ``X-Session-ID``. With
 ``--mooncake FILE`` the requests are instead the rows of a Mooncake trace
 (JSONL, one request a line: ``timestamp``, ``input_length``,
 ``output_length``, ``hash_ids``: each hash id a 512-token block, equal ids
-equal blocks; ``bench/mooncake_sample.jsonl`` is a small one), sent in
-timestamp order at the same concurrency (a closed loop: the timestamps
-order the rows, they do not pace them), output capped at
-``--output-tokens``, the first hash id as session key. With ``--workload
+equal blocks; ``bench/mooncake_conversation.jsonl`` is 300 rows of
+Mooncake's FAST'25 conversation trace), sent in timestamp order at the
+same concurrency (a closed loop: the timestamps order the rows, they do
+not pace them), output capped at ``--output-tokens``, the first hash id as
+session key. ``--mooncake-block-tokens N`` makes every hash block ``N``
+tokens instead of 512 and scales each row's ``input_length`` by ``N`` /
+512 (rounded up), so a real trace's 12K-token prompts fit a 2-CPU
+machine's simulated prefill: reuse is the same, block for block. With ``--workload
 grpo``: ``--groups`` (24) prompts sharing one ``--system-tokens`` (1024)
 system prefix, each with its own ``--question-tokens`` (128), each sent as
 a group of ``--group-size`` (8) separate requests back to back (a GRPO
@@ -48,7 +52,12 @@ goals below it compare routers within each round of runs as well as
 pooled: each router's hit ratio at N replicas over its own at 1, and
 ``kv-aware`` against the best other router at each replica count.
 
-Per router: the cache-hit ratio (cached / prompt tokens, from the
+Per router: the CPU seconds per second of the run used by the frontend
+(router) processes, summed over replicas, and by the simulators (from
+``/proc``: on a shared machine they compete for the same cores); with
+``--idle-seconds S`` also the frontend processes' CPU over ``S`` seconds
+idle before the run (their background work: ``kv-aware``'s event
+subscribers and load readings). The cache-hit ratio (cached / prompt tokens, from the
 simulators' ``/sim/stats``), mean and p99 TTFT at the client (request sent
 to first token event), throughput (requests and output tokens per second),
 and requests per worker (max/min). Every answer is checked: status 200,
@@ -89,6 +98,15 @@ ROUTERS = {
     "sglang-router cache_aware": ("sglang-router", "cache_aware"),
     "sglang-router round_robin": ("sglang-router", "round_robin"),
 }
+#: kv-aware with one of its settings changed, for side-by-side measurement
+#: (named in ``--routers`` only, never in a group): every engine's load read
+#: every interval, idle or not, and no load reading at all.
+VARIANTS = {
+    "kv-aware read-idle": ("ours", "kv-aware", ("--kv-load-idle-interval", "0")),
+    "kv-aware no-reading": ("ours", "kv-aware", ("--kv-load-interval", "0")),
+}
+#: Tokens a Mooncake trace's hash id stands for (FAST'25 ``README.md``).
+KNOWN = {**ROUTERS, **VARIANTS}
 MOONCAKE_BLOCK = 512
 #: Each simulator publishes its KV events on free loopback ports.
 KV_EVENTS = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}'
@@ -117,6 +135,12 @@ class RunResult:
     problems: list[str] = field(default_factory=list)
     answers: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     policy_stats: dict | None = None
+    #: CPU seconds the frontend (router) processes, summed, and the
+    #: simulators used during the run; the frontends' over the idle window.
+    router_cpu_s: float = 0.0
+    sim_cpu_s: float = 0.0
+    idle_cpu_s: float = 0.0
+    idle_s: float = 0.0
     #: A pooled result's runs, for their spread.
     runs: list["RunResult"] = field(default_factory=list)
 
@@ -170,9 +194,10 @@ def grpo_rows(args: argparse.Namespace) -> list[Request]:
     return out
 
 
-def mooncake_rows(path: pathlib.Path, limit_output: int) -> list[Request]:
+def mooncake_rows(path: pathlib.Path, limit_output: int, block_tokens: int = MOONCAKE_BLOCK) -> list[Request]:
     """The trace's rows as requests, in timestamp order: each hash id a
-    deterministic 512-token block."""
+    deterministic ``block_tokens``-token block, each row's ``input_length``
+    scaled by ``block_tokens / 512`` (rounded up)."""
     blocks: dict[int, list[int]] = {}
     out = []
     rows = [orjson.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -180,9 +205,10 @@ def mooncake_rows(path: pathlib.Path, limit_output: int) -> list[Request]:
         ids: list[int] = []
         for h in row["hash_ids"]:
             if h not in blocks:
-                blocks[h] = chunk(random.Random(h), MOONCAKE_BLOCK)
+                blocks[h] = chunk(random.Random(h), block_tokens)
             ids += blocks[h]
-        ids = ids[: row["input_length"]] or chunk(random.Random(-1), 1)
+        length = -(-row["input_length"] * block_tokens // MOONCAKE_BLOCK)
+        ids = ids[:length] or chunk(random.Random(-1), 1)
         key = str(row["hash_ids"][0]) if row["hash_ids"] else "none"
         out.append(Request(key, ids, max(1, min(row["output_length"], limit_output))))
     return out
@@ -279,8 +305,9 @@ def sim_stats(port: int) -> dict:
     return orjson.loads(body)
 
 
-def start_sims(stack: contextlib.ExitStack, args: argparse.Namespace, log_dir: pathlib.Path) -> list[int]:
-    ports = []
+def start_sims(stack: contextlib.ExitStack, args: argparse.Namespace,
+               log_dir: pathlib.Path) -> list[tuple[int, Child]]:
+    sims = []
     for i in range(args.workers):
         sock = listening_socket()
         port = sock.getsockname()[1]
@@ -292,12 +319,13 @@ def start_sims(stack: contextlib.ExitStack, args: argparse.Namespace, log_dir: p
         sock.close()
         stack.callback(sim.stop)
         wait_ready(sim, port, "GET", "/health")
-        ports.append(port)
-    return ports
+        sims.append((port, sim))
+    return sims
 
 
 def start_router(stack: contextlib.ExitStack, kind: str, policy: str, sim_ports: list[int],
-                 args: argparse.Namespace, log_dir: pathlib.Path, router_python: str | None, replica: int = 0) -> int:
+                 args: argparse.Namespace, log_dir: pathlib.Path, router_python: str | None, replica: int = 0,
+                 children: list[Child] | None = None, extra: tuple[str, ...] = ()) -> int:
     urls = [f"http://127.0.0.1:{p}" for p in sim_ports]
     probe = orjson.dumps({"input_ids": [ID_LOW], "sampling_params": {"max_new_tokens": 1}})
     if kind == "sglang-router":
@@ -307,6 +335,8 @@ def start_router(stack: contextlib.ExitStack, kind: str, policy: str, sim_ports:
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         child = Child(f"sglang-router-{policy}-{replica}", argv, None, log_dir)
         stack.callback(child.stop)
+        if children is not None:
+            children.append(child)
         wait_ready(child, port, "POST", "/generate", probe)
         # The router registers workers in the background: wait for all of them.
         deadline = time.monotonic() + 30
@@ -320,12 +350,14 @@ def start_router(stack: contextlib.ExitStack, kind: str, policy: str, sim_ports:
     port = sock.getsockname()[1]
     argv = [sys.executable, "-m", "asgi_generate", "serve", "--fd", str(sock.fileno()), "--worker-class", "asyncio",
             "--log-level", "warning", "--policy", policy,
-            "--session-balance-epsilon", str(args.session_balance_epsilon)]
+            "--session-balance-epsilon", str(args.session_balance_epsilon), *extra]
     for u in urls:
         argv += ["--worker", f"sglang={u}"]
     child = Child(f"asgi-generate-{policy}-{replica}", argv, None, log_dir, pass_fds=(sock.fileno(),))
     sock.close()
     stack.callback(child.stop)
+    if children is not None:
+        children.append(child)
     wait_ready(child, port, "GET", "/health")
     deadline = time.monotonic() + 120
     while orjson.loads(http_request(port, "GET", "/health")[1])["healthy_workers"] < len(urls):
@@ -349,20 +381,33 @@ def _seq(last_seq: int | None) -> int:
     return -1 if last_seq is None else last_seq
 
 
-def run_one(label: str, kind: str, policy: str, sim_ports: list[int], args: argparse.Namespace, work,
-            log_dir: pathlib.Path, router_python: str | None, replicas: int = 1) -> RunResult:
+def run_one(label: str, kind: str, policy: str, sims: list[tuple[int, Child]], args: argparse.Namespace, work,
+            log_dir: pathlib.Path, router_python: str | None, replicas: int = 1,
+            extra: tuple[str, ...] = ()) -> RunResult:
     result = RunResult(label)
+    sim_ports = [port for port, _ in sims]
+    routers: list[Child] = []
+
+    def cpu(children) -> float:
+        return sum(c.cpu_seconds() for c in children)
+
     with contextlib.ExitStack() as stack:
-        ports = [start_router(stack, kind, policy, sim_ports, args, log_dir, router_python, i)
+        ports = [start_router(stack, kind, policy, sim_ports, args, log_dir, router_python, i, routers, extra)
                  for i in range(replicas)]
         port = ports[0]
         for p in sim_ports:  # the probe and warm-up requests' prefixes too
             status, body = http_request(p, "POST", "/flush_cache")
             assert status == 200, body
+        if args.idle_seconds > 0:
+            idle0, t_idle = cpu(routers), time.perf_counter()
+            time.sleep(args.idle_seconds)
+            result.idle_cpu_s, result.idle_s = cpu(routers) - idle0, time.perf_counter() - t_idle
         before = [sim_stats(p) for p in sim_ports]
+        router0, sim0 = cpu(routers), cpu(c for _, c in sims)
         t0 = time.perf_counter()
         asyncio.run(drive([f"http://127.0.0.1:{p}" for p in ports], args, work, result))
         result.seconds = time.perf_counter() - t0
+        result.router_cpu_s, result.sim_cpu_s = cpu(routers) - router0, cpu(c for _, c in sims) - sim0
         after = [sim_stats(p) for p in sim_ports]
         if kind == "ours":
             result.policy_stats = orjson.loads(http_request(port, "GET", "/stats")[1])["routing"]
@@ -385,6 +430,10 @@ def pooled(runs: list[RunResult]) -> RunResult:
         out.output_tokens += r.output_tokens
         out.prompt_tokens += r.prompt_tokens
         out.cached_tokens += r.cached_tokens
+        out.router_cpu_s += r.router_cpu_s
+        out.sim_cpu_s += r.sim_cpu_s
+        out.idle_cpu_s += r.idle_cpu_s
+        out.idle_s += r.idle_s
         out.per_worker = [a + b for a, b in zip(out.per_worker, r.per_worker)]
         out.problems += r.problems + (["answers differ between runs"] if r.answers != out.answers else [])
     return out
@@ -411,15 +460,17 @@ def report(results: list[RunResult], args: argparse.Namespace, context: list[str
     print("\n".join(context))
     print()
     print("| router | hit ratio | (runs) | mean TTFT ms | (runs) | p99 TTFT ms | req/s | output tok/s "
-          "| requests per worker | max/min |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+          "| requests per worker | max/min | frontend CPU-s/s | sims CPU-s/s | frontend idle CPU-s/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
     for r in results:
         n = len(r.ttft_ms)
         spread = (max(r.per_worker) / min(r.per_worker)) if min(r.per_worker, default=0) > 0 else float("inf")
         runs = r.runs or [r]
         print(f"| {r.label} | {r.hit:.3f} | {_range([x.hit for x in runs], '.3f')} | {r.mean_ttft:.1f} "
               f"| {_range([x.mean_ttft for x in runs], '.1f')} | {pct(r.ttft_ms, 0.99):.1f} | {n / r.seconds:.1f} "
-              f"| {r.output_tokens / r.seconds:,.0f} | {' / '.join(map(str, r.per_worker))} | {spread:.2f} |")
+              f"| {r.output_tokens / r.seconds:,.0f} | {' / '.join(map(str, r.per_worker))} | {spread:.2f} "
+              f"| {r.router_cpu_s / r.seconds:.3f} | {r.sim_cpu_s / r.seconds:.3f} "
+              f"| {f'{r.idle_cpu_s / r.idle_s:.4f}' if r.idle_s else '-'} |")
     print()
     by_label = {r.label: r for r in results}
 
@@ -447,7 +498,7 @@ def report(results: list[RunResult], args: argparse.Namespace, context: list[str
               f"({best_hit.label}, {r.hit / best_hit.hit:.3f}x); mean TTFT {r.mean_ttft:.1f} vs best other "
               f"{best_ttft.mean_ttft:.1f} ms ({best_ttft.label}, {r.mean_ttft / best_ttft.mean_ttft:.2f}x)")
     for r in results:
-        if ROUTERS[split(r.label)[0]][0] == "ours":
+        if KNOWN[split(r.label)[0]][0] == "ours":
             print(f"- {r.label} decisions (last run, first replica): {orjson.dumps(r.policy_stats).decode()}")
 
 
@@ -460,6 +511,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--mooncake", type=pathlib.Path, default=None, help="replay this Mooncake trace (JSONL) instead")
+    p.add_argument("--mooncake-block-tokens", type=int, default=MOONCAKE_BLOCK,
+                   help="tokens per Mooncake hash block (input lengths scaled alike)")
+    p.add_argument("--idle-seconds", type=float, default=0.0,
+                   help="measure the frontend processes' CPU this long idle before each run")
     p.add_argument("--workload", choices=("conversations", "grpo", "grpo-n"), default="conversations",
                    help="grpo: each group as --group-size concurrent requests; grpo-n: as one request with n")
     p.add_argument("--groups", type=int, default=24, help="grpo: groups (prompts)")
@@ -474,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--itl-ms", type=float, default=4.0)
     p.add_argument("--session-balance-epsilon", type=float, default=1.0, help="ours, --policy session")
     p.add_argument("--routers", default=",".join(ROUTERS),
-                   help=f"comma-separated, from: {', '.join(ROUTERS)}; 'ours' and 'sglang-router' name groups")
+                   help=f"comma-separated, from: {', '.join(KNOWN)}; 'ours' and 'sglang-router' name groups")
     p.add_argument("--repeat", type=int, default=1, help="runs per router, interleaved, pooled")
     p.add_argument("--seed", type=int, default=12)
     p.add_argument("--router-venv", type=pathlib.Path, default=HERE / ".venv-router")
@@ -486,16 +541,16 @@ def main(argv: list[str] | None = None) -> int:
     names = []
     for item in (s.strip() for s in args.routers.split(",") if s.strip()):
         group = [k for k, (kind, _) in ROUTERS.items() if kind == item]
-        if not group and item not in ROUTERS:
-            print(f"unknown router {item!r}; choose from {list(ROUTERS)}", file=sys.stderr)
+        if not group and item not in KNOWN:
+            print(f"unknown router {item!r}; choose from {list(KNOWN)}", file=sys.stderr)
             return 2
         names += group or [item]
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    router_python, router_version = (ensure_router(args.router_venv) if any(ROUTERS[n][0] == "sglang-router"
+    router_python, router_version = (ensure_router(args.router_venv) if any(KNOWN[n][0] == "sglang-router"
                                                                            for n in names) else (None, None))
     if args.mooncake:
-        work = mooncake_rows(args.mooncake, args.output_tokens)
+        work = mooncake_rows(args.mooncake, args.output_tokens, args.mooncake_block_tokens)
     else:
         work = grpo_rows(args) if args.workload.startswith("grpo") else Conversations(args)
     replica_counts = [int(n) for n in args.replicas.split(",")]
@@ -504,16 +559,16 @@ def main(argv: list[str] | None = None) -> int:
     results: list[RunResult] = []
     with logs:
         with contextlib.ExitStack() as stack:
-            sim_ports = start_sims(stack, args, log_dir)
+            sims = start_sims(stack, args, log_dir)
             labels = [(name, n) for n in replica_counts for name in names]
             runs: dict[tuple[str, int], list[RunResult]] = {label: [] for label in labels}
             for round_ in range(args.repeat):
                 for name, n in labels:
-                    kind, policy = ROUTERS[name]
+                    kind, policy, *extra = KNOWN[name]
                     label = f"{name} x{n}" if len(replica_counts) > 1 or n != 1 else name
                     print(f"{label} (run {round_ + 1} of {args.repeat}) ...", file=sys.stderr)
-                    runs[(name, n)].append(run_one(label, kind, policy, sim_ports, args, work, log_dir,
-                                                   router_python, n))
+                    runs[(name, n)].append(run_one(label, kind, policy, sims, args, work, log_dir,
+                                                   router_python, n, *extra))
             results = [pooled(r) for r in runs.values()]
         reference = results[0].answers if results else {}
         for r in results:
@@ -521,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
                 r.problems.append(f"answers differ from {results[0].label}'s")
         load = os.getloadavg()[0]
         if args.mooncake:
-            shape = f"Mooncake trace {args.mooncake.name}: {len(work)} requests"
+            shape = (f"Mooncake trace {args.mooncake.name}: {len(work)} requests, "
+                     f"{args.mooncake_block_tokens} tokens per hash block")
         elif args.workload.startswith("grpo"):
             sent = "one request with n" if args.workload == "grpo-n" else "concurrent requests"
             shape = (f"{args.groups} GRPO groups of {args.group_size} as {sent} ({args.system_tokens}-token shared "
