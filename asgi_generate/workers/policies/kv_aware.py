@@ -65,7 +65,8 @@ The requests on ``w`` are the whole fleet's, not this replica's alone: this
 replica's own outstanding requests now, plus the others' as the engine
 last counted them: its running and waiting requests
 (:mod:`~asgi_generate.workers.engine_load`: SGLang ``GET /v1/loads``, vLLM
-``GET /metrics``), read every ``load_interval`` seconds, less this
+``GET /metrics``), read every ``load_interval`` seconds (an idle
+engine's less often: :meth:`KVAwarePolicy.read_due`), less this
 replica's outstanding ones at that reading. Every replica reads the same
 engines, so replicas weigh the same load and spread new prompts as one
 router would; a replica counting only its own requests sees a quarter of
