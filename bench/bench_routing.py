@@ -53,8 +53,9 @@ pooled: each router's hit ratio at N replicas over its own at 1, and
 ``kv-aware`` against the best other router at each replica count.
 
 Per router: the CPU seconds per second of the run used by the frontend
-(router) processes, summed over replicas, and by the simulators (from
-``/proc``: on a shared machine they compete for the same cores); with
+(router) processes, summed over replicas, by the simulators (from
+``/proc``) and by this client (on a shared machine they compete for the
+same cores); with
 ``--idle-seconds S`` also the frontend processes' CPU over ``S`` seconds
 idle before the run (their background work: ``kv-aware``'s event
 subscribers and load readings). The cache-hit ratio (cached / prompt tokens, from the
@@ -139,6 +140,7 @@ class RunResult:
     #: simulators used during the run; the frontends' over the idle window.
     router_cpu_s: float = 0.0
     sim_cpu_s: float = 0.0
+    client_cpu_s: float = 0.0
     idle_cpu_s: float = 0.0
     idle_s: float = 0.0
     #: A pooled result's runs, for their spread.
@@ -222,7 +224,7 @@ async def one_turn(client: httpx.AsyncClient, url: str, req: Request, result: Ru
     headers = {"content-type": "application/json", "x-session-id": req.session}
     t0 = time.perf_counter()
     first = None
-    buf = b""
+    parts: list[bytes] = []  # joined once at the end (n samples: hundreds of chunks)
     async with client.stream("POST", url + "/generate", content=body, headers=headers) as resp:
         if resp.status_code != 200:
             result.problems.append(f"status {resp.status_code}: {(await resp.aread())[:200]!r}")
@@ -230,8 +232,8 @@ async def one_turn(client: httpx.AsyncClient, url: str, req: Request, result: Ru
         async for data in resp.aiter_raw():
             if first is None and b"data: {" in data:
                 first = time.perf_counter()
-            buf += data
-    events = [e[6:] for e in buf.split(b"\n\n") if e.startswith(b"data: ")]
+            parts.append(data)
+    events = [e[6:] for e in b"".join(parts).split(b"\n\n") if e.startswith(b"data: ")]
     if len(events) < 2 or events[-1] != b"[DONE]":
         result.problems.append("stream did not end with [DONE]")
         return None
@@ -403,11 +405,12 @@ def run_one(label: str, kind: str, policy: str, sims: list[tuple[int, Child]], a
             time.sleep(args.idle_seconds)
             result.idle_cpu_s, result.idle_s = cpu(routers) - idle0, time.perf_counter() - t_idle
         before = [sim_stats(p) for p in sim_ports]
-        router0, sim0 = cpu(routers), cpu(c for _, c in sims)
+        router0, sim0, client0 = cpu(routers), cpu(c for _, c in sims), time.process_time()
         t0 = time.perf_counter()
         asyncio.run(drive([f"http://127.0.0.1:{p}" for p in ports], args, work, result))
         result.seconds = time.perf_counter() - t0
         result.router_cpu_s, result.sim_cpu_s = cpu(routers) - router0, cpu(c for _, c in sims) - sim0
+        result.client_cpu_s = time.process_time() - client0
         after = [sim_stats(p) for p in sim_ports]
         if kind == "ours":
             result.policy_stats = orjson.loads(http_request(port, "GET", "/stats")[1])["routing"]
@@ -432,6 +435,7 @@ def pooled(runs: list[RunResult]) -> RunResult:
         out.cached_tokens += r.cached_tokens
         out.router_cpu_s += r.router_cpu_s
         out.sim_cpu_s += r.sim_cpu_s
+        out.client_cpu_s += r.client_cpu_s
         out.idle_cpu_s += r.idle_cpu_s
         out.idle_s += r.idle_s
         out.per_worker = [a + b for a, b in zip(out.per_worker, r.per_worker)]
@@ -460,8 +464,9 @@ def report(results: list[RunResult], args: argparse.Namespace, context: list[str
     print("\n".join(context))
     print()
     print("| router | hit ratio | (runs) | mean TTFT ms | (runs) | p99 TTFT ms | req/s | output tok/s "
-          "| requests per worker | max/min | frontend CPU-s/s | sims CPU-s/s | frontend idle CPU-s/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+          "| requests per worker | max/min | frontend CPU-s/s | sims CPU-s/s | client CPU-s/s "
+          "| frontend idle CPU-s/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for r in results:
         n = len(r.ttft_ms)
         spread = (max(r.per_worker) / min(r.per_worker)) if min(r.per_worker, default=0) > 0 else float("inf")
@@ -469,7 +474,7 @@ def report(results: list[RunResult], args: argparse.Namespace, context: list[str
         print(f"| {r.label} | {r.hit:.3f} | {_range([x.hit for x in runs], '.3f')} | {r.mean_ttft:.1f} "
               f"| {_range([x.mean_ttft for x in runs], '.1f')} | {pct(r.ttft_ms, 0.99):.1f} | {n / r.seconds:.1f} "
               f"| {r.output_tokens / r.seconds:,.0f} | {' / '.join(map(str, r.per_worker))} | {spread:.2f} "
-              f"| {r.router_cpu_s / r.seconds:.3f} | {r.sim_cpu_s / r.seconds:.3f} "
+              f"| {r.router_cpu_s / r.seconds:.3f} | {r.sim_cpu_s / r.seconds:.3f} | {r.client_cpu_s / r.seconds:.3f} "
               f"| {f'{r.idle_cpu_s / r.idle_s:.4f}' if r.idle_s else '-'} |")
     print()
     by_label = {r.label: r for r in results}
