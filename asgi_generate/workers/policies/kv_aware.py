@@ -44,7 +44,8 @@ workloads (figures in ``bench/README.md``):
   weight 1 it moved conversation turns and a shared system prompt off
   their worker at every short queue; the copy elsewhere then took cache
   room from other prompts and split the prefix's later requests between
-  two workers (the Mooncake sample through one process: hit ratio 0.59 at
+  two workers (the benchmark's former made-up 72-row Mooncake-format
+  sample through one process: hit ratio 0.59 at
   weight 1, 0.60-0.66 a run at 0.1, 0.664 every run at 0).
 - A held token counts 1.25 prompt tokens, so a worker holding a prefix
   keeps it a margin past the load at which a copy elsewhere only breaks
@@ -56,7 +57,8 @@ workloads (figures in ``bench/README.md``):
   token (with ``load_weight`` 128, or 0 at 0.1 and 0.15) GRPO groups
   alternated between two workers (hit ratio 0.959 against 0.978, mean
   TTFT 50 against 56 ms at one replica, one sitting) or stayed on one,
-  and the Mooncake sample through one process fell from 0.664 to 0.615 in
+  and the former made-up Mooncake-format sample through one process fell
+  from 0.664 to 0.615 in
   every such run: long conversation turns running on a worker pushed the
   one-shot requests' shared system prompt off it, and the copies took
   cache room from the conversations. At 0.02 nothing moved.
