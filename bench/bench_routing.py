@@ -40,6 +40,9 @@ Routers, in turn, each in front of the same simulators, their caches
 flushed between routers: asgi-generate ``--policy least-outstanding``,
 ``session``, ``cache-aware``, ``kv-aware`` (asyncio worker class),
 sglang-router ``--policy cache_aware`` (its defaults) and ``round_robin``.
+``--routers`` may also name ``kv-aware`` with one setting changed
+(:data:`VARIANTS`: ``kv-aware read-idle``, ``kv-aware no-reading``,
+``kv-aware read-0.25s``), to measure what its load readings cost.
 With ``--replicas 1,4`` each runs as 1 and as 4 processes (separate
 ``serve`` processes, separate routers), the client sending each request to
 the next replica in turn, as a load balancer spreads them.
@@ -101,10 +104,12 @@ ROUTERS = {
 }
 #: kv-aware with one of its settings changed, for side-by-side measurement
 #: (named in ``--routers`` only, never in a group): every engine's load read
-#: every interval, idle or not, and no load reading at all.
+#: every interval, idle or not, no load reading at all, and a reading every
+#: 0.25 s instead of 0.1.
 VARIANTS = {
     "kv-aware read-idle": ("ours", "kv-aware", ("--kv-load-idle-interval", "0")),
     "kv-aware no-reading": ("ours", "kv-aware", ("--kv-load-interval", "0")),
+    "kv-aware read-0.25s": ("ours", "kv-aware", ("--kv-load-interval", "0.25")),
 }
 #: Tokens a Mooncake trace's hash id stands for (FAST'25 ``README.md``).
 KNOWN = {**ROUTERS, **VARIANTS}
