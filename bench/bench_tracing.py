@@ -134,7 +134,7 @@ def write_records(states: list[RequestState], analyzer: OutputAnalyzer | None, s
     """The writer's work for ``rounds`` batches of ``states``: build (hash;
     with an analyzer also decode and parse), serialize, write."""
     for _ in range(rounds):
-        sink.write(b"\n".join(orjson.dumps(build_record(st, 64, analyzer)) for st in states) + b"\n")
+        sink.write(b"\n".join([*(orjson.dumps(build_record(st, 64, analyzer)) for st in states), b""]))
 
 
 def writer_cpu_us(input_len: int, tmp: pathlib.Path, parsers: bool, records: int = 2000) -> float:

@@ -257,23 +257,26 @@ class Tracer:
                 log.exception("trace: cannot build the record of request %s", st.request_id)
         if not built:
             return
-        lines = [line for _, _, line in built]
-        self.records += len(lines)
-        data = b"\n".join(lines) + b"\n"
+        n = len(built)
+        self.records += n
+        # Every line ends with a newline: the lines joined with an empty
+        # last one, so the batch is copied once (``join(...) + b"\n"``
+        # copies it twice: 16 records of a 16K-token prompt are 95 KB).
+        data = b"\n".join([*(line for _, _, line in built), b""])
         for sink in self.sinks:
             try:
                 if sink.takes_records:
                     sink.write_records(built)
                 else:
                     sink.write(data)
-                sink.written += len(lines)
+                sink.written += n
                 if self.metrics is not None:
-                    self.metrics.trace_written.labels(sink.name).inc(len(lines))
+                    self.metrics.trace_written.labels(sink.name).inc(n)
             except Exception as exc:  # OSError; anything else is a bug, still counted
                 if not sink.failed:
                     log.error("trace: the %s sink failed: %r; its records are dropped and counted", sink.name, exc)
-                sink.failed += len(lines)
-                self._drop("sink_error", len(lines))
+                sink.failed += n
+                self._drop("sink_error", n)
 
     def stats(self) -> dict:
         """The ``trace`` block of ``/stats``."""

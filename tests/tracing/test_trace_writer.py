@@ -19,6 +19,7 @@ from asgi_generate.sdk.codec import Codec, RequestError, Route
 from asgi_generate.config import Settings
 from asgi_generate.sdk.registry import LoadedCodec
 from asgi_generate.tracing import Tracer, TraceSetupError
+from asgi_generate.tracing.record import build_record
 from asgi_generate.tracing.sinks import Sink
 from asgi_generate.tracing.offline.validate import check_records, read_jsonl
 
@@ -159,6 +160,17 @@ async def test_items_that_find_the_writer_closed_are_counted():
     await tracer.close()
     await tracer.submit_items([done(i) for i in range(3)])
     assert tracer.dropped == {"queue_full": 0, "sink_error": 0, "build_error": 0, "closed": 3}
+
+
+async def test_a_batch_is_written_as_one_line_per_record_each_ending_with_a_newline():
+    tracer = Tracer(Settings(trace_stderr=True))
+    memory = MemorySink()
+    tracer.sinks = [memory]
+    batch = [done(i) for i in range(1, 4)]
+    tracer._write_batch(batch)
+    assert memory.data == b"".join(orjson.dumps(build_record(st, tracer.block_size)) + b"\n" for st in batch)
+    assert memory.data.count(b"\n") == memory.written == tracer.records == 3
+    await tracer.close()
 
 
 async def test_a_failing_sink_drops_and_counts_while_others_write(caplog):
