@@ -374,7 +374,11 @@ def test_beyond_the_budget_waits_then_gets_503_with_retry_after_unread(bounded):
     try:
         s = wait_stats(bounded, lambda s: s["body_budget"]["waiting"] == 1)
         assert (s["reading_body"], s["body_budget"]["in_use_bytes"]) == (1, MAX_BODY)
-        # A small body still fits beside the holder and is served meanwhile.
+        # A small body would fit beside the holder, but the budget is first
+        # come, first served: it queues behind the late one and is served
+        # once that one gives up. Sent a second later, so its own wait ends
+        # a second after the late one's even if the server's loop stalls.
+        time.sleep(1.0)
         ok = post(bounded.url, {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
         assert (ok.status_code, len(ok.json().get("output_ids", ()))) == (200, 2), ok.text
         _, status, headers, body, closed = late.response()
