@@ -52,7 +52,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from importlib.metadata import version
-from typing import Callable
+from typing import Callable, Collection
 
 import orjson
 
@@ -109,6 +109,22 @@ class HopResult:
     samples: int = 0
     #: The unary cell at ``--paced-rate`` (None: not run).
     paced: LoadResult | None = None
+
+
+def parse_hops(text: str, known: Collection[str], baseline: pathlib.Path | None) -> list[str]:
+    """The hops of ``--hops`` (comma-separated), checked.
+
+    Raises:
+        ValueError: a hop not in ``known`` (the message names the known
+            ones), or a ``baseline-*`` hop without a ``baseline`` checkout.
+    """
+    hops = [h.strip() for h in text.split(",") if h.strip()]
+    unknown = [h for h in hops if h not in known]
+    if unknown:
+        raise ValueError(f"unknown hop(s) {unknown}; choose from {list(known)}")
+    if baseline is None and any(h.startswith(BASELINE) for h in hops):
+        raise ValueError("the baseline-* hops need --baseline DIR")
+    return hops
 
 
 def request_body(input_len: int, tokens: int, stream: bool, variant: int) -> bytes:
@@ -546,13 +562,10 @@ def _context(args: argparse.Namespace, wrk: str, router_version: str | None, loa
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 when every answer checked out, 1 otherwise."""
     args = build_parser().parse_args(argv)
-    hops = [h.strip() for h in args.hops.split(",") if h.strip()]
-    unknown = [h for h in hops if h not in HOPS]
-    if unknown:
-        print(f"unknown hop(s) {unknown}; choose from {list(HOPS)}", file=sys.stderr)
-        return 2
-    if any(h.startswith(BASELINE) for h in hops) and args.baseline is None:
-        print("the baseline-* hops need --baseline DIR", file=sys.stderr)
+    try:
+        hops = parse_hops(args.hops, HOPS, args.baseline)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
         return 2
     load_before = os.getloadavg()[0]
     wrk = wrk_path()

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from _check import answer, check_direct
 from _loadgen import WRK_INSTALL, run_wrk, write_script, wrk_path
 from _procs import Child, LogDir, cpus_busy_seconds, http_request, listening_socket, run_main, wait_ready
-from bench_frontend import BASELINE, HOPS, request_body, start_hop, start_sim
+from bench_frontend import BASELINE, HOPS, parse_hops, request_body, start_hop, start_sim
 
 HERE = pathlib.Path(__file__).resolve().parent
 RELAY = "relay"
@@ -247,13 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the cells; 0 when every answer checked out, 1 otherwise."""
     args = build_parser().parse_args(argv)
-    hops = [h.strip() for h in args.hops.split(",") if h.strip()]
-    unknown = [h for h in hops if h not in LABELS or h == "router"]
-    if unknown:
-        print(f"unknown hop(s) {unknown}", file=sys.stderr)
-        return 2
-    if any(h.startswith(BASELINE) for h in hops) and args.baseline is None:
-        print("the baseline-* hops need --baseline DIR", file=sys.stderr)
+    try:
+        hops = parse_hops(args.hops, [h for h in LABELS if h != "router"], args.baseline)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
         return 2
     wrk = wrk_path()
     if wrk is None:

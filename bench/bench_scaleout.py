@@ -49,7 +49,8 @@ import orjson
 from _check import answer, check_direct
 from _loadgen import WRK_INSTALL, LoadResult, run_wrk, write_script, wrk_path
 from _procs import Child, LogDir, cpus_busy_seconds, http_request, listening_socket, run_main, wait_ready
-from bench_frontend import DIRECT, HERE, _fmt, _ratio, ensure_router, request_body, settle, start_hop, start_sim
+from bench_frontend import (DIRECT, HERE, _fmt, _ratio, ensure_router, parse_hops, request_body, settle, start_hop,
+                             start_sim)
 
 #: hop -> (label, processes, SO_REUSEPORT); the router has no processes of ours.
 HOPS = {
@@ -139,9 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 when every answer checked out, 1 otherwise."""
     args = build_parser().parse_args(argv)
-    hops = [h.strip() for h in args.hops.split(",") if h.strip()]
-    if any(h not in HOPS for h in hops):
-        print(f"unknown hop in {hops}; choose from {list(HOPS)}", file=sys.stderr)
+    try:
+        hops = parse_hops(args.hops, HOPS, None)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
         return 2
     wrk = wrk_path()
     if wrk is None:
