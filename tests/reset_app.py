@@ -13,7 +13,7 @@ null}``."""
 from __future__ import annotations
 
 import anyio
-from state_app import answer_json, main
+from state_app import answer_json, lifespan, main
 
 from asgi_generate.request.watchdog import CONNECTION_RESET
 
@@ -45,9 +45,7 @@ async def _stream(scope: dict, send) -> None:
 
 async def app(scope: dict, receive, send) -> None:
     if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
+        await lifespan(receive, send)
         return
     if scope["path"] == "/stream":
         await _stream(scope, send)

@@ -31,6 +31,13 @@ async def app(scope: dict, receive, send) -> None:
     await answer_json(send, seen)
 
 
+async def lifespan(receive, send) -> None:
+    """A lifespan that keeps no state: startup and shutdown completed."""
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
 async def answer_json(send, obj) -> None:
     """Answer ``obj`` as a JSON body, 200."""
     body = json.dumps(obj).encode()

@@ -22,6 +22,7 @@ import pytest
 
 from asgi_generate.server.hypercorn import patches
 from hypercorn_mismatch import MISMATCHES, apply, environment
+from state_app import lifespan
 from support import RawClient, listening_socket, post, start_frontend, start_sim, stats, tcp_states, wait_until
 
 TESTS = pathlib.Path(__file__).resolve().parents[1]  # the shared helpers (state_app.py, reset_app.py)
@@ -271,9 +272,7 @@ def test_a_connection_reset_drops_the_queue_and_ends_a_stuck_write(worker_class)
 
 async def _fixed_answer(scope: dict, receive, send) -> None:
     if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
+        await lifespan(receive, send)
         return
     while (await receive()).get("more_body"):
         pass
