@@ -117,16 +117,16 @@ class Proc:
             # (0.2-0.5 s, hundreds of starts a suite): bytecode is cached in
             # the session's folder instead, never in the tree.
             env["PYTHONPYCACHEPREFIX"] = str(LOG_DIR / "pycache")
+        # ``{fd}`` in an argument: the listening socket's descriptor, else ``--fd`` passes it.
+        if not any("{fd}" in a for a in args):
+            args = [*args, "--fd", "{fd}"]
         if fork and module == "asgi_generate" and forked.can_fork(env):
             # A fork of a process that imported the package already (forked.py).
-            self.proc = forked.Forked(args if any("{fd}" in a for a in args) else [*args, "--fd", "{fd}"],
-                                      sock=sock, log_path=str(self.log_path), env=env)
+            self.proc = forked.Forked(args, sock=sock, log_path=str(self.log_path), env=env)
         else:
-            # ``{fd}`` in an argument: the listening socket's descriptor, else ``--fd`` passes it.
             fd = str(sock.fileno())
-            argv = [a.replace("{fd}", fd) for a in args] if any("{fd}" in a for a in args) else [*args, "--fd", fd]
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", module, *argv],
+                [sys.executable, "-m", module, *(a.replace("{fd}", fd) for a in args)],
                 pass_fds=[sock.fileno()],
                 stdin=subprocess.DEVNULL,
                 stdout=self._log,
