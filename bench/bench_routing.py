@@ -111,8 +111,8 @@ VARIANTS = {
     "kv-aware no-reading": ("ours", "kv-aware", ("--kv-load-interval", "0")),
     "kv-aware read-0.25s": ("ours", "kv-aware", ("--kv-load-interval", "0.25")),
 }
-#: Tokens a Mooncake trace's hash id stands for (FAST'25 ``README.md``).
 KNOWN = {**ROUTERS, **VARIANTS}
+#: Tokens a Mooncake trace's hash id stands for (FAST'25 ``README.md``).
 MOONCAKE_BLOCK = 512
 #: Each simulator publishes its KV events on free loopback ports.
 KV_EVENTS = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}'
@@ -332,7 +332,9 @@ def start_sims(stack: contextlib.ExitStack, args: argparse.Namespace,
 
 def start_router(stack: contextlib.ExitStack, kind: str, policy: str, sim_ports: list[int],
                  args: argparse.Namespace, log_dir: pathlib.Path, router_python: str | None, replica: int = 0,
-                 children: list[Child] | None = None, extra: tuple[str, ...] = ()) -> int:
+                 extra: tuple[str, ...] = ()) -> tuple[int, Child]:
+    """One router (replica ``replica``) in front of ``sim_ports``, once it
+    routes to all of them: its port and its process."""
     urls = [f"http://127.0.0.1:{p}" for p in sim_ports]
     probe = orjson.dumps({"input_ids": [ID_LOW], "sampling_params": {"max_new_tokens": 1}})
     if kind == "sglang-router":
@@ -342,8 +344,6 @@ def start_router(stack: contextlib.ExitStack, kind: str, policy: str, sim_ports:
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         child = Child(f"sglang-router-{policy}-{replica}", argv, None, log_dir)
         stack.callback(child.stop)
-        if children is not None:
-            children.append(child)
         wait_ready(child, port, "POST", "/generate", probe)
         # The router registers workers in the background: wait for all of them.
         deadline = time.monotonic() + 30
@@ -352,7 +352,7 @@ def start_router(stack: contextlib.ExitStack, kind: str, policy: str, sim_ports:
             if status == 200 and sum(w.get("is_healthy", False) for w in orjson.loads(body)["workers"]) == len(urls):
                 break
             time.sleep(0.2)
-        return port
+        return port, child
     sock = listening_socket()
     port = sock.getsockname()[1]
     argv = [sys.executable, "-m", "asgi_generate", "serve", "--fd", str(sock.fileno()), "--worker-class", "asyncio",
@@ -363,8 +363,6 @@ def start_router(stack: contextlib.ExitStack, kind: str, policy: str, sim_ports:
     child = Child(f"asgi-generate-{policy}-{replica}", argv, None, log_dir, pass_fds=(sock.fileno(),))
     sock.close()
     stack.callback(child.stop)
-    if children is not None:
-        children.append(child)
     wait_ready(child, port, "GET", "/health")
     deadline = time.monotonic() + 120
     while orjson.loads(http_request(port, "GET", "/health")[1])["healthy_workers"] < len(urls):
@@ -379,7 +377,7 @@ def start_router(stack: contextlib.ExitStack, kind: str, policy: str, sim_ports:
             break
         assert time.monotonic() < deadline, f"KV event subscribers never all caught up: {workers}"
         time.sleep(0.1)
-    return port
+    return port, child
 
 
 def _seq(last_seq: int | None) -> int:
@@ -393,14 +391,14 @@ def run_one(label: str, kind: str, policy: str, sims: list[tuple[int, Child]], a
             extra: tuple[str, ...] = ()) -> RunResult:
     result = RunResult(label)
     sim_ports = [port for port, _ in sims]
-    routers: list[Child] = []
 
     def cpu(children) -> float:
         return sum(c.cpu_seconds() for c in children)
 
     with contextlib.ExitStack() as stack:
-        ports = [start_router(stack, kind, policy, sim_ports, args, log_dir, router_python, i, routers, extra)
-                 for i in range(replicas)]
+        started = [start_router(stack, kind, policy, sim_ports, args, log_dir, router_python, i, extra)
+                   for i in range(replicas)]
+        ports, routers = [port for port, _ in started], [child for _, child in started]
         port = ports[0]
         for p in sim_ports:  # the probe and warm-up requests' prefixes too
             status, body = http_request(p, "POST", "/flush_cache")
