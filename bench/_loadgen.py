@@ -179,6 +179,17 @@ def write_script(path: pathlib.Path, body: bytes, stream: bool, tokens: int, fin
     )
 
 
+def paced_script(script: pathlib.Path, connections: int, rate: float) -> pathlib.Path:
+    """A copy of the wrk ``script`` (beside it, named by its wait) whose
+    ``connections`` each wait before every request so that together they
+    send about ``rate`` requests/s (less by each answer's latency): wrk's
+    ``delay()``, ``connections / rate`` seconds, at least 1 ms."""
+    wait_ms = max(1, round(connections * 1000 / rate))
+    path = script.with_name(f"{script.stem}-paced-{wait_ms}ms.lua")
+    path.write_text(script.read_text() + f"\nfunction delay()\n  return {wait_ms}\nend\n")
+    return path
+
+
 def run_wrk(
     wrk: str,
     script: pathlib.Path,

@@ -57,7 +57,7 @@ from typing import Callable, Collection
 import orjson
 
 from _check import answer, check_direct, compare
-from _loadgen import WRK_INSTALL, LoadResult, run_wrk, write_script, wrk_path
+from _loadgen import WRK_INSTALL, LoadResult, paced_script, run_wrk, write_script, wrk_path
 from _procs import (Child, LogDir, cpus_busy_seconds, free_port, http_request, listening_socket, run_main,
                     wait_ready)
 
@@ -601,11 +601,7 @@ def main(argv: list[str] | None = None) -> int:
                     bodies.append(body)
                     expected.append(answer(sim_port, body))
             samples = (bodies, expected)
-            paced = None
-            if args.paced_rate > 0:
-                paced = log_dir / "unary-paced.lua"
-                wait_ms = max(1, round(args.concurrency * 1000 / args.paced_rate))
-                paced.write_text(scripts["unary"].read_text() + f"\nfunction delay()\n  return {wait_ms}\nend\n")
+            paced = paced_script(scripts["unary"], args.concurrency, args.paced_rate) if args.paced_rate > 0 else None
             probe = request_body(4, 1, False, 0)
             print(f"{DIRECT}:", file=sys.stderr)
             results.append(measure(DIRECT, sim_port, {"sim": sim.cpu_seconds}, args, wrk, scripts,

@@ -47,7 +47,7 @@ import threading
 import orjson
 
 from _check import answer, check_direct
-from _loadgen import WRK_INSTALL, LoadResult, run_wrk, write_script, wrk_path
+from _loadgen import WRK_INSTALL, LoadResult, paced_script, run_wrk, write_script, wrk_path
 from _procs import Child, LogDir, cpus_busy_seconds, http_request, listening_socket, run_main, wait_ready
 from bench_frontend import (DIRECT, HERE, _fmt, _ratio, ensure_router, parse_hops, request_body, settle, start_hop,
                              start_sim)
@@ -169,18 +169,11 @@ def main(argv: list[str] | None = None) -> int:
             write_script(scripts[load], body, False, 16, final[0]["output_ids"], close=load == "short")
         loads = LOADS if args.paced_rate > 0 else LOADS[:2]
 
-        def paced_script(processes: int) -> pathlib.Path:
-            """The keep-alive script with each connection waiting so that the
-            whole load is ``--paced-rate`` per process (the router and direct
-            count as one)."""
-            wait_ms = max(1, round(args.concurrency * 1000 / (args.paced_rate * max(1, processes))))
-            path = logs.path / f"paced-{wait_ms}ms.lua"
-            path.write_text(scripts["keep-alive"].read_text() + f"\nfunction delay()\n  return {wait_ms}\nend\n")
-            return path
-
         def cell(label: str, port: int, meters: dict, processes: int) -> None:
             for load in loads:
-                script = paced_script(processes) if load == "paced" else scripts[load]
+                # Paced: --paced-rate for each process of ours (direct and the router count as one).
+                script = (paced_script(scripts["keep-alive"], args.concurrency, args.paced_rate * max(1, processes))
+                          if load == "paced" else scripts[load])
                 print(f"  {label}: {load}, warm-up then {args.seconds} s", file=sys.stderr)
                 run_wrk(wrk, script, port, args.concurrency, args.warmup, loadgen, logs.path, meters)
                 settle(meters)
