@@ -145,6 +145,19 @@ def _stat_fields(pid: int) -> list[str] | None:
     return raw.rsplit(")", 1)[1].split()
 
 
+def user_system_seconds(pid: int) -> tuple[float, float]:
+    """``pid``'s user and system CPU seconds so far, every thread
+    (``/proc/PID/stat`` utime and stime).
+
+    Raises:
+        ProcessLookupError: no such process.
+    """
+    fields = _stat_fields(pid)
+    if fields is None:
+        raise ProcessLookupError(pid)
+    return int(fields[11]) / _CLK_TCK, int(fields[12]) / _CLK_TCK
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """CPU seconds (utime + stime) of ``pid`` and its live descendants."""
     parents: dict[int, int] = {}

@@ -54,7 +54,8 @@ from dataclasses import dataclass
 
 from _check import answer, check_direct
 from _loadgen import WRK_INSTALL, run_wrk, write_script, wrk_path
-from _procs import Child, LogDir, cpus_busy_seconds, http_request, listening_socket, run_main, wait_ready
+from _procs import (Child, LogDir, cpus_busy_seconds, http_request, listening_socket, run_main,
+                    user_system_seconds, wait_ready)
 from bench_frontend import BASELINE, HOPS, parse_hops, request_body, start_hop, start_sim
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -63,7 +64,6 @@ DIRECT = "direct"
 LABELS = {**HOPS, RELAY: "byte relay (asyncio protocols)", DIRECT: "direct (the simulator; hop = simulator)",
           # The floor served by the --baseline checkout: the server's own change, before and after.
           **{BASELINE + h: f"{HOPS[h]}, baseline" for h in HOPS if h.startswith("floor-")}}
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Counters:
 def read_counters(pid: int) -> Counters:
     """utime/stime (``/proc/PID/stat``, every thread) and context switches
     (``/proc/PID/task/*/status``, summed over threads)."""
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    user, system = user_system_seconds(pid)
     voluntary = involuntary = 0
     for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError):
@@ -92,7 +92,7 @@ def read_counters(pid: int) -> Counters:
                     voluntary += int(line.split()[1])
                 elif line.startswith("nonvoluntary_ctxt_switches:"):
                     involuntary += int(line.split()[1])
-    return Counters(int(fields[11]) / _CLK_TCK, int(fields[12]) / _CLK_TCK, voluntary, involuntary)
+    return Counters(user, system, voluntary, involuntary)
 
 
 @dataclass
