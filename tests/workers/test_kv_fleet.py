@@ -173,7 +173,6 @@ def test_an_idle_engines_load_is_read_again_only_once_something_moves():
     assert policy.read_due(kv, 1, 10.5)  # ours are in flight there
     kv.routed += 1  # routed there since
     assert policy.read_due(kv, 0, 10.5)
-    kv.read_mark = kv.activity()
     kv.subscriber = Subscriber(Source("tcp://127.0.0.1:1"), kv.index)
     kv.read_mark = kv.activity()
     assert not policy.read_due(kv, 0, 10.5)
