@@ -97,20 +97,21 @@ def test_a_recorded_campaign_replays_with_its_prefix_structure(tmp_path):
         sim.stop()
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0] == "sent 9, ok 9, errors 0"
+    assert lines[0] == "sent 9, ok 9, client disconnects 0, errors 0"
     assert [line.split()[:2] for line in lines[3:6]] == [["ttft", "9"], ["itl", str(_gaps(rows))], ["e2e", "9"]]
     # The recording beside the replay: the same requests and tokens.
     tokens = str(sum(row.output_length for row in rows))
     assert lines[6] == "recorded vs replayed    recorded   replayed"
-    assert [line.split() for line in lines[7:9]] == [["requests", "ok", "9", "9"], ["output", "tokens", tokens, tokens]]
-    assert [" ".join(line.split()[:3]) for line in lines[9:]] == [
+    assert [line.split() for line in lines[7:10]] == [
+        ["requests", "ok", "9", "9"], ["client", "disconnects", "0", "0"], ["output", "tokens", tokens, tokens]]
+    assert [" ".join(line.split()[:3]) for line in lines[10:]] == [
         "ttft p50 ms", "ttft p99 ms", "e2e p50 ms", "e2e p99 ms", "mean itl p50", "mean itl p99"]
     assert done.stderr.splitlines()[0] == (
         f"replaying 9 requests (block_size {BLOCK}, 1 record skipped) against {target.url}, speedup 2")
     _check_replayed(_records(tmp_path, "b"), rows)
     report = (tmp_path / "r.html").read_text()
     assert report.count('src="data:image/png;base64,') == 3
-    assert "sent 9, ok 9, errors 0" in report and "recorded vs replayed" in report
+    assert "sent 9, ok 9, client disconnects 0, errors 0" in report and "recorded vs replayed" in report
     for name, value in (("url", target.url), ("speedup", "2"), ("block size", str(BLOCK)),
                         ("input", "request_end records"), ("requests", "9 (1 records skipped)")):
         assert f"<tr><td>{name}</td><td>{value}</td></tr>" in report
@@ -140,7 +141,7 @@ def test_a_mooncake_trace_replays_with_its_block_size(tmp_path):
     finally:
         sim.stop()
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[0] == "sent 4, ok 4, errors 0"
+    assert done.stdout.splitlines()[0] == "sent 4, ok 4, client disconnects 0, errors 0"
     _check_replayed(_records(tmp_path, "m"), rows)
 
 
@@ -153,7 +154,7 @@ def test_unreachable_frontend_counts_every_request_as_an_error(tmp_path):
                    "--report", str(tmp_path / "r.html"))
     assert done.returncode == 1
     lines = done.stdout.splitlines()
-    assert lines[0] == "sent 3, ok 0, errors 3"
+    assert lines[0] == "sent 3, ok 0, client disconnects 0, errors 3"
     assert lines[-2:] == ["errors:", f"  {'connect':<24} {3:>8}"]
     report = (tmp_path / "r.html").read_text()
     assert "<tr><th>kind</th><th>requests</th><th>the first one said</th></tr><tr><td>connect</td><td>3</td>" in report
@@ -191,6 +192,66 @@ def test_an_export_carries_its_block_size_and_replay_uses_it(tmp_path):
     done = _replay(str(bare), "--url", url)
     assert (done.returncode, done.stderr) == (2, "asgi-generate-trace: the trace carries no block_size: give "
                                                  "--block-size (the FAST'25 Mooncake traces use 512)\n")
+
+
+def _write(path, records: list[dict]) -> str:
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
+    return str(path)
+
+
+@pytest.mark.e2e
+def test_recorded_client_disconnects_are_replayed_as_disconnects(tmp_path):
+    # Three requests that ran to their end (3 tokens each), one client that
+    # left after 2 streamed tokens and one that left before its first token.
+    records = [{**_recorded(i, [11, 12 + i]), "status": "ok", "stream": True, "total_ms": 20.0} for i in range(3)]
+    records.append({**_recorded(3, [11, 20]), "status": "client_disconnect", "stream": True, "output_tokens": 2,
+                    "total_ms": 15.0})
+    records.append({**_recorded(4, [11, 21]), "status": "client_disconnect", "stream": True, "output_tokens": 0,
+                    "total_ms": 600_000.0})
+    path = _write(tmp_path / "recorded.jsonl", records)
+    sim = start_sim("sglang")
+    try:
+        target = start_frontend([f"sglang={sim.url}"], extra=["--trace-file", str(tmp_path / "b.jsonl")])
+        try:
+            done = _replay(path, "--url", target.url)
+        finally:
+            target.stop()
+    finally:
+        sim.stop()
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "sent 5, ok 3, client disconnects 2, errors 0"
+    assert [line.split()[:2] for line in lines[3:6]] == [["ttft", "3"], ["itl", "6"], ["e2e", "3"]]
+    assert [line.split() for line in lines[7:10]] == [
+        ["requests", "ok", "3", "3"], ["client", "disconnects", "2", "2"], ["output", "tokens", "11", "11"]]
+    # The engine was asked one token past where each client left.
+    replayed = {rec["public_id"]: rec for rec in _records(tmp_path, "b")}
+    assert sorted(replayed) == [f"replay-{i}" for i in range(5)]
+    assert [replayed[f"replay-{i}"]["replay"]["input_length"] for i in range(5)] == [32] * 5
+
+
+@pytest.mark.e2e
+def test_a_client_that_left_before_its_first_token_leaves_at_its_recorded_time(tmp_path):
+    records = [{**_recorded(0, [11, 12]), "status": "client_disconnect", "stream": True, "output_tokens": 0,
+                "total_ms": 50.0}]
+    path = _write(tmp_path / "recorded.jsonl", records)
+    sim = start_sim("sglang", ttft_ms=60000)
+    try:
+        target = start_frontend([f"sglang={sim.url}"], extra=["--trace-file", str(tmp_path / "b.jsonl")])
+        try:
+            done = _replay(path, "--url", target.url)
+        finally:
+            target.stop()
+    finally:
+        sim.stop()
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "sent 1, ok 0, client disconnects 1, errors 0"
+    assert [line.split() for line in lines[7:10]] == [
+        ["requests", "ok", "0", "0"], ["client", "disconnects", "1", "1"], ["output", "tokens", "0", "0"]]
+    [replayed] = _records(tmp_path, "b")
+    assert (replayed["public_id"], replayed["status"], replayed["output_tokens"]) == ("replay-0", "client_disconnect", 0)
+    assert replayed["attempts"][0]["abort_acked"] is True
 
 
 def test_the_reports_itl_plot_is_on_a_log_scale_and_errors_are_broken_down(tmp_path, monkeypatch):

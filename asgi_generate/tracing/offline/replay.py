@@ -21,18 +21,26 @@ none free waits, and its lateness shows in the latencies):
 - the output length is the row's: SGLang ``max_new_tokens``, vLLM
   ``max_tokens``, with ``ignore_eos`` (at least 1 token);
 - the request id is ``replay-<row index>`` (SGLang ``rid``, vLLM
-  ``request_id``), so a replayed request's record names its row.
+  ``request_id``), so a replayed request's record names its row;
+- a record whose status is ``client_disconnect`` is replayed as its client
+  did it: the request asks one token more than the record's
+  ``output_tokens`` (the tokens that client was sent) and the replay
+  leaves (closes the connection) once it was streamed that many; a client
+  that was sent none leaves at the first streamed event, unread, or at the
+  record's ``total_ms`` after sending, whichever comes first.
 
 Per request it measures TTFT (to the first streamed event), the gaps between
 events (ITL), end to end latency and the output tokens streamed; a request
-is ok when it answered 200 and streamed a finish reason without an error.
-Replaying records, the summary sets the recording's figures beside the
-replay's (:func:`comparison`).
+is ok when it answered 200 and streamed a finish reason without an error;
+a recorded disconnect replayed up to its point counts as a client
+disconnect, neither ok nor an error. Replaying records, the summary sets
+the recording's figures beside the replay's (:func:`comparison`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -57,12 +65,17 @@ ROUTES = {"sglang": "/generate", "vllm": "/inference/v1/generate"}
 @dataclass(slots=True)
 class Row:
     """One request to replay: arrival ``timestamp`` in ms from the start,
-    prompt and output lengths in tokens, prompt block hash ids."""
+    prompt and output lengths in tokens, prompt block hash ids; for a
+    recorded client disconnect, the output tokens its client was sent before
+    it left (``leave_after_tokens``) and the record's ``total_ms``
+    (``leave_after_ms``, read when that client was sent no token)."""
 
     timestamp: float
     input_length: int
     output_length: int
     hash_ids: list[int]
+    leave_after_tokens: int | None = None
+    leave_after_ms: float | None = None
 
 
 @dataclass(slots=True)
@@ -82,6 +95,14 @@ class Result:
     #: or the transport error, cut to :data:`DETAIL_CHARS`.
     detail: str | None = None
     events: list[tuple[float, int]] = field(default_factory=list)
+    #: The replay left at the row's recorded disconnect point.
+    disconnected: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """Answered 200 and streamed a finish reason, with no error and no
+        planned disconnect."""
+        return self.error is None and not self.disconnected
 
     @property
     def itls(self) -> list[float]:
@@ -141,7 +162,8 @@ def load_rows(paths: Sequence[str], block_size: int | None = None) -> Workload:
     if records:
         recorded, skipped = exportable(records)
         exported, _, size = mooncake_rows(recorded)
-        rows = [Row(float(r["timestamp"]), r["input_length"], r["output_length"], r["hash_ids"]) for r in exported]
+        rows = [Row(float(r["timestamp"]), r["input_length"], r["output_length"], r["hash_ids"], *_leaves(rec))
+                for r, rec in zip(exported, recorded)]
         sizes = {size}
     else:
         skipped = 0
@@ -158,6 +180,14 @@ def load_rows(paths: Sequence[str], block_size: int | None = None) -> Workload:
         raise ValueError(f"the trace carries no block_size: give --block-size (the FAST'25 Mooncake traces "
                          f"use {MOONCAKE_BLOCK_SIZE})")
     return Workload(rows, size or MOONCAKE_BLOCK_SIZE, skipped, recorded)
+
+
+def _leaves(record: dict) -> tuple[int | None, float | None]:
+    """``(leave_after_tokens, leave_after_ms)`` of a record: where its client
+    left, for a ``client_disconnect``; ``(None, None)`` otherwise."""
+    if record.get("status") != "client_disconnect":
+        return None, None
+    return record.get("output_tokens", 0), record.get("total_ms")
 
 
 @functools.lru_cache(maxsize=65536)
@@ -184,9 +214,11 @@ def prompt_tokens(row: Row, block_size: int, vocab_size: int) -> list[int]:
 
 
 def request_body(fmt: str, index: int, row: Row, block_size: int, vocab_size: int) -> bytes:
-    """The streamed native request replaying ``row`` in format ``fmt``."""
+    """The streamed native request replaying ``row`` in format ``fmt``: a
+    recorded disconnect asks one token more than its client was sent, so
+    that it cannot end before the point where the client left."""
     ids = prompt_tokens(row, block_size, vocab_size)
-    out = max(1, row.output_length)
+    out = max(1, row.output_length) if row.leave_after_tokens is None else row.leave_after_tokens + 1
     if fmt == "sglang":
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": out, "ignore_eos": True},
                 "stream": True, "rid": f"replay-{index}"}
@@ -210,8 +242,23 @@ def _read_event(fmt: str, obj: dict, so_far: int) -> tuple[int, bool, str | None
     return so_far + added, any(c.get("finish_reason") for c in choices), None
 
 
-async def _one(client: httpx.AsyncClient, fmt: str, body: bytes, res: Result, t0: float) -> None:
+async def _one(client: httpx.AsyncClient, fmt: str, row: Row, body: bytes, res: Result, t0: float) -> None:
     res.start = time.monotonic() - t0
+    leave_at = row.leave_after_tokens
+    patience = math.inf
+    if leave_at == 0 and row.leave_after_ms is not None:
+        patience = row.leave_after_ms / 1000.0
+    with anyio.move_on_after(patience) as waited:
+        await _stream(client, fmt, leave_at, body, res, t0)
+    if waited.cancelled_caught:
+        res.disconnected = True
+
+
+async def _stream(client: httpx.AsyncClient, fmt: str, leave_at: int | None, body: bytes, res: Result,
+                  t0: float) -> None:
+    """Send ``body``, read its stream into ``res``; with ``leave_at``
+    tokens, close the connection once that many were streamed (at the
+    first event, unread, for 0)."""
     finished = False
     try:
         async with client.stream("POST", ROUTES[fmt], content=body,
@@ -225,6 +272,9 @@ async def _one(client: httpx.AsyncClient, fmt: str, body: bytes, res: Result, t0
                 if not line.startswith("data: {"):
                     continue
                 now = time.monotonic() - t0
+                if leave_at == 0:
+                    res.disconnected = True
+                    return
                 tokens, done, err = _read_event(fmt, orjson.loads(line[6:]), res.output_tokens)
                 if err is not None:
                     res.error = "in-band error"
@@ -235,6 +285,9 @@ async def _one(client: httpx.AsyncClient, fmt: str, body: bytes, res: Result, t0
                 res.output_tokens = tokens
                 res.events.append((now, tokens))
                 finished = finished or done
+                if leave_at is not None and tokens >= leave_at:
+                    res.disconnected = True
+                    return
         if not finished:
             res.error = "no finish reason"
     except httpx.TimeoutException as exc:
@@ -280,7 +333,7 @@ async def replay(
     async def run(index: int, token: object) -> None:
         try:
             body = request_body(fmt, index, rows[index], block_size, vocab_size)
-            await _one(client, fmt, body, results[index], t0)
+            await _one(client, fmt, rows[index], body, results[index], t0)
         finally:
             limiter.release_on_behalf_of(token)
         if progress is not None:
@@ -309,17 +362,21 @@ def errors_by_kind(results: Iterable[Result]) -> list[tuple[str, int, str]]:
 
 def comparison(results: Sequence[Result], recorded: Sequence[dict]) -> list[tuple[str, str, str]]:
     """The recording's figures beside the replay's: ``(what, recorded,
-    replayed)`` for the requests ok, their output tokens and the p50 and
+    replayed)`` for the requests ok, the client disconnects (recorded
+    ``client_disconnect``; replayed: left at that record's point), the
+    output tokens and the p50 and
     p99 of TTFT, end-to-end latency and each request's mean ITL (ms; the
     recorded mean ITL is the record's ``mean_itl_ms``). ``-`` where a side
     has no sample."""
-    ok = [r for r in results if r.error is None]
+    ok = [r for r in results if r.ok]
     were_ok = [rec for rec in recorded if rec.get("status") == "ok"]
+    left = sum(rec.get("status") == "client_disconnect" for rec in recorded)
     mine = latency_series(ok)
     mine["mean itl"] = [sum(r.itls) / len(r.itls) for r in ok if r.itls]
     theirs = {name: [rec[key] / 1000.0 for rec in were_ok if rec.get(key) is not None]
               for name, key in (("ttft", "ttft_ms"), ("e2e", "total_ms"), ("mean itl", "mean_itl_ms"))}
     lines = [("requests ok", str(len(were_ok)), str(len(ok))),
+             ("client disconnects", str(left), str(sum(r.disconnected for r in results))),
              ("output tokens", str(sum(rec.get("output_tokens", 0) for rec in recorded)),
               str(sum(r.output_tokens for r in results)))]
     for name in ("ttft", "e2e", "mean itl"):
@@ -334,11 +391,12 @@ def summary(results: Sequence[Result], rows: Sequence[Row], wall: float,
     """The end-of-replay summary, as text (latencies in ms); with the
     ``recorded`` records the rows were made of, their figures beside the
     replay's (:func:`comparison`)."""
-    ok = [r for r in results if r.error is None]
+    ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in results)
     in_tokens = sum(rows[r.index].input_length for r in ok)
+    left = sum(r.disconnected for r in results)
     lines = [
-        f"sent {len(results)}, ok {len(ok)}, errors {len(results) - len(ok)}",
+        f"sent {len(results)}, ok {len(ok)}, client disconnects {left}, errors {len(results) - len(ok) - left}",
         f"wall {wall:.2f} s, {len(ok) / wall if wall else 0:.2f} requests/s, "
         f"output {out_tokens / wall if wall else 0:.1f} tokens/s, input {in_tokens / wall if wall else 0:.1f} tokens/s",
         f"latency ms {'n':>9} {'p50':>10} {'p90':>10} {'p99':>10}",

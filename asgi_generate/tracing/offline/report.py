@@ -60,7 +60,7 @@ def write_report(path: str, title: str, parameters: Sequence[tuple[str, str]], s
         import matplotlib.pyplot as plt
     except ImportError:
         raise ReportUnavailable("--report needs matplotlib: pip install 'asgi-generate[report]'") from None
-    ok = [r for r in results if r.error is None]
+    ok = [r for r in results if r.ok]
     images = []
     series = latency_series(ok)
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))

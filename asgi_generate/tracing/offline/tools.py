@@ -178,8 +178,8 @@ def _above_zero(value: str) -> float:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    """Replay, print the summary; 0 when every request was ok, 1 when any
-    failed, 2 on unusable input or report."""
+    """Replay, print the summary; 0 when no request failed (a replayed
+    client disconnect is no failure), 1 when any failed, 2 on unusable input or report."""
     import anyio
     from tqdm import tqdm
 
