@@ -7,9 +7,20 @@ vLLM's ``KVEventsConfig`` (``vllm/config/kv_events.py``:
 ``max_queue_size``, ``topic``) and SGLang's (``KVEventsConfig`` in
 ``sglang/srt/disaggregation/kv_events.py``: ``publisher``, ``endpoint``,
 ``bind``, ``replay_endpoint``, ``buffer_steps``, ``hwm``,
-``max_queue_size``, ``topic``, ``format``). A port of 0 binds a free one on
-loopback and advertises it (vLLM's ``tcp://*:0`` does the same on the node's
-address).
+``max_queue_size``, ``topic``, ``format``), read as :meth:`KVEventsConfig.parse`
+says.
+
+Bind or connect (:func:`publisher_binds`): the PUB socket binds a wildcard
+endpoint (``*``, ``::``; SGLang also ``0.0.0.0``) or an ``ipc://`` or
+``inproc://`` one and CONNECTS to any other, a concrete host such as
+``tcp://127.0.0.1:5557``, where a subscriber (or a proxy's XSUB socket) has
+to bind; SGLang's ``bind`` key overrides that either way. The replay ROUTER
+socket always binds. ``tcp://*:0`` binds a free loopback port and reports
+it (vLLM binds a free port of the node's address, ``VLLM_HOST_IP``); vLLM
+reports any other endpoint as given. SGLang with a bound port of 0 is the
+one place the simulator is looser than the engine: it advertises the port
+it got in ``/server_info``, where SGLang advertises no publisher (port 0
+is not one it describes), so tests can take free ports.
 
 The wire (``ZmqEventPublisher._publisher_thread`` and ``_service_replay`` in
 both engines' ``kv_events.py``): a PUB socket sends multipart ``[topic,
@@ -38,6 +49,7 @@ per data-parallel rank); SGLang ``/server_info``'s ``kv_events``
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import deque
@@ -57,20 +69,82 @@ _VLLM_KEYS = frozenset({"enable_kv_cache_events", "publisher", "endpoint", "repl
                         "max_queue_size", "topic"})
 _SGLANG_KEYS = frozenset({"publisher", "endpoint", "bind", "replay_endpoint", "buffer_steps", "hwm",
                           "max_queue_size", "topic", "format"})
+#: Both engines' default PUB endpoint.
+DEFAULT_ENDPOINT = "tcp://*:5557"
 #: The first SGLang release whose events are tagged maps.
 SGLANG_MAP_EVENTS = (0, 5, 20)
 
 
+#: pydantic's lax spellings of a boolean (both engines parse the config
+#: with pydantic: vLLM's ``@config`` dataclass, SGLang's ``BaseModel``).
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _lax(key: str, value: object, kind: type) -> object:
+    """``value`` as pydantic's lax mode takes it for a field of ``kind``
+    (``int``: an int, a bool, an integral float or a string of digits;
+    ``bool``: a bool, 0/1 or :data:`_TRUE`/:data:`_FALSE` spelled in any
+    case; ``str``: only a string).
+
+    Raises:
+        ValueError: a value pydantic refuses, naming ``key``.
+    """
+    if kind is int:
+        if type(value) in (int, bool):
+            return int(value)
+        if type(value) is float and value.is_integer():
+            return int(value)
+        if type(value) is str and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+            return int(value)
+    elif kind is bool:
+        if type(value) is bool:
+            return value
+        if type(value) in (int, float) and value in (0, 1):
+            return bool(value)
+        if type(value) is str and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+    elif type(value) is str:
+        return value
+    raise ValueError(f"--kv-events-config: {key} must be a {kind.__name__}, got {value!r}")
+
+
+def publisher_binds(protocol: str, endpoint: str, bind: bool | None = None) -> bool:
+    """Whether the engine BINDS its PUB socket at ``endpoint`` (else it
+    CONNECTS there, and a subscriber, or a proxy, must bind).
+
+    vLLM (``ZmqEventPublisher._is_bind_endpoint``,
+    ``vllm/distributed/kv_events.py``): an endpoint with ``*`` or ``::``
+    in it, or an ``ipc://``/``inproc://`` one, binds. SGLang
+    (``ZmqEventPublisher._socket_setup``,
+    ``sglang/srt/disaggregation/kv_events.py``): its ``bind`` key decides
+    when set; unset, the same rule with ``0.0.0.0`` binding too. The
+    replay ROUTER socket always binds, in both.
+    """
+    if protocol == "sglang" and bind is not None:
+        return bind
+    wildcards = ("*", "::", "0.0.0.0") if protocol == "sglang" else ("*", "::")
+    return any(w in endpoint for w in wildcards) or endpoint.startswith(("ipc://", "inproc://"))
+
+
 @dataclass(frozen=True, slots=True)
 class KVEventsConfig:
-    """Where and how the simulator publishes (the parsed ``--kv-events-config``)."""
+    """Where and how the simulator publishes (the parsed ``--kv-events-config``).
 
-    endpoint: str = "tcp://*:5557"
+    ``bind`` is whether the PUB socket binds ``endpoint`` or connects to it
+    (:func:`publisher_binds`, resolved by :meth:`parse`); ``max_queue_size``
+    bounds the engines' queue between the scheduler and the publisher
+    thread, which the simulator has not (it publishes on its own loop), so
+    it is only reported back.
+    """
+
+    endpoint: str = DEFAULT_ENDPOINT
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    bind: bool = True
 
     @classmethod
     def parse(cls, protocol: str, text: str) -> "KVEventsConfig | None":
@@ -78,9 +152,24 @@ class KVEventsConfig:
         publishing off (vLLM without ``enable_kv_cache_events``, or either
         engine's ``publisher`` ``"null"``).
 
+        As each engine reads it: vLLM's ``KVEventsConfig``
+        (``vllm/config/kv_events.py``, a pydantic dataclass that forbids
+        other keys; ``publisher`` one of ``"null"``/``"zmq"``) and SGLang's
+        (``KVEventsConfig.from_cli`` in
+        ``sglang/srt/disaggregation/kv_events.py``, a pydantic model that
+        ignores other keys; ``EventPublisherFactory.create`` refuses a
+        publisher it does not know, ``Unknown event publisher 'NAME'``).
+        Values are taken as pydantic's lax mode takes them (:func:`_lax`).
+        A negative ``buffer_steps`` is refused as the engines' replay
+        buffer refuses it (``deque(maxlen=...)``: ``maxlen must be
+        non-negative``), a negative ``hwm`` as ZMQ does (``Invalid
+        argument``).
+
         Raises:
-            ValueError: not a JSON object, a key the engine does not take, a
-                value of the wrong type, or a publisher other than zmq/null.
+            ValueError: not a JSON object, a key vLLM does not take, a
+                value of the wrong type, a publisher the engine does not
+                know, a negative ``buffer_steps`` or ``hwm``, or SGLang's
+                ``format`` ``"dynamo"`` (which the simulator does not play).
         """
         try:
             obj = orjson.loads(text)
@@ -88,27 +177,42 @@ class KVEventsConfig:
             raise ValueError(f"--kv-events-config is not JSON: {exc}") from None
         if not isinstance(obj, dict):
             raise ValueError("--kv-events-config must be a JSON object")
-        known = _VLLM_KEYS if protocol == "vllm" else _SGLANG_KEYS
-        unknown = sorted(set(obj) - known)
-        if unknown:
-            raise ValueError(f"--kv-events-config: {protocol} takes no {', '.join(unknown)}")
         if protocol == "vllm":
-            enabled = obj.get("enable_kv_cache_events", False)
-            publisher = obj.get("publisher") or ("zmq" if enabled else "null")
+            unknown = sorted(set(obj) - _VLLM_KEYS)
+            if unknown:
+                raise ValueError(f"--kv-events-config: vllm takes no {', '.join(unknown)}")
+            enabled = _lax("enable_kv_cache_events", obj.get("enable_kv_cache_events", False), bool)
+            fmt = "default"
+            publisher = obj["publisher"] if "publisher" in obj else "zmq" if enabled else "null"
+            if publisher not in ("zmq", "null"):
+                raise ValueError(f"--kv-events-config: publisher must be 'null' or 'zmq', got {publisher!r}")
         else:
-            enabled, publisher = True, obj.get("publisher", "null")
-        if publisher not in ("zmq", "null"):
-            raise ValueError(f"--kv-events-config: unknown publisher {publisher!r}")
-        fields = {k: v for k, v in obj.items() if k in cls.__slots__}
+            obj = {k: v for k, v in obj.items() if k in _SGLANG_KEYS}
+            enabled, publisher = True, _lax("publisher", obj.get("publisher", "null"), str)
+            fmt = _lax("format", obj.get("format", "default"), str)
+            if fmt not in ("default", "dynamo"):
+                raise ValueError(f"--kv-events-config: format must be 'default' or 'dynamo', got {fmt!r}")
+            if publisher not in ("zmq", "null"):
+                raise ValueError(f"--kv-events-config: Unknown event publisher '{publisher}'")
+        fields = {}
         for key, kind in (("endpoint", str), ("topic", str), ("buffer_steps", int), ("hwm", int),
                           ("max_queue_size", int)):
-            if key in fields and type(fields[key]) is not kind:
-                raise ValueError(f"--kv-events-config: {key} must be a {kind.__name__}")
-        if fields.get("replay_endpoint") is not None and type(fields["replay_endpoint"]) is not str:
-            raise ValueError("--kv-events-config: replay_endpoint must be a string")
+            if key in obj:
+                fields[key] = _lax(key, obj[key], kind)
+        if obj.get("replay_endpoint") is not None:
+            fields["replay_endpoint"] = _lax("replay_endpoint", obj["replay_endpoint"], str)
+        bind = obj.get("bind")
+        if bind is not None:
+            bind = _lax("bind", bind, bool)
         if not enabled or publisher == "null":
             return None
-        return cls(**fields)
+        if fmt == "dynamo":
+            raise ValueError("--kv-events-config: the simulator does not play format 'dynamo'")
+        if fields.get("buffer_steps", 0) < 0:
+            raise ValueError(f"--kv-events-config: buffer_steps {fields['buffer_steps']}: maxlen must be non-negative")
+        if fields.get("hwm", 0) < 0:
+            raise ValueError(f"--kv-events-config: hwm {fields['hwm']}: Invalid argument")
+        return cls(**fields, bind=publisher_binds(protocol, fields.get("endpoint", DEFAULT_ENDPOINT), bind))
 
 
 class EventWire:
@@ -170,15 +274,55 @@ class EventWire:
         return self._encode([ts, events, 0])
 
 
-def _bind(sock: zmq.Socket, endpoint: str) -> str:
-    """Bind ``endpoint`` (port 0: a free port on loopback); the endpoint a
-    subscriber on this host dials."""
-    host, _, port = endpoint.rpartition(":")
-    if port == "0":
-        sock.bind(f"{host}:*" if host != "tcp://*" else "tcp://127.0.0.1:*")
+def _bind(sock: zmq.Socket, endpoint: str, vllm: bool) -> str:
+    """Bind ``endpoint``; the endpoint the engine reports.
+
+    vLLM (``ZmqEventPublisher._bind``) resolves only ``tcp://*:0``, to a
+    free port of the node's address (the simulator's: a free loopback
+    port), and reports any other endpoint as given, a port of 0 included.
+    SGLang binds as given; the simulator reports a port of 0 resolved (its
+    ``/server_info`` would advertise no publisher on port 0).
+
+    Raises:
+        ValueError: ZMQ refused the bind (its message, as the engine fails
+            at start).
+    """
+    try:
+        if endpoint == "tcp://*:0":
+            sock.bind("tcp://127.0.0.1:0")
+            return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise ValueError(f"--kv-events-config: cannot bind {endpoint}: {exc}") from None
+    if not vllm and endpoint.startswith("tcp://") and endpoint.rpartition(":")[2] == "0":
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    sock.bind(endpoint)
     return endpoint
+
+
+def _connect(sock: zmq.Socket, endpoint: str) -> str:
+    """Connect ``sock`` to ``endpoint`` (as both engines' publisher does to
+    an endpoint it does not bind; ZMQ retries until a peer binds there).
+
+    Raises:
+        ValueError: ZMQ refused the endpoint (a wildcard host SGLang was
+            told not to bind, say).
+    """
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as exc:
+        raise ValueError(f"--kv-events-config: cannot connect to {endpoint}: {exc}") from None
+    return endpoint
+
+
+def _advertisable(endpoint: str | None) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``tcp://HOST:PORT`` endpoint with a port from 1
+    to 65535, else ``None`` (SGLang's ``parse_advertisable_tcp``)."""
+    if not endpoint or not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        return None
+    return host, int(port)
 
 
 class KVEventPublisher:
@@ -193,8 +337,10 @@ class KVEventPublisher:
         wire: the encoding.
 
     Attributes:
-        endpoint: the PUB endpoint as bound (a port 0 resolved).
-        replay_endpoint: the ROUTER endpoint as bound, or ``None``.
+        endpoint: the PUB endpoint as the engine reports it (bound, a port
+            0 resolved as :func:`_bind` says, or connected to).
+        replay_endpoint: the ROUTER endpoint as bound (see :func:`_bind`),
+            or ``None``.
         published: batches sent (or dropped by the fault hook).
         events: events in them.
         replays: replay requests served.
@@ -208,7 +354,13 @@ class KVEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self.endpoint = _bind(self._pub, config.endpoint)
+        vllm = wire.vllm
+        try:
+            self.endpoint = (_bind(self._pub, config.endpoint, vllm) if config.bind
+                             else _connect(self._pub, config.endpoint))
+        except ValueError:
+            self._ctx.destroy(linger=0)
+            raise
         self._topic = config.topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._lock = threading.Lock()
@@ -223,7 +375,11 @@ class KVEventPublisher:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
-            self.replay_endpoint = _bind(self._router, config.replay_endpoint)
+            try:
+                self.replay_endpoint = _bind(self._router, config.replay_endpoint, vllm)
+            except ValueError:
+                self._ctx.destroy(linger=0)
+                raise
             self._thread = threading.Thread(target=self._serve_replay, name="kv-replay", daemon=True)
             self._thread.start()
 
@@ -295,13 +451,21 @@ class KVEventPublisher:
                       "replay_endpoint": self.replay_endpoint, "buffer_steps": c.buffer_steps, "hwm": c.hwm,
                       "max_queue_size": c.max_queue_size, "topic": c.topic}}
 
-    def sglang_descriptor(self) -> dict:
-        """SGLang ``/server_info``'s ``kv_events`` block."""
-        host, _, port = self.endpoint[len("tcp://"):].rpartition(":")
-        out = {"publisher": "zmq", "endpoint_host": host, "endpoint_port_base": int(port),
+    def sglang_descriptor(self) -> dict | None:
+        """SGLang ``/server_info``'s ``kv_events`` block
+        (``describe_kv_events_publisher``, ``sglang/srt/runtime_context.py``):
+        the endpoint's host and port as configured, bound or connected to
+        alike, ``None`` when it is not ``tcp://`` with a port from 1 to
+        65535 (``parse_advertisable_tcp``); the replay port only on the
+        same terms."""
+        pub = _advertisable(self.endpoint)
+        if pub is None:
+            return None
+        out = {"publisher": "zmq", "endpoint_host": pub[0], "endpoint_port_base": pub[1],
                "topic": self.config.topic, "block_size": self.wire.block_size, "dp_size": 1}
-        if self.replay_endpoint is not None:
-            out["replay_endpoint_port_base"] = int(self.replay_endpoint.rpartition(":")[2])
+        replay = _advertisable(self.replay_endpoint)
+        if replay is not None:
+            out["replay_endpoint_port_base"] = replay[1]
         return out
 
     def stats(self) -> dict:

@@ -19,18 +19,26 @@ from asgi_generate.sim.app import SimApp
 from asgi_generate.sim.kv_events import END_SEQ, KVEventsConfig
 from support import asgi_json
 
-VLLM_CONFIG = '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0", "topic": "kv"}'
-SGLANG_CONFIG = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}'
+# vLLM binds only a wildcard endpoint (tcp://*:0: a free port, on loopback
+# in the simulator); SGLang binds a concrete one when told to.
+VLLM_CONFIG = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0", "topic": "kv"}'
+SGLANG_CONFIG = '{"publisher": "zmq", "bind": true, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}'
 
 
 class Subscriber:
-    """A SUB socket on the app's publisher; ``take(n)`` gets n messages."""
+    """A SUB socket on the app's publisher; ``take(n)`` gets n messages.
+    Without an app it binds a free loopback port (``endpoint``) for a
+    publisher that connects; set ``app`` once it is made."""
 
-    def __init__(self, app: SimApp, topic: bytes = b"") -> None:
+    def __init__(self, app: SimApp | None, topic: bytes = b"") -> None:
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic)
-        self.sub.connect(app.engine.events.endpoint)
+        if app is None:
+            self.sub.bind("tcp://127.0.0.1:*")
+            self.endpoint = self.sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            self.sub.connect(app.engine.events.endpoint)
         self.app = app
 
     def settle(self) -> None:
@@ -66,15 +74,160 @@ def _run(app: SimApp, *calls: tuple) -> list[dict]:
 
 def test_config_is_each_engines_own():
     assert KVEventsConfig.parse("vllm", '{"enable_kv_cache_events": false}') is None
-    assert KVEventsConfig.parse("vllm", '{"enable_kv_cache_events": true}').endpoint == "tcp://*:5557"
+    assert KVEventsConfig.parse("vllm", '{"enable_kv_cache_events": true}') == KVEventsConfig(
+        "tcp://*:5557", None, 10_000, 100_000, 100_000, "", bind=True)
+    assert KVEventsConfig.parse("vllm", '{"enable_kv_cache_events": true, "publisher": "null"}') is None
+    assert KVEventsConfig.parse("vllm", '{"publisher": "zmq"}') is None  # not enabled: vLLM's null publisher
     assert KVEventsConfig.parse("sglang", '{"topic": "x"}') is None  # SGLang's publisher defaults to null
     assert KVEventsConfig.parse("sglang", '{"publisher": "zmq", "bind": true}').buffer_steps == 10_000
-    with pytest.raises(ValueError, match="takes no bind"):
+    with pytest.raises(ValueError, match="^--kv-events-config: vllm takes no bind$"):  # extra="forbid"
         KVEventsConfig.parse("vllm", '{"enable_kv_cache_events": true, "bind": true}')
-    with pytest.raises(ValueError, match="takes no enable_kv_cache_events"):
-        KVEventsConfig.parse("sglang", '{"enable_kv_cache_events": true}')
-    with pytest.raises(ValueError, match="publisher"):
+    # SGLang's pydantic model ignores keys it does not know.
+    assert KVEventsConfig.parse("sglang", '{"publisher": "zmq", "enable_kv_cache_events": false}') == KVEventsConfig()
+    with pytest.raises(ValueError, match="^--kv-events-config: Unknown event publisher 'kafka'$"):
         KVEventsConfig.parse("sglang", '{"publisher": "kafka"}')
+    with pytest.raises(ValueError, match="^--kv-events-config: publisher must be 'null' or 'zmq', got 'kafka'$"):
+        KVEventsConfig.parse("vllm", '{"enable_kv_cache_events": true, "publisher": "kafka"}')
+
+
+def test_config_values_are_read_as_the_engines_pydantic_reads_them():
+    """Lax values are taken (a numeric string or integral float for an int,
+    "yes"/1 for a bool), others refused; the engines' start-up refusals
+    (a negative replay buffer or high-water mark) come at parse."""
+    lax = KVEventsConfig.parse("vllm", '{"enable_kv_cache_events": "yes", "buffer_steps": "5", "hwm": 7.0, '
+                                       '"max_queue_size": 0, "topic": "t"}')
+    assert (lax.buffer_steps, lax.hwm, lax.max_queue_size, lax.topic) == (5, 7, 0, "t")
+    assert KVEventsConfig.parse("sglang", '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:9", "bind": 1}').bind
+    for protocol, on in (("vllm", '"enable_kv_cache_events": true'), ("sglang", '"publisher": "zmq"')):
+        for text, message in (('"topic": 5', "topic must be a str, got 5"),
+                              ('"hwm": 1.5', "hwm must be a int, got 1.5"),
+                              ('"buffer_steps": -1', "buffer_steps -1: maxlen must be non-negative"),
+                              ('"hwm": -1', "hwm -1: Invalid argument")):
+            with pytest.raises(ValueError) as exc:
+                KVEventsConfig.parse(protocol, "{" + on + ", " + text + "}")
+            assert str(exc.value) == "--kv-events-config: " + message
+    with pytest.raises(ValueError) as exc:
+        KVEventsConfig.parse("sglang", '{"publisher": "zmq", "bind": "maybe"}')
+    assert str(exc.value) == "--kv-events-config: bind must be a bool, got 'maybe'"
+    with pytest.raises(ValueError) as exc:
+        KVEventsConfig.parse("sglang", '{"publisher": "zmq", "format": "dynamo"}')
+    assert str(exc.value) == "--kv-events-config: the simulator does not play format 'dynamo'"
+    with pytest.raises(ValueError) as exc:
+        KVEventsConfig.parse("sglang", '{"publisher": "zmq", "format": "x"}')
+    assert str(exc.value) == "--kv-events-config: format must be 'default' or 'dynamo', got 'x'"
+
+
+@pytest.mark.parametrize("protocol, endpoint, bind, binds", [
+    ("vllm", "tcp://*:5557", None, True), ("vllm", "tcp://[::]:5557", None, True),
+    ("vllm", "ipc:///tmp/kv", None, True), ("vllm", "inproc://kv", None, True),
+    ("vllm", "tcp://127.0.0.1:5557", None, False), ("vllm", "tcp://0.0.0.0:5557", None, False),
+    ("vllm", "tcp://node-1:5557", None, False),
+    ("sglang", "tcp://*:5557", None, True), ("sglang", "tcp://0.0.0.0:5557", None, True),
+    ("sglang", "ipc:///tmp/kv", None, True), ("sglang", "tcp://127.0.0.1:5557", None, False),
+    ("sglang", "tcp://127.0.0.1:5557", True, True), ("sglang", "tcp://*:5557", False, False),
+])
+def test_which_endpoints_each_engine_binds(protocol, endpoint, bind, binds):
+    on = '"enable_kv_cache_events": true' if protocol == "vllm" else '"publisher": "zmq"'
+    extra = "" if bind is None else f', "bind": {"true" if bind else "false"}'
+    config = KVEventsConfig.parse(protocol, "{" + on + f', "endpoint": "{endpoint}"' + extra + "}")
+    assert config.bind is binds
+
+
+def _connecting(protocol: str, sub: "Subscriber", replay: str) -> SimApp:
+    """A simulator whose PUB socket connects to ``sub``'s bound SUB."""
+    on = '"enable_kv_cache_events": true' if protocol == "vllm" else '"publisher": "zmq"'
+    config = "{" + on + f', "endpoint": "{sub.endpoint}", "replay_endpoint": "{replay}"' + "}"
+    return SimApp(protocol, kv_events_config=config)
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_a_concrete_host_is_connected_to(protocol):
+    """``tcp://127.0.0.1:PORT`` (SGLang without ``bind``): the publisher
+    connects there, so a SUB socket bound there receives its events; the
+    discovery routes report the endpoint as configured."""
+    sub = Subscriber(None)
+    app = _connecting(protocol, sub, "tcp://*:0")
+    sub.app = app
+    try:
+        events = app.engine.events
+        assert events.config.bind is False and events.endpoint == sub.endpoint
+        sub.settle()
+        if protocol == "vllm":
+            _run(app, ("POST", "/inference/v1/generate", {"token_ids": list(range(100, 116)),
+                                                          "sampling_params": {"max_tokens": 1}}))
+        else:
+            _run(app, ("POST", "/generate", {"input_ids": [7, 8, 9],
+                                             "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}}))
+        taken = sub.take(1 if protocol == "vllm" else 2)
+        assert taken[0][2][1][0]["type"] == "BlockStored"
+        port = int(sub.endpoint.rpartition(":")[2])
+        if protocol == "vllm":
+            sources, = _run(app, ("GET", "/kv_event_sources"))
+            assert sources["0"]["endpoint"] == sub.endpoint
+            assert sources["0"]["replay_endpoint"] == events.replay_endpoint
+        else:
+            info, = _run(app, ("GET", "/server_info"))
+            assert info["kv_events"] == {"publisher": "zmq", "endpoint_host": "127.0.0.1", "endpoint_port_base": port,
+                                         "topic": "", "block_size": 1, "dp_size": 1,
+                                         "replay_endpoint_port_base": int(events.replay_endpoint.rpartition(":")[2])}
+    finally:
+        sub.close()
+        app.engine.events.close()
+
+
+@pytest.mark.parametrize("protocol, config", [
+    ("vllm", '{"enable_kv_cache_events": true, "endpoint": "tcp://*:0"}'),
+    ("sglang", '{"publisher": "zmq", "endpoint": "tcp://*:0"}'),
+    ("sglang", '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "bind": true}'),
+])
+def test_a_wildcard_endpoint_or_sglang_bind_true_is_bound(protocol, config):
+    app = SimApp(protocol, kv_events_config=config)
+    sub = Subscriber(app)
+    try:
+        assert app.engine.events.config.bind is True
+        assert app.engine.events.endpoint.startswith("tcp://127.0.0.1:")
+        sub.settle()
+        app.engine.events.publish([{"type": "AllBlocksCleared"}])
+        (_, _, batch), = sub.take(1)
+        assert batch[1] == [{"type": "AllBlocksCleared"}]
+    finally:
+        sub.close()
+        app.engine.events.close()
+
+
+def test_sglang_told_not_to_bind_a_wildcard_fails_at_start():
+    with pytest.raises(ValueError) as exc:
+        SimApp("sglang", kv_events_config='{"publisher": "zmq", "endpoint": "tcp://*:5557", "bind": false}')
+    assert str(exc.value).startswith("--kv-events-config: cannot connect to tcp://*:5557: Invalid argument")
+
+
+def test_vllm_reports_a_replay_port_of_0_on_a_concrete_host_as_given():
+    """vLLM's ``_bind`` resolves only ``tcp://*:0``: a replay socket bound
+    at ``tcp://127.0.0.1:0`` gets some port, and ``/kv_event_sources``
+    says ``:0``, as vLLM does."""
+    app = SimApp("vllm", kv_events_config='{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", '
+                                          '"replay_endpoint": "tcp://127.0.0.1:0"}')
+    try:
+        sources, = _run(app, ("GET", "/kv_event_sources"))
+        assert sources["0"]["replay_endpoint"] == "tcp://127.0.0.1:0"
+        assert sources["0"]["endpoint"].startswith("tcp://127.0.0.1:") and not sources["0"]["endpoint"].endswith(":0")
+    finally:
+        app.engine.events.close()
+
+
+@pytest.mark.parametrize("config", [
+    '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0"}',  # connects to port 0: nothing to advertise
+    '{"publisher": "zmq", "endpoint": "inproc://kv"}',
+])
+def test_sglang_advertises_no_publisher_off_a_tcp_port(config):
+    """``parse_advertisable_tcp``: ``/server_info`` ``kv_events`` is null
+    unless the endpoint is ``tcp://`` with a port from 1 to 65535."""
+    app = SimApp("sglang", kv_events_config=config)
+    try:
+        info, = _run(app, ("GET", "/server_info"))
+        assert info["kv_events"] is None
+    finally:
+        app.engine.events.close()
 
 
 def test_vllm_events_blocks_removal_clear_and_discovery():
