@@ -115,7 +115,7 @@ KNOWN = {**ROUTERS, **VARIANTS}
 #: Tokens a Mooncake trace's hash id stands for (FAST'25 ``README.md``).
 MOONCAKE_BLOCK = 512
 #: Each simulator publishes its KV events on free loopback ports.
-KV_EVENTS = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}'
+KV_EVENTS = '{"publisher": "zmq", "bind": true, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}'
 
 
 @dataclass

@@ -21,7 +21,7 @@ import httpx
 
 from support import post, start_frontend, start_sim, stats, wait_until
 
-EVENTS = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}'
+EVENTS = '{"publisher": "zmq", "bind": true, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}'
 
 
 def _sims(n: int, cache_tokens: int = 2000, events: bool = True):

@@ -153,7 +153,7 @@ class Recorder:
 
 
 def _publisher(buffer_steps: int = 100) -> KVEventPublisher:
-    config = KVEventsConfig("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_steps=buffer_steps)
+    config = KVEventsConfig("tcp://*:0", "tcp://*:0", buffer_steps=buffer_steps)
     return KVEventPublisher(config, EventWire("vllm", None, 16))
 
 
