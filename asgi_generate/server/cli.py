@@ -227,9 +227,9 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     sim.add_argument("--kv-events-config", default=None, metavar="JSON",
                      help="publish the prefix cache's KV events over ZMQ, configured as the engine takes it "
                           "(vLLM: {\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
-                          "\"replay_endpoint\": ...}; SGLang: {\"publisher\": \"zmq\", \"bind\": true, ...}); the PUB socket "
-                          "binds a wildcard endpoint (SGLang: or with bind true) and connects to a concrete host, "
-                          "as the engine's; tcp://*:0 binds a free loopback port; discovery: vLLM GET "
+                          "\"replay_endpoint\": ...}; SGLang: {\"publisher\": \"zmq\", \"bind\": true, ...}); "
+                          "the PUB socket binds a wildcard endpoint (SGLang: or with bind true) and connects to a "
+                          "concrete host, as the engine's; tcp://*:0 binds a free loopback port; discovery: vLLM GET "
                           "/kv_event_sources, SGLang /server_info")
     sim.add_argument("--prefill-us-per-token", type=_bounded(float, 0), default=0.0, metavar="US",
                      help="prefill compute per uncached prompt token in microseconds, one prefill after "

@@ -106,7 +106,8 @@ def _lax(key: str, value: object, kind: type) -> object:
             return value.strip().lower() in _TRUE
     elif type(value) is str:
         return value
-    raise ValueError(f"--kv-events-config: {key} must be a {kind.__name__}, got {value!r}")
+    article = "an" if kind is int else "a"
+    raise ValueError(f"--kv-events-config: {key} must be {article} {kind.__name__}, got {value!r}")
 
 
 def publisher_binds(protocol: str, endpoint: str, bind: bool | None = None) -> bool:

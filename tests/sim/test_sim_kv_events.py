@@ -100,7 +100,7 @@ def test_config_values_are_read_as_the_engines_pydantic_reads_them():
     assert KVEventsConfig.parse("sglang", '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:9", "bind": 1}').bind
     for protocol, on in (("vllm", '"enable_kv_cache_events": true'), ("sglang", '"publisher": "zmq"')):
         for text, message in (('"topic": 5', "topic must be a str, got 5"),
-                              ('"hwm": 1.5', "hwm must be a int, got 1.5"),
+                              ('"hwm": 1.5', "hwm must be an int, got 1.5"),
                               ('"buffer_steps": -1', "buffer_steps -1: maxlen must be non-negative"),
                               ('"hwm": -1', "hwm -1: Invalid argument")):
             with pytest.raises(ValueError) as exc:
@@ -320,3 +320,17 @@ def test_a_dropped_range_is_a_gap_that_replay_fills():
         ctx.destroy(linger=0)
         sub.close()
         app.engine.events.close()
+
+
+@pytest.mark.parametrize("protocol, config, message", [
+    ("sglang", '{"publisher": "kafka"}', "--kv-events-config: Unknown event publisher 'kafka'"),
+    ("vllm", '{"enable_kv_cache_events": true, "buffer_steps": -1}',
+     "--kv-events-config: buffer_steps -1: maxlen must be non-negative"),
+    ("sglang", '{"publisher": "zmq", "endpoint": "tcp://*:5557", "bind": false}',
+     "--kv-events-config: cannot connect to tcp://*:5557: Invalid argument (addr='tcp://*:5557')"),
+])
+def test_sim_refuses_at_start_what_the_engine_refuses(capsys, protocol, config, message):
+    from asgi_generate.server.cli import main
+
+    assert main(["sim", "--protocol", protocol, "--kv-events-config", config, "--port", "0"]) == 2
+    assert capsys.readouterr().err == f"asgi-generate sim: {message}\n"
