@@ -565,3 +565,134 @@ def test_a_burst_of_connections_waits_in_the_listen_queue(worker_class):
             s.close()
         fe.stop()
         sim.stop()
+
+
+# -- ambiguous framing: refused, the connection closed --------------------------
+
+#: A request a client hides behind the framing header a proxy might not read.
+SMUGGLED = b"GET /stats HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
+_BODY = b'{"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}'
+_CHUNKED = b"%x\r\n%s\r\n0\r\n\r\n" % (len(_BODY), _BODY)
+
+
+def _framed(version: str, lines: list[str], body: bytes) -> bytes:
+    head = "".join(f"{line}\r\n" for line in lines)
+    return (f"POST /generate HTTP/{version}\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            f"{head}\r\n").encode("latin-1") + body
+
+
+#: name: (HTTP version, header lines after content-type, body, the status).
+#: Each request is followed, on the same connection, by SMUGGLED.
+AMBIGUOUS = {
+    # The smuggling of RFC 9112 section 11.2: a proxy framing by
+    # Content-Length forwards SMUGGLED as part of this body.
+    "te-and-cl": ("1.1", [f"content-length: {5 + len(SMUGGLED)}", "transfer-encoding: chunked"],
+                  b"0\r\n\r\n" + SMUGGLED, 400),
+    "cl-after-te": ("1.1", ["transfer-encoding: chunked", f"content-length: {len(_CHUNKED)}"], _CHUNKED, 400),
+    "te-and-cl-http10": ("1.0", ["transfer-encoding: chunked", f"content-length: {len(_CHUNKED)}"], _CHUNKED, 400),
+    "te-http10": ("1.0", ["transfer-encoding: chunked"], _CHUNKED, 400),
+    "chunked-twice": ("1.1", ["transfer-encoding: chunked, chunked"], _CHUNKED, 400),
+    "chunked-on-two-lines": ("1.1", ["transfer-encoding: chunked", "transfer-encoding: chunked"], _CHUNKED, 400),
+    "chunked-not-last": ("1.1", ["transfer-encoding: chunked, gzip"], _CHUNKED, 400),
+    "unknown-coding": ("1.1", ["transfer-encoding: gzip"], _CHUNKED, 400),
+    "identity": ("1.1", ["transfer-encoding: identity", f"content-length: {len(_BODY)}"], _BODY, 400),
+    "empty-coding": ("1.1", ["transfer-encoding: , chunked"], _CHUNKED, 400),
+    "coding-with-parameter": ("1.1", ["transfer-encoding: chunked;q=1"], _CHUNKED, 400),
+    "no-coding": ("1.1", ["transfer-encoding:"], _CHUNKED, 400),
+    "coding-before-chunked": ("1.1", ["transfer-encoding: gzip, chunked"], _CHUNKED, 501),
+    "te-space-before-colon": ("1.1", ["transfer-encoding : chunked", f"content-length: {len(_CHUNKED)}"],
+                              _CHUNKED, 400),
+    "te-vertical-tab": ("1.1", ["transfer-encoding:\x0bchunked"], _CHUNKED, 400),
+    "te-folded": ("1.1", ["transfer-encoding:", " chunked"], _CHUNKED, 400),
+    "te-leading-space": ("1.1", [" transfer-encoding: chunked"], _CHUNKED, 400),
+    "cl-plus": ("1.1", [f"content-length: +{len(_BODY)}"], _BODY, 400),
+    "cl-minus": ("1.1", [f"content-length: -{len(_BODY)}"], _BODY, 400),
+    "cl-list-differing": ("1.1", [f"content-length: {len(_BODY)},{len(_BODY) + 1}"], _BODY, 400),
+    "cl-lines-differing": ("1.1", [f"content-length: {len(_BODY)}", f"content-length: {len(_BODY) + 1}"],
+                           _BODY, 400),
+    "cl-empty-element": ("1.1", [f"content-length: {len(_BODY)},"], _BODY, 400),
+    "cl-leading-junk": ("1.1", [f"content-length: x{len(_BODY)}"], _BODY, 400),
+    "cl-trailing-junk": ("1.1", [f"content-length: {len(_BODY)}x"], _BODY, 400),
+    "cl-hex": ("1.1", [f"content-length: 0x{len(_BODY):x}"], _BODY, 400),
+    "cl-inner-space": ("1.1", [f"content-length: {len(_BODY)} 0"], _BODY, 400),
+    "cl-space-before-colon": ("1.1", [f"content-length : {len(_BODY)}"], _BODY, 400),
+    "cl-folded": ("1.1", ["content-length:", f"\t{len(_BODY)}"], _BODY, 400),
+    "other-header-folded": ("1.1", ["x-note: a", " b", f"content-length: {len(_BODY)}"], _BODY, 400),
+}
+
+#: Framing read one way only: answered, and SMUGGLED after it too.
+UNAMBIGUOUS = {
+    "cl-with-whitespace": ("1.1", [f"Content-Length:\t {len(_BODY)} \t"], _BODY),
+    "cl-repeated": ("1.1", [f"content-length: {len(_BODY)}", f"content-length: {len(_BODY)}, {len(_BODY)}"],
+                    _BODY),
+    "chunked-any-case-with-whitespace": ("1.1", ["Transfer-Encoding:\t ChUnKeD \t"], _CHUNKED),
+}
+
+
+def _closes(url: str) -> dict:
+    return httpx.get(url + "/stats", timeout=10).json()["connections_closed"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", list(AMBIGUOUS), ids=list(AMBIGUOUS))
+def test_ambiguous_framing_is_refused_and_the_connection_closed(fe, case):
+    """RFC 9112 sections 5.2, 6.1, 6.3: a request whose length could be read
+    two ways gets an empty 400 (501 for a coding before chunked) with
+    ``connection: close`` before the app sees it (no request counted, no
+    body budget), and the request behind it on the connection is not
+    served."""
+    version, lines, body, status = AMBIGUOUS[case]
+    before = httpx.get(fe.url + "/stats", timeout=10).json()
+    sock = _connect(fe.url)
+    try:
+        sock.sendall(_framed(version, lines, body) + SMUGGLED)
+        raw = _read_to_eof(sock)
+    finally:
+        sock.close()
+    responses, rest = _parse(raw)
+    assert len(responses) == 1 and rest == b"", raw[:400]
+    got, headers, answer = responses[0]
+    assert (got, headers["connection"], headers["content-length"], answer) == (status, "close", "0", b"")
+    after = httpx.get(fe.url + "/stats", timeout=10).json()
+    assert after["connections_closed"]["ambiguous_framing"] == before["connections_closed"]["ambiguous_framing"] + 1
+    assert (after["http_requests"], after["body_budget"]["in_use_bytes"]) == (before["http_requests"], 0)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", list(UNAMBIGUOUS), ids=list(UNAMBIGUOUS))
+def test_framing_read_one_way_is_served_with_the_next_request(fe, case):
+    """Whitespace around a value, ``chunked`` in any case and a
+    ``Content-Length`` repeated with its own value (RFC 9110 section 8.6)
+    are one framing: answered, and the connection kept for the next
+    request."""
+    version, lines, body = UNAMBIGUOUS[case]
+    before = _closes(fe.url)["ambiguous_framing"]
+    sock = _connect(fe.url)
+    try:
+        sock.sendall(_framed(version, lines, body) + SMUGGLED)
+        raw, responses = b"", []
+        while len(responses) < 2:
+            data = sock.recv(65536)
+            assert data, f"server closed: {raw[:400]!r}"
+            raw += data
+            responses, rest = _parse(raw)
+        first, second = responses
+        assert rest == b""
+    finally:
+        sock.close()
+    assert (first[0], len(orjson.loads(first[2])["output_ids"])) == (200, 1)
+    assert second[0] == 200 and "connections_closed" in orjson.loads(second[2])
+    assert _closes(fe.url)["ambiguous_framing"] == before
+
+
+def test_framing_problem_reads_each_case_as_the_frontend_answers_it():
+    """:func:`framing_problem` (no process): the status of every case above,
+    ``None`` for the unambiguous ones, on lines ended by LF alone too."""
+    from asgi_generate.server.hypercorn.fixes import framing_problem
+
+    for cases, status_of in ((AMBIGUOUS, lambda case: case[3]), (UNAMBIGUOUS, lambda case: None)):
+        for name, case in cases.items():
+            head = _framed(case[0], case[1], b"")
+            for text in (head, head.replace(b"\r\n", b"\n")):
+                problem = framing_problem(text)
+                assert (problem and problem[0]) == status_of(case), (name, text, problem)

@@ -64,6 +64,8 @@ class TCPServer(trio_tcp_server.TCPServer):
         self._running = 0
         self._waiters: list | None = None
         self._reading_done = False
+        #: The keep-alive task waits for a request head's deadline instead.
+        self._heading = False
 
     async def run(self) -> None:
         stream = self.stream
@@ -85,8 +87,9 @@ class TCPServer(trio_tcp_server.TCPServer):
             server = parse_socket_addr(sock.family, sock.getsockname())
             self.protocol = ProtocolWrapper(self.app, self.config, self.context, self, self.state, ssl,
                                             client, server, self.protocol_send, alpn)
-            await self.protocol.initiate()
-            await self.idle_task.restart(self, self._idle_timeout)
+            await self.protocol.initiate()  # HTTP/1.1: the first head's deadline (fixes.HeadDeadline)
+            if not self._heading:
+                await self.idle_task.restart(self, self._idle_timeout)
             timeout = self.config.read_timeout
             # Plain TCP with no read_timeout: the socket read and
             # wait_readable themselves, not SocketStream.receive_some's
@@ -127,9 +130,29 @@ class TCPServer(trio_tcp_server.TCPServer):
             await self._close()
 
     async def protocol_send(self, event: Event) -> None:
-        if self._reading_done and isinstance(event, Updated) and event.idle:
-            return  # nobody left to keep alive for (bug 1)
+        if isinstance(event, Updated):
+            if self._reading_done and event.idle:
+                return  # nobody left to keep alive for (bug 1)
+            self._heading = False
+        elif isinstance(event, fixes.HeadDeadline):
+            if not (self._heading or self._reading_done):
+                self._heading = True
+                await self.idle_task.restart(self, self._head_timeout)
+            return
         await super().protocol_send(event)
+
+    async def _head_timeout(self) -> None:
+        # The keep-alive task while a request head is due: at its deadline
+        # the protocol answers (or not) and closes; when the server shuts
+        # down first, closed as an idle connection (hypercorn's _idle_timeout).
+        with trio.move_on_after(fixes.header_read_timeout):
+            await self.context.terminated.wait()
+        with trio.CancelScope(shield=True):
+            self._heading = False
+            if self.context.terminated.is_set():
+                await self._initiate_server_close()
+            else:
+                await self.protocol.handle(fixes.HeadTimedOut())
 
     def reset(self) -> None:
         """Close the connection at once with a TCP reset, dropping what is
