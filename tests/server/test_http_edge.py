@@ -696,3 +696,126 @@ def test_framing_problem_reads_each_case_as_the_frontend_answers_it():
             for text in (head, head.replace(b"\r\n", b"\n")):
                 problem = framing_problem(text)
                 assert (problem and problem[0]) == status_of(case), (name, text, problem)
+
+
+# -- the request head's deadline --------------------------------------------------
+
+#: --header-read-timeout of the frontends below, seconds.
+HEAD_DEADLINE = 2
+
+
+@pytest.fixture(scope="module", params=[*WORKER_CLASSES, "uvloop"])
+def head_fe(request, fast_sim):
+    proc = start_frontend([f"sglang={fast_sim.url}"], worker_class=request.param,
+                          extra=["--header-read-timeout", str(HEAD_DEADLINE)])
+    yield proc
+    proc.stop()
+
+
+def _trickle_until_answered(sock: socket.socket, lines: list[bytes], bound: float = 40.0) -> bytes:
+    """Send one of ``lines`` (then the last again and again) each time the
+    server has said nothing for 0.2 s, until it answers or closes; all it
+    sent then, to its end. Bounded by ``bound`` seconds, below hypercorn's
+    keep-alive timeout (75 s), which would close the connection too."""
+    import select
+
+    end = time.monotonic() + bound
+    sent = 0
+    while time.monotonic() < end:
+        if select.select([sock], [], [], 0.2)[0]:
+            return _read_to_eof(sock)
+        try:
+            sock.sendall(lines[min(sent, len(lines) - 1)])
+        except OSError:  # closed meanwhile
+            return _read_to_eof(sock)
+        sent += 1
+    raise AssertionError(f"no answer within {bound} s")
+
+
+def _metric(url: str, reason: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    match = re.search(rf'^asgi_generate_connections_closed_total{{reason="{reason}"}} (\S+)$', text, re.M)
+    return float(match.group(1))
+
+
+_HEAD_LINES = [b"POST /generate HTTP/1.1\r\n", b"host: 127.0.0.1\r\n", b"x-slow: 1\r\n"]
+
+
+@pytest.mark.e2e
+def test_a_head_sent_a_line_at_a_time_gets_408_at_its_deadline(head_fe):
+    """A client sending its head a line at a time, faster than any idle
+    timeout would notice, gets 408 with ``connection: close`` once the
+    whole head is past --header-read-timeout, and the connection is closed;
+    /stats and /metrics count it."""
+    before = _closes(head_fe.url)
+    sock = _connect(head_fe.url)
+    try:
+        raw = _trickle_until_answered(sock, _HEAD_LINES)
+    finally:
+        sock.close()
+    responses, rest = _parse(raw)
+    assert len(responses) == 1 and rest == b"", raw[:300]
+    status, headers, body = responses[0]
+    assert (status, headers["connection"], headers["content-length"], body) == (408, "close", "0", b"")
+    after = _closes(head_fe.url)
+    assert after == {**before, "header_timeout": before["header_timeout"] + 1}
+    assert _metric(head_fe.url, "header_timeout") == after["header_timeout"]
+
+
+@pytest.mark.e2e
+def test_a_connection_that_sends_nothing_is_closed_unanswered_at_the_deadline(head_fe):
+    """The first request's head is due from accept: a connection that sends
+    nothing is closed at --header-read-timeout (not after the keep-alive
+    timeout), with no answer, and counted."""
+    before = _closes(head_fe.url)["header_timeout"]
+    sock = _connect(head_fe.url)
+    sock.settimeout(40)  # below the keep-alive timeout (75 s)
+    try:
+        assert sock.recv(65536) == b""
+    finally:
+        sock.close()
+    assert _closes(head_fe.url)["header_timeout"] == before + 1
+
+
+@pytest.mark.e2e
+def test_a_later_heads_deadline_starts_at_its_first_byte(head_fe):
+    """On a keep-alive connection the next head's deadline starts at its
+    first byte: a connection idle for longer than the deadline (since before
+    another connection's head timed out) still serves a request, and then a
+    head trickled on it gets its 408."""
+    before = _closes(head_fe.url)["header_timeout"]
+    kept = _connect(head_fe.url)
+    try:
+        kept.sendall(_request(_body(False, 2)))
+        assert _read_one(kept)[0] == 200
+        other = _connect(head_fe.url)
+        try:
+            assert _parse(_trickle_until_answered(other, _HEAD_LINES))[0][0][0] == 408
+        finally:
+            other.close()
+        kept.sendall(_request(_body(False, 2)))  # idle longer than the deadline: still open
+        assert _read_one(kept)[0] == 200
+        responses, rest = _parse(_trickle_until_answered(kept, _HEAD_LINES))
+    finally:
+        kept.close()
+    assert ([r[0] for r in responses], rest) == ([408], b"")
+    assert _closes(head_fe.url)["header_timeout"] == before + 2
+
+
+@pytest.mark.e2e
+def test_part_of_a_pipelined_head_has_its_deadline_from_the_answer_before_it(head_fe):
+    """Part of a head that came with the request before it: that request is
+    answered, then the rest of the head is due within the deadline; never
+    sent, it gets 408 and the connection closes."""
+    before = _closes(head_fe.url)["header_timeout"]
+    sock = _connect(head_fe.url)
+    sock.settimeout(40)  # below the keep-alive timeout (75 s)
+    try:
+        sock.sendall(_request(_body(False, 2)) + b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n")
+        raw = _read_to_eof(sock)
+    finally:
+        sock.close()
+    responses, rest = _parse(raw)
+    assert ([r[0] for r in responses], rest) == ([200, 408], b"")
+    assert responses[1][1]["connection"] == "close"
+    assert _closes(head_fe.url)["header_timeout"] == before + 1
