@@ -35,7 +35,9 @@ gone), a write to a closed connection reported to the protocol as
 ``Closed``, TLS (hypercorn's SSL context and handshake timeout), graceful
 shutdown (idle connections close, busy ones close after their answer, for at
 most ``graceful_timeout`` seconds), the lifespan, ``max_requests``. Added:
-the app told as the graceful shutdown begins (:mod:`.graceful`).
+the app told as the graceful shutdown begins (:mod:`.graceful`), and the
+request head's deadline (:class:`asgi_generate.server.hypercorn.fixes.HeadDeadline`:
+the keep-alive timer armed with it instead while a head is due).
 """
 
 from __future__ import annotations
@@ -298,7 +300,9 @@ class Connection(asyncio.Protocol):
     async def send(self, event: Event) -> None:
         """hypercorn's ``TCPServer.protocol_send``: ``RawData`` written (then
         waits while the transport's buffer is full), ``Closed`` closes the
-        connection, ``Updated`` starts or stops the keep-alive timer. A
+        connection, ``Updated`` starts or stops the keep-alive timer,
+        :class:`~asgi_generate.server.hypercorn.fixes.HeadDeadline` arms it
+        with the request head's deadline instead (once per head). A
         write to a connection that is closed or closing tells the protocol
         it is ``Closed``."""
         if isinstance(event, RawData):

@@ -1,7 +1,8 @@
-"""Workarounds for six connection-level bugs in hypercorn's HTTP/1.1
+"""Workarounds for connection-level bugs in hypercorn's HTTP/1.1
 server (hypercorn 0.18.0 on h11; every worker class), installed by
 :func:`asgi_generate.server.hypercorn.patches.install`; each bug's report for
-hypercorn's tracker and the test that shows it are in ``UPSTREAM.md``.
+hypercorn's tracker and the test that shows it are in ``UPSTREAM.md``,
+numbered as there (5 and 6 are the half-close policy at the end).
 
 1. **Closed connections linger in CLOSE-WAIT.** ``TCPServer.run`` (in
    ``hypercorn/trio/tcp_server.py`` and ``hypercorn/asyncio/tcp_server.py``)
@@ -42,7 +43,7 @@ hypercorn's tracker and the test that shows it are in ``UPSTREAM.md``.
    the app's first ``receive()`` (as uvicorn does) by :class:`_LazyContinue`,
    and never if the app answers without reading.
 
-5. **Ambiguous framing is served, and the connection kept.** h11 frames a
+7. **Ambiguous framing is served, and the connection kept.** h11 frames a
    request that carries both ``Transfer-Encoding: chunked`` and
    ``Content-Length`` by the former and keeps the connection open, so what
    a proxy framing by ``Content-Length`` took for the body is served as the
@@ -54,7 +55,7 @@ hypercorn's tracker and the test that shows it are in ``UPSTREAM.md``.
    ``chunked``), ``connection: close``, nothing after it read, the app
    never called.
 
-6. **A request head has no deadline of its own.** hypercorn's keep-alive
+8. **A request head has no deadline of its own.** hypercorn's keep-alive
    timer runs until a head is complete, so a client that sends a header
    line now and then holds its connection for ``keep_alive_timeout``
    seconds, every connection it opens. With
@@ -247,7 +248,7 @@ class _EdgeConnection(h11.Connection):
     of a client it is answering (the half-close policy above).
 
     It also reads each request head before h11 parses it and refuses one
-    whose framing is ambiguous (bug 5 above, :func:`framing_problem`): ``next_event``
+    whose framing is ambiguous (bug 7 above, :func:`framing_problem`): ``next_event``
     raises ``RemoteProtocolError`` with the status to answer, on which
     hypercorn answers it with ``connection: close`` and closes; nothing the
     client sent after it is read (:meth:`stop_reading`)."""
@@ -473,7 +474,7 @@ class _H11Protocol(H11Protocol):
             await self._head_timed_out()
             return
         await super().handle(event)
-        if type(event) is RawData and header_read_timeout is not None:
+        if type(event) is RawData and event.data and header_read_timeout is not None:
             await self._head_due()
 
     async def _head_due(self) -> None:

@@ -23,7 +23,9 @@ keep-alive task, the send lock, ``Closed`` for writes that fail, and (bug 1
 of :mod:`asgi_generate.server.hypercorn.fixes`) no keep-alive wait once the client's
 end of stream is read. Changed: a connection whose reading fails with an
 ``OSError`` tells its protocol it is ``Closed`` (the app sees the
-disconnect) instead of cancelling the app's task.
+disconnect) instead of cancelling the app's task. Added: the request head's
+deadline (:class:`asgi_generate.server.hypercorn.fixes.HeadDeadline`: the
+keep-alive task waits for it instead while a head is due).
 """
 
 from __future__ import annotations
