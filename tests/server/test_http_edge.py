@@ -700,6 +700,52 @@ def test_framing_problem_reads_each_case_as_the_frontend_answers_it():
 
 # -- the request head's deadline --------------------------------------------------
 
+
+@pytest.mark.parametrize("sent,writable,answered", [
+    (b"GET / HTTP/1.1\r\nhost: x\r\n", True, True),
+    (b"GET / HTTP/1.1\r\nhost: x\r\n", False, False),
+    (b"", True, False),
+], ids=["part-of-a-head", "part-of-a-head-no-room", "nothing"])
+def test_the_protocol_at_the_head_deadline(monkeypatch, sent, writable, answered):
+    """:class:`fixes._H11Protocol` (no process): its first head is due from
+    ``initiate()``, and again once a read leaves part of a head; at the
+    deadline it answers 408 with ``connection: close`` only if part of the
+    head came and the connection has room for it, then closes; counted
+    once either way."""
+    import anyio
+    from hypercorn.asyncio.worker_context import WorkerContext
+    from hypercorn.config import Config
+    from hypercorn.events import Closed, RawData
+
+    from asgi_generate.server.hypercorn import edge_counts, fixes
+
+    monkeypatch.setattr(fixes, "header_read_timeout", 1.0)
+    monkeypatch.setitem(edge_counts.closed, "header_timeout", 0)
+    events: list = []
+
+    async def send(event) -> None:
+        events.append(event)
+
+    async def main() -> None:
+        proto = fixes._H11Protocol(None, Config(), WorkerContext(None), None, None, False, None, None, send)
+        await proto.initiate()
+        if sent:
+            await proto.handle(RawData(sent))
+        await proto.handle(fixes.HeadTimedOut(writable))
+        await proto.handle(RawData(b"x-more: 1\r\n\r\n"))  # after the deadline: not read
+
+    anyio.run(main)
+    due = [fixes.HeadDeadline()] * (2 if sent else 1)
+    assert events[:len(due)] == due and type(events[-1]) is Closed
+    writes = [e.data for e in events[len(due):-1]]
+    if answered:
+        assert len(writes) == 1 and re.fullmatch(
+            rb"HTTP/1\.1 408 \r\ncontent-length: 0\r\nconnection: close\r\ndate: [^\r]+\r\n"
+            rb"server: hypercorn-h11\r\n\r\n", writes[0]), writes
+    else:
+        assert writes == []
+    assert edge_counts.closed["header_timeout"] == 1
+
 #: --header-read-timeout of the frontends below, seconds.
 HEAD_DEADLINE = 2
 

@@ -375,11 +375,16 @@ class Connection(asyncio.Protocol):
             self.worker.idle.discard(self)
 
     def _head_timeout(self) -> None:
-        # The request head's deadline: the protocol answers (or not) and closes.
+        # The request head's deadline: the protocol answers (or not) and
+        # closes; with the transport's buffer full (a client that does not
+        # read), unanswered and reset, not left to drain.
         self._idle = None
         self._heading = False
         self.worker.idle.discard(self)
-        self._feed(fixes.HeadTimedOut())
+        writable = not self._writing_paused
+        if not writable:
+            self.reset()
+        self._feed(fixes.HeadTimedOut(writable))
 
     def _idle_timeout(self) -> None:
         # Idle past keep_alive_timeout, or the server is shutting down.

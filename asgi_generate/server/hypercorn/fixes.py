@@ -227,7 +227,12 @@ class HeadDeadline(Event):
 @dataclass(frozen=True)
 class HeadTimedOut(Event):
     """From a connection to its HTTP/1.1 protocol: the request head's
-    deadline passed (:class:`HeadDeadline`)."""
+    deadline passed (:class:`HeadDeadline`). ``writable``: a 408 can be
+    written without waiting (the client has left room for it); if not, the
+    connection closes unanswered, and then resets, rather than wait for a
+    client that does not read."""
+
+    writable: bool = True
 
 
 def reset_on_close(sock: socket.socket) -> None:
@@ -471,7 +476,7 @@ class _H11Protocol(H11Protocol):
 
     async def handle(self, event: Event) -> None:
         if type(event) is HeadTimedOut:
-            await self._head_timed_out()
+            await self._head_timed_out(event.writable)
             return
         await super().handle(event)
         if type(event) is RawData and event.data and header_read_timeout is not None:
@@ -484,7 +489,7 @@ class _H11Protocol(H11Protocol):
         if isinstance(connection, _EdgeConnection) and connection.head_started:
             await self.send(HeadDeadline())
 
-    async def _head_timed_out(self) -> None:
+    async def _head_timed_out(self, writable: bool) -> None:
         connection = self.connection
         if (not isinstance(connection, _EdgeConnection) or connection.their_state is not h11.IDLE
                 or connection.our_state is not h11.IDLE):
@@ -497,7 +502,7 @@ class _H11Protocol(H11Protocol):
             return
         connection.stop_reading()
         edge_counts.closed["header_timeout"] += 1
-        if started:
+        if started and writable:
             # RFC 9110 section 15.5.9; a client that sent nothing gets no
             # answer it could take for its next request's, as at a
             # keep-alive timeout.

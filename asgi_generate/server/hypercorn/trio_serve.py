@@ -30,6 +30,7 @@ keep-alive task waits for it instead while a head is due).
 
 from __future__ import annotations
 
+import select
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -153,18 +154,30 @@ class TCPServer(trio_tcp_server.TCPServer):
             self._heading = False
             if self.context.terminated.is_set():
                 await self._initiate_server_close()
-            else:
-                await self.protocol.handle(fixes.HeadTimedOut())
+                return
+            # A write waits (shielded) for as long as the client leaves the
+            # socket's buffer full: answer only if there is room now, else
+            # reset (the kernel drops what it holds for the client) unanswered.
+            try:
+                writable = bool(select.select([], [self._socket()], [], 0)[1])
+            except (OSError, ValueError):  # closed meanwhile
+                writable = False
+            if not writable:
+                self.reset()
+            await self.protocol.handle(fixes.HeadTimedOut(writable))
 
     def reset(self) -> None:
         """Close the connection at once with a TCP reset, dropping what is
         buffered for the client (the app cut it off): a write stuck on it
         (hypercorn shields them) and the read both end, as on a client that
         closed."""
-        stream = self.stream
-        sock = stream.transport_stream.socket if isinstance(stream, trio.SSLStream) else stream.socket
+        sock = self._socket()
         fixes.reset_on_close(sock)
         sock.close()  # trio's: wakes every task waiting on it first
+
+    def _socket(self) -> trio.socket.SocketType:
+        stream = self.stream
+        return stream.transport_stream.socket if isinstance(stream, trio.SSLStream) else stream.socket
 
     # hypercorn's trio TaskGroup, on the connection's parent nursery
 
