@@ -698,6 +698,44 @@ def test_framing_problem_reads_each_case_as_the_frontend_answers_it():
                 assert (problem and problem[0]) == status_of(case), (name, text, problem)
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["first", "after-a-request"])
+def test_a_head_read_a_byte_at_a_time_is_refused_once_whole(pipelined):
+    """:class:`fixes._EdgeConnection` (no process) reads a head that comes a
+    byte at a time (its blank line split between reads), or behind a
+    request on a keep-alive connection, as a whole one: each ambiguous
+    head is refused with its status once its blank line is in, exactly
+    once, and nothing after it is read; an unambiguous one is parsed."""
+    from asgi_generate.server.hypercorn.fixes import _EdgeConnection
+
+    good = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+    for cases, status_of in ((AMBIGUOUS, lambda case: case[3]), (UNAMBIGUOUS, lambda case: None)):
+        for name, case in cases.items():
+            conn = _EdgeConnection(h11.SERVER)
+            head = _framed(case[0], case[1], b"")
+            if pipelined:
+                conn.receive_data(good + head[:5])
+                assert type(conn.next_event()) is h11.Request and type(conn.next_event()) is h11.EndOfMessage
+                conn.send(h11.Response(status_code=200, headers=[("content-length", "0")]))
+                conn.send(h11.EndOfMessage())
+                conn.start_next_cycle()
+                head = head[5:]
+            refusals, requests = [], []
+            for i in range(len(head)):
+                conn.receive_data(head[i:i + 1])
+                try:
+                    event = conn.next_event()
+                except h11.RemoteProtocolError as exc:
+                    refusals.append((i, exc.error_status_hint))
+                else:
+                    requests += [i] if type(event) is h11.Request else []
+            if status_of(case) is None:
+                assert (refusals, requests) == ([], [len(head) - 1]), name
+            else:
+                assert (refusals, requests) == ([(len(head) - 1, status_of(case))], []), name
+                conn.receive_data(SMUGGLED)
+                assert conn.next_event() is h11.NEED_DATA, name
+
+
 # -- the request head's deadline --------------------------------------------------
 
 

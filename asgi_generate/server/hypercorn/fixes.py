@@ -229,8 +229,8 @@ class HeadTimedOut(Event):
     """From a connection to its HTTP/1.1 protocol: the request head's
     deadline passed (:class:`HeadDeadline`). ``writable``: a 408 can be
     written without waiting (the client has left room for it); if not, the
-    connection closes unanswered, and then resets, rather than wait for a
-    client that does not read."""
+    connection resets and closes unanswered rather than wait for a client
+    that does not read."""
 
     writable: bool = True
 
@@ -310,7 +310,7 @@ class _EdgeConnection(h11.Connection):
             self._head = head if isinstance(head, bytearray) else bytearray(head)
             return
         self._head = None
-        self._refusal = framing_problem(head[:end.end()])
+        self._refusal = framing_problem(bytes(head[:end.end()]))
 
     def next_event(self):
         if self._stopped or self.their_state is h11.MUST_CLOSE:
