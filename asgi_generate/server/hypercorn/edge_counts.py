@@ -11,5 +11,6 @@ from __future__ import annotations
 #: ``ambiguous_framing``, a request head refused for its framing
 #: (:func:`asgi_generate.server.hypercorn.fixes.framing_problem`: 400 or
 #: 501); ``header_timeout``, a request head not complete at its deadline
-#: (``--header-read-timeout``: 408, or no answer when no byte of it came).
+#: (``--header-read-timeout``: 408, or no answer when none of it came or
+#: the socket has no room for one).
 closed: dict[str, int] = {"ambiguous_framing": 0, "header_timeout": 0}
