@@ -1,7 +1,8 @@
 """Connection-level HTTP edge cases between a client and the frontend, on
 raw loopback sockets, on both hypercorn worker classes: sockets released
 when clients close, ``Connection: close`` followed by more bytes, half-close
-at every phase of a request, unknown routes."""
+at every phase of a request, unknown routes, requests with ambiguous
+framing, the request head's deadline."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import httpx
 import orjson
 import pytest
 
-from support import post, start_frontend, start_sim, stats, wait_until, trace_records
+from support import post, start_frontend, start_hypercorn, start_sim, stats, wait_until, trace_records
 
 WORKER_CLASSES = ["trio", "asyncio"]
 
@@ -914,3 +915,35 @@ def test_part_of_a_pipelined_head_has_its_deadline_from_the_answer_before_it(hea
     assert ([r[0] for r in responses], rest) == ([200, 408], b"")
     assert responses[1][1]["connection"] == "close"
     assert _closes(head_fe.url)["header_timeout"] == before + 1
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("how", ["hypercorn-trio", "hypercorn-asyncio", "serve-workers-2"])
+def test_the_head_deadline_and_the_framing_check_under_every_entry_point(fast_sim, how):
+    """The setting reaches the patches however the app is served: a
+    hypercorn run by hand (``ASGI_GENERATE_HEADER_READ_TIMEOUT``) and
+    ``serve --workers 2`` (each process): a trickled head gets its 408, a
+    request with both framing headers its 400."""
+    if how == "serve-workers-2":
+        proc = start_frontend([f"sglang={fast_sim.url}"], worker_class="trio",
+                              extra=["--workers", "2", "--header-read-timeout", str(HEAD_DEADLINE)])
+    else:
+        proc = start_hypercorn([f"sglang={fast_sim.url}"], worker_class=how.split("-")[1],
+                               env={"ASGI_GENERATE_HEADER_READ_TIMEOUT": str(HEAD_DEADLINE)})
+    try:
+        sock = _connect(proc.url)
+        try:
+            responses, rest = _parse(_trickle_until_answered(sock, _HEAD_LINES))
+        finally:
+            sock.close()
+        assert ([r[0] for r in responses], rest) == ([408], b"")
+        version, lines, body, status = AMBIGUOUS["te-and-cl"]
+        sock = _connect(proc.url)
+        try:
+            sock.sendall(_framed(version, lines, body) + SMUGGLED)
+            responses, rest = _parse(_read_to_eof(sock))
+        finally:
+            sock.close()
+        assert ([(r[0], r[1]["connection"]) for r in responses], rest) == ([(400, "close")], b"")
+    finally:
+        proc.stop()
