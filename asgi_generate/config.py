@@ -220,6 +220,12 @@ class Settings:
              "--max-body-bytes); more wait, then get 503 with Retry-After")
     body_budget_wait: float = setting(
         120.0, unit="s", help="seconds a request may wait for room in the body budget before its 503")
+    header_read_timeout: float = setting(
+        10.0, unit="s", gt=0,
+        help="seconds a client has to send a request's head (request line and headers), from accept for a "
+             "connection's first request, else from the head's first byte (until then an idle keep-alive "
+             "connection waits for it up to the keep-alive timeout, 75 s under serve); past it the connection "
+             "is closed, with a 408 if part of the head came")
     body_read_timeout: float = setting(
         30.0, unit="s", gt=0, help="seconds a client has to send its whole body; a stalled upload gets 408")
     slow_client_timeout: float = setting(

@@ -249,6 +249,15 @@ class Metrics:
                                      ("sink",), registry=reg)
         self.trace_dropped = Counter(p + "trace_records_dropped_total", "Request-end records lost, by cause "
                                      "(queue_full, sink_error, build_error, closed).", ("cause",), registry=reg)
+        self.connections_closed = Counter(p + "connections_closed_total", "Client connections closed before a "
+                                          "request reached the app, by reason (ambiguous_framing: a request "
+                                          "head refused for its framing; header_timeout: a request head not "
+                                          "complete at its deadline).", ("reason",), registry=reg)
+        #: The process's running counts of :attr:`connections_closed` by
+        #: reason, kept by the server (:attr:`closed_source`), and how much
+        #: of each the counter holds already.
+        self.closed_source: dict[str, int] = {}
+        self._closed_moved: dict[str, int] = {}
 
         self._requests, self._http_requests, self._prompt, self._generation, self._body, self._migrations, \
             self._migration_waits, self._legs, self._failures, self._aborts = map(_Children, (
@@ -289,6 +298,11 @@ class Metrics:
         if self._in_flight:
             self.in_flight.inc(self._in_flight)
             self._in_flight = 0
+        for reason, count in self.closed_source.items():
+            moved = self._closed_moved.get(reason)
+            if moved is None or count > moved:  # every reason shows, 0 included
+                self.connections_closed.labels(reason).inc(count - (moved or 0))
+                self._closed_moved[reason] = count
 
     def request_finished(self, st: RequestState) -> None:
         """Count a finished request, or an item of one (``t_done`` and

@@ -29,7 +29,7 @@ from ..request.context import Running
 from ..sdk.codec import Codec
 from ..config import Settings
 from . import embedded
-from .hypercorn import patches as hypercorn_patches
+from .hypercorn import edge_counts, patches as hypercorn_patches
 from ..request.budget import BodyBudget
 from ..request.migrations import MigrationSlots
 from ..request.framing import Receive, Send, send_unary
@@ -116,6 +116,7 @@ class App:
         self.started_unix_ms = int(time.time() * 1000)
         #: Request and abort counters, metrics and the trace writer.
         self.recorder = Recorder(settings)
+        self.recorder.metrics.closed_source = edge_counts.closed
         #: Called once the lifespan has started (workers probed, simulators up).
         self.on_started: Callable[[], None] | None = None
 
@@ -369,12 +370,16 @@ class App:
         pool figures, of this process (``pid``; ``serve
         --workers N`` runs N of them, each with its own budget); whether
         hypercorn serves patched (``hypercorn_patches``,
-        :func:`asgi_generate.server.hypercorn.patches.status`); an embedded
+        :func:`asgi_generate.server.hypercorn.patches.status`); client
+        connections closed before a request reached the app, by reason
+        (``connections_closed``,
+        :data:`asgi_generate.server.hypercorn.edge_counts.closed`); an embedded
         simulator's process id as its worker's ``pid``."""
         recorder = self.recorder
         return {
             "pid": os.getpid(),
             "hypercorn_patches": hypercorn_patches.status(),
+            "connections_closed": dict(edge_counts.closed),
             **recorder.counters,
             "by_status": dict(recorder.by_status),
             "reading_body": self.body_budget.reading,

@@ -43,6 +43,8 @@ def _app() -> App:
     try:
         settings = Settings.from_env()
         settings.check()
+        hypercorn_patches.install(send_errors=App.handles_send_errors,
+                                  header_read_timeout=settings.header_read_timeout)
         return App(settings)
     except (ValueError, CodecLoadError) as exc:  # TraceSetupError is a ValueError
         for line in str(exc).splitlines():
@@ -51,5 +53,4 @@ def _app() -> App:
 
 
 _log_to_stderr()
-hypercorn_patches.install(send_errors=App.handles_send_errors)
 app = _app()

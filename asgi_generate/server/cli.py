@@ -356,7 +356,7 @@ def _serve(args: argparse.Namespace, d: Settings) -> int:
         # aborts. hypercorn serves (and closes) the descriptor itself.
         config = hypercorn_config(fd=sock.detach(), graceful_timeout=settings.shutdown_grace + 15.0,
                                   log_level=args.log_level, access_log=args.access_log, tls=tls)
-        run(app, config, args.worker_class)
+        run(app, config, args.worker_class, settings.header_read_timeout)
         return 0
     finally:
         sock.close()  # a no-op once detached

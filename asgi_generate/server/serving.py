@@ -242,7 +242,7 @@ def held_signal() -> int | None:
     return _held[0] if _held else None
 
 
-def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
+def run(app: Any, config: Config, worker_class: str = "asyncio", header_read_timeout: float | None = None) -> None:
     """Raise the open-file limit (:func:`raise_fd_limit`), then serve ``app``
     until SIGINT or SIGTERM, and shut down gracefully: hypercorn stops
     accepting, and ``app.begin_shutdown(config.graceful_timeout)`` (when the
@@ -252,7 +252,9 @@ def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
     with our patches if they match it (else as released, with one WARNING:
     :func:`asgi_generate.server.hypercorn.patches.install`); patched, an app
     with a true ``handles_send_errors`` gets an error from a ``send()`` to a
-    client that is gone.
+    client that is gone, and a request head is due within
+    ``header_read_timeout`` seconds (``None``: hypercorn's keep-alive
+    timeout alone bounds it).
 
     Raises:
         ValueError: ``worker_class`` is not one of :data:`WORKER_CLASSES`.
@@ -261,7 +263,8 @@ def run(app: Any, config: Config, worker_class: str = "asyncio") -> None:
         raise ValueError(f"worker class must be one of {WORKER_CLASSES}, not {worker_class!r}")
     raise_fd_limit()
 
-    patched = hypercorn_patches.install(send_errors=getattr(app, "handles_send_errors", False))
+    patched = hypercorn_patches.install(send_errors=getattr(app, "handles_send_errors", False),
+                                        header_read_timeout=header_read_timeout)
 
     async def main() -> None:
         if worker_class == "trio":

@@ -182,14 +182,15 @@ def _child() -> int:
     if os.getppid() != args.parent_pid:  # it died before the line above took effect
         return 0
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
-    app = App(Settings.from_env(), simulators=[embedded.Simulator(*sim) for sim in args.simulators])
+    settings = Settings.from_env()
+    app = App(settings, simulators=[embedded.Simulator(*sim) for sim in args.simulators])
     spread.current = args.connections
     if args.ready_fd is not None:
         app.on_started = detach.announcer(args.ready_fd)
     tls = ServerTLS(args.certfile, args.keyfile, args.ca_certs, args.ciphers) if args.certfile else None
     config = hypercorn_config(fd=args.fd, graceful_timeout=args.shutdown_grace + 15.0,
                               log_level=args.log_level, access_log=args.access_log, tls=tls)
-    run(app, config, args.worker_class)
+    run(app, config, args.worker_class, settings.header_read_timeout)
     return 0
 
 

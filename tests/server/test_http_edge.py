@@ -1,7 +1,8 @@
 """Connection-level HTTP edge cases between a client and the frontend, on
 raw loopback sockets, on both hypercorn worker classes: sockets released
 when clients close, ``Connection: close`` followed by more bytes, half-close
-at every phase of a request, unknown routes."""
+at every phase of a request, unknown routes, requests with ambiguous
+framing, the request head's deadline."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import httpx
 import orjson
 import pytest
 
-from support import post, start_frontend, start_sim, stats, wait_until, trace_records
+from support import post, start_frontend, start_hypercorn, start_sim, stats, wait_until, trace_records
 
 WORKER_CLASSES = ["trio", "asyncio"]
 
@@ -565,3 +566,384 @@ def test_a_burst_of_connections_waits_in_the_listen_queue(worker_class):
             s.close()
         fe.stop()
         sim.stop()
+
+
+# -- ambiguous framing: refused, the connection closed --------------------------
+
+#: A request a client hides behind the framing header a proxy might not read.
+SMUGGLED = b"GET /stats HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
+_BODY = b'{"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}'
+_CHUNKED = b"%x\r\n%s\r\n0\r\n\r\n" % (len(_BODY), _BODY)
+
+
+def _framed(version: str, lines: list[str], body: bytes) -> bytes:
+    head = "".join(f"{line}\r\n" for line in lines)
+    return (f"POST /generate HTTP/{version}\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            f"{head}\r\n").encode("latin-1") + body
+
+
+#: name: (HTTP version, header lines after content-type, body, the status).
+#: Each request is followed, on the same connection, by SMUGGLED.
+AMBIGUOUS = {
+    # The smuggling of RFC 9112 section 11.2: a proxy framing by
+    # Content-Length forwards SMUGGLED as part of this body.
+    "te-and-cl": ("1.1", [f"content-length: {5 + len(SMUGGLED)}", "transfer-encoding: chunked"],
+                  b"0\r\n\r\n" + SMUGGLED, 400),
+    "cl-after-te": ("1.1", ["transfer-encoding: chunked", f"content-length: {len(_CHUNKED)}"], _CHUNKED, 400),
+    "te-and-cl-http10": ("1.0", ["transfer-encoding: chunked", f"content-length: {len(_CHUNKED)}"], _CHUNKED, 400),
+    "te-http10": ("1.0", ["transfer-encoding: chunked"], _CHUNKED, 400),
+    "chunked-twice": ("1.1", ["transfer-encoding: chunked, chunked"], _CHUNKED, 400),
+    "chunked-on-two-lines": ("1.1", ["transfer-encoding: chunked", "transfer-encoding: chunked"], _CHUNKED, 400),
+    "chunked-not-last": ("1.1", ["transfer-encoding: chunked, gzip"], _CHUNKED, 400),
+    "unknown-coding": ("1.1", ["transfer-encoding: gzip"], _CHUNKED, 400),
+    "identity": ("1.1", ["transfer-encoding: identity", f"content-length: {len(_BODY)}"], _BODY, 400),
+    "empty-coding": ("1.1", ["transfer-encoding: , chunked"], _CHUNKED, 400),
+    "coding-with-parameter": ("1.1", ["transfer-encoding: chunked;q=1"], _CHUNKED, 400),
+    "no-coding": ("1.1", ["transfer-encoding:"], _CHUNKED, 400),
+    "coding-before-chunked": ("1.1", ["transfer-encoding: gzip, chunked"], _CHUNKED, 501),
+    "te-space-before-colon": ("1.1", ["transfer-encoding : chunked", f"content-length: {len(_CHUNKED)}"],
+                              _CHUNKED, 400),
+    "te-vertical-tab": ("1.1", ["transfer-encoding:\x0bchunked"], _CHUNKED, 400),
+    "te-folded": ("1.1", ["transfer-encoding:", " chunked"], _CHUNKED, 400),
+    "te-leading-space": ("1.1", [" transfer-encoding: chunked"], _CHUNKED, 400),
+    "cl-plus": ("1.1", [f"content-length: +{len(_BODY)}"], _BODY, 400),
+    "cl-minus": ("1.1", [f"content-length: -{len(_BODY)}"], _BODY, 400),
+    "cl-list-differing": ("1.1", [f"content-length: {len(_BODY)},{len(_BODY) + 1}"], _BODY, 400),
+    "cl-lines-differing": ("1.1", [f"content-length: {len(_BODY)}", f"content-length: {len(_BODY) + 1}"],
+                           _BODY, 400),
+    "cl-empty-element": ("1.1", [f"content-length: {len(_BODY)},"], _BODY, 400),
+    "cl-leading-junk": ("1.1", [f"content-length: x{len(_BODY)}"], _BODY, 400),
+    "cl-trailing-junk": ("1.1", [f"content-length: {len(_BODY)}x"], _BODY, 400),
+    "cl-hex": ("1.1", [f"content-length: 0x{len(_BODY):x}"], _BODY, 400),
+    "cl-inner-space": ("1.1", [f"content-length: {len(_BODY)} 0"], _BODY, 400),
+    "cl-space-before-colon": ("1.1", [f"content-length : {len(_BODY)}"], _BODY, 400),
+    "cl-folded": ("1.1", ["content-length:", f"\t{len(_BODY)}"], _BODY, 400),
+    "other-header-folded": ("1.1", ["x-note: a", " b", f"content-length: {len(_BODY)}"], _BODY, 400),
+}
+
+#: Framing read one way only: answered, and SMUGGLED after it too.
+UNAMBIGUOUS = {
+    "cl-with-whitespace": ("1.1", [f"Content-Length:\t {len(_BODY)} \t"], _BODY),
+    "cl-repeated": ("1.1", [f"content-length: {len(_BODY)}", f"content-length: {len(_BODY)}, {len(_BODY)}"],
+                    _BODY),
+    "chunked-any-case-with-whitespace": ("1.1", ["Transfer-Encoding:\t ChUnKeD \t"], _CHUNKED),
+}
+
+
+def _closes(url: str) -> dict:
+    return httpx.get(url + "/stats", timeout=10).json()["connections_closed"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", list(AMBIGUOUS), ids=list(AMBIGUOUS))
+def test_ambiguous_framing_is_refused_and_the_connection_closed(fe, case):
+    """RFC 9112 sections 5.2, 6.1, 6.3: a request whose length could be read
+    two ways gets an empty 400 (501 for a coding before chunked) with
+    ``connection: close`` before the app sees it (no request counted, no
+    body budget), and the request behind it on the connection is not
+    served."""
+    version, lines, body, status = AMBIGUOUS[case]
+    before = httpx.get(fe.url + "/stats", timeout=10).json()
+    sock = _connect(fe.url)
+    try:
+        sock.sendall(_framed(version, lines, body) + SMUGGLED)
+        raw = _read_to_eof(sock)
+    finally:
+        sock.close()
+    responses, rest = _parse(raw)
+    assert len(responses) == 1 and rest == b"", raw[:400]
+    got, headers, answer = responses[0]
+    assert (got, headers["connection"], headers["content-length"], answer) == (status, "close", "0", b"")
+    after = httpx.get(fe.url + "/stats", timeout=10).json()
+    assert after["connections_closed"]["ambiguous_framing"] == before["connections_closed"]["ambiguous_framing"] + 1
+    assert (after["http_requests"], after["body_budget"]["in_use_bytes"]) == (before["http_requests"], 0)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", list(UNAMBIGUOUS), ids=list(UNAMBIGUOUS))
+def test_framing_read_one_way_is_served_with_the_next_request(fe, case):
+    """Whitespace around a value, ``chunked`` in any case and a
+    ``Content-Length`` repeated with its own value (RFC 9110 section 8.6)
+    are one framing: answered, and the connection kept for the next
+    request."""
+    version, lines, body = UNAMBIGUOUS[case]
+    before = _closes(fe.url)["ambiguous_framing"]
+    sock = _connect(fe.url)
+    try:
+        sock.sendall(_framed(version, lines, body) + SMUGGLED)
+        raw, responses = b"", []
+        while len(responses) < 2:
+            data = sock.recv(65536)
+            assert data, f"server closed: {raw[:400]!r}"
+            raw += data
+            responses, rest = _parse(raw)
+        first, second = responses
+        assert rest == b""
+    finally:
+        sock.close()
+    assert (first[0], len(orjson.loads(first[2])["output_ids"])) == (200, 1)
+    assert second[0] == 200 and "connections_closed" in orjson.loads(second[2])
+    assert _closes(fe.url)["ambiguous_framing"] == before
+
+
+def test_framing_problem_reads_each_case_as_the_frontend_answers_it():
+    """:func:`framing_problem` (no process): the status of every case above,
+    ``None`` for the unambiguous ones, on lines ended by LF alone too."""
+    from asgi_generate.server.hypercorn.fixes import framing_problem
+
+    for cases, status_of in ((AMBIGUOUS, lambda case: case[3]), (UNAMBIGUOUS, lambda case: None)):
+        for name, case in cases.items():
+            head = _framed(case[0], case[1], b"")
+            for text in (head, head.replace(b"\r\n", b"\n")):
+                problem = framing_problem(text)
+                assert (problem and problem[0]) == status_of(case), (name, text, problem)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["first", "after-a-request"])
+def test_a_head_read_a_byte_at_a_time_is_refused_once_whole(pipelined):
+    """:class:`fixes._EdgeConnection` (no process) reads a head that comes a
+    byte at a time (its blank line split between reads), or behind a
+    request on a keep-alive connection, as a whole one: each ambiguous
+    head is refused with its status once its blank line is in, exactly
+    once, and nothing after it is read; an unambiguous one is parsed."""
+    from asgi_generate.server.hypercorn.fixes import _EdgeConnection
+
+    good = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+    for cases, status_of in ((AMBIGUOUS, lambda case: case[3]), (UNAMBIGUOUS, lambda case: None)):
+        for name, case in cases.items():
+            conn = _EdgeConnection(h11.SERVER)
+            head = _framed(case[0], case[1], b"")
+            if pipelined:
+                conn.receive_data(good + head[:5])
+                assert type(conn.next_event()) is h11.Request and type(conn.next_event()) is h11.EndOfMessage
+                conn.send(h11.Response(status_code=200, headers=[("content-length", "0")]))
+                conn.send(h11.EndOfMessage())
+                conn.start_next_cycle()
+                head = head[5:]
+            refusals, requests = [], []
+            for i in range(len(head)):
+                conn.receive_data(head[i:i + 1])
+                try:
+                    event = conn.next_event()
+                except h11.RemoteProtocolError as exc:
+                    refusals.append((i, exc.error_status_hint))
+                else:
+                    requests += [i] if type(event) is h11.Request else []
+            if status_of(case) is None:
+                assert (refusals, requests) == ([], [len(head) - 1]), name
+            else:
+                assert (refusals, requests) == ([(len(head) - 1, status_of(case))], []), name
+                conn.receive_data(SMUGGLED)
+                assert conn.next_event() is h11.NEED_DATA, name
+
+
+# -- the request head's deadline --------------------------------------------------
+
+
+@pytest.mark.parametrize("sent,writable,answered", [
+    (b"GET / HTTP/1.1\r\nhost: x\r\n", True, True),
+    (b"GET / HTTP/1.1\r\nhost: x\r\n", False, False),
+    (b"", True, False),
+], ids=["part-of-a-head", "part-of-a-head-no-room", "nothing"])
+def test_the_protocol_at_the_head_deadline(monkeypatch, sent, writable, answered):
+    """:class:`fixes._H11Protocol` (no process): its first head is due from
+    ``initiate()``, and again once a read leaves part of a head; at the
+    deadline it answers 408 with ``connection: close`` only if part of the
+    head came and the connection has room for it, then closes; counted
+    once either way."""
+    import anyio
+    from hypercorn.asyncio.worker_context import WorkerContext
+    from hypercorn.config import Config
+    from hypercorn.events import Closed, RawData
+
+    from asgi_generate.server.hypercorn import edge_counts, fixes
+
+    monkeypatch.setattr(fixes, "header_read_timeout", 1.0)
+    monkeypatch.setitem(edge_counts.closed, "header_timeout", 0)
+    events: list = []
+
+    async def send(event) -> None:
+        events.append(event)
+
+    async def main() -> None:
+        proto = fixes._H11Protocol(None, Config(), WorkerContext(None), None, None, False, None, None, send)
+        await proto.initiate()
+        if sent:
+            await proto.handle(RawData(sent))
+        await proto.handle(fixes.HeadTimedOut(writable))
+        await proto.handle(RawData(b"x-more: 1\r\n\r\n"))  # after the deadline: not read
+
+    anyio.run(main)
+    due = [fixes.HeadDeadline()] * (2 if sent else 1)
+    assert events[:len(due)] == due and type(events[-1]) is Closed
+    writes = [e.data for e in events[len(due):-1]]
+    if answered:
+        assert len(writes) == 1 and re.fullmatch(
+            rb"HTTP/1\.1 408 \r\ncontent-length: 0\r\nconnection: close\r\ndate: [^\r]+\r\n"
+            rb"server: hypercorn-h11\r\n\r\n", writes[0]), writes
+    else:
+        assert writes == []
+    assert edge_counts.closed["header_timeout"] == 1
+
+#: --header-read-timeout of the frontends below, seconds.
+HEAD_DEADLINE = 2
+
+
+@pytest.fixture(scope="module", params=[*WORKER_CLASSES, "uvloop"])
+def head_fe(request, fast_sim):
+    proc = start_frontend([f"sglang={fast_sim.url}"], worker_class=request.param,
+                          extra=["--header-read-timeout", str(HEAD_DEADLINE)])
+    yield proc
+    proc.stop()
+
+
+def _trickle_until_answered(sock: socket.socket, lines: list[bytes], bound: float = 40.0) -> bytes:
+    """Send one of ``lines`` (then the last again and again) each time the
+    server has said nothing for 0.2 s, until it answers or closes; all it
+    sent then, to its end. Bounded by ``bound`` seconds, below hypercorn's
+    keep-alive timeout (75 s), which would close the connection too."""
+    import select
+
+    def rest() -> bytes:
+        # A line sent as the server closed makes its kernel reset the
+        # connection: what came before the reset is the answer.
+        raw = b""
+        try:
+            while data := sock.recv(65536):
+                raw += data
+        except ConnectionResetError:
+            pass
+        return raw
+
+    end = time.monotonic() + bound
+    sent = 0
+    while time.monotonic() < end:
+        if select.select([sock], [], [], 0.2)[0]:
+            return rest()
+        try:
+            sock.sendall(lines[min(sent, len(lines) - 1)])
+        except OSError:  # closed meanwhile
+            return rest()
+        sent += 1
+    raise AssertionError(f"no answer within {bound} s")
+
+
+def _metric(url: str, reason: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    match = re.search(rf'^asgi_generate_connections_closed_total{{reason="{reason}"}} (\S+)$', text, re.M)
+    return float(match.group(1))
+
+
+_HEAD_LINES = [b"POST /generate HTTP/1.1\r\n", b"host: 127.0.0.1\r\n", b"x-slow: 1\r\n"]
+
+
+@pytest.mark.e2e
+def test_a_head_sent_a_line_at_a_time_gets_408_at_its_deadline(head_fe):
+    """A client sending its head a line at a time, faster than any idle
+    timeout would notice, gets 408 with ``connection: close`` once the
+    whole head is past --header-read-timeout, and the connection is closed;
+    /stats and /metrics count it."""
+    before = _closes(head_fe.url)
+    sock = _connect(head_fe.url)
+    try:
+        raw = _trickle_until_answered(sock, _HEAD_LINES)
+    finally:
+        sock.close()
+    responses, rest = _parse(raw)
+    assert len(responses) == 1 and rest == b"", raw[:300]
+    status, headers, body = responses[0]
+    assert (status, headers["connection"], headers["content-length"], body) == (408, "close", "0", b"")
+    after = _closes(head_fe.url)
+    assert after == {**before, "header_timeout": before["header_timeout"] + 1}
+    assert _metric(head_fe.url, "header_timeout") == after["header_timeout"]
+
+
+@pytest.mark.e2e
+def test_a_connection_that_sends_nothing_is_closed_unanswered_at_the_deadline(head_fe):
+    """The first request's head is due from accept: a connection that sends
+    nothing is closed at --header-read-timeout (not after the keep-alive
+    timeout), with no answer, and counted."""
+    before = _closes(head_fe.url)["header_timeout"]
+    sock = _connect(head_fe.url)
+    sock.settimeout(40)  # below the keep-alive timeout (75 s)
+    try:
+        assert sock.recv(65536) == b""
+    finally:
+        sock.close()
+    assert _closes(head_fe.url)["header_timeout"] == before + 1
+
+
+@pytest.mark.e2e
+def test_a_later_heads_deadline_starts_at_its_first_byte(head_fe):
+    """On a keep-alive connection the next head's deadline starts at its
+    first byte: a connection idle for longer than the deadline (since before
+    another connection's head timed out) still serves a request, and then a
+    head trickled on it gets its 408."""
+    before = _closes(head_fe.url)["header_timeout"]
+    kept = _connect(head_fe.url)
+    try:
+        kept.sendall(_request(_body(False, 2)))
+        assert _read_one(kept)[0] == 200
+        other = _connect(head_fe.url)
+        try:
+            assert _parse(_trickle_until_answered(other, _HEAD_LINES))[0][0][0] == 408
+        finally:
+            other.close()
+        kept.sendall(_request(_body(False, 2)))  # idle longer than the deadline: still open
+        assert _read_one(kept)[0] == 200
+        responses, rest = _parse(_trickle_until_answered(kept, _HEAD_LINES))
+    finally:
+        kept.close()
+    assert ([r[0] for r in responses], rest) == ([408], b"")
+    assert _closes(head_fe.url)["header_timeout"] == before + 2
+
+
+@pytest.mark.e2e
+def test_part_of_a_pipelined_head_has_its_deadline_from_the_answer_before_it(head_fe):
+    """Part of a head that came with the request before it: that request is
+    answered, then the rest of the head is due within the deadline; never
+    sent, it gets 408 and the connection closes."""
+    before = _closes(head_fe.url)["header_timeout"]
+    sock = _connect(head_fe.url)
+    sock.settimeout(40)  # below the keep-alive timeout (75 s)
+    try:
+        sock.sendall(_request(_body(False, 2)) + b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n")
+        raw = _read_to_eof(sock)
+    finally:
+        sock.close()
+    responses, rest = _parse(raw)
+    assert ([r[0] for r in responses], rest) == ([200, 408], b"")
+    assert responses[1][1]["connection"] == "close"
+    assert _closes(head_fe.url)["header_timeout"] == before + 1
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("how", ["hypercorn-trio", "hypercorn-asyncio", "serve-workers-2"])
+def test_the_head_deadline_and_the_framing_check_under_every_entry_point(fast_sim, how):
+    """The setting reaches the patches however the app is served: a
+    hypercorn run by hand (``ASGI_GENERATE_HEADER_READ_TIMEOUT``) and
+    ``serve --workers 2`` (each process): a trickled head gets its 408, a
+    request with both framing headers its 400."""
+    if how == "serve-workers-2":
+        proc = start_frontend([f"sglang={fast_sim.url}"], worker_class="trio",
+                              extra=["--workers", "2", "--header-read-timeout", str(HEAD_DEADLINE)])
+    else:
+        proc = start_hypercorn([f"sglang={fast_sim.url}"], worker_class=how.split("-")[1],
+                               env={"ASGI_GENERATE_HEADER_READ_TIMEOUT": str(HEAD_DEADLINE)})
+    try:
+        sock = _connect(proc.url)
+        try:
+            responses, rest = _parse(_trickle_until_answered(sock, _HEAD_LINES))
+        finally:
+            sock.close()
+        assert ([r[0] for r in responses], rest) == ([408], b"")
+        version, lines, body, status = AMBIGUOUS["te-and-cl"]
+        sock = _connect(proc.url)
+        try:
+            sock.sendall(_framed(version, lines, body) + SMUGGLED)
+            responses, rest = _parse(_read_to_eof(sock))
+        finally:
+            sock.close()
+        assert ([(r[0], r[1]["connection"]) for r in responses], rest) == ([(400, "close")], b"")
+    finally:
+        proc.stop()

@@ -35,7 +35,9 @@ gone), a write to a closed connection reported to the protocol as
 ``Closed``, TLS (hypercorn's SSL context and handshake timeout), graceful
 shutdown (idle connections close, busy ones close after their answer, for at
 most ``graceful_timeout`` seconds), the lifespan, ``max_requests``. Added:
-the app told as the graceful shutdown begins (:mod:`.graceful`).
+the app told as the graceful shutdown begins (:mod:`.graceful`), and the
+request head's deadline (:class:`asgi_generate.server.hypercorn.fixes.HeadDeadline`:
+the keep-alive timer armed with it instead while a head is due).
 """
 
 from __future__ import annotations
@@ -166,7 +168,7 @@ class Connection(asyncio.Protocol):
     Events reach ``self.protocol.handle()`` in the order they happened; a
     ``handle()`` that suspends runs on in a task (module docstring)."""
 
-    __slots__ = ("worker", "transport", "protocol", "_queued", "_tasks", "_idle", "_drain",
+    __slots__ = ("worker", "transport", "protocol", "_queued", "_tasks", "_idle", "_heading", "_drain",
                  "_writing_paused", "_reading_done", "_lost", "_ended", "_ssl")
 
     def __init__(self, worker: _Worker) -> None:
@@ -177,8 +179,10 @@ class Connection(asyncio.Protocol):
         self._queued: list[Event] | None = None
         #: Its live tasks: None, one, or a list of several.
         self._tasks: asyncio.Task | list[asyncio.Task] | None = None
-        #: The keep-alive timer while the connection is idle.
+        #: The keep-alive timer while the connection is idle, or the
+        #: request head's deadline (``_heading``) while a head is due.
         self._idle: asyncio.TimerHandle | None = None
+        self._heading = False
         #: Futures of writes waiting for the transport to resume writing.
         self._drain: list[asyncio.Future] | None = None
         self._writing_paused = False
@@ -208,10 +212,10 @@ class Connection(asyncio.Protocol):
         alpn = ssl_object.selected_alpn_protocol() if self._ssl else "http/1.1"
         self.protocol = ProtocolWrapper(worker.app, worker.config, worker.context, self, worker.state,
                                         self._ssl, client, here, self.send, alpn)
-        self._run(self.protocol.initiate())
+        self._run(self.protocol.initiate())  # HTTP/1.1: the first head's deadline (fixes.HeadDeadline)
         if worker.context.terminated.is_set():
             self._idle_timeout()
-        elif not self._lost:
+        elif not self._lost and self._idle is None:
             self._start_idle()
 
     def data_received(self, data: bytes) -> None:
@@ -296,7 +300,9 @@ class Connection(asyncio.Protocol):
     async def send(self, event: Event) -> None:
         """hypercorn's ``TCPServer.protocol_send``: ``RawData`` written (then
         waits while the transport's buffer is full), ``Closed`` closes the
-        connection, ``Updated`` starts or stops the keep-alive timer. A
+        connection, ``Updated`` starts or stops the keep-alive timer,
+        :class:`~asgi_generate.server.hypercorn.fixes.HeadDeadline` arms it
+        with the request head's deadline instead (once per head). A
         write to a connection that is closed or closing tells the protocol
         it is ``Closed``."""
         if isinstance(event, RawData):
@@ -318,6 +324,16 @@ class Connection(asyncio.Protocol):
                     self._idle_timeout()
                 else:
                     self._start_idle()
+        elif isinstance(event, fixes.HeadDeadline):
+            if self._heading or self._reading_done or self._lost:
+                return
+            if self.worker.context.terminated.is_set():
+                self._idle_timeout()
+                return
+            self._stop_idle()
+            self._idle = self.worker.loop.call_later(fixes.header_read_timeout, self._head_timeout)
+            self._heading = True
+            self.worker.idle.add(self)  # closed, as an idle one, when the server shuts down
 
     async def _wait_writable(self) -> None:
         if self._drain is None:
@@ -355,7 +371,20 @@ class Connection(asyncio.Protocol):
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None
+            self._heading = False
             self.worker.idle.discard(self)
+
+    def _head_timeout(self) -> None:
+        # The request head's deadline: the protocol answers (or not) and
+        # closes; with the transport's buffer full (a client that does not
+        # read), unanswered and reset, not left to drain.
+        self._idle = None
+        self._heading = False
+        self.worker.idle.discard(self)
+        writable = not self._writing_paused
+        if not writable:
+            self.reset()
+        self._feed(fixes.HeadTimedOut(writable))
 
     def _idle_timeout(self) -> None:
         # Idle past keep_alive_timeout, or the server is shutting down.

@@ -1,7 +1,8 @@
-"""Workarounds for four connection-level bugs in hypercorn's HTTP/1.1
-server (hypercorn 0.18.0; every worker class), installed by
+"""Workarounds for connection-level bugs in hypercorn's HTTP/1.1
+server (hypercorn 0.18.0 on h11; every worker class), installed by
 :func:`asgi_generate.server.hypercorn.patches.install`; each bug's report for
-hypercorn's tracker and the test that shows it are in ``UPSTREAM.md``.
+hypercorn's tracker and the test that shows it are in ``UPSTREAM.md``,
+numbered as there (5 and 6 are the half-close policy at the end).
 
 1. **Closed connections linger in CLOSE-WAIT.** ``TCPServer.run`` (in
    ``hypercorn/trio/tcp_server.py`` and ``hypercorn/asyncio/tcp_server.py``)
@@ -41,6 +42,32 @@ hypercorn's tracker and the test that shows it are in ``UPSTREAM.md``.
    10.1.1 lets a server answer the final status instead: the 100 is sent on
    the app's first ``receive()`` (as uvicorn does) by :class:`_LazyContinue`,
    and never if the app answers without reading.
+
+7. **Ambiguous framing is served, and the connection kept.** h11 frames a
+   request that carries both ``Transfer-Encoding: chunked`` and
+   ``Content-Length`` by the former and keeps the connection open, so what
+   a proxy framing by ``Content-Length`` took for the body is served as the
+   next request (request smuggling); it also unfolds obsolete line folding
+   and serves a ``Transfer-Encoding`` in an HTTP/1.0 request. RFC 9112
+   sections 6.1 and 6.3 ask the server to refuse or close. Before h11
+   parses a head, :class:`_EdgeConnection` refuses one whose framing could
+   be read two ways (:func:`framing_problem`): 400 (501 for a coding before
+   ``chunked``), ``connection: close``, nothing after it read, the app
+   never called.
+
+8. **A request head has no deadline of its own.** hypercorn's keep-alive
+   timer runs until a head is complete, so a client that sends a header
+   line now and then holds its connection for ``keep_alive_timeout``
+   seconds, every connection it opens. With
+   :data:`header_read_timeout` set, a head is due that many seconds after
+   accept (a connection's first request) or after its first byte (a later
+   one; an idle keep-alive connection keeps the keep-alive timeout until
+   then): :class:`HeadDeadline` arms the connection's timer in place of
+   the keep-alive one, and at the deadline :class:`_H11Protocol` answers
+   408 with ``connection: close`` and closes (a connection that sent no
+   byte is closed without an answer, as at a keep-alive timeout).
+
+Both closes are counted (:mod:`.edge_counts`).
 
 One addition: hypercorn tells an app of a closed connection only through
 ``receive()``, so an app must keep a task waiting on it per request just to
@@ -90,18 +117,20 @@ has disconnected, as nginx treats it. hypercorn already hands the app
 
 from __future__ import annotations
 
+import re
 import socket
 import struct
 from dataclasses import dataclass
 
 import h11
-from hypercorn.events import RawData
+from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.protocol.h11 import H11Protocol
-from hypercorn.protocol.events import Body, EndBody, Response
+from hypercorn.protocol.events import Body, EndBody, Response, StreamClosed
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
+from . import edge_counts
 from .. import spread
 from .lean import AppQueue, TrioAppQueue
 from ...request.watchdog import CONNECTION_RESET, DISCONNECT_WATCH, RECEIVE_NOWAIT
@@ -110,6 +139,100 @@ from ...request.watchdog import CONNECTION_RESET, DISCONNECT_WATCH, RECEIVE_NOWA
 STRAY_CRLF_BYTES = 4
 #: ``SO_LINGER`` on with a timeout of 0 s (``struct linger``): close() resets.
 _LINGER_0 = struct.pack("ii", 1, 0)
+#: The end of a request head, as h11 finds it (``blank_line_regex`` in
+#: ``h11/_receivebuffer.py``: lines may end in LF alone).
+_HEAD_END = re.compile(rb"\n\r?\n")
+#: The lines of a request head :func:`framing_problem` reads: a folded
+#: line, a line that starts with a framing header's name.
+_FRAMING_LINE = re.compile(rb"\n(?:[ \t]|transfer-encoding|content-length)[^\n]*", re.IGNORECASE)
+#: A plain ``Content-Length`` line: one number.
+_PLAIN_LENGTH = re.compile(rb"\ncontent-length:[ \t]*[0-9]+[ \t]*\r?", re.IGNORECASE)
+#: Seconds a client has to send a request head (:class:`HeadDeadline`);
+#: ``None``: no deadline of its own, as in hypercorn. Set by
+#: :func:`asgi_generate.server.hypercorn.patches.install`.
+header_read_timeout: float | None = None
+
+
+def framing_problem(head: bytes) -> tuple[int, str] | None:
+    """Why a request head must be refused for its framing, as ``(status,
+    reason)``, or ``None``. ``head`` is a request head up to and including
+    its blank line, its lines ended by CRLF or LF alone, as h11 reads them.
+
+    400 (RFC 9112) for: obsolete line folding, a header line that starts
+    with SP or HTAB (section 5.2 lets a server refuse it rather than unfold
+    it; a proxy may read the folded line otherwise); whitespace between
+    ``Transfer-Encoding`` or ``Content-Length`` and its colon (section 5.1);
+    a ``Transfer-Encoding`` in an HTTP/1.0 request (section 6.1: its framing
+    is faulty); ``Transfer-Encoding`` beside ``Content-Length`` (sections
+    6.1 and 6.3: the server must close the connection after it); a
+    transfer coding list (every ``Transfer-Encoding`` line, joined) whose
+    last coding is not ``chunked``, that names ``chunked`` twice or has an
+    empty element (section 6.3: the length cannot be determined); a
+    ``Content-Length`` element that is not decimal digits, or several that
+    differ (section 6.3; the same value repeated is read as one, as RFC 9110
+    section 8.6 and h11 allow). 501 for a coding before a final ``chunked``
+    (section 6.1: a coding the server does not implement; ``chunked`` is
+    the only one). h11 (``normalize_and_validate`` in ``h11/_headers.py``)
+    refuses most of these too, with 400 or 501, after this check: what it
+    alone refuses (a header line it cannot read, a length of more than 20
+    digits) is not framing this function reads two ways."""
+    lines = _FRAMING_LINE.findall(head)
+    if not lines or (len(lines) == 1 and _PLAIN_LENGTH.fullmatch(lines[0])):
+        return None  # the common head, read by one regular expression: no loop per line
+    lines = head.split(b"\n")
+    version = lines[0].rstrip(b"\r").rpartition(b" ")[2]
+    codings: list[bytes] = []
+    values: list[bytes] = []
+    for line in lines[1:]:
+        line = line.rstrip(b"\r")
+        if not line:
+            break
+        if line[:1] in (b" ", b"\t"):
+            return 400, "obsolete line folding in the request head"
+        name, _, value = line.partition(b":")
+        name = name.lower()
+        if name != name.rstrip(b" \t") and name.rstrip(b" \t") in (b"transfer-encoding", b"content-length"):
+            return 400, "whitespace before the colon of a framing header"
+        if name == b"transfer-encoding":
+            codings += (c.strip(b" \t").lower() for c in value.split(b","))
+        elif name == b"content-length":
+            values += (v.strip(b" \t") for v in value.split(b","))
+    if codings:
+        if version[:5] == b"HTTP/" and version[5:] < b"1.1":
+            return 400, "Transfer-Encoding in an HTTP/1.0 request"
+        if values:
+            return 400, "both Transfer-Encoding and Content-Length"
+        if codings[-1] != b"chunked" or b"chunked" in codings[:-1] or b"" in codings:
+            return 400, "Transfer-Encoding whose last coding is not chunked, once"
+        if len(codings) > 1:
+            return 501, "a transfer coding other than chunked"
+    elif values:
+        if not all(v.isdigit() for v in values):
+            return 400, "a Content-Length that is not a number"
+        if len(set(values)) > 1:
+            return 400, "differing Content-Length values"
+    return None
+
+
+@dataclass(frozen=True)
+class HeadDeadline(Event):
+    """From the HTTP/1.1 protocol to its connection: a request head is due
+    within :data:`header_read_timeout` seconds from now (from accept for a
+    connection's first request, else from the head's first byte); the
+    connection arms its timer (once per head) in place of the keep-alive
+    one, which ``Updated(idle=False)`` (the head is complete) stops as
+    before, and feeds :class:`HeadTimedOut` to the protocol at the deadline."""
+
+
+@dataclass(frozen=True)
+class HeadTimedOut(Event):
+    """From a connection to its HTTP/1.1 protocol: the request head's
+    deadline passed (:class:`HeadDeadline`). ``writable``: a 408 can be
+    written without waiting (the client has left room for it); if not, the
+    connection resets and closes unanswered rather than wait for a client
+    that does not read."""
+
+    writable: bool = True
 
 
 def reset_on_close(sock: socket.socket) -> None:
@@ -127,7 +250,21 @@ class _EdgeConnection(h11.Connection):
     request that ended its keep-alive (bug 2 above; the bytes already
     buffered stay there, at most one socket read, until the connection
     closes, later ones are dropped on arrival), and sees every end of stream
-    of a client it is answering (the half-close policy above)."""
+    of a client it is answering (the half-close policy above).
+
+    It also reads each request head before h11 parses it and refuses one
+    whose framing is ambiguous (bug 7 above, :func:`framing_problem`): ``next_event``
+    raises ``RemoteProtocolError`` with the status to answer, on which
+    hypercorn answers it with ``connection: close`` and closes; nothing the
+    client sent after it is read (:meth:`stop_reading`)."""
+
+    #: The bytes of the request head being received while it is incomplete
+    #: (``b""``: none yet), ``None`` once it is complete (or between heads).
+    _head: bytes | bytearray | None = b""
+    #: What :func:`framing_problem` found wrong with the head, to raise.
+    _refusal: tuple[int, str] | None = None
+    #: Nothing more is read (:meth:`stop_reading`).
+    _stopped = False
 
     @property
     def they_are_waiting_for_100_continue(self) -> bool:
@@ -135,14 +272,54 @@ class _EdgeConnection(h11.Connection):
         # first receive() sends it instead (bug 4 above).
         return False
 
+    @property
+    def head_started(self) -> bool:
+        """Some bytes of a request head arrived, not all of it."""
+        return bool(self._head)
+
+    def stop_reading(self) -> None:
+        """Read nothing more: the connection is closing (a refused head, a
+        head past its deadline)."""
+        self._stopped = True
+        self._head = None
+
     def receive_data(self, data: bytes) -> None:
-        if data and self.their_state is h11.MUST_CLOSE:
+        if data and (self._stopped or self.their_state is h11.MUST_CLOSE):
             return
+        if data and self._head is not None:
+            self._read_head(data)
         super().receive_data(data)
 
+    def start_next_cycle(self) -> None:
+        super().start_next_cycle()
+        self._head = b""
+        pipelined = self.trailing_data[0]
+        if pipelined:
+            self._read_head(pipelined)
+
+    def _read_head(self, data: bytes) -> None:
+        # A blank line may straddle two reads ("\r\n" then "\r\n").
+        head = self._head
+        start = max(len(head) - 2, 0)
+        if head:
+            head += data
+        else:
+            head = data  # the common case: a whole head in one read, not copied
+        end = _HEAD_END.search(head, start)
+        if end is None:
+            self._head = head if isinstance(head, bytearray) else bytearray(head)
+            return
+        self._head = None
+        self._refusal = framing_problem(bytes(head[:end.end()]))
+
     def next_event(self):
-        if self.their_state is h11.MUST_CLOSE:
+        if self._stopped or self.their_state is h11.MUST_CLOSE:
             return h11.NEED_DATA
+        if self._refusal is not None:
+            (status, reason), self._refusal = self._refusal, None
+            self.stop_reading()
+            edge_counts.closed["ambiguous_framing"] += 1
+            raise h11.RemoteProtocolError(reason, error_status_hint=status)
         mid_body = self.their_state is h11.SEND_BODY
         try:
             event = super().next_event()
@@ -292,6 +469,46 @@ class _H11Protocol(H11Protocol):
     #: A fixed-length response's head, held for its body's write.
     _head: bytes | None = None
 
+    async def initiate(self) -> None:
+        # The first request's head is due from accept.
+        if header_read_timeout is not None:
+            await self.send(HeadDeadline())
+
+    async def handle(self, event: Event) -> None:
+        if type(event) is HeadTimedOut:
+            await self._head_timed_out(event.writable)
+            return
+        await super().handle(event)
+        if type(event) is RawData and event.data and header_read_timeout is not None:
+            await self._head_due()
+
+    async def _head_due(self) -> None:
+        # A head begun and not complete (the connection arms its deadline
+        # once per head; a whole head in one read needs none).
+        connection = self.connection
+        if isinstance(connection, _EdgeConnection) and connection.head_started:
+            await self.send(HeadDeadline())
+
+    async def _head_timed_out(self, writable: bool) -> None:
+        connection = self.connection
+        if (not isinstance(connection, _EdgeConnection) or connection.their_state is not h11.IDLE
+                or connection.our_state is not h11.IDLE):
+            return  # the head came meanwhile: a request is being served
+        started = connection.head_started
+        if not started and self.keep_alive_requests:
+            # An idle keep-alive connection (a deadline armed as its last
+            # request's head completed): the keep-alive timeout is its own.
+            await self.send(Updated(idle=True))
+            return
+        connection.stop_reading()
+        edge_counts.closed["header_timeout"] += 1
+        if started and writable:
+            # RFC 9110 section 15.5.9; a client that sent nothing gets no
+            # answer it could take for its next request's, as at a
+            # keep-alive timeout.
+            await self._send_error_response(408)
+        await self.send(Closed())
+
     async def stream_send(self, event: StreamEvent) -> None:
         if isinstance(event, _Continue):
             # Still owed only if the client sent no body byte and no final
@@ -309,6 +526,8 @@ class _H11Protocol(H11Protocol):
             # hypercorn answers "connection: close" at its keep-alive limit
             self.keep_alive_requests = self.config.keep_alive_max_requests
         await super().stream_send(event)
+        if type(event) is StreamClosed and header_read_timeout is not None:
+            await self._head_due()  # part of a pipelined head came with the last request
 
     async def _send_h11_event(self, event) -> None:
         if type(event) is h11.Response and any(name == b"content-length" for name, _ in event.headers):

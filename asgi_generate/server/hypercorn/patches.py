@@ -54,6 +54,9 @@ EXPECTED: dict[str, str | None] = {
     "hypercorn.protocol.h11.H11Protocol": "(app, config, context, task_group, connection_state, ssl, client, server, send)",
     "hypercorn.protocol.h11.H11Protocol.stream_send": "(self, event)",
     "hypercorn.protocol.h11.H11Protocol._send_h11_event": "(self, event)",
+    "hypercorn.protocol.h11.H11Protocol._send_error_response": "(self, status_code)",
+    "hypercorn.protocol.h11.H11Protocol.initiate": "(self)",
+    "hypercorn.protocol.h11.H11Protocol.handle": "(self, event)",
     "hypercorn.protocol.http_stream.HTTPStream": "(app, config, context, task_group, ssl, client, server, send, stream_id)",
     "hypercorn.protocol.http_stream.HTTPStream.handle": "(self, event)",
     "hypercorn.protocol.http_stream.HTTPStream.app_send": "(self, message)",
@@ -82,6 +85,7 @@ EXPECTED: dict[str, str | None] = {
     "hypercorn.trio.tcp_server.TCPServer.protocol_send": "(self, event)",
     "hypercorn.trio.tcp_server.TCPServer._close": "(self)",
     "hypercorn.trio.tcp_server.TCPServer._idle_timeout": "(self)",
+    "hypercorn.trio.tcp_server.TCPServer._initiate_server_close": "(self)",
     "hypercorn.trio.worker_context.WorkerContext": "(max_requests)",
     "hypercorn.trio.worker_context.WorkerContext.event_class": None,
     "hypercorn.trio.worker_context.TrioSingleTask": "()",
@@ -197,12 +201,16 @@ def mismatches() -> list[str]:
     return found
 
 
-def install(send_errors: bool) -> bool:
+def install(send_errors: bool, header_read_timeout: float | None = None) -> bool:
     """Check hypercorn (:func:`mismatches`) and, if it matches, patch it;
     returns whether it did. Idempotent: later calls only choose, again, the
     stream class (``send_errors``: a ``send()`` to a client that is gone
     raises :class:`asgi_generate.server.hypercorn.fixes.ClientGone`, for
-    apps that handle it). On a mismatch: one WARNING (logger
+    apps that handle it) and the request head's deadline
+    (``header_read_timeout``, seconds from accept, or from a later head's
+    first byte, to its end:
+    :data:`asgi_generate.server.hypercorn.fixes.header_read_timeout`;
+    ``None``: none of its own, as in hypercorn). On a mismatch: one WARNING (logger
     ``asgi_generate.server.hypercorn``) naming each, nothing patched, and
     ``False`` from every call. Must run before hypercorn serves: it replaces
     the globals of :data:`REPLACED`, which hypercorn looks up per worker and
@@ -226,6 +234,7 @@ def install(send_errors: bool) -> bool:
 
     from . import asyncio_serve, fixes, graceful, lean, trio_serve
 
+    fixes.header_read_timeout = header_read_timeout
     protocol.H11Protocol = fixes._H11Protocol
     # h2's streams too: the disconnect watch (no guard task per stream) and
     # ClientGone; a fixes._Continue reaches H2Protocol.stream_send, which

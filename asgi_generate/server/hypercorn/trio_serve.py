@@ -23,11 +23,14 @@ keep-alive task, the send lock, ``Closed`` for writes that fail, and (bug 1
 of :mod:`asgi_generate.server.hypercorn.fixes`) no keep-alive wait once the client's
 end of stream is read. Changed: a connection whose reading fails with an
 ``OSError`` tells its protocol it is ``Closed`` (the app sees the
-disconnect) instead of cancelling the app's task.
+disconnect) instead of cancelling the app's task. Added: the request head's
+deadline (:class:`asgi_generate.server.hypercorn.fixes.HeadDeadline`: the
+keep-alive task waits for it instead while a head is due).
 """
 
 from __future__ import annotations
 
+import select
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -64,6 +67,8 @@ class TCPServer(trio_tcp_server.TCPServer):
         self._running = 0
         self._waiters: list | None = None
         self._reading_done = False
+        #: The keep-alive task waits for a request head's deadline instead.
+        self._heading = False
 
     async def run(self) -> None:
         stream = self.stream
@@ -85,8 +90,9 @@ class TCPServer(trio_tcp_server.TCPServer):
             server = parse_socket_addr(sock.family, sock.getsockname())
             self.protocol = ProtocolWrapper(self.app, self.config, self.context, self, self.state, ssl,
                                             client, server, self.protocol_send, alpn)
-            await self.protocol.initiate()
-            await self.idle_task.restart(self, self._idle_timeout)
+            await self.protocol.initiate()  # HTTP/1.1: the first head's deadline (fixes.HeadDeadline)
+            if not self._heading:
+                await self.idle_task.restart(self, self._idle_timeout)
             timeout = self.config.read_timeout
             # Plain TCP with no read_timeout: the socket read and
             # wait_readable themselves, not SocketStream.receive_some's
@@ -127,19 +133,51 @@ class TCPServer(trio_tcp_server.TCPServer):
             await self._close()
 
     async def protocol_send(self, event: Event) -> None:
-        if self._reading_done and isinstance(event, Updated) and event.idle:
-            return  # nobody left to keep alive for (bug 1)
+        if isinstance(event, Updated):
+            if self._reading_done and event.idle:
+                return  # nobody left to keep alive for (bug 1)
+            self._heading = False
+        elif isinstance(event, fixes.HeadDeadline):
+            if not (self._heading or self._reading_done):
+                self._heading = True
+                await self.idle_task.restart(self, self._head_timeout)
+            return
         await super().protocol_send(event)
+
+    async def _head_timeout(self) -> None:
+        # The keep-alive task while a request head is due: at its deadline
+        # the protocol answers (or not) and closes; when the server shuts
+        # down first, closed as an idle connection (hypercorn's _idle_timeout).
+        with trio.move_on_after(fixes.header_read_timeout):
+            await self.context.terminated.wait()
+        with trio.CancelScope(shield=True):
+            self._heading = False
+            if self.context.terminated.is_set():
+                await self._initiate_server_close()
+                return
+            # A write waits (shielded) for as long as the client leaves the
+            # socket's buffer full: answer only if there is room now, else
+            # reset (the kernel drops what it holds for the client) unanswered.
+            try:
+                writable = bool(select.select([], [self._socket()], [], 0)[1])
+            except (OSError, ValueError):  # closed meanwhile
+                writable = False
+            if not writable:
+                self.reset()
+            await self.protocol.handle(fixes.HeadTimedOut(writable))
 
     def reset(self) -> None:
         """Close the connection at once with a TCP reset, dropping what is
         buffered for the client (the app cut it off): a write stuck on it
         (hypercorn shields them) and the read both end, as on a client that
         closed."""
-        stream = self.stream
-        sock = stream.transport_stream.socket if isinstance(stream, trio.SSLStream) else stream.socket
+        sock = self._socket()
         fixes.reset_on_close(sock)
         sock.close()  # trio's: wakes every task waiting on it first
+
+    def _socket(self) -> trio.socket.SocketType:
+        stream = self.stream
+        return stream.transport_stream.socket if isinstance(stream, trio.SSLStream) else stream.socket
 
     # hypercorn's trio TaskGroup, on the connection's parent nursery
 
