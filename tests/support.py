@@ -146,23 +146,26 @@ class Proc:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited {self.proc.returncode}: {self.log()}")
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}: {self.log()[-4000:]}")
             try:
                 if httpx.get(self.url + path, timeout=1.0, verify=self.tls()).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
-        raise RuntimeError(f"{self.name} not ready after {timeout} s: {self.log()}")
+        raise RuntimeError(f"{self.name} not ready after {timeout} s: {self.log()[-4000:]}")
 
     def tls(self) -> ssl.SSLContext | bool:
         """What httpx's ``verify`` takes to reach this process."""
         return ssl.create_default_context(cafile=self.verify) if self.verify else True
 
     def log(self) -> str:
-        """What the process printed so far."""
+        """Everything the process printed so far, from its first line: a
+        line a test looks for may be anywhere in it (a busy test run's
+        access lines come after a start-up line). The log is a file, so
+        holding it costs no memory between looks."""
         self._log.flush()
-        return self.log_path.read_text(errors="replace")[-4000:]
+        return self.log_path.read_text(errors="replace")
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the process."""
