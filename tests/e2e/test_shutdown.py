@@ -6,16 +6,19 @@ terminal marker, a record) within hypercorn's graceful timeout; under
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+import h11
 import httpx
 import orjson
 import pytest
 
-from support import RawClient, listening_socket, start_frontend, start_sim, trace_records, wait_until
+from support import RawClient, listening_socket, start_frontend, start_sim, stats, trace_records, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -108,3 +111,119 @@ def test_a_second_ctrl_c_says_how_to_force_and_a_third_forces(itl_sim, worker_cl
     assert lines == ["INFO asgi_generate: SIGINT: shutting down gracefully",
                      "WARNING asgi_generate: SIGINT: already stopping; press Ctrl-C again to force",
                      "WARNING asgi_generate: SIGINT: forcing the shutdown: ending the requests in flight now"]
+
+
+# -- the connections during a drain ---------------------------------------------
+
+#: A unary answer the drain cuts after the grace: 400 tokens at 50 ms.
+LONG_UNARY = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+
+
+def _unary(max_new_tokens: int = 1) -> bytes:
+    body = orjson.dumps({"input_ids": [3, 4], "sampling_params": {"max_new_tokens": max_new_tokens}})
+    return (b"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def _answer(sock: socket.socket, conn: h11.Connection) -> tuple[int, dict[str, str], bytes]:
+    """The next whole answer on ``sock`` (h11 parses it): status, headers, body."""
+    status, headers, body = None, {}, b""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(sock.recv(65536))
+        elif isinstance(event, h11.Response):
+            status, headers = event.status_code, {k.decode(): v.decode() for k, v in event.headers}
+        elif isinstance(event, h11.Data):
+            body += bytes(event.data)
+        elif isinstance(event, h11.EndOfMessage):
+            return status, headers, body
+        else:
+            raise AssertionError(f"{event!r} before the end of the answer")
+
+
+def _keep_alive(url: str) -> tuple[socket.socket, h11.Connection]:
+    """A connection that served one request and is idle, kept alive."""
+    sock = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30)
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method="POST", target="/generate", headers=[("host", "x"), ("content-length", "0")]))
+    conn.send(h11.EndOfMessage())
+    sock.sendall(_unary())
+    status, headers, _ = _answer(sock, conn)
+    assert status == 200 and "connection" not in headers
+    conn.start_next_cycle()
+    return sock, conn
+
+
+def _read_to_eof(sock: socket.socket) -> bytes:
+    """What the server sends until it closes (a reset counts as a close)."""
+    out = b""
+    try:
+        while data := sock.recv(65536):
+            out += data
+    except ConnectionResetError:
+        pass
+    return out
+
+
+def _rx_queued(port: int, peer_port: int) -> int:
+    """Bytes the kernel holds unread on the server's socket of the
+    connection between ``port`` (the server's) and ``peer_port``."""
+    for line in pathlib.Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].rsplit(":", 1)[1], 16) == port and int(fields[2].rsplit(":", 1)[1], 16) == peer_port:
+            return int(fields[4].split(":")[1], 16)
+    raise AssertionError(f"no connection {port} <- {peer_port}")
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+@pytest.mark.parametrize("path", ["/generate", "/inference/v1/generate"])
+def test_the_drain_closes_idle_connections_answers_a_begun_request_and_says_connection_close(worker_class, path):
+    """As the drain begins: a keep-alive connection idle between requests
+    is closed at once, without a byte; one on which a request has begun
+    (part of its head read) is read on and answered 503 in the format's
+    shape with ``connection: close``, then closed; and the unary answer
+    the drain ends after the grace says ``connection: close`` too."""
+    sim = start_sim(itl_ms=50)
+    vsim = start_sim("vllm")
+    fe = start_frontend([f"sglang={sim.url}", f"vllm={vsim.url}"], worker_class=worker_class,
+                        extra=["--shutdown-grace", "2", "--log-level", "info"])
+    try:
+        idle, _ = _keep_alive(fe.url)
+        begun, begun_h11 = _keep_alive(fe.url)
+        body = orjson.dumps({"token_ids": [3, 4], "sampling_params": {"max_tokens": 1}} if path != "/generate"
+                            else {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 1}})
+        head = (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n\r\n").encode()
+        begun.sendall(head[:30])
+        wait_until(lambda: _rx_queued(fe.port, begun.getsockname()[1]) == 0, timeout=30)  # the server read it
+        long_unary = socket.create_connection(("127.0.0.1", fe.port), timeout=30)
+        long_h11 = h11.Connection(h11.CLIENT)
+        long_h11.send(h11.Request(method="POST", target="/generate", headers=[("host", "x"), ("content-length", "0")]))
+        long_h11.send(h11.EndOfMessage())
+        raw = orjson.dumps(LONG_UNARY)
+        long_unary.sendall(b"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                           b"content-length: %d\r\n\r\n%s" % (len(raw), raw))
+        wait_until(lambda: stats(sim)["running"] == 1, timeout=30)
+        fe.signal(signal.SIGTERM)
+        assert _read_to_eof(idle) == b""  # closed at once, no byte of an answer
+        begun.sendall(head[30:] + body)
+        status, headers, answer = _answer(begun, begun_h11)
+        assert _read_to_eof(begun) == b""
+        long_status, long_headers, long_answer = _answer(long_unary, long_h11)
+        assert _read_to_eof(long_unary) == b""
+        assert fe.proc.wait(30) == 0
+    finally:
+        fe.stop()
+        sim.stop()
+        vsim.stop()
+    if path == "/generate":
+        shutdown = {"object": "error", "message": "server is shutting down", "type": "503", "param": None,
+                    "code": 503}
+    else:
+        shutdown = {"error": {"message": "server is shutting down", "type": "Service Unavailable", "param": None,
+                              "code": 503}}
+    assert (status, headers.get("connection"), orjson.loads(answer)) == (503, "close", shutdown)
+    assert (long_status, long_headers.get("connection"), orjson.loads(long_answer)) == (
+        503, "close", {"object": "error", "message": "server is shutting down", "type": "503", "param": None,
+                       "code": 503})

@@ -23,7 +23,9 @@ keep-alive task, the send lock, ``Closed`` for writes that fail, and (bug 1
 of :mod:`asgi_generate.server.hypercorn.fixes`) no keep-alive wait once the client's
 end of stream is read. Changed: a connection whose reading fails with an
 ``OSError`` tells its protocol it is ``Closed`` (the app sees the
-disconnect) instead of cancelling the app's task.
+disconnect) instead of cancelling the app's task; one closed while idle
+reads nothing more, and in a graceful shutdown one on which a request has
+begun is not taken for an idle one (:mod:`.graceful`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from hypercorn.protocol import ProtocolWrapper
 from hypercorn.trio import tcp_server as trio_tcp_server
 from hypercorn.utils import parse_socket_addr
 
-from . import fixes, lean as hypercorn_lean
+from . import fixes, graceful, lean as hypercorn_lean
 from .. import spread
 from ...workers.sockets import recv_nowait
 
@@ -64,6 +66,8 @@ class TCPServer(trio_tcp_server.TCPServer):
         self._running = 0
         self._waiters: list | None = None
         self._reading_done = False
+        #: Closed while idle: nothing it reads is handed on.
+        self._closing = False
 
     async def run(self) -> None:
         stream = self.stream
@@ -95,21 +99,23 @@ class TCPServer(trio_tcp_server.TCPServer):
             raw = None if ssl or timeout is not None else getattr(stream.socket, "_sock", None)
             while True:
                 try:
-                    if raw is not None:  # trio's own checkpoints around a read
-                        await trio.lowlevel.checkpoint_if_cancelled()
+                    if raw is not None:
+                        # The checkpoint before the read: no other task
+                        # (the idle one closing) runs while bytes it read
+                        # wait to reach the protocol.
+                        await trio.lowlevel.checkpoint()
                         data = recv_nowait(raw, MAX_RECV)
-                        if data is None:
-                            while data is None:
-                                await trio.lowlevel.wait_readable(raw)
-                                data = recv_nowait(raw, MAX_RECV)
-                        else:
-                            await trio.lowlevel.cancel_shielded_checkpoint()
+                        while data is None:
+                            await trio.lowlevel.wait_readable(raw)
+                            data = recv_nowait(raw, MAX_RECV)
                     elif timeout is None:
                         data = await stream.receive_some(MAX_RECV)
                     else:
                         with trio.fail_after(timeout):
                             data = await stream.receive_some(MAX_RECV)
                 except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError, OSError):
+                    break
+                if self._closing:  # read as it closed (TLS, read_timeout): never half read
                     break
                 await self.protocol.handle(RawData(bytes(data)))
                 if not data:
@@ -131,13 +137,30 @@ class TCPServer(trio_tcp_server.TCPServer):
             return  # nobody left to keep alive for (bug 1)
         await super().protocol_send(event)
 
+    async def _idle_timeout(self) -> None:
+        # hypercorn's: idle past keep_alive_timeout, or the server is
+        # shutting down. Here, in a shutdown, a request begun on it is read
+        # and answered first (graceful.request_begun); else nothing more it
+        # reads is handed on (an idle h11 protocol takes Closed without
+        # yielding, so a plain socket closes before anything is read).
+        with trio.move_on_after(self.config.keep_alive_timeout):
+            await self.context.terminated.wait()
+        if self.context.terminated.is_set() and graceful.request_begun(self.protocol, self._socket().fileno()):
+            return
+        self._closing = True
+        with trio.CancelScope(shield=True):
+            await self._initiate_server_close()
+
+    def _socket(self) -> trio.socket.SocketType:
+        stream = self.stream
+        return stream.transport_stream.socket if isinstance(stream, trio.SSLStream) else stream.socket
+
     def reset(self) -> None:
         """Close the connection at once with a TCP reset, dropping what is
         buffered for the client (the app cut it off): a write stuck on it
         (hypercorn shields them) and the read both end, as on a client that
         closed."""
-        stream = self.stream
-        sock = stream.transport_stream.socket if isinstance(stream, trio.SSLStream) else stream.socket
+        sock = self._socket()
         fixes.reset_on_close(sock)
         sock.close()  # trio's: wakes every task waiting on it first
 
