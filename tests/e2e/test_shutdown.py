@@ -227,3 +227,56 @@ def test_the_drain_closes_idle_connections_answers_a_begun_request_and_says_conn
     assert (long_status, long_headers.get("connection"), orjson.loads(long_answer)) == (
         503, "close", {"object": "error", "message": "server is shutting down", "type": "503", "param": None,
                        "code": 503})
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_requests_racing_the_drain_are_answered_whole_or_never_read(worker_class, tmp_path):
+    """Requests sent on 16 idle keep-alive connections as the drain begins:
+    each is either answered whole (503 in SGLang's shape, ``connection:
+    close``, then the close) or its connection ends before any byte of an
+    answer, and then the server never read it: it wrote a record for each
+    request it answered and no other (none for a request it read and cut
+    off: a client disconnect)."""
+    sim = start_sim(itl_ms=50)
+    fe = start_frontend([f"sglang={sim.url}"], worker_class=worker_class,
+                        extra=["--shutdown-grace", "1", "--trace-file", str(tmp_path / "t.jsonl"),
+                               "--log-level", "info"])
+    try:
+        conns = [_keep_alive(fe.url)[0] for _ in range(16)]
+        long_unary = socket.create_connection(("127.0.0.1", fe.port), timeout=30)
+        raw = orjson.dumps(LONG_UNARY)
+        long_unary.sendall(b"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                           b"content-length: %d\r\n\r\n%s" % (len(raw), raw))
+        wait_until(lambda: stats(sim)["running"] == 1, timeout=30)
+        fe.signal(signal.SIGTERM)
+        wait_until(lambda: "SIGTERM: shutting down gracefully" in fe.log(), timeout=30)  # the drain began
+        for sock in conns:
+            try:
+                sock.sendall(_unary())
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # closed already
+        answers = [_read_to_eof(sock) for sock in conns]
+        assert _read_to_eof(long_unary).startswith(b"HTTP/1.1 503 ")
+        assert fe.proc.wait(30) == 0
+    finally:
+        fe.stop()
+        sim.stop()
+    shutdown = {"object": "error", "message": "server is shutting down", "type": "503", "param": None, "code": 503}
+    statuses = []
+    for raw_answer in answers:
+        if not raw_answer:
+            continue
+        conn = h11.Connection(h11.CLIENT)
+        conn.send(h11.Request(method="POST", target="/generate", headers=[("host", "x"), ("content-length", "0")]))
+        conn.send(h11.EndOfMessage())
+        conn.receive_data(raw_answer)
+        conn.receive_data(b"")
+        head, body, end = conn.next_event(), conn.next_event(), conn.next_event()
+        assert (head.status_code, dict(head.headers).get(b"connection"), orjson.loads(body.data)) == (
+            503, b"close", shutdown)
+        assert isinstance(end, h11.EndOfMessage) and isinstance(conn.next_event(), h11.ConnectionClosed)
+        statuses.append(head.status_code)
+    records = trace_records(str(tmp_path / "t.*.jsonl"))
+    # the 16 first requests, the answered ones, the long one the grace ended
+    assert sorted((r["status"], r["http_status"]) for r in records) == sorted(
+        [("ok", 200)] * 16 + [("shutdown", 503)] * (len(statuses) + 1))
