@@ -243,9 +243,9 @@ def test_gib_of_zeros_is_rejected_fast_within_the_cap(bombs, kind, status, messa
     codec.max_body_bytes = LIMIT
     tracemalloc.start()
     try:
-        start = time.perf_counter()
+        start = time.process_time()  # CPU seconds: what a busy machine's other work does not add to
         got = outcome(codec, frame)
-        elapsed = time.perf_counter() - start
+        elapsed = time.process_time() - start
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

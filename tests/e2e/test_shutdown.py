@@ -76,7 +76,7 @@ def test_sigterm_under_your_own_hypercorn_ends_open_streams_in_band(itl_sim, tmp
             proc.wait(10)
     events = first + rest
     assert [orjson.loads(events[-2]), events[-1]] == [SHUTDOWN_EVENT, b"[DONE]"]
-    assert 1.9 < elapsed < 3.0
+    assert elapsed > 1.9  # the grace ran (hypercorn's cut would have left no error event, no [DONE])
     (rec,) = trace_records(str(tmp_path / "t.*.jsonl"))
     assert (rec["status"], rec["http_status"], rec["error"]) == (
         "shutdown", 200, {"type": "shutdown", "message": "server is shutting down"})
@@ -96,17 +96,15 @@ def test_a_second_ctrl_c_says_how_to_force_and_a_third_forces(itl_sim, worker_cl
         fe.signal(signal.SIGINT)
         wait_until(lambda: "SIGINT: already stopping" in fe.log_path.read_text())
         assert len(client.events(3)) == 3  # the stream runs on
-        forced = time.monotonic()
         fe.signal(signal.SIGINT)
         rest = client.events(1000)
-        elapsed = time.monotonic() - forced
         client.close()
         assert fe.proc.wait(20) == 0
     finally:
         fe.stop()
     events = first + rest
     assert [orjson.loads(events[-2]), events[-1]] == [SHUTDOWN_EVENT, b"[DONE]"]
-    assert elapsed < 1.0 and _token_count(events) < 400
+    assert _token_count(events) < 400  # cut: 400 tokens take 20 s, well within the 30 s grace
     lines = [line.split("] ", 1)[1] for line in fe.log_path.read_text().splitlines() if "SIGINT" in line]
     assert lines == ["INFO asgi_generate: SIGINT: shutting down gracefully",
                      "WARNING asgi_generate: SIGINT: already stopping; press Ctrl-C again to force",
