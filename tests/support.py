@@ -242,6 +242,25 @@ def stats(sim: Proc) -> dict:
     return httpx.get(sim.url + "/sim/stats", timeout=5, verify=sim.tls()).json()
 
 
+def generating(sim: Proc, running: int = 1, tokens: int = 1, timeout: float = 30.0) -> dict[str, int]:
+    """Wait (bounded) until ``sim`` runs ``running`` requests, each with at
+    least ``tokens`` output tokens generated (what a test means by "some
+    tokens out", however slowly the machine goes); their counts by engine
+    request id."""
+    def ready():
+        out = stats(sim)["running_output_tokens"]
+        return len(out) == running and min(out.values()) >= tokens and out
+
+    return wait_until(ready, timeout)
+
+
+def reading_body(url: str, count: int = 1, timeout: float = 30.0) -> None:
+    """Wait (bounded) until the frontend at ``url`` reads ``count`` request
+    bodies (``/stats`` ``reading_body``): their heads were read and their
+    bodies are not whole."""
+    wait_until(lambda: httpx.get(url + "/stats", timeout=5).json()["reading_body"] == count, timeout)
+
+
 JSON_HEADERS = {"content-type": "application/json"}
 
 

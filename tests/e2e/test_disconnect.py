@@ -10,8 +10,8 @@ import httpx
 import orjson
 import pytest
 
-from support import (RawClient, start_frontend, start_hypercorn, start_sim, stats, tcp_states, trace_records,
-                     wait_until)
+from support import (RawClient, reading_body, start_frontend, start_hypercorn, start_sim, stats, tcp_states,
+                     trace_records, wait_until)
 
 pytestmark = pytest.mark.e2e
 
@@ -57,7 +57,7 @@ def test_disconnect_before_the_body_is_whole(fe, slow_sim):
     before, status = stats(slow_sim)["received"], _by_status(fe)
     c = RawClient(fe.url)
     c.send(_body(True), upto=10)
-    time.sleep(0.1)
+    reading_body(fe.url)
     c.close()
     wait_until(lambda: _by_status(fe).get("client_disconnect", 0) == status.get("client_disconnect", 0) + 1)
     assert stats(slow_sim)["received"] == before
