@@ -106,9 +106,12 @@ class Traced:
 
     def next_record(self, seen: int) -> dict:
         """The record after the first ``seen`` ones (waits for it), and
-        checks that no other one follows."""
+        checks that no other one follows: once every record submitted to
+        the writer so far is in the file, a second one of the request
+        would be there too."""
         recs = wait_until(lambda: (r := self.records()) and len(r) > seen and r)
-        time.sleep(0.2)  # a second record would be a bug: give it time to show
+        wait_until(lambda: (t := httpx.get(self.url + "/stats", timeout=5).json()["trace"])["queued"] == 0
+                   and t["submitted"] == len(self.records()))
         assert len(self.records()) == seen + 1
         return recs[seen]
 
