@@ -141,7 +141,7 @@ class Proc:
             self.stop()
             raise
 
-    def wait_ready(self, path: str, timeout: float = 30.0) -> None:
+    def wait_ready(self, path: str, timeout: float = 50.0) -> None:
         """Poll ``path`` until it answers 200 (bounded by ``timeout``)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -450,8 +450,9 @@ async def asgi_json(app, method: str, path: str, body: dict | None = None) -> di
     return orjson.loads(raw) if raw else None
 
 
-def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02):
-    """Poll ``predicate`` until it returns a truthy value (bounded)."""
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02):
+    """Poll ``predicate`` until it returns a truthy value (bounded: a bound
+    no busy machine reaches; only a failing test waits it out)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()

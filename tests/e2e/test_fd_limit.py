@@ -19,16 +19,20 @@ def _soft_limit(pid: int) -> int:
         return int(re.search(r"Max open files\s+(\d+)", f.read()).group(1))
 
 
+@pytest.mark.timeout(180)  # a fresh interpreter's start, on a busy machine
 def test_serve_raises_the_soft_fd_limit_to_the_hard_one():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     low = min(512, hard)
+    sim = start_sim()
+    fe = None
     resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))  # inherited by the children
     try:
-        sim = start_sim()
         # Started by this process, not forked from the fork server: it inherits the lowered limit.
         fe = start_frontend([f"sglang={sim.url}"], extra=["--log-level", "info"], fork=False)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        if fe is None:
+            sim.stop()
     try:
         assert _soft_limit(fe.proc.pid) == hard
         # A busy machine's start is polled for many times, each poll an
