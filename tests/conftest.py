@@ -58,13 +58,40 @@ def _one_default_ssl_context() -> None:
     default.create_ssl_context = create_ssl_context
 
 
+def usable_cores() -> int:
+    """The cores this process may use: its CPU affinity (a container's
+    cpuset, not the host's count), capped by a cgroup CPU quota (v2
+    ``cpu.max``, v1 ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``),
+    rounded up; at least 1."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = _read("/sys/fs/cgroup/cpu.max").split()
+    except (OSError, ValueError):
+        try:
+            quota, period = _read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), _read("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+        except OSError:
+            quota, period = "max", "1"
+    if quota not in ("max", "-1"):
+        cores = min(cores, -(-int(quota) // int(period)))
+    return max(1, cores)
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown when run with -p no:xdist
 def pytest_xdist_auto_num_workers(config):
-    # ``-n auto``: two test processes per core the run may use. Most e2e
-    # tests wait on the simulators and servers they start (starts, streams
-    # at a set inter-token latency), so one per core leaves the cores idle
-    # about 40% of the time.
-    return 2 * len(os.sched_getaffinity(0))
+    # ``-n auto``: two test processes per core the run may use (xdist's own
+    # count is psutil's physical cores of the whole host when psutil is
+    # installed, else the affinity). Most e2e tests wait on the simulators
+    # and servers they start (starts, streams at a set inter-token latency),
+    # so one per core leaves the cores idle about 40% of the time. xdist's
+    # PYTEST_XDIST_AUTO_NUM_WORKERS still overrides it.
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    return 2 * usable_cores()
 
 
 def pytest_configure(config):

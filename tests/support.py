@@ -141,28 +141,31 @@ class Proc:
             self.stop()
             raise
 
-    def wait_ready(self, path: str, timeout: float = 30.0) -> None:
+    def wait_ready(self, path: str, timeout: float = 50.0) -> None:
         """Poll ``path`` until it answers 200 (bounded by ``timeout``)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited {self.proc.returncode}: {self.log()}")
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}: {self.log()[-4000:]}")
             try:
                 if httpx.get(self.url + path, timeout=1.0, verify=self.tls()).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
-        raise RuntimeError(f"{self.name} not ready after {timeout} s: {self.log()}")
+        raise RuntimeError(f"{self.name} not ready after {timeout} s: {self.log()[-4000:]}")
 
     def tls(self) -> ssl.SSLContext | bool:
         """What httpx's ``verify`` takes to reach this process."""
         return ssl.create_default_context(cafile=self.verify) if self.verify else True
 
     def log(self) -> str:
-        """What the process printed so far."""
+        """Everything the process printed so far, from its first line: a
+        line a test looks for may be anywhere in it (a busy test run's
+        access lines come after a start-up line). The log is a file, so
+        holding it costs no memory between looks."""
         self._log.flush()
-        return self.log_path.read_text(errors="replace")[-4000:]
+        return self.log_path.read_text(errors="replace")
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the process."""
@@ -237,6 +240,25 @@ def start_hypercorn(workers: list[str], *, worker_class: str = "trio", env: dict
 def stats(sim: Proc) -> dict:
     """The simulator's ``/sim/stats``."""
     return httpx.get(sim.url + "/sim/stats", timeout=5, verify=sim.tls()).json()
+
+
+def generating(sim: Proc, running: int = 1, tokens: int = 1, timeout: float = 30.0) -> dict[str, int]:
+    """Wait (bounded) until ``sim`` runs ``running`` requests, each with at
+    least ``tokens`` output tokens generated (what a test means by "some
+    tokens out", however slowly the machine goes); their counts by engine
+    request id."""
+    def ready():
+        out = stats(sim)["running_output_tokens"]
+        return len(out) == running and min(out.values()) >= tokens and out
+
+    return wait_until(ready, timeout)
+
+
+def reading_body(url: str, count: int = 1, timeout: float = 30.0) -> None:
+    """Wait (bounded) until the frontend at ``url`` reads ``count`` request
+    bodies (``/stats`` ``reading_body``): their heads were read and their
+    bodies are not whole."""
+    wait_until(lambda: httpx.get(url + "/stats", timeout=5).json()["reading_body"] == count, timeout)
 
 
 JSON_HEADERS = {"content-type": "application/json"}
@@ -428,8 +450,9 @@ async def asgi_json(app, method: str, path: str, body: dict | None = None) -> di
     return orjson.loads(raw) if raw else None
 
 
-def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02):
-    """Poll ``predicate`` until it returns a truthy value (bounded)."""
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02):
+    """Poll ``predicate`` until it returns a truthy value (bounded: a bound
+    no busy machine reaches; only a failing test waits it out)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()

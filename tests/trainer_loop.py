@@ -121,6 +121,12 @@ def _received(fleet: Fleet) -> int:
     return sum(stats(s)["received"] for s in fleet.sims)
 
 
+def _tokens_out(fleet: Fleet, streams: int) -> bool:
+    """Whether the fleet runs ``streams`` requests, each with a token out."""
+    counts = [n for s in fleet.sims for n in stats(s)["running_output_tokens"].values()]
+    return len(counts) == streams and min(counts) >= 1
+
+
 def _step(fleet: Fleet, version: str, problems: list[str]) -> None:
     """One weight update of both fleets: pause (abort), load, resume."""
     url = fleet.fe.url
@@ -225,7 +231,7 @@ def run(tmp: str, worker_class: str, streams: int) -> tuple[list[str], dict[str,
             received = _received(fleet)
             threads, out = _rollouts(fleet, streams, phase, resume)
             wait_until(lambda: _received(fleet) >= received + streams, timeout=30)
-            time.sleep(0.2)  # some tokens out
+            wait_until(lambda: _tokens_out(fleet, streams), timeout=30)
             _step(fleet, new, problems)
             for t in threads:
                 t.join(60)

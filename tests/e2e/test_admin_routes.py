@@ -269,26 +269,35 @@ def test_a_trainer_checking_for_200_does_not_stall_on_a_dead_embedded_simulator(
 
 def test_pause_flush_update_continue_around_20_streams(fleet, frontend):
     sg = fleet[:2]
-    body = {"input_ids": [9, 8], "stream": True, "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
-    # In place: the streams wait out the weight update, then finish whole.
+    # 200 tokens at 20 ms: 4 s for the pause to reach the engines, however
+    # busy the machine; a stream that ends first still ends whole.
+    body = {"input_ids": [9, 8], "stream": True, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
     threads, results = _streams(frontend.url, [body] * 20)
-    wait_until(lambda: sum(stats(s)["running"] for s in sg) == 20)
-    assert httpx.post(frontend.url + "/pause_generation", json={"mode": "in_place"}).status_code == 200
-    upd = httpx.post(frontend.url + "/update_weights_from_disk", json={"model_path": "/ckpt/8"})
-    assert (upd.status_code, upd.json()["success"]) == (200, True)
-    time.sleep(0.2)
-    assert sum(stats(s)["running"] for s in sg) == 20 and all(t.is_alive() for t in threads)
-    assert httpx.post(frontend.url + "/continue_generation").status_code == 200
-    for t in threads:
-        t.join(30)
-    assert [(r[0], len(r[1]), _finish(r[1])) for r in results] == [(200, 61, {"type": "length", "length": 60})] * 20
-    # Abort mode: every stream ends with the abort finish, the idle cache
-    # flushes, and new requests run after continue.
+    try:
+        # In place: the streams wait out the weight update, then finish whole.
+        wait_until(lambda: sum(stats(s)["running"] for s in sg) == 20)
+        assert httpx.post(frontend.url + "/pause_generation", json={"mode": "in_place"}).status_code == 200
+        paused = sum(stats(s)["running"] for s in sg)
+        upd = httpx.post(frontend.url + "/update_weights_from_disk", json={"model_path": "/ckpt/8"})
+        assert (upd.status_code, upd.json()["success"]) == (200, True)
+        time.sleep(0.2)  # a paused stream that ended would be a bug: give it time to show
+        assert sum(stats(s)["running"] for s in sg) == paused
+    finally:
+        assert httpx.post(frontend.url + "/continue_generation").status_code == 200
+        for t in threads:
+            t.join(30)
+    assert [(r[0], len(r[1]), _finish(r[1])) for r in results] == [(200, 201, {"type": "length", "length": 200})] * 20
+    # Abort mode: every stream ends with the abort finish (none could end
+    # first: 30,000 tokens), the idle cache flushes, and new requests run
+    # after continue.
+    body["sampling_params"]["max_new_tokens"] = 30_000
     threads, results = _streams(frontend.url, [body] * 20)
-    wait_until(lambda: sum(stats(s)["running"] for s in sg) == 20)
-    assert httpx.post(frontend.url + "/pause_generation", json={"mode": "abort"}).status_code == 200
-    for t in threads:
-        t.join(30)
+    try:
+        wait_until(lambda: sum(stats(s)["running"] for s in sg) == 20)
+        assert httpx.post(frontend.url + "/pause_generation", json={"mode": "abort"}).status_code == 200
+    finally:
+        for t in threads:
+            t.join(30)
     assert {_finish(r[1])["type"] for r in results} == {"abort"}
     flushed = httpx.post(frontend.url + "/flush_cache")
     assert (flushed.status_code, flushed.text) == (200, FLUSHED)

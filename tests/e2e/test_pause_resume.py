@@ -7,13 +7,12 @@ bounded; vLLM's wait mode waits."""
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import orjson
 import pytest
 
-from support import post, sampled, sse, start_frontend, start_sim, stats, trace_records, wait_until
+from support import generating, post, sampled, sse, start_frontend, start_sim, stats, trace_records, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -71,8 +70,7 @@ def _run(fe, protocol: str, tag: str, headers: dict | None = None) -> tuple[list
 def _cycle(sims, fe, protocol: str, version: str) -> None:
     """Pause with abort, load ``version``, resume: what a trainer does."""
     sim = sims[0] if protocol == "sglang" else sims[1]
-    wait_until(lambda: stats(sim)["running"] == len(PROMPTS))
-    time.sleep(0.15)  # some tokens out
+    generating(sim, running=len(PROMPTS))  # some tokens out
     if protocol == "sglang":
         assert post(fe.url, {"mode": "abort"}, "/pause_generation").status_code == 200
         r = post(fe.url, {"model_path": "/ckpt", "weight_version": version}, "/update_weights_from_disk")
@@ -115,8 +113,7 @@ def test_streams_resume_after_a_pause_on_the_new_weights(fleet, protocol):
 def test_without_the_opt_in_a_pause_ends_the_stream_with_the_abort(fleet):
     sims, fe, _ = fleet
     threads, out = _run(fe, "sglang", "plain", {"asgi-generate-resume-after-pause": "0"})
-    wait_until(lambda: stats(sims[0])["running"] == len(PROMPTS))
-    time.sleep(0.1)
+    generating(sims[0], running=len(PROMPTS))
     assert post(fe.url, {"mode": "abort"}, "/pause_generation").status_code == 200
     for t in threads:
         t.join(30)

@@ -5,13 +5,12 @@ deterministically, the fleet's rank registry, pause modes, the failure hook."""
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import orjson
 import pytest
 
-from support import post, sampled, sse, start_sim, stats, wait_until
+from support import generating, post, sampled, sse, start_sim, stats
 
 pytestmark = pytest.mark.e2e
 
@@ -165,8 +164,7 @@ def test_new_weights_apply_mid_stream():
         body = {"input_ids": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}}
         t = threading.Thread(target=lambda: out.append(sse(sg.url, body)))
         t.start()
-        wait_until(lambda: stats(sg)["running"] == 1)
-        time.sleep(0.1)
+        generating(sg)
         post(sg.url, {"mode": "in_place"}, "/pause_generation")
         post(sg.url, {"new_version": "v9", "abort_all_requests": False}, "/update_weight_version")
         post(sg.url, {}, "/continue_generation")

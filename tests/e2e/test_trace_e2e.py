@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import orjson
@@ -28,7 +27,8 @@ import pytest
 from asgi_generate.assets import TOKENIZER_PATH
 from asgi_generate.tracing.hashing import block_hashes
 from asgi_generate.tracing.offline.validate import check_records, read_jsonl
-from support import JSON_HEADERS, RawClient, post, sse, start_frontend, start_sim, stats, wait_until, trace_records
+from support import (JSON_HEADERS, RawClient, generating, post, reading_body, sse, start_frontend, start_sim, stats,
+                     wait_until, trace_records)
 
 pytestmark = pytest.mark.e2e
 
@@ -251,7 +251,7 @@ def test_stats_show_the_trace_counters(fast):
 def test_disconnect_before_the_body_is_read(slow):
     c = RawClient(slow.url)
     c.send(orjson.dumps(body(5, stream=True)), upto=10)
-    time.sleep(0.1)
+    reading_body(slow.url)
     c.close()
     (rec,) = slow.take()
     assert (rec["status"], rec["output_tokens"], rec["attempts"]) == ("client_disconnect", 0, [])
@@ -284,8 +284,7 @@ def test_sse_disconnect_mid_stream(slow, k):
 def test_unary_disconnect_mid_generation(slow):
     c = RawClient(slow.url)
     c.send(orjson.dumps(body(30, stream=False)))
-    wait_until(lambda: stats(slow.sim)["running"] == 1)
-    time.sleep(1.5)  # past TTFT: the engine is generating, the client has nothing
+    generating(slow.sim)  # past TTFT: the engine is generating, the client has nothing
     c.close()
     (rec,) = slow.take()
     assert (rec["status"], rec["output_tokens"], rec["stream"]) == ("client_disconnect", 0, False)
@@ -311,8 +310,7 @@ def test_engine_dies_mid_request(tmp_path_factory, stream):
 
         t = threading.Thread(target=client)
         t.start()
-        wait_until(lambda: stats(sim)["running"] == 1)
-        time.sleep(1.0)  # about 10 tokens out (at least 2 are asserted)
+        generating(sim, tokens=5)  # written to the frontend before the kill: at least 2 reach the client
         sim.proc.kill()
         t.join(30)
         (rec,) = fe.take()
@@ -350,8 +348,7 @@ def test_shutdown_with_requests_in_flight(tmp_path_factory):
 
         t = threading.Thread(target=stream)
         t.start()
-        wait_until(lambda: stats(sim)["running"] == 1)
-        time.sleep(0.3)
+        generating(sim, tokens=3)  # some out before the shutdown (at least 1 is asserted)
         fe.proc.signal(signal.SIGTERM)
         t.join(30)
         fe.proc.proc.wait(30)

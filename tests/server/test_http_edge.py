@@ -17,7 +17,8 @@ import httpx
 import orjson
 import pytest
 
-from support import post, start_frontend, start_hypercorn, start_sim, stats, wait_until, trace_records
+from support import (generating, post, reading_body, start_frontend, start_hypercorn, start_sim, stats, wait_until,
+                     trace_records)
 
 WORKER_CLASSES = ["trio", "asyncio"]
 
@@ -107,9 +108,12 @@ class Traced:
 
     def next_record(self, seen: int) -> dict:
         """The record after the first ``seen`` ones (waits for it), and
-        checks that no other one follows."""
+        checks that no other one follows: once every record submitted to
+        the writer so far is in the file, a second one of the request
+        would be there too."""
         recs = wait_until(lambda: (r := self.records()) and len(r) > seen and r)
-        time.sleep(0.2)  # a second record would be a bug: give it time to show
+        wait_until(lambda: (t := httpx.get(self.url + "/stats", timeout=5).json()["trace"])["queued"] == 0
+                   and t["submitted"] == len(self.records()))
         assert len(self.records()) == seen + 1
         return recs[seen]
 
@@ -293,7 +297,7 @@ def test_half_close_before_the_body_is_whole(slow_fe, slow_sim):
     sock = _connect(slow_fe.url)
     try:
         sock.sendall(_request(_body(True, 30))[:-10])
-        time.sleep(0.1)
+        reading_body(slow_fe.url)
         assert _half_close(sock) == b""  # nothing sent, connection closed
     finally:
         sock.close()
@@ -303,17 +307,19 @@ def test_half_close_before_the_body_is_whole(slow_fe, slow_sim):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("stream,wait", [(False, 0.0), (True, 0.0), (False, 0.6)],
+@pytest.mark.parametrize("stream,tokens", [(False, 0), (True, 0), (False, 1)],
                          ids=["first-token-unary", "first-token-sse", "unary-generating"])
-def test_half_close_before_any_output(slow_fe, slow_sim, stream, wait):
-    """Waiting for the first token, or (``wait`` past the 400 ms TTFT) while
-    the engine generates a unary answer: nothing was sent, nothing is."""
+def test_half_close_before_any_output(slow_fe, slow_sim, stream, tokens):
+    """Waiting for the first token, or (``tokens`` generated, past the
+    400 ms TTFT) while the engine generates a unary answer: nothing was
+    sent, nothing is."""
     seen = slow_fe.settled()
     sock = _connect(slow_fe.url)
     try:
         sock.sendall(_request(_body(stream, 60)))
         rid = _running_rid(slow_sim)
-        time.sleep(wait)
+        if tokens:
+            generating(slow_sim, tokens=tokens)
         assert _half_close(sock) == b""
     finally:
         sock.close()

@@ -92,8 +92,9 @@ async def test_bare_socket_read_deadline_is_none_and_leaves_no_read_waiting():
     a.setblocking(False)
     conn = _connection(a)
     start = anyio.current_time()
-    assert await conn.receive(10, start + 0.1) is None
-    assert 0.1 <= anyio.current_time() - start < 1.0
+    with anyio.fail_after(30):  # the deadline ends the read
+        assert await conn.receive(10, start + 0.1) is None
+    assert anyio.current_time() - start >= 0.1
     assert _registrations(a.fileno()) == (False, 0)
     # Data before the deadline: returned, its timer gone.
     b.send(b"x")

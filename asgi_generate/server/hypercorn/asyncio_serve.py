@@ -35,8 +35,9 @@ gone), a write to a closed connection reported to the protocol as
 ``Closed``, TLS (hypercorn's SSL context and handshake timeout), graceful
 shutdown (idle connections close, busy ones close after their answer, for at
 most ``graceful_timeout`` seconds), the lifespan, ``max_requests``. Added:
-the app told as the graceful shutdown begins (:mod:`.graceful`), and the
-request head's deadline (:class:`asgi_generate.server.hypercorn.fixes.HeadDeadline`:
+the app told as the graceful shutdown begins, a connection on which a request
+has begun not taken for an idle one then (:mod:`.graceful`), and the request
+head's deadline (:class:`asgi_generate.server.hypercorn.fixes.HeadDeadline`:
 the keep-alive timer armed with it instead while a head is due).
 """
 
@@ -387,9 +388,19 @@ class Connection(asyncio.Protocol):
         self._feed(fixes.HeadTimedOut(writable))
 
     def _idle_timeout(self) -> None:
-        # Idle past keep_alive_timeout, or the server is shutting down.
+        # Idle past keep_alive_timeout, or the server is shutting down; in a
+        # shutdown, a request begun on it is read and answered first
+        # (graceful.request_begun). close() stops reading at once: nothing
+        # more is read from it.
+        if self.worker.context.terminated.is_set() and (
+                self._queued is not None or graceful.request_begun(self.protocol, self._fd())):
+            return  # its timer (a head's deadline, if one is due) still runs
         self._stop_idle()
         self.transport.close()
+
+    def _fd(self) -> int:
+        sock = self.transport.get_extra_info("socket")
+        return -1 if sock is None else sock.fileno()
 
     def _finish(self) -> None:
         # As TCPServer.run's end: once the client's end of stream is read and

@@ -23,9 +23,11 @@ keep-alive task, the send lock, ``Closed`` for writes that fail, and (bug 1
 of :mod:`asgi_generate.server.hypercorn.fixes`) no keep-alive wait once the client's
 end of stream is read. Changed: a connection whose reading fails with an
 ``OSError`` tells its protocol it is ``Closed`` (the app sees the
-disconnect) instead of cancelling the app's task. Added: the request head's
-deadline (:class:`asgi_generate.server.hypercorn.fixes.HeadDeadline`: the
-keep-alive task waits for it instead while a head is due).
+disconnect) instead of cancelling the app's task; one closed while idle
+reads nothing more, and in a graceful shutdown one on which a request has
+begun is not taken for an idle one (:mod:`.graceful`). Added: the request
+head's deadline (:class:`asgi_generate.server.hypercorn.fixes.HeadDeadline`:
+the keep-alive task waits for it instead while a head is due).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from hypercorn.protocol import ProtocolWrapper
 from hypercorn.trio import tcp_server as trio_tcp_server
 from hypercorn.utils import parse_socket_addr
 
-from . import fixes, lean as hypercorn_lean
+from . import fixes, graceful, lean as hypercorn_lean
 from .. import spread
 from ...workers.sockets import recv_nowait
 
@@ -69,6 +71,8 @@ class TCPServer(trio_tcp_server.TCPServer):
         self._reading_done = False
         #: The keep-alive task waits for a request head's deadline instead.
         self._heading = False
+        #: Closed while idle: nothing it reads is handed on.
+        self._closing = False
 
     async def run(self) -> None:
         stream = self.stream
@@ -101,21 +105,23 @@ class TCPServer(trio_tcp_server.TCPServer):
             raw = None if ssl or timeout is not None else getattr(stream.socket, "_sock", None)
             while True:
                 try:
-                    if raw is not None:  # trio's own checkpoints around a read
-                        await trio.lowlevel.checkpoint_if_cancelled()
+                    if raw is not None:
+                        # The checkpoint before the read: no other task
+                        # (the idle one closing) runs while bytes it read
+                        # wait to reach the protocol.
+                        await trio.lowlevel.checkpoint()
                         data = recv_nowait(raw, MAX_RECV)
-                        if data is None:
-                            while data is None:
-                                await trio.lowlevel.wait_readable(raw)
-                                data = recv_nowait(raw, MAX_RECV)
-                        else:
-                            await trio.lowlevel.cancel_shielded_checkpoint()
+                        while data is None:
+                            await trio.lowlevel.wait_readable(raw)
+                            data = recv_nowait(raw, MAX_RECV)
                     elif timeout is None:
                         data = await stream.receive_some(MAX_RECV)
                     else:
                         with trio.fail_after(timeout):
                             data = await stream.receive_some(MAX_RECV)
                 except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError, OSError):
+                    break
+                if self._closing:  # read as it closed (TLS, read_timeout): never half read
                     break
                 await self.protocol.handle(RawData(bytes(data)))
                 if not data:
@@ -148,11 +154,15 @@ class TCPServer(trio_tcp_server.TCPServer):
         # The keep-alive task while a request head is due: at its deadline
         # the protocol answers (or not) and closes; when the server shuts
         # down first, closed as an idle connection (hypercorn's _idle_timeout).
-        with trio.move_on_after(fixes.header_read_timeout):
+        with trio.move_on_after(fixes.header_read_timeout) as deadline:
             await self.context.terminated.wait()
+            # A shutdown: a head begun is read and answered, within its deadline.
+            if graceful.request_begun(self.protocol, self._socket().fileno()):
+                await trio.sleep_forever()
         with trio.CancelScope(shield=True):
             self._heading = False
-            if self.context.terminated.is_set():
+            if not deadline.cancelled_caught:
+                self._closing = True
                 await self._initiate_server_close()
                 return
             # A write waits (shielded) for as long as the client leaves the
@@ -165,6 +175,20 @@ class TCPServer(trio_tcp_server.TCPServer):
             if not writable:
                 self.reset()
             await self.protocol.handle(fixes.HeadTimedOut(writable))
+
+    async def _idle_timeout(self) -> None:
+        # hypercorn's: idle past keep_alive_timeout, or the server is
+        # shutting down. Here, in a shutdown, a request begun on it is read
+        # and answered first (graceful.request_begun); else nothing more it
+        # reads is handed on (an idle h11 protocol takes Closed without
+        # yielding, so a plain socket closes before anything is read).
+        with trio.move_on_after(self.config.keep_alive_timeout):
+            await self.context.terminated.wait()
+        if self.context.terminated.is_set() and graceful.request_begun(self.protocol, self._socket().fileno()):
+            return
+        self._closing = True
+        with trio.CancelScope(shield=True):
+            await self._initiate_server_close()
 
     def reset(self) -> None:
         """Close the connection at once with a TCP reset, dropping what is
