@@ -161,7 +161,8 @@ class BatchGeneration(Generation):
         worker = router.pick(protocol, [*tried, *spread], key=key) or router.pick(protocol, tried, key=key)
         if worker is None:
             why = "no healthy worker" if router.has_protocol(protocol) else "no worker configured"
-            await self.fail(RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"), "unavailable")
+            await self.fail(RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"), "unavailable",
+                            headers=self.retry_after())
             return None
         spread.append(worker)
         attempt = Attempt(ids.mint(), "aggregated", worker.id, worker.info, worker)
@@ -210,11 +211,11 @@ class BatchGeneration(Generation):
         if event.finish_reason != LEG_DONE:  # else: its items finished while other legs run
             await self._deliver(event)
 
-    async def answer_worker_error(self, status: int, body: bytes) -> None:
+    async def answer_worker_error(self, status: int, body: bytes, retry_after: bytes | None = None) -> None:
         """The engine refused the request as a whole (its own non-200
         answer); answered as any request's (:meth:`Generation.answer_worker_error`)."""
         self.refused = True
-        await super().answer_worker_error(status, body)
+        await super().answer_worker_error(status, body, retry_after)
 
     # -- the client's answer, per item -----------------------------------------
 

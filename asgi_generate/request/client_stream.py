@@ -129,12 +129,12 @@ class ClientStream:
             self.st.http_status = 200
             await self._write({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
 
-    async def _unary(self, status: int, body: bytes) -> None:
+    async def _unary(self, status: int, body: bytes, headers: Headers = ()) -> None:
         st = self.st
         st.response_started = True
         st.http_status = status
         st.response_complete = True
-        await send_unary(self._write, status, body, self.codec.content_type)
+        await send_unary(self._write, status, body, self.codec.content_type, headers)
 
     def _count(self, event: Event) -> bool:
         """The request's accounting of ``event`` (times, ids, usage, finish);
