@@ -200,3 +200,22 @@ async def test_a_batch_whose_items_ran_before_its_error_keeps_a_record_per_item(
     out, st, recs = await _serve(BatchGeneration, ctx, body)
     assert [(r.get("batch_index"), r.get("item_count"), r["status"], r["output_tokens"]) for r in recs] == [
         (0, None, "engine_error", 1), (1, None, "engine_error", 0)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.anyio
+async def test_a_batch_refused_before_any_engine_saw_it_is_one_rejected_record(stream):
+    """A prompt longer than the worker's context length, sent with ``n``
+    50: refused as SGLang refuses it (400; a stream: in-band after a 200),
+    one record."""
+    router = _router(_sglang_aborted)
+    router.workers[0].info["max_model_len"] = 4
+    ctx = FakeContext(router)
+    body = {"input_ids": [1, 2, 3, 4, 5], "rid": "long", "sampling_params": {"n": 50}, "stream": stream}
+    out, st, recs = await _serve(BatchGeneration, ctx, body)
+    message = "The input (5 tokens) is longer than the model's context length (4 tokens)."
+    assert out[0]["status"] == (200 if stream else 400)
+    assert router.workers[0].pool.sent == []
+    assert [(r.get("public_id"), r.get("item_count"), r.get("batch_id"), r["status"], r["http_status"],
+             r["error"]["message"], r["attempts"], r["replay"]) for r in recs] == [
+        ("long", 50, None, "rejected", 200 if stream else 400, message, [], {"excluded": "rejected"})]
