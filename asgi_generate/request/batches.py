@@ -299,7 +299,6 @@ class BatchGeneration(Generation):
             ))
         return out
 
-
     def refused_whole(self) -> bool:
         """Whether the request was refused as a whole before any item ran:
         by the frontend (``rejected``: a check after decoding;

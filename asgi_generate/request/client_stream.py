@@ -167,7 +167,8 @@ class ClientStream:
         if event.finish_reason is not None:
             st.finish_reason = event.finish_reason
             st.finish_matched = event.matched
-            if event.finish_reason == state.ABORT and event.entries is None:  # an item's: its record's
+            # A batch's finish is its leg's: each item's own is judged in its record (item_state).
+            if event.finish_reason == state.ABORT and event.entries is None:
                 state.engine_abort(st)
             return True
         return False

@@ -108,7 +108,8 @@ def _vllm_aborted(sent: dict):
             {"request_id": rid, "choices": [{"index": 0, "token_ids": [6], "finish_reason": "abort"}]},
             {"request_id": rid, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}},
         ])
-    return 200, [orjson.dumps({"request_id": rid, "choices": [{"index": 0, "token_ids": [5, 6], "finish_reason": "abort"}],
+    choice = {"index": 0, "token_ids": [5, 6], "finish_reason": "abort"}
+    return 200, [orjson.dumps({"request_id": rid, "choices": [choice],
                                "usage": {"prompt_tokens": 3, "completion_tokens": 2}})]
 
 
