@@ -367,7 +367,9 @@ class Settings:
         600.0, unit="s", gt=0,
         help="seconds a stream is held for the fleet's resume; past it, it ends with 503")
     health_interval: float = setting(
-        2.0, unit="s", gt=0, help="seconds between health probes of each worker")
+        2.0, unit="s", gt=0,
+        help="seconds between health probes of each worker; in whole seconds (at least 1), the Retry-After of "
+             "the 503 when no worker can take a request")
     health_timeout: float = setting(30.0, unit="s", gt=0, help="seconds one health probe may take")
     health_failures: int = setting(
         3, gt=0,

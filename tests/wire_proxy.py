@@ -13,7 +13,10 @@ relayed event by event, so the frontend sees the worker's own answer. Hooks:
   something it would not;
 - ``drop``: a request for which ``drop(seen)`` is true is recorded, then its
   connection is closed unanswered and the request never forwarded (a
-  worker that read it and went away).
+  worker that read it and went away);
+- ``answer``: ``seen -> (status, headers, body) | None``; a response is
+  sent in the worker's place (with ``content-length``), the request never
+  forwarded, e.g. a full engine's 429 with ``Retry-After``.
 
 The proxy runs an asyncio event loop in a daemon thread; :meth:`stop` ends it
 (bounded).
@@ -50,10 +53,10 @@ class Seen:
 class WireProxy:
     """A proxy to ``upstream`` (``http://127.0.0.1:PORT``) on a free loopback port."""
 
-    def __init__(self, upstream: str, *, hold=None, rewrite=None, drop=None) -> None:
+    def __init__(self, upstream: str, *, hold=None, rewrite=None, drop=None, answer=None) -> None:
         host, port = upstream.removeprefix("http://").rsplit(":", 1)
         self.upstream = (host, int(port))
-        self.hold, self.rewrite, self.drop = hold, rewrite, drop
+        self.hold, self.rewrite, self.drop, self.answer = hold, rewrite, drop, answer
         self.seen: list[Seen] = []
         self.forwarded = 0
         self._released: anyio.Event | None = None
@@ -105,6 +108,15 @@ class WireProxy:
                     self.seen.append(seen)
                     if self.drop is not None and self.drop(seen):
                         return
+                    made = self.answer(seen) if self.answer is not None else None
+                    if made is not None:
+                        status, headers, body = made
+                        head = h11.Response(status_code=status,
+                                            headers=[*headers, (b"content-length", b"%d" % len(body))])
+                        await down.send(server.send(head) + server.send(h11.Data(data=body))
+                                        + server.send(h11.EndOfMessage()))
+                        server.start_next_cycle()
+                        continue
                     if self.hold is not None and not self._released.is_set() and self.hold(seen):
                         gone = anyio.Event()
                         async with anyio.create_task_group() as tg:

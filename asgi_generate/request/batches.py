@@ -29,7 +29,9 @@ A request with ``GenerateRequest.items`` runs as :class:`BatchGeneration`:
   batch's id, its index and the batch size, its own attempts (the leg that
   carried it, under the item's engine id) and, for an item that had not
   finished, the request's outcome (a disconnect records every unfinished
-  item as ``client_disconnect``).
+  item as ``client_disconnect``). A request refused as a whole before any
+  item ran (:meth:`BatchGeneration.refused_whole`) is one record whatever
+  its items: the request's, its ``item_count`` saying how many it carried.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class ItemTally:
 class BatchGeneration(Generation):
     """Drives a request with items; see the module docstring."""
 
-    __slots__ = ("items", "tallies", "outbox_items", "pending_items", "write_lock")
+    __slots__ = ("items", "tallies", "outbox_items", "pending_items", "write_lock", "refused")
 
     def __init__(
         self, ctx: "RequestContext", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
@@ -88,6 +90,8 @@ class BatchGeneration(Generation):
         self.write_lock = anyio.Lock()
         #: The routing key of a batch sent whole to one worker, else ``None``.
         self.key = None
+        #: An engine answered the request with its own error (not 200).
+        self.refused = False
         st.expand = self.item_states
 
     # -- legs ---------------------------------------------------------------
@@ -157,7 +161,8 @@ class BatchGeneration(Generation):
         worker = router.pick(protocol, [*tried, *spread], key=key) or router.pick(protocol, tried, key=key)
         if worker is None:
             why = "no healthy worker" if router.has_protocol(protocol) else "no worker configured"
-            await self.fail(RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"), "unavailable")
+            await self.fail(RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"), "unavailable",
+                            headers=self.retry_after())
             return None
         spread.append(worker)
         attempt = Attempt(ids.mint(), "aggregated", worker.id, worker.info, worker)
@@ -205,6 +210,12 @@ class BatchGeneration(Generation):
             state.end_leg(attempt, "finished")
         if event.finish_reason != LEG_DONE:  # else: its items finished while other legs run
             await self._deliver(event)
+
+    async def answer_worker_error(self, status: int, body: bytes, retry_after: bytes | None = None) -> None:
+        """The engine refused the request as a whole (its own non-200
+        answer); answered as any request's (:meth:`Generation.answer_worker_error`)."""
+        self.refused = True
+        await super().answer_worker_error(status, body, retry_after)
 
     # -- the client's answer, per item -----------------------------------------
 
@@ -257,9 +268,14 @@ class BatchGeneration(Generation):
 
     def item_states(self) -> list[RequestState]:
         """One finished state per item (see the module docstring), each
-        derived from the request's by :func:`asgi_generate.request.state.item_state`."""
+        derived from the request's by :func:`asgi_generate.request.state.item_state`;
+        a request refused as a whole before any item ran (:meth:`refused_whole`)
+        is the request's one state, with its ``item_count``."""
         st = self.st
         size = len(self.items)
+        if self.refused_whole():
+            st.item_count = size
+            return [st]
         out = []
         for j, (item, tally) in enumerate(zip(self.items, self.tallies)):
             answered = tally.finish_sent if st.stream else (st.status == "ok" and tally.finish_reason is not None)
@@ -282,6 +298,17 @@ class BatchGeneration(Generation):
                 t_first_token=tally.t_first_token, t_last_token=tally.t_last_token,
             ))
         return out
+
+    def refused_whole(self) -> bool:
+        """Whether the request was refused as a whole before any item ran:
+        by the frontend (``rejected``: a check after decoding;
+        ``unavailable``: no worker to take it) or by its engine's own error
+        answer (e.g. vLLM's 400 to ``n`` above its ``max_num_seqs``), with
+        nothing of any item received."""
+        st = self.st
+        if not (self.refused or st.status in ("rejected", "unavailable")):
+            return False
+        return not any(t.delivered or t.finish_reason is not None or t.error is not None for t in self.tallies)
 
 
 def _item_attempts(attempts: list[Attempt], j: int, tally: ItemTally) -> Iterator[Attempt]:

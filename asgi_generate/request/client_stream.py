@@ -20,7 +20,7 @@ import anyio
 from . import state
 from ..sdk.codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError
 from ..tracing.state import RequestState
-from .framing import KEEPALIVE, SSE_HEADERS, Receive, Send, send_unary, sse_event, sse_parts
+from .framing import KEEPALIVE, SSE_HEADERS, Headers, Receive, Send, send_unary, sse_event, sse_parts
 from ..workers.aborts import ACKED, LOST
 
 if TYPE_CHECKING:
@@ -129,12 +129,12 @@ class ClientStream:
             self.st.http_status = 200
             await self._write({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
 
-    async def _unary(self, status: int, body: bytes) -> None:
+    async def _unary(self, status: int, body: bytes, headers: Headers = ()) -> None:
         st = self.st
         st.response_started = True
         st.http_status = status
         st.response_complete = True
-        await send_unary(self._write, status, body, self.codec.content_type)
+        await send_unary(self._write, status, body, self.codec.content_type, headers)
 
     def _count(self, event: Event) -> bool:
         """The request's accounting of ``event`` (times, ids, usage, finish);
@@ -167,6 +167,9 @@ class ClientStream:
         if event.finish_reason is not None:
             st.finish_reason = event.finish_reason
             st.finish_matched = event.matched
+            # A batch's finish is its leg's: each item's own is judged in its record (item_state).
+            if event.finish_reason == state.ABORT and event.entries is None:
+                state.engine_abort(st)
             return True
         return False
 
@@ -224,17 +227,22 @@ class ClientStream:
         if not self.gone:
             self.st.output_tokens += tokens
 
-    async def fail(self, err: RequestError, status: str, cut: bool = False) -> None:
-        """End the response with ``err``: its own status before the 200,
-        in-band after it; the request's ending is ``status``, the first
-        failure recorded unless ``cut`` (:func:`asgi_generate.request.state.cut`)."""
+    async def fail(self, err: RequestError, status: str, cut: bool = False, headers: Headers = ()) -> None:
+        """End the response with ``err``: its own status before the 200
+        (with ``headers``, e.g. ``retry-after``), in-band after it; the
+        request's ending is ``status``, the first failure recorded unless
+        ``cut`` (:func:`asgi_generate.request.state.cut`). The record's
+        ``http_status`` is the status sent."""
         st = self.st
         st.response_complete = True
         record = state.cut if cut else state.fail
         if not st.response_started:
             record(st, status, err.status, err.kind, err.message)
+            # The one sent, also when an earlier failure (e.g. an engine's
+            # error event in a unary answer) is the request's ending.
+            st.http_status = err.status
             st.response_started = True
-            await send_unary(self._write, err.status, self.codec.error_body(err))
+            await send_unary(self._write, err.status, self.codec.error_body(err), headers=headers)
         else:
             record(st, status, st.http_status, err.kind, err.message)
             self.outbox.append(sse_event(self.codec.in_band_error(err)) + self.codec.sse_terminal)

@@ -25,6 +25,7 @@ version. It counts as a migration in the record but not against
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -139,7 +140,7 @@ class Generation(ClientStream):
                     return
                 if plan is None:
                     await self.fail(RequestError(503, router.unavailable(protocol, key), "unavailable"),
-                                    "unavailable")
+                                    "unavailable", headers=self.retry_after())
                     return
                 failed = await handshake(plan).run(self, plan, self._next_role(), backoff)
                 if type(failed) is Leg:  # the attempt's client leg, run in this frame (Handshake.run)
@@ -155,6 +156,16 @@ class Generation(ClientStream):
         finally:
             if slot:
                 self.ctx.migrations.give_back()
+
+    def retry_after(self) -> list[tuple[bytes, bytes]]:
+        """The ``Retry-After`` of the frontend's own 503 when no worker of
+        the request's protocol can take it: the health probe interval
+        (``--health-interval``, in whole seconds, at least 1), when a worker
+        may be back in the rotation; none when the protocol has no worker
+        configured (waiting does not help)."""
+        if not self.ctx.router.has_protocol(self.codec.worker_protocol):
+            return []
+        return [(b"retry-after", b"%d" % max(1, math.ceil(self.ctx.settings.health_interval)))]
 
     async def _migration_slot(self) -> bool:
         """Take a migration slot (:mod:`asgi_generate.request.migrations`),
@@ -270,7 +281,7 @@ class Generation(ClientStream):
         if end is LegEnd.CONNECT_FAILED:
             return True
         if end is LegEnd.PAGE:
-            status, body = leg.page
+            status, body, retry_after = leg.page
             # A stream's 503 is the worker going away (an engine ends a
             # stream's own abort in-band); a unary 503 may be the engine's
             # abort of this request, its answer.
@@ -280,7 +291,7 @@ class Generation(ClientStream):
                         return True  # before any token: the next worker, as a failover
                 elif self._migrate(attempt, f"answered {status}"):
                     return True
-            await self.answer_worker_error(status, body)
+            await self.answer_worker_error(status, body, retry_after)
             return False
         if end is LegEnd.TIMED_OUT:
             if leg.phase == "inter_token" and self._migrate(attempt, f"sent no token for {leg.limit:g} s"):
@@ -308,13 +319,15 @@ class Generation(ClientStream):
         await self.fail(leg.error, "engine_error")  # an engine or protocol error
         return False
 
-    async def answer_worker_error(self, status: int, body: bytes) -> None:
+    async def answer_worker_error(self, status: int, body: bytes, retry_after: bytes | None = None) -> None:
         """Answer the client with a worker's own non-200 answer (``status``,
-        ``body``), as the codec renders it (:meth:`Exchange.worker_error`)."""
+        ``body``), as the codec renders it (:meth:`Exchange.worker_error`),
+        with the worker's ``Retry-After`` when it sent one (an engine that
+        is full says when to come back; the client's answer says it too)."""
         status, body = self.ex.worker_error(status, body)
         state.fail(self.st, "engine_error" if status >= 500 else "rejected", status, "engine",
                    body[:512].decode("utf-8", "replace"))
-        await self._unary(status, body)
+        await self._unary(status, body, () if retry_after is None else ((b"retry-after", retry_after),))
 
     async def abort_live_legs(self) -> None:
         """Abort every live leg of the request now (a failed P/D pair's,

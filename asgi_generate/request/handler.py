@@ -101,6 +101,7 @@ async def _send_error(
 ) -> None:
     outcome = "shutdown" if err.kind == "shutdown" else "unavailable" if err.status == 503 else "rejected"
     state.fail(st, outcome, err.status, err.kind, err.message)
+    st.http_status = err.status  # the one sent, whichever failure came first
     st.response_started = True
     st.response_complete = True
     await send_unary(send, err.status, codec.error_body(err), headers=headers or ())

@@ -96,8 +96,9 @@ class AttemptLoop(Protocol):
     async def fail(self, err: RequestError, status: str) -> None:
         """End the client's answer with ``err``."""
 
-    async def answer_worker_error(self, status: int, body: bytes) -> None:
-        """Answer the client with a worker's own error page."""
+    async def answer_worker_error(self, status: int, body: bytes, retry_after: bytes | None = None) -> None:
+        """Answer the client with a worker's own error page (and its
+        ``Retry-After``, if it sent one)."""
 
     async def abort_live_legs(self) -> None:
         """Abort every live leg of the request now."""
@@ -169,7 +170,7 @@ class _Prefill:
         #: The pair failed with this error for the client.
         self.error: RequestError | None = None
         #: The worker's own non-200 answer, for the client.
-        self.page: tuple[int, bytes] | None = None
+        self.page: tuple[int, bytes, bytes | None] | None = None
 
     def answered(self, attempt: Attempt) -> bool:
         return not attempt.live

@@ -52,7 +52,8 @@ class LegEnd(enum.Enum):
     #: answer was complete and only the rest of the leg failed (its drain).
     FINISHED = "finished"
     #: The worker answered a status other than 200 before any event:
-    #: :attr:`Leg.page` holds it (not live, outcome ``error``).
+    #: :attr:`Leg.page` holds it, ``(status, body, retry-after)`` (not
+    #: live, outcome ``error``).
     PAGE = "page"
     #: No connection could be opened: the worker was marked down (not live,
     #: outcome ``connect_failed``).
@@ -165,7 +166,7 @@ class Leg:
         )
         self.deadline = deadline_in(self.limit)
         self.scope = anyio.CancelScope()
-        self.page: tuple[int, bytes] | None = None
+        self.page: tuple[int, bytes, bytes | None] | None = None
         self.error: RequestError | None = None
         self.lost: str | None = None
         #: The leg's own task is handing events to its reader (a client
@@ -237,7 +238,7 @@ class Leg:
                         body = await resp.read(self.deadline)
                         attempt.live = False
                         state.end_leg(attempt, "error")
-                        self.page = (resp.status, body)
+                        self.page = (resp.status, body, resp.retry_after)
                     else:
                         gate = self.gate
                         if not self.stream:

@@ -63,6 +63,14 @@ LEG_TRANSITIONS: dict[str | None, frozenset[str]] = {
     **{outcome: frozenset() for outcome in ATTEMPT_OUTCOMES if outcome not in ("finished", "worker_lost")},
 }
 
+#: The normalized finish reason of an answer its engine cut short by its own
+#: abort: SGLang's ``{"type": "abort", ...}`` (``FINISH_ABORT`` in
+#: sglang/srt/managers/schedule_batch.py), vLLM's ``"abort"``
+#: (``FinishReason.ABORT`` in vllm/v1/engine/__init__.py).
+ABORT = "abort"
+#: The record's error message of an ``engine_abort`` ending.
+ENGINE_ABORT_MESSAGE = "the engine aborted the request (finish_reason abort): its output is truncated"
+
 #: An item's own fields (:func:`item_state`): the caller gives them from
 #: the item and its tally; every other field but :data:`ITEM_ENDING` and
 #: :data:`REQUEST_ONLY` is the request's.
@@ -76,8 +84,8 @@ ITEM_FIELDS = frozenset({
 ITEM_ENDING = frozenset({"status", "error_type", "error_message"})
 #: The request's as a whole, never an item's: every item's output ids in
 #: arrival order, its OpenTelemetry trace context, its body bytes (counted
-#: once), its items' expansion. An item has the field's default.
-REQUEST_ONLY = frozenset({"output_ids", "trace", "body_bytes", "expand"})
+#: once), its items' expansion and count. An item has the field's default.
+REQUEST_ONLY = frozenset({"output_ids", "trace", "body_bytes", "expand", "item_count"})
 
 
 class IllegalTransition(UserWarning):
@@ -114,6 +122,14 @@ def fail(st: RequestState, status: str, http_status: int | None, error_type: str
         st.http_status = http_status
         st.error_type = error_type
         st.error_message = message
+
+
+def engine_abort(st: RequestState) -> None:
+    """The answer ended with the engine's abort (its finish reason
+    :data:`ABORT`: a pause without hold, ``abort_all``): ``engine_abort``,
+    its output truncated, unless an ending was recorded before (e.g. the
+    client left, and the abort was the frontend's own)."""
+    fail(st, "engine_abort", st.http_status, "engine_abort", ENGINE_ABORT_MESSAGE)
 
 
 def end(st: RequestState, status: str) -> None:
@@ -167,9 +183,10 @@ def item_state(st: RequestState, answered: bool, error: str | None, **own) -> Re
     """The finished state of one item of the request ``st``: every field of
     ``st``, but the item's own (``own``, exactly :data:`ITEM_FIELDS`), the
     defaults of :data:`REQUEST_ONLY`, and its ending: ``engine_error`` with
-    ``error`` when its engine reported one that counts for the item, else
-    ``ok`` when the item was ``answered`` (its finish reached the client),
-    else the request's ending.
+    ``error`` when its engine reported one that counts for the item, else,
+    when the item was ``answered`` (its finish reached the client),
+    ``engine_abort`` if that finish was the engine's abort and ``ok``
+    otherwise, else the request's ending.
 
     Raises:
         TypeError: ``own`` is not exactly :data:`ITEM_FIELDS`.
@@ -178,6 +195,8 @@ def item_state(st: RequestState, answered: bool, error: str | None, **own) -> Re
         raise TypeError(f"an item's own fields are {sorted(ITEM_FIELDS)}, not {sorted(own)}")
     if error is not None:
         own.update(status="engine_error", error_type="engine", error_message=error)
+    elif answered and own["finish_reason"] == ABORT:
+        own.update(status="engine_abort", error_type="engine_abort", error_message=ENGINE_ABORT_MESSAGE)
     elif answered:
         own.update(status="ok", error_type=None, error_message=None)
     for f in dataclasses.fields(RequestState):

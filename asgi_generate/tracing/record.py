@@ -133,6 +133,8 @@ def build_record(st: RequestState, block_size: int, analyzer: OutputAnalyzer | N
         rec["batch_id"] = st.batch_id
         rec["batch_index"] = st.batch_index
         rec["batch_size"] = st.batch_size
+    if st.item_count is not None:
+        rec["item_count"] = st.item_count
     x_request_id = headers.get(b"x-request-id")
     if x_request_id is not None:
         rec["x_request_id"] = _text(x_request_id)

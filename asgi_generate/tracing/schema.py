@@ -23,6 +23,7 @@ SCHEMA_ID = "asgi_generate.request_trace.v1"
 EVENT_TYPE = "request_end"
 STATUSES = (
     "ok", "client_disconnect", "rejected", "engine_error", "unavailable", "timeout", "shutdown", "slow_client",
+    "engine_abort",
 )
 ATTEMPT_OUTCOMES = ("finished", "aborted", "error", "connect_failed", "worker_lost", "timeout")
 ROLES = ("aggregated", "prefill", "decode", "resumed", "replayed")
@@ -64,13 +65,23 @@ SCHEMA: dict[str, Any] = {
         ),
         "batch_index": _d(_COUNT, "With batch_id: the item's index in the request's answer."),
         "batch_size": _d({"type": "integer", "minimum": 1}, "With batch_id: how many items the request carried."),
+        "item_count": _d(
+            {"type": "integer", "minimum": 1},
+            "For a request that carried several items and was refused as a whole before any of them ran (a "
+            "check after decoding, no worker to take it, its engine's error answer): how many items it "
+            "carried. Its one record stands for all of them; it has no batch_id.",
+        ),
         "x_request_id": _d(_ID, "The client's X-Request-Id header."),
         "format": _d({"type": "string", "minLength": 1}, "The codec's name: sglang, vllm, ..."),
         "route": _d({"type": "string"}, "The request path."),
         "method": _d({"type": "string"}, "The HTTP method."),
         "model": _d({"type": "string"}, "The model the request named."),
         "stream": _d({"type": "boolean"}, "SSE was asked for; absent when the body was never parsed."),
-        "status": _d({"enum": list(STATUSES)}, "How the request ended."),
+        "status": _d(
+            {"enum": list(STATUSES)},
+            "How the request ended. engine_abort: the answer ended with the engine's own abort (finish_reason "
+            "abort: a pause without hold, abort_all), its output truncated; added to v1.",
+        ),
         "http_status": _d(
             {"type": "integer", "minimum": 100, "maximum": 599},
             "The HTTP status sent; absent when the client left before any was sent.",

@@ -80,6 +80,9 @@ class RequestState:
     batch_id: str | None = None
     batch_index: int | None = None
     batch_size: int | None = None
+    #: A request with several items refused as a whole before any of them
+    #: ran, recorded once: how many items it carried.
+    item_count: int | None = None
     #: For a request with items: makes their states, each recorded in
     #: place of this one (see :mod:`asgi_generate.request.batches`).
     expand: Callable[[], list["RequestState"]] | None = None

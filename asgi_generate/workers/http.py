@@ -128,14 +128,22 @@ class Response:
         content_type: the ``content-type`` header's value, ``None`` if absent
             (the other headers are not kept: an open stream holds its
             response for its whole life).
+        retry_after: the ``retry-after`` header's value as sent (RFC 9110
+            section 10.2.3: seconds or an HTTP date), ``None`` if absent; a
+            worker's 429 or 503 may carry it.
         complete: the body was read to its end.
     """
 
-    __slots__ = ("status", "content_type", "_conn", "complete")
+    __slots__ = ("status", "content_type", "retry_after", "_conn", "complete")
 
     def __init__(self, conn: _Connection, head: h11.Response) -> None:
         self.status = head.status_code
-        self.content_type = next((v for k, v in head.headers if k == b"content-type"), None)
+        self.content_type = self.retry_after = None
+        for k, v in head.headers:  # h11 gives lower-case names
+            if k == b"content-type":
+                self.content_type = v
+            elif k == b"retry-after":
+                self.retry_after = v
         self._conn = conn
         self.complete = False
 

@@ -92,6 +92,25 @@ def test_vllm_n_past_the_bound_is_vllms_400(sims, fe):
     assert stats(sims[1])["received"] == received
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_16384_the_engine_refuses_as_a_whole_is_one_record_with_its_item_count(sims, fe, stream):
+    """vLLM answers 400 to ``n`` above its ``max_num_seqs`` (256 on the
+    simulator) before running anything: one record for the 90-byte request,
+    not 16,384 (13 MB of records and seconds of the frontend's time)."""
+    before = _counts(fe)
+    body = {"token_ids": [1], "sampling_params": {"max_tokens": 1, "n": 16384}, "request_id": "wide",
+            "stream": stream}
+    got = post(fe.url, body, VLLM)
+    message = "sampling_params.n must be at most the server's max_num_seqs (256), got 16384."
+    answer = {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
+    assert (got.status_code, got.json()) == (400, answer)
+    assert _counts(fe) == (before[0] + 1, before[1] + 1, before[2] + 1, before[3] + 1)
+    recs = [r for r in _settled(fe) if r.get("public_id") == "wide" and r["stream"] is stream]
+    assert [(r["status"], r["http_status"], r["error"]["message"], r["item_count"], r.get("batch_id"),
+             r["output_tokens"], [a["outcome"] for a in r["attempts"]]) for r in recs] == [
+        ("rejected", 400, orjson.dumps(answer).decode(), 16384, None, 0, ["error"])]
+
+
 def test_http_requests_and_request_items_are_counted_apart(fe):
     before = _counts(fe)
     batch = post(fe.url, {"input_ids": [[1, 2], [3, 4]], "sampling_params": {"max_new_tokens": 1, "n": 3}})

@@ -180,8 +180,9 @@ def test_vllm_n_above_1_on_a_pair_is_a_400_saying_why(worker_class, tmp_path_fac
             assert r.status_code == 400
             assert r.json()["error"]["message"].startswith("n > 1 cannot run on a vLLM prefill/decode pair")
             assert r.json()["error"]["code"] == 400
-        recs = fe.take(4)
-        assert {(r["status"], r["http_status"]) for r in recs} == {("rejected", 400)}
+        recs = fe.take(2)  # refused as a whole before any item ran: one record each
+        assert [(r["status"], r["http_status"], r["item_count"], r["stream"]) for r in recs] == [
+            ("rejected", 400, 2, False), ("rejected", 400, 2, True)]
         assert stats(producer)["received"] == stats(consumer)["received"] == 0
     finally:
         fe.stop()

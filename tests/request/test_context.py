@@ -87,6 +87,8 @@ class FakeContext:
 class FakeResponse:
     """A worker's answer, handed over in the pieces given."""
 
+    retry_after = None
+
     def __init__(self, status: int, pieces: list[bytes]) -> None:
         self.status = status
         self.pieces = list(pieces)
@@ -167,12 +169,13 @@ async def _serve(gen_class, ctx: FakeContext, body: dict, request_id: str = "r" 
     return out, st
 
 
-def _error_answer(status: int, message: bytes, length: int) -> list[dict]:
-    """The ASGI messages of SGLang's unary error answer (its FastAPI shape)."""
+def _error_answer(status: int, message: bytes, length: int, headers: tuple = ()) -> list[dict]:
+    """The ASGI messages of SGLang's unary error answer (its FastAPI shape),
+    with ``headers`` after its own."""
     body = b'{"object":"error","message":"%s","type":"%d","param":null,"code":%d}' % (message, status, status)
     return [
         {"type": "http.response.start", "status": status,
-         "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % length)]},
+         "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % length), *headers]},
         {"type": "http.response.body", "body": body, "more_body": False},
     ]
 
@@ -188,10 +191,11 @@ def test_the_request_modules_import_without_the_server_or_ops():
 
 
 @pytest.mark.anyio
-async def test_generation_with_no_healthy_worker_answers_503():
-    ctx = FakeContext(_router())
+async def test_generation_with_no_healthy_worker_answers_503_saying_when_to_retry():
+    ctx = FakeContext(_router(), health_interval=2.5)
     out, st = await _serve(Generation, ctx, {"input_ids": [1, 2, 3]})
-    assert out == _error_answer(503, b"no healthy worker for protocol 'sglang'", 107)
+    # The health probe interval, in whole seconds: when a worker may be back.
+    assert out == _error_answer(503, b"no healthy worker for protocol 'sglang'", 107, ((b"retry-after", b"3"),))
     assert (st.status, st.http_status, st.error_type, st.attempts) == ("unavailable", 503, "unavailable", [])
     assert ctx.recorder.calls == ["ended", ("finished", "r" * 32, "unavailable", 0)]
 

@@ -40,6 +40,8 @@ class FakeResponse:
     """A worker's answer: ``status``, then ``reads`` in order (bytes, an
     exception to raise, or :data:`STALL`); the body ends after the last."""
 
+    retry_after = None
+
     def __init__(self, status: int, reads: list) -> None:
         self.status = status
         self.reads = list(reads)
@@ -220,7 +222,7 @@ RUNS = {
     "finished": (lambda: FakeResponse(200, [sse(CHUNK), sse(LAST, b"[DONE]")]), True,
                  LegEnd.FINISHED, False, "finished", None, [], [], [([5], None), ([6], "length")]),
     "page": (lambda: FakeResponse(503, [b'{"error": "shutting down"}']), True,
-             LegEnd.PAGE, False, "error", (503, b'{"error": "shutting down"}'), [], [], []),
+             LegEnd.PAGE, False, "error", (503, b'{"error": "shutting down"}', None), [], [], []),
     "connect_failed": (lambda: ConnectFailed("connection refused"), True,
                        LegEnd.CONNECT_FAILED, False, "connect_failed", None, [("w0", "connection refused")], [], []),
     "headers_timeout": (lambda: TimedOut("deadline"), True,

@@ -273,8 +273,8 @@ def request_states(draw) -> RequestState:
     out_ids = draw(OUTPUT_IDS)
     delivered = draw(st.integers(0, len(out_ids)))
     status = draw(st.sampled_from(STATUSES))
-    finish = draw(st.sampled_from(["stop", "length", "abort"])) if status == "ok" else draw(
-        st.sampled_from([None, "stop", "length", "abort"]))
+    finish = (draw(st.sampled_from(["stop", "length", "abort"])) if status == "ok" else "abort"
+              if status == "engine_abort" else draw(st.sampled_from([None, "stop", "length", "abort"])))
     input_ids = draw(st.one_of(st.none(), st.lists(st.integers(0, 2**32 - 1), max_size=200)))
     s = state(
         t_received=t0,

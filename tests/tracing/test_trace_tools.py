@@ -23,7 +23,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_validate_passes_the_examples(capsys):
-    assert run(capsys, "validate", str(EXAMPLES)) == (0, "VALID: 7 records\n", "")
+    assert run(capsys, "validate", str(EXAMPLES)) == (0, "VALID: 9 records\n", "")
 
 
 def test_validate_reports_violations_and_fails(capsys, tmp_path):
@@ -44,12 +44,26 @@ def test_validate_reports_violations_and_fails(capsys, tmp_path):
     assert printed[2].startswith(f"{bad}:4: not JSON: unexpected character")  # orjson's wording
 
 
+def test_an_engine_abort_record_needs_the_engines_abort_finish(capsys, tmp_path):
+    (rec,) = [orjson.loads(x) for x in EXAMPLES.read_bytes().splitlines() if b'"engine_abort"' in x]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(orjson.dumps({**rec, "finish": {"finish_reason": "length", "backend_finish_reason": "length"}})
+                    + b"\n" + orjson.dumps({k: v for k, v in rec.items() if k not in ("finish", "request_id")}
+                                           | {"request_id": "f" * 32}) + b"\n")
+    code, out, _ = run(capsys, "validate", str(bad))
+    assert (code, out.splitlines()) == (1, [
+        f"{bad}:1: status engine_abort without the engine's abort finish",
+        f"{bad}:2: status engine_abort without the engine's abort finish",
+        "INVALID: 2 violations in 2 records",
+    ])
+
+
 def test_ids_must_be_unique_across_files(capsys, tmp_path):
     copy = tmp_path / "copy.jsonl"
     copy.write_bytes(EXAMPLES.read_bytes()[: EXAMPLES.read_bytes().index(b"\n") + 1])
     code, out, _ = run(capsys, "validate", str(EXAMPLES), str(copy))
     assert code == 1
-    assert out.splitlines()[-1] == "INVALID: 1 violations in 8 records"
+    assert out.splitlines()[-1] == "INVALID: 1 violations in 10 records"
 
 
 def test_unreadable_file(capsys, tmp_path):
@@ -62,27 +76,30 @@ def test_summarize(capsys):
     code, out, _ = run(capsys, "summarize", str(EXAMPLES))
     assert code == 0
     assert out == """\
-requests: 7
+requests: 9
 by status:
   ok                              4
+  rejected                        2
   client_disconnect               1
+  engine_abort                    1
   engine_error                    1
-  rejected                        1
 by format:
   sglang                          7
+  vllm                            2
 by finish reason:
-  (none)                          3
+  (none)                          4
   stop                            2
+  abort                           1
   length                          1
   tool_calls                      1
 tokens:
-  input_tokens                  595
-  output_tokens                 119
-  cached_tokens                 496
+  input_tokens                  636
+  output_tokens                 140
+  cached_tokens                 528
   reasoning_tokens               40
 latency ms             n        p50        p90        p99        max
-  ttft_ms              6       12.0       30.1       30.1       30.1
-  total_ms             7       31.0      128.1      128.1      128.1
+  ttft_ms              7       12.0       30.1       30.1       30.1
+  total_ms             9       31.0      128.1      128.1      128.1
 """
 
 
@@ -100,8 +117,10 @@ def test_export_mooncake(capsys):
         {"timestamp": 2000, "input_length": 128, "output_length": 16, "hash_ids": [0, 1], "block_size": 64},
         {"timestamp": 2500, "input_length": 130, "output_length": 7, "hash_ids": [0, 1, 4], "block_size": 64},
         {"timestamp": 4000, "input_length": 3, "output_length": 4, "hash_ids": [5], "block_size": 64},
+        {"timestamp": 5000, "input_length": 40, "output_length": 21, "hash_ids": [6], "block_size": 64},
+        {"timestamp": 6000, "input_length": 1, "output_length": 0, "hash_ids": [7], "block_size": 64},
     ]
-    assert err == "exported 5 requests (block_size 64), skipped 2 without block hashes or engine attempts\n"
+    assert err == "exported 7 requests (block_size 64), skipped 2 without block hashes or engine attempts\n"
 
 
 def test_export_refuses_mixed_block_sizes(capsys, tmp_path):

@@ -67,6 +67,8 @@ def record_problems(rec: dict) -> list[str]:
             problems.append("status ok without finish metadata")
         if "http_status" not in rec:
             problems.append("status ok without http_status")
+    if rec["status"] == "engine_abort" and rec.get("finish", {}).get("backend_finish_reason") != "abort":
+        problems.append("status engine_abort without the engine's abort finish")
     finish = rec.get("finish")
     if finish is not None:
         backend, final = finish["backend_finish_reason"], finish["finish_reason"]
