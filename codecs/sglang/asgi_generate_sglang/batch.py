@@ -287,8 +287,10 @@ class SGLangBatchExchange(Exchange):
             at = "" if stream else f"[{k}]."
             if type(chunk) is not dict:
                 raise wrong(at[:-1], chunk, "an object")
-            seen = 0 if prefill or incremental else self.seen[j]
-            if chunk_meta(chunk, at, seen, inputs=prefill or self.seen[j] == 0) is None:
+            # A cumulative chunk repeats the entry's last one (see SGLangExchange.feed).
+            cumulative = stream and not (prefill or incremental)
+            seen = self.seen[j] if cumulative else 0
+            if chunk_meta(chunk, at, seen, inputs=not cumulative or seen == 0) is None:
                 raise wrong(f"{at}meta_info", MISSING, "an object")
         if prefill:
             return _prefill_event(attempt, pairs)

@@ -345,10 +345,11 @@ class SGLangExchange(Exchange):
                 return _event(new, meta)
         chunk = answer_object(payload, "the chunk" if self.request.stream else "the body")
         prefill = attempt.role == "prefill"
-        # A cumulative chunk's output logprobs are checked from where the
-        # leg's last chunk ended; the prompt's, in a leg's first chunk.
-        start = 0 if prefill or self.incremental else self.seen - (self.base[1] if attempt.resumes else 0)
-        meta = chunk_meta(chunk, "", start, inputs=prefill or self.decode_chunks == 0)
+        # A cumulative chunk repeats the leg's last one: its output logprobs
+        # are checked from where that one's ended, its prompt's once.
+        cumulative = not (prefill or self.incremental)
+        start = self.seen - (self.base[1] if attempt.resumes else 0) if cumulative else 0
+        meta = chunk_meta(chunk, "", start, inputs=not cumulative or self.decode_chunks == 0)
         if prefill:
             return self._prefill_event(attempt, chunk, meta)
         self.payload = payload
