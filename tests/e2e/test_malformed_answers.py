@@ -281,3 +281,36 @@ def test_malformed_answers_of_a_pd_leg(worker_class, protocol, tmp_path):
                 for _, _, _, _, want, message in cases]
         finally:
             fe.stop()
+
+
+@pytest.mark.e2e
+def test_malformed_answers_of_a_batch(worker_class, tmp_path):
+    """An SGLang batch (two prompts, one leg): a unary answer that is not
+    the list of the entries' objects, and a stream chunk whose entry index
+    is not one of the leg's after the 200: the batch's 502, one record per
+    item with the message, the connections closed."""
+    batch = {"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 4}}
+    chunk = {**SG_CHUNK, "index": 0}
+    with AnsweringWorker([b'{"garbage": true}']) as fake:
+        fe = start_frontend([f"sglang={fake.url}"], worker_class=worker_class,
+                            extra=["--trace-file", str(tmp_path / "t.jsonl")])
+        try:
+            resp = post(fe.url, batch)
+            assert (resp.status_code, resp.json()) == (
+                502, sglang_502("the body is an object, expected a list of one answer per entry"))
+            fake.payloads = [orjson.dumps(chunk), orjson.dumps({**chunk, "index": 2})]
+            resp = post(fe.url, {**batch, "stream": True})
+            *data, done = [b[len(b"data: "):] for b in resp.content.split(b"\n\n") if b]
+            assert (resp.status_code, done) == (200, b"[DONE]")
+            events = [orjson.loads(d) for d in data]
+            assert events[1:] == [sglang_in_band("index is 2, expected an entry of the leg's 2")]
+            assert (events[0]["index"], events[0]["output_ids"]) == (0, [5])
+            wait_until(lambda: fake.closed == 2, timeout=30)
+            assert (fake.generates, fake.reused) == (2, 0)
+            recs = records(tmp_path, 4)
+            assert sorted((r["batch_index"], r["status"], r["error"]["message"]) for r in recs) == sorted(
+                (i, "engine_error", f"worker answer: {why}") for i in (0, 1)
+                for why in ("the body is an object, expected a list of one answer per entry",
+                            "index is 2, expected an entry of the leg's 2"))
+        finally:
+            fe.stop()
