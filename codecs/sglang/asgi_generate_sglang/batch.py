@@ -373,7 +373,7 @@ def _prefill_event(attempt: Attempt, pairs: list[tuple[int, dict]]) -> Event:
         if kind == "abort":
             status = finish.get("status_code")
             return Event([], error=EngineError(
-                status if type(status) is int and status >= 400 else 500, str(finish.get("message", ""))))
+                status if type(status) is int and 400 <= status <= 599 else 500, finish.get("message") or ""))
         if kind is not None:
             kept[j] = meta
     done = all(j in kept for j in attempt.entries)

@@ -403,7 +403,7 @@ class SGLangExchange(Exchange):
         if kind == "abort":
             status = finish.get("status_code")
             return Event([], error=EngineError(
-                status if type(status) is int and status >= 400 else 500, str(finish.get("message", ""))
+                status if type(status) is int and 400 <= status <= 599 else 500, finish.get("message") or ""
             ))
         if kind is not None and attempt.pair is not None:
             attempt.pair.from_prefill = meta
