@@ -16,8 +16,15 @@ import orjson
 
 from .codec import WorkerAnswerError
 
-#: A field the answer does not have.
-MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
+class _Missing:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+#: A field the answer does not have (what ``obj.get(key, MISSING)`` gives).
+MISSING: Any = _Missing()
 
 _KINDS = {
     type(None): "null", bool: "a boolean", int: "an integer", float: "a number", str: "a string",
