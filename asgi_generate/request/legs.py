@@ -75,8 +75,11 @@ class LegEnd(enum.Enum):
     #: stays live so that it is aborted (outcome ``error``).
     #: :attr:`Leg.lost` says how it closed.
     UNANSWERED = "unanswered"
-    #: The worker broke its protocol (the codec raised); :attr:`Leg.error`
-    #: is the codec's error (outcome ``error``).
+    #: The worker broke its protocol (the codec raised: a
+    #: :class:`~asgi_generate.sdk.codec.WorkerAnswerError` for an answer it
+    #: cannot read, else one it cannot join); :attr:`Leg.error` is the
+    #: codec's error (outcome ``error``). The connection is closed, never
+    #: reused: what follows on it is unknown.
     PROTOCOL_ERROR = "protocol_error"
     #: Cancelled because the health probe gave the worker up (outcome
     #: ``worker_lost``); :attr:`Leg.lost` is the probe's reason.

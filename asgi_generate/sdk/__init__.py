@@ -21,10 +21,12 @@ from .codec import (
     RequestError,
     Route,
     Usage,
+    WorkerAnswerError,
     WorkerRequest,
     dump_body,
     engine_error_page,
 )
+from . import answer
 from .compact import dumps_compact
 from .ids import mint
 from .lax import LaxError, lax_scalar
@@ -37,7 +39,7 @@ __all__ = [
     "GROUP", "LEG_DONE", "MAX_REQUEST_ITEMS", "NO_KV_TRANSFER", "VLLM_DEFAULT_VERSION", "VLLM_VERSIONS",
     "Attempt", "BatchItem", "Codec", "CodecLoadError", "EngineError", "Event", "Exchange", "GenerateRequest",
     "LaxError", "LoadedCodec", "PackedIds", "Pair", "PromptTokenizer", "RequestError", "Route", "StopWatch",
-    "Usage", "VLLMBehaviour", "WorkerRequest",
-    "as_u32", "dump_body", "dumps_compact", "engine_error_page", "lax_scalar", "load_codecs", "mint",
+    "Usage", "VLLMBehaviour", "WorkerAnswerError", "WorkerRequest",
+    "answer", "as_u32", "dump_body", "dumps_compact", "engine_error_page", "lax_scalar", "load_codecs", "mint",
     "pack_token_ids", "parse_version", "vllm_behaviour",
 ]

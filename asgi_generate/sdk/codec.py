@@ -68,6 +68,7 @@ class RequestError(Exception):
         kind: a short machine name (``invalid_json``, ``invalid_request``,
             ``too_large``, ``unsupported_media_type``, ``method_not_allowed``,
             ``unavailable``, ``shutdown``, ``engine``, ``internal``,
+            ``bad_worker_answer`` (:class:`WorkerAnswerError`),
             :data:`NO_KV_TRANSFER`); codecs
             may pick their error shape from it.
         in_band: the format reports this error inside a stream the client
@@ -84,6 +85,28 @@ class RequestError(Exception):
         self.message = message
         self.kind = kind
         self.in_band = in_band
+
+
+class WorkerAnswerError(RequestError):
+    """A worker answered 200 with a body that is not its protocol's answer:
+    not JSON, not the protocol's object, or a field the codec reads of the
+    wrong type or shape. Codecs raise it from :meth:`Exchange.feed`
+    (:mod:`asgi_generate.sdk.answer` has the checks).
+
+    The handler answers it like any error of the worker: 502 in the
+    format's error shape (in-band once a stream's 200 went out), the
+    request's record with this message, and the worker's connection
+    retired, never reused (the leg runner closes a connection whose answer
+    ended in an exception).
+
+    Args:
+        what: what was wrong, naming the field, e.g. ``output_ids is a
+            string, expected a list of integers``; the message is
+            ``worker answer: <what>``.
+    """
+
+    def __init__(self, what: str) -> None:
+        super().__init__(502, f"worker answer: {what}", "bad_worker_answer")
 
 
 def dump_body(obj: Any) -> bytes:
@@ -392,8 +415,10 @@ class Exchange:
         whole body of a non-streaming worker answer.
 
         Raises:
-            RequestError: the payload is not what the worker protocol allows
-                (kind ``engine``).
+            WorkerAnswerError: the payload is not what the worker protocol
+                allows.
+            RequestError: 502, the answer cannot be joined with the rest of
+                the request (kind ``engine``).
         """
         raise NotImplementedError
 

@@ -243,7 +243,7 @@ RUNS = {
                          "worker w0 broke the connection mid-answer: worker ended the response without a finish reason",
                          [], ["w0"], [([5], None)]),
     "protocol_error": (lambda: FakeResponse(200, [sse(b"{not json")]), True,
-                       LegEnd.PROTOCOL_ERROR, True, "error", "worker sent a chunk that is not JSON", [], [], []),
+                       LegEnd.PROTOCOL_ERROR, True, "error", "worker answer: the chunk is not JSON", [], [], []),
     "drain_after_finish": (lambda: FakeResponse(200, [sse(LAST), BROKEN]), False,
                            LegEnd.FINISHED, False, "finished", None, [], [], [([5, 6], "length")]),
 }

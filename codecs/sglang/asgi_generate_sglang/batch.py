@@ -51,6 +51,10 @@ from asgi_generate.sdk import (
     LEG_DONE, engine_error_page,
 )
 
+from asgi_generate.sdk import WorkerAnswerError
+from asgi_generate.sdk.answer import MISSING, check, parse, wrong
+
+from .answer import check_error, chunk_meta
 from .join import join_experts, join_prefill
 from .request import MULTIMODAL, check_prompt_length, error_body
 
@@ -249,32 +253,47 @@ class SGLangBatchExchange(Exchange):
         SSE chunk of one entry (its ``index`` the place in the leg's body).
 
         Raises:
-            RequestError: 502, the payload is not what SGLang sends.
+            WorkerAnswerError: the payload is not what SGLang sends
+                (:mod:`.answer`): a unary leg's list of one object per
+                carried entry, a stream's chunk of one entry with its
+                ``index``, or an error object.
+            RequestError: 502, a P/D entry cannot be joined.
         """
-        try:
-            got = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            raise RequestError(502, "worker sent a chunk that is not JSON", "engine") from None
-        if type(got) is dict and "meta_info" not in got:
-            err = got.get("error")
-            message = err.get("message", "") if type(err) is dict else str(err)
-            code = err.get("code", 400) if type(err) is dict else 400
-            event = Event([], error=EngineError(code if type(code) is int else 400, message))
+        stream = self.request.stream
+        got = parse(payload, "the chunk" if stream else "the body")
+        if type(got) is dict and "meta_info" not in got and "error" in got:
+            check_error(got, "")
+            err = got["error"]
+            event = Event([], error=EngineError(err.get("code", 400), err["message"]))
             self.outs[id(event)] = orjson.dumps({"error": err})
             return event
         entries = attempt.entries
-        if type(got) is list:
-            if len(got) != len(entries) or not all(type(c) is dict and type(c.get("meta_info")) is dict for c in got):
-                raise RequestError(502, "worker sent a batch answer of the wrong shape", "engine")
+        if not stream:
+            if type(got) is not list:
+                raise wrong("the body", got, "a list of one answer per entry")
+            if len(got) != len(entries):
+                raise WorkerAnswerError(f"the body is a list of {len(got)}, expected {len(entries)} answers")
             pairs = list(zip(entries, got))
         else:
-            k = got.get("index")
-            if type(got.get("meta_info")) is not dict or type(k) is not int or not 0 <= k < len(entries):
-                raise RequestError(502, "worker sent a batch chunk without a valid index", "engine")
+            if type(got) is not dict:
+                raise wrong("the chunk", got, "an object")
+            k = check(got, "index", "index", (int,), "an integer", optional=False)
+            if not 0 <= k < len(entries):
+                raise WorkerAnswerError(f"index is {k}, expected an entry of the leg's {len(entries)}")
             pairs = [(entries[k], got)]
-        if attempt.role == "prefill":
-            return _prefill_event(attempt, pairs)
+        prefill = attempt.role == "prefill"
         incremental = self.incremental.get(id(attempt), False)
+        for k, (j, chunk) in enumerate(pairs):
+            at = "" if stream else f"[{k}]."
+            if type(chunk) is not dict:
+                raise wrong(at[:-1], chunk, "an object")
+            # A cumulative chunk repeats the entry's last one (see SGLangExchange.feed).
+            cumulative = stream and not (prefill or incremental)
+            seen = self.seen[j] if cumulative else 0
+            if chunk_meta(chunk, at, seen, inputs=not cumulative or seen == 0) is None:
+                raise wrong(f"{at}meta_info", MISSING, "an object")
+        if prefill:
+            return _prefill_event(attempt, pairs)
         pre = attempt.pair.from_prefill if attempt.pair is not None and attempt.role == "decode" else None
         subs = []
         for j, chunk in pairs:
@@ -354,7 +373,7 @@ def _prefill_event(attempt: Attempt, pairs: list[tuple[int, dict]]) -> Event:
         if kind == "abort":
             status = finish.get("status_code")
             return Event([], error=EngineError(
-                status if type(status) is int and status >= 400 else 500, str(finish.get("message", ""))))
+                status if type(status) is int and 400 <= status <= 599 else 500, finish.get("message") or ""))
         if kind is not None:
             kept[j] = meta
     done = all(j in kept for j in attempt.entries)

@@ -93,9 +93,11 @@ from asgi_generate.sdk import (
     dumps_compact,
     engine_error_page,
 )
+from asgi_generate.sdk.answer import answer_object
 
 from .join import PREFILL_LOGPROBS, join_experts, join_prefill
 from .seam import OUTPUT_LOGPROBS, across_seam
+from .answer import check_meta, chunk_meta, ids_tail
 from .tail import Layout, layout, read_tail
 
 from .batch import SGLangBatchExchange, decode_batch, is_batch
@@ -324,30 +326,34 @@ class SGLangExchange(Exchange):
         last one is read from its new tail only (:func:`.tail.read_tail`).
 
         Raises:
-            RequestError: 502, the chunk is not an SGLang object, or a P/D
-                pair's expert rows cannot be joined (:mod:`.experts`).
+            WorkerAnswerError: the chunk is not an SGLang answer
+                (:mod:`.answer`).
+            RequestError: 502, a P/D pair's expert rows cannot be joined
+                (:mod:`.experts`).
         """
         tail = self.tail
         if tail is not None and self.seen == tail.count and attempt.pair is None and not attempt.resumes:
             read = read_tail(payload, tail)
             if read is not None:
                 new, meta = read
+                ids_tail(new, self.seen)
+                check_meta(meta, "meta_info", self.seen, inputs=False)
                 self.payload = payload
                 self._last = None  # the chunk is parsed whole only if asked for (:attr:`last`)
                 self.decode_chunks += 1
                 self.seen += len(new)
                 return _event(new, meta)
-        try:
-            chunk = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            raise RequestError(502, "worker sent a chunk that is not JSON", "engine") from None
-        if type(chunk) is not dict:
-            raise RequestError(502, "worker sent a chunk that is not an object", "engine")
-        meta = chunk.get("meta_info")
-        if attempt.role == "prefill":
+        chunk = answer_object(payload, "the chunk" if self.request.stream else "the body")
+        prefill = attempt.role == "prefill"
+        # A cumulative chunk repeats the leg's last one: its output logprobs
+        # are checked from where that one's ended, its prompt's once.
+        cumulative = not (prefill or self.incremental)
+        start = self.seen - (self.base[1] if attempt.resumes else 0) if cumulative else 0
+        meta = chunk_meta(chunk, "", start, inputs=not cumulative or self.decode_chunks == 0)
+        if prefill:
             return self._prefill_event(attempt, chunk, meta)
         self.payload = payload
-        if type(meta) is not dict:
+        if meta is None:
             self.last, self.tail = chunk, None
             return _error_event(chunk)
         meta["id"] = self.public_id
@@ -385,18 +391,19 @@ class SGLangExchange(Exchange):
             event.leg_usage = own
         return event
 
-    def _prefill_event(self, attempt: Attempt, chunk: dict, meta: object) -> Event:
-        """The prefill leg's answer (or one of its chunks): keep its meta in
-        its pair for that pair's decode leg; its token is the decode leg's
-        to send. The event carries the leg's usage."""
-        if type(meta) is not dict:
+    def _prefill_event(self, attempt: Attempt, chunk: dict, meta: dict | None) -> Event:
+        """The prefill leg's answer (or one of its chunks, checked; ``meta``
+        ``None`` for an error object): keep its meta in its pair for that
+        pair's decode leg; its token is the decode leg's to send. The event
+        carries the leg's usage."""
+        if meta is None:
             return _error_event(chunk)
         finish = meta.get("finish_reason")
         kind = finish.get("type") if type(finish) is dict else None
         if kind == "abort":
             status = finish.get("status_code")
             return Event([], error=EngineError(
-                status if type(status) is int and status >= 400 else 500, str(finish.get("message", ""))
+                status if type(status) is int and 400 <= status <= 599 else 500, finish.get("message") or ""
             ))
         if kind is not None and attempt.pair is not None:
             attempt.pair.from_prefill = meta
@@ -452,10 +459,9 @@ class SGLangExchange(Exchange):
         :meth:`worker_error`.)"""
         if self.last is None:
             raise RequestError(502, "worker ended the response without output", "engine")
-        if "meta_info" not in self.last:
-            err = self.last.get("error")
-            code = err.get("code", 400) if type(err) is dict else 400
-            return (code if type(code) is int else 400), orjson.dumps({"error": err})
+        if "meta_info" not in self.last:  # an error object (checked, :func:`.answer.check_error`)
+            err = self.last["error"]
+            return err.get("code", 400), orjson.dumps({"error": err})
         return 200, self._restored()
 
     def worker_error(self, status: int, body: bytes) -> tuple[int, bytes]:
@@ -501,8 +507,7 @@ def _event(new: list, meta: dict, cut: bool = False) -> Event:
 
 
 def _error_event(chunk: dict) -> Event:
-    """An SGLang ``{"error": ...}`` object as an engine error event."""
-    err = chunk.get("error")
-    message = err.get("message", "") if type(err) is dict else str(err)
-    code = err.get("code", 400) if type(err) is dict else 400
-    return Event([], error=EngineError(code if type(code) is int else 400, message))
+    """An SGLang ``{"error": ...}`` object (checked,
+    :func:`.answer.check_error`) as an engine error event."""
+    err = chunk["error"]
+    return Event([], error=EngineError(err.get("code", 400), err["message"]))

@@ -113,12 +113,15 @@ from asgi_generate.sdk import (
     RequestError,
     Route,
     Usage,
+    WorkerAnswerError,
     WorkerRequest,
     dump_body,
     engine_error_page,
     vllm_behaviour,
 )
+from asgi_generate.sdk.answer import MISSING, answer_object, wrong
 
+from .answer import check_error, check_top
 from .join import PREFILL_DROPS, PREFILL_KV, Prefilled, join_details, join_experts, join_unary
 from .request import CONSTRAINED, PENALTIES, VLLMRequest, check_prompt_length, decode_request, error_body
 
@@ -156,27 +159,6 @@ class VLLMCodec(Codec):
     def in_band_error(self, error: RequestError) -> bytes:
         """The same object as an SSE payload, as vLLM streams errors."""
         return self.error_body(error)
-
-
-def _bad(what: str, why: str) -> RequestError:
-    return RequestError(502, f"worker sent {what} that {why}", "engine")
-
-
-def _object(payload: bytes, what: str) -> dict:
-    try:
-        obj = orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        raise _bad(what, "is not JSON") from None
-    if type(obj) is not dict:
-        raise _bad(what, "is not an object")
-    return obj
-
-
-def _token_ids(choice: Any, what: str) -> list[int]:
-    ids = choice.get("token_ids") if type(choice) is dict else None
-    if type(ids) is not list or not all(type(t) is int for t in ids):
-        raise _bad(what, "has no token_ids list")
-    return ids
 
 
 def _int(value: Any) -> int | None:
@@ -360,45 +342,37 @@ class VLLMExchange(Exchange):
         ``error.code`` (500 unless that is a 4xx or 5xx integer).
 
         Raises:
-            RequestError: 502, the payload is not what vLLM sends.
+            WorkerAnswerError: the payload is not what vLLM sends
+                (:mod:`.answer`).
+            RequestError: 502, a P/D pair's answers cannot be joined.
         """
-        what = "a chunk" if self.stream and attempt.role != "prefill" else "an answer"
-        obj = _object(payload, what)
-        err = obj.get("error")
+        obj = answer_object(payload, "the chunk" if self.stream and attempt.role != "prefill" else "the body")
+        if obj.get("error") is not None:
+            err = check_error(obj)
+            code = err.get("code")
+            status = code if type(code) is int and 400 <= code <= 599 else 500
+            if attempt.role != "prefill":  # the client's answer
+                self.status, self.out = status, payload
+            return Event([], error=EngineError(status, err["message"]))
+        choices = check_top(obj, self.native.n)
         if attempt.role == "prefill":  # kept for the decode leg, never the client's
-            if err is not None:
-                message = err.get("message", "") if type(err) is dict else str(err)
-                code = err.get("code") if type(err) is dict else None
-                return Event([], error=EngineError(code if type(code) is int and 400 <= code <= 599 else 500,
-                                                   str(message)))
-            choices = obj.get("choices")
-            if type(choices) is not list or not choices or type(choices[0]) is not dict:
-                raise _bad(what, "has no choice")
+            if not choices:
+                raise WorkerAnswerError("choices is empty, expected the prefill's choice")
             usage = obj.get("usage")
             attempt.pair.from_prefill = Prefilled(
                 obj.get("kv_transfer_params"), obj.get("prompt_logprobs"),
-                {c.get("index", 0): c.get("routed_experts") for c in choices if type(c) is dict},
+                {c["index"]: c.get("routed_experts") for c in choices},
                 usage.get("prompt_tokens_details") if type(usage) is dict else None,
             )
             return _usage_event([], choices[0].get("finish_reason") or "stop", usage, None)
-        if err is not None:
-            if type(err) is not dict:
-                err = {"message": str(err)}
-            code = err.get("code")
-            self.status = code if type(code) is int and 400 <= code <= 599 else 500
-            self.out = payload
-            return Event([], error=EngineError(self.status, str(err.get("message", ""))))
-        choices = obj.get("choices")
-        if type(choices) is not list:
-            raise _bad(what, "has no choices list")
         pre = self._prefilled(attempt)
         if not self.stream:
             if not choices:
-                raise _bad(what, "has no choice")
-            ids = [t for choice in choices for t in _token_ids(choice, what)]
-            finish = choices[0].get("finish_reason")
-            if type(finish) is not str:  # vLLM reports a null reason as "stop"
-                raise _bad(what, "has no finish_reason")
+                raise WorkerAnswerError("choices is empty, expected at least one choice")
+            ids = [t for choice in choices for t in choice["token_ids"]]
+            finish = choices[0].get("finish_reason", MISSING)
+            if type(finish) is not str:  # a finished answer's choice has its reason
+                raise wrong("choices[0].finish_reason", finish, "a string")
             own = _reported(obj.get("usage")) if pre is not None else None
             joined = pre is not None and join_unary(pre, obj, choices, self._prompt_tokens())
             if obj.get("request_id") == ENGINE_PREFIX + attempt.engine_id:
@@ -409,9 +383,9 @@ class VLLMExchange(Exchange):
             event.leg_usage = own
             if self.native.n != 1:
                 event.entries = [
-                    (c.get("index", i), Event(_token_ids(c, what), c.get("finish_reason") or "stop",
-                                              matched=_stop_reason(attempt, c)))
-                    for i, c in enumerate(choices)
+                    (c["index"], Event(c["token_ids"], c.get("finish_reason") or "stop",
+                                       matched=_stop_reason(attempt, c)))
+                    for c in choices
                 ]
             return event
         obj["request_id"] = self.stream_id
@@ -428,7 +402,7 @@ class VLLMExchange(Exchange):
             self.details = usage.get("prompt_tokens_details")
         if not choices:  # the closing usage chunk
             if type(usage) is not dict:
-                raise _bad(what, "has neither choices nor usage")
+                raise wrong("usage", obj.get("usage", MISSING), "an object in a chunk without choices")
             self.out = orjson.dumps(obj) if self.native.include_usage else None
             # vLLM before 0.32 drops the finish-only chunk of an aborted request.
             event = _usage_event([], self.finish or "abort", usage, self.matched)
@@ -437,15 +411,13 @@ class VLLMExchange(Exchange):
         ids = []
         entries = []
         for choice in choices:
-            got = _token_ids(choice, what)
+            got = choice["token_ids"]
             ids += got
-            index = choice.get("index", 0)
+            index = choice["index"]
             if attempt.role == "decode":
                 self.choice_tokens[index] = self.choice_tokens.get(index, 0) + len(got)
             finish = choice.get("finish_reason")
             if finish is not None:
-                if type(finish) is not str:
-                    raise _bad(what, "has a finish_reason that is not a string")
                 if pre is not None:
                     rows = choice.get("routed_experts")
                     joined = join_experts(pre, index, rows, self.choice_tokens[index], finish, self._prompt_tokens())
@@ -454,7 +426,7 @@ class VLLMExchange(Exchange):
                 self.finished.add(index)
                 if index == 0:
                     self.finish, self.matched = finish, _stop_reason(attempt, choice)
-            if self.native.n != 1 and type(index) is int:
+            if self.native.n != 1:
                 entries.append((index, Event(got, finish, matched=_stop_reason(attempt, choice) if finish else None)))
         self.out = orjson.dumps(obj)
         return Event(ids, entries=entries if self.native.n != 1 else None)
