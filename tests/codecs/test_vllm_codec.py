@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from asgi_generate.sdk.codec import Attempt, EngineError, Event, RequestError
 from asgi_generate.protocols import PROTOCOLS
 from asgi_generate_vllm import VLLMCodec
+from vllm_refusals import MALFORMED, malformed_body
 
 CODEC = VLLMCodec()
 ENGINE_ID = "0123456789abcdef0000000000000001"
@@ -323,15 +324,6 @@ def test_frontend_errors_in_vllm_shape(error, shape):
         (b"", "{'type': 'missing', 'loc': 'body', 'msg': 'Field required', 'input': 'None'}", "body"),
         (b"[1]", "{'type': 'model_attributes_type', 'loc': 'body', 'msg': 'Input should be a valid dictionary or "
                  "object to extract fields from', 'input': '<list of 1 items>'}", "body"),
-        ({"token_ids": [1], "sampling_params": []}, "{'type': 'model_attributes_type', 'loc': 'body.sampling_params', "
-         "'msg': 'Input should be a valid dictionary or object to extract fields from', 'input': '<list of 0 items>'}",
-         "body.sampling_params"),
-        ({"token_ids": [1], "sampling_params": {"max_tokens": [8]}}, "{'type': 'int_type', 'loc': "
-         "'body.sampling_params.max_tokens', 'msg': 'Input should be a valid integer', 'input': '<list of 1 items>'}",
-         "body.sampling_params.max_tokens"),
-        ({"token_ids": [1], "sampling_params": {"max_tokens": 2.5}}, "{'type': 'int_from_float', 'loc': "
-         "'body.sampling_params.max_tokens', 'msg': 'Input should be a valid integer, got a number with a "
-         "fractional part', 'input': '2.5'}", "body.sampling_params.max_tokens"),
         ({"token_ids": [1], "stream": {}, "sampling_params": {}}, "{'type': 'bool_type', 'loc': 'body.stream', "
          "'msg': 'Input should be a valid boolean', 'input': '<dict of 0 items>'}", "body.stream"),
         ({"token_ids": [1], "stream": 5, "sampling_params": {}}, "{'type': 'bool_parsing', 'loc': 'body.stream', "
@@ -354,6 +346,42 @@ def test_schema_errors_in_vllm_validation_shape(body, message, param):
     assert err.value.status == 400
     assert orjson.loads(CODEC.error_body(err.value)) == {
         "error": {"message": f"1 validation error:\n  {message}", "type": "Bad Request", "param": param, "code": 400}}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_sampling_params_are_refused_as_vllm_refuses_them(case):
+    """vLLM lists every error: the ``is-instance`` branch of the
+    ``SamplingParams`` union first, then each field's in vLLM's order."""
+    with pytest.raises(RequestError) as err:
+        decode(malformed_body(case))
+    status, body = MALFORMED[case][1]
+    assert (err.value.status, orjson.loads(CODEC.error_body(err.value))) == (status, body)
+
+
+@pytest.mark.parametrize("salt, why", [
+    (5, "must be a non-empty string if provided."),
+    ("", "must be a non-empty string if provided."),
+    ("a/b", "must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL."),
+])
+def test_cache_salt_is_refused_before_any_field(salt, why):
+    """vLLM's ``_validate_cache_salt`` runs before pydantic reads a field
+    and raises a ``VLLMValidationError`` (no ``ValueError``), so a refused
+    body with a bad salt gets that ``BadRequestError`` alone."""
+    with pytest.raises(RequestError) as err:
+        decode({"token_ids": "x", "sampling_params": None, "cache_salt": salt})
+    assert orjson.loads(CODEC.error_body(err.value)) == {"error": {
+        "message": f"Parameter 'cache_salt' {why} (parameter=cache_salt)", "type": "BadRequestError",
+        "param": "cache_salt", "code": 400}}
+
+
+def test_refusals_list_ten_errors_then_count_the_rest():
+    with pytest.raises(RequestError) as err:
+        decode({"token_ids": [str(i) + "x" for i in range(12)], "sampling_params": {}})
+    message = orjson.loads(CODEC.error_body(err.value))["error"]["message"]
+    lines = message.split("\n")
+    assert (lines[0], len(lines), lines[-1]) == ("12 validation errors:", 12, "  ...and 2 more errors")
+    assert lines[10] == ("  {'type': 'int_parsing', 'loc': 'body.token_ids.9', 'msg': 'Input should be a valid "
+                         "integer, unable to parse string as an integer', 'input': '9x'}")
 
 
 def test_values_pydantic_reads_laxly_are_served_converted():

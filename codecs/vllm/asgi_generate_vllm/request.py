@@ -20,6 +20,7 @@ import orjson
 from asgi_generate.sdk import BatchItem, GenerateRequest, RequestError
 
 from .schema import GENERATE_REQUEST, VLLMRequestError, bad_request, check, validation_error
+from .validation import refusal
 
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
 
@@ -69,7 +70,12 @@ def decode_request(body: bytes, headers: Mapping[bytes, bytes], max_items: int) 
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise validation_error("json_invalid", (exc.pos,), "JSON decode error", {}, {"error": exc.msg}) from None
-    check(obj, GENERATE_REQUEST)
+    try:
+        check(obj, GENERATE_REQUEST)
+    except VLLMRequestError as exc:
+        # The fast check stops at the first field it reads; vLLM lists
+        # every error of the whole body (read again: check converts in place).
+        raise refusal(orjson.loads(body)) or exc from None
     if obj.get("kv_transfer_params") is not None:
         # The frontend's to set for P/D: a client naming another
         # request's KV blocks could read them (null, as vLLM's render
