@@ -96,20 +96,22 @@ WIDE_BODY = {
 
 
 @pytest.mark.parametrize("stream", [False, None, "absent"])
-def test_unary_worker_request_is_the_clients_body_with_the_minted_id(stream):
+def test_unary_worker_request_is_the_clients_body_and_the_minted_id_header(stream):
     body = dict(WIDE_BODY) if stream == "absent" else {**WIDE_BODY, "stream": stream}
     wreq = exchange(body).worker_request(ATTEMPT)
     assert (wreq.path, wreq.stream) == (b"/inference/v1/generate", False)
     assert wreq.headers == [(b"content-type", b"application/json"), (b"x-request-id", ENGINE_ID.encode())]
     sent = orjson.loads(wreq.body)
-    assert sent == {**body, "request_id": ENGINE_ID} and list(sent) == list(body)
+    assert sent == body and list(sent) == list(body)  # the minted id rides in the header alone
     # The engine runs it as generate-tokens-<id>, which is what the abort names.
     assert orjson.loads(PROTOCOLS["vllm"].abort_body([ENGINE_ID])) == {"request_ids": [f"generate-tokens-{ENGINE_ID}"]}
 
 
-def test_unary_worker_request_adds_a_missing_request_id():
+def test_unary_worker_request_adds_no_request_id():
+    # vLLM takes X-Request-Id over the body's request_id: the body stays the
+    # client's, so an engine refusal echoes nothing the frontend made.
     wreq = exchange({"token_ids": [1], "sampling_params": {}}).worker_request(ATTEMPT)
-    assert wreq.body == b'{"token_ids":[1],"sampling_params":{},"request_id":"' + ENGINE_ID.encode() + b'"}'
+    assert wreq.body == b'{"token_ids":[1],"sampling_params":{}}'
 
 
 def test_stream_worker_request_mints_the_engine_id_and_asks_for_usage():
@@ -118,8 +120,7 @@ def test_stream_worker_request_mints_the_engine_id_and_asks_for_usage():
     assert (wreq.path, wreq.stream) == (b"/inference/v1/generate", True)
     assert wreq.headers == [(b"content-type", b"application/json"), (b"x-request-id", ENGINE_ID.encode())]
     assert orjson.loads(wreq.body) == {
-        **body, "request_id": ENGINE_ID,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": False, "extra": 1},
+        **body, "stream_options": {"include_usage": True, "continuous_usage_stats": False, "extra": 1},
     }
 
 
@@ -418,7 +419,7 @@ def test_values_only_the_engine_judges_pass_through_untouched(case):
     # The frontend relies on none of these; the worker's vLLM version answers.
     body = ENGINE_JUDGES[case]
     wreq = exchange(body).worker_request(ATTEMPT)
-    assert orjson.loads(wreq.body) == {**body, "request_id": ENGINE_ID}
+    assert orjson.loads(wreq.body) == body
 
 
 @pytest.mark.parametrize(
@@ -536,8 +537,8 @@ def decode_law(body, header):
     wreq = exchange(body, **headers).worker_request(ATTEMPT)
     sent = orjson.loads(wreq.body)
     assert wreq.stream is req.stream
-    if not req.stream:  # a unary leg is the client's body with the minted id
-        assert sent == {**body, "request_id": ENGINE_ID}
+    if not req.stream:  # a unary leg is the client's body (the minted id in the header)
+        assert sent == body
 
 
 def test_decode_only_ever_rejects_with_a_vllm_error_and_accepts_a_fair_share():
