@@ -474,8 +474,8 @@ async def test_vllm_prefill_without_kv_transfer_params_fails_or_prefills_locally
                                                      b'"code":502}}')
         assert client.attempts() == [("e0", "prefill", "w0", "finished", False)]
         return
-    assert d.sent[0][1] == {**VLLM_BODY, "request_id": "e0",
-                            "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
+    assert d.sent[0][1] == {**VLLM_BODY, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
+    assert dict(d.sent[0][2])[b"x-request-id"] == b"e0"
     assert client.body == VLLM_CLIENT
     client.st.t_done = client.st.t_received
     rows = build_record(client.st, 16)["attempts"]
