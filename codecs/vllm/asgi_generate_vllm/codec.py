@@ -511,5 +511,6 @@ class VLLMExchange(Exchange):
         :func:`asgi_generate_vllm.request.restore_echo`); a body that is not
         JSON (a bare server error page) gets vLLM's shape."""
         if self.sent is not None:
-            body = restore_echo(body, self.sent, self.native.raw)
+            native = self.native
+            body = restore_echo(body, self.sent, native.raw if native.raw is not None else native.body)
         return engine_error_page(status, body, VLLMCodec().error_body)

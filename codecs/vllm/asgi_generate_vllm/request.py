@@ -21,7 +21,6 @@ import orjson
 from asgi_generate.sdk import BatchItem, GenerateRequest, RequestError
 
 from .schema import GENERATE_REQUEST, VLLMRequestError, bad_request, check, validation_error
-from .validation import refusal
 
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
 
@@ -36,8 +35,9 @@ class VLLMRequest:
         include_usage: the client asked for the closing usage chunk.
         continuous_usage: the client asked for usage on every chunk.
         n: the choices asked for (``sampling_params.n``, as sent).
-        raw: the body's bytes as the client sent them (for
-            :func:`restore_echo`).
+        raw: the body's bytes as the client sent them, kept only when
+            the check converted a value (else ``body`` is what was sent),
+            for :func:`restore_echo`.
     """
 
     body: dict
@@ -45,7 +45,7 @@ class VLLMRequest:
     include_usage: bool
     continuous_usage: bool
     n: int = 1
-    raw: bytes = b""
+    raw: bytes | None = None
 
 
 def decode_request(body: bytes, headers: Mapping[bytes, bytes], max_items: int) -> GenerateRequest:
@@ -74,11 +74,14 @@ def decode_request(body: bytes, headers: Mapping[bytes, bytes], max_items: int) 
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise validation_error("json_invalid", (exc.pos,), "JSON decode error", {}, {"error": exc.msg}) from None
+    converted: list = []
     try:
-        check(obj, GENERATE_REQUEST)
+        check(obj, GENERATE_REQUEST, (), converted)
     except VLLMRequestError as exc:
         # The fast check stops at the first field it reads; vLLM lists
         # every error of the whole body (read again: check converts in place).
+        from .validation import refusal  # pydantic, imported on the first refusal only
+
         raise refusal(orjson.loads(body)) or exc from None
     if obj.get("kv_transfer_params") is not None:
         # The frontend's to set for P/D: a client naming another
@@ -108,7 +111,9 @@ def decode_request(body: bytes, headers: Mapping[bytes, bytes], max_items: int) 
         include_usage=include,
         continuous_usage=include and bool(so.get("continuous_usage_stats")),
         n=n,
-        raw=body,
+        # What the client sent differs from what is forwarded only where a
+        # value was converted: only then are its bytes kept.
+        raw=body if converted else None,
     )
     input_ids = token_ids if features is None else None
     excluded = "multimodal" if features is not None else None
@@ -143,11 +148,11 @@ _DICT_ECHO = re.compile(r"'input': '<dict of (\d+) items>'")
 _VALIDATION = re.compile(r"\d+ validation errors?:\n")
 
 
-def restore_echo(payload: bytes, sent: dict, client: bytes) -> bytes:
+def restore_echo(payload: bytes, sent: dict, client: dict | bytes) -> bytes:
     """A worker's validation refusal (vLLM's ``validation_exception_handler``
     400) of the body the frontend ``sent``, with every echo of that body
-    shown as the echo of the ``client``'s own body (its JSON bytes): what
-    vLLM answers the client's body itself.
+    shown as the echo of the ``client``'s own body (as parsed, or its JSON
+    bytes): what vLLM answers the client's body itself.
 
     The frontend's additions (a streaming leg's ``stream_options``, a
     prefill leg's ``kv_transfer_params`` and sampling changes) and the lax
@@ -163,7 +168,7 @@ def restore_echo(payload: bytes, sent: dict, client: bytes) -> bytes:
         return payload
     try:
         obj = orjson.loads(payload)
-        mine = orjson.loads(client)
+        mine = orjson.loads(client) if isinstance(client, bytes) else client
     except orjson.JSONDecodeError:
         return payload
     err = obj.get("error") if type(obj) is dict else None
