@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from asgi_generate.sdk.codec import Attempt, EngineError, Event, RequestError
 from asgi_generate.protocols import PROTOCOLS
 from asgi_generate_vllm import VLLMCodec
+from asgi_generate_vllm.request import restore_echo
 from vllm_refusals import MALFORMED, malformed_body
 
 CODEC = VLLMCodec()
@@ -595,3 +596,29 @@ def test_n_past_max_items_is_refused_in_vllms_shape():
     message = "sampling_params.n must be at most 16384 on this server (--max-request-items), got 100000."
     assert (err.value.status, CODEC.error_body(err.value)) == (400, orjson.dumps(
         {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}))
+
+
+def _refusal(*lines: str) -> bytes:
+    message = f"{len(lines)} validation error{'s' if len(lines) > 1 else ''}:\n" + "\n".join(f"  {x}" for x in lines)
+    return orjson.dumps({"error": {"message": message, "type": "Bad Request", "param": "body.sampling_params",
+                                   "code": 400}})
+
+
+def test_restore_echo_shows_the_clients_body_by_size_and_by_repr():
+    client = {"token_ids": [1], "stream": True, "sampling_params": {"max_tokens": "3", "temperature": "hot"}}
+    sent = {"token_ids": [1], "stream": True, "sampling_params": {"max_tokens": 3, "temperature": "hot"},
+            "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
+    missing = "{'type': 'missing', 'loc': 'body.x', 'msg': 'Field required', 'input': '<dict of %d items>'}"
+    inner = ("{'type': 'is_instance_of', 'loc': 'body.sampling_params', 'msg': 'Input should be an instance of "
+             "SamplingParams', 'input': '<dict of 2 items>', 'ctx': {'class': 'SamplingParams'}}")
+    assert restore_echo(_refusal(missing % 4, inner), sent, orjson.dumps(client)) == _refusal(missing % 3, inner)
+    # Before 0.30: the whole repr, the body's and sampling_params' own.
+    old = "{'type': 'missing', 'loc': ('body', 'x'), 'msg': 'Field required', 'input': %r}"
+    old_inner = "{'type': 'is_instance_of', 'loc': ('body', 'sampling_params', 'is-instance[SamplingParams]'), " \
+                "'msg': 'Input should be an instance of SamplingParams', 'input': %r}"
+    got = restore_echo(_refusal(old % sent, old_inner % sent["sampling_params"]), sent, client)
+    assert got == _refusal(old % client, old_inner % client["sampling_params"])
+    # Anything else passes byte for byte.
+    for payload in (_refusal(inner), b'{"error":{"message":"max_tokens must be at least 1, got 0.","code":400}}',
+                    b"not json"):
+        assert restore_echo(payload, sent, client) is payload
