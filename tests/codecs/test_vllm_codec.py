@@ -12,6 +12,7 @@ from asgi_generate.sdk.codec import Attempt, EngineError, Event, RequestError
 from asgi_generate.protocols import PROTOCOLS
 from asgi_generate_vllm import VLLMCodec
 from asgi_generate_vllm.request import restore_echo
+from asgi_generate_vllm.validation import MAX_ERROR_SITES
 from vllm_refusals import MALFORMED, malformed_body
 
 CODEC = VLLMCodec()
@@ -622,3 +623,18 @@ def test_restore_echo_shows_the_clients_body_by_size_and_by_repr():
     for payload in (_refusal(inner), b'{"error":{"message":"max_tokens must be at least 1, got 0.","code":400}}',
                     b"not json"):
         assert restore_echo(payload, sent, client) is payload
+
+
+def test_a_body_with_more_error_sites_than_the_bound_gets_the_first_error():
+    # pydantic builds every error it finds: past MAX_ERROR_SITES the
+    # refusal is the fast check's first error, not millions of them.
+    ids = ["x"] * (MAX_ERROR_SITES + 1)
+    with pytest.raises(RequestError) as err:
+        decode({"token_ids": ids, "sampling_params": {}})
+    assert orjson.loads(CODEC.error_body(err.value)) == {"error": {
+        "message": "1 validation error:\n  {'type': 'int_parsing', 'loc': 'body.token_ids.0', 'msg': 'Input should "
+                   "be a valid integer, unable to parse string as an integer', 'input': 'x'}",
+        "type": "Bad Request", "param": "body.token_ids.0", "code": 400}}
+    with pytest.raises(RequestError) as err:
+        decode({"token_ids": ids[1:], "sampling_params": {}})
+    assert orjson.loads(CODEC.error_body(err.value))["error"]["message"].startswith("10000 validation errors:\n")

@@ -79,10 +79,11 @@ def decode_request(body: bytes, headers: Mapping[bytes, bytes], max_items: int) 
         check(obj, GENERATE_REQUEST, (), converted)
     except VLLMRequestError as exc:
         # The fast check stops at the first field it reads; vLLM lists
-        # every error of the whole body (read again: check converts in place).
+        # every error of the whole body (read again if check converted a
+        # value in place).
         from .validation import refusal  # pydantic, imported on the first refusal only
 
-        raise refusal(orjson.loads(body)) or exc from None
+        raise refusal(orjson.loads(body) if converted else obj) or exc from None
     if obj.get("kv_transfer_params") is not None:
         # The frontend's to set for P/D: a client naming another
         # request's KV blocks could read them (null, as vLLM's render

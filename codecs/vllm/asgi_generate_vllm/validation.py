@@ -273,18 +273,48 @@ _SANITIZE = (
 )
 
 
+#: The most values a refused body may hold where pydantic could find an
+#: error each (token ids that are not integers, the items of every other
+#: container): pydantic builds every error it finds, about 10 us each, so
+#: a body past this gets the fast check's first error alone.
+MAX_ERROR_SITES = 10_000
+
+
 def refusal(obj: Any) -> VLLMRequestError | None:
     """vLLM's answer to the parsed JSON body ``obj``: the
     ``validate_cache_salt`` ``BadRequestError`` (it runs before any field
     is read), else every pydantic error of its request model as one 400
-    (:func:`render`); ``None`` when vLLM's schema takes ``obj``."""
+    (:func:`render`); ``None`` when vLLM's schema takes ``obj`` or when
+    it could hold more than :data:`MAX_ERROR_SITES` errors."""
     if isinstance(obj, dict) and (salt := _salt_refusal(obj.get("cache_salt"))) is not None:
         return salt
+    if _error_sites(obj) > MAX_ERROR_SITES:
+        return None
     try:
         _adapter().validate_python(obj, from_attributes=True)
     except ValidationError as exc:
         return render([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)])
     return None
+
+
+def _error_sites(obj: Any) -> int:
+    """How many errors pydantic could find in ``obj``, at most (counted up
+    to just past :data:`MAX_ERROR_SITES`): a long ``token_ids`` of integers
+    holds none."""
+    if type(obj) is not dict:
+        return 1
+    ids = obj.get("token_ids")
+    sites = sum(type(v) is not int for v in ids) if type(ids) is list else 0
+    stack = [v for k, v in obj.items() if k != "token_ids"]
+    while stack and sites <= MAX_ERROR_SITES:
+        value = stack.pop()
+        if type(value) is list:
+            sites += len(value)
+            stack.extend(value)
+        elif type(value) is dict:
+            sites += len(value)
+            stack.extend(value.values())
+    return sites
 
 
 def _salt_refusal(salt: Any) -> VLLMRequestError | None:
