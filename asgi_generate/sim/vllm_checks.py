@@ -73,15 +73,12 @@ def _clean_loc(loc: tuple) -> str:
 
 
 def render_invalid(errors: list[dict], cleaned: bool) -> VLLMError:
-    """vLLM's ``validation_exception_handler``: 400, ``param`` the parameter
-    a ``VLLMValidationError`` names, else the first error's cleaned ``loc``;
-    from 0.30 each error shows its cleaned ``loc`` and a bounded ``input``
-    (at most ten errors listed), before it pydantic's own (``loc`` tuple,
-    whole ``input``, every error)."""
-    param = next((e["ctx"]["error"].parameter for e in errors
-                  if isinstance(e.get("ctx", {}).get("error"), VLLMValidationError)), None)
-    if param is None:
-        param = _clean_loc(errors[0]["loc"])
+    """vLLM's ``validation_exception_handler``: 400, ``param`` the first
+    error's cleaned ``loc`` (no error here carries a ``VLLMValidationError``,
+    which pydantic never catches); from 0.30 each error shows its cleaned
+    ``loc`` and a bounded ``input`` (at most ten errors listed), before it
+    pydantic's own (``loc`` tuple, whole ``input``, every error)."""
+    param = _clean_loc(errors[0]["loc"])
     label = "error" if len(errors) == 1 else "errors"
     if not cleaned:
         message = f"{len(errors)} validation {label}:\n" + "".join(f"  {e}\n" for e in errors)
@@ -258,10 +255,20 @@ def _walk(value: Any, node: tuple, loc: tuple, errors: list[dict]) -> Any:
 
 
 def _validate_sampling(value: Any, errors: list[dict]) -> Any:
-    """``sampling_params``: the typed dict, then ``SamplingParams``' own
-    checks (``_verify_args``, run as pydantic builds it, only once every
-    field is well typed). Any error comes after the failed ``is-instance``
-    branch of the union ``PydanticMsgspecMixin`` builds."""
+    """``sampling_params``: the typed dict, whose errors come after the
+    failed ``is-instance`` branch of the union ``PydanticMsgspecMixin``
+    builds; once every field is well typed, ``SamplingParams``' own checks
+    (``_verify_args``, run as pydantic builds it).
+
+    Raises:
+        VLLMError: ``_verify_args`` refused a value. Its
+            ``VLLMValidationError`` is no ``ValueError``
+            (``vllm/exceptions.py``: a ``VLLMError``), so pydantic does not
+            catch it: it ends validation (no other field's error is shown)
+            and vLLM's ``VLLMError`` handler answers it
+            (``create_error_response``: ``BadRequestError``, ``param`` the
+            parameter it names).
+    """
     loc = ("sampling_params", _SP_MARKER)
     found: list[dict] = []
     sp = value
@@ -272,8 +279,8 @@ def _validate_sampling(value: Any, errors: list[dict]) -> Any:
         if not found:
             try:
                 _verify_args(sp)
-            except ValueError as exc:
-                found = invalid("value_error", loc, f"Value error, {exc}", value, {"error": exc}).errors
+            except VLLMValidationError as exc:
+                raise error(str(exc), param=exc.parameter) from None
     if found:
         errors.append({"type": "is_instance_of", "loc": ("body", "sampling_params", "is-instance[SamplingParams]"),
                        "msg": "Input should be an instance of SamplingParams", "input": value,
@@ -282,9 +289,10 @@ def _validate_sampling(value: Any, errors: list[dict]) -> Any:
     return sp
 
 
-class VLLMValidationError(ValueError):
-    """vLLM's ``VLLMValidationError`` (``vllm/exceptions.py``): a
-    ``ValueError`` naming the parameter and value it refused."""
+class VLLMValidationError(Exception):
+    """vLLM's ``VLLMValidationError`` (``vllm/exceptions.py``, a
+    ``VLLMClientError``, no ``ValueError``): the refused parameter and
+    value, shown after the message."""
 
     def __init__(self, message: str, parameter: str | None = None, value: Any = None) -> None:
         super().__init__(message)
@@ -297,17 +305,19 @@ class VLLMValidationError(ValueError):
 
 
 def _verify_args(sp: dict) -> None:
+    """``SamplingParams._verify_args`` (vllm/sampling_params.py), for the
+    fields the simulator reads: every refusal a ``VLLMValidationError``."""
     def f(key: str, default: float) -> float:
         return float(sp.get(key, default))
 
     n = sp.get("n", 1)
-    if n < 1:
-        raise ValueError(f"n must be at least 1, got {n}.")
+    if n < 1:  # _verify_num_sequences
+        raise VLLMValidationError(f"n must be at least 1, got {n}.")
     for key in ("presence_penalty", "frequency_penalty"):
         if not -2.0 <= f(key, 0.0) <= 2.0:
-            raise ValueError(f"{key} must be in [-2, 2], got {f(key, 0.0)}.")
+            raise VLLMValidationError(f"{key} must be in [-2, 2], got {f(key, 0.0)}.")
     if f("repetition_penalty", 1.0) <= 0.0:
-        raise ValueError(f"repetition_penalty must be greater than zero, got {f('repetition_penalty', 1.0)}.")
+        raise VLLMValidationError(f"repetition_penalty must be greater than zero, got {f('repetition_penalty', 1.0)}.")
     t = f("temperature", 1.0)
     if t < 0.0:
         raise VLLMValidationError(f"temperature must be non-negative, got {t}.", "temperature", t)
@@ -316,26 +326,28 @@ def _verify_args(sp: dict) -> None:
     if not 0.0 < f("top_p", 1.0) <= 1.0:
         raise VLLMValidationError(f"top_p must be in (0, 1], got {f('top_p', 1.0)}.", "top_p", f("top_p", 1.0))
     if sp.get("top_k", 0) < -1:
-        raise ValueError(f"top_k must be 0 (disable), or at least 1, got {sp['top_k']}.")
+        raise VLLMValidationError(f"top_k must be 0 (disable), or at least 1, got {sp['top_k']}.")
     if not 0.0 <= f("min_p", 0.0) <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1], got {f('min_p', 0.0)}.")
+        raise VLLMValidationError(f"min_p must be in [0, 1], got {f('min_p', 0.0)}.")
     max_tokens = sp.get("max_tokens")
     if max_tokens is not None and max_tokens < 1:
         raise VLLMValidationError(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
     min_tokens = sp.get("min_tokens", 0)
     if min_tokens < 0:
-        raise ValueError(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+        raise VLLMValidationError(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
     if max_tokens is not None and min_tokens > max_tokens:
-        raise ValueError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
+        raise VLLMValidationError(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
     for key in ("logprobs", "prompt_logprobs"):
         k = sp.get(key)
         if k is not None and k != -1 and k < 0:
             raise VLLMValidationError(f"{key} must be non-negative or -1, got {k}.", key, k)
     stop = stop_strings(sp)
     if any(not s for s in stop):
-        raise ValueError("stop cannot contain an empty string.")
+        raise VLLMValidationError("stop cannot contain an empty string.")
     if stop and not sp.get("detokenize", True):
-        raise ValueError("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
+        raise VLLMValidationError(
+            "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
 
 
 def stop_strings(sp: dict) -> list[str]:

@@ -368,19 +368,14 @@ def validation(served, errors: list[tuple], param: str) -> tuple[int, dict]:
 
 
 def sampling_refused(served, params: dict, message: str, parameter=None, value=None) -> tuple[int, dict]:
-    """vLLM's answer when ``SamplingParams`` refuses ``params`` while pydantic
-    builds it: the failed ``is-instance`` branch of its union, then a
-    ``value_error``; a ``VLLMValidationError`` names its parameter (and
-    value) in ``msg`` and ``param``, a plain ``ValueError`` leaves ``param``
-    at the location."""
-    shown = message if parameter is None else f"{message} (parameter={parameter}, value={value})"
-    cls = "VLLMValidationError" if parameter is not None else "ValueError"
-    return validation(served, [
-        ("is_instance_of", ("body", "sampling_params", IS_INSTANCE), "Input should be an instance of SamplingParams",
-         params, "{'class': 'SamplingParams'}"),
-        ("value_error", ("body", "sampling_params", TYPED_DICT), f"Value error, {shown}", params,
-         f"{{'error': {cls}({message!r})}}"),
-    ], parameter or "body.sampling_params")
+    """vLLM's answer when ``SamplingParams._verify_args`` refuses ``params``
+    while pydantic builds it: its ``VLLMValidationError`` is no
+    ``ValueError``, so pydantic does not catch it and vLLM's ``VLLMError``
+    handler answers a ``BadRequestError`` (``create_error_response``), the
+    parameter and value it names shown after the message and as ``param``."""
+    extras = [f"{k}={v}" for k, v in (("parameter", parameter), ("value", value)) if v is not None]
+    shown = f"{message} ({', '.join(extras)})" if extras else message
+    return 400, {"error": {"message": shown, "type": "BadRequestError", "param": parameter, "code": 400}}
 
 
 @pytest.mark.parametrize(
