@@ -34,12 +34,14 @@ frontend that refuses before it picks a worker does not know to use):
   bounded ``input`` (``_format_error``, ``_summarize_error_input``), at most
   ten of them, and ``utils.py`` ``sanitize_message`` scrubs the message.
 
-Not mirrored: checks vLLM runs on values once every field is well typed
-(``SamplingParams._verify_args``, ``StructuredOutputsParams.__post_init__``,
+Not mirrored: checks vLLM runs on values once a model's fields are well
+typed (``SamplingParams._verify_args`` and
+``StructuredOutputsParams.__post_init__``, whose ``VLLMValidationError``
+pydantic does not catch, so vLLM answers it alone as a ``BadRequestError``;
 the model validators of ``GenerateRequest`` and ``MultiModalFeatures``).
 The frontend never refuses for those (the engine answers them), but a body
-it refuses for another field that also breaks one of them gets only the
-schema errors here.
+it refuses for another field that also breaks one of them gets the schema
+errors here, where vLLM would answer that value's refusal.
 """
 
 from __future__ import annotations
