@@ -16,7 +16,8 @@ from __future__ import annotations
 
 _IS_INSTANCE = ("{'type': 'is_instance_of', 'loc': 'body.sampling_params', 'msg': 'Input should be an instance of "
                 "SamplingParams', 'input': %s, 'ctx': {'class': 'SamplingParams'}}")
-_NOT_A_DICT = "{'type': 'dict_type', 'loc': 'body.sampling_params', 'msg': 'Input should be a valid dictionary', 'input': %s}"
+_NOT_A_DICT = ("{'type': 'dict_type', 'loc': 'body.sampling_params', 'msg': 'Input should be a valid dictionary', "
+               "'input': %s}")
 _MAX_TOKENS_ABC = ("{'type': 'int_parsing', 'loc': 'body.sampling_params.max_tokens', 'msg': 'Input should be a valid "
                    "integer, unable to parse string as an integer', 'input': 'abc'}")
 

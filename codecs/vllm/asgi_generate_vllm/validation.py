@@ -162,16 +162,22 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
+    """``vllm/entrypoints/generate/base/protocol.py`` ``StreamOptions``."""
+
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 
 class PlaceholderRangeInfo(BaseModel):
+    """One multimodal item's placeholder range (``PlaceholderRangeInfo``)."""
+
     offset: int = Field(ge=0)
     length: int = Field(gt=0)
 
 
 class MultiModalFeatures(BaseModel):
+    """The fields of ``MultiModalFeatures`` (its model validator is the engine's)."""
+
     mm_hashes: dict[str, list[str]]
     mm_placeholders: dict[str, list[PlaceholderRangeInfo]]
     kwargs_data: dict[str, list[str | None]] | None = None
@@ -179,12 +185,16 @@ class MultiModalFeatures(BaseModel):
 
 
 class ReasoningParserKwargs(BaseModel):
+    """``ReasoningParserKwargs``: extra fields forbidden."""
+
     model_config = ConfigDict(extra="forbid")
 
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
 class FunctionDefinition(OpenAIBaseModel):
+    """``vllm/entrypoints/generate/base/protocol.py`` ``FunctionDefinition``."""
+
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -193,21 +203,29 @@ class FunctionDefinition(OpenAIBaseModel):
 
 
 class ChatCompletionToolsParam(OpenAIBaseModel):
+    """``vllm/entrypoints/openai/chat_completion/protocol.py`` ``ChatCompletionToolsParam``."""
+
     type: Literal["function"] = "function"
     function: FunctionDefinition
     defer_loading: bool | None = None
 
 
 class ChatCompletionNamedFunction(OpenAIBaseModel):
+    """``ChatCompletionNamedFunction`` (chat completion protocol)."""
+
     name: str
 
 
 class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    """``ChatCompletionNamedToolChoiceParam``: its name is a union branch's ``loc`` segment."""
+
     function: ChatCompletionNamedFunction
     type: Literal["function"] = "function"
 
 
 class ParseContext(BaseModel):
+    """``ParseContext``: the chat context ``/render`` passes on, extra fields kept."""
+
     model_config = ConfigDict(extra="allow")
 
     tools: list[ChatCompletionToolsParam] | None = None
