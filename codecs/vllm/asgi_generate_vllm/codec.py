@@ -9,9 +9,10 @@ field passes to the engine as the client sent it (lax values converted),
 except, on streaming legs, ``stream_options``, so values only the engine
 judges get the answer of the vLLM version behind the worker; when that
 engine refuses the body, its refusal reaches the client with the echo of
-the client's own body (:func:`asgi_generate_vllm.request.restore_echo`). ``kv_transfer_params`` is the frontend's to
-set (P/D): a client's non-null value is refused with 400 on every mode, since
-it could name another request's KV blocks.
+the client's own body (:func:`asgi_generate_vllm.request.restore_echo`).
+``kv_transfer_params`` is the frontend's to set (P/D): a client's non-null
+value is refused with 400 on every mode, since it could name another
+request's KV blocks.
 
 Versions. What differs between vLLM versions
 (:mod:`asgi_generate.sdk.versions`) is read from the attempt's worker
@@ -33,8 +34,8 @@ choice has finished.
 
 Engine ids. The worker gets the attempt's minted id as the ``X-Request-Id``
 header, which vLLM takes over the body's ``request_id`` (left as the client
-sent it), so the engine runs it as ``generate-tokens-<minted id>`` (what ``POST /abort_requests`` names). The
-client sees ``generate-tokens-<its id>`` (its ``X-Request-Id`` header, else
+sent it), so the engine runs it as ``generate-tokens-<minted id>`` (what
+``POST /abort_requests`` names). The client sees ``generate-tokens-<its id>`` (its ``X-Request-Id`` header, else
 its body ``request_id``, else the frontend's request id standing in for
 vLLM's random uuid) in stream chunks and, from vLLM 0.25 (which answers with
 the engine id there too), in unary answers; before 0.25 a unary answer
@@ -278,8 +279,9 @@ class VLLMExchange(Exchange):
 
     def worker_request(self, attempt: Attempt) -> WorkerRequest:
         """The client's body, the minted id as ``X-Request-Id``. A unary
-        request's leg is unary and otherwise unchanged; a streaming leg asks for the closing usage chunk (and for
-        continuous usage only if the client did).
+        request's leg is unary and otherwise unchanged; a streaming leg asks
+        for the closing usage chunk (and for continuous usage only if the
+        client did).
 
         P/D (vLLM's proxies, sequential legs, the same id on both): the
         prefill leg is unary with ``max_tokens`` 1 (``sampling_params`` has
