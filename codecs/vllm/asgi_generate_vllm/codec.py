@@ -35,11 +35,12 @@ choice has finished.
 Engine ids. The worker gets the attempt's minted id as the ``X-Request-Id``
 header, which vLLM takes over the body's ``request_id`` (left as the client
 sent it), so the engine runs it as ``generate-tokens-<minted id>`` (what
-``POST /abort_requests`` names). The client sees ``generate-tokens-<its id>`` (its ``X-Request-Id`` header, else
-its body ``request_id``, else the frontend's request id standing in for
-vLLM's random uuid) in stream chunks and, from vLLM 0.25 (which answers with
-the engine id there too), in unary answers; before 0.25 a unary answer
-carries a fresh random uuid, passed through.
+``POST /abort_requests`` names). The client sees
+``generate-tokens-<its id>`` (its ``X-Request-Id`` header, else its body
+``request_id``, else the frontend's request id standing in for vLLM's
+random uuid) in stream chunks and, from vLLM 0.25 (which answers with the
+engine id there too), in unary answers; before 0.25 a unary answer carries
+a fresh random uuid, passed through.
 
 Prefill/decode (P/D, sequential legs as vLLM's P/D proxies run them): the
 prefill leg is one token that always reaches its length cap (EOS ignored,
