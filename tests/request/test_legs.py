@@ -449,9 +449,9 @@ async def test_vllm_pair_prefills_one_token_then_decodes_with_its_kv_transfer_pa
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
     assert p.sent == [(b"/inference/v1/generate", {
         "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1, "ignore_eos": True}, "stream": False,
-        "request_id": "e0", "kv_transfer_params": prefill_kv}, VLLM_HEADERS)]
+        "kv_transfer_params": prefill_kv}, VLLM_HEADERS)]
     assert d.sent == [(b"/inference/v1/generate", {
-        **VLLM_BODY, "request_id": "e0", "kv_transfer_params": KV,
+        **VLLM_BODY, "kv_transfer_params": KV,
         "stream_options": {"include_usage": True, "continuous_usage_stats": False}}, VLLM_HEADERS)]
     assert client.body == VLLM_CLIENT
     assert client.attempts() == [("e0", "prefill", "w0", "finished", False), ("e0", "decode", "w1", "finished", False)]
