@@ -338,10 +338,15 @@ class App:
     # -- control routes ----------------------------------------------------------
 
     def models(self) -> dict[str, Any]:
-        """The ``/v1/models`` body: served models, formats and workers."""
+        """The ``/v1/models`` body: the models live workers serve (``data``:
+        a worker that is up and not draining, whose engine named its model
+        at registration), the formats, and every worker with its state
+        (``workers``: down, draining and never-up ones included)."""
         by_name: dict[str, list[Worker]] = {}
         for w in self.router.workers:
-            by_name.setdefault(w.info.get("served_model_name") or w.info.get("model_path") or "unknown", []).append(w)
+            name = w.info.get("served_model_name") or w.info.get("model_path")
+            if name and w.describe()["state"] == "up":
+                by_name.setdefault(name, []).append(w)
         return {
             "object": "list",
             "data": [

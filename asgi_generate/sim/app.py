@@ -39,7 +39,8 @@ bootstrap listener on ``bootstrap_port``) or ``decode``
 (:mod:`asgi_generate.sim.disagg`); ``/sim/stats`` then also shows the role,
 the rooms waiting for their KV and the transfers done and timed out.
 
-Either mode keeps, per request id (``rid``, vLLM ``request_id``), the last
+Either mode keeps, per request id (``rid``; vLLM's ``X-Request-Id``, else
+``request_id``), the last
 W3C ``traceparent`` header a generate request carried, for tests of trace
 propagation: ``/sim/stats`` ``traceparents`` (the newest
 :data:`MAX_TRACEPARENTS`).
@@ -330,7 +331,10 @@ class SimApp:
             obj = orjson.loads(body)
         except orjson.JSONDecodeError:
             return
-        rid = obj.get("rid") or obj.get("request_id") if isinstance(obj, dict) else None
+        # vLLM's id is its X-Request-Id header, else the body's request_id
+        # (OpenAIServing._base_request_id); SGLang's is the body's rid.
+        header_id = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), None)
+        rid = (obj.get("rid") or header_id or obj.get("request_id")) if isinstance(obj, dict) else None
         if isinstance(rid, str):
             self.traceparents.pop(rid, None)
             self.traceparents[rid] = value.decode("latin-1")

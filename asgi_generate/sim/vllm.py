@@ -37,13 +37,15 @@ in :mod:`asgi_generate.sdk.versions`):
   choice's ``stop_reason``: the matched stop token id, null for EOS or a cap.
 - Refusals in vLLM's order: the request schema (``GenerateRequest``;
   unknown fields are ignored, numbers and booleans read as pydantic's lax
-  mode reads them), ``SamplingParams._verify_args``
-  (``vllm/sampling_params.py``; built inside pydantic's validation by
-  ``PydanticMsgspecMixin``, so its refusals are validation errors after the
-  failed ``is-instance`` branch, ``param`` the field a
-  ``VLLMValidationError`` names), rendered as the played version's
-  ``validation_exception_handler`` does (from 0.30 a cleaned dotted ``loc``
-  and a bounded ``input``, before pydantic's tuple and the whole input), then
+  mode reads them; every error listed, a malformed ``sampling_params``
+  first the failed ``is-instance`` branch of ``PydanticMsgspecMixin``'s
+  union), rendered as the played version's ``validation_exception_handler``
+  does (from 0.30 a cleaned dotted ``loc``, a bounded ``input``, at most
+  ten errors, before pydantic's tuple and the whole input);
+  ``SamplingParams._verify_args`` (``vllm/sampling_params.py``, run inside
+  pydantic's validation once every field is well typed: its
+  ``VLLMValidationError`` is no ``ValueError``, so it ends validation and is
+  a ``BadRequestError`` naming its parameter), then
   ``serve_tokens``
   (unknown model, ``n`` above ``max_num_seqs``, stop strings on a tokens-only
   server: 0.31 and later refuse them, older ones accept and never apply

@@ -73,22 +73,38 @@ def _clean_loc(loc: tuple) -> str:
 
 
 def render_invalid(errors: list[dict], cleaned: bool) -> VLLMError:
-    """vLLM's ``validation_exception_handler``: 400, ``param`` the parameter
-    a ``VLLMValidationError`` names, else the first error's cleaned ``loc``;
-    from 0.30 each error shows its cleaned ``loc`` and a bounded ``input``,
-    before it pydantic's own (``loc`` tuple, whole ``input``)."""
-    param = next((e["ctx"]["error"].parameter for e in errors
-                  if isinstance(e.get("ctx", {}).get("error"), VLLMValidationError)), None)
-    if param is None:
-        param = _clean_loc(errors[0]["loc"])
-    shown = []
-    for e in errors:
-        if cleaned:
-            e = {**e, "loc": _clean_loc(e["loc"]), "input": _summarize(e["input"])}
-        shown.append(str(e))
+    """vLLM's ``validation_exception_handler``: 400, ``param`` the first
+    error's cleaned ``loc`` (no error here carries a ``VLLMValidationError``,
+    which pydantic never catches); from 0.30 each error shows its cleaned
+    ``loc`` and a bounded ``input`` (at most ten errors listed), before it
+    pydantic's own (``loc`` tuple, whole ``input``, every error)."""
+    param = _clean_loc(errors[0]["loc"])
     label = "error" if len(errors) == 1 else "errors"
+    if not cleaned:
+        message = f"{len(errors)} validation {label}:\n" + "".join(f"  {e}\n" for e in errors)
+        return error(message.rstrip(), "Bad Request", 400, param)
+    # From 0.30 (_format_error): at most ten errors, each cut at 1,000
+    # characters, and the message scrubbed (utils.sanitize_message).
+    shown = []
+    for e in errors[:_MAX_REPORTED]:
+        text = str({**e, "loc": _clean_loc(e["loc"]), "input": _summarize(e["input"])})
+        shown.append(text[:1000] + "...[truncated]" if len(text) > 1000 else text)
     message = f"{len(errors)} validation {label}:\n" + "".join(f"  {t}\n" for t in shown)
-    return error(message.rstrip(), "Bad Request", 400, param)
+    if len(errors) > _MAX_REPORTED:
+        message += f"  ...and {len(errors) - _MAX_REPORTED} more {label}\n"
+    for pattern, replacement in _SCRUB:
+        message = pattern.sub(replacement, message)
+    return error(message.strip(), "Bad Request", 400, param)
+
+
+_MAX_REPORTED = 10
+#: sanitize_message's patterns: memory addresses, traceback lines, file paths.
+_SCRUB = (
+    (re.compile(r" at 0x[0-9a-fA-F]+>"), ">"),
+    (re.compile(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?'), ""),
+    (re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+"), "<path>"),
+    (re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+"), "<path>"),
+)
 
 
 # Schema nodes as in asgi_generate_vllm.schema (the frontend's copy of the
@@ -161,86 +177,122 @@ REQUEST = (
 )
 
 
-def validate(value: Any, node: tuple, loc: tuple = ()) -> Any:
+def validate(value: Any, node: tuple) -> Any:
     """``value`` as pydantic validates it against ``node`` (lax numbers and
-    booleans, unknown fields dropped); ``loc`` is its path under ``body``.
+    booleans, unknown fields dropped).
 
     Raises:
-        Invalid: the first error, in field order (``stop``'s union: one error
-            per branch).
+        Invalid: every error pydantic finds, in its order (fields in
+            declaration order, list items in order, ``stop``'s union: one
+            error per branch).
     """
+    errors: list[dict] = []
+    out = _walk(value, node, (), errors)
+    if errors:
+        raise Invalid(errors)
+    return out
+
+
+def _walk(value: Any, node: tuple, loc: tuple, errors: list[dict]) -> Any:
+    """``value`` validated against ``node`` at ``loc`` (a path under
+    ``body``), its errors appended to ``errors``."""
     kind = node[0]
     if kind == "any" or (kind == "nullable" and value is None):
         return value
     if kind == "nullable":
-        return validate(value, node[1], loc)
+        return _walk(value, node[1], loc, errors)
     if kind == "sampling":
-        return _validate_sampling(value)
-    if kind == "token_ids":  # list[int] = Field(min_length=1), none negative
-        ids = validate(value, ("list", INT), loc)
+        return _validate_sampling(value, errors)
+    if kind == "token_ids":  # list[int] = Field(min_length=1), then the negative-id validator
+        before = len(errors)
+        ids = _walk(value, ("list", INT), loc, errors)
+        if len(errors) > before:
+            return ids
         if not ids:
-            raise invalid("too_short", loc, "List should have at least 1 item after validation, not 0", value,
-                          {"field_type": "List", "min_length": 1, "actual_length": 0})
-        if min(ids) < 0:
+            errors.extend(invalid("too_short", loc, "List should have at least 1 item after validation, not 0", value,
+                                  {"field_type": "List", "min_length": 1, "actual_length": 0}).errors)
+        elif min(ids) < 0:
             why = "token_ids must not contain negative values"
-            raise invalid("value_error", loc, f"Value error, {why}", value, {"error": ValueError(why)})
+            errors.extend(invalid("value_error", loc, f"Value error, {why}", value, {"error": ValueError(why)}).errors)
         return ids
     if kind == "stop":  # str | list[str]
         if type(value) is str:
             return value
-        try:
-            return validate(value, ("list", STR), (*loc, "list[str]"))
-        except Invalid as exc:
-            branch = invalid("string_type", (*loc, "str"), "Input should be a valid string", value)
-            raise Invalid(branch.errors + exc.errors) from None
+        branch: list[dict] = []
+        out = _walk(value, ("list", STR), (*loc, "list[str]"), branch)
+        if branch:
+            errors.extend(invalid("string_type", (*loc, "str"), "Input should be a valid string", value).errors)
+            errors.extend(branch)
+        return out
     if kind in ("int", "float", "str", "bool"):
-        return _lax(kind, value, loc)
+        try:
+            return _lax(kind, value, loc)
+        except Invalid as exc:
+            errors.extend(exc.errors)
+            return value
     if kind == "list":
         if type(value) is not list:
-            raise invalid("list_type", loc, "Input should be a valid list", value)
-        return [validate(v, node[1], (*loc, i)) for i, v in enumerate(value)]
+            errors.extend(invalid("list_type", loc, "Input should be a valid list", value).errors)
+            return value
+        return [_walk(v, node[1], (*loc, i), errors) for i, v in enumerate(value)]
     if kind == "dict":
         if type(value) is not dict:
-            raise invalid("dict_type", loc, "Input should be a valid dictionary", value)
-        return {key: validate(v, node[1], (*loc, key)) for key, v in value.items()}
+            errors.extend(invalid("dict_type", loc, "Input should be a valid dictionary", value).errors)
+            return value
+        return {key: _walk(v, node[1], (*loc, key), errors) for key, v in value.items()}
     if type(value) is not dict:
-        raise invalid(
+        errors.extend(invalid(
             "model_attributes_type", loc, "Input should be a valid dictionary or object to extract fields from", value
-        )
+        ).errors)
+        return value
     out = {}
     for key, sub in node[1].items():
         if key in value:
-            out[key] = validate(value[key], sub, (*loc, key))
+            out[key] = _walk(value[key], sub, (*loc, key), errors)
         elif key in node[2]:
-            raise invalid("missing", (*loc, key), "Field required", value)
+            errors.extend(invalid("missing", (*loc, key), "Field required", value).errors)
     return out
 
 
-def _validate_sampling(value: Any) -> dict:
-    """``sampling_params``: the typed dict, then ``SamplingParams``' own
-    checks (``_verify_args``, run as pydantic builds it). Every error comes
-    after the failed ``is-instance`` branch of the union
-    ``PydanticMsgspecMixin`` builds."""
+def _validate_sampling(value: Any, errors: list[dict]) -> Any:
+    """``sampling_params``: the typed dict, whose errors come after the
+    failed ``is-instance`` branch of the union ``PydanticMsgspecMixin``
+    builds; once every field is well typed, ``SamplingParams``' own checks
+    (``_verify_args``, run as pydantic builds it).
+
+    Raises:
+        VLLMError: ``_verify_args`` refused a value. Its
+            ``VLLMValidationError`` is no ``ValueError``
+            (``vllm/exceptions.py``: a ``VLLMError``), so pydantic does not
+            catch it: it ends validation (no other field's error is shown)
+            and vLLM's ``VLLMError`` handler answers it
+            (``create_error_response``: ``BadRequestError``, ``param`` the
+            parameter it names).
+    """
     loc = ("sampling_params", _SP_MARKER)
-    try:
-        if type(value) is not dict:
-            raise invalid("dict_type", loc, "Input should be a valid dictionary", value)
-        sp = validate(value, _SAMPLING, loc)
-        try:
-            _verify_args(sp)
-        except ValueError as exc:
-            raise invalid("value_error", loc, f"Value error, {exc}", value, {"error": exc}) from None
-        return sp
-    except Invalid as exc:
-        first = {"type": "is_instance_of", "loc": ("body", "sampling_params", "is-instance[SamplingParams]"),
-                 "msg": "Input should be an instance of SamplingParams", "input": value,
-                 "ctx": {"class": "SamplingParams"}}
-        raise Invalid([first, *exc.errors]) from None
+    found: list[dict] = []
+    sp = value
+    if type(value) is not dict:
+        found = invalid("dict_type", loc, "Input should be a valid dictionary", value).errors
+    else:
+        sp = _walk(value, _SAMPLING, loc, found)
+        if not found:
+            try:
+                _verify_args(sp)
+            except VLLMValidationError as exc:
+                raise error(str(exc), param=exc.parameter) from None
+    if found:
+        errors.append({"type": "is_instance_of", "loc": ("body", "sampling_params", "is-instance[SamplingParams]"),
+                       "msg": "Input should be an instance of SamplingParams", "input": value,
+                       "ctx": {"class": "SamplingParams"}})
+        errors.extend(found)
+    return sp
 
 
-class VLLMValidationError(ValueError):
-    """vLLM's ``VLLMValidationError`` (``vllm/exceptions.py``): a
-    ``ValueError`` naming the parameter and value it refused."""
+class VLLMValidationError(Exception):
+    """vLLM's ``VLLMValidationError`` (``vllm/exceptions.py``, a
+    ``VLLMClientError``, no ``ValueError``): the refused parameter and
+    value, shown after the message."""
 
     def __init__(self, message: str, parameter: str | None = None, value: Any = None) -> None:
         super().__init__(message)
@@ -253,17 +305,19 @@ class VLLMValidationError(ValueError):
 
 
 def _verify_args(sp: dict) -> None:
+    """``SamplingParams._verify_args`` (vllm/sampling_params.py), for the
+    fields the simulator reads: every refusal a ``VLLMValidationError``."""
     def f(key: str, default: float) -> float:
         return float(sp.get(key, default))
 
     n = sp.get("n", 1)
-    if n < 1:
-        raise ValueError(f"n must be at least 1, got {n}.")
+    if n < 1:  # _verify_num_sequences
+        raise VLLMValidationError(f"n must be at least 1, got {n}.")
     for key in ("presence_penalty", "frequency_penalty"):
         if not -2.0 <= f(key, 0.0) <= 2.0:
-            raise ValueError(f"{key} must be in [-2, 2], got {f(key, 0.0)}.")
+            raise VLLMValidationError(f"{key} must be in [-2, 2], got {f(key, 0.0)}.")
     if f("repetition_penalty", 1.0) <= 0.0:
-        raise ValueError(f"repetition_penalty must be greater than zero, got {f('repetition_penalty', 1.0)}.")
+        raise VLLMValidationError(f"repetition_penalty must be greater than zero, got {f('repetition_penalty', 1.0)}.")
     t = f("temperature", 1.0)
     if t < 0.0:
         raise VLLMValidationError(f"temperature must be non-negative, got {t}.", "temperature", t)
@@ -272,26 +326,28 @@ def _verify_args(sp: dict) -> None:
     if not 0.0 < f("top_p", 1.0) <= 1.0:
         raise VLLMValidationError(f"top_p must be in (0, 1], got {f('top_p', 1.0)}.", "top_p", f("top_p", 1.0))
     if sp.get("top_k", 0) < -1:
-        raise ValueError(f"top_k must be 0 (disable), or at least 1, got {sp['top_k']}.")
+        raise VLLMValidationError(f"top_k must be 0 (disable), or at least 1, got {sp['top_k']}.")
     if not 0.0 <= f("min_p", 0.0) <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1], got {f('min_p', 0.0)}.")
+        raise VLLMValidationError(f"min_p must be in [0, 1], got {f('min_p', 0.0)}.")
     max_tokens = sp.get("max_tokens")
     if max_tokens is not None and max_tokens < 1:
         raise VLLMValidationError(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
     min_tokens = sp.get("min_tokens", 0)
     if min_tokens < 0:
-        raise ValueError(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+        raise VLLMValidationError(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
     if max_tokens is not None and min_tokens > max_tokens:
-        raise ValueError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
+        raise VLLMValidationError(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
     for key in ("logprobs", "prompt_logprobs"):
         k = sp.get(key)
         if k is not None and k != -1 and k < 0:
             raise VLLMValidationError(f"{key} must be non-negative or -1, got {k}.", key, k)
     stop = stop_strings(sp)
     if any(not s for s in stop):
-        raise ValueError("stop cannot contain an empty string.")
+        raise VLLMValidationError("stop cannot contain an empty string.")
     if stop and not sp.get("detokenize", True):
-        raise ValueError("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
+        raise VLLMValidationError(
+            "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
 
 
 def stop_strings(sp: dict) -> list[str]:

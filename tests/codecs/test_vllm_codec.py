@@ -11,6 +11,9 @@ from hypothesis import strategies as st
 from asgi_generate.sdk.codec import Attempt, EngineError, Event, RequestError, WorkerAnswerError
 from asgi_generate.protocols import PROTOCOLS
 from asgi_generate_vllm import VLLMCodec
+from asgi_generate_vllm.request import restore_echo
+from asgi_generate_vllm.validation import MAX_ERROR_SITES
+from vllm_refusals import MALFORMED, malformed_body
 
 CODEC = VLLMCodec()
 ENGINE_ID = "0123456789abcdef0000000000000001"
@@ -95,20 +98,22 @@ WIDE_BODY = {
 
 
 @pytest.mark.parametrize("stream", [False, None, "absent"])
-def test_unary_worker_request_is_the_clients_body_with_the_minted_id(stream):
+def test_unary_worker_request_is_the_clients_body_and_the_minted_id_header(stream):
     body = dict(WIDE_BODY) if stream == "absent" else {**WIDE_BODY, "stream": stream}
     wreq = exchange(body).worker_request(ATTEMPT)
     assert (wreq.path, wreq.stream) == (b"/inference/v1/generate", False)
     assert wreq.headers == [(b"content-type", b"application/json"), (b"x-request-id", ENGINE_ID.encode())]
     sent = orjson.loads(wreq.body)
-    assert sent == {**body, "request_id": ENGINE_ID} and list(sent) == list(body)
+    assert sent == body and list(sent) == list(body)  # the minted id rides in the header alone
     # The engine runs it as generate-tokens-<id>, which is what the abort names.
     assert orjson.loads(PROTOCOLS["vllm"].abort_body([ENGINE_ID])) == {"request_ids": [f"generate-tokens-{ENGINE_ID}"]}
 
 
-def test_unary_worker_request_adds_a_missing_request_id():
+def test_unary_worker_request_adds_no_request_id():
+    # vLLM takes X-Request-Id over the body's request_id: the body stays the
+    # client's, so an engine refusal echoes nothing the frontend made.
     wreq = exchange({"token_ids": [1], "sampling_params": {}}).worker_request(ATTEMPT)
-    assert wreq.body == b'{"token_ids":[1],"sampling_params":{},"request_id":"' + ENGINE_ID.encode() + b'"}'
+    assert wreq.body == b'{"token_ids":[1],"sampling_params":{}}'
 
 
 def test_stream_worker_request_mints_the_engine_id_and_asks_for_usage():
@@ -117,8 +122,7 @@ def test_stream_worker_request_mints_the_engine_id_and_asks_for_usage():
     assert (wreq.path, wreq.stream) == (b"/inference/v1/generate", True)
     assert wreq.headers == [(b"content-type", b"application/json"), (b"x-request-id", ENGINE_ID.encode())]
     assert orjson.loads(wreq.body) == {
-        **body, "request_id": ENGINE_ID,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": False, "extra": 1},
+        **body, "stream_options": {"include_usage": True, "continuous_usage_stats": False, "extra": 1},
     }
 
 
@@ -328,15 +332,6 @@ def test_frontend_errors_in_vllm_shape(error, shape):
         (b"", "{'type': 'missing', 'loc': 'body', 'msg': 'Field required', 'input': 'None'}", "body"),
         (b"[1]", "{'type': 'model_attributes_type', 'loc': 'body', 'msg': 'Input should be a valid dictionary or "
                  "object to extract fields from', 'input': '<list of 1 items>'}", "body"),
-        ({"token_ids": [1], "sampling_params": []}, "{'type': 'model_attributes_type', 'loc': 'body.sampling_params', "
-         "'msg': 'Input should be a valid dictionary or object to extract fields from', 'input': '<list of 0 items>'}",
-         "body.sampling_params"),
-        ({"token_ids": [1], "sampling_params": {"max_tokens": [8]}}, "{'type': 'int_type', 'loc': "
-         "'body.sampling_params.max_tokens', 'msg': 'Input should be a valid integer', 'input': '<list of 1 items>'}",
-         "body.sampling_params.max_tokens"),
-        ({"token_ids": [1], "sampling_params": {"max_tokens": 2.5}}, "{'type': 'int_from_float', 'loc': "
-         "'body.sampling_params.max_tokens', 'msg': 'Input should be a valid integer, got a number with a "
-         "fractional part', 'input': '2.5'}", "body.sampling_params.max_tokens"),
         ({"token_ids": [1], "stream": {}, "sampling_params": {}}, "{'type': 'bool_type', 'loc': 'body.stream', "
          "'msg': 'Input should be a valid boolean', 'input': '<dict of 0 items>'}", "body.stream"),
         ({"token_ids": [1], "stream": 5, "sampling_params": {}}, "{'type': 'bool_parsing', 'loc': 'body.stream', "
@@ -359,6 +354,42 @@ def test_schema_errors_in_vllm_validation_shape(body, message, param):
     assert err.value.status == 400
     assert orjson.loads(CODEC.error_body(err.value)) == {
         "error": {"message": f"1 validation error:\n  {message}", "type": "Bad Request", "param": param, "code": 400}}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_sampling_params_are_refused_as_vllm_refuses_them(case):
+    """vLLM lists every error: the ``is-instance`` branch of the
+    ``SamplingParams`` union first, then each field's in vLLM's order."""
+    with pytest.raises(RequestError) as err:
+        decode(malformed_body(case))
+    status, body = MALFORMED[case][1]
+    assert (err.value.status, orjson.loads(CODEC.error_body(err.value))) == (status, body)
+
+
+@pytest.mark.parametrize("salt, why", [
+    (5, "must be a non-empty string if provided."),
+    ("", "must be a non-empty string if provided."),
+    ("a/b", "must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL."),
+])
+def test_cache_salt_is_refused_before_any_field(salt, why):
+    """vLLM's ``_validate_cache_salt`` runs before pydantic reads a field
+    and raises a ``VLLMValidationError`` (no ``ValueError``), so a refused
+    body with a bad salt gets that ``BadRequestError`` alone."""
+    with pytest.raises(RequestError) as err:
+        decode({"token_ids": "x", "sampling_params": None, "cache_salt": salt})
+    assert orjson.loads(CODEC.error_body(err.value)) == {"error": {
+        "message": f"Parameter 'cache_salt' {why} (parameter=cache_salt)", "type": "BadRequestError",
+        "param": "cache_salt", "code": 400}}
+
+
+def test_refusals_list_ten_errors_then_count_the_rest():
+    with pytest.raises(RequestError) as err:
+        decode({"token_ids": [str(i) + "x" for i in range(12)], "sampling_params": {}})
+    message = orjson.loads(CODEC.error_body(err.value))["error"]["message"]
+    lines = message.split("\n")
+    assert (lines[0], len(lines), lines[-1]) == ("12 validation errors:", 12, "  ...and 2 more errors")
+    assert lines[10] == ("  {'type': 'int_parsing', 'loc': 'body.token_ids.9', 'msg': 'Input should be a valid "
+                         "integer, unable to parse string as an integer', 'input': '9x'}")
 
 
 def test_values_pydantic_reads_laxly_are_served_converted():
@@ -395,7 +426,7 @@ def test_values_only_the_engine_judges_pass_through_untouched(case):
     # The frontend relies on none of these; the worker's vLLM version answers.
     body = ENGINE_JUDGES[case]
     wreq = exchange(body).worker_request(ATTEMPT)
-    assert orjson.loads(wreq.body) == {**body, "request_id": ENGINE_ID}
+    assert orjson.loads(wreq.body) == body
 
 
 @pytest.mark.parametrize(
@@ -513,8 +544,8 @@ def decode_law(body, header):
     wreq = exchange(body, **headers).worker_request(ATTEMPT)
     sent = orjson.loads(wreq.body)
     assert wreq.stream is req.stream
-    if not req.stream:  # a unary leg is the client's body with the minted id
-        assert sent == {**body, "request_id": ENGINE_ID}
+    if not req.stream:  # a unary leg is the client's body (the minted id in the header)
+        assert sent == body
 
 
 def test_decode_only_ever_rejects_with_a_vllm_error_and_accepts_a_fair_share():
@@ -571,3 +602,44 @@ def test_n_past_max_items_is_refused_in_vllms_shape():
     message = "sampling_params.n must be at most 16384 on this server (--max-request-items), got 100000."
     assert (err.value.status, CODEC.error_body(err.value)) == (400, orjson.dumps(
         {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}))
+
+
+def _refusal(*lines: str) -> bytes:
+    message = f"{len(lines)} validation error{'s' if len(lines) > 1 else ''}:\n" + "\n".join(f"  {x}" for x in lines)
+    return orjson.dumps({"error": {"message": message, "type": "Bad Request", "param": "body.sampling_params",
+                                   "code": 400}})
+
+
+def test_restore_echo_shows_the_clients_body_by_size_and_by_repr():
+    client = {"token_ids": [1], "stream": True, "sampling_params": {"max_tokens": "3", "temperature": "hot"}}
+    sent = {"token_ids": [1], "stream": True, "sampling_params": {"max_tokens": 3, "temperature": "hot"},
+            "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
+    missing = "{'type': 'missing', 'loc': 'body.x', 'msg': 'Field required', 'input': '<dict of %d items>'}"
+    inner = ("{'type': 'is_instance_of', 'loc': 'body.sampling_params', 'msg': 'Input should be an instance of "
+             "SamplingParams', 'input': '<dict of 2 items>', 'ctx': {'class': 'SamplingParams'}}")
+    assert restore_echo(_refusal(missing % 4, inner), sent, orjson.dumps(client)) == _refusal(missing % 3, inner)
+    # Before 0.30: the whole repr, the body's and sampling_params' own.
+    old = "{'type': 'missing', 'loc': ('body', 'x'), 'msg': 'Field required', 'input': %r}"
+    old_inner = "{'type': 'is_instance_of', 'loc': ('body', 'sampling_params', 'is-instance[SamplingParams]'), " \
+                "'msg': 'Input should be an instance of SamplingParams', 'input': %r}"
+    got = restore_echo(_refusal(old % sent, old_inner % sent["sampling_params"]), sent, client)
+    assert got == _refusal(old % client, old_inner % client["sampling_params"])
+    # Anything else passes byte for byte.
+    for payload in (_refusal(inner), b'{"error":{"message":"max_tokens must be at least 1, got 0.","code":400}}',
+                    b"not json"):
+        assert restore_echo(payload, sent, client) is payload
+
+
+def test_a_body_with_more_error_sites_than_the_bound_gets_the_first_error():
+    # pydantic builds every error it finds: past MAX_ERROR_SITES the
+    # refusal is the fast check's first error, not millions of them.
+    ids = ["x"] * (MAX_ERROR_SITES + 1)
+    with pytest.raises(RequestError) as err:
+        decode({"token_ids": ids, "sampling_params": {}})
+    assert orjson.loads(CODEC.error_body(err.value)) == {"error": {
+        "message": "1 validation error:\n  {'type': 'int_parsing', 'loc': 'body.token_ids.0', 'msg': 'Input should "
+                   "be a valid integer, unable to parse string as an integer', 'input': 'x'}",
+        "type": "Bad Request", "param": "body.token_ids.0", "code": 400}}
+    with pytest.raises(RequestError) as err:
+        decode({"token_ids": ids[1:], "sampling_params": {}})
+    assert orjson.loads(CODEC.error_body(err.value))["error"]["message"].startswith("10000 validation errors:\n")

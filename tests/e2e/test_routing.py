@@ -240,3 +240,29 @@ def test_a_connection_one_request_broke_leaves_the_worker_up(two_sims, worker_cl
     assert len(rest) == 4
     assert (rec["status"], rec["http_status"], rec["error"]["type"]) == ("engine_error", 502, "engine")
     assert [a["outcome"] for a in rec["attempts"]] == ["error"]
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_v1_models_lists_only_models_a_live_worker_serves(worker_class):
+    """A worker that never came up has no model to list (``data``); the
+    workers list still shows it, down. When the live worker goes down too,
+    no model is left."""
+    live = start_sim()
+    port = free_port()
+    fe = start_frontend([f"sglang={live.url}", f"sglang=http://127.0.0.1:{port}"], worker_class=worker_class)
+    try:
+        models = httpx.get(fe.url + "/v1/models", timeout=10).json()
+        assert [(m["id"], m["object"], m["max_model_len"], m["root"]) for m in models["data"]] == [
+            ("sim", "model", 32768, "sim")]
+        assert [(w["id"], w["state"], w["model"]) for w in models["workers"]] == [
+            ("w0", "up", "sim"), ("w1", "down", None)]
+        live.stop()
+        wait_until(lambda: httpx.get(fe.url + "/v1/models", timeout=10).json()["workers"][0]["state"] == "down",
+                   timeout=30)
+        models = httpx.get(fe.url + "/v1/models", timeout=10).json()
+        assert models["data"] == []
+        assert [(w["id"], w["state"], w["model"]) for w in models["workers"]] == [
+            ("w0", "down", "sim"), ("w1", "down", None)]
+    finally:
+        fe.stop()
+        live.stop()

@@ -40,14 +40,14 @@ simulator does not have, or the simulator does not play them:
 from __future__ import annotations
 
 
-import re
 
 import httpx
 import orjson
 import pytest
 
 from asgi_generate.sdk.versions import VLLM_VERSIONS, vllm_behaviour
-from support import CONTINUATION, PROMPT, same, sampled, start_frontend, start_sim
+from support import CONTINUATION, PROMPT, same, sampled, start_frontend, start_sim, stats
+from vllm_refusals import MALFORMED, malformed_body
 
 pytestmark = pytest.mark.e2e
 
@@ -112,21 +112,8 @@ def ask(served, body: dict) -> tuple[int, object]:
     call = _stream if body.get("stream") else _unary
     direct, through = call(sim.url, body), call(front.url, body)
     assert direct[0] == through[0]
-    if direct[0] != 200 and not vllm_behaviour(served[0]).clean_validation_errors:
-        # Before 0.30 vLLM echoes the whole body in a validation error, so the
-        # worker shows the frontend's minted request_id there.
-        through = (through[0], _unmint(through[1]))
-        direct = (direct[0], _unmint(direct[1]))
     same(through[1], direct[1])
     return direct
-
-
-def _unmint(answer) -> object:
-    """``answer`` with the ``request_id`` echoed in an error message blanked."""
-    if isinstance(answer, dict) and "error" in answer:
-        message = re.sub(r"'request_id': '[^']*'", "'request_id': '…'", answer["error"]["message"])
-        return {"error": {**answer["error"], "message": message}}
-    return [_unmint(a) for a in answer] if isinstance(answer, list) else answer
 
 
 def sp(**params) -> dict:
@@ -160,7 +147,7 @@ def test_answers_the_requested_tokens_with_usage(served):
 
 def test_without_sampling_params_the_engine_answers(served):
     # Every vLLM release requires the field (the frontend leaves that to it).
-    body = {"model": "sim", "request_id": "…", "token_ids": PROMPT}
+    body = {"model": "sim", "request_id": "case", "token_ids": PROMPT}  # as sent: the engine echoes it
     assert ask(served, {"token_ids": PROMPT}) == validation(
         served, [("missing", ("body", "sampling_params"), "Field required", body, None)], "body.sampling_params")
 
@@ -381,19 +368,14 @@ def validation(served, errors: list[tuple], param: str) -> tuple[int, dict]:
 
 
 def sampling_refused(served, params: dict, message: str, parameter=None, value=None) -> tuple[int, dict]:
-    """vLLM's answer when ``SamplingParams`` refuses ``params`` while pydantic
-    builds it: the failed ``is-instance`` branch of its union, then a
-    ``value_error``; a ``VLLMValidationError`` names its parameter (and
-    value) in ``msg`` and ``param``, a plain ``ValueError`` leaves ``param``
-    at the location."""
-    shown = message if parameter is None else f"{message} (parameter={parameter}, value={value})"
-    cls = "VLLMValidationError" if parameter is not None else "ValueError"
-    return validation(served, [
-        ("is_instance_of", ("body", "sampling_params", IS_INSTANCE), "Input should be an instance of SamplingParams",
-         params, "{'class': 'SamplingParams'}"),
-        ("value_error", ("body", "sampling_params", TYPED_DICT), f"Value error, {shown}", params,
-         f"{{'error': {cls}({message!r})}}"),
-    ], parameter or "body.sampling_params")
+    """vLLM's answer when ``SamplingParams._verify_args`` refuses ``params``
+    while pydantic builds it: its ``VLLMValidationError`` is no
+    ``ValueError``, so pydantic does not catch it and vLLM's ``VLLMError``
+    handler answers a ``BadRequestError`` (``create_error_response``), the
+    parameter and value it names shown after the message and as ``param``."""
+    extras = [f"{k}={v}" for k, v in (("parameter", parameter), ("value", value)) if v is not None]
+    shown = f"{message} ({', '.join(extras)})" if extras else message
+    return 400, {"error": {"message": shown, "type": "BadRequestError", "param": parameter, "code": 400}}
 
 
 @pytest.mark.parametrize(
@@ -444,7 +426,9 @@ def test_numbers_and_booleans_are_read_as_pydantic_reads_them(served):
 
 
 def test_unknown_fields_are_ignored(served):
-    status, answer = ask(served, {**sp(max_tokens=2), "not_a_field": 1})
+    # GenerateRequest ignores extra fields, and so does the typed dict
+    # SamplingParams is validated as: neither is refused.
+    status, answer = ask(served, {**sp(max_tokens=2, future_knob="x"), "not_a_field": 1})
     assert (status, answer["choices"][0]["token_ids"]) == (200, CONTINUATION[:2])
 
 
@@ -502,6 +486,49 @@ def test_stream_continuous_usage_on_every_chunk(served):
 
 
 # -- routed experts and disaggregation placeholders -----------------------------------
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_sampling_params_are_refused_as_the_engine_refuses_them(served, case):
+    """The frontend refuses these itself, with vLLM's answer (every error,
+    the ``is-instance`` branch of ``SamplingParams`` first) in the wording
+    of 0.30 and later; the engine, asked directly, answers the same."""
+    version, sim, front = served
+    body = {"model": "sim", "request_id": "case", **malformed_body(case)}
+    before = stats(sim)["received"]
+    assert _unary(front.url, body) == MALFORMED[case][1]
+    assert stats(sim)["received"] == before  # refused before any worker
+    if vllm_behaviour(version).clean_validation_errors:
+        assert _unary(sim.url, body) == MALFORMED[case][1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", ["no_sampling_params", "lax_and_bad_params"])
+def test_an_engine_refusal_reaches_the_client_byte_for_byte(served, case, stream):
+    """The frontend lets these through (a field it does not read is wrong,
+    or missing) and the engine refuses them: the client gets the engine's
+    own answer to its body, byte for byte, whatever the frontend added to
+    the worker's body (a streaming leg's ``stream_options``) or converted
+    (``"3"`` forwarded as 3) not showing in the echoed input."""
+    _, sim, front = served
+    body = {"token_ids": PROMPT, "stream": stream, "request_id": "mine"}
+    if case == "lax_and_bad_params":
+        body["sampling_params"] = {"max_tokens": "3", "temperature": "hot"}
+    content = orjson.dumps(body)
+    direct = HTTP.post(sim.url + GEN, content=content, headers=JSON)
+    through = HTTP.post(front.url + GEN, content=content, headers=JSON)
+    assert (through.status_code, through.content) == (direct.status_code, direct.content)
+    if case == "no_sampling_params":
+        assert direct.json() == validation(served, [
+            ("missing", ("body", "sampling_params"), "Field required", body, None)], "body.sampling_params")[1]
+    else:
+        params = body["sampling_params"]
+        assert direct.json() == validation(served, [
+            ("is_instance_of", ("body", "sampling_params", IS_INSTANCE),
+             "Input should be an instance of SamplingParams", params, "{'class': 'SamplingParams'}"),
+            ("float_parsing", ("body", "sampling_params", TYPED_DICT, "temperature"),
+             "Input should be a valid number, unable to parse string as a number", "hot", None),
+        ], "body.sampling_params")[1]
 
 
 def test_routed_experts_are_null_without_the_server_flag(served):

@@ -451,9 +451,9 @@ async def test_vllm_pair_prefills_one_token_then_decodes_with_its_kv_transfer_pa
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
     assert p.sent == [(b"/inference/v1/generate", {
         "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1, "ignore_eos": True}, "stream": False,
-        "request_id": "e0", "kv_transfer_params": prefill_kv}, VLLM_HEADERS)]
+        "kv_transfer_params": prefill_kv}, VLLM_HEADERS)]
     assert d.sent == [(b"/inference/v1/generate", {
-        **VLLM_BODY, "request_id": "e0", "kv_transfer_params": KV,
+        **VLLM_BODY, "kv_transfer_params": KV,
         "stream_options": {"include_usage": True, "continuous_usage_stats": False}}, VLLM_HEADERS)]
     assert client.body == VLLM_CLIENT
     assert client.attempts() == [("e0", "prefill", "w0", "finished", False), ("e0", "decode", "w1", "finished", False)]
@@ -476,8 +476,8 @@ async def test_vllm_prefill_without_kv_transfer_params_fails_or_prefills_locally
                                                      b'"code":502}}')
         assert client.attempts() == [("e0", "prefill", "w0", "finished", False)]
         return
-    assert d.sent[0][1] == {**VLLM_BODY, "request_id": "e0",
-                            "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
+    assert d.sent[0][1] == {**VLLM_BODY, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
+    assert dict(d.sent[0][2])[b"x-request-id"] == b"e0"
     assert client.body == VLLM_CLIENT
     client.st.t_done = client.st.t_received
     rows = build_record(client.st, 16)["attempts"]

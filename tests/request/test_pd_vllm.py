@@ -351,7 +351,7 @@ def test_wire_audit_of_every_prefill_and_decode_body(vsims, tmp_path_factory):
             sp = {k: v for k, v in body["sampling_params"].items()
                   if k not in ("min_tokens", "stop", "stop_token_ids")}
             want_p = {k: v for k, v in body.items() if k != "stream_options"}
-            want_p.update(request_id=minted, sampling_params={**sp, "max_tokens": 1, "ignore_eos": True}, stream=False,
+            want_p.update(sampling_params={**sp, "max_tokens": 1, "ignore_eos": True}, stream=False,
                           kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
                                               "remote_engine_id": None, "remote_block_ids": None,
                                               "remote_host": None, "remote_port": None})
@@ -363,7 +363,7 @@ def test_wire_audit_of_every_prefill_and_decode_body(vsims, tmp_path_factory):
                           "remote_port": kv["remote_port"], "tp_size": 1, "remote_prefill_cached_tokens": 0}
             assert len(kv["remote_block_ids"]) == 1
             kv_seen.add(kv["remote_block_ids"][0])
-            want_d = {**body, "request_id": minted, "kv_transfer_params": kv}
+            want_d = {**body, "kv_transfer_params": kv}
             if body.get("stream"):
                 want_d["stream_options"] = {"include_usage": True, "continuous_usage_stats": False}
             assert d.body == want_d

@@ -158,8 +158,9 @@ async def test_vllm_pair_leg_the_worker_dropped_runs_anew_on_another_pair(fresh,
         client = Client(VLLMCodec(), VLLM_BODY, FakeRouter((p0, d0), second))
         await client.run()
         tg.cancel_scope.cancel()
-    assert [body["request_id"] for body in _received(server)] == ["e0"]
-    assert [s[1]["request_id"] for s in p1.sent + d1.sent] == ["e1", "e1"]
+    # The engine id rides in X-Request-Id alone; the body is the client's.
+    assert [body.get("request_id") for body in _received(server)] == [None]
+    assert [dict(s[2])[b"x-request-id"] for s in p1.sent + d1.sent] == [b"e1", b"e1"]
     assert (client.status, client.body, client.st.status) == (200, VLLM_CLIENT, "ok")
     first_pair = ([("e0", "prefill", "w0", "error", False)] if dropped == "prefill" else
                   [("e0", "prefill", "w0", "finished", False), ("e0", "decode", "w1", "error", False)])

@@ -197,7 +197,12 @@ def check_prompt_length(input_ids: list[int] | None, limit: int | None, stream: 
 def error_body(error: RequestError) -> bytes:
     """A refusal's unary body in SGLang's shapes: FastAPI-style for schema
     errors and statuses other than 400, ``{"error": {"message"}}`` for bad
-    values."""
+    values. A 5xx has its status code as ``type`` (``"502"``, ``"503"``):
+    on ``/generate`` SGLang raises its non-400 aborts as ``HTTPException``
+    (``TokenizerManager``, ``sglang/srt/managers/tokenizer_manager.py``),
+    which ``http_server.py``'s ``HTTPException`` handler renders with
+    ``type=str(exc.status_code)``; only its ``/v1/responses`` route and its
+    validation handler (400, ``"Bad Request"``) use the status phrase."""
     if error.status == 400 and error.kind != "invalid_json" and not isinstance(error, SchemaError):
         return orjson.dumps({"error": {"message": error.message}})
     kind = HTTPStatus(error.status).phrase if error.status < 500 else str(error.status)

@@ -3,12 +3,16 @@
 Wire format: vLLM ``vllm/entrypoints/serve/disagg/`` (``protocol.py``,
 ``serving.py``, ``api_router.py``; later ``vllm/entrypoints/scale_out/
 token_in_token_out/``). Requests are checked only where the frontend relies on
-them, as vLLM checks them (:mod:`asgi_generate_vllm.request`); every field
-passes to the engine untouched except ``request_id`` and, on streaming legs,
-``stream_options``, so values only the engine judges get the answer of the
-vLLM version behind the worker. ``kv_transfer_params`` is the frontend's to
-set (P/D): a client's non-null value is refused with 400 on every mode, since
-it could name another request's KV blocks.
+them, as vLLM checks them (:mod:`asgi_generate_vllm.request`); a refusal
+lists every error vLLM would (:mod:`asgi_generate_vllm.validation`). Every
+field passes to the engine as the client sent it (lax values converted),
+except, on streaming legs, ``stream_options``, so values only the engine
+judges get the answer of the vLLM version behind the worker; when that
+engine refuses the body, its refusal reaches the client with the echo of
+the client's own body (:func:`asgi_generate_vllm.request.restore_echo`).
+``kv_transfer_params`` is the frontend's to set (P/D): a client's non-null
+value is refused with 400 on every mode, since it could name another
+request's KV blocks.
 
 Versions. What differs between vLLM versions
 (:mod:`asgi_generate.sdk.versions`) is read from the attempt's worker
@@ -28,14 +32,15 @@ passes each chunk (one choice each) through, counts every choice's tokens,
 and finishes when the usage chunk arrives, or, without one, when every
 choice has finished.
 
-Engine ids. The worker gets the attempt's minted id as both the
-``X-Request-Id`` header and the body ``request_id``, so the engine runs it as
-``generate-tokens-<minted id>`` (what ``POST /abort_requests`` names). The
-client sees ``generate-tokens-<its id>`` (its ``X-Request-Id`` header, else
-its body ``request_id``, else the frontend's request id standing in for
-vLLM's random uuid) in stream chunks and, from vLLM 0.25 (which answers with
-the engine id there too), in unary answers; before 0.25 a unary answer
-carries a fresh random uuid, passed through.
+Engine ids. The worker gets the attempt's minted id as the ``X-Request-Id``
+header, which vLLM takes over the body's ``request_id`` (left as the client
+sent it), so the engine runs it as ``generate-tokens-<minted id>`` (what
+``POST /abort_requests`` names). The client sees
+``generate-tokens-<its id>`` (its ``X-Request-Id`` header, else its body
+``request_id``, else the frontend's request id standing in for vLLM's
+random uuid) in stream chunks and, from vLLM 0.25 (which answers with the
+engine id there too), in unary answers; before 0.25 a unary answer carries
+a fresh random uuid, passed through.
 
 Prefill/decode (P/D, sequential legs as vLLM's P/D proxies run them): the
 prefill leg is one token that always reaches its length cap (EOS ignored,
@@ -123,7 +128,9 @@ from asgi_generate.sdk.answer import MISSING, answer_object, wrong
 
 from .answer import check_error, check_top
 from .join import PREFILL_DROPS, PREFILL_KV, Prefilled, join_details, join_experts, join_unary
-from .request import CONSTRAINED, PENALTIES, VLLMRequest, check_prompt_length, decode_request, error_body
+from .request import (
+    CONSTRAINED, PENALTIES, VLLMRequest, check_prompt_length, decode_request, error_body, restore_echo,
+)
 
 PATH = "/inference/v1/generate"
 #: What vLLM puts before a request id to make the engine id.
@@ -212,7 +219,7 @@ class VLLMExchange(Exchange):
 
     __slots__ = (
         "native", "stream", "stream_id", "finish", "matched", "finished", "out", "status", "input_ids",
-        "resumed", "choice_tokens", "details",
+        "resumed", "choice_tokens", "details", "sent",
     )
 
     def __init__(self, request: GenerateRequest, request_id: str) -> None:
@@ -237,6 +244,8 @@ class VLLMExchange(Exchange):
         self.resumed = 0
         #: The first leg's ``prompt_tokens_details``, when a usage chunk showed it.
         self.details: Any = None
+        #: The body of the last worker request built (the leg that answers next).
+        self.sent: dict | None = None
 
     def resume_refusal(self) -> str | None:
         """Why this request cannot resume mid-answer (see the module docstring)."""
@@ -252,10 +261,10 @@ class VLLMExchange(Exchange):
         return None
 
     def worker_request(self, attempt: Attempt) -> WorkerRequest:
-        """The client's body with the minted id as ``request_id`` (and
-        ``X-Request-Id``). A unary request's leg is unary and otherwise
-        unchanged; a streaming leg asks for the closing usage chunk (and for
-        continuous usage only if the client did).
+        """The client's body, the minted id as ``X-Request-Id``. A unary
+        request's leg is unary and otherwise unchanged; a streaming leg asks
+        for the closing usage chunk (and for continuous usage only if the
+        client did).
 
         P/D (vLLM's proxies, sequential legs, the same id on both): the
         prefill leg is unary with ``max_tokens`` 1 (``sampling_params`` has
@@ -274,8 +283,11 @@ class VLLMExchange(Exchange):
                 whose KV connector hands nothing off).
         """
         check_prompt_length(self.native.body, attempt.worker_info.get("max_model_len"))
-        body = dict(self.native.body)
-        body["request_id"] = attempt.engine_id
+        # The minted id travels as X-Request-Id alone: vLLM takes the
+        # header over the body's request_id (OpenAIServing._base_request_id,
+        # vllm/entrypoints/serve/engine/serving.py), so the body stays the
+        # client's and an engine refusal echoes nothing the frontend made.
+        self.sent = body = dict(self.native.body)
         headers = [_JSON, (b"x-request-id", attempt.engine_id.encode())]
         if attempt.resumes:  # a migration: both legs of a pair carry the longer prompt
             self._resume(body, attempt.resumes)
@@ -469,6 +481,11 @@ class VLLMExchange(Exchange):
         return self.status, self.out
 
     def worker_error(self, status: int, body: bytes) -> tuple[int, bytes]:
-        """vLLM workers answer in this format's shapes: pass through; a body
-        that is not JSON (a bare server error page) gets vLLM's shape."""
+        """vLLM workers answer in this format's shapes: pass through (a
+        validation refusal with the echo of the client's own body,
+        :func:`asgi_generate_vllm.request.restore_echo`); a body that is not
+        JSON (a bare server error page) gets vLLM's shape."""
+        if self.sent is not None:
+            native = self.native
+            body = restore_echo(body, self.sent, native.raw if native.raw is not None else native.body)
         return engine_error_page(status, body, VLLMCodec().error_body)

@@ -11,6 +11,7 @@ could name another request's KV blocks.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Mapping
@@ -34,6 +35,9 @@ class VLLMRequest:
         include_usage: the client asked for the closing usage chunk.
         continuous_usage: the client asked for usage on every chunk.
         n: the choices asked for (``sampling_params.n``, as sent).
+        raw: the body's bytes as the client sent them, kept only when
+            the check converted a value (else ``body`` is what was sent),
+            for :func:`restore_echo`.
     """
 
     body: dict
@@ -41,6 +45,7 @@ class VLLMRequest:
     include_usage: bool
     continuous_usage: bool
     n: int = 1
+    raw: bytes | None = None
 
 
 def decode_request(body: bytes, headers: Mapping[bytes, bytes], max_items: int) -> GenerateRequest:
@@ -69,7 +74,16 @@ def decode_request(body: bytes, headers: Mapping[bytes, bytes], max_items: int) 
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise validation_error("json_invalid", (exc.pos,), "JSON decode error", {}, {"error": exc.msg}) from None
-    check(obj, GENERATE_REQUEST)
+    converted: list = []
+    try:
+        check(obj, GENERATE_REQUEST, (), converted)
+    except VLLMRequestError as exc:
+        # The fast check stops at the first field it reads; vLLM lists
+        # every error of the whole body (read again if check converted a
+        # value in place).
+        from .validation import refusal  # pydantic, imported on the first refusal only
+
+        raise refusal(orjson.loads(body) if converted else obj) or exc from None
     if obj.get("kv_transfer_params") is not None:
         # The frontend's to set for P/D: a client naming another
         # request's KV blocks could read them (null, as vLLM's render
@@ -98,6 +112,9 @@ def decode_request(body: bytes, headers: Mapping[bytes, bytes], max_items: int) 
         include_usage=include,
         continuous_usage=include and bool(so.get("continuous_usage_stats")),
         n=n,
+        # What the client sent differs from what is forwarded only where a
+        # value was converted: only then are its bytes kept.
+        raw=body if converted else None,
     )
     input_ids = token_ids if features is None else None
     excluded = "multimodal" if features is not None else None
@@ -123,6 +140,67 @@ def error_body(error: RequestError) -> bytes:
     err_type = getattr(error, "err_type", None) or _ERROR_TYPES.get(status) or HTTPStatus(status).phrase
     param = getattr(error, "param", None)
     return orjson.dumps({"error": {"message": error.message, "type": err_type, "param": param, "code": status}})
+
+
+# One error of vLLM's validation message (0.30 and later): its type, its
+# cleaned loc, and an input echoed as a container's size.
+_ERROR_LINE = re.compile(r"^  \{'type': '([^']*)', 'loc': '([^']*)', ")
+_DICT_ECHO = re.compile(r"'input': '<dict of (\d+) items>'")
+_VALIDATION = re.compile(r"\d+ validation errors?:\n")
+
+
+def restore_echo(payload: bytes, sent: dict, client: dict | bytes) -> bytes:
+    """A worker's validation refusal (vLLM's ``validation_exception_handler``
+    400) of the body the frontend ``sent``, with every echo of that body
+    shown as the echo of the ``client``'s own body (as parsed, or its JSON
+    bytes): what vLLM answers the client's body itself.
+
+    The frontend's additions (a streaming leg's ``stream_options``, a
+    prefill leg's ``kv_transfer_params`` and sampling changes) and the lax
+    values it forwards converted would otherwise show in the echo. Two
+    containers are echoed whole: the body (the ``input`` of an error at
+    ``body`` and of a missing top-level field) and ``sampling_params`` (its
+    union's errors). From 0.30 vLLM echoes a container by its size
+    (``<dict of N items>``); before, as its Python ``repr``. Anything else
+    (another status, another error shape, no echo of an altered container)
+    passes unchanged, byte for byte.
+    """
+    if b"validation error" not in payload:
+        return payload
+    try:
+        obj = orjson.loads(payload)
+        mine = orjson.loads(client) if isinstance(client, bytes) else client
+    except orjson.JSONDecodeError:
+        return payload
+    err = obj.get("error") if type(obj) is dict else None
+    message = err.get("message") if type(err) is dict else None
+    if type(message) is not str or not _VALIDATION.match(message) or type(mine) is not dict:
+        return payload
+    pairs = [(sent, mine)]
+    if type(sent.get("sampling_params")) is dict and type(mine.get("sampling_params")) is dict:
+        pairs.append((sent["sampling_params"], mine["sampling_params"]))
+    restored = message
+    for was, own in pairs:  # before 0.30: the whole repr (the body's first: it holds the others)
+        restored = restored.replace(repr(was), repr(own))
+    lines = restored.split("\n")
+    for i, line in enumerate(lines):
+        head = _ERROR_LINE.match(line)
+        if head is None:
+            continue
+        kind, loc = head.groups()
+        if loc == "body" or (kind == "missing" and loc.count(".") == 1):
+            was, own = pairs[0]
+        elif loc == "body.sampling_params" and len(pairs) == 2:
+            was, own = pairs[1]
+        else:
+            continue
+        lines[i] = _DICT_ECHO.sub(
+            lambda m: f"'input': '<dict of {len(own)} items>'" if int(m.group(1)) == len(was) else m.group(0), line)
+    restored = "\n".join(lines)
+    if restored == message:
+        return payload
+    err["message"] = restored
+    return orjson.dumps(obj)
 
 
 #: Sampling parameters that make a resumed attempt differ from the rest of

@@ -129,12 +129,13 @@ GENERATE_REQUEST = (
 )
 
 
-def check(value: Any, node: tuple, loc: tuple = ()) -> Any:
+def check(value: Any, node: tuple, loc: tuple = (), converted: list | None = None) -> Any:
     """Check ``value`` against schema ``node``; ``loc`` is its path under
     ``body``. Returns the value as vLLM reads it: scalars pydantic's lax mode
     takes (``"8"`` or ``8.0`` for an integer, ``1`` or ``"yes"`` for a
     boolean) come back converted, and containers are converted in place, so
-    the body the engine gets reads the same everywhere.
+    the body the engine gets reads the same everywhere; each conversion's
+    ``loc`` is appended to ``converted`` when given.
 
     Raises:
         VLLMRequestError: 400, vLLM's validation shape, for the first mismatch
@@ -144,7 +145,7 @@ def check(value: Any, node: tuple, loc: tuple = ()) -> Any:
     if kind == "any":
         return value
     if kind == "token_ids":
-        value = check(value, ("list", INT), loc)
+        value = check(value, ("list", INT), loc, converted)
         if not value:
             raise validation_error(
                 "too_short", loc, "List should have at least 1 item after validation, not 0", value,
@@ -155,14 +156,17 @@ def check(value: Any, node: tuple, loc: tuple = ()) -> Any:
             raise validation_error("value_error", loc, f"Value error, {why}", value, {"error": ValueError(why)})
         return value
     if kind == "nullable":
-        return value if value is None else check(value, node[1], loc)
+        return value if value is None else check(value, node[1], loc, converted)
     if kind in _SCALARS:
         if _SCALARS[kind](value):
             return value
         try:
-            return lax_scalar(kind, value)
+            read = lax_scalar(kind, value)
         except LaxError as exc:
             raise validation_error(exc.kind, loc, exc.msg, value) from None
+        if converted is not None:
+            converted.append(loc)
+        return read
     if kind == "list":
         if type(value) is not list:
             raise validation_error("list_type", loc, "Input should be a valid list", value)
@@ -170,20 +174,20 @@ def check(value: Any, node: tuple, loc: tuple = ()) -> Any:
         if item[0] in _SCALARS and all(map(_SCALARS[item[0]], value)):  # fast path: long token id lists
             return value
         for i, v in enumerate(value):
-            value[i] = check(v, item, (*loc, i))
+            value[i] = check(v, item, (*loc, i), converted)
         return value
     if kind == "dict":
         if type(value) is not dict:
             raise validation_error("dict_type", loc, "Input should be a valid dictionary", value)
         for key, v in value.items():
-            value[key] = check(v, node[1], (*loc, key))
+            value[key] = check(v, node[1], (*loc, key), converted)
         return value
     fields, required = node[1], node[2]
     if type(value) is not dict:
         raise validation_error("model_attributes_type", loc, _MODEL_MSG, value)
     for key, sub in fields.items():
         if key in value:
-            value[key] = check(value[key], sub, (*loc, key))
+            value[key] = check(value[key], sub, (*loc, key), converted)
         elif key in required:
             raise validation_error("missing", (*loc, key), "Field required", value)
     return value
