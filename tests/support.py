@@ -20,6 +20,7 @@ import tempfile
 import time
 
 import anyio
+import h11
 import httpx
 import orjson
 
@@ -502,3 +503,32 @@ def vnorm(obj):
     if isinstance(obj, list):
         return [vnorm(v) for v in obj]
     return obj
+
+
+async def read_h11_request(stream, conn):
+    """A fake worker's read of one request on ``conn`` (an ``h11.Connection``
+    over the anyio ``stream``): ``(h11.Request, body bytes)``, or
+    ``(None, b"")`` when the frontend closed the connection."""
+    request, parts = None, []
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            try:
+                conn.receive_data(await stream.receive())
+            except anyio.EndOfStream:
+                conn.receive_data(b"")
+        elif isinstance(event, h11.Request):
+            request = event
+        elif isinstance(event, h11.Data):
+            parts.append(event.data)
+        elif isinstance(event, h11.EndOfMessage):
+            return request, b"".join(parts)
+        else:  # ConnectionClosed
+            return None, b""
+
+
+async def send_h11_answer(stream, conn, body: bytes, status: int = 200, headers=()) -> None:
+    """A fake worker's whole answer in one write: ``status``, a
+    ``content-length``, the extra ``headers`` ((name, value) pairs), ``body``."""
+    head = h11.Response(status_code=status, headers=[("content-length", str(len(body))), *headers])
+    await stream.send(conn.send(head) + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))

@@ -17,7 +17,7 @@ import h11
 import orjson
 import pytest
 
-from support import post, start_frontend, trace_records, wait_until
+from support import post, read_h11_request, send_h11_answer, start_frontend, trace_records, wait_until
 
 GENERATE = {"sglang": b"/generate", "vllm": b"/inference/v1/generate"}
 INFO = {
@@ -76,8 +76,11 @@ class AnsweringWorker:
                     path = request.target.split(b"?")[0]
                     if path in GENERATE.values():
                         self.generates += 1
+                        # Read before the answer goes out: a test may reset it
+                        # as soon as its client has the answer.
+                        bad = self.bad
                         await self._generate(stream, conn, orjson.loads(body).get("stream") is True)
-                        answered = self.bad
+                        answered = bad
                     elif path in INFO:
                         await self._reply(stream, conn, orjson.dumps(INFO[path]))
                     elif path in (b"/health", b"/abort_request", b"/abort_requests"):
@@ -88,28 +91,10 @@ class AnsweringWorker:
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, h11.RemoteProtocolError):
             self.closed += answered
 
-    async def _read(self, stream, conn):
-        request, parts = None, []
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                try:
-                    conn.receive_data(await stream.receive())
-                except anyio.EndOfStream:
-                    conn.receive_data(b"")
-            elif isinstance(event, h11.Request):
-                request = event
-            elif isinstance(event, h11.Data):
-                parts.append(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                return request, b"".join(parts)
-            else:  # ConnectionClosed
-                return None, b""
+    _read = staticmethod(read_h11_request)
 
     async def _reply(self, stream, conn, body: bytes, status: int = 200) -> None:
-        head = h11.Response(status_code=status, headers=[("content-length", str(len(body))),
-                                                         ("content-type", "application/json")])
-        await stream.send(conn.send(head) + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+        await send_h11_answer(stream, conn, body, status, [("content-type", "application/json")])
 
     async def _generate(self, stream, conn, streamed: bool) -> None:
         if not streamed:

@@ -100,8 +100,10 @@ def _sglang_aborted(sent: dict):
 
 
 def _vllm_aborted(sent: dict):
-    """Two tokens, then vLLM's ``finish_reason: "abort"``."""
-    rid = sent["request_id"]
+    """Two tokens, then vLLM's ``finish_reason: "abort"``: the minted id
+    reaches the engine in ``X-Request-Id``, not the body, so the answer's id
+    is one the fake makes up."""
+    rid = "generate-tokens-e0"
     if sent.get("stream"):
         return 200, _sse([
             {"request_id": rid, "choices": [{"index": 0, "token_ids": [5], "finish_reason": None}]},

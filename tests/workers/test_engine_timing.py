@@ -21,7 +21,8 @@ import orjson
 import pytest
 
 from asgi_generate.workers.router import Router
-from support import post, sse, start_frontend, start_sim, stats, wait_until, without_timing, trace_records
+from support import (post, read_h11_request, send_h11_answer, sse, start_frontend, start_sim, stats, wait_until,
+                     without_timing, trace_records)
 
 BODY = {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}
 STREAM = {**BODY, "stream": True, "rid": "mine"}
@@ -86,27 +87,8 @@ class FakeWorker:
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream):
             return
 
-    async def _read(self, stream, conn):
-        request, parts = None, []
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                try:
-                    conn.receive_data(await stream.receive())
-                except anyio.EndOfStream:
-                    conn.receive_data(b"")
-            elif isinstance(event, h11.Request):
-                request = event
-            elif isinstance(event, h11.Data):
-                parts.append(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                return request, b"".join(parts)
-            else:  # ConnectionClosed
-                return None, b""
-
-    async def _reply(self, stream, conn, body: bytes, status: int = 200) -> None:
-        head = h11.Response(status_code=status, headers=[("content-length", str(len(body)))])
-        await stream.send(conn.send(head) + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+    _read = staticmethod(read_h11_request)
+    _reply = staticmethod(send_h11_answer)
 
     async def _generate(self, stream, conn, rid: str) -> None:
         if self.mode == "no_headers":
