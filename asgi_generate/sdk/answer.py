@@ -99,8 +99,10 @@ def int_or_none(obj: dict, key: str, field: str) -> int | None:
     return value
 
 
-def int_list(value: Any, field: str) -> list[int]:
-    """``value``, a list of integers (token ids).
+def int_list(value: Any, field: str, start: int = 0) -> list[int]:
+    """``value``, a list of integers (token ids); ``start`` is the position
+    of its first item in ``field`` (a cumulative chunk's new tail), for the
+    message.
 
     Raises:
         WorkerAnswerError: not a list, or an item that is not an integer.
@@ -111,5 +113,5 @@ def int_list(value: Any, field: str) -> list[int]:
         return value
     for i, item in enumerate(value):
         if type(item) is not int:
-            raise wrong(f"{field}[{i}]", item, "an integer")
+            raise wrong(f"{field}[{start + i}]", item, "an integer")
     return value

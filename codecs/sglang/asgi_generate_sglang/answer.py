@@ -24,8 +24,6 @@ field; what the engine can send passes, and fields the codec does not read
 
 from __future__ import annotations
 
-from typing import Any
-
 from asgi_generate.sdk import WorkerAnswerError, answer
 from asgi_generate.sdk.answer import MISSING, wrong
 
@@ -129,18 +127,3 @@ def _triples(value: list, at: str, start: int) -> None:
         for j, (types, expected) in enumerate(_TRIPLE_TYPES):
             if type(entry[j]) not in types:
                 raise wrong(f"{at}[{i}][{j}]", entry[j], expected)
-
-
-def ids_tail(new: Any, start: int, at: str = "") -> list[int]:
-    """The output ids a cumulative chunk added (read from its tail, its
-    ids from position ``start``), checked.
-
-    Raises:
-        WorkerAnswerError: one is not an integer.
-    """
-    if all(type(item) is int for item in new):
-        return new
-    for i, item in enumerate(new):
-        if type(item) is not int:
-            raise wrong(f"{at}output_ids[{start + i}]", item, "an integer")
-    return new

@@ -93,11 +93,11 @@ from asgi_generate.sdk import (
     dumps_compact,
     engine_error_page,
 )
-from asgi_generate.sdk.answer import answer_object
+from asgi_generate.sdk.answer import answer_object, int_list
 
 from .join import PREFILL_LOGPROBS, join_experts, join_prefill
 from .seam import OUTPUT_LOGPROBS, across_seam
-from .answer import check_meta, chunk_meta, ids_tail
+from .answer import check_meta, chunk_meta
 from .tail import Layout, layout, read_tail
 
 from .batch import SGLangBatchExchange, decode_batch, is_batch
@@ -336,7 +336,7 @@ class SGLangExchange(Exchange):
             read = read_tail(payload, tail)
             if read is not None:
                 new, meta = read
-                ids_tail(new, self.seen)
+                int_list(new, "output_ids", self.seen)  # the new ids read_tail read
                 check_meta(meta, "meta_info", self.seen, inputs=False)
                 self.payload = payload
                 self._last = None  # the chunk is parsed whole only if asked for (:attr:`last`)
