@@ -199,6 +199,21 @@ def _write(path, records: list[dict]) -> str:
     return str(path)
 
 
+def _replay_recorded(tmp_path, records: list[dict], **sim) -> subprocess.CompletedProcess:
+    """``records`` replayed through a frontend (its records in ``b.*.jsonl``)
+    in front of an SGLang simulator started with ``sim``."""
+    path = _write(tmp_path / "recorded.jsonl", records)
+    engine = start_sim("sglang", **sim)
+    try:
+        target = start_frontend([f"sglang={engine.url}"], extra=["--trace-file", str(tmp_path / "b.jsonl")])
+        try:
+            return _replay(path, "--url", target.url)
+        finally:
+            target.stop()
+    finally:
+        engine.stop()
+
+
 @pytest.mark.e2e
 def test_recorded_client_disconnects_are_replayed_as_disconnects(tmp_path):
     # Three requests that ran to their end (3 tokens each), one client that
@@ -208,16 +223,7 @@ def test_recorded_client_disconnects_are_replayed_as_disconnects(tmp_path):
                     "total_ms": 15.0})
     records.append({**_recorded(4, [11, 21]), "status": "client_disconnect", "stream": True, "output_tokens": 0,
                     "total_ms": 600_000.0})
-    path = _write(tmp_path / "recorded.jsonl", records)
-    sim = start_sim("sglang")
-    try:
-        target = start_frontend([f"sglang={sim.url}"], extra=["--trace-file", str(tmp_path / "b.jsonl")])
-        try:
-            done = _replay(path, "--url", target.url)
-        finally:
-            target.stop()
-    finally:
-        sim.stop()
+    done = _replay_recorded(tmp_path, records)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "sent 5, ok 3, client disconnects 2, errors 0"
@@ -234,16 +240,7 @@ def test_recorded_client_disconnects_are_replayed_as_disconnects(tmp_path):
 def test_a_client_that_left_before_its_first_token_leaves_at_its_recorded_time(tmp_path):
     records = [{**_recorded(0, [11, 12]), "status": "client_disconnect", "stream": True, "output_tokens": 0,
                 "total_ms": 50.0}]
-    path = _write(tmp_path / "recorded.jsonl", records)
-    sim = start_sim("sglang", ttft_ms=60000)
-    try:
-        target = start_frontend([f"sglang={sim.url}"], extra=["--trace-file", str(tmp_path / "b.jsonl")])
-        try:
-            done = _replay(path, "--url", target.url)
-        finally:
-            target.stop()
-    finally:
-        sim.stop()
+    done = _replay_recorded(tmp_path, records, ttft_ms=60000)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "sent 1, ok 0, client disconnects 1, errors 0"
