@@ -345,7 +345,7 @@ class App:
         by_name: dict[str, list[Worker]] = {}
         for w in self.router.workers:
             name = w.info.get("served_model_name") or w.info.get("model_path")
-            if name and w.describe()["state"] == "up":
+            if name and w.state == "up":
                 by_name.setdefault(name, []).append(w)
         return {
             "object": "list",

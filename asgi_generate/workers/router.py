@@ -150,6 +150,12 @@ class Worker:
         """Requests in flight on it."""
         return len(self.inflight)
 
+    @property
+    def state(self) -> str:
+        """``draining`` (out of the rotation, its requests running on),
+        ``up`` (in the rotation) or ``down``, as ``/v1/models`` lists it."""
+        return "draining" if self.draining else "up" if self.healthy else "down"
+
     def describe(self) -> dict[str, Any]:
         """The worker as ``/v1/models`` lists it."""
         return {
@@ -158,7 +164,7 @@ class Worker:
             "protocol": self.protocol.name,
             "role": self.role,
             **({"bootstrap_port": self.bootstrap_port} if self.bootstrap_port is not None else {}),
-            "state": "draining" if self.draining else "up" if self.healthy else "down",
+            "state": self.state,
             "outstanding": self.outstanding,
             "model": self.info.get("served_model_name") or self.info.get("model_path"),
             "engine_version": self.info.get("version"),
