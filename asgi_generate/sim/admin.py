@@ -40,7 +40,7 @@ from urllib.parse import parse_qs
 import anyio
 import orjson
 
-from ..request.framing import Send, send_unary
+from .framing import Send, send_unary
 from .engine import SimEngine
 from .weights import SimWeights
 

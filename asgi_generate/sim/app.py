@@ -58,7 +58,7 @@ import anyio
 import orjson
 
 from ..assets import ASSETS_DIR
-from ..request.framing import BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
+from .framing import BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
 from ..sdk.versions import VLLM_DEFAULT_VERSION, parse_version
 from .disagg import DEFAULT_TIMEOUT_S, DecodeKV, PrefillRooms
 from .kvconnector import DEFAULT_EXPIRY_S, KVConsumer, KVProducer
@@ -473,7 +473,7 @@ class SimApp:
 
     async def _body(self, receive: Receive, send: Send) -> bytes | None:
         try:
-            return await read_body(receive, MAX_BODY, None)
+            return await read_body(receive, MAX_BODY)
         except ClientDisconnected:
             return None
         except BodyTooLarge:

@@ -43,7 +43,7 @@ from typing import Any, AsyncIterator
 import anyio
 import orjson
 
-from ..request.framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
+from .framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
 from .disagg import DecodeKV, PrefillRooms, bootstrap_failed, transfer_failed
 from .engine import DuplicateRequestId, Job, SimEngine, Token
 from .grammars import sglang_grammar_refusal

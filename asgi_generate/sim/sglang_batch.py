@@ -45,7 +45,7 @@ from typing import Protocol
 import anyio
 import orjson
 
-from ..request.framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
+from .framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
 from .disagg import PrefillRooms
 from .engine import DuplicateRequestId, Job, SimEngine
 from .sglang_checks import SGLangError, value_error

@@ -106,7 +106,7 @@ from typing import Any, Mapping
 import anyio
 import orjson
 
-from ..request.framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
+from .framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
 from ..sdk.versions import VLLM_DEFAULT_VERSION, VLLM_OLDEST_PLAYED, VLLMBehaviour, parse_version, vllm_behaviour
 from .engine import DuplicateRequestId, Job, SimEngine, Token
 from .grammars import VLLM_REFUSAL
