@@ -39,8 +39,18 @@ class WorkerProtocol:
             (vLLM's ``generate-tokens-``).
         version_path: GET, ``{"version": ...}``, when the info route does
             not carry the engine version (vLLM ``show_version``).
-        pd: the frontend runs prefill/decode pairs on this protocol, with
-            its handshake (:mod:`asgi_generate.request.handshakes`).
+        pd: the P/D handshake the frontend runs this protocol's
+            prefill/decode pairs with (:mod:`asgi_generate.request.handshakes`):
+            ``concurrent`` (both legs at once, joined by :attr:`pair_join`'s
+            fields) or ``sequential`` (the prefill leg's answer carried by
+            the decode leg); ``None``: no P/D.
+        pair_join: a ``concurrent`` pair's join fields, which both legs'
+            bodies carry: ``pair_join(host, bootstrap_port, rooms)`` with the
+            prefill worker's host (IPv6 in brackets), its bootstrap port and
+            the room minted per pair (a list, one per entry, for a batch).
+        pd_items_refusal: why a request of several items (a batch, ``n`` >
+            1) cannot run on this protocol's pairs, the client's 400;
+            ``None``: it can.
         models_path: GET, the OpenAI model list, read for ``max_model_len``
             when the info route lacks the context length (SGLang).
         weight_version_path: GET, ``{"weight_version": ...}``: the weights
@@ -57,7 +67,9 @@ class WorkerProtocol:
     abort_takes_list: bool = False
     engine_id_prefix: str = ""
     version_path: bytes | None = None
-    pd: bool = False
+    pd: str | None = None
+    pair_join: "Callable[[str, int | None, list[int] | int], dict] | None" = None
+    pd_items_refusal: str | None = None
     models_path: bytes | None = None
     weight_version_path: bytes | None = None
 
@@ -113,12 +125,29 @@ def _int(value: object) -> int | None:
     return value if type(value) is int and value > 0 else None
 
 
+def sglang_bootstrap(host: str, port: int | None, rooms: "list[int] | int") -> dict:
+    """SGLang's P/D join fields (``disaggregation/mini_lb.py``:
+    ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``; a list of
+    rooms for a batch, ``io_struct.GenerateReqInput._normalize_bootstrap_params``)."""
+    return {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": rooms}
+
+
 SGLANG = WorkerProtocol(
-    "sglang", b"/health", b"/get_server_info", b"/abort_request", read_server_info, "rid", pd=True,
-    models_path=b"/v1/models", weight_version_path=b"/get_model_info",
+    "sglang", b"/health", b"/get_server_info", b"/abort_request", read_server_info, "rid", pd="concurrent",
+    pair_join=sglang_bootstrap, models_path=b"/v1/models", weight_version_path=b"/get_model_info",
 )
+#: vLLM runs each of the ``n`` choices as a request of its own
+#: (``ParentRequest.get_child_info`` in ``v1/engine/parallel_sampling.py``),
+#: each sharing the one ``kv_transfer_params`` and reading the producer's
+#: blocks, which the producer frees after the first reader's notification
+#: (``consumer_notification_counts_by_req`` in
+#: ``distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py``).
+VLLM_ITEMS_REFUSAL = ("n > 1 cannot run on a vLLM prefill/decode pair: each choice would read the one "
+                      "prefill's KV, which the producer frees after the first read; send n requests of n = 1, "
+                      "or add an aggregated worker")
 VLLM = WorkerProtocol(
     "vllm", b"/health", b"/v1/models", b"/abort_requests", read_model_card, "request_ids", abort_takes_list=True,
-    engine_id_prefix="generate-tokens-", version_path=b"/version", pd=True, weight_version_path=b"/weight_info",
+    engine_id_prefix="generate-tokens-", version_path=b"/version", pd="sequential",
+    pd_items_refusal=VLLM_ITEMS_REFUSAL, weight_version_path=b"/weight_info",
 )
 PROTOCOLS = {p.name: p for p in (SGLANG, VLLM)}

@@ -15,7 +15,7 @@ A request with ``GenerateRequest.items`` runs as :class:`BatchGeneration`:
   request does (:class:`~asgi_generate.request.generation.Generation`'s
   attempts, :mod:`~asgi_generate.request.handshakes`), each leg carrying
   every item; a handshake whose engine cannot run several items on a pair
-  (``Handshake.items_refusal``: vLLM ``n`` > 1) answers 400 in the format's
+  (``WorkerProtocol.pd_items_refusal``: vLLM ``n`` > 1) answers 400 in the format's
   shape, saying why.
 - **Aborts.** Where the engine runs each item under an id of its own (SGLang
   entries, samples included), the codec sends the ids the frontend minted per
@@ -42,13 +42,13 @@ from typing import TYPE_CHECKING, Iterator
 
 import anyio
 
+from ..protocols import PROTOCOLS
 from ..sdk import ids
 from . import state
 from ..sdk.codec import LEG_DONE, Attempt, Codec, Event, Exchange, GenerateRequest, RequestError
 from ..tracing.state import RequestState
 from .framing import Send
 from .generation import Generation
-from .handshakes import PAIRS
 
 if TYPE_CHECKING:
     from .context import RequestContext
@@ -101,8 +101,7 @@ class BatchGeneration(Generation):
         router = self.ctx.router
         if router.disaggregation == "always" or (router.disaggregation == "auto" and
                                                  not router.up(protocol, "aggregated") and router.can_plan(protocol)):
-            pairs = PAIRS.get(protocol)
-            refusal = pairs.items_refusal if pairs is not None else None
+            refusal = PROTOCOLS[protocol].pd_items_refusal
             if refusal is not None:
                 await self.refuse(RequestError(400, refusal, "rejected"))
                 return

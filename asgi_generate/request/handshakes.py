@@ -3,10 +3,11 @@ planned, one strategy per kind of plan and worker protocol.
 
 - :data:`AGGREGATED`: one worker, one leg (also a migration's ``resumed``
   leg and a unary request's ``replayed`` one).
-- :data:`SGLANG_PAIR` (SGLang ``disaggregation/mini_lb.py``): the prefill
-  and decode legs run concurrently, both with the client's body and a
-  bootstrap host, port and room that join them (the prefill worker's host
-  and bootstrap port, a room minted per pair). The legs race, and one rule
+- :data:`CONCURRENT_PAIR` (SGLang's, ``disaggregation/mini_lb.py``): the
+  prefill and decode legs run concurrently, both with the client's body and
+  the fields that join them (``WorkerProtocol.pair_join``: SGLang's
+  bootstrap host, port and room; the prefill worker's host and bootstrap
+  port, a room minted per pair). The legs race, and one rule
   settles it in every mode (unary and SSE, with or without what only the
   prefill computed): the client gets no decode event before the prefill
   leg answered successfully. The decode's first payload waits for the
@@ -14,14 +15,15 @@ planned, one strategy per kind of plan and worker protocol.
   when the decode computes its first token); a prefill that fails cancels
   and aborts the decode leg before any of its tokens went out, so a
   request whose prefill failed never ends ``ok``.
-- :data:`VLLM_PAIR` (vLLM's P/D proxies,
+- :data:`SEQUENTIAL_PAIR` (vLLM's P/D proxies,
   ``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py``): the legs
   run one after the other under one engine id; the prefill leg (unary, one
   token) answers ``kv_transfer_params``, which the decode leg carries. A
   prefill that answered none fails the request, unless ``--pd-fallback``
   lets the decode worker prefill alone (``Pair.local_prefill``).
 
-:func:`handshake` picks one for a plan. A pair's engine state lives in its
+:func:`handshake` picks one for a plan, by the worker protocol's
+``WorkerProtocol.pd``: the handshakes name no engine. A pair's engine state lives in its
 handshake and in the :class:`~asgi_generate.sdk.codec.Pair` both its
 attempts carry; the codec builds the bytes from that. Each leg runs on the
 leg runner (:class:`~asgi_generate.request.legs.Leg`); a leg whose events
@@ -107,10 +109,6 @@ class AttemptLoop(Protocol):
 class Handshake(Protocol):
     """One attempt's strategy (see the module docstring)."""
 
-    #: Why a request with several items (a batch, ``n`` > 1) cannot run on
-    #: this handshake's pairs, the client's 400; ``None``: it can.
-    items_refusal: str | None
-
     async def run(
         self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float
     ) -> "list[Worker] | Leg":
@@ -137,8 +135,6 @@ def _attempt(engine_id: str, role: str, worker: "Worker", backoff: float, resume
 
 class Aggregated:
     """One worker, one leg."""
-
-    items_refusal = None
 
     async def run(
         self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float
@@ -249,20 +245,17 @@ def bootstrap_host(worker: "Worker") -> str:
     return f"[{host}]" if ":" in host else host
 
 
-class SGLangPair:
-    """Concurrent legs joined by a bootstrap room (see the module docstring).
-    A batch (or ``n`` > 1, sent expanded) runs on one pair, both legs with
-    every entry and a room per entry, in the order of the body's entries
-    (``bootstrap_room`` as a list, SGLang ``io_struct.GenerateReqInput.
+class ConcurrentPair:
+    """Concurrent legs joined by a room (see the module docstring). A batch
+    (or ``n`` > 1, sent expanded) runs on one pair, both legs with every
+    entry and a room per entry, in the order of the body's entries (SGLang:
+    ``bootstrap_room`` as a list, ``io_struct.GenerateReqInput.
     _normalize_bootstrap_params``)."""
-
-    #: Batches and ``n`` > 1 run on a pair.
-    items_refusal = None
 
     async def run(self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float) -> "list[Worker]":
         """See :meth:`Handshake.run`."""
         prefill, decode = workers
-        pair = Pair({"bootstrap_host": bootstrap_host(prefill), "bootstrap_port": prefill.bootstrap_port})
+        pair = Pair()
         resumes = list(loop.sent_ids) if role == "resumed" else None
         p_att = _attempt(ids.mint(), "prefill", prefill, backoff, resumes, pair)
         d_att = _attempt(ids.mint(), "decode", decode, backoff, resumes, pair)
@@ -272,7 +265,8 @@ class SGLangPair:
         for _ in d_att.entries or (None,):
             rooms.append(mint_room())
             _live_rooms.add(rooms[-1])
-        pair.fields["bootstrap_room"] = rooms if d_att.entries is not None else rooms[0]
+        pair.fields.update(prefill.protocol.pair_join(
+            bootstrap_host(prefill), prefill.bootstrap_port, rooms if d_att.entries is not None else rooms[0]))
         try:
             built = await loop.build(p_att, d_att)
             if built is None:
@@ -327,20 +321,9 @@ async def _after_pair(loop: AttemptLoop, prefill: "Worker", decode: "Worker", re
     return []
 
 
-class VLLMPair:
-    """Sequential legs under one engine id, joined by ``kv_transfer_params``
-    (see the module docstring)."""
-
-    #: Why ``n`` > 1 cannot run on a pair: vLLM runs each of the ``n``
-    #: choices as a request of its own (``ParentRequest.get_child_info`` in
-    #: ``v1/engine/parallel_sampling.py``), each sharing the one
-    #: ``kv_transfer_params`` and reading the producer's blocks, which the
-    #: producer frees after the first reader's notification
-    #: (``consumer_notification_counts_by_req`` in
-    #: ``distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py``).
-    items_refusal = ("n > 1 cannot run on a vLLM prefill/decode pair: each choice would read the one "
-                     "prefill's KV, which the producer frees after the first read; send n requests of n = 1, "
-                     "or add an aggregated worker")
+class SequentialPair:
+    """Sequential legs under one engine id, joined by what the prefill leg
+    answered (vLLM: ``kv_transfer_params``; see the module docstring)."""
 
     async def run(
         self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float
@@ -381,14 +364,13 @@ class VLLMPair:
 
 
 AGGREGATED = Aggregated()
-SGLANG_PAIR = SGLangPair()
-VLLM_PAIR = VLLMPair()
-#: Each worker protocol's P/D handshake, by protocol name (the protocols
-#: whose ``WorkerProtocol.pd`` is set).
-PAIRS: dict[str, Handshake] = {"sglang": SGLANG_PAIR, "vllm": VLLM_PAIR}
+CONCURRENT_PAIR = ConcurrentPair()
+SEQUENTIAL_PAIR = SequentialPair()
+#: The P/D handshakes, by ``WorkerProtocol.pd``.
+PAIRS: dict[str, Handshake] = {"concurrent": CONCURRENT_PAIR, "sequential": SEQUENTIAL_PAIR}
 
 
 def handshake(plan: "tuple[Worker, ...]") -> Handshake:
     """The handshake of a plan: :data:`AGGREGATED` for one worker, the
-    protocol's pair handshake for a prefill/decode pair."""
-    return AGGREGATED if len(plan) == 1 else PAIRS[plan[0].protocol.name]
+    protocol's pair handshake (``WorkerProtocol.pd``) for a prefill/decode pair."""
+    return AGGREGATED if len(plan) == 1 else PAIRS[plan[0].protocol.pd]

@@ -16,7 +16,7 @@ from asgi_generate.request import handshakes
 from asgi_generate.tracing.state import RequestState
 from asgi_generate.request.batches import BatchGeneration
 from asgi_generate.request.generation import Generation
-from asgi_generate.request.handshakes import AGGREGATED, PAIRS, SGLANG_PAIR, VLLM_PAIR, handshake
+from asgi_generate.request.handshakes import AGGREGATED, CONCURRENT_PAIR, PAIRS, SEQUENTIAL_PAIR, handshake
 from asgi_generate.request.legs import Leg, LegEnd
 from asgi_generate.sdk import ids
 from asgi_generate.sdk.codec import Attempt
@@ -294,11 +294,11 @@ async def test_leg_runner_cancels_a_leg_whose_worker_the_probe_gave_up():
 
 
 def test_each_pd_protocol_has_a_handshake_and_each_plan_its_own():
-    assert set(PAIRS) == {name for name, p in PROTOCOLS.items() if p.pd}
+    assert set(PAIRS) == {p.pd for p in PROTOCOLS.values() if p.pd} == {"concurrent", "sequential"}
     one, pre, dec = (worker(i, "vllm", FakePool()) for i in ("w0", "w1", "w2"))
     assert handshake((one,)) is AGGREGATED
-    assert handshake((pre, dec)) is VLLM_PAIR
-    assert handshake((worker("w3", "sglang", FakePool()), dec)) is SGLANG_PAIR
+    assert handshake((pre, dec)) is SEQUENTIAL_PAIR
+    assert handshake((worker("w3", "sglang", FakePool()), dec)) is CONCURRENT_PAIR
 
 
 #: What an SGLang stream's client gets for ``answer([5], None)``.
