@@ -23,13 +23,9 @@ from typing import Sequence
 
 from ..sdk.token_ids import as_u32
 
-try:
-    from ._hashchain import chain, chain_json
-except ImportError as exc:  # a checkout updated without reinstalling: say what to do
-    raise ImportError(f"asgi_generate's C extension (tracing/_hashchain.c) is not built: "
-                      f"run `pip install -r requirements.txt` (or `pip install -e .`) again ({exc})") from exc
+from ..hashes import chain, chain_json
 
-SEED = 1337  # the C loop's (_hashchain.c), named here for readers and tests
+SEED = 1337  # the chain's (hashes/_native.c, hashes/_python.py), named here for readers and tests
 _LITTLE = sys.byteorder == "little"
 
 
@@ -40,8 +36,10 @@ class TokenIdOutOfRange(ValueError):
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """The chained sequence hashes of ``token_ids`` in blocks of ``block_size``.
 
-    The chain runs in C (:mod:`._hashchain`, xxHash's XXH3) over the packed
-    ids' bytes in place, without the GIL from 64 KiB (16K ids) on.
+    The chain runs over the packed ids' bytes in place: in C when the
+    accelerator is built (:mod:`asgi_generate.hashes`, xxHash's XXH3, without
+    the GIL from 64 KiB, 16K ids, on), else in Python over the PyPI
+    ``xxhash``, with the same values.
 
     Args:
         token_ids: the input token ids, each in ``[0, 2**32)``: a list, or an
@@ -64,8 +62,9 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
 
 def block_hashes_json(token_ids: Sequence[int], block_size: int) -> bytes:
     """:func:`block_hashes` as the text ``orjson.dumps`` gives for it (a JSON
-    array of decimal integers, no spaces), written in C: orjson spends about
-    45 ns on each integer over 30 bits, more than hashing its block.
+    array of decimal integers, no spaces), written in C by the accelerator
+    (orjson spends about 45 ns on each integer over 30 bits, more than
+    hashing its block), else by orjson.
 
     Args and Raises: as :func:`block_hashes`.
     """

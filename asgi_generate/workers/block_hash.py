@@ -9,11 +9,11 @@ seeds the chain, so no block of one namespace is found from another.
 
 The simulator's prefix cache and the frontend's KV index both chain with
 :func:`block_hashes`: 64-bit signed ints from Python's tuple hash of ints,
-the same in every process (``PYTHONHASHSEED`` salts only str and bytes), so
-two frontend replicas compute the same keys. The chain runs in C
-(:mod:`._blockhash`, CPython's tuple and int hashes written out; its
-definition in Python, ``hash((parent, *tokens))`` per block, is what
-tests/workers/test_block_hash.py checks it against).
+``hash((parent, *tokens))`` per block, the same in every process
+(``PYTHONHASHSEED`` salts only str and bytes), so two frontend replicas
+compute the same keys. The keys never leave the process. The chain runs in
+C when the accelerator is built (:mod:`asgi_generate.hashes`, CPython's
+tuple and int hashes written out), else as that definition in Python.
 """
 
 from __future__ import annotations
@@ -21,11 +21,7 @@ from __future__ import annotations
 import hashlib
 from typing import Sequence
 
-try:
-    from ._blockhash import block_hashes as _chain
-except ImportError as exc:  # a checkout updated without reinstalling: say what to do
-    raise ImportError(f"asgi_generate's C extension (workers/_blockhash.c) is not built: "
-                      f"run `pip install -r requirements.txt` (or `pip install -e .`) again ({exc})") from exc
+from ..hashes import kv_chain
 
 #: The chain's seed without a namespace.
 ROOT = 0
@@ -62,4 +58,4 @@ def block_hashes(seed: int, ids: Sequence[int], block: int, parent: int | None =
         OverflowError: ``seed``/``parent`` past 64 bits.
         ValueError: ``block`` below 1.
     """
-    return _chain(seed if parent is None else parent, ids, block)
+    return kv_chain(seed if parent is None else parent, ids, block)

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterable, Sequence
 
-from ._blockhash import expire, mask_drop, mask_missing, mask_remove, mask_set, mask_walk
+from ..hashes import expire, mask_drop, mask_missing, mask_remove, mask_set, mask_walk
 from .block_hash import ROOT, block_hashes, namespace_seed
 from .kv_events import Cleared, Event, Removed, Stored
 

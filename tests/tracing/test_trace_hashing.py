@@ -1,6 +1,7 @@
 """The replay block hash chain (Dynamo's KV-router scheme, partial last
-block included): the package's C loop (``_hashchain``) against ``by_hand``,
-the chain written out in Python from its definition."""
+block included): both of the package's paths (the C accelerator,
+``hashes/_native.c``, when it is built, and ``hashes/_python.py``) against
+``by_hand``, the chain written out in Python from its definition."""
 
 from __future__ import annotations
 
@@ -20,8 +21,18 @@ from hypothesis import strategies as st
 
 from asgi_generate.sdk.codec import Attempt
 from asgi_generate.sdk.token_ids import pack_token_ids
-from asgi_generate.tracing._hashchain import NOGIL_BYTES, chain, chain_json, loops, use_loop
+from asgi_generate.hashes import _python
 from asgi_generate.tracing.hashing import SEED, TokenIdOutOfRange, block_hashes, block_hashes_json
+
+try:
+    from asgi_generate.hashes import _native
+except ImportError:  # installed without a C compiler: the pure-Python path alone
+    _native = None
+
+#: The chain's implementations this install has.
+PATHS = [pytest.param(_python, id="python")] + ([pytest.param(_native, id="c")] if _native else [])
+native_only = pytest.mark.skipif(_native is None, reason="the C accelerator is not built")
+NOGIL_BYTES = _native.NOGIL_BYTES if _native else 65536
 
 token_ids = st.lists(st.integers(0, 2**32 - 1), max_size=300)
 # Over 60 tokens (240 bytes) a block takes XXH3's long-input path, where the C
@@ -163,9 +174,11 @@ def test_the_engine_gets_the_same_body_bytes_from_the_packed_prompt():
     assert sent == orjson.dumps({**body, "rid": "e" * 32})
 
 
+@pytest.mark.parametrize("impl", PATHS)
 @settings(max_examples=200, deadline=None)
-@given(token_ids, block_sizes)
-def test_the_c_loop_reads_any_buffer_of_little_endian_u32(ids, bs):
+@given(ids=token_ids, bs=block_sizes)
+def test_the_c_loop_reads_any_buffer_of_little_endian_u32(impl, ids, bs):
+    chain, chain_json = impl.chain, impl.chain_json
     data = struct.pack(f"<{len(ids)}I", *ids)
     expected = by_hand(ids, bs)
     assert chain(data, bs) == expected
@@ -175,10 +188,12 @@ def test_the_c_loop_reads_any_buffer_of_little_endian_u32(ids, bs):
     assert block_hashes_json(ids, bs) == orjson.dumps(expected)
 
 
-@pytest.mark.parametrize("loop", loops())
+@native_only
+@pytest.mark.parametrize("loop", _native.loops() if _native else [])
 @settings(max_examples=100, deadline=None)
 @given(ids=token_ids, bs=block_sizes)
 def test_every_xxh3_loop_gives_the_definitions_hashes(loop, ids, bs):
+    chain, chain_json, use_loop = _native.chain, _native.chain_json, _native.use_loop
     before = use_loop(loop)
     try:
         assert chain(array.array("I", ids), bs) == by_hand(ids, bs)
@@ -187,7 +202,9 @@ def test_every_xxh3_loop_gives_the_definitions_hashes(loop, ids, bs):
         use_loop(before)
 
 
+@native_only
 def test_loops_are_named_best_first_and_unknown_ones_refused():
+    loops, use_loop = _native.loops, _native.use_loop
     assert loops()[-1] == "baseline"
     assert set(loops()) <= {"avx2", "baseline"}
     with pytest.raises(ValueError, match="no XXH3 loop 'sse9'"):
@@ -195,7 +212,9 @@ def test_loops_are_named_best_first_and_unknown_ones_refused():
     assert use_loop(loops()[0]) == loops()[0]  # the best one is in use
 
 
-def test_the_json_text_of_short_hashes():
+@pytest.mark.parametrize("impl", PATHS)
+def test_the_json_text_of_short_hashes(impl):
+    chain_json = impl.chain_json
     # One-token blocks whose hashes have 16 down to 11 digits (found by search):
     # below 10**16 the digits take the general path.
     ids = [1202, 8774, 282082, 5879261, 15660530, 44994277]
@@ -205,7 +224,9 @@ def test_the_json_text_of_short_hashes():
         assert chain_json(array.array("I", [i]), 1) == b"[%d]" % h
 
 
-def test_the_json_text_of_extreme_hashes():
+@pytest.mark.parametrize("impl", PATHS)
+def test_the_json_text_of_extreme_hashes(impl):
+    chain_json = impl.chain_json
     # These 3,000 one-token blocks hash to values of 16 to 20 digits.
     assert chain_json(b"", 4) == b"[]"
     ids = list(range(3000))
@@ -226,12 +247,16 @@ def test_long_prompts_hash_the_same_without_the_gil(tokens):
     assert len(block_hashes(packed, 64)) == math.ceil(tokens / 64)
 
 
-def test_a_huge_block_size_is_one_block():
+@pytest.mark.parametrize("impl", PATHS)
+def test_a_huge_block_size_is_one_block(impl):
+    chain = impl.chain
     assert chain(struct.pack("<3I", 1, 2, 3), 2**62) == by_hand([1, 2, 3], 3)
     assert chain(b"", 2**62) == []
 
 
-def test_the_c_loop_refuses_what_is_not_packed_u32():
+@pytest.mark.parametrize("impl", PATHS)
+def test_the_c_loop_refuses_what_is_not_packed_u32(impl):
+    chain, chain_json = impl.chain, impl.chain_json
     with pytest.raises(ValueError, match="^5 bytes are not whole u32 token ids$"):
         chain(b"12345", 4)
     with pytest.raises(ValueError, match="^block_size must be at least 1, not -3$"):
@@ -240,21 +265,27 @@ def test_the_c_loop_refuses_what_is_not_packed_u32():
         chain([1, 2, 3], 4)
     with pytest.raises(TypeError):
         chain(b"1234", 4.0)
-    with pytest.raises(TypeError, match="^chain\\(\\) takes 2 arguments \\(1 given\\)$"):
-        chain(b"1234")
-    with pytest.raises(TypeError, match="^chain_json\\(\\) takes 2 arguments \\(3 given\\)$"):
-        chain_json(b"1234", 1, 2)
     with pytest.raises(ValueError, match="^6 bytes are not whole u32 token ids$"):
         chain_json(b"123456", 4)
     with pytest.raises(BufferError):
         chain(memoryview(b"12345678" * 2)[::2], 1)  # not contiguous
 
 
+@native_only
+def test_the_c_loop_names_its_arguments_count():
+    with pytest.raises(TypeError, match="^chain\\(\\) takes 2 arguments \\(1 given\\)$"):
+        _native.chain(b"1234")
+    with pytest.raises(TypeError, match="^chain_json\\(\\) takes 2 arguments \\(3 given\\)$"):
+        _native.chain_json(b"1234", 1, 2)
+
+
 @pytest.mark.e2e
-def test_an_unbuilt_extension_says_how_to_build_it():
-    code = ("import sys\nsys.modules['asgi_generate.tracing._hashchain'] = None  # as if never built\n"
-            "try:\n    import asgi_generate.tracing.hashing\nexcept ImportError as exc:\n    print(exc)\n")
+def test_without_the_accelerator_the_chain_is_the_same():
+    """An install without a C compiler (the module never built) hashes in
+    pure Python, to the documented values."""
+    code = ("import sys\nsys.modules['asgi_generate.hashes._native'] = None  # as if never built\n"
+            "from asgi_generate import hashes\nfrom asgi_generate.tracing.hashing import block_hashes, "
+            "block_hashes_json\nprint(hashes.ACCELERATED, block_hashes(%r, 64) == %r, "
+            "block_hashes_json(%r, 64).decode())\n" % (KNOWN_PROMPT, KNOWN_HASHES, KNOWN_PROMPT))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True).stdout
-    assert out == ("asgi_generate's C extension (tracing/_hashchain.c) is not built: run `pip install -r "
-                   "requirements.txt` (or `pip install -e .`) again (import of asgi_generate.tracing._hashchain "
-                   "halted; None in sys.modules)\n")
+    assert out == f"False True {orjson.dumps(KNOWN_HASHES).decode()}\n"

@@ -1,5 +1,6 @@
-"""The KV index's block hashes in C (workers/_blockhash.c) against their
-Python definition, and the index's C walk, filter and expiry."""
+"""The KV index's block hashes (the path in use: hashes/_native.c when it is
+built, else hashes/_python.py) against their Python definition, and the
+index's expiry; tests/hashes/test_hash_paths.py compares the two paths."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import random
 
 import pytest
 
-from asgi_generate.workers._blockhash import expire
+from asgi_generate.hashes import expire
 from asgi_generate.workers.block_hash import ROOT, block_hashes, namespace_seed
 
 
