@@ -23,6 +23,7 @@ from typing import Any, Awaitable, Callable, Iterable
 import anyio
 import orjson
 
+from .. import hashes
 from ..ops import admin
 from ..tracing.state import RequestState
 from ..request.context import Running
@@ -375,7 +376,9 @@ class App:
         pool figures, of this process (``pid``; ``serve
         --workers N`` runs N of them, each with its own budget); whether
         hypercorn serves patched (``hypercorn_patches``,
-        :func:`asgi_generate.server.hypercorn.patches.status`); client
+        :func:`asgi_generate.server.hypercorn.patches.status`); whether the
+        hash chains run in C (``hash_accelerator``,
+        :data:`asgi_generate.hashes.ACCELERATED`); client
         connections closed before a request reached the app, by reason
         (``connections_closed``,
         :data:`asgi_generate.server.hypercorn.edge_counts.closed`); an embedded
@@ -384,6 +387,7 @@ class App:
         return {
             "pid": os.getpid(),
             "hypercorn_patches": hypercorn_patches.status(),
+            "hash_accelerator": hashes.ACCELERATED,
             "connections_closed": dict(edge_counts.closed),
             **recorder.counters,
             "by_status": dict(recorder.by_status),

@@ -258,6 +258,7 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                      help="logging level (default %(default)s)")
 
     sub.add_parser("codecs", help="list the installed codecs")
+    sub.add_parser("check", help="report how this install hashes: with the C accelerator or in pure Python")
     return parser
 
 
@@ -466,6 +467,18 @@ def _codecs() -> int:
     return 2 if problems else 0
 
 
+def _check() -> int:
+    """Print this install's version and whether the hash chains run in C
+    (``hash_accelerator``, as ``/stats`` says it; :data:`asgi_generate.hashes.ACCELERATED`)
+    as one JSON object, e.g. ``{"version":"0.1.0","hash_accelerator":true}``."""
+    import orjson
+
+    from .. import hashes
+
+    print(orjson.dumps({"version": __version__, "hash_accelerator": hashes.ACCELERATED}).decode())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``asgi-generate`` console script."""
     argv = sys.argv[1:] if argv is None else argv
@@ -478,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(d).parse_args(argv)
     if args.command == "codecs":
         return _codecs()
+    if args.command == "check":
+        return _check()
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     if args.command == "serve":
         return _serve(args, d)

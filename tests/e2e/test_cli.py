@@ -6,6 +6,7 @@ import os
 import pathlib
 import re
 import signal
+import socket
 import subprocess
 import sys
 
@@ -14,6 +15,8 @@ import orjson
 import pytest
 
 import asgi_generate
+from asgi_generate import hashes
+from asgi_generate.server.serving import WORKER_CLASSES
 from support import (Proc, RawClient, children, free_port, listening_socket, post, start_frontend, start_sim,
                      wait_until)
 
@@ -586,3 +589,31 @@ def test_the_processes_of_serve_workers_n_stop_when_the_supervisor_dies(tmp_path
         for pid in kids:  # in sessions of their own: nothing else reaches them
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_check_reports_the_hash_accelerator():
+    """``asgi-generate check`` says whether the hash chains run in C: as this
+    install does, and ``false`` where the accelerator was never built (an
+    install without a C compiler)."""
+    out = subprocess.run([sys.executable, "-m", "asgi_generate", "check"], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert orjson.loads(out) == {"version": asgi_generate.__version__, "hash_accelerator": hashes.ACCELERATED}
+    code = ("import sys\nsys.modules['asgi_generate.hashes._native'] = None  # as if never built\n"
+            "from asgi_generate.server.cli import main\nsys.exit(main(['check']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out == '{"version":"%s","hash_accelerator":false}\n' % asgi_generate.__version__
+
+
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES)
+def test_stats_reports_the_hash_accelerator(worker_class):
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: /stats needs no worker up
+    try:
+        fe = start_frontend([f"sglang=http://127.0.0.1:{dead.getsockname()[1]}"], worker_class=worker_class,
+                            health="/stats")
+        try:
+            assert httpx.get(fe.url + "/stats", timeout=10).json()["hash_accelerator"] is hashes.ACCELERATED
+        finally:
+            fe.stop()
+    finally:
+        dead.close()
