@@ -1,7 +1,7 @@
 """The hash chains in pure Python, over the PyPI ``xxhash``: the path taken
 when the C accelerator (``_native.c``) is not built. Every function gives
 what its C twin gives, value for value, and raises the same errors for bad
-values (tests/hashes/test_both_paths.py compares the two on random input).
+values (tests/hashes/test_hash_paths.py compares the two on random input).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def kv_chain(start: int, ids: Any, block: int) -> list[int]:
         view = memoryview(ids)
         if view.itemsize != 4 or view.format not in ("I", "=I", "<I"):
             raise TypeError("ids buffer must be of unsigned 32-bit ints ('I')")
-        items = view.tolist()
+        items = view.cast("B").cast("I").tolist()  # flat, as the C loop reads it
     else:
         try:
             items = list(ids)

@@ -64,6 +64,16 @@ def test_kv_chains_are_equal(ids, block, start):
     assert _python.kv_chain(start, tuple(ids), block) == want
 
 
+def test_kv_chains_read_any_buffer_of_u32_alike():
+    """A buffer is read flat, whatever its shape; one of big-endian u32 is refused."""
+    numpy = pytest.importorskip("numpy")
+    grid = numpy.arange(4096, 4096 + 24, dtype=numpy.uint32).reshape(4, 6)
+    assert _python.kv_chain(5, grid, 4) == _native.kv_chain(5, grid, 4) == _native.kv_chain(5, grid.ravel().tolist(), 4)
+    for impl in (_native, _python):
+        with pytest.raises(TypeError, match=r"^ids buffer must be of unsigned 32-bit ints \('I'\)$"):
+            impl.kv_chain(0, grid.astype(">u4"), 4)
+
+
 @pytest.mark.parametrize("args,error", [
     ((0, [1], 0), ValueError),
     ((0, array.array("H", [1]), 1), TypeError),
