@@ -17,6 +17,8 @@ values either way.
 
 from __future__ import annotations
 
+from ._python import SEED
+
 try:
     from . import _native as _impl
 except ImportError:  # built without a C compiler (setup.py's optional extension)
@@ -35,5 +37,5 @@ mask_drop = _impl.mask_drop
 mask_remove = _impl.mask_remove
 mask_missing = _impl.mask_missing
 
-__all__ = ["ACCELERATED", "chain", "chain_json", "kv_chain", "expire", "mask_walk", "mask_set", "mask_drop",
+__all__ = ["ACCELERATED", "SEED", "chain", "chain_json", "kv_chain", "expire", "mask_walk", "mask_set", "mask_drop",
            "mask_remove", "mask_missing"]

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import orjson
 from xxhash import xxh3_64_intdigest
 
-#: The replay chain's XXH3 seed (Dynamo's KV router's).
+#: The replay chain's XXH3 seed (Dynamo's KV router's; _native.c's SEED).
 SEED = 1337
 _PAIR = struct.Struct("<QQ")
 _INT64 = range(-(2**63), 2**63)

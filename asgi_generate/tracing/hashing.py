@@ -21,11 +21,9 @@ import array
 import sys
 from typing import Sequence
 
+from ..hashes import SEED, chain, chain_json  # SEED: the chain's, named here for readers and tests
 from ..sdk.token_ids import as_u32
 
-from ..hashes import chain, chain_json
-
-SEED = 1337  # the chain's (hashes/_native.c, hashes/_python.py), named here for readers and tests
 _LITTLE = sys.byteorder == "little"
 
 
