@@ -60,6 +60,7 @@ import orjson
 from ..assets import ASSETS_DIR
 from .framing import BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
 from ..sdk.versions import VLLM_DEFAULT_VERSION, parse_version
+from .block_hash import block_hasher
 from .disagg import DEFAULT_TIMEOUT_S, DecodeKV, PrefillRooms
 from .kvconnector import DEFAULT_EXPIRY_S, KVConsumer, KVProducer
 from .prefix_cache import DEFAULT_CACHE_TOKENS
@@ -231,7 +232,7 @@ class SimApp:
             model, ttft_ms / 1000.0, itl_ms / 1000.0,
             script=script, abort_after=abort_after, abort_status=abort_status,
             cache_tokens=cache_tokens, cache_block=block_size, whole_runs=protocol == "sglang",
-            prefill_us_per_token=prefill_us_per_token,
+            prefill_us_per_token=prefill_us_per_token, hasher=block_hasher(protocol),
         )
         if kv_events_config:
             # Imported only here: pyzmq is needed only by a simulator that publishes.

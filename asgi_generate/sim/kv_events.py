@@ -38,8 +38,9 @@ flush). Tagged msgpack maps (``{"type": "BlockStored", ...}``, None-valued
 optional fields left out) for vLLM 0.25 and later and SGLang 0.5.20 and
 later; SGLang before 0.5.20 sends positional arrays (``["BlockStored",
 hashes, parent, token ids, block size, lora id, medium]``, the salt as a
-trailing ``{"cache_salt": ...}``). vLLM publishes hashes as unsigned 64-bit
-ints, SGLang as signed.
+trailing ``{"cache_salt": ...}``). The hashes are each engine's own
+(:mod:`asgi_generate.sim.block_hash`): vLLM publishes unsigned 64-bit ints,
+SGLang signed.
 
 Discovery: vLLM ``GET /kv_event_sources`` (0.32 and later,
 ``vllm/entrypoints/serve/instrumentator/basic.py``: the publisher's config
@@ -63,7 +64,6 @@ from ..sdk.versions import parse_version
 
 #: The replay socket's end-of-replay sequence number.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_U64 = (1 << 64) - 1
 
 _VLLM_KEYS = frozenset({"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm",
                         "max_queue_size", "topic"})
@@ -233,15 +233,11 @@ class EventWire:
         self.block_size = block_size
         self._encode = msgspec.msgpack.Encoder().encode
 
-    def _hash(self, h: int) -> int:
-        return h & _U64 if self.vllm else h
-
     def stored(self, hashes: list[int], parent: int | None, token_ids: list[int],
                namespace: tuple[str | None, ...]) -> object:
         """A ``BlockStored`` of the blocks ``hashes`` (their ``token_ids``)
-        under ``parent``, stored by a request of ``namespace`` (the job's)."""
-        hashes = [self._hash(h) for h in hashes]
-        parent = None if parent is None else self._hash(parent)
+        under ``parent`` (published ints, :mod:`asgi_generate.sim.block_hash`),
+        stored by a request of ``namespace`` (the job's)."""
         salt = namespace[-1] if namespace else None
         if self.vllm:  # vllm/v1/core/block_pool.py BlockPool.cache_full_blocks
             extra = [(salt,) if salt is not None and parent is None and i == 0 else None for i in range(len(hashes))]
@@ -259,7 +255,6 @@ class EventWire:
 
     def removed(self, hashes: list[int]) -> object:
         """A ``BlockRemoved`` of ``hashes``."""
-        hashes = [self._hash(h) for h in hashes]
         if self.vllm:
             return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": 0}
         if not self.maps:

@@ -9,9 +9,10 @@ its whole prefix, so a hit is a run of leading blocks.
 
 Namespaces keep requests apart that must not share KV: SGLang keys every
 page by ``(extra_key, cache_salt)`` (``RadixKey.child_key_at``), vLLM puts
-``cache_salt`` into the first block's hash (``_gen_extra_keys`` in
-``kv_cache_utils.py``), and either way no block of one namespace is found
-from another; here the namespace seeds the chain.
+``cache_salt`` into the first block's hash (``generate_block_hash_extra_keys``
+in ``kv_cache_utils.py``), and either way no block of one namespace is found
+from another; here the keys are each engine's own
+(:mod:`asgi_generate.sim.block_hash`).
 
 Eviction: least recently used first, a block only once no cached block
 hangs under it (its children are always evicted before it). vLLM evicts
@@ -20,10 +21,10 @@ first); SGLang evicts a whole radix node, the run of pages one insert added
 (``RadixCache.evict``), which ``whole_runs`` plays. Running requests'
 blocks are not pinned.
 
-Hashes are 64-bit signed ints (the width both engines publish in KV events,
-:mod:`asgi_generate.workers.block_hash`); a consumer matches blocks by the
-token ids an event carries and uses the hash only to name a block it
-removes.
+Keys are the 64-bit ints the engine publishes in KV events (SGLang's
+paired with the ``extra_key`` its events leave out); a consumer matches
+blocks by the token ids an event carries and uses the hash only to name a
+block it removes.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class PrefixCache:
         return held
 
     def insert(self, hashes: list[int]) -> tuple[int, list[int]]:
-        """Hold the blocks ``hashes`` (a chain from :func:`~asgi_generate.workers.block_hash.block_hashes`),
+        """Hold the blocks ``hashes`` (a chain of keys from :mod:`~asgi_generate.sim.block_hash`),
         mark the whole chain most recently used, then evict to capacity.
 
         Returns:
