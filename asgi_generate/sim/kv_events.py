@@ -60,7 +60,7 @@ import msgspec
 import orjson
 import zmq
 
-from ..sdk.versions import parse_version
+from .versions import parse_version
 
 #: The replay socket's end-of-replay sequence number.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
