@@ -37,6 +37,9 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import sys
+from array import array
+from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 _U64 = (1 << 64) - 1
@@ -44,6 +47,20 @@ _U64 = (1 << 64) - 1
 VLLM_NONE_HASH_SEED = "vllm-none-hash"
 #: SGLang's salt chain tag (``compute_node_event_hash_values``).
 SGLANG_SALT_TAG = b"sglang-cache-salt-v1\0"
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """The cache keys of the first ``tokens`` tokens of a sequence (full
+    blocks only), and ``tail``, the last block's digest (``None`` before the
+    first block), from which the chain goes on."""
+
+    keys: list[Hashable]
+    tail: bytes | None
+    tokens: int
+
+
+EMPTY = Chain([], None, 0)
 
 
 def _vllm_sha256(obj: object) -> bytes:
@@ -62,23 +79,27 @@ class VLLMBlockHashes:
     def __init__(self) -> None:
         self.none_hash = _vllm_sha256(os.environ.get("PYTHONHASHSEED", VLLM_NONE_HASH_SEED))
 
-    def digests(self, ids: Sequence[int], block: int, cache_salt: str | None) -> list[bytes]:
-        """The 32-byte hashes of the full ``block``-token blocks of ``ids``,
-        each chained to the one before (``hash_block_tokens``), the first
-        carrying ``cache_salt`` (``None`` or ``""``: none) in its extra keys."""
-        parent = self.none_hash
-        out = []
-        extra = (("cache_salt", cache_salt),) if cache_salt else None
-        for start in range(0, len(ids) - block + 1, block):
+    def extend(self, chain: Chain, ids: Sequence[int], block: int, namespace: tuple[str | None, ...]) -> Chain:
+        """``chain`` (of a prefix of ``ids``) carried over every full
+        ``block``-token block of ``ids`` for a job of ``namespace``
+        (``(cache_salt,)``): each block hashed with its parent's digest
+        (``hash_block_tokens``), the first with ``("cache_salt", salt)`` in
+        its extra keys (``generate_block_hash_extra_keys``; no salt for
+        ``None`` or ``""``); its key the digest's low 64 bits, unsigned."""
+        salt = namespace[-1] if namespace else None
+        parent = chain.tail or self.none_hash
+        keys = list(chain.keys)
+        end = len(ids) // block * block
+        for start in range(chain.tokens, end, block):
+            extra = (("cache_salt", salt),) if start == 0 and salt else None
             parent = _vllm_sha256((parent, tuple(ids[start : start + block]), extra))
-            out.append(parent)
-            extra = None
-        return out
+            keys.append(int.from_bytes(parent, "big") & _U64)
+        return Chain(keys, parent if keys else None, max(end, chain.tokens))
 
     def keys(self, ids: Sequence[int], block: int, namespace: tuple[str | None, ...]) -> list[Hashable]:
-        """The prefix cache's keys of the full blocks of ``ids`` for a job of
-        ``namespace`` (``(cache_salt,)``): the published ints."""
-        return [int.from_bytes(d, "big") & _U64 for d in self.digests(ids, block, namespace[-1] if namespace else None)]
+        """The cache keys of the full blocks of ``ids`` (:meth:`extend` from
+        the start): the published ints."""
+        return self.extend(EMPTY, ids, block, namespace).keys
 
     @staticmethod
     def published(key: Hashable) -> int:
@@ -90,30 +111,39 @@ class SGLangPageHashes:
     """SGLang's page hashes, as its KV events publish them."""
 
     @staticmethod
-    def digests(ids: Sequence[int], page: int, cache_salt: str | None) -> list[bytes]:
-        """The 32-byte hashes of the full ``page``-token pages of ``ids``,
-        chained; a ``cache_salt`` (not ``None``) seeds the chain.
+    def extend(chain: Chain, ids: Sequence[int], page: int, namespace: tuple[str | None, ...]) -> Chain:
+        """``chain`` (of a prefix of ``ids``) carried over every full
+        ``page``-token page of ``ids`` for a job of ``namespace``
+        (``(extra_key, cache_salt)``, ``None`` for an absent one): each page
+        SHA-256 over the previous digest and its ids as little-endian u32
+        (``hash_page``), a ``cache_salt`` seeding the chain; its key the
+        digest's first 8 bytes, signed, paired with the ``extra_key`` when
+        there is one (the radix tree keeps it apart; its events do not).
 
         Raises:
             OverflowError: a token id outside u32 (SGLang's ``checked_u32``
                 refuses it too).
         """
-        prior = b"" if cache_salt is None else hashlib.sha256(SGLANG_SALT_TAG + cache_salt.encode("utf-8")).digest()
-        out = []
-        for start in range(0, len(ids) - page + 1, page):
-            raw = b"".join(t.to_bytes(4, "little") for t in ids[start : start + page])
-            prior = hashlib.sha256(prior + raw).digest()
-            out.append(prior)
-        return out
+        extra_key, salt = namespace if namespace else (None, None)
+        prior = chain.tail
+        if prior is None:
+            prior = b"" if salt is None else hashlib.sha256(SGLANG_SALT_TAG + salt.encode("utf-8")).digest()
+        end = len(ids) // page * page
+        words = array("I", ids[chain.tokens : end])
+        if sys.byteorder != "little":
+            words.byteswap()
+        raw, step, sha256 = memoryview(words.tobytes()), 4 * page, hashlib.sha256
+        keys = list(chain.keys)
+        for start in range(0, len(raw), step):
+            prior = sha256(prior + raw[start : start + step]).digest()
+            key = int.from_bytes(prior[:8], "big", signed=True)
+            keys.append(key if extra_key is None else (extra_key, key))
+        return Chain(keys, prior if keys else None, max(end, chain.tokens))
 
     def keys(self, ids: Sequence[int], page: int, namespace: tuple[str | None, ...]) -> list[Hashable]:
-        """The prefix cache's keys of the full pages of ``ids`` for a job of
-        ``namespace`` (``(extra_key, cache_salt)``, ``None`` for an absent
-        one): the published ints, paired with the ``extra_key`` when there
-        is one (the radix tree keeps it apart; its events do not)."""
-        extra_key, salt = namespace if namespace else (None, None)
-        ints = [int.from_bytes(d[:8], "big", signed=True) for d in self.digests(ids, page, salt)]
-        return ints if extra_key is None else [(extra_key, h) for h in ints]
+        """The cache keys of the full pages of ``ids`` (:meth:`extend` from
+        the start)."""
+        return self.extend(EMPTY, ids, page, namespace).keys
 
     @staticmethod
     def published(key: Hashable) -> int:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 import anyio
 
 from .model import Model, Step
-from .block_hash import BlockHasher, SGLangPageHashes
+from .block_hash import EMPTY, BlockHasher, Chain, SGLangPageHashes
 from .prefix_cache import DEFAULT_CACHE_TOKENS, PrefixCache
 
 if TYPE_CHECKING:
@@ -72,6 +72,9 @@ class Job:
     cached_tokens: int = 0
     kv_cached: int | None = None
     output_ids: list[int] = field(default_factory=list)
+    #: The cache keys hashed so far (of a prefix of the prompt, then of
+    #: prompt and output): each cache look-up goes on from there.
+    chain: Chain = EMPTY
     prefill_done: bool = False
     #: Steps generated so far (``/sim/stats``' ``running_output_tokens``).
     generated: int = 0
@@ -240,7 +243,8 @@ class SimEngine:
 
     def _insert(self, job: Job, ids: list[int]) -> None:
         cache = self.cache
-        keys = self.hasher.keys(ids, cache.block, job.namespace)
+        job.chain = self.hasher.extend(job.chain, ids, cache.block, job.namespace)
+        keys = job.chain.keys
         held, gone = cache.insert(keys)
         if self.events is not None:
             wire, events, published = self.events.wire, [], self.hasher.published
@@ -295,7 +299,8 @@ class SimEngine:
             block = cache.block
             # The last prompt token is computed for its logits: never a hit.
             usable = job.input_ids[: (prompt - 1) // block * block]
-            job.cached_tokens = cache.match(self.hasher.keys(usable, block, job.namespace)) * block
+            job.chain = self.hasher.extend(job.chain, usable, block, job.namespace)
+            job.cached_tokens = cache.match(job.chain.keys) * block
         self.prompt_tokens += prompt
         self.cached_tokens += job.cached_tokens
 

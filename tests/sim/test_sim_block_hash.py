@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from asgi_generate.sim.block_hash import SGLangPageHashes, VLLMBlockHashes, block_hasher
+from asgi_generate.sim.block_hash import EMPTY, SGLangPageHashes, VLLMBlockHashes, block_hasher
 
 IDS = list(range(100, 132))
 
@@ -42,3 +42,16 @@ def test_sglang_page_chain_salt_and_extra_key():
 @pytest.mark.parametrize("protocol, kind", [("vllm", VLLMBlockHashes), ("sglang", SGLangPageHashes)])
 def test_block_hasher_per_protocol(protocol, kind):
     assert type(block_hasher(protocol)) is kind
+
+
+@pytest.mark.parametrize("hasher, block, namespaces", [
+    (SGLangPageHashes(), 1, [(), (None, "x"), ("k", None)]), (SGLangPageHashes(), 3, [()]),
+    (VLLMBlockHashes(), 16, [(), ("x",)])])
+def test_a_chain_goes_on_from_where_it_stopped(hasher, block, namespaces):
+    # The engine hashes a job's prompt prefix, then the prompt, then prompt
+    # and output, each time going on from the chain it has.
+    ids = list(range(1000, 1100))
+    for ns in namespaces:
+        chain = hasher.extend(EMPTY, ids[:37], block, ns)
+        chain = hasher.extend(chain, ids[:37], block, ns)
+        assert hasher.extend(chain, ids, block, ns).keys == hasher.keys(ids, block, ns)

@@ -5,11 +5,14 @@ the same error type and message."""
 
 from __future__ import annotations
 
+import anyio
 import orjson
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from asgi_generate.sim.app import SimApp
 from asgi_generate.sim.lax import LaxError, lax_scalar
+from support import asgi_request
 
 pydantic = pytest.importorskip("pydantic", reason="pydantic, the reference the simulator's lax reader follows")
 
@@ -65,3 +68,13 @@ _NUMERIC_TEXT = st.text(alphabet="0123456789+-._eEinfatyo \t", max_size=8)
                        _NUMERIC_TEXT, st.text(max_size=4)))
 def test_any_scalar_reads_as_pydantic_reads_it(kind, value):
     _same(kind, value)
+
+
+def test_the_vllm_simulator_serves_what_pydantic_reads():
+    # 1.0 is a boolean and "4.00" an integer to pydantic (and so to vLLM).
+    body = {"token_ids": [1, 2, 3], "stream": 0.0, "sampling_params": {"max_tokens": "4.00", "ignore_eos": 1.0}}
+
+    async def run():
+        return await asgi_request(SimApp("vllm"), "POST", "/inference/v1/generate", orjson.dumps(body))
+    status, _, raw = anyio.run(run)
+    assert status == 200 and len(orjson.loads(raw)["choices"][0]["token_ids"]) == 4

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import anyio
+import orjson
 import pytest
 
 from asgi_generate.sdk import versions as codec
 from asgi_generate.sim import versions as sim
+from asgi_generate.sim.app import SimApp
+from support import asgi_json, asgi_request
 
 SHARED = sorted({f.name for f in dataclasses.fields(sim.VLLMPlayed)}
                 & {f.name for f in dataclasses.fields(codec.VLLMBehaviour)} - {"version"})
@@ -57,3 +61,40 @@ def test_versions_it_cannot_play(version, message):
     with pytest.raises(ValueError) as err:
         sim.vllm_played(version)
     assert str(err.value) == message
+
+
+def _status(app, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
+    async def run():
+        status, _, raw = await asgi_request(app, method, path, orjson.dumps(body) if body is not None else b"")
+        return status, raw
+    return anyio.run(run)
+
+
+@pytest.mark.parametrize("version, served", [("0.30.0", False), ("0.31.0", True), ("0.33.0", True)])
+def test_kv_event_sources_served_from_0_31(version, served):
+    # vllm/entrypoints/serve/instrumentator/basic.py has the route from 0.31.0 on.
+    status, raw = _status(SimApp("vllm", engine_version=version), "GET", "/kv_event_sources")
+    assert (status, raw) == ((200, b"{}") if served else (404, b'{"detail":"Not Found"}'))
+
+
+@pytest.mark.parametrize("version, relayed", [("0.30.0", False), ("0.31.0", True)])
+def test_a_consumer_reports_its_producers_hit_from_0_31(version, relayed):
+    # v1/engine/output_processor.py RequestState.from_new_request: from 0.31 a
+    # consumer given remote_prefill_cached_tokens reports it as cached_tokens,
+    # whether it read the KV or not (in process it cannot reach the producer's
+    # side channel, so it prefills the prompt itself: before 0.31, from its
+    # own empty cache).
+    prompt = list(range(100, 140))
+    producer = SimApp("vllm", engine_version=version, kv_role="producer", enable_prompt_tokens_details=True)
+    consumer = SimApp("vllm", engine_version=version, kv_role="consumer", enable_prompt_tokens_details=True)
+
+    async def run() -> tuple[int, int]:
+        body = {"token_ids": prompt, "sampling_params": {"max_tokens": 1},
+                "kv_transfer_params": {"do_remote_decode": True}}
+        await asgi_json(producer, "POST", "/inference/v1/generate", body)  # caches the prompt's 2 blocks
+        first = await asgi_json(producer, "POST", "/inference/v1/generate", body)
+        params = first["kv_transfer_params"]
+        second = await asgi_json(consumer, "POST", "/inference/v1/generate",
+                                 {"token_ids": prompt, "sampling_params": {"max_tokens": 2}, "kv_transfer_params": params})
+        return params.get("remote_prefill_cached_tokens"), second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert anyio.run(run) == ((32, 32) if relayed else (None, 0))
