@@ -50,7 +50,6 @@ per data-parallel rank); SGLang ``/server_info``'s ``kv_events``
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import deque
@@ -60,6 +59,7 @@ import msgspec
 import orjson
 import zmq
 
+from .lax import LaxError, lax_scalar
 from .versions import parse_version
 
 #: The replay socket's end-of-replay sequence number.
@@ -75,39 +75,20 @@ DEFAULT_ENDPOINT = "tcp://*:5557"
 SGLANG_MAP_EVENTS = (0, 5, 20)
 
 
-#: pydantic's lax spellings of a boolean (both engines parse the config
-#: with pydantic: vLLM's ``@config`` dataclass, SGLang's ``BaseModel``).
-_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
-_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
-
-
 def _lax(key: str, value: object, kind: type) -> object:
     """``value`` as pydantic's lax mode takes it for a field of ``kind``
-    (``int``: an int, a bool, an integral float or a string of digits;
-    ``bool``: a bool, 0/1 or :data:`_TRUE`/:data:`_FALSE` spelled in any
-    case; ``str``: only a string).
+    (``int``, ``bool`` or ``str``; both engines parse the config with
+    pydantic: vLLM's ``@config`` dataclass, SGLang's ``BaseModel``), by
+    :func:`~asgi_generate.sim.lax.lax_scalar`.
 
     Raises:
         ValueError: a value pydantic refuses, naming ``key``.
     """
-    if kind is int:
-        if type(value) in (int, bool):
-            return int(value)
-        if type(value) is float and value.is_integer():
-            return int(value)
-        if type(value) is str and re.fullmatch(r"\s*[+-]?\d+\s*", value):
-            return int(value)
-    elif kind is bool:
-        if type(value) is bool:
-            return value
-        if type(value) in (int, float) and value in (0, 1):
-            return bool(value)
-        if type(value) is str and value.strip().lower() in _TRUE | _FALSE:
-            return value.strip().lower() in _TRUE
-    elif type(value) is str:
-        return value
-    article = "an" if kind is int else "a"
-    raise ValueError(f"--kv-events-config: {key} must be {article} {kind.__name__}, got {value!r}")
+    try:
+        return lax_scalar(kind.__name__, value)
+    except LaxError:
+        article = "an" if kind is int else "a"
+        raise ValueError(f"--kv-events-config: {key} must be {article} {kind.__name__}, got {value!r}") from None
 
 
 def publisher_binds(protocol: str, endpoint: str, bind: bool | None = None) -> bool:
