@@ -99,6 +99,11 @@ def test_config_values_are_read_as_the_engines_pydantic_reads_them():
                                        '"max_queue_size": 0, "topic": "t"}')
     assert (lax.buffer_steps, lax.hwm, lax.max_queue_size, lax.topic) == (5, 7, 0, "t")
     assert KVEventsConfig.parse("sglang", '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:9", "bind": 1}').bind
+    # pydantic's own rules (sim/lax.py): "8.00" is an int, a boolean spelled with spaces is not one.
+    assert KVEventsConfig.parse("vllm", '{"enable_kv_cache_events": true, "buffer_steps": "8.00"}').buffer_steps == 8
+    with pytest.raises(ValueError) as exc:
+        KVEventsConfig.parse("vllm", '{"enable_kv_cache_events": " true"}')
+    assert str(exc.value) == "--kv-events-config: enable_kv_cache_events must be a bool, got ' true'"
     for protocol, on in (("vllm", '"enable_kv_cache_events": true'), ("sglang", '"publisher": "zmq"')):
         for text, message in (('"topic": 5', "topic must be a str, got 5"),
                               ('"hwm": 1.5', "hwm must be an int, got 1.5"),
