@@ -30,6 +30,7 @@ block it removes.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Hashable
 
 
 #: The default capacity in tokens (``sim --cache-tokens``): the order of a
@@ -40,7 +41,7 @@ DEFAULT_CACHE_TOKENS = 65536
 class _Block:
     __slots__ = ("parent", "children", "first")
 
-    def __init__(self, parent: int | None, first: bool) -> None:
+    def __init__(self, parent: Hashable | None, first: bool) -> None:
         self.parent = parent
         self.children = 0
         #: The first block one insert added (a radix node's start).
@@ -66,7 +67,7 @@ class PrefixCache:
         self.whole_runs = whole_runs
         self.capacity = capacity_tokens // block
         # Least recently used first; a parent is always after its children.
-        self._blocks: OrderedDict[int, _Block] = OrderedDict()
+        self._blocks: OrderedDict[Hashable, _Block] = OrderedDict()
         self.evicted_blocks = 0
 
     @property
@@ -74,7 +75,7 @@ class PrefixCache:
         """Tokens held now."""
         return len(self._blocks) * self.block
 
-    def match(self, hashes: list[int]) -> int:
+    def match(self, hashes: list[Hashable]) -> int:
         """How many leading blocks of ``hashes`` are held. Reads only."""
         held = 0
         for h in hashes:
@@ -83,7 +84,7 @@ class PrefixCache:
             held += 1
         return held
 
-    def insert(self, hashes: list[int]) -> tuple[int, list[int]]:
+    def insert(self, hashes: list[Hashable]) -> tuple[int, list[Hashable]]:
         """Hold the blocks ``hashes`` (a chain of keys from :mod:`~asgi_generate.sim.block_hash`),
         mark the whole chain most recently used, then evict to capacity.
 
@@ -106,7 +107,7 @@ class PrefixCache:
             blocks.move_to_end(h)
         return new, self._evict()
 
-    def _evict(self) -> list[int]:
+    def _evict(self) -> list[Hashable]:
         blocks = self._blocks
         gone = []
         while len(blocks) > self.capacity:
