@@ -40,7 +40,7 @@ and ``serving.py``):
   with ``bytes``; each choice carries ``stop_reason``; answers carry
   ``output_mode`` and a new field layout; a finishing chunk without tokens (an
   abort) is sent instead of dropped;
-- 0.32: a P/D producer's ``kv_transfer_params`` carry
+- 0.31: a P/D producer's ``kv_transfer_params`` carry
   ``remote_prefill_cached_tokens`` (its own prefix-cache hit,
   ``Scheduler.update_from_output`` in ``v1/core/sched/scheduler.py``) and a
   consumer given them reports that count as its ``cached_tokens``
@@ -48,7 +48,7 @@ and ``serving.py``):
   before, a consumer counts the prompt it loaded as cached; and a consumer
   asked for ``prompt_logprobs`` loads no remote KV and prefills the prompt
   itself (``Scheduler.schedule``: ``skip_reading_prefix_cache`` zeroes the
-  connector's hit; both absent from 0.30.0);
+  connector's hit; both absent from 0.30.0, in 0.31.0);
 - 0.33: routed-expert rows are kept per KV block by the auxiliary-output
   connector (``vllm/distributed/aux_output_connector/connector.py``): a
   consumer with ``--enable-return-routed-experts`` takes no remote KV whose
@@ -149,4 +149,4 @@ def vllm_behaviour(version: object) -> VLLMBehaviour | None:
     if v is None:
         return None
     return VLLMBehaviour(str(version), v >= (0, 25), v >= (0, 30), v >= (0, 31), v >= (0, 32), v >= (0, 34),
-                         v >= (0, 32), v >= (0, 32), v >= (0, 33), v >= (0, 26), v >= (0, 28))
+                         v >= (0, 31), v >= (0, 31), v >= (0, 33), v >= (0, 26), v >= (0, 28))

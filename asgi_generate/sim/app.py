@@ -59,7 +59,7 @@ import orjson
 
 from ..assets import ASSETS_DIR
 from .framing import BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
-from ..sdk.versions import VLLM_DEFAULT_VERSION, parse_version
+from .block_hash import block_hasher
 from .disagg import DEFAULT_TIMEOUT_S, DecodeKV, PrefillRooms
 from .kvconnector import DEFAULT_EXPIRY_S, KVConsumer, KVProducer
 from .prefix_cache import DEFAULT_CACHE_TOKENS
@@ -69,6 +69,7 @@ from .engine import SimEngine, SimFault
 from .loads import PROMETHEUS, sglang_loads, vllm_metrics
 from .sglang import CONTEXT_LENGTH, MAX_TOTAL_NUM_TOKENS, SGLangProtocol
 from .tokenizer import SimTokenizer
+from .versions import VLLM_DEFAULT_VERSION
 from .vllm import MAX_LOGPROBS, MAX_MODEL_LEN, VLLMProtocol, error
 
 NOT_FOUND = orjson.dumps({"detail": "Not Found"})
@@ -78,9 +79,6 @@ MARKER_TEXT = '<think>Checking.</think><tool_call>{"name": "get_weather", "argum
 MAX_BODY = 1 << 30
 #: Request ids whose last ``traceparent`` /sim/stats keeps (the newest).
 MAX_TRACEPARENTS = 4096
-#: The first vLLM release with ``GET /kv_event_sources``
-#: (``vllm/entrypoints/serve/instrumentator/basic.py``).
-KV_EVENT_SOURCES = (0, 32)
 
 
 class SimApp:
@@ -231,7 +229,7 @@ class SimApp:
             model, ttft_ms / 1000.0, itl_ms / 1000.0,
             script=script, abort_after=abort_after, abort_status=abort_status,
             cache_tokens=cache_tokens, cache_block=block_size, whole_runs=protocol == "sglang",
-            prefill_us_per_token=prefill_us_per_token,
+            prefill_us_per_token=prefill_us_per_token, hasher=block_hasher(protocol),
         )
         if kv_events_config:
             # Imported only here: pyzmq is needed only by a simulator that publishes.
@@ -382,7 +380,7 @@ class SimApp:
             await self._health(send)
         elif path == "/version" and method == "GET":
             await send_unary(send, 200, orjson.dumps({"version": p.version}))
-        elif path == "/kv_event_sources" and method == "GET" and parse_version(p.version) >= KV_EVENT_SOURCES:
+        elif path == "/kv_event_sources" and method == "GET" and p.behaviour.kv_event_sources:
             events = self.engine.events
             await send_unary(send, 200, orjson.dumps(events.vllm_sources() if events is not None else {}))
         elif path == "/v1/models" and method == "GET":

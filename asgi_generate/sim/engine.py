@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 import anyio
 
 from .model import Model, Step
-from ..workers.block_hash import block_hashes, namespace_seed
+from .block_hash import EMPTY, BlockHasher, Chain, SGLangPageHashes
 from .prefix_cache import DEFAULT_CACHE_TOKENS, PrefixCache
 
 if TYPE_CHECKING:
@@ -72,6 +72,9 @@ class Job:
     cached_tokens: int = 0
     kv_cached: int | None = None
     output_ids: list[int] = field(default_factory=list)
+    #: The cache keys hashed so far (of a prefix of the prompt, then of
+    #: prompt and output): each cache look-up goes on from there.
+    chain: Chain = EMPTY
     prefill_done: bool = False
     #: Steps generated so far (``/sim/stats``' ``running_output_tokens``).
     generated: int = 0
@@ -111,6 +114,9 @@ class SimEngine:
             size, ``vllm/v1/core/kv_cache_manager.py``).
         whole_runs: evict whole radix nodes (SGLang), not single blocks
             (vLLM); see :class:`~asgi_generate.sim.prefix_cache.PrefixCache`.
+        hasher: the engine's block hashes, which the cache keys blocks by
+            and KV events publish (:mod:`asgi_generate.sim.block_hash`;
+            ``None``: SGLang's).
         prefill_us_per_token: prefill compute per uncached prompt token, in
             microseconds (``sim --prefill-us-per-token``). Prefills share
             one compute unit, one after another in arrival order, as a busy
@@ -141,8 +147,10 @@ class SimEngine:
         cache_block: int = 1,
         whole_runs: bool = True,
         prefill_us_per_token: float = 0.0,
+        hasher: BlockHasher | None = None,
     ) -> None:
         self.model = model
+        self.hasher: BlockHasher = hasher if hasher is not None else SGLangPageHashes()
         #: Where the cache's KV events go (``sim --kv-events-config``).
         self.events: KVEventPublisher | None = None
         self.cache = PrefixCache(cache_tokens, cache_block, whole_runs) if cache_tokens > 0 else None
@@ -235,16 +243,18 @@ class SimEngine:
 
     def _insert(self, job: Job, ids: list[int]) -> None:
         cache = self.cache
-        hashes = block_hashes(namespace_seed(job.namespace), ids, cache.block)
-        held, gone = cache.insert(hashes)
+        job.chain = self.hasher.extend(job.chain, ids, cache.block, job.namespace)
+        keys = job.chain.keys
+        held, gone = cache.insert(keys)
         if self.events is not None:
-            wire, events = self.events.wire, []
-            if held < len(hashes):
-                parent = hashes[held - 1] if held else None
+            wire, events, published = self.events.wire, [], self.hasher.published
+            if held < len(keys):
+                parent = published(keys[held - 1]) if held else None
                 b = cache.block
-                events.append(wire.stored(hashes[held:], parent, ids[held * b : len(hashes) * b], job.namespace))
+                events.append(wire.stored([published(k) for k in keys[held:]], parent, ids[held * b : len(keys) * b],
+                                          job.namespace))
             if gone:
-                events.append(wire.removed(gone))
+                events.append(wire.removed([published(k) for k in gone]))
             self.events.publish(events)
 
     def flush_cache(self) -> None:
@@ -289,7 +299,8 @@ class SimEngine:
             block = cache.block
             # The last prompt token is computed for its logits: never a hit.
             usable = job.input_ids[: (prompt - 1) // block * block]
-            job.cached_tokens = cache.match(block_hashes(namespace_seed(job.namespace), usable, block)) * block
+            job.chain = self.hasher.extend(job.chain, usable, block, job.namespace)
+            job.cached_tokens = cache.match(job.chain.keys) * block
         self.prompt_tokens += prompt
         self.cached_tokens += job.cached_tokens
 

@@ -38,8 +38,9 @@ flush). Tagged msgpack maps (``{"type": "BlockStored", ...}``, None-valued
 optional fields left out) for vLLM 0.25 and later and SGLang 0.5.20 and
 later; SGLang before 0.5.20 sends positional arrays (``["BlockStored",
 hashes, parent, token ids, block size, lora id, medium]``, the salt as a
-trailing ``{"cache_salt": ...}``). vLLM publishes hashes as unsigned 64-bit
-ints, SGLang as signed.
+trailing ``{"cache_salt": ...}``). The hashes are each engine's own
+(:mod:`asgi_generate.sim.block_hash`): vLLM publishes unsigned 64-bit ints,
+SGLang signed.
 
 Discovery: vLLM ``GET /kv_event_sources`` (0.32 and later,
 ``vllm/entrypoints/serve/instrumentator/basic.py``: the publisher's config
@@ -49,7 +50,6 @@ per data-parallel rank); SGLang ``/server_info``'s ``kv_events``
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import deque
@@ -59,11 +59,11 @@ import msgspec
 import orjson
 import zmq
 
-from ..sdk.versions import parse_version
+from .lax import LaxError, lax_scalar
+from .versions import parse_version
 
 #: The replay socket's end-of-replay sequence number.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_U64 = (1 << 64) - 1
 
 _VLLM_KEYS = frozenset({"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm",
                         "max_queue_size", "topic"})
@@ -75,39 +75,20 @@ DEFAULT_ENDPOINT = "tcp://*:5557"
 SGLANG_MAP_EVENTS = (0, 5, 20)
 
 
-#: pydantic's lax spellings of a boolean (both engines parse the config
-#: with pydantic: vLLM's ``@config`` dataclass, SGLang's ``BaseModel``).
-_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
-_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
-
-
 def _lax(key: str, value: object, kind: type) -> object:
     """``value`` as pydantic's lax mode takes it for a field of ``kind``
-    (``int``: an int, a bool, an integral float or a string of digits;
-    ``bool``: a bool, 0/1 or :data:`_TRUE`/:data:`_FALSE` spelled in any
-    case; ``str``: only a string).
+    (``int``, ``bool`` or ``str``; both engines parse the config with
+    pydantic: vLLM's ``@config`` dataclass, SGLang's ``BaseModel``), by
+    :func:`~asgi_generate.sim.lax.lax_scalar`.
 
     Raises:
         ValueError: a value pydantic refuses, naming ``key``.
     """
-    if kind is int:
-        if type(value) in (int, bool):
-            return int(value)
-        if type(value) is float and value.is_integer():
-            return int(value)
-        if type(value) is str and re.fullmatch(r"\s*[+-]?\d+\s*", value):
-            return int(value)
-    elif kind is bool:
-        if type(value) is bool:
-            return value
-        if type(value) in (int, float) and value in (0, 1):
-            return bool(value)
-        if type(value) is str and value.strip().lower() in _TRUE | _FALSE:
-            return value.strip().lower() in _TRUE
-    elif type(value) is str:
-        return value
-    article = "an" if kind is int else "a"
-    raise ValueError(f"--kv-events-config: {key} must be {article} {kind.__name__}, got {value!r}")
+    try:
+        return lax_scalar(kind.__name__, value)
+    except LaxError:
+        article = "an" if kind is int else "a"
+        raise ValueError(f"--kv-events-config: {key} must be {article} {kind.__name__}, got {value!r}") from None
 
 
 def publisher_binds(protocol: str, endpoint: str, bind: bool | None = None) -> bool:
@@ -233,15 +214,11 @@ class EventWire:
         self.block_size = block_size
         self._encode = msgspec.msgpack.Encoder().encode
 
-    def _hash(self, h: int) -> int:
-        return h & _U64 if self.vllm else h
-
     def stored(self, hashes: list[int], parent: int | None, token_ids: list[int],
                namespace: tuple[str | None, ...]) -> object:
         """A ``BlockStored`` of the blocks ``hashes`` (their ``token_ids``)
-        under ``parent``, stored by a request of ``namespace`` (the job's)."""
-        hashes = [self._hash(h) for h in hashes]
-        parent = None if parent is None else self._hash(parent)
+        under ``parent`` (published ints, :mod:`asgi_generate.sim.block_hash`),
+        stored by a request of ``namespace`` (the job's)."""
         salt = namespace[-1] if namespace else None
         if self.vllm:  # vllm/v1/core/block_pool.py BlockPool.cache_full_blocks
             extra = [(salt,) if salt is not None and parent is None and i == 0 else None for i in range(len(hashes))]
@@ -259,7 +236,6 @@ class EventWire:
 
     def removed(self, hashes: list[int]) -> object:
         """A ``BlockRemoved`` of ``hashes``."""
-        hashes = [self._hash(h) for h in hashes]
         if self.vllm:
             return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": 0}
         if not self.maps:

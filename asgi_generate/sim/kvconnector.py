@@ -13,7 +13,7 @@ answers none. Which finishes hand off is the connector's (``kv_connector``):
 ``NixlConnector`` a length cap or a stop (``nixl/pull_scheduler.py``
 ``request_finished``, 0.27 to 0.33), ``MoRIIOConnector`` a length cap only
 (``moriio/moriio_connector.py`` ``request_finished``), so a prefill whose
-one token is EOS or a stop token hands nothing off there. From vLLM 0.32 the
+one token is EOS or a stop token hands nothing off there. From vLLM 0.31 the
 parameters also carry ``remote_prefill_cached_tokens``, the producer's
 prefix-cache hit. The consumer, given those parameters, reads the blocks
 from the producer's side channel and decodes from there; the producer frees
@@ -105,7 +105,7 @@ class KVProducer:
         """A ``do_remote_decode`` request finished with ``finish``: its
         ``kv_transfer_params`` for the answer (``None`` unless the connector
         hands that finish off), with ``remote_prefill_cached_tokens`` unless
-        ``cached_tokens`` is ``None`` (a vLLM before 0.32)."""
+        ``cached_tokens`` is ``None`` (a vLLM before 0.31)."""
         if finish not in self.handoff:
             return None
         blocks = [next(self._block_ids) for _ in range(-(-len(input_ids) // BLOCK_SIZE))]

@@ -9,9 +9,10 @@ its whole prefix, so a hit is a run of leading blocks.
 
 Namespaces keep requests apart that must not share KV: SGLang keys every
 page by ``(extra_key, cache_salt)`` (``RadixKey.child_key_at``), vLLM puts
-``cache_salt`` into the first block's hash (``_gen_extra_keys`` in
-``kv_cache_utils.py``), and either way no block of one namespace is found
-from another; here the namespace seeds the chain.
+``cache_salt`` into the first block's hash (``generate_block_hash_extra_keys``
+in ``kv_cache_utils.py``), and either way no block of one namespace is found
+from another; here the keys are each engine's own
+(:mod:`asgi_generate.sim.block_hash`).
 
 Eviction: least recently used first, a block only once no cached block
 hangs under it (its children are always evicted before it). vLLM evicts
@@ -20,15 +21,16 @@ first); SGLang evicts a whole radix node, the run of pages one insert added
 (``RadixCache.evict``), which ``whole_runs`` plays. Running requests'
 blocks are not pinned.
 
-Hashes are 64-bit signed ints (the width both engines publish in KV events,
-:mod:`asgi_generate.workers.block_hash`); a consumer matches blocks by the
-token ids an event carries and uses the hash only to name a block it
-removes.
+Keys are the 64-bit ints the engine publishes in KV events (SGLang's
+paired with the ``extra_key`` its events leave out); a consumer matches
+blocks by the token ids an event carries and uses the hash only to name a
+block it removes.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Hashable
 
 
 #: The default capacity in tokens (``sim --cache-tokens``): the order of a
@@ -39,7 +41,7 @@ DEFAULT_CACHE_TOKENS = 65536
 class _Block:
     __slots__ = ("parent", "children", "first")
 
-    def __init__(self, parent: int | None, first: bool) -> None:
+    def __init__(self, parent: Hashable | None, first: bool) -> None:
         self.parent = parent
         self.children = 0
         #: The first block one insert added (a radix node's start).
@@ -65,7 +67,7 @@ class PrefixCache:
         self.whole_runs = whole_runs
         self.capacity = capacity_tokens // block
         # Least recently used first; a parent is always after its children.
-        self._blocks: OrderedDict[int, _Block] = OrderedDict()
+        self._blocks: OrderedDict[Hashable, _Block] = OrderedDict()
         self.evicted_blocks = 0
 
     @property
@@ -73,7 +75,7 @@ class PrefixCache:
         """Tokens held now."""
         return len(self._blocks) * self.block
 
-    def match(self, hashes: list[int]) -> int:
+    def match(self, hashes: list[Hashable]) -> int:
         """How many leading blocks of ``hashes`` are held. Reads only."""
         held = 0
         for h in hashes:
@@ -82,8 +84,8 @@ class PrefixCache:
             held += 1
         return held
 
-    def insert(self, hashes: list[int]) -> tuple[int, list[int]]:
-        """Hold the blocks ``hashes`` (a chain from :func:`~asgi_generate.workers.block_hash.block_hashes`),
+    def insert(self, hashes: list[Hashable]) -> tuple[int, list[Hashable]]:
+        """Hold the blocks ``hashes`` (a chain of keys from :mod:`~asgi_generate.sim.block_hash`),
         mark the whole chain most recently used, then evict to capacity.
 
         Returns:
@@ -105,7 +107,7 @@ class PrefixCache:
             blocks.move_to_end(h)
         return new, self._evict()
 
-    def _evict(self) -> list[int]:
+    def _evict(self) -> list[Hashable]:
         blocks = self._blocks
         gone = []
         while len(blocks) > self.capacity:

@@ -5,7 +5,7 @@ Follows vLLM ``ServingTokens`` and its models
 api_router}.py``, read from the released wheels) for a server run with
 ``--tokens-only``, as the vLLM version it plays answers (``sim
 --engine-version``, 0.25.0 and later; the behaviours that differ are listed
-in :mod:`asgi_generate.sdk.versions`):
+in :mod:`asgi_generate.sim.versions`):
 
 - ``POST /inference/v1/generate``: the engine id is ``generate-tokens-`` plus
   the ``X-Request-Id`` header, else the body ``request_id``, else a random
@@ -83,17 +83,17 @@ aborted request.
 P/D (``--kv-role``, :mod:`asgi_generate.sim.kvconnector`): a producer
 answers ``kv_transfer_params`` for a prefill finished as its connector hands
 off (a length cap; a stop too with ``NixlConnector``), with its prefix-cache
-hit from 0.32; a consumer that read the prompt's KV from its producer
+hit from 0.31; a consumer that read the prompt's KV from its producer
 computed no prompt position, so it answers ``prompt_logprobs`` null, reports
-the producer's hit as ``cached_tokens`` (before 0.32: the whole prompt it
+the producer's hit as ``cached_tokens`` (before 0.31: the whole prompt it
 loaded) and, as 0.27 reads routed experts from the slots of the request's KV
 blocks (``RoutedExpertsManager.get``), rows for every position with zeros
 for the prompt's (with ``decode_expert_rows="own"``: rows only for the
 output positions it forwarded, none for one token). A consumer prefills the
 prompt itself, and answers like an aggregated engine, when its blocks are
-gone, when asked for ``prompt_logprobs`` (0.32 and later) and, from 0.33,
+gone, when asked for ``prompt_logprobs`` (0.31 and later) and, from 0.33,
 when it returns routed experts (the auxiliary-output connector takes no
-remote KV whose rows it lacks; see :mod:`asgi_generate.sdk.versions`).
+remote KV whose rows it lacks; see :mod:`asgi_generate.sim.versions`).
 """
 
 from __future__ import annotations
@@ -107,11 +107,11 @@ import anyio
 import orjson
 
 from .framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
-from ..sdk.versions import VLLM_DEFAULT_VERSION, VLLM_OLDEST_PLAYED, VLLMBehaviour, parse_version, vllm_behaviour
 from .engine import DuplicateRequestId, Job, SimEngine, Token
 from .grammars import VLLM_REFUSAL
 from .kvconnector import KVConsumer, KVProducer
 from .model import experts_npy_base64
+from .versions import VLLM_DEFAULT_VERSION, VLLMPlayed, vllm_played
 from .vllm_checks import REQUEST, Invalid, VLLMError, check_features, error, invalid, render_invalid, stop_strings, validate
 
 DONE = b"data: [DONE]\n\n"
@@ -155,7 +155,7 @@ class VLLMProtocol:
             after its finishing chunk).
         version: the vLLM version played (``GET /version``): any version
             string from 0.25.0 on (see
-            :data:`~asgi_generate.sdk.versions.VLLM_VERSIONS`).
+            :data:`~asgi_generate.sim.versions.VLLM_VERSIONS`).
         stream_interval: tokens per streamed chunk.
         kv: the P/D KV connector, if any.
         routed_experts: answer each finished choice's ``routed_experts``.
@@ -191,18 +191,14 @@ class VLLMProtocol:
         max_model_len: int = MAX_MODEL_LEN,
         max_logprobs: int = MAX_LOGPROBS,
     ) -> None:
-        behaviour = vllm_behaviour(version)
-        if behaviour is None:
-            raise ValueError(f"not a vLLM version: {version!r}")
-        if parse_version(version) < VLLM_OLDEST_PLAYED:
-            raise ValueError(f"the simulator plays vLLM 0.25.0 and later, not {version}")
+        behaviour = vllm_played(version)
         self.engine = engine
         self.vocab_size = vocab_size
         self.model_name = model_name
         self.usage_chunk = usage_chunk
         #: Tokens per streamed chunk: an engine step under load yields several.
         self.stream_interval = stream_interval
-        self.behaviour: VLLMBehaviour = behaviour
+        self.behaviour: VLLMPlayed = behaviour
         #: P/D: the KV connector of a producer (prefill) or consumer (decode).
         self.kv = kv
         #: vLLM ``--enable-return-routed-experts``.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..sdk.lax import LaxError, lax_scalar
+from .lax import LaxError, lax_scalar
 
 
 class VLLMError(Exception):

@@ -16,6 +16,7 @@ import orjson
 import zmq
 
 from asgi_generate.sim.app import SimApp
+from asgi_generate.sim.block_hash import SGLangPageHashes, VLLMBlockHashes
 from asgi_generate.sim.kv_events import END_SEQ, KVEventsConfig
 from support import asgi_json
 
@@ -98,6 +99,11 @@ def test_config_values_are_read_as_the_engines_pydantic_reads_them():
                                        '"max_queue_size": 0, "topic": "t"}')
     assert (lax.buffer_steps, lax.hwm, lax.max_queue_size, lax.topic) == (5, 7, 0, "t")
     assert KVEventsConfig.parse("sglang", '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:9", "bind": 1}').bind
+    # pydantic's own rules (sim/lax.py): "8.00" is an int, a boolean spelled with spaces is not one.
+    assert KVEventsConfig.parse("vllm", '{"enable_kv_cache_events": true, "buffer_steps": "8.00"}').buffer_steps == 8
+    with pytest.raises(ValueError) as exc:
+        KVEventsConfig.parse("vllm", '{"enable_kv_cache_events": " true"}')
+    assert str(exc.value) == "--kv-events-config: enable_kv_cache_events must be a bool, got ' true'"
     for protocol, on in (("vllm", '"enable_kv_cache_events": true'), ("sglang", '"publisher": "zmq"')):
         for text, message in (('"topic": 5', "topic must be a str, got 5"),
                               ('"hwm": 1.5', "hwm must be an int, got 1.5"),
@@ -245,6 +251,8 @@ def test_vllm_events_blocks_removal_clear_and_discovery():
         assert stored["type"] == "BlockStored" and stored["block_size"] == 16
         assert stored["token_ids"] == prompt[:32] and stored["parent_block_hash"] is None
         assert len(stored["block_hashes"]) == 2 and all(0 <= h < 2**64 for h in stored["block_hashes"])
+        # vLLM's own hashes (tests/sim/test_sim_block_hash.py: its sha256 chain, the salt in block 0).
+        assert stored["block_hashes"] == VLLMBlockHashes().keys(prompt, 16, ("s",))
         assert stored["extra_keys"] == [["s"], None] and stored["medium"] == "GPU"
         other = {"token_ids": list(range(500, 540)), "sampling_params": {"max_tokens": 1}}
         _run(app, ("POST", "/inference/v1/generate", other))
@@ -280,6 +288,7 @@ def test_sglang_events_per_version_encoding(version, maps):
                               "token_ids": [7, 8, 9], "block_size": 1, "lora_id": None, "medium": "GPU",
                               "cache_salt": "s"}
             assert finished[1][0]["parent_block_hash"] == stored["block_hashes"][-1]
+            assert stored["block_hashes"] == SGLangPageHashes().keys([7, 8, 9], 1, (None, "s"))
         else:
             assert stored == ["BlockStored", stored[1], None, [7, 8, 9], 1, None, "GPU", {"cache_salt": "s"}]
         info, = _run(app, ("GET", "/server_info"))

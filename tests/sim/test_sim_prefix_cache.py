@@ -10,7 +10,7 @@ import pytest
 
 from asgi_generate.sim.app import SimApp
 from asgi_generate.sim.prefix_cache import DEFAULT_CACHE_TOKENS, PrefixCache
-from asgi_generate.workers.block_hash import block_hashes, namespace_seed
+from asgi_generate.sim.block_hash import SGLangPageHashes, VLLMBlockHashes
 from support import asgi_json
 
 
@@ -58,15 +58,18 @@ def test_vllm_keys_by_cache_salt_and_counts_whole_blocks():
 
 
 def test_namespaces_never_share_a_block():
-    seeds = {namespace_seed(ns) for ns in [(None, None), ("a", None), (None, "a"), ("a", "bc"), ("ab", "c")]}
-    assert len(seeds) == 5 and namespace_seed((None,)) == namespace_seed((None, None)) == 0
+    sglang = SGLangPageHashes()
+    firsts = {sglang.keys([7, 8], 1, ns)[0] for ns in [(None, None), ("a", None), (None, "a"), ("a", "bc"), ("ab", "c")]}
+    assert len(firsts) == 5 and sglang.keys([7], 1, ()) == sglang.keys([7], 1, (None, None))
+    vllm = VLLMBlockHashes()
+    assert vllm.keys([7, 8], 2, (None,)) == vllm.keys([7, 8], 2, ()) != vllm.keys([7, 8], 2, ("a",))
 
 
 @pytest.mark.parametrize("whole_runs, left", [(False, [0, 1]), (True, [])])
 def test_eviction_tail_first_block_or_radix_node(whole_runs, left):
     cache = PrefixCache(8, 2, whole_runs)
     a, b = list(range(8)), list(range(50, 54))
-    ha, hb = block_hashes(0, a, 2), block_hashes(0, b, 2)
+    ha, hb = VLLMBlockHashes().keys(a, 2, ()), VLLMBlockHashes().keys(b, 2, ())
     assert cache.insert(ha) == (0, [])
     assert cache.insert(ha[:2]) == (2, [])  # touches a's first half only: nothing new
     held, removed = cache.insert(hb)  # two blocks over: a's tail goes first
