@@ -26,7 +26,7 @@ import sys
 from .hypercorn import patches as hypercorn_patches
 from .app import App
 from ..config import Settings
-from ..sdk.registry import CodecLoadError
+from ..exceptions import CodecLoadError
 
 
 def _log_to_stderr() -> None:

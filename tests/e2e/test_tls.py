@@ -13,7 +13,8 @@ import orjson
 import pytest
 import trustme
 
-from asgi_generate.workers.http import ConnectFailed, ConnectionPool, tls_context
+from asgi_generate.exceptions import ConnectFailed
+from asgi_generate.workers.http import ConnectionPool, tls_context
 from support import CONTINUATION, PROMPT, RawClient, start_frontend, start_sim, stats, wait_until
 
 pytestmark = pytest.mark.e2e

@@ -12,7 +12,7 @@ import pytest
 from asgi_generate.config import Settings
 from asgi_generate.ops import admin
 from asgi_generate.ops.fanout import SKIPPED_HEADER, WORKER_HEADER, target
-from asgi_generate.workers.http import ConnectFailed, Unanswered
+from asgi_generate.exceptions import ConnectFailed, Unanswered
 from asgi_generate.workers.router import Router
 from starlette.requests import Request
 

@@ -20,7 +20,7 @@ from asgi_generate.request.handshakes import AGGREGATED, CONCURRENT_PAIR, PAIRS,
 from asgi_generate.request.legs import Leg, LegEnd
 from asgi_generate.sdk import ids
 from asgi_generate.sdk.codec import Attempt
-from asgi_generate.workers.http import ConnectFailed, TimedOut, WorkerDisconnected
+from asgi_generate.exceptions import ConnectFailed, TimedOut, WorkerDisconnected
 from asgi_generate.protocols import PROTOCOLS
 from asgi_generate.workers.router import Worker
 from asgi_generate_sglang import SGLangCodec

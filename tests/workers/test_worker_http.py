@@ -11,7 +11,8 @@ import anyio
 import pytest
 
 from asgi_generate.workers import sockets
-from asgi_generate.workers.http import ConnectFailed, ConnectionPool, TimedOut, Unanswered
+from asgi_generate.exceptions import ConnectFailed, TimedOut, Unanswered
+from asgi_generate.workers.http import ConnectionPool
 
 pytestmark = pytest.mark.anyio
 

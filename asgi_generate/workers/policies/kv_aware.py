@@ -118,7 +118,7 @@ import orjson
 
 from ..block_hash import ROOT, block_hashes, namespace_seed
 from ..engine_load import LOAD_PATHS, EngineLoad, parse_load
-from ..http import WorkerError
+from ...exceptions import WorkerError
 from ..kv_events import Source, Subscriber
 from ..kv_index import KVIndex, SharedBlocks
 from . import Candidate, Least, Policy, W
