@@ -1,0 +1,192 @@
+"""In-process fakes of what a request talks to: a worker's connection pool
+and its responses (the Protocols of :mod:`asgi_generate.workers.pool`,
+checked by tests/workers/test_pool_protocols.py), the router and the
+request context. No socket, no subprocess: workers answer from a script.
+"""
+
+from __future__ import annotations
+
+import math
+
+import anyio
+import orjson
+
+from asgi_generate.config import Settings
+from asgi_generate.request.budget import BodyBudget
+from asgi_generate.request.migrations import MigrationSlots
+from asgi_generate.request.watchdog import Watchdog
+from asgi_generate.tracing.state import RequestState
+from asgi_generate.workers.router import Router
+
+#: A script entry that waits until the leg is cancelled.
+STALL = object()
+
+
+class FakeResponse:
+    """A worker's answer (a :class:`~asgi_generate.workers.pool.WorkerResponse`):
+    ``status``, then ``reads`` in order (bytes, an exception to raise, or
+    :data:`STALL`); the body ends after the last."""
+
+    content_type = None
+    retry_after = None
+
+    def __init__(self, status: int, reads: list) -> None:
+        self.status = status
+        self.reads = list(reads)
+
+    async def read_some(self, deadline: float = math.inf) -> bytes | None:
+        if not self.reads:
+            return None
+        got = self.reads.pop(0)
+        if got is STALL:
+            await anyio.sleep_forever()
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    async def read(self, deadline: float = math.inf) -> bytes:
+        parts = []
+        while (data := await self.read_some(deadline)) is not None:
+            parts.append(data)
+        return b"".join(parts)
+
+
+class FakeExchange:
+    """One request (a :class:`~asgi_generate.workers.pool.WorkerExchange`):
+    its head gives ``answer`` (a :class:`FakeResponse`, an exception to
+    raise, :data:`STALL`, or a callable making one of those)."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+
+    async def __aenter__(self) -> FakeResponse:
+        answer = self.answer() if callable(self.answer) else self.answer
+        if isinstance(answer, BaseException):
+            raise answer
+        if answer is STALL:
+            await anyio.sleep_forever()
+        return answer
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        pass
+
+
+class FakePool:
+    """A worker's pool (a :class:`~asgi_generate.workers.pool.WorkerPool`)
+    answering each request with the next of ``answers`` (as
+    :class:`FakeExchange`'s); ``sent`` lists ``(path, body as JSON, headers)``."""
+
+    def __init__(self, *answers) -> None:
+        self.answers = list(answers)
+        self.sent: list[tuple[bytes, object, list]] = []
+
+    def request(self, method, path, body=b"", headers=(), head_deadline=math.inf, idempotent=False):
+        self.sent.append((path, orjson.loads(body), list(headers)))
+        return FakeExchange(self.answers.pop(0))
+
+    async def aclose(self) -> None:
+        pass
+
+
+class AnsweringPool:
+    """A worker's pool (a :class:`~asgi_generate.workers.pool.WorkerPool`)
+    whose ``answer(body as JSON)`` gives each response's ``(status, pieces)``;
+    ``sent`` lists the bodies as JSON."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.sent: list[dict] = []
+
+    def request(self, method, path, body=b"", headers=(), head_deadline=math.inf, idempotent=False):
+        sent = orjson.loads(body)
+        self.sent.append(sent)
+        return FakeExchange(lambda: FakeResponse(*self.answer(sent)))
+
+    async def aclose(self) -> None:
+        pass
+
+
+class FakeRouter:
+    """Plans from a list; records what the runner tells it."""
+
+    def __init__(self, *plans, probe_up: bool = True) -> None:
+        self.plans = list(plans)
+        self.probe_up = probe_up
+        self.marked: list[tuple[str, str]] = []
+        self.probed: list[str] = []
+
+    def routing_key(self, request, headers):
+        return None
+
+    def plan(self, protocol, exclude=(), key=None):
+        while self.plans:
+            plan = self.plans.pop(0)
+            if not any(w in exclude for w in plan):
+                return plan
+        return None
+
+    def pick(self, protocol, exclude=(), role="aggregated", key=None):
+        plan = self.plan(protocol, exclude, key)
+        return plan[0] if plan is not None and len(plan) == 1 else None
+
+    def can_plan(self, protocol, exclude=()):
+        return any(not any(w in exclude for w in plan) for plan in self.plans)
+
+    def has_protocol(self, protocol):
+        return True
+
+    def mark_down(self, worker, reason):
+        self.marked.append((worker.id, reason))
+
+    async def probe(self, worker):
+        self.probed.append(worker.id)
+        return self.probe_up
+
+
+class FakeRecorder:
+    """Keeps what the request reported, in order."""
+
+    otel = None
+    trace_output_ids = False
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.records: list[RequestState] = []
+        self.gaps: list[float] = []
+
+    def request_started(self) -> None:
+        self.calls.append("started")
+
+    def request_ended(self, st: RequestState) -> None:
+        self.calls.append("ended")
+
+    def request_finished(self, st: RequestState) -> None:
+        self.calls.append(("finished", st.request_id, st.status, st.output_tokens))
+        self.records.append(st)
+
+    async def items_finished(self, states: list[RequestState]) -> None:
+        for st in states:
+            self.request_finished(st)
+
+    def inter_token_latency(self, fmt: str):
+        return self.gaps.append
+
+
+class FakeContext:
+    """A :class:`RequestContext` of plain objects; every abort is acked."""
+
+    def __init__(self, router: Router, **settings) -> None:
+        self.settings = Settings(**{"sse_keepalive": 0, **settings})
+        self.router = router
+        self.recorder = FakeRecorder()
+        self.watchdog = Watchdog()
+        self.body_budget = BodyBudget(1 << 20)
+        self.migrations = MigrationSlots(lambda: 4)
+        self.inflight: dict = {}
+        self.open_requests: dict = {}
+        self.shutting_down = False
+        self.aborted: list[tuple[str, str]] = []
+
+    async def abort_engine_request(self, worker, engine_id: str) -> str:
+        self.aborted.append((worker.id, engine_id))
+        return "acked"
