@@ -33,14 +33,15 @@ STALL = object()
 class FakeResponse:
     """A worker's answer (a :class:`~asgi_generate.workers.pool.WorkerResponse`):
     ``status``, then ``reads`` in order (bytes, an exception to raise, or
-    :data:`STALL`); the body ends after the last."""
+    :data:`STALL`); the body ends after the last. ``content_type``: the
+    header's value, ``None`` for none."""
 
-    content_type = None
     retry_after = None
 
-    def __init__(self, status: int, reads: list) -> None:
+    def __init__(self, status: int, reads: list, content_type: bytes | None = None) -> None:
         self.status = status
         self.reads = list(reads)
+        self.content_type = content_type
 
     async def read_some(self, deadline: float = math.inf) -> bytes | None:
         if not self.reads:
@@ -109,6 +110,39 @@ class AnsweringPool:
         sent = orjson.loads(body)
         self.sent.append(sent)
         return FakeExchange(lambda: FakeResponse(*self.answer(sent)))
+
+    async def aclose(self) -> None:
+        pass
+
+
+class CannedAnswer:
+    """A worker's whole answer to a call, the same each time it is given:
+    ``status``, ``body`` and its ``content_type``."""
+
+    def __init__(self, status: int, body: bytes, content_type: bytes | None = b"application/json") -> None:
+        self.status, self.body, self.content_type = status, body, content_type
+
+
+class CallPool:
+    """A worker's pool (a :class:`~asgi_generate.workers.pool.WorkerPool`)
+    answering every call with ``answer``: a :class:`CannedAnswer`, an
+    exception its head raises, or a function of ``(method, target, body)``
+    returning either; ``calls`` lists ``(method, target, body)``."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.calls: list[tuple[bytes, bytes, bytes]] = []
+
+    def request(self, method, path, body=b"", headers=(), head_deadline=math.inf, idempotent=False):
+        self.calls.append((method, path, body))
+
+        def head():
+            answer = self.answer(method, path, body) if callable(self.answer) else self.answer
+            if isinstance(answer, BaseException):
+                return answer
+            return FakeResponse(answer.status, [answer.body] if answer.body else [], answer.content_type)
+
+        return FakeExchange(head)
 
     async def aclose(self) -> None:
         pass

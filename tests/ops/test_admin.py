@@ -16,46 +16,13 @@ from asgi_generate.exceptions import ConnectFailed, Unanswered
 from asgi_generate.workers.router import Router
 from starlette.requests import Request
 
+from fakes import CallPool, CannedAnswer
 from support import asgi_request
 
 
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
-
-
-class Response:
-    def __init__(self, status: int, body: bytes, content_type: bytes | None = b"application/json") -> None:
-        self.status, self.body, self.content_type = status, body, content_type
-
-    async def read(self, deadline: float | None = None) -> bytes:
-        return self.body
-
-
-class Pool:
-    """A worker's pool: answers every call with ``answer`` (a Response, an
-    exception its head raises, or a function of (method, target, body)
-    returning either); ``calls`` lists (method, target, body)."""
-
-    def __init__(self, answer) -> None:
-        self.answer = answer
-        self.calls: list[tuple[bytes, bytes, bytes]] = []
-
-    def request(self, method, target, body=b"", headers=(), head_deadline=None, idempotent=False):
-        self.calls.append((method, target, body))
-        pool = self
-
-        class Exchange:
-            async def __aenter__(self):
-                answer = pool.answer(method, target, body) if callable(pool.answer) else pool.answer
-                if isinstance(answer, BaseException):
-                    raise answer
-                return answer
-
-            async def __aexit__(self, *exc) -> None:
-                return None
-
-        return Exchange()
 
 
 class Ctx:
@@ -71,12 +38,12 @@ class Ctx:
         return "acked"
 
 
-def fleet(*answers, protocol: str = "sglang") -> tuple[Router, list[Pool]]:
+def fleet(*answers, protocol: str = "sglang") -> tuple[Router, list[CallPool]]:
     """A router with one worker per answer (``None``: a worker that is down)."""
     router = Router([(protocol, f"http://127.0.0.1:{9 + i}") for i in range(len(answers))])
     pools = []
     for w, answer in zip(router.workers, answers):
-        w.pool = Pool(answer)
+        w.pool = CallPool(answer)
         w.healthy = answer is not None
         w.last_error = None if answer is not None else "connection refused"
         pools.append(w.pool)
@@ -89,12 +56,12 @@ async def call(ctx: Ctx, method: str, path: str, body: bytes = b"", query: bytes
     return await asgi_request(admin.build(ctx), method, path, body, query, headers)
 
 
-OK = Response(200, b'{"success": true}')
+OK = CannedAnswer(200, b'{"success": true}')
 
 
 @pytest.mark.anyio
 async def test_a_call_goes_to_every_worker_that_is_up_and_answers_the_first_ones_answer():
-    router, pools = fleet(OK, Response(200, b'{"success": true, "w": 1}'), None)
+    router, pools = fleet(OK, CannedAnswer(200, b'{"success": true, "w": 1}'), None)
     status, headers, body = await call(Ctx(router), "POST", "/flush_cache", b"{}")
     assert (status, body) == (200, b'{"success": true}')
     assert headers[SKIPPED_HEADER.encode()] == b"w2"
@@ -103,7 +70,7 @@ async def test_a_call_goes_to_every_worker_that_is_up_and_answers_the_first_ones
 
 @pytest.mark.anyio
 async def test_one_worker_failing_makes_a_502_listing_every_worker():
-    router, _ = fleet(OK, Response(500, b'{"error": "oom"}'), ConnectFailed("connection refused"))
+    router, _ = fleet(OK, CannedAnswer(500, b'{"error": "oom"}'), ConnectFailed("connection refused"))
     status, headers, body = await call(Ctx(router), "POST", "/flush_cache")
     assert status == 502
     assert orjson.loads(body) == [
@@ -122,8 +89,8 @@ async def test_an_unanswered_call_to_a_worker_that_then_refuses_is_a_skip_and_to
     # its health read: it may have taken the call.
     router, pools = fleet(OK, Unanswered("connection closed before the response head"),
                           Unanswered("connection closed before the response head"))
-    router.workers[1].probe_pool = Pool(ConnectFailed("connection refused"))
-    router.workers[2].probe_pool = Pool(OK)
+    router.workers[1].probe_pool = CallPool(ConnectFailed("connection refused"))
+    router.workers[2].probe_pool = CallPool(OK)
     status, headers, body = await call(Ctx(router), "POST", "/flush_cache")
     assert status == 502
     assert orjson.loads(body) == [
@@ -181,7 +148,7 @@ async def test_an_aborting_pause_begins_before_the_call_and_a_resume_ends_it():
 
 @pytest.mark.anyio
 async def test_info_is_the_first_healthy_sglang_workers_answer_verbatim():
-    info = Response(200, b'{"model_path": "m", "is_generation": true}')
+    info = CannedAnswer(200, b'{"model_path": "m", "is_generation": true}')
     router, pools = fleet(None, info)
     status, _, body = await call(Ctx(router), "GET", "/get_model_info")
     assert (status, body, pools[1].calls) == (200, info.body, [(b"GET", b"/get_model_info", b"")])

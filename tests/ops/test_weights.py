@@ -7,14 +7,15 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from test_admin import OK, Ctx, Response, anyio_backend, call, fleet  # noqa: F401
+from fakes import CannedAnswer
+from test_admin import OK, Ctx, anyio_backend, call, fleet  # noqa: F401
 
 
-def engine(size_field: str, size: int, init: Response = OK):
+def engine(size_field: str, size: int, init: CannedAnswer = OK):
     """A worker whose info answer gives its parallel size ``size``."""
     def answer(method, target, body):
         if target in (b"/get_server_info", b"/get_world_size"):
-            return Response(200, orjson.dumps({size_field: size}))
+            return CannedAnswer(200, orjson.dumps({size_field: size}))
         return init
     return answer
 
@@ -61,7 +62,7 @@ async def test_the_world_size_is_the_fleets_sum_and_a_bad_offset_is_refused():
 
 @pytest.mark.anyio
 async def test_a_worker_that_fails_a_load_is_fenced_out_of_the_rotation():
-    router, _ = fleet(OK, Response(400, b'{"success": false, "message": "bad tensor"}'))
+    router, _ = fleet(OK, CannedAnswer(400, b'{"success": false, "message": "bad tensor"}'))
     body = {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[8]], "weight_version": "v2"}
     status, _, answer = await call(Ctx(router), "POST", "/update_weights_from_distributed", orjson.dumps(body))
     assert status == 502
@@ -74,7 +75,7 @@ async def test_a_worker_that_fails_a_load_is_fenced_out_of_the_rotation():
 async def test_a_bad_body_every_worker_refuses_fences_none():
     """A malformed weight call is refused by every engine with 400: no
     weights changed anywhere, so the rotation stays whole."""
-    refused = Response(400, b'{"error": {"message": "the body is not a JSON object"}}')
+    refused = CannedAnswer(400, b'{"error": {"message": "the body is not a JSON object"}}')
     router, _ = fleet(refused, refused)
     status, _, answer = await call(Ctx(router), "POST", "/update_weights_from_disk", b"{bad")
     assert status == 502

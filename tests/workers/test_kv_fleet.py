@@ -18,6 +18,7 @@ from asgi_generate.workers.engine_load import EngineLoad, parse_load
 from asgi_generate.workers.kv_events import Source, Stored, Subscriber
 from asgi_generate.workers.policies.kv_aware import KVAwarePolicy
 from asgi_generate.workers.policies.kv_loads import read_due, read_loads
+from fakes import CallPool, CannedAnswer
 from asgi_generate_sglang import SGLangCodec
 from asgi_generate_vllm import VLLMCodec
 from support import asgi_json, asgi_request
@@ -189,32 +190,11 @@ def test_the_load_reader_skips_an_idle_engine_and_reads_a_busy_one():
     idle, it reads once and then skips until this replica routes there."""
     bodies = [b'{"loads": [{"num_running_reqs": 0, "num_waiting_reqs": 0}]}']
 
-    class _Resp:
-        status = 200
-
-        async def read(self) -> bytes:
-            return bodies[-1]
-
-    class _Pool:
-        reads = 0
-
-        def request(self, method, path):
-            pool = self
-
-            class _Ctx:
-                async def __aenter__(self):
-                    pool.reads += 1
-                    return _Resp()
-
-                async def __aexit__(self, *exc):
-                    return False
-            return _Ctx()
-
     class _Proto:
         name = "sglang"
 
     worker = _Worker(0)
-    worker.healthy, worker.pool, worker.protocol = True, _Pool(), _Proto()
+    worker.healthy, worker.pool, worker.protocol = True, CallPool(lambda method, path, body: CannedAnswer(200, bodies[-1])), _Proto()
     policy = KVAwarePolicy(load_interval=0.01)
     kv = policy._kv(worker)
 
@@ -223,7 +203,7 @@ def test_the_load_reader_skips_an_idle_engine_and_reads_a_busy_one():
             tg.start_soon(read_loads, worker, kv, policy.load_interval, policy.load_idle_interval, policy.clock)
             while kv.skipped < 5:
                 await anyio.sleep(0.005)
-            assert (worker.pool.reads, kv.readings) == (1, 1)
+            assert (len(worker.pool.calls), kv.readings) == (1, 1)
             bodies.append(b'{"loads": [{"num_running_reqs": 3, "num_waiting_reqs": 0}]}')
             kv.routed += 1  # a route there: read at once, then every interval while busy
             while kv.readings < 3:

@@ -12,11 +12,11 @@ import pytest
 
 from asgi_generate.workers.http import ConnectionPool, Response, _Exchange
 from asgi_generate.workers.pool import WorkerExchange, WorkerPool, WorkerResponse
-from fakes import AnsweringPool, FakeExchange, FakePool, FakeResponse
+from fakes import AnsweringPool, CallPool, FakeExchange, FakePool, FakeResponse
 
 IMPLEMENTATIONS = [
     (WorkerPool, ConnectionPool), (WorkerExchange, _Exchange), (WorkerResponse, Response),
-    (WorkerPool, FakePool), (WorkerPool, AnsweringPool), (WorkerExchange, FakeExchange), (WorkerResponse, FakeResponse),
+    (WorkerPool, FakePool), (WorkerPool, AnsweringPool), (WorkerPool, CallPool), (WorkerExchange, FakeExchange), (WorkerResponse, FakeResponse),
 ]
 
 
