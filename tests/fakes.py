@@ -2,8 +2,8 @@
 
 In process (no socket): a worker's connection pool, one request on it and
 its response (the Protocols of :mod:`asgi_generate.workers.pool`, checked
-by tests/workers/test_pool_protocols.py), the router and the request
-context; the workers answer from a script. On a loopback socket:
+by tests/workers/test_pool_protocols.py), the router, the request context
+and the admin routes' context; the workers answer from a script. On a loopback socket:
 :class:`FakeWorker`, an SGLang worker whose timing the test controls.
 """
 
@@ -19,12 +19,13 @@ import h11
 import orjson
 
 from asgi_generate.config import Settings
+from asgi_generate.ops import admin
 from asgi_generate.request.budget import BodyBudget
 from asgi_generate.request.migrations import MigrationSlots
 from asgi_generate.request.watchdog import Watchdog
 from asgi_generate.tracing.state import RequestState
 from asgi_generate.workers.router import Router
-from support import read_h11_request, send_h11_answer
+from support import asgi_request, read_h11_request, send_h11_answer
 
 #: A script entry that waits until the leg is cancelled.
 STALL = object()
@@ -318,3 +319,39 @@ class FakeWorker:
         while True:  # comments only: alive, but no token
             await anyio.sleep(0.05)
             await stream.send(conn.send(h11.Data(data=b": ping\n\n")))
+
+
+# -- the admin routes' context --------------------------------------------------------
+
+class FakeAdminContext:
+    """The app as the admin routes see it (:class:`~asgi_generate.ops.fanout.AdminContext`)."""
+
+    def __init__(self, router: Router, **settings) -> None:
+        self.settings = Settings(**settings)
+        self.router = router
+        self.codecs: list = []
+        self.inflight: dict = {}
+
+    async def abort_engine_request(self, worker, engine_id: str) -> str:
+        return "acked"
+
+
+def admin_fleet(*answers, protocol: str = "sglang") -> tuple[Router, list[CallPool]]:
+    """A router with one worker per answer (``None``: a worker that is down)."""
+    router = Router([(protocol, f"http://127.0.0.1:{9 + i}") for i in range(len(answers))])
+    pools = []
+    for w, answer in zip(router.workers, answers):
+        w.pool = CallPool(answer)
+        w.healthy = answer is not None
+        w.last_error = None if answer is not None else "connection refused"
+        pools.append(w.pool)
+    return router, pools
+
+
+async def admin_call(ctx: FakeAdminContext, method: str, path: str, body: bytes = b"", query: bytes = b"",
+               headers: list[tuple[bytes, bytes]] = ()) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One request to the admin router; its status, headers and body."""
+    return await asgi_request(admin.build(ctx), method, path, body, query, headers)
+
+
+ADMIN_OK = CannedAnswer(200, b'{"success": true}')
