@@ -2,8 +2,9 @@
 
 Grouped by where they are raised: a worker's transport
 (:mod:`asgi_generate.workers.http`), a client's request body
-(:mod:`asgi_generate.request.framing`), and the start-up checks of the
-trace writer, the metrics and the codec registry. The codecs' request
+(:mod:`asgi_generate.request.framing`), a client gone mid-answer (the
+hypercorn patches), the start-up checks of the trace writer, its parsers,
+the metrics and the codec registry, and the offline tools. The codecs' request
 errors (:class:`asgi_generate.sdk.RequestError` and its subclasses) are
 part of the SDK's public surface and stay there; the simulator keeps its
 own (it shares no code with what it checks).
@@ -12,8 +13,9 @@ own (it shares no code with what it checks).
 from __future__ import annotations
 
 __all__ = [
-    "BodyTimeout", "BodyTooLarge", "ClientDisconnected", "CodecLoadError", "ConnectFailed", "MetricsSetupError",
-    "TimedOut", "TraceSetupError", "Unanswered", "WorkerDisconnected", "WorkerError",
+    "BodyTimeout", "BodyTooLarge", "ClientDisconnected", "ClientGone", "CodecLoadError", "ConnectFailed",
+    "MetricsSetupError", "ParserError", "ReportUnavailable", "TimedOut", "TraceSetupError", "Unanswered",
+    "WorkerDisconnected", "WorkerError",
 ]
 
 
@@ -62,6 +64,15 @@ class BodyTooLarge(Exception):
         self.limit = limit
 
 
+# A client gone while its answer is written (raised by the patched hypercorn's
+# streams, server/hypercorn/fixes.py, for apps that ask for it).
+
+class ClientGone(ConnectionError):
+    """``send()`` of a response message on a connection the client closed;
+    nothing of the message reached the socket (bug 3 of
+    asgi_generate/server/hypercorn/fixes.py)."""
+
+
 # Start-up: settings or installed parts that cannot be served.
 
 class TraceSetupError(ValueError):
@@ -76,3 +87,14 @@ class MetricsSetupError(ValueError):
 class CodecLoadError(Exception):
     """The installed codecs cannot be served together, or some failed to
     load; the message has one line per problem."""
+
+
+class ParserError(ValueError):
+    """A reasoning or tool-call parser is unknown, or cannot work with the
+    given tokenizer (tracing/parser_api.py)."""
+
+
+# The offline tools.
+
+class ReportUnavailable(RuntimeError):
+    """matplotlib is not installed (asgi-generate-trace's HTML report)."""

@@ -36,9 +36,8 @@ import anyio
 import orjson
 
 from ..config import Settings
-from ..exceptions import TraceSetupError
+from ..exceptions import ParserError, TraceSetupError
 from .analysis import OutputAnalyzer
-from .parser_api import ParserError
 from .record import build_record
 from .sinks import JsonlFileSink, Sink, StderrSink
 from .state import RequestState
