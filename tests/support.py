@@ -12,6 +12,7 @@ import glob
 import math
 import os
 import pathlib
+import re
 import socket
 import ssl
 import subprocess
@@ -532,3 +533,71 @@ async def send_h11_answer(stream, conn, body: bytes, status: int = 200, headers=
     ``content-length``, the extra ``headers`` ((name, value) pairs), ``body``."""
     head = h11.Response(status_code=status, headers=[("content-length", str(len(body))), *headers])
     await stream.send(conn.send(head) + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+
+
+# -- P/D simulators ---------------------------------------------------------------
+
+#: ``sim`` flags of an SGLang prefill worker (its bootstrap server on a free port).
+PREFILL = ["--disaggregation-mode", "prefill", "--bootstrap-port", "0"]
+#: ``sim`` flags of an SGLang decode worker.
+DECODE = ["--disaggregation-mode", "decode"]
+#: ``sim`` flag: vLLM's routed experts in every answer (checked across the pair).
+EXPERTS = "--enable-return-routed-experts"
+#: ``sim`` flags of a vLLM prefill (KV producer) and decode (KV consumer) worker.
+PRODUCER = ["--kv-role", "producer", EXPERTS]
+CONSUMER = ["--kv-role", "consumer", EXPERTS]
+
+
+def prefill_spec(sim) -> str:
+    """The ``--prefill`` worker spec of SGLang prefill simulator ``sim``,
+    with the bootstrap port it reports."""
+    port = httpx.get(sim.url + "/get_server_info", timeout=5).json()["disaggregation_bootstrap_port"]
+    return f"sglang={sim.url}?bootstrap_port={port}"
+
+
+# -- raw SSE clients ----------------------------------------------------------------
+
+_EVENT = re.compile(rb"data: (.*?)\n\n", re.DOTALL)
+
+
+def tokens_in(raw: bytes) -> int:
+    """Tokens in the complete SGLang SSE events of ``raw`` (cumulative chunks)."""
+    best = 0
+    for payload in _EVENT.findall(raw):
+        if payload != b"[DONE]":
+            best = max(best, len(orjson.loads(payload).get("output_ids", [])))
+    return best
+
+
+def raw_request(url: str, payload: bytes, headers: dict) -> socket.socket:
+    """Send a POST /generate on a plain socket (no reading); return it."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    head = (f"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n{extra}"
+            f"content-length: {len(payload)}\r\n\r\n").encode()
+    sock.sendall(head + payload)
+    return sock
+
+
+def sse_then_hang_up(url: str, payload: bytes, headers: dict, k: int) -> int:
+    """Read until ``k`` SSE events arrived (or the answer ended), hang up,
+    and return the tokens received."""
+    sock = raw_request(url, payload, headers)
+    raw = b""
+    try:
+        while k and len(_EVENT.findall(raw)) < k and b"[DONE]" not in raw:
+            if raw.startswith(b"HTTP/1.1 ") and not raw.startswith(b"HTTP/1.1 200") and b"\r\n\r\n" in raw:
+                break
+            data = sock.recv(65536)
+            if not data:
+                break
+            raw += data
+        # Hang up our side, then read what the server had already sent
+        # until it closes: what was sent is what was received.
+        sock.shutdown(socket.SHUT_WR)
+        while data := sock.recv(65536):
+            raw += data
+    finally:
+        sock.close()
+    return tokens_in(raw)

@@ -51,8 +51,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..request.framing import BodyTimeout, BodyTooLarge, ClientDisconnected, read_body
-from ..workers.http import ConnectFailed, Unanswered, WorkerError
+from ..exceptions import BodyTimeout, BodyTooLarge, ClientDisconnected, ConnectFailed, Unanswered, WorkerError
+from ..request.framing import read_body
 from ..workers.router import Worker
 
 if TYPE_CHECKING:

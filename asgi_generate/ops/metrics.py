@@ -41,6 +41,7 @@ import anyio
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 
+from ..exceptions import MetricsSetupError
 from ..tracing.state import RequestState
 from ..request.framing import Send, send_unary
 from . import siblings
@@ -67,10 +68,6 @@ WORKER_FAILURES = frozenset({"connect_failed", "worker_lost", "error", "timeout"
 #: Abort results (:mod:`asgi_generate.workers.aborts`) as the label says them.
 ABORT_RESULTS = {"acked": "acknowledged", "unacknowledged": "unacknowledged", "lost": "worker_lost"}
 WORKER_LABELS = ("worker", "url", "protocol", "role")
-
-
-class MetricsSetupError(ValueError):
-    """``PROMETHEUS_MULTIPROC_DIR`` names no folder."""
 
 
 def multiproc_dir() -> str | None:

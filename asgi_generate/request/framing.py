@@ -16,6 +16,8 @@ from typing import Awaitable, Callable, Iterable
 
 import anyio
 
+from ..exceptions import BodyTimeout, BodyTooLarge, ClientDisconnected
+
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 Headers = Iterable[tuple[bytes, bytes]]
@@ -26,22 +28,6 @@ SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-
-
-class ClientDisconnected(Exception):
-    """The client sent ``http.disconnect`` before the request body was whole."""
-
-
-class BodyTimeout(Exception):
-    """The client did not send its whole body within the deadline."""
-
-
-class BodyTooLarge(Exception):
-    """The request body exceeds the cap; ``limit`` is the cap in bytes."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"request body exceeds the limit of {limit} bytes")
-        self.limit = limit
 
 
 async def read_body(

@@ -30,7 +30,8 @@ from . import answer
 from .compact import dumps_compact
 from .ids import mint
 from .lax import LaxError, lax_scalar
-from .registry import GROUP, CodecLoadError, LoadedCodec, load_codecs
+from ..exceptions import CodecLoadError
+from .registry import GROUP, LoadedCodec, load_codecs
 from .text import PromptTokenizer, StopWatch
 from .token_ids import PackedIds, as_u32, pack_token_ids
 from .versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS, VLLMBehaviour, parse_version, vllm_behaviour

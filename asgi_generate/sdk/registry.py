@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 from typing import Collection
 
+from ..exceptions import CodecLoadError
 from .codec import Codec, Route
 
 GROUP = "asgi_generate.codecs"
@@ -32,11 +33,6 @@ RESERVED_PATHS = ("/health", "/v1/models", "/stats")
 SKIP_HINT = "start with --skip-broken-codecs to serve without the codecs that failed to load"
 _METHOD = re.compile(r"[A-Z]+")
 log = logging.getLogger("asgi_generate.sdk.registry")
-
-
-class CodecLoadError(Exception):
-    """The installed codecs cannot be served together, or some failed to
-    load; the message has one line per problem."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from ..request.context import Running
 from ..sdk.codec import Codec
 from ..config import Settings
 from . import embedded
-from .hypercorn import edge_counts, patches as hypercorn_patches
+from .hypercorn import edge_counts, patches
 from ..request.budget import BodyBudget
 from ..request.migrations import MigrationSlots
 from ..request.framing import Receive, Send, send_unary
@@ -386,7 +386,7 @@ class App:
         recorder = self.recorder
         return {
             "pid": os.getpid(),
-            "hypercorn_patches": hypercorn_patches.status(),
+            "hypercorn_patches": patches.status(),
             "hash_accelerator": hashes.ACCELERATED,
             "connections_closed": dict(edge_counts.closed),
             **recorder.counters,

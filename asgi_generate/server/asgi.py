@@ -23,10 +23,10 @@ to serve the app another way.
 import logging
 import sys
 
-from .hypercorn import patches as hypercorn_patches
+from .hypercorn import patches
 from .app import App
 from ..config import Settings
-from ..sdk.registry import CodecLoadError
+from ..exceptions import CodecLoadError
 
 
 def _log_to_stderr() -> None:
@@ -43,7 +43,7 @@ def _app() -> App:
     try:
         settings = Settings.from_env()
         settings.check()
-        hypercorn_patches.install(send_errors=App.handles_send_errors,
+        patches.install(send_errors=App.handles_send_errors,
                                   header_read_timeout=settings.header_read_timeout)
         return App(settings)
     except (ValueError, CodecLoadError) as exc:  # TraceSetupError is a ValueError

@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 from hypercorn.config import Config
 
-from .hypercorn import patches as hypercorn_patches
+from .hypercorn import patches
 
 #: hypercorn worker classes; ``uvloop`` is hypercorn's asyncio worker on
 #: uvloop's event loop (hypercorn's own ``--worker-class uvloop``).
@@ -263,7 +263,7 @@ def run(app: Any, config: Config, worker_class: str = "asyncio", header_read_tim
         raise ValueError(f"worker class must be one of {WORKER_CLASSES}, not {worker_class!r}")
     raise_fd_limit()
 
-    patched = hypercorn_patches.install(send_errors=getattr(app, "handles_send_errors", False),
+    patched = patches.install(send_errors=getattr(app, "handles_send_errors", False),
                                         header_read_timeout=header_read_timeout)
 
     async def main() -> None:

@@ -13,6 +13,7 @@ holds the ``asgi-generate-trace`` command and its tools.
 """
 
 from .schema import SCHEMA, SCHEMA_ID
-from .writer import Tracer, TraceSetupError
+from ..exceptions import TraceSetupError
+from .writer import Tracer
 
 __all__ = ["SCHEMA", "SCHEMA_ID", "TraceSetupError", "Tracer"]

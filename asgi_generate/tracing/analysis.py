@@ -15,7 +15,8 @@ from typing import Sequence
 
 from tokenizers import Tokenizer, decoders
 
-from .parser_api import ParserError, ReasoningParser, ToolCallParser
+from ..exceptions import ParserError
+from .parser_api import ReasoningParser, ToolCallParser
 from .parsers import load_parser
 
 

@@ -22,13 +22,10 @@ import sys
 from typing import Sequence
 
 from ..hashes import SEED, chain, chain_json  # SEED: the chain's, named here for readers and tests
+from ..exceptions import TokenIdOutOfRange
 from ..sdk.token_ids import as_u32
 
 _LITTLE = sys.byteorder == "little"
-
-
-class TokenIdOutOfRange(ValueError):
-    """A token id does not fit an unsigned 32-bit integer."""
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:

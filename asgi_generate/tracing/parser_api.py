@@ -15,9 +15,7 @@ from typing import Sequence
 
 from tokenizers import Tokenizer
 
-
-class ParserError(ValueError):
-    """A parser is unknown, or cannot work with the given tokenizer."""
+from ..exceptions import ParserError
 
 
 class ReasoningParser:

@@ -21,7 +21,7 @@ from importlib.metadata import entry_points
 
 from tokenizers import Tokenizer
 
-from .parser_api import ParserError
+from ..exceptions import ParserError
 from .reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 from .tool_calls import HermesToolCallParser
 

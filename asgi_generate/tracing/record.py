@@ -11,7 +11,8 @@ from __future__ import annotations
 import orjson
 
 from .analysis import OutputAnalyzer, final_finish_reason
-from .hashing import TokenIdOutOfRange, block_hashes_json
+from ..exceptions import TokenIdOutOfRange
+from .hashing import block_hashes_json
 from .schema import EVENT_TYPE, SCHEMA_ID
 from .state import RequestState
 

@@ -36,8 +36,8 @@ import anyio
 import orjson
 
 from ..config import Settings
+from ..exceptions import ParserError, TraceSetupError
 from .analysis import OutputAnalyzer
-from .parser_api import ParserError
 from .record import build_record
 from .sinks import JsonlFileSink, Sink, StderrSink
 from .state import RequestState
@@ -54,11 +54,6 @@ GATHER_S = 0.1
 ITEMS_WAIT_S = 10.0
 #: Seconds between warnings while records are being dropped.
 DROP_LOG_S = 60.0
-
-
-class TraceSetupError(ValueError):
-    """The trace settings are inconsistent, or the tokenizer or a parser
-    cannot be loaded."""
 
 
 class Tracer:

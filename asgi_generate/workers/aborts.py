@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Callable
 
 import anyio
 
-from .http import ConnectFailed, ConnectionPool, TimedOut, Unanswered, WorkerDisconnected
+from ..exceptions import ConnectFailed, TimedOut, Unanswered, WorkerDisconnected
+from .http import ConnectionPool
 
 if TYPE_CHECKING:
     from .router import Worker

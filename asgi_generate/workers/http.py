@@ -45,6 +45,8 @@ from typing import Iterable
 import anyio
 import h11
 
+# WorkerError: the base of the pool's failures, which callers catch.
+from ..exceptions import ConnectFailed, TimedOut, Unanswered, WorkerDisconnected, WorkerError  # noqa: F401
 from .sockets import TCPConnection, TLSConnection, connect
 
 log = logging.getLogger("asgi_generate.workers")
@@ -58,31 +60,6 @@ RECEIVE_SIZE = 65536
 #: ``build_and_serve`` to ``serve_http``), with a second to spare for the
 #: response's own transit (uvicorn's timer starts once it has sent it).
 IDLE_TIMEOUT = 4.0
-
-
-class WorkerError(Exception):
-    """A transport failure talking to a worker (the worker may be gone)."""
-
-
-class ConnectFailed(WorkerError):
-    """No TCP connection could be opened within the connect timeout."""
-
-
-class WorkerDisconnected(WorkerError):
-    """The connection broke or the worker broke HTTP before the response ended."""
-
-
-class Unanswered(WorkerDisconnected):
-    """The connection closed (or broke) before the response head: the worker
-    may or may not have read the request, so the pool did not send it again
-    (an ``idempotent`` request's one retry included)."""
-
-
-class TimedOut(Exception):
-    """The caller's deadline passed before the worker sent what was awaited.
-
-    Not a :class:`WorkerError`: a slow worker is not a dead one.
-    """
 
 
 def tls_context(ca_file: str | None = None, insecure: bool = False) -> ssl.SSLContext:

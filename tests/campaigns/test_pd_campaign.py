@@ -18,9 +18,10 @@ import httpx
 import orjson
 import pytest
 
-from support import JSON_HEADERS, RawClient, Traced, same, start_sim, stats, vnorm, wait_until
-from test_pd import DECODE, PREFILL, prefill_spec
-from test_pd_vllm import CONSUMER, EXPERTS, GEN, PRODUCER
+from support import (CONSUMER, DECODE, EXPERTS, JSON_HEADERS, PREFILL, PRODUCER, RawClient, Traced, prefill_spec, same, start_sim,
+                     stats, vnorm, wait_until)
+
+GEN = "/inference/v1/generate"
 
 pytestmark = pytest.mark.e2e
 

@@ -20,8 +20,7 @@ import orjson
 import pytest
 
 from asgi_generate.assets import TOKENIZER_PATH
-from support import campaign_size, start_frontend, start_sim
-from test_trace_e2e import raw_request, sse_then_hang_up, tokens_in
+from support import campaign_size, raw_request, sse_then_hang_up, start_frontend, start_sim, tokens_in
 
 pytestmark = pytest.mark.e2e
 

@@ -7,10 +7,11 @@ import pytest
 
 
 def test_no_codec_to_serve_is_refused(monkeypatch):
+    from asgi_generate.exceptions import CodecLoadError
     from asgi_generate.sdk import registry
     from asgi_generate.protocols import PROTOCOLS
 
     monkeypatch.setattr(registry, "entry_points", lambda group: [])
-    with pytest.raises(registry.CodecLoadError) as exc:
+    with pytest.raises(CodecLoadError) as exc:
         registry.load_codecs(protocols=PROTOCOLS)
     assert str(exc.value) == "no codec to serve: none is installed in the entry point group asgi_generate.codecs"

@@ -405,7 +405,7 @@ def test_silence_past_the_inter_token_timeout_migrates(worker_class, tmp_path):
     """A worker that sends one token and then only comments is slow, not
     dead: it stays up, its leg is aborted, and the stream continues on
     another worker from the token it did send."""
-    from test_engine_timing import STREAM, FakeWorker
+    from fakes import STREAM, FakeWorker
 
     sim = start_sim("sglang")
     try:
@@ -443,7 +443,7 @@ def _stalled_and_continued(sim) -> list:
     ``sim``: the fake's one token (``[5]``), then the simulator's own stream
     of ``[11, 12, 13]`` + ``[5]`` (5 tokens left) as the continuation of the
     first (ids, text, counts and the length finish over all 6 tokens)."""
-    from test_engine_timing import STREAM
+    from fakes import STREAM
 
     resumed = {**STREAM, "input_ids": [11, 12, 13, 5], "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
     expected = [{"text": "a", "output_ids": [5],
@@ -777,7 +777,7 @@ def test_a_worker_the_probe_gives_up_mid_stream_migrates(worker_class, tmp_path)
     included, after one token (connection open, no error): the probe gives
     it up, its leg is cancelled at once (record ``worker_lost``), and the
     stream continues on the other worker from that token."""
-    from test_engine_timing import STREAM, FakeWorker
+    from fakes import STREAM, FakeWorker
 
     sim = start_sim("sglang")
     try:
@@ -819,7 +819,7 @@ def test_503_before_any_token_is_a_failover(stream, tmp_path):
     no backoff), and the answer is that worker's. A unary 503 may be the
     engine's own abort of the request (SGLang ``_wait_one_response``): it is
     the answer, passed through, with no second leg."""
-    from test_engine_timing import STREAM, FakeWorker
+    from fakes import STREAM, FakeWorker
 
     body = {**STREAM, "stream": stream}
     sim = start_sim("sglang")

@@ -14,8 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from support import PROMPT, sse, start_frontend, start_sim, wait_until, without_timing, trace_records
-from test_pd import DECODE, PREFILL, prefill_spec
+from support import DECODE, PREFILL, PROMPT, prefill_spec, sse, start_frontend, start_sim, wait_until, without_timing, trace_records
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,8 @@ import orjson
 import pytest
 import trustme
 
-from asgi_generate.workers.http import ConnectFailed, ConnectionPool, tls_context
+from asgi_generate.exceptions import ConnectFailed
+from asgi_generate.workers.http import ConnectionPool, tls_context
 from support import CONTINUATION, PROMPT, RawClient, start_frontend, start_sim, stats, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -143,7 +144,7 @@ def test_frontend_speaks_h2_to_clients_that_offer_it(pki, worker_class):
 @pytest.mark.parametrize("worker_class", ["asyncio", "trio"])
 def test_frontend_takes_cleartext_h2_with_prior_knowledge(worker_class):
     # No TLS, no ALPN: the h2 preface on an HTTP/1.1 connection turns it
-    # into h2 (hypercorn's ProtocolWrapper switch, hypercorn_lean.handle).
+    # into h2 (hypercorn's ProtocolWrapper switch, asgi_generate.server.hypercorn.lean's handle).
     sim = start_sim("sglang")
     try:
         fe = start_frontend([f"sglang={sim.url}"], worker_class=worker_class)

@@ -13,9 +13,7 @@ validated and its records counted against the requests sent.
 from __future__ import annotations
 
 import glob
-import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,58 +25,12 @@ import pytest
 from asgi_generate.assets import TOKENIZER_PATH
 from asgi_generate.tracing.hashing import block_hashes
 from asgi_generate.tracing.offline.validate import check_records, read_jsonl
-from support import (JSON_HEADERS, RawClient, generating, post, reading_body, sse, start_frontend, start_sim, stats,
-                     wait_until, trace_records)
+from support import (JSON_HEADERS, RawClient, generating, post, reading_body, sse, sse_then_hang_up, start_frontend, start_sim,
+                     stats, wait_until, trace_records)
 
 pytestmark = pytest.mark.e2e
 
 PARSERS = ["--tokenizer", str(TOKENIZER_PATH), "--reasoning-parser", "deepseek_r1", "--tool-call-parser", "hermes"]
-_EVENT = re.compile(rb"data: (.*?)\n\n", re.DOTALL)
-
-
-def tokens_in(raw: bytes) -> int:
-    """Tokens in the complete SGLang SSE events of ``raw`` (cumulative chunks)."""
-    best = 0
-    for payload in _EVENT.findall(raw):
-        if payload != b"[DONE]":
-            best = max(best, len(orjson.loads(payload).get("output_ids", [])))
-    return best
-
-
-def raw_request(url: str, payload: bytes, headers: dict) -> socket.socket:
-    """Send a POST /generate on a plain socket (no reading); return it."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=10)
-    extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    head = (f"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n{extra}"
-            f"content-length: {len(payload)}\r\n\r\n").encode()
-    sock.sendall(head + payload)
-    return sock
-
-
-def sse_then_hang_up(url: str, payload: bytes, headers: dict, k: int) -> int:
-    """Read until ``k`` SSE events arrived (or the answer ended), hang up,
-    and return the tokens received."""
-    sock = raw_request(url, payload, headers)
-    raw = b""
-    try:
-        while k and len(_EVENT.findall(raw)) < k and b"[DONE]" not in raw:
-            if raw.startswith(b"HTTP/1.1 ") and not raw.startswith(b"HTTP/1.1 200") and b"\r\n\r\n" in raw:
-                break
-            data = sock.recv(65536)
-            if not data:
-                break
-            raw += data
-        # Hang up our side, then read what the server had already sent
-        # until it closes: what was sent is what was received.
-        sock.shutdown(socket.SHUT_WR)
-        while data := sock.recv(65536):
-            raw += data
-    finally:
-        sock.close()
-    return tokens_in(raw)
-
-
 class Traced:
     """A frontend with ``--trace-file``: counts the requests that must leave
     a record and hands out the records as they arrive."""

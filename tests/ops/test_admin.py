@@ -9,14 +9,11 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from asgi_generate.config import Settings
-from asgi_generate.ops import admin
 from asgi_generate.ops.fanout import SKIPPED_HEADER, WORKER_HEADER, target
-from asgi_generate.workers.http import ConnectFailed, Unanswered
-from asgi_generate.workers.router import Router
+from asgi_generate.exceptions import ConnectFailed, Unanswered
 from starlette.requests import Request
 
-from support import asgi_request
+from fakes import ADMIN_OK, CallPool, CannedAnswer, FakeAdminContext, admin_call, admin_fleet
 
 
 @pytest.fixture
@@ -24,78 +21,10 @@ def anyio_backend():
     return "asyncio"
 
 
-class Response:
-    def __init__(self, status: int, body: bytes, content_type: bytes | None = b"application/json") -> None:
-        self.status, self.body, self.content_type = status, body, content_type
-
-    async def read(self, deadline: float | None = None) -> bytes:
-        return self.body
-
-
-class Pool:
-    """A worker's pool: answers every call with ``answer`` (a Response, an
-    exception its head raises, or a function of (method, target, body)
-    returning either); ``calls`` lists (method, target, body)."""
-
-    def __init__(self, answer) -> None:
-        self.answer = answer
-        self.calls: list[tuple[bytes, bytes, bytes]] = []
-
-    def request(self, method, target, body=b"", headers=(), head_deadline=None, idempotent=False):
-        self.calls.append((method, target, body))
-        pool = self
-
-        class Exchange:
-            async def __aenter__(self):
-                answer = pool.answer(method, target, body) if callable(pool.answer) else pool.answer
-                if isinstance(answer, BaseException):
-                    raise answer
-                return answer
-
-            async def __aexit__(self, *exc) -> None:
-                return None
-
-        return Exchange()
-
-
-class Ctx:
-    """The app as the admin routes see it (fanout.AdminContext)."""
-
-    def __init__(self, router: Router, **settings) -> None:
-        self.settings = Settings(**settings)
-        self.router = router
-        self.codecs: list = []
-        self.inflight: dict = {}
-
-    async def abort_engine_request(self, worker, engine_id: str) -> str:
-        return "acked"
-
-
-def fleet(*answers, protocol: str = "sglang") -> tuple[Router, list[Pool]]:
-    """A router with one worker per answer (``None``: a worker that is down)."""
-    router = Router([(protocol, f"http://127.0.0.1:{9 + i}") for i in range(len(answers))])
-    pools = []
-    for w, answer in zip(router.workers, answers):
-        w.pool = Pool(answer)
-        w.healthy = answer is not None
-        w.last_error = None if answer is not None else "connection refused"
-        pools.append(w.pool)
-    return router, pools
-
-
-async def call(ctx: Ctx, method: str, path: str, body: bytes = b"", query: bytes = b"",
-               headers: list[tuple[bytes, bytes]] = ()) -> tuple[int, dict[bytes, bytes], bytes]:
-    """One request to the admin router; its status, headers and body."""
-    return await asgi_request(admin.build(ctx), method, path, body, query, headers)
-
-
-OK = Response(200, b'{"success": true}')
-
-
 @pytest.mark.anyio
 async def test_a_call_goes_to_every_worker_that_is_up_and_answers_the_first_ones_answer():
-    router, pools = fleet(OK, Response(200, b'{"success": true, "w": 1}'), None)
-    status, headers, body = await call(Ctx(router), "POST", "/flush_cache", b"{}")
+    router, pools = admin_fleet(ADMIN_OK, CannedAnswer(200, b'{"success": true, "w": 1}'), None)
+    status, headers, body = await admin_call(FakeAdminContext(router), "POST", "/flush_cache", b"{}")
     assert (status, body) == (200, b'{"success": true}')
     assert headers[SKIPPED_HEADER.encode()] == b"w2"
     assert [p.calls for p in pools] == [[(b"POST", b"/flush_cache", b"{}")]] * 2 + [[]]
@@ -103,8 +32,8 @@ async def test_a_call_goes_to_every_worker_that_is_up_and_answers_the_first_ones
 
 @pytest.mark.anyio
 async def test_one_worker_failing_makes_a_502_listing_every_worker():
-    router, _ = fleet(OK, Response(500, b'{"error": "oom"}'), ConnectFailed("connection refused"))
-    status, headers, body = await call(Ctx(router), "POST", "/flush_cache")
+    router, _ = admin_fleet(ADMIN_OK, CannedAnswer(500, b'{"error": "oom"}'), ConnectFailed("connection refused"))
+    status, headers, body = await admin_call(FakeAdminContext(router), "POST", "/flush_cache")
     assert status == 502
     assert orjson.loads(body) == [
         {"worker": "w0", "status": 200, "body": {"success": True}},
@@ -120,11 +49,11 @@ async def test_an_unanswered_call_to_a_worker_that_then_refuses_is_a_skip_and_to
     # w1 was killed as the call went out on a reused connection: its new
     # connection is refused. w2 closed the connection too but still answers
     # its health read: it may have taken the call.
-    router, pools = fleet(OK, Unanswered("connection closed before the response head"),
+    router, pools = admin_fleet(ADMIN_OK, Unanswered("connection closed before the response head"),
                           Unanswered("connection closed before the response head"))
-    router.workers[1].probe_pool = Pool(ConnectFailed("connection refused"))
-    router.workers[2].probe_pool = Pool(OK)
-    status, headers, body = await call(Ctx(router), "POST", "/flush_cache")
+    router.workers[1].probe_pool = CallPool(ConnectFailed("connection refused"))
+    router.workers[2].probe_pool = CallPool(ADMIN_OK)
+    status, headers, body = await admin_call(FakeAdminContext(router), "POST", "/flush_cache")
     assert status == 502
     assert orjson.loads(body) == [
         {"worker": "w0", "status": 200, "body": {"success": True}},
@@ -138,54 +67,54 @@ async def test_an_unanswered_call_to_a_worker_that_then_refuses_is_a_skip_and_to
 
 @pytest.mark.anyio
 async def test_every_worker_down_is_a_503_naming_each():
-    router, _ = fleet(None, None)
-    status, _, body = await call(Ctx(router), "POST", "/pause_generation")
+    router, _ = admin_fleet(None, None)
+    status, _, body = await admin_call(FakeAdminContext(router), "POST", "/pause_generation")
     assert (status, orjson.loads(body)) == (503, {"error": {
         "message": "no worker of protocol 'sglang' is up: w0 (connection refused), w1 (connection refused)"}})
 
 
 @pytest.mark.anyio
 async def test_a_named_worker_alone_is_called_and_the_parameter_is_not_sent_on():
-    router, pools = fleet(OK, OK)
-    status, _, _ = await call(Ctx(router), "GET", "/flush_cache", query=b"worker=w1&x=1")
+    router, pools = admin_fleet(ADMIN_OK, ADMIN_OK)
+    status, _, _ = await admin_call(FakeAdminContext(router), "GET", "/flush_cache", query=b"worker=w1&x=1")
     assert status == 200
     assert [p.calls for p in pools] == [[], [(b"GET", b"/flush_cache?x=1", b"")]]
-    assert (await call(Ctx(router), "GET", "/flush_cache", headers=[(WORKER_HEADER.encode(), b"w0")]))[0] == 200
+    assert (await admin_call(FakeAdminContext(router), "GET", "/flush_cache", headers=[(WORKER_HEADER.encode(), b"w0")]))[0] == 200
     assert len(pools[0].calls) == 1
-    status, _, body = await call(Ctx(router), "GET", "/flush_cache", query=b"worker=w7")
+    status, _, body = await admin_call(FakeAdminContext(router), "GET", "/flush_cache", query=b"worker=w7")
     assert (status, orjson.loads(body)) == (404, {"error": {"message": "no worker 'w7' of protocol 'sglang'"}})
 
 
 @pytest.mark.anyio
 async def test_the_admin_token_is_required_when_set():
-    router, pools = fleet(OK)
-    ctx = Ctx(router, admin_token="s3cret")
-    status, headers, _ = await call(ctx, "POST", "/flush_cache")
+    router, pools = admin_fleet(ADMIN_OK)
+    ctx = FakeAdminContext(router, admin_token="s3cret")
+    status, headers, _ = await admin_call(ctx, "POST", "/flush_cache")
     assert (status, headers[b"www-authenticate"], pools[0].calls) == (401, b"Bearer", [])
-    assert (await call(ctx, "POST", "/flush_cache", headers=[(b"authorization", b"Bearer wrong")]))[0] == 401
-    assert (await call(ctx, "POST", "/flush_cache", headers=[(b"authorization", b"bearer s3cret")]))[0] == 200
+    assert (await admin_call(ctx, "POST", "/flush_cache", headers=[(b"authorization", b"Bearer wrong")]))[0] == 401
+    assert (await admin_call(ctx, "POST", "/flush_cache", headers=[(b"authorization", b"bearer s3cret")]))[0] == 200
 
 
 @pytest.mark.anyio
 async def test_an_aborting_pause_begins_before_the_call_and_a_resume_ends_it():
-    router, _ = fleet(OK)
-    ctx = Ctx(router)
+    router, _ = admin_fleet(ADMIN_OK)
+    ctx = FakeAdminContext(router)
     epoch = router.pauses.epoch("sglang")
-    assert (await call(ctx, "POST", "/pause_generation", b'{"mode": "retract"}'))[0] == 200
+    assert (await admin_call(ctx, "POST", "/pause_generation", b'{"mode": "retract"}'))[0] == 200
     assert router.pauses.epoch("sglang") == epoch  # not an aborting pause
-    assert (await call(ctx, "POST", "/pause_generation", b"{}"))[0] == 200
+    assert (await admin_call(ctx, "POST", "/pause_generation", b"{}"))[0] == 200
     assert (router.pauses.epoch("sglang"), router.pauses.paused("sglang")) == (epoch + 1, True)
-    assert (await call(ctx, "POST", "/continue_generation"))[0] == 200
+    assert (await admin_call(ctx, "POST", "/continue_generation"))[0] == 200
     assert (router.pauses.epoch("sglang"), router.pauses.paused("sglang")) == (epoch + 1, False)
 
 
 @pytest.mark.anyio
 async def test_info_is_the_first_healthy_sglang_workers_answer_verbatim():
-    info = Response(200, b'{"model_path": "m", "is_generation": true}')
-    router, pools = fleet(None, info)
-    status, _, body = await call(Ctx(router), "GET", "/get_model_info")
+    info = CannedAnswer(200, b'{"model_path": "m", "is_generation": true}')
+    router, pools = admin_fleet(None, info)
+    status, _, body = await admin_call(FakeAdminContext(router), "GET", "/get_model_info")
     assert (status, body, pools[1].calls) == (200, info.body, [(b"GET", b"/get_model_info", b"")])
-    status, _, body = await call(Ctx(fleet(None)[0]), "GET", "/server_info")
+    status, _, body = await admin_call(FakeAdminContext(admin_fleet(None)[0]), "GET", "/server_info")
     assert (status, orjson.loads(body)) == (503, {"error": {"message": "no healthy worker for protocol 'sglang'"}})
 
 

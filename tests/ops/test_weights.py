@@ -1,5 +1,5 @@
 """The weight routes (asgi_generate/ops/weights.py) in process, over fake
-workers (tests/ops/test_admin.py's): the rank arithmetic of a group's
+workers (tests/fakes.py's CallPool): the rank arithmetic of a group's
 set-up, the fleet's world size, and the version fence a failed load sets."""
 
 from __future__ import annotations
@@ -7,23 +7,28 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from test_admin import OK, Ctx, Response, anyio_backend, call, fleet  # noqa: F401
+from fakes import ADMIN_OK, CannedAnswer, FakeAdminContext, admin_call, admin_fleet
 
 
-def engine(size_field: str, size: int, init: Response = OK):
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def engine(size_field: str, size: int, init: CannedAnswer = ADMIN_OK):
     """A worker whose info answer gives its parallel size ``size``."""
     def answer(method, target, body):
         if target in (b"/get_server_info", b"/get_world_size"):
-            return Response(200, orjson.dumps({size_field: size}))
+            return CannedAnswer(200, orjson.dumps({size_field: size}))
         return init
     return answer
 
 
 @pytest.mark.anyio
 async def test_each_sglang_worker_gets_the_ranks_after_the_previous_workers():
-    router, pools = fleet(engine("tp_size", 1), engine("tp_size", 2), engine("tp_size", 4))
+    router, pools = admin_fleet(engine("tp_size", 1), engine("tp_size", 2), engine("tp_size", 4))
     body = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "group_name": "g"}
-    status, _, answer = await call(Ctx(router), "POST", "/init_weights_update_group", orjson.dumps(body))
+    status, _, answer = await admin_call(FakeAdminContext(router), "POST", "/init_weights_update_group", orjson.dumps(body))
     assert status == 200
     assert orjson.loads(answer) == {"success": True, "world_size": 8, "assignment": [
         {"worker": "w0", "rank_offset": 1, "ranks": 1},
@@ -36,13 +41,13 @@ async def test_each_sglang_worker_gets_the_ranks_after_the_previous_workers():
 
 @pytest.mark.anyio
 async def test_a_vllm_group_gets_its_ranks_inside_init_info_and_a_wrong_world_size_is_refused():
-    router, pools = fleet(engine("world_size", 2), engine("world_size", 2), protocol="vllm")
+    router, pools = admin_fleet(engine("world_size", 2), engine("world_size", 2), protocol="vllm")
     info = {"master_address": "127.0.0.1", "master_port": 29511, "rank_offset": 1, "world_size": 5}
-    status, _, _ = await call(Ctx(router), "POST", "/init_weight_transfer_engine",
+    status, _, _ = await admin_call(FakeAdminContext(router), "POST", "/init_weight_transfer_engine",
                               orjson.dumps({"init_info": info}))
     assert status == 200
     assert [orjson.loads(p.calls[-1][2])["init_info"]["rank_offset"] for p in pools] == [1, 3]
-    status, _, answer = await call(Ctx(router), "POST", "/init_weight_transfer_engine",
+    status, _, answer = await admin_call(FakeAdminContext(router), "POST", "/init_weight_transfer_engine",
                                    orjson.dumps({"init_info": {**info, "world_size": 4}}))
     assert (status, orjson.loads(answer)) == (400, {"error": {"message": (
         "world_size 4 is not the group's: rank_offset 1 plus the workers' parallel sizes (w0: 2, w1: 2) is 5")}})
@@ -50,10 +55,10 @@ async def test_a_vllm_group_gets_its_ranks_inside_init_info_and_a_wrong_world_si
 
 @pytest.mark.anyio
 async def test_the_world_size_is_the_fleets_sum_and_a_bad_offset_is_refused():
-    router, _ = fleet(engine("world_size", 2), engine("world_size", 4), protocol="vllm")
-    status, _, answer = await call(Ctx(router), "GET", "/get_world_size")
+    router, _ = admin_fleet(engine("world_size", 2), engine("world_size", 4), protocol="vllm")
+    status, _, answer = await admin_call(FakeAdminContext(router), "GET", "/get_world_size")
     assert (status, orjson.loads(answer)) == (200, {"world_size": 6})
-    status, _, answer = await call(Ctx(router), "POST", "/init_weight_transfer_engine",
+    status, _, answer = await admin_call(FakeAdminContext(router), "POST", "/init_weight_transfer_engine",
                                    orjson.dumps({"init_info": {"rank_offset": -1}}))
     assert (status, orjson.loads(answer)) == (400, {"error": {"message": (
         "'rank_offset' (the first engine rank: the trainer's ranks are below it) must be an integer >= 0")}})
@@ -61,9 +66,9 @@ async def test_the_world_size_is_the_fleets_sum_and_a_bad_offset_is_refused():
 
 @pytest.mark.anyio
 async def test_a_worker_that_fails_a_load_is_fenced_out_of_the_rotation():
-    router, _ = fleet(OK, Response(400, b'{"success": false, "message": "bad tensor"}'))
+    router, _ = admin_fleet(ADMIN_OK, CannedAnswer(400, b'{"success": false, "message": "bad tensor"}'))
     body = {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[8]], "weight_version": "v2"}
-    status, _, answer = await call(Ctx(router), "POST", "/update_weights_from_distributed", orjson.dumps(body))
+    status, _, answer = await admin_call(FakeAdminContext(router), "POST", "/update_weights_from_distributed", orjson.dumps(body))
     assert status == 502
     assert [(r["worker"], r["status"]) for r in orjson.loads(answer)] == [("w0", 200), ("w1", 400)]
     assert (router.routable(router.workers[0]), router.routable(router.workers[1])) == (True, False)
@@ -74,9 +79,9 @@ async def test_a_worker_that_fails_a_load_is_fenced_out_of_the_rotation():
 async def test_a_bad_body_every_worker_refuses_fences_none():
     """A malformed weight call is refused by every engine with 400: no
     weights changed anywhere, so the rotation stays whole."""
-    refused = Response(400, b'{"error": {"message": "the body is not a JSON object"}}')
-    router, _ = fleet(refused, refused)
-    status, _, answer = await call(Ctx(router), "POST", "/update_weights_from_disk", b"{bad")
+    refused = CannedAnswer(400, b'{"error": {"message": "the body is not a JSON object"}}')
+    router, _ = admin_fleet(refused, refused)
+    status, _, answer = await admin_call(FakeAdminContext(router), "POST", "/update_weights_from_disk", b"{bad")
     assert status == 502
     assert [(r["worker"], r["status"]) for r in orjson.loads(answer)] == [("w0", 400), ("w1", 400)]
     assert [(router.routable(w), w.fence) for w in router.workers] == [(True, None), (True, None)]
@@ -86,9 +91,9 @@ async def test_a_bad_body_every_worker_refuses_fences_none():
 async def test_a_fenced_worker_named_in_a_load_that_succeeds_is_back_with_no_fleet_version_set():
     """The retry docs/admin.md gives (``?worker=wN``): before any fleet call
     set a version, a fenced worker that loads again is back."""
-    router, _ = fleet(OK, OK)
+    router, _ = admin_fleet(ADMIN_OK, ADMIN_OK)
     router.workers[1].fence = "failed /update_weights_from_disk: 400"
-    status, _, _ = await call(Ctx(router), "POST", "/update_weights_from_disk", orjson.dumps({"model_path": "/m"}),
+    status, _, _ = await admin_call(FakeAdminContext(router), "POST", "/update_weights_from_disk", orjson.dumps({"model_path": "/m"}),
                               query=b"worker=w1")
     assert status == 200
     assert [(router.routable(w), w.fence) for w in router.workers] == [(True, None), (True, None)]

@@ -19,7 +19,8 @@ from asgi_generate.tracing.state import RequestState
 from asgi_generate.workers.router import Router
 from asgi_generate_sglang.codec import SGLangCodec
 from asgi_generate_vllm import VLLMCodec
-from test_context import SGLANG_URL, FakeContext, FakePool, _router, _sse, anyio_backend  # noqa: F401
+from fakes import AnsweringPool, FakeContext
+from test_context import SGLANG_URL, _router, _sse, anyio_backend  # noqa: F401
 
 ABORT_MESSAGE = "the engine aborted the request (finish_reason abort): its output is truncated"
 
@@ -29,7 +30,7 @@ def _vllm_router(answer) -> Router:
     router = Router([("vllm", SGLANG_URL)])
     worker = router.workers[0]
     worker.healthy = True
-    worker.pool = FakePool(answer)
+    worker.pool = AnsweringPool(answer)
     return router
 
 

@@ -22,7 +22,8 @@ import orjson
 import pytest
 
 from asgi_generate.request.budget import BodyBudget
-from asgi_generate.request.framing import BodyTimeout, ClientDisconnected, read_body
+from asgi_generate.exceptions import BodyTimeout, ClientDisconnected
+from asgi_generate.request.framing import read_body
 from asgi_generate.server.hypercorn.lean import AppQueue, TrioAppQueue
 from asgi_generate.protocols import SGLANG, VLLM, read_model_card
 from support import post, sse, start_frontend, start_sim, stats, trace_records

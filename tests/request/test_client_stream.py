@@ -14,7 +14,8 @@ from asgi_generate.request.framing import KEEPALIVE, SSE_HEADERS
 from asgi_generate.sdk.codec import Attempt, RequestError
 from asgi_generate.tracing.state import RequestState
 from asgi_generate_sglang import SGLangCodec
-from test_context import FakeContext, _router
+from fakes import FakeContext
+from test_context import _router
 from test_legs import answer, anyio_backend  # noqa: F401  (the fixture: both backends)
 
 

@@ -17,15 +17,13 @@ import pytest
 from asgi_generate.config import Settings
 from asgi_generate.tracing.state import RequestState
 from asgi_generate.request.batches import BatchGeneration
-from asgi_generate.request.budget import BodyBudget
 from asgi_generate.request.client_stream import ClientStream, abort_live_legs, finish_record
 from asgi_generate.request.context import RequestContext
 from asgi_generate.request.generation import Generation
-from asgi_generate.request.migrations import MigrationSlots
-from asgi_generate.request.watchdog import Watchdog
 from asgi_generate.sdk.codec import Attempt, RequestError
 from asgi_generate.workers.router import Router
 from asgi_generate_sglang.codec import SGLangCodec
+from fakes import AnsweringPool, FakeContext
 
 SGLANG_URL = "http://127.0.0.1:9"  # never dialled: the fake pool answers
 
@@ -35,94 +33,6 @@ def anyio_backend():
     return "asyncio"
 
 
-class FakeRecorder:
-    """Keeps what the request reported, in order."""
-
-    otel = None
-    trace_output_ids = False
-
-    def __init__(self) -> None:
-        self.calls: list = []
-        self.records: list[RequestState] = []
-        self.gaps: list[float] = []
-
-    def request_started(self) -> None:
-        self.calls.append("started")
-
-    def request_ended(self, st: RequestState) -> None:
-        self.calls.append("ended")
-
-    def request_finished(self, st: RequestState) -> None:
-        self.calls.append(("finished", st.request_id, st.status, st.output_tokens))
-        self.records.append(st)
-
-    async def items_finished(self, states: list[RequestState]) -> None:
-        for st in states:
-            self.request_finished(st)
-
-    def inter_token_latency(self, fmt: str):
-        return self.gaps.append
-
-
-class FakeContext:
-    """A :class:`RequestContext` of plain objects; every abort is acked."""
-
-    def __init__(self, router: Router, **settings) -> None:
-        self.settings = Settings(**{"sse_keepalive": 0, **settings})
-        self.router = router
-        self.recorder = FakeRecorder()
-        self.watchdog = Watchdog()
-        self.body_budget = BodyBudget(1 << 20)
-        self.migrations = MigrationSlots(lambda: 4)
-        self.inflight: dict = {}
-        self.open_requests: dict = {}
-        self.shutting_down = False
-        self.aborted: list[tuple[str, str]] = []
-
-    async def abort_engine_request(self, worker, engine_id: str) -> str:
-        self.aborted.append((worker.id, engine_id))
-        return "acked"
-
-
-class FakeResponse:
-    """A worker's answer, handed over in the pieces given."""
-
-    retry_after = None
-
-    def __init__(self, status: int, pieces: list[bytes]) -> None:
-        self.status = status
-        self.pieces = list(pieces)
-
-    async def read_some(self, deadline: float) -> bytes | None:
-        return self.pieces.pop(0) if self.pieces else None
-
-    async def read(self, deadline: float) -> bytes:
-        body, self.pieces = b"".join(self.pieces), []
-        return body
-
-
-class FakePool:
-    """A worker's connection pool: ``answer(body)`` makes each response."""
-
-    def __init__(self, answer) -> None:
-        self.answer = answer
-        self.sent: list[dict] = []
-
-    def request(self, method, path, body, headers, head_deadline=None):
-        sent = orjson.loads(body)
-        self.sent.append(sent)
-        pool = self
-
-        class Exchange:
-            async def __aenter__(self):
-                return FakeResponse(*pool.answer(sent))
-
-            async def __aexit__(self, *exc) -> None:
-                return None
-
-        return Exchange()
-
-
 def _router(answer=None) -> Router:
     """A router with one SGLang worker: up with ``answer``'s pool, else
     down (never probed)."""
@@ -130,7 +40,7 @@ def _router(answer=None) -> Router:
     if answer is not None:
         worker = router.workers[0]
         worker.healthy = True
-        worker.pool = FakePool(answer)
+        worker.pool = AnsweringPool(answer)
     return router
 
 

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from asgi_generate.request.generation import migration_backoff
-from asgi_generate.workers.http import ConnectFailed, TimedOut
+from asgi_generate.exceptions import ConnectFailed, TimedOut
 from asgi_generate_sglang import SGLangCodec
 from asgi_generate_vllm import VLLMCodec
 from test_legs import (BROKEN, FIRST, STALL, Client, FakePool, FakeResponse, FakeRouter, answer, anyio_backend,  # noqa: F401

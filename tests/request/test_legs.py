@@ -20,113 +20,17 @@ from asgi_generate.request.handshakes import AGGREGATED, CONCURRENT_PAIR, PAIRS,
 from asgi_generate.request.legs import Leg, LegEnd
 from asgi_generate.sdk import ids
 from asgi_generate.sdk.codec import Attempt
-from asgi_generate.workers.http import ConnectFailed, TimedOut, WorkerDisconnected
+from asgi_generate.exceptions import ConnectFailed, TimedOut, WorkerDisconnected
 from asgi_generate.protocols import PROTOCOLS
 from asgi_generate.workers.router import Worker
 from asgi_generate_sglang import SGLangCodec
 from asgi_generate_vllm import VLLMCodec
-from test_context import FakeContext
-
-#: A script entry that waits until the leg is cancelled.
-STALL = object()
+from fakes import STALL, FakeContext, FakePool, FakeResponse, FakeRouter
 
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request):
     return request.param
-
-
-class FakeResponse:
-    """A worker's answer: ``status``, then ``reads`` in order (bytes, an
-    exception to raise, or :data:`STALL`); the body ends after the last."""
-
-    retry_after = None
-
-    def __init__(self, status: int, reads: list) -> None:
-        self.status = status
-        self.reads = list(reads)
-
-    async def read_some(self, deadline: float) -> bytes | None:
-        if not self.reads:
-            return None
-        got = self.reads.pop(0)
-        if got is STALL:
-            await anyio.sleep_forever()
-        if isinstance(got, BaseException):
-            raise got
-        return got
-
-    async def read(self, deadline: float) -> bytes:
-        parts = []
-        while (data := await self.read_some(deadline)) is not None:
-            parts.append(data)
-        return b"".join(parts)
-
-
-class FakeExchange:
-    def __init__(self, answer) -> None:
-        self.answer = answer
-
-    async def __aenter__(self) -> FakeResponse:
-        if isinstance(self.answer, BaseException):
-            raise self.answer
-        if self.answer is STALL:
-            await anyio.sleep_forever()
-        return self.answer
-
-    async def __aexit__(self, *exc) -> None:
-        pass
-
-
-class FakePool:
-    """Answers each request with the next of ``answers`` (a FakeResponse,
-    an exception its head raises, or :data:`STALL`); ``sent`` lists
-    ``(path, body as JSON, headers)``."""
-
-    def __init__(self, *answers) -> None:
-        self.answers = list(answers)
-        self.sent: list[tuple[bytes, object, list]] = []
-
-    def request(self, method, path, body, headers, head_deadline):
-        self.sent.append((path, orjson.loads(body), list(headers)))
-        return FakeExchange(self.answers.pop(0))
-
-
-class FakeRouter:
-    """Plans from a list; records what the runner tells it."""
-
-    def __init__(self, *plans, probe_up: bool = True) -> None:
-        self.plans = list(plans)
-        self.probe_up = probe_up
-        self.marked: list[tuple[str, str]] = []
-        self.probed: list[str] = []
-
-    def routing_key(self, request, headers):
-        return None
-
-    def plan(self, protocol, exclude=(), key=None):
-        while self.plans:
-            plan = self.plans.pop(0)
-            if not any(w in exclude for w in plan):
-                return plan
-        return None
-
-    def pick(self, protocol, exclude=(), role="aggregated", key=None):
-        plan = self.plan(protocol, exclude, key)
-        return plan[0] if plan is not None and len(plan) == 1 else None
-
-    def can_plan(self, protocol, exclude=()):
-        return any(not any(w in exclude for w in plan) for plan in self.plans)
-
-    def has_protocol(self, protocol):
-        return True
-
-    def mark_down(self, worker, reason):
-        self.marked.append((worker.id, reason))
-
-    async def probe(self, worker):
-        self.probed.append(worker.id)
-        return self.probe_up
 
 
 def worker(wid: str, protocol: str, pool: FakePool, role: str = "aggregated", url: str = "http://127.0.0.1:1") -> Worker:

@@ -21,6 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from support import (
+    DECODE,
+    PREFILL,
     PROMPT,
     RawClient,
     post,
@@ -30,6 +32,7 @@ from support import (
     start_sim,
     stats,
     Traced,
+    prefill_spec,
     vnorm,
     wait_until,
     without_timing,
@@ -41,9 +44,6 @@ from asgi_generate.config import Settings
 from asgi_generate.request.handshakes import bootstrap_host, mint_room
 from asgi_generate.workers.router import Router
 from asgi_generate.worker_specs import parse_worker_spec
-
-PREFILL = ["--disaggregation-mode", "prefill", "--bootstrap-port", "0"]
-
 
 # -- configuration and planning ------------------------------------------------
 
@@ -109,14 +109,6 @@ def test_rooms_are_random_and_below_2_to_the_63():
     rooms = {mint_room() for _ in range(2000)}
     assert len(rooms) == 2000 and all(0 <= x < 1 << 63 for x in rooms)
     assert max(rooms) > 1 << 60
-DECODE = ["--disaggregation-mode", "decode"]
-
-
-def prefill_spec(sim) -> str:
-    port = httpx.get(sim.url + "/get_server_info", timeout=5).json()["disaggregation_bootstrap_port"]
-    return f"sglang={sim.url}?bootstrap_port={port}"
-
-
 class Fleet(Traced):
     """A frontend with ``--trace-file`` in front of SGLang P/D simulators."""
 

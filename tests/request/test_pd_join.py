@@ -27,8 +27,11 @@ import pytest
 
 from support import (
     CONTINUATION,
+    DECODE,
+    PREFILL,
     PROMPT,
     Traced,
+    prefill_spec,
     post,
     same,
     sse,
@@ -38,7 +41,6 @@ from support import (
     without_timing,
 )
 from test_legs import anyio_backend, minted  # noqa: F401  (fixtures of the in-process tests)
-from test_pd import DECODE, PREFILL, prefill_spec
 
 GEN = "/inference/v1/generate"
 EXPERTS = "--enable-return-routed-experts"

@@ -21,6 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import (
+    CONSUMER,
+    EXPERTS,
+    PRODUCER,
     PROMPT,
     RawClient,
     Traced,
@@ -35,9 +38,6 @@ from support import (
 from wire_proxy import WireProxy
 
 GEN = "/inference/v1/generate"
-EXPERTS = "--enable-return-routed-experts"
-PRODUCER = ["--kv-role", "producer", EXPERTS]
-CONSUMER = ["--kv-role", "consumer", EXPERTS]
 
 
 def pd_args(prefills, decodes, *extra) -> list[str]:

@@ -27,9 +27,8 @@ from asgi_generate_sglang import SGLangCodec
 from asgi_generate_vllm import VLLMCodec
 from test_legs import (FIRST, KV, STALL, VLLM_BODY, VLLM_CHUNKS, VLLM_CLIENT, Client, FakePool, FakeResponse,
                        FakeRouter, answer, anyio_backend, sse, vllm_decode, vllm_prefill_answer, worker)
-from support import PROMPT, Traced, sse as stream, start_sim
-from test_pd import DECODE, PREFILL, prefill_spec
-from test_worker_http import _response, _serve
+from support import DECODE, PREFILL, PROMPT, Traced, prefill_spec, sse as stream, start_sim
+from scripted_worker import _response, _serve
 from wire_proxy import WireProxy
 
 __all__ = ["anyio_backend"]  # the fixture, imported for its trio and asyncio runs

@@ -453,7 +453,7 @@ def test_tokens_counted_are_tokens_written_when_the_client_leaves_at_a_write(bac
     writes after the close). The record counts only what went out."""
     import anyio
 
-    from asgi_generate.server.hypercorn.fixes import ClientGone
+    from asgi_generate.exceptions import ClientGone
 
     sim = start_sim(itl_ms=30)
     writes = 0

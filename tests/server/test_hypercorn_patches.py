@@ -6,11 +6,13 @@ every worker class."""
 
 from __future__ import annotations
 
+import ast
 import configparser
 import importlib
 import logging
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -61,13 +63,123 @@ def test_mismatches_name_every_difference(monkeypatch):
 
 
 def test_a_patch_module_that_no_longer_loads_is_a_mismatch(monkeypatch):
-    import hypercorn.protocol.events as events
+    # Every hypercorn name the patches import is checked before they load
+    # (test_every_hypercorn_name_the_patches_touch_is_checked): what stops
+    # one loading now is a name of ours.
+    from asgi_generate.request import watchdog
 
-    monkeypatch.delattr(events, "EndBody")
+    monkeypatch.delattr(watchdog, "RECEIVE_NOWAIT")
     monkeypatch.delitem(sys.modules, "asgi_generate.server.hypercorn.fixes", raising=False)  # loaded afresh
     [found] = patches.mismatches()
     assert found.startswith("asgi_generate.server.hypercorn.fixes does not import: "
-                            "cannot import name 'EndBody' from 'hypercorn.protocol.events'")
+                            "cannot import name 'RECEIVE_NOWAIT' from 'asgi_generate.request.watchdog'")
+
+
+def _touched() -> tuple[set[str], dict[str, set[str]]]:
+    """What the patch modules touch of hypercorn, read from their source:
+    the dotted path of every name they import from it, every attribute
+    read off one of those names, every setting read off a ``config``, and
+    every ``self.`` attribute of a hypercorn subclass of theirs that the
+    hypercorn base has on the class (a path) or assigns in its source (an
+    instance attribute, by class)."""
+    paths: set[str] = set()
+    instance: dict[str, set[str]] = {}
+    for module in patches._PATCH_MODULES:
+        tree = ast.parse((pathlib.Path(patches.__file__).parent / f"{module}.py").read_text())
+        local = {alias.asname or alias.name: f"{node.module}.{alias.name}"
+                 for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hypercorn")
+                 for alias in node.names}
+        paths |= set(local.values())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                dotted = ast.unparse(node)
+                head = dotted.split(".")[0]
+                if head in local and re.fullmatch(r"[\w.]+", dotted):
+                    paths.add(local[head] + dotted[len(head):])
+                if isinstance(node.value, (ast.Name, ast.Attribute)) and ast.unparse(node.value).split(".")[-1] == "config":
+                    paths.add(f"hypercorn.config.Config.{node.attr}")
+            if isinstance(node, ast.ClassDef):
+                bases = [local[b.id] for b in node.bases if isinstance(b, ast.Name) and b.id in local]
+                bases += [local[b.value.id] + "." + b.attr for b in node.bases
+                          if isinstance(b, ast.Attribute) and isinstance(b.value, ast.Name) and b.value.id in local]
+                for base in bases:
+                    cls = patches._resolve(base)
+                    for attr in {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+                                 and isinstance(n.value, ast.Name) and n.value.id == "self"}:
+                        if hasattr(cls, attr):
+                            if not attr.startswith("__"):
+                                paths.add(f"{base}.{attr}")
+                        elif attr in patches._assigned(cls):
+                            instance.setdefault(base, set()).add(attr)
+    return paths, instance
+
+
+def test_every_hypercorn_name_the_patches_touch_is_checked():
+    paths, instance = _touched()
+    checked = set(patches.EXPECTED)
+    # A module is checked through the names under it.
+    unchecked = {p for p in paths if p not in checked and not any(c.startswith(p + ".") for c in checked)}
+    assert sorted(unchecked) == []
+    assert {cls: sorted(names - set(patches.INSTANCE_ATTRIBUTES.get(cls, ()))) for cls, names in instance.items()} == {
+        cls: [] for cls in instance}
+
+
+def test_the_replaced_init_sets_every_attribute_hypercorns_did():
+    from asgi_generate.server.hypercorn import trio_serve
+
+    (path, names), = patches.REPLACED_INITS.items()
+    assert patches._assigned(trio_serve.TCPServer.__init__) >= set(names) == patches._assigned(patches._resolve(path).__init__)
+
+
+def test_a_missing_hypercorn_attribute_is_named(monkeypatch):
+    import hypercorn.config
+    import hypercorn.protocol.events as events
+    import hypercorn.utils
+
+    monkeypatch.delattr(hypercorn.utils, "parse_socket_addr")
+    monkeypatch.delattr(events, "EndBody")
+    monkeypatch.delattr(hypercorn.config.Config, "keep_alive_max_requests")
+    assert patches.mismatches() == [
+        "hypercorn.protocol.events.EndBody is missing",
+        "hypercorn.config.Config.keep_alive_max_requests is missing",
+        "hypercorn.utils.parse_socket_addr is missing",
+    ]
+
+
+def test_an_instance_attribute_no_longer_set_or_a_new_one_is_named(monkeypatch):
+    import hypercorn.protocol
+    import hypercorn.protocol.h11
+    import hypercorn.trio.run
+    import hypercorn.trio.tcp_server
+
+    h11_protocol = hypercorn.protocol.h11.H11Protocol
+
+    class H11Protocol(h11_protocol):  # as if a release kept no keep_alive_requests
+        def __init__(self, app, config, context, task_group, connection_state, ssl, client, server, send):
+            self.app = app
+            self.config = config
+            self.connection = None
+            self.send = send
+
+    tcp_server = hypercorn.trio.tcp_server.TCPServer
+
+    class TCPServer(tcp_server):  # as if a release set one attribute more
+        def __init__(self, app, config, context, state, stream):
+            self.app = self.config = self.context = self.idle_task = self.send_lock = self.state = None
+            self.stream = stream
+            self.idle_since = 0.0
+
+        async def run(self):
+            self.protocol = self._task_group = None
+
+    for module in (hypercorn.protocol, hypercorn.protocol.h11):
+        monkeypatch.setattr(module, "H11Protocol", H11Protocol)
+    for module in (hypercorn.trio.run, hypercorn.trio.tcp_server):
+        monkeypatch.setattr(module, "TCPServer", TCPServer)
+    assert patches.mismatches() == [
+        "hypercorn.protocol.h11.H11Protocol sets no attribute keep_alive_requests",
+        "hypercorn.trio.tcp_server.TCPServer.__init__ sets idle_since, which the patches' replacement does not",
+    ]
 
 
 def test_a_mismatch_patches_nothing_and_warns_once(monkeypatch, caplog):

@@ -13,9 +13,9 @@ from hypothesis import given, strategies as stb
 
 from asgi_generate.tracing.tracecontext import format_traceparent, parse_traceparent
 from otlp_receiver import Receiver, attributes
-from support import CONTINUATION, PROMPT, post, sse, start_frontend, start_sim, stats, wait_until, trace_lines
+from support import (CONTINUATION, DECODE, PREFILL, PROMPT, post, prefill_spec, sse, start_frontend, start_sim, stats, wait_until,
+                     trace_lines)
 
-from test_pd import DECODE, PREFILL, prefill_spec
 
 TRACE = 0x4BF92F3577B34DA6A3CE929D0E0E4736
 CLIENT_SPAN = 0x00F067AA0BA902B7

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from asgi_generate.sdk.codec import Attempt
 from asgi_generate.sdk.token_ids import pack_token_ids
 from asgi_generate.hashes import _python
-from asgi_generate.tracing.hashing import SEED, TokenIdOutOfRange, block_hashes, block_hashes_json
+from asgi_generate.exceptions import TokenIdOutOfRange
+from asgi_generate.tracing.hashing import SEED, block_hashes, block_hashes_json
 
 try:
     from asgi_generate.hashes import _native

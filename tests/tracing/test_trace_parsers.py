@@ -11,7 +11,8 @@ from tokenizers import Tokenizer, decoders, models
 from asgi_generate.assets import TOKENIZER_PATH
 from asgi_generate.tracing import parsers
 from asgi_generate.tracing.analysis import Analysis, OutputAnalyzer, final_finish_reason, ids_starting
-from asgi_generate.tracing.parser_api import ParserError, ReasoningParser
+from asgi_generate.exceptions import ParserError
+from asgi_generate.tracing.parser_api import ReasoningParser
 from asgi_generate.tracing.parsers import load_parser
 from asgi_generate.tracing.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 from asgi_generate.tracing.tool_calls import HermesToolCallParser

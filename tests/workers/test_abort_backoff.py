@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from asgi_generate.workers import aborts
-from test_abort_queue import _against_script
+from scripted_worker import _against_script
 
 REQUEST = b'{"rid":"' + b"r" * 32 + b'"}'
 

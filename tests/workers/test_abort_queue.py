@@ -9,14 +9,10 @@ import socket
 import time
 
 import anyio
-import h11
 import pytest
-from anyio import wait_all_tasks_blocked
 
 from asgi_generate.workers.aborts import AbortQueue
-from asgi_generate.workers.http import ConnectionPool
-from asgi_generate.protocols import PROTOCOLS
-from asgi_generate.workers.router import Worker
+from scripted_worker import _abort_all, _against_script, _worker
 from support import start_sim, stats
 
 
@@ -26,33 +22,6 @@ def sims():
     yield procs
     for p in procs.values():
         p.stop()
-
-
-def _worker(protocol: str, port: int, healthy: bool = True) -> Worker:
-    pools = (ConnectionPool("127.0.0.1", port), ConnectionPool("127.0.0.1", port))
-    w = Worker("w0", PROTOCOLS[protocol], f"http://127.0.0.1:{port}", *pools)
-    w.healthy = healthy
-    return w
-
-
-async def _abort_all(queue: AbortQueue, ids: list[str], start_senders: bool = True) -> list[str]:
-    """Queue every abort before any sender runs, then let them drain."""
-    results: dict[str, str] = {}
-
-    async def one(engine_id: str) -> None:
-        results[engine_id] = await queue.abort(engine_id)
-
-    async with anyio.create_task_group() as tg:
-        for i in ids:
-            tg.start_soon(one, i)
-        await wait_all_tasks_blocked()
-        async with anyio.create_task_group() as senders:
-            if start_senders:
-                senders.start_soon(queue.run)
-            while len(results) < len(ids):
-                await anyio.sleep(0.01)
-            senders.cancel_scope.cancel()
-    return [results[i] for i in ids]
 
 
 def _ids(n: int, tag: str) -> list[str]:
@@ -153,48 +122,6 @@ def test_a_worker_marked_down_gets_no_abort(sims):
     assert anyio.run(_abort_all, queue, _ids(3, "m")) == ["lost"] * 3
     assert (queue.requests, queue.pool.opened) == (0, 0)
     assert stats(sim)["abort_requests"] == before
-
-
-async def _scripted_engine(answers: list[int | None], *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
-    """A loopback engine that answers its n-th request with status
-    ``answers[n]`` (``None``: never answers); reports ``(port, requests)``,
-    ``requests`` the bodies it got, in order."""
-    requests: list[bytes] = []
-
-    async def serve(stream) -> None:
-        conn = h11.Connection(h11.SERVER)
-        async with stream:
-            while True:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    conn.receive_data(await stream.receive())
-                elif isinstance(event, h11.Data):
-                    requests.append(bytes(event.data))
-                elif isinstance(event, h11.EndOfMessage):
-                    status = answers[len(requests) - 1]
-                    if status is None:
-                        await anyio.sleep_forever()
-                    await stream.send(conn.send(h11.Response(status_code=status, headers=[("content-length", "0")]))
-                                      + conn.send(h11.EndOfMessage()))
-                    conn.start_next_cycle()
-
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-    task_status.started((listener.extra(anyio.abc.SocketAttribute.local_port), requests))
-    await listener.serve(serve)
-
-
-def _against_script(answers: list[int | None], timeout: float) -> tuple[str, list[bytes], AbortQueue, float]:
-    async def main():
-        async with anyio.create_task_group() as tg:
-            port, requests = await tg.start(_scripted_engine, answers)
-            queue = AbortQueue(_worker("sglang", port), concurrency=1, timeout=timeout)
-            t0 = time.monotonic()
-            (result,) = await _abort_all(queue, ["r" * 32])
-            took = time.monotonic() - t0
-            tg.cancel_scope.cancel()
-        return result, requests, queue, took
-
-    return anyio.run(main)
 
 
 def test_a_non_200_answer_is_retried_on_the_same_connection():

@@ -8,104 +8,17 @@ The misbehaving engines are :class:`FakeWorker`: a small h11 server on
 
 from __future__ import annotations
 
-import functools
 import pathlib
 import threading
 import time
 
-import anyio
-import anyio.from_thread
-import h11
 import httpx
 import orjson
 import pytest
 
 from asgi_generate.workers.router import Router
-from support import (post, read_h11_request, send_h11_answer, sse, start_frontend, start_sim, stats, wait_until,
-                     without_timing, trace_records)
-
-BODY = {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}
-STREAM = {**BODY, "stream": True, "rid": "mine"}
-
-
-class FakeWorker:
-    """An SGLang worker whose ``/generate`` misbehaves as told.
-
-    ``mode``: ``stall`` (headers, one event, then only ``: ping`` comments),
-    ``no_headers`` (never answers), ``headers_only`` (headers, then only
-    comments), ``unavailable`` (503). Setting ``blackhole`` makes it answer nothing more at all,
-    health probes included, while still accepting connections.
-    ``generates`` and ``aborts`` list the rids it was sent.
-    """
-
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
-        self.blackhole = False
-        self.generates: list[str] = []
-        self.aborts: list[str] = []
-
-    def __enter__(self) -> "FakeWorker":
-        self._cm = anyio.from_thread.start_blocking_portal()
-        portal = self._cm.__enter__()
-        self._portal = portal
-        self._listener = portal.call(functools.partial(anyio.create_tcp_listener, local_host="127.0.0.1"))
-        self.url = f"http://127.0.0.1:{self._listener.extra(anyio.abc.SocketAttribute.local_port)}"
-        self._serving = portal.start_task_soon(self._listener.serve, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._serving.cancel()
-        self._portal.call(self._listener.aclose)
-        self._cm.__exit__(None, None, None)
-
-    async def _handle(self, stream) -> None:
-        conn = h11.Connection(h11.SERVER)
-        try:
-            async with stream:
-                while True:
-                    request, body = await self._read(stream, conn)
-                    if request is None:
-                        return
-                    if self.blackhole:
-                        await anyio.sleep_forever()
-                    path = request.target
-                    if path == b"/health":
-                        await self._reply(stream, conn, b"")
-                    elif path == b"/get_server_info":
-                        await self._reply(stream, conn, orjson.dumps({"model_path": "fake"}))
-                    elif path == b"/abort_request":
-                        self.aborts.append(orjson.loads(body)["rid"])
-                        await self._reply(stream, conn, b"")
-                    elif path == b"/generate":
-                        rid = orjson.loads(body)["rid"]
-                        self.generates.append(rid)
-                        await self._generate(stream, conn, rid)
-                        return
-                    else:  # e.g. /v1/models: FastAPI's 404
-                        await self._reply(stream, conn, b'{"detail":"Not Found"}', 404)
-                    conn.start_next_cycle()
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream):
-            return
-
-    _read = staticmethod(read_h11_request)
-    _reply = staticmethod(send_h11_answer)
-
-    async def _generate(self, stream, conn, rid: str) -> None:
-        if self.mode == "no_headers":
-            await anyio.sleep_forever()
-        if self.mode == "unavailable":  # an engine going away (SGLang while shutting down)
-            await self._reply(stream, conn, b'{"error": {"message": "shutting down"}}', 503)
-            return
-        head = h11.Response(status_code=200, headers=[("content-type", "text/event-stream")])
-        await stream.send(conn.send(head))
-        if self.mode == "stall":
-            chunk = {"text": "a", "output_ids": [5],
-                     "meta_info": {"id": rid, "finish_reason": None, "prompt_tokens": 3, "completion_tokens": 1}}
-            await stream.send(conn.send(h11.Data(data=b"data: " + orjson.dumps(chunk) + b"\n\n")))
-        while True:  # comments only: alive, but no token
-            await anyio.sleep(0.05)
-            await stream.send(conn.send(h11.Data(data=b": ping\n\n")))
-
+from fakes import BODY, STREAM, FakeWorker
+from support import post, sse, start_frontend, start_sim, stats, wait_until, without_timing, trace_records
 
 def _states(fe) -> list[str]:
     return [w["state"] for w in httpx.get(fe.url + "/v1/models", timeout=5).json()["workers"]]

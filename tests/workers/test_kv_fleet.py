@@ -17,6 +17,8 @@ from asgi_generate.sim.app import SimApp
 from asgi_generate.workers.engine_load import EngineLoad, parse_load
 from asgi_generate.workers.kv_events import Source, Stored, Subscriber
 from asgi_generate.workers.policies.kv_aware import KVAwarePolicy
+from asgi_generate.workers.policies.kv_loads import read_due, read_loads
+from fakes import CallPool, CannedAnswer
 from asgi_generate_sglang import SGLangCodec
 from asgi_generate_vllm import VLLMCodec
 from support import asgi_json, asgi_request
@@ -163,24 +165,24 @@ def test_an_idle_engines_load_is_read_again_only_once_something_moves():
     policy = KVAwarePolicy()
     worker = _Worker(0)
     kv = policy._kv(worker)
-    assert policy.read_due(kv, 0, 0.0)  # no reading yet
+    assert read_due(kv, 0, 0.0, policy.load_idle_interval)  # no reading yet
     kv.read(EngineLoad(0, 0), 0)
     kv.read_at, kv.read_mark = 10.0, kv.activity()
-    assert not policy.read_due(kv, 0, 10.5)
-    assert not policy.read_due(kv, 0, 10.999)
-    assert policy.read_due(kv, 0, 11.0)
-    assert KVAwarePolicy(load_idle_interval=0).read_due(kv, 0, 10.0)  # 0: always
-    assert policy.read_due(kv, 1, 10.5)  # ours are in flight there
+    assert not read_due(kv, 0, 10.5, policy.load_idle_interval)
+    assert not read_due(kv, 0, 10.999, policy.load_idle_interval)
+    assert read_due(kv, 0, 11.0, policy.load_idle_interval)
+    assert read_due(kv, 0, 10.0, KVAwarePolicy(load_idle_interval=0).load_idle_interval)  # 0: always
+    assert read_due(kv, 1, 10.5, policy.load_idle_interval)  # ours are in flight there
     kv.routed += 1  # routed there since
-    assert policy.read_due(kv, 0, 10.5)
+    assert read_due(kv, 0, 10.5, policy.load_idle_interval)
     kv.subscriber = Subscriber(Source("tcp://127.0.0.1:1"), kv.index)
     kv.read_mark = kv.activity()
-    assert not policy.read_due(kv, 0, 10.5)
+    assert not read_due(kv, 0, 10.5, policy.load_idle_interval)
     kv.subscriber.batches += 1  # its engine published (another replica's request)
-    assert policy.read_due(kv, 0, 10.5)
+    assert read_due(kv, 0, 10.5, policy.load_idle_interval)
     kv.read(EngineLoad(2, 0), 0)  # a busy engine: every interval
     kv.read_mark = kv.activity()
-    assert policy.read_due(kv, 0, 10.0)
+    assert read_due(kv, 0, 10.0, policy.load_idle_interval)
 
 
 def test_the_load_reader_skips_an_idle_engine_and_reads_a_busy_one():
@@ -188,41 +190,20 @@ def test_the_load_reader_skips_an_idle_engine_and_reads_a_busy_one():
     idle, it reads once and then skips until this replica routes there."""
     bodies = [b'{"loads": [{"num_running_reqs": 0, "num_waiting_reqs": 0}]}']
 
-    class _Resp:
-        status = 200
-
-        async def read(self) -> bytes:
-            return bodies[-1]
-
-    class _Pool:
-        reads = 0
-
-        def request(self, method, path):
-            pool = self
-
-            class _Ctx:
-                async def __aenter__(self):
-                    pool.reads += 1
-                    return _Resp()
-
-                async def __aexit__(self, *exc):
-                    return False
-            return _Ctx()
-
     class _Proto:
         name = "sglang"
 
     worker = _Worker(0)
-    worker.healthy, worker.pool, worker.protocol = True, _Pool(), _Proto()
+    worker.healthy, worker.pool, worker.protocol = True, CallPool(lambda method, path, body: CannedAnswer(200, bodies[-1])), _Proto()
     policy = KVAwarePolicy(load_interval=0.01)
     kv = policy._kv(worker)
 
     async def run() -> None:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(policy._read_loads, worker)
+            tg.start_soon(read_loads, worker, kv, policy.load_interval, policy.load_idle_interval, policy.clock)
             while kv.skipped < 5:
                 await anyio.sleep(0.005)
-            assert (worker.pool.reads, kv.readings) == (1, 1)
+            assert (len(worker.pool.calls), kv.readings) == (1, 1)
             bodies.append(b'{"loads": [{"num_running_reqs": 3, "num_waiting_reqs": 0}]}')
             kv.routed += 1  # a route there: read at once, then every interval while busy
             while kv.readings < 3:

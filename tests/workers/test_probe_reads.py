@@ -11,10 +11,14 @@ import orjson
 import pytest
 
 from asgi_generate.workers.router import Router
-from test_worker_http import _response, _serve, anyio_backend
+from scripted_worker import _response, _serve
 
 pytestmark = pytest.mark.anyio
-__all__ = ["anyio_backend"]  # the fixture, imported for its trio and asyncio runs
+
+
+@pytest.fixture(params=["trio", "asyncio"])
+def anyio_backend(request):
+    return request.param
 
 
 async def test_a_server_info_read_the_worker_dropped_is_retried_once():

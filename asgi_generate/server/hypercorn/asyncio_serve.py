@@ -62,7 +62,7 @@ from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol import ProtocolWrapper
 from hypercorn.utils import ShutdownError, parse_socket_addr, raise_shutdown, repr_socket_addr, wrap_app
 
-from . import fixes, graceful, lean as hypercorn_lean
+from . import fixes, graceful, lean
 from .. import spread
 
 #: "Nothing": a coroutine that finished (:func:`_step`), a yield handed on (:class:`_Resumed`).
@@ -230,7 +230,7 @@ class Connection(asyncio.Protocol):
         self._lost = True
         self._writing_paused = False
         waiters, self._drain = self._drain, None
-        hypercorn_lean.wake_all(waiters, _connection_lost)
+        lean.wake_all(waiters, _connection_lost)
         self._end_of_stream()
         self._finish()
 
@@ -240,7 +240,7 @@ class Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._writing_paused = False
         waiters, self._drain = self._drain, None
-        hypercorn_lean.wake_all(waiters)
+        lean.wake_all(waiters)
 
     # Reading: events to the protocol, in order
 
@@ -339,7 +339,7 @@ class Connection(asyncio.Protocol):
     async def _wait_writable(self) -> None:
         if self._drain is None:
             self._drain = []
-        await hypercorn_lean.wait_future(self._drain)
+        await lean.wait_future(self._drain)
 
     def _close(self) -> None:
         self._stop_idle()
@@ -420,7 +420,7 @@ class Connection(asyncio.Protocol):
                         send: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
         """hypercorn's ``TaskGroup.spawn_app`` with
         :class:`asgi_generate.server.hypercorn.lean.AppQueue` for its queue."""
-        queue = hypercorn_lean.AppQueue(config.max_app_queue_size)
+        queue = lean.AppQueue(config.max_app_queue_size)
         loop = self.worker.loop
         call = app(scope, queue.get, send, partial(loop.run_in_executor, None), partial(_call_soon, loop))
         self.spawn(self._call_app, call, send)
@@ -497,7 +497,7 @@ async def worker_serve(app: Any, config: Config, *, sockets: Sockets | None = No
     max_requests = None
     if config.max_requests is not None:
         max_requests = config.max_requests + random.randint(0, config.max_requests_jitter)
-    context = hypercorn_lean.AsyncioWorkerContext(max_requests)
+    context = lean.AsyncioWorkerContext(max_requests)
     worker = _Worker(app, config, context, lifespan_state, loop)
     udp_tasks: set[asyncio.Task] = set()
 

@@ -130,6 +130,7 @@ from hypercorn.protocol.events import Body, EndBody, Response, StreamClosed
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.http_stream import ASGIHTTPState, HTTPStream
 
+from ...exceptions import ClientGone
 from . import edge_counts
 from .. import spread
 from .lean import AppQueue, TrioAppQueue
@@ -333,11 +334,6 @@ class _EdgeConnection(h11.Connection):
                 # Empty lines only: keep reading, so an end of stream is seen.
                 return h11.ConnectionClosed() if closed else h11.NEED_DATA
         return event
-
-
-class ClientGone(ConnectionError):
-    """``send()`` of a response message on a connection the client closed;
-    nothing of the message reached the socket (bug 3 above)."""
 
 
 @dataclass(frozen=True)

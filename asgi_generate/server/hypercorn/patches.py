@@ -91,6 +91,60 @@ EXPECTED: dict[str, str | None] = {
     "hypercorn.trio.worker_context.TrioSingleTask": "()",
     "hypercorn.trio.worker_context.TrioSingleTask.restart": "(self, task_group, action)",
     "hypercorn.trio.worker_context.TrioSingleTask.stop": "(self)",
+    # what the patches import, read or call besides: the events they send
+    # and match, the settings they read, the serve loops' helpers
+    "hypercorn.events.Closed": None,
+    "hypercorn.events.Event": None,
+    "hypercorn.events.RawData": None,
+    "hypercorn.events.Updated": None,
+    "hypercorn.protocol.events.Body": None,
+    "hypercorn.protocol.events.EndBody": None,
+    "hypercorn.protocol.events.Event": None,
+    "hypercorn.protocol.events.Response": None,
+    "hypercorn.protocol.events.StreamClosed": None,
+    "hypercorn.protocol.http_stream.ASGIHTTPState": None,
+    "hypercorn.config.Sockets": None,
+    "hypercorn.config.Config": None,
+    "hypercorn.config.Config.backlog": None,
+    "hypercorn.config.Config.create_sockets": None,
+    "hypercorn.config.Config.create_ssl_context": None,
+    "hypercorn.config.Config.keep_alive_max_requests": None,
+    "hypercorn.config.Config.keep_alive_timeout": None,
+    "hypercorn.config.Config.log": None,
+    "hypercorn.config.Config.max_requests": None,
+    "hypercorn.config.Config.max_requests_jitter": None,
+    "hypercorn.config.Config.read_timeout": None,
+    "hypercorn.config.Config.set_statsd_logger_class": None,
+    "hypercorn.config.Config.ssl_enabled": None,
+    "hypercorn.config.Config.ssl_handshake_timeout": None,
+    "hypercorn.config.Config.workers": None,
+    "hypercorn.config.Config.wsgi_max_body_size": None,
+    "hypercorn.asyncio.run._share_socket": None,
+    "hypercorn.asyncio.statsd.StatsdLogger": None,
+    "hypercorn.utils.ShutdownError": None,
+    "hypercorn.utils.parse_socket_addr": None,
+    "hypercorn.utils.raise_shutdown": None,
+    "hypercorn.utils.repr_socket_addr": None,
+}
+
+#: Instance attributes of hypercorn's classes that the patches' subclasses
+#: read or assign: each must be assigned (``self.name = ...``) in the
+#: class's own source, as in hypercorn 0.18.0 (an instance attribute is on
+#: no class to look up). trio_serve.TCPServer replaces its base's
+#: ``__init__`` and sets these itself, so that ``__init__`` must set no
+#: other (:data:`REPLACED_INITS`).
+INSTANCE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "hypercorn.protocol.h11.H11Protocol": ("config", "connection", "keep_alive_requests", "send"),
+    "hypercorn.protocol.http_stream.HTTPStream": ("app", "closed", "scope", "task_group"),
+    "hypercorn.trio.tcp_server.TCPServer": (
+        "_task_group", "app", "config", "context", "idle_task", "protocol", "send_lock", "state", "stream"),
+    "hypercorn.trio.worker_context.TrioSingleTask": ("_handle", "_lock"),
+}
+
+#: hypercorn ``__init__`` methods a patch replaces without calling them:
+#: the attributes each sets, all of which the replacement sets too.
+REPLACED_INITS: dict[str, tuple[str, ...]] = {
+    "hypercorn.trio.tcp_server.TCPServer": ("app", "config", "context", "idle_task", "send_lock", "state", "stream"),
 }
 
 #: ``True``: installed; ``False``: a mismatch, stock hypercorn; ``None``: not tried.
@@ -146,6 +200,19 @@ def _resolve(path: str) -> Any:
     return obj
 
 
+def _assigned(obj: Any) -> set[str]:
+    """The ``self.<name>`` attributes ``obj``'s source (a class or a
+    function) assigns; empty when it has none to read."""
+    try:
+        source = inspect.getsource(obj)
+    except (OSError, TypeError):
+        return set()
+    return set(_SELF_ASSIGNED.findall(source))
+
+
+_SELF_ASSIGNED = re.compile(r"\bself\.(\w+)\s*(?::[^=\n]*)?=(?!=)")
+
+
 def _ours(obj: Any) -> bool:
     return getattr(obj, "__module__", "").startswith(__package__)
 
@@ -154,10 +221,12 @@ def mismatches() -> list[str]:
     """What of the installed hypercorn differs from what the patches were
     written against, one phrase each (empty: everything matches): its
     release outside :data:`SUPPORTED`, an :data:`EXPECTED` name missing (a
-    name under it is not named again) or taking other parameters, a
-    :data:`REPLACED` global missing or something else than hypercorn's own
-    (one of ours, installed already, passes); else a patch module that
-    does not import."""
+    name under it is not named again) or taking other parameters, an
+    instance attribute of :data:`INSTANCE_ATTRIBUTES` its class no longer
+    assigns, an attribute a replaced ``__init__`` sets that its replacement
+    does not (:data:`REPLACED_INITS`), a :data:`REPLACED` global missing or
+    something else than hypercorn's own (one of ours, installed already,
+    passes); else a patch module that does not import."""
     found: list[str] = []
     try:
         version = importlib.metadata.version("hypercorn")
@@ -188,6 +257,16 @@ def mismatches() -> list[str]:
             actual = "no signature"
         if actual != shape:
             found.append(f"{path} takes {actual}, expected {shape}")
+    for path, names in INSTANCE_ATTRIBUTES.items():
+        cls = lookup(path)
+        if cls is not _MISSING:
+            assigned = _assigned(cls)
+            found.extend(f"{path} sets no attribute {name}" for name in names if name not in assigned)
+    for path, names in REPLACED_INITS.items():
+        cls = lookup(path)
+        if cls is not _MISSING:
+            extra = sorted(_assigned(cls.__init__) - set(names))
+            found.extend(f"{path}.__init__ sets {name}, which the patches' replacement does not" for name in extra)
     for (module, name), original in REPLACED.items():
         current, expected = lookup(f"{module}.{name}"), lookup(original)
         if _MISSING not in (current, expected) and current is not expected and not _ours(current):

@@ -42,7 +42,7 @@ from hypercorn.protocol import ProtocolWrapper
 from hypercorn.trio import tcp_server as trio_tcp_server
 from hypercorn.utils import parse_socket_addr
 
-from . import fixes, graceful, lean as hypercorn_lean
+from . import fixes, graceful, lean
 from .. import spread
 from ...workers.sockets import recv_nowait
 
@@ -55,15 +55,16 @@ class TCPServer(trio_tcp_server.TCPServer):
     starts the app calls in (module docstring)."""
 
     def __init__(self, app: Any, config: Any, context: Any, state: Any, stream: Any) -> None:
-        # hypercorn's attributes, with hypercorn_lean's lock and keep-alive task holder.
+        # What hypercorn's __init__ sets (patches.REPLACED_INITS checks it sets
+        # no other), with lean's lock and keep-alive task holder.
         self.app = app
         self.config = config
         self.context = context
         self.state = state
         self.stream = stream
         self.protocol: ProtocolWrapper | None = None
-        self.send_lock = hypercorn_lean.TrioLock()
-        self.idle_task = hypercorn_lean.TrioSingleTask()
+        self.send_lock = lean.TrioLock()
+        self.idle_task = lean.TrioSingleTask()
         self._task_group = self
         self._nursery: trio.Nursery | None = None
         self._running = 0
@@ -210,7 +211,7 @@ class TCPServer(trio_tcp_server.TCPServer):
         """hypercorn's ``TaskGroup.spawn_app`` with
         :class:`asgi_generate.server.hypercorn.lean.TrioAppQueue` for its memory
         channel."""
-        queue = hypercorn_lean.TrioAppQueue(config.max_app_queue_size)
+        queue = lean.TrioAppQueue(config.max_app_queue_size)
         call = app(scope, queue.get, send, trio.to_thread.run_sync, trio.from_thread.run)
         self._running += 1
         self._nursery.start_soon(self._call_app, call, send)
@@ -251,10 +252,10 @@ class TCPServer(trio_tcp_server.TCPServer):
     def _task_ended(self) -> None:
         self._running -= 1
         if not self._running and self._waiters:
-            hypercorn_lean.unpark_one(self._waiters)
+            lean.unpark_one(self._waiters)
 
     async def _tasks_done(self) -> None:
         while self._running:
             if self._waiters is None:
                 self._waiters = []
-            await hypercorn_lean.park(self._waiters)
+            await lean.park(self._waiters)

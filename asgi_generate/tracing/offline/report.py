@@ -21,14 +21,11 @@ import html
 import io
 from typing import Sequence
 
+from ...exceptions import ReportUnavailable
 from .replay import Result, errors_by_kind, latency_series
 
 #: Seconds per bin of the throughput plot.
 BIN_S = 1.0
-
-
-class ReportUnavailable(RuntimeError):
-    """matplotlib is not installed."""
 
 
 def _png(fig) -> str:

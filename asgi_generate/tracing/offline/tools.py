@@ -210,7 +210,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     text = replay.summary(results, rows, wall, work.recorded)
     print(text)
     if args.report:
-        from .report import ReportUnavailable, write_report
+        from ...exceptions import ReportUnavailable
+        from .report import write_report
 
         parameters = [
             ("files", ", ".join(args.files)), ("url", args.url), ("format", args.format),
