@@ -8,14 +8,15 @@ error (its own status before the 200, in-band after it), and in
 :meth:`AnswerWriter.guard` watches the client for disconnects, slow reads
 and idle SSE (keep-alive comments). The attempt loop that feeds it, and
 owns it, lives in :mod:`asgi_generate.request.generation`. A request with
-items gives its writer an :class:`~asgi_generate.request.batches.ItemAnswers`,
-which keeps each item's share of what was written.
+items gives its writer its :class:`ItemShares` (a
+:class:`~asgi_generate.request.batches.Batch`), which keeps each item's
+share of what was written.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import anyio
 
@@ -26,7 +27,6 @@ from ..tracing.state import RequestState
 from .framing import KEEPALIVE, SSE_HEADERS, Headers, Receive, Send, send_unary, sse_event, sse_parts
 
 if TYPE_CHECKING:
-    from .batches import ItemAnswers
     from .context import RequestContext
 
 
@@ -53,6 +53,28 @@ async def send_in_band_error(codec: Codec, send: Send, st: RequestState, err: Re
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
     body = sse_event(codec.in_band_error(err)) + codec.sse_terminal
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class ItemShares(Protocol):
+    """Each item's share of the answer of a request with items, kept as
+    it is written (:class:`~asgi_generate.request.batches.Batch`)."""
+
+    #: Held across each write: legs run at once share the client.
+    write_lock: anyio.Lock
+    #: An engine answered the request with its own error (not 200).
+    refused: bool
+
+    def tally(self, event: Event, timed: bool, gap: Callable[[float], None], stream: bool) -> None:
+        """Each item's share of ``event``, credited once written."""
+
+    def take_queued(self) -> Any:
+        """The shares of the events about to be written, for :meth:`credit`."""
+
+    def credit(self, taken: Any) -> None:
+        """The write carrying ``taken`` was taken by the server."""
+
+    def credit_unary(self) -> None:
+        """The unary answer was written whole."""
 
 
 class AnswerWriter:
@@ -84,7 +106,7 @@ class AnswerWriter:
 
     def __init__(
         self, ctx: "RequestContext", codec: Codec, codec_state: Exchange, req: GenerateRequest, st: RequestState,
-        send: Send, items: "ItemAnswers | None" = None, scope: anyio.CancelScope | None = None,
+        send: Send, items: ItemShares | None = None, scope: anyio.CancelScope | None = None,
         reset: Callable[[], None] | None = None,
     ) -> None:
         self.ctx = ctx

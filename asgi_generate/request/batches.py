@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import anyio
 
@@ -52,7 +52,10 @@ from ..sdk.codec import LEG_DONE, Attempt, BatchItem, Event, RequestError
 from ..tracing.state import RequestState
 
 if TYPE_CHECKING:
-    from .generation import Generation
+    from ..sdk.codec import Codec, Exchange, GenerateRequest, WorkerRequest
+    from ..workers.router import Worker
+    from .answer import AnswerWriter
+    from .context import RequestContext
 
 
 @dataclass(slots=True)
@@ -74,6 +77,34 @@ class ItemTally:
 
 #: (item, tokens, finished) of one event's share, credited to the item once written.
 Share = tuple[int, int, bool]
+
+
+class BatchLoop(Protocol):
+    """What a :class:`Batch` needs of the attempt loop that was given it
+    (:class:`~asgi_generate.request.generation.Generation`)."""
+
+    ctx: "RequestContext"
+    codec: "Codec"
+    codec_state: "Exchange"
+    req: "GenerateRequest"
+    st: RequestState
+    writer: "AnswerWriter"
+    #: The request's routing key; a batch sent whole to one worker sets it.
+    key: Any
+    batch: "Batch | None"
+
+    async def run_attempts(self) -> None:
+        """Run the request as one item is (on P/D pairs)."""
+
+    async def run_client_leg(self, worker: "Worker", attempt: Attempt, wreq: "WorkerRequest") -> bool:
+        """Run and conclude a leg whose events make the client's answer;
+        whether to try another worker."""
+
+    def retry_after(self) -> list[tuple[bytes, bytes]]:
+        """The ``Retry-After`` of the frontend's own 503."""
+
+    def release_body(self) -> None:
+        """Give the request's share of the body budget back."""
 
 
 class Batch:
@@ -105,7 +136,7 @@ class Batch:
 
     # -- legs ---------------------------------------------------------------
 
-    async def run(self, loop: "Generation") -> None:
+    async def run(self, loop: BatchLoop) -> None:
         """Run the request's items: on one worker, split over several
         (``--split-batches``), or as one request on a P/D pair."""
         protocol = loop.codec.worker_protocol
@@ -160,13 +191,13 @@ class Batch:
         if names_entries:
             attempt.entry_ids = {j: ids.mint() for j in entries}
 
-    async def _leg_then_check(self, loop: "Generation", entries: list[int], spread: list, prepared: tuple,
+    async def _leg_then_check(self, loop: BatchLoop, entries: list[int], spread: list, prepared: tuple,
                               scope: anyio.CancelScope) -> None:
         await self._leg(loop, entries, spread, prepared)
         if self.st.response_complete:  # an error ended the answer: stop the other legs
             scope.cancel()
 
-    async def _prepare(self, loop: "Generation", entries: list[int], spread: list, tried: list) -> tuple | None:
+    async def _prepare(self, loop: BatchLoop, entries: list[int], spread: list, tried: list) -> tuple | None:
         """A worker, attempt and worker request for the items ``entries``;
         ``None`` once the client was answered (no worker, or refused)."""
         router = loop.ctx.router
@@ -191,7 +222,7 @@ class Batch:
             loop.release_body()
         return worker, attempt, wreq
 
-    async def _leg(self, loop: "Generation", entries: list[int], spread: list, prepared: tuple) -> None:
+    async def _leg(self, loop: BatchLoop, entries: list[int], spread: list, prepared: tuple) -> None:
         """Run the items ``entries`` as one engine request, failing over to
         another worker while nothing reached the client."""
         tried: list = []
@@ -333,7 +364,7 @@ def _item_attempts(attempts: list[Attempt], j: int, tally: ItemTally) -> Iterato
                       tokens=tally.delivered if last else 0)
 
 
-def named_legs(gen: "Generation") -> Iterator[tuple[str | None, object, str]]:
+def named_legs(gen: BatchLoop) -> Iterator[tuple[str | None, object, str]]:
     """``(public id, worker, engine id)`` of every live engine leg of
     ``gen`` a client id can name: a batch's unfinished items each under
     their own id, else the request's live attempts."""

@@ -316,6 +316,8 @@ def _members(protocol: type) -> set[str]:
 def _protocols_and_their_implementations():
     from asgi_generate.ops.fanout import AdminContext
     from asgi_generate.request.context import Recorder, Running
+    from asgi_generate.request.answer import ItemShares
+    from asgi_generate.request.batches import BatchLoop
     from asgi_generate.request.handshakes import LegRunner
     from asgi_generate.request.legs import LegReader
     from asgi_generate.server.app import App
@@ -326,7 +328,8 @@ def _protocols_and_their_implementations():
     app = App(Settings(embedded_workers=0), codecs=[])
     return [
         (RequestContext, app), (AdminContext, app), (Recorder, app.recorder),
-        (Running, Generation), (LegRunner, Generation), (LegReader, Generation), (Candidate, _router().workers[0]),
+        (Running, Generation), (LegRunner, Generation), (LegReader, Generation), (BatchLoop, Generation),
+        (ItemShares, Batch), (Candidate, _router().workers[0]),
         (BatchHost, SimApp("sglang").protocol),
     ]
 
