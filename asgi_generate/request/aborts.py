@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from . import state
-from ..sdk.codec import Attempt
+from .leg_record import LegRecord
 from ..tracing.state import RequestState
 from ..workers.aborts import ACKED, LOST
 
@@ -34,7 +34,7 @@ async def abort_live_legs(ctx: "RequestContext", st: RequestState) -> None:
             tg.start_soon(_abort_leg, ctx, attempt)
 
 
-async def _abort_leg(ctx: "RequestContext", attempt: Attempt) -> None:
+async def _abort_leg(ctx: "RequestContext", attempt: LegRecord) -> None:
     attempt.live = False
     if attempt.entry_ids is not None:  # a batch leg: each unfinished item by its own id
         await _abort_entries(ctx, attempt)
@@ -46,7 +46,7 @@ async def _abort_leg(ctx: "RequestContext", attempt: Attempt) -> None:
     state.abort_answered(attempt, result == LOST)
 
 
-async def _abort_entries(ctx: "RequestContext", attempt: Attempt) -> None:
+async def _abort_entries(ctx: "RequestContext", attempt: LegRecord) -> None:
     acked: dict[int, bool] = {}
     results: dict[int, str] = {}
 

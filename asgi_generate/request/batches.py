@@ -48,7 +48,8 @@ import anyio
 from ..protocols import PROTOCOLS
 from ..sdk import ids
 from . import state
-from ..sdk.codec import LEG_DONE, Attempt, BatchItem, Event, RequestError
+from ..sdk.codec import LEG_DONE, BatchItem, Event, RequestError
+from .leg_record import LegRecord
 from ..tracing.state import RequestState
 
 if TYPE_CHECKING:
@@ -96,7 +97,7 @@ class BatchLoop(Protocol):
     async def run_attempts(self) -> None:
         """Run the request as one item is (on P/D pairs)."""
 
-    async def run_client_leg(self, worker: "Worker", attempt: Attempt, wreq: "WorkerRequest") -> bool:
+    async def run_client_leg(self, worker: "Worker", attempt: LegRecord, wreq: "WorkerRequest") -> bool:
         """Run and conclude a leg whose events make the client's answer;
         whether to try another worker."""
 
@@ -179,13 +180,13 @@ class Batch:
             for part, prepared in zip(parts, first):
                 tg.start_soon(self._leg_then_check, loop, part, spread, prepared, tg.cancel_scope)
 
-    def give_items(self, attempt: Attempt, names_entries: bool) -> None:
+    def give_items(self, attempt: LegRecord, names_entries: bool) -> None:
         """Give ``attempt`` every item, each under an id of its own where
         the engine runs them so (``names_entries``; a leg of an attempt on a pair)."""
         self._assign(attempt, list(range(len(self.items))), names_entries)
 
     @staticmethod
-    def _assign(attempt: Attempt, entries: list[int], names_entries: bool) -> None:
+    def _assign(attempt: LegRecord, entries: list[int], names_entries: bool) -> None:
         attempt.entries = entries
         attempt.unfinished = set(entries)
         if names_entries:
@@ -210,7 +211,7 @@ class Batch:
                                    "unavailable", headers=loop.retry_after())
             return None
         spread.append(worker)
-        attempt = Attempt(ids.mint(), "aggregated", worker.id, worker.info, worker)
+        attempt = LegRecord(ids.mint(), "aggregated", worker.id, worker.info, worker=worker)
         self._assign(attempt, entries, getattr(loop.codec_state, "names_entries", False))
         try:
             wreq = loop.codec_state.worker_request(attempt)
@@ -239,7 +240,7 @@ class Batch:
                 return
 
     @staticmethod
-    def end_items(attempt: Attempt, event: Event) -> bool:
+    def end_items(attempt: LegRecord, event: Event) -> bool:
         """Count ``event`` on the batch leg ``attempt``: the items it
         finishes, and the leg's end (an error, its finish, or every item
         it runs under an id of its own finished); whether the client is
@@ -348,7 +349,7 @@ class Batch:
         return not any(t.delivered or t.finish_reason is not None or t.error is not None for t in self.tallies)
 
 
-def _item_attempts(attempts: list[Attempt], j: int, tally: ItemTally) -> Iterator[Attempt]:
+def _item_attempts(attempts: list[LegRecord], j: int, tally: ItemTally) -> Iterator[LegRecord]:
     """The legs that carried item ``j``, each as the item's own attempt (its
     own engine id where it had one, its abort acknowledgement, its tokens on
     the leg that served it)."""
@@ -360,7 +361,7 @@ def _item_attempts(attempts: list[Attempt], j: int, tally: ItemTally) -> Iterato
             engine_id, acked = a.entry_ids[j], (a.entry_acked or {}).get(j)
         else:
             engine_id, acked = a.engine_id, a.abort_acked
-        yield Attempt(engine_id, a.role, a.worker_id, outcome=outcome, abort_acked=acked,
+        yield LegRecord(engine_id, a.role, a.worker_id, outcome=outcome, abort_acked=acked,
                       tokens=tally.delivered if last else 0)
 
 

@@ -39,7 +39,8 @@ from . import state
 from .aborts import abort_live_legs
 from .answer import AnswerWriter
 from .budget import Lease
-from ..sdk.codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError, WorkerRequest
+from ..sdk.codec import Codec, Event, Exchange, GenerateRequest, RequestError, WorkerRequest
+from .leg_record import LegRecord
 from .framing import Send
 from .handshakes import handshake
 from .legs import Leg, LegEnd
@@ -225,13 +226,13 @@ class Generation:
                  f"migrating (--max-concurrent-migrations {slots.limit()})", "unavailable"), "unavailable")
         return False
 
-    def give_items(self, attempt: Attempt) -> None:
+    def give_items(self, attempt: LegRecord) -> None:
         """Give ``attempt`` the request's items, if it has any (see
         :meth:`~asgi_generate.request.handshakes.LegRunner.give_items`)."""
         if self.batch is not None:
             self.batch.give_items(attempt, getattr(self.codec_state, "names_entries", False))
 
-    async def worker_requests(self, *attempts: Attempt) -> list[WorkerRequest] | None:
+    async def worker_requests(self, *attempts: LegRecord) -> list[WorkerRequest] | None:
         """The codec's worker requests for ``attempts``, in order; ``None``
         once the codec refused one and the refusal was answered (nothing
         reached an engine). The body budget's share is given back either way."""
@@ -243,7 +244,7 @@ class Generation:
         finally:
             self.release_body()
 
-    def record_leg(self, attempt: Attempt, wreq: WorkerRequest) -> None:
+    def record_leg(self, attempt: LegRecord, wreq: WorkerRequest) -> None:
         """Count ``attempt`` among the request's legs (its record lists it)
         and, with OpenTelemetry export on, give the leg its span id and the
         engine its ``traceparent``."""
@@ -258,7 +259,7 @@ class Generation:
             self.lease.release()
 
     async def run_client_leg(
-        self, worker: Worker, attempt: Attempt, wreq: WorkerRequest, gate: anyio.Event | None = None
+        self, worker: Worker, attempt: LegRecord, wreq: WorkerRequest, gate: anyio.Event | None = None
     ) -> bool:
         """Run the leg of ``attempt`` on ``worker`` whose events make the
         client's answer (an aggregated, resumed, replayed or batch leg, or a
@@ -358,7 +359,7 @@ class Generation:
         with anyio.CancelScope(shield=True):
             await abort_live_legs(self.ctx, self.st)
 
-    def _migrate(self, attempt: Attempt, why: str) -> bool:
+    def _migrate(self, attempt: LegRecord, why: str) -> bool:
         """Whether the request, whose ``attempt`` (aggregated, resumed,
         replayed or a P/D decode leg) failed mid-answer for a migratable
         reason (``why``), continues on another worker: migration is on,
@@ -392,7 +393,7 @@ class Generation:
                      st.request_id, attempt.worker_id, why, len(sent_ids), st.migrations + 1)
         return True
 
-    def _paused_abort(self, attempt: Attempt, event: Event) -> bool:
+    def _paused_abort(self, attempt: LegRecord, event: Event) -> bool:
         """Whether ``event``, the engine's abort of ``attempt``, is a pause's
         to hold (module docstring): the request resumes after pauses, one
         began since its plan, and the codec can resume the stream (or, unary
@@ -432,7 +433,7 @@ class Generation:
         why = f"migration limit {limit} reached" if spent else self.unmoved
         return f"worker {worker.id} {what}" + (f" ({why})" if why else "")
 
-    async def _held_finish(self, attempt: Attempt) -> bool:
+    async def _held_finish(self, attempt: LegRecord) -> bool:
         """A stream cut after its finishing event (e.g. vLLM's finish reason
         held for a usage chunk that never came) is finished, not resumed."""
         event = self.codec_state.end_of_stream(attempt)
@@ -443,11 +444,11 @@ class Generation:
 
     # -- the leg runner's reader (asgi_generate.request.legs.LegReader) ---------
 
-    def answered(self, attempt: Attempt) -> bool:
+    def answered(self, attempt: LegRecord) -> bool:
         """The client's answer is complete: nothing more is wanted of a leg."""
         return self.st.response_complete
 
-    def read_payload(self, attempt: Attempt, payload: bytes) -> Event | None:
+    def read_payload(self, attempt: LegRecord, payload: bytes) -> Event | None:
         """The event of one worker payload, for :meth:`deliver_event`;
         ``None`` once a running stream's event was counted and queued (no
         await), or when the answer is complete (the payload is dropped).
@@ -463,7 +464,7 @@ class Generation:
             return None
         return event
 
-    async def deliver_event(self, attempt: Attempt, event: Event) -> None:
+    async def deliver_event(self, attempt: LegRecord, event: Event) -> None:
         """Count ``event`` on ``attempt`` (a finish or error ends the leg,
         with the usage its engine reported, unless the codec cut the answer
         short of the engine) and write it to the client; a pause's abort
@@ -494,7 +495,7 @@ class Generation:
         """Write :attr:`outbox` (one worker read's events) to the client."""
         await self.writer.flush()
 
-    async def cut_short(self, attempt: Attempt) -> None:
+    async def cut_short(self, attempt: LegRecord) -> None:
         """The leg's answer ended unfinished: finish it with what the codec
         holds (:meth:`_held_finish`).
 

@@ -48,7 +48,8 @@ from urllib.parse import urlsplit
 import anyio
 
 from ..sdk import ids
-from ..sdk.codec import NO_KV_TRANSFER, Attempt, Event, Pair, RequestError
+from ..sdk.codec import NO_KV_TRANSFER, Event, Pair, RequestError
+from .leg_record import LegRecord
 from ..workers.http import WorkerError
 from . import state
 from .legs import Leg, LegEnd
@@ -85,19 +86,19 @@ class LegRunner(Protocol):
     #: legs spread least outstanding), carried by its legs.
     key: Any
 
-    def give_items(self, attempt: Attempt) -> None:
+    def give_items(self, attempt: LegRecord) -> None:
         """Give ``attempt`` the items it carries: a batch's, each under an
         id of its own (``Attempt.entries``, ``entry_ids``); nothing for a
         request of one item."""
 
-    async def worker_requests(self, *attempts: Attempt) -> "list[WorkerRequest] | None":
+    async def worker_requests(self, *attempts: LegRecord) -> "list[WorkerRequest] | None":
         """The attempts' worker requests; ``None`` once a refusal was answered."""
 
-    def record_leg(self, attempt: Attempt, wreq: "WorkerRequest") -> None:
+    def record_leg(self, attempt: LegRecord, wreq: "WorkerRequest") -> None:
         """Count ``attempt`` among the request's legs."""
 
     async def run_client_leg(
-        self, worker: "Worker", attempt: Attempt, wreq: "WorkerRequest", gate: anyio.Event | None = None
+        self, worker: "Worker", attempt: LegRecord, wreq: "WorkerRequest", gate: anyio.Event | None = None
     ) -> bool:
         """Run a leg whose events make the client's answer and conclude it
         (failover, migration or the request's end); whether to try
@@ -133,9 +134,9 @@ class Handshake(Protocol):
 
 
 def _attempt(engine_id: str, role: str, worker: "Worker", backoff: float, resumes: list[int] | None,
-             pair: Pair | None = None) -> Attempt:
-    return Attempt(engine_id, role, worker.id, worker.info, worker, pair=pair, resumes=resumes,
-                   backoff_ms=round(backoff * 1000))
+             pair: Pair | None = None) -> LegRecord:
+    return LegRecord(engine_id, role, worker.id, worker.info, pair=pair, resumes=resumes,
+                     backoff_ms=round(backoff * 1000), worker=worker)
 
 
 class Aggregated:
@@ -173,13 +174,13 @@ class _Prefill:
         #: The worker's own non-200 answer, for the client.
         self.error_answer: tuple[int, bytes, bytes | None] | None = None
 
-    def answered(self, attempt: Attempt) -> bool:
+    def answered(self, attempt: LegRecord) -> bool:
         return not attempt.live
 
-    def read_payload(self, attempt: Attempt, payload: bytes) -> Event | None:
+    def read_payload(self, attempt: LegRecord, payload: bytes) -> Event | None:
         return self.codec_state.feed(attempt, payload) if attempt.live else None
 
-    async def deliver_event(self, attempt: Attempt, event: Event) -> None:
+    async def deliver_event(self, attempt: LegRecord, event: Event) -> None:
         if event.error is not None:
             attempt.live = False
             state.end_leg(attempt, "error")
@@ -192,7 +193,7 @@ class _Prefill:
     async def flush(self) -> None:  # nothing is queued for the client
         pass
 
-    async def cut_short(self, attempt: Attempt) -> None:
+    async def cut_short(self, attempt: LegRecord) -> None:
         raise WorkerError("prefill worker ended its answer without a finish reason")
 
     def note_end(self, leg: Leg, end: LegEnd) -> None:
@@ -207,7 +208,7 @@ class _Prefill:
 
 
 async def _run_prefill(
-    runner: LegRunner, prefill: _Prefill, worker: "Worker", attempt: Attempt, wreq: "WorkerRequest",
+    runner: LegRunner, prefill: _Prefill, worker: "Worker", attempt: LegRecord, wreq: "WorkerRequest",
     gate: anyio.Event | None = None, decode_scope: anyio.CancelScope | None = None,
 ) -> None:
     """Run a prefill leg, its whole answer into the codec (it answers once

@@ -29,7 +29,8 @@ from .framing import SSEDecoder
 
 if TYPE_CHECKING:
     from ..config import Settings
-    from ..sdk.codec import Attempt, Event, WorkerRequest
+    from ..sdk.codec import Event, WorkerRequest
+    from .leg_record import LegRecord
     from ..workers.router import Router, Worker
     from ..tracing.state import RequestState
 
@@ -96,10 +97,10 @@ class LegReader(Protocol):
     #: The leg running for this reader (set by :meth:`Leg.run`), ``None`` between legs.
     leg: "Leg | None"
 
-    def answered(self, attempt: "Attempt") -> bool:
+    def answered(self, attempt: "LegRecord") -> bool:
         """Nothing more is wanted from ``attempt``'s leg."""
 
-    def read_payload(self, attempt: "Attempt", payload: bytes) -> "Event | None":
+    def read_payload(self, attempt: "LegRecord", payload: bytes) -> "Event | None":
         """The event of one worker payload for :meth:`deliver_event`;
         ``None`` once it was queued with no await, or when :meth:`answered`
         (the payload is dropped).
@@ -108,13 +109,13 @@ class LegReader(Protocol):
             RequestError: the payload breaks the worker protocol.
         """
 
-    async def deliver_event(self, attempt: "Attempt", event: "Event") -> None:
+    async def deliver_event(self, attempt: "LegRecord", event: "Event") -> None:
         """Account for ``event`` and deliver it."""
 
     async def flush(self) -> None:
         """Send :attr:`outbox`."""
 
-    async def cut_short(self, attempt: "Attempt") -> None:
+    async def cut_short(self, attempt: "LegRecord") -> None:
         """The leg's answer ended before :meth:`answered`: finish it from
         what the codec holds, else raise :class:`WorkerError`."""
 
@@ -155,7 +156,7 @@ class Leg:
     )
 
     def __init__(
-        self, st: "RequestState", settings: "Settings", worker: "Worker", attempt: "Attempt", wreq: "WorkerRequest",
+        self, st: "RequestState", settings: "Settings", worker: "Worker", attempt: "LegRecord", wreq: "WorkerRequest",
         between: float | None = None, gate: anyio.Event | None = None, route_key: Any = None,
     ) -> None:
         if st.t_dispatched is None:

@@ -13,7 +13,7 @@ A request (:class:`~asgi_generate.tracing.state.RequestState`) runs with
   :data:`REQUEST_TRANSITIONS` allows: the client leaving before its answer
   was complete, a slow client cut off, the shutdown grace running out.
 
-An attempt (:class:`~asgi_generate.sdk.codec.Attempt`) runs with
+An attempt (:class:`~asgi_generate.request.leg_record.LegRecord`) runs with
 ``outcome`` ``None``: :func:`end_leg` records how its leg ended, as
 :data:`LEG_TRANSITIONS` allows; :func:`abort_answered` records the abort's
 answer unless the leg's end is known already.
@@ -39,7 +39,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 
-from ..sdk.codec import Attempt
+from .leg_record import LegRecord
 from ..tracing.schema import ATTEMPT_OUTCOMES, STATUSES
 from ..tracing.state import RequestState
 
@@ -171,7 +171,7 @@ def cut(st: RequestState, status: str, http_status: int | None, error_type: str,
     st.error_message = message
 
 
-def end_leg(attempt: Attempt, outcome: str) -> None:
+def end_leg(attempt: LegRecord, outcome: str) -> None:
     """Record how ``attempt``'s leg ended (``finished``, ``error``,
     ``connect_failed``, ``worker_lost``, ``timeout``)."""
     if outcome != attempt.outcome and outcome not in LEG_TRANSITIONS[attempt.outcome]:
@@ -179,7 +179,7 @@ def end_leg(attempt: Attempt, outcome: str) -> None:
     attempt.outcome = outcome
 
 
-def abort_answered(attempt: Attempt, lost: bool) -> None:
+def abort_answered(attempt: LegRecord, lost: bool) -> None:
     """The abort of ``attempt``'s leg was answered: ``worker_lost`` if its
     worker was gone (``lost``), else ``aborted``; a leg whose end was
     recorded before keeps it."""

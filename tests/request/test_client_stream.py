@@ -11,7 +11,8 @@ import pytest
 
 from asgi_generate.request.answer import AnswerWriter, send_in_band_error
 from asgi_generate.request.framing import KEEPALIVE, SSE_HEADERS
-from asgi_generate.sdk.codec import Attempt, RequestError
+from asgi_generate.request.leg_record import LegRecord
+from asgi_generate.sdk.codec import RequestError
 from asgi_generate.tracing.state import RequestState
 from asgi_generate_sglang import SGLangCodec
 from test_context import FakeContext, _router
@@ -32,7 +33,7 @@ class Answer:
         self.gone_after = gone_after
         self.stream = AnswerWriter(self.ctx, codec, codec.exchange(self.req, self.st.request_id), self.req,
                                    self.st, self.send)
-        self.attempt = Attempt("e0", "aggregated", "w0", {}, self.ctx.router.workers[0])
+        self.attempt = LegRecord("e0", "aggregated", "w0", {}, worker=self.ctx.router.workers[0])
         self.stream.codec_state.worker_request(self.attempt)
 
     async def send(self, message: dict) -> None:

@@ -24,7 +24,8 @@ from asgi_generate.request.context import RequestContext
 from asgi_generate.request.generation import Generation
 from asgi_generate.request.migrations import MigrationSlots
 from asgi_generate.request.watchdog import Watchdog
-from asgi_generate.sdk.codec import Attempt, RequestError
+from asgi_generate.request.leg_record import LegRecord
+from asgi_generate.sdk.codec import RequestError
 from asgi_generate.workers.router import Router
 from asgi_generate_sglang.codec import SGLangCodec
 
@@ -258,8 +259,8 @@ async def test_client_stream_ends_before_and_after_the_200_and_aborts_live_legs(
     assert (st.status, st.http_status, st.response_complete) == ("engine_error", 200, True)
 
     worker = ctx.router.workers[0]
-    st.attempts = [Attempt("a" * 32, "aggregated", "w0", worker=worker, live=True),
-                   Attempt("b" * 32, "decode", "w0", worker=worker, live=False)]
+    st.attempts = [LegRecord("a" * 32, "aggregated", "w0", worker=worker, live=True),
+                   LegRecord("b" * 32, "decode", "w0", worker=worker, live=False)]
     ctx.open_requests[st.request_id] = st
     await abort_live_legs(ctx, st)
     await finish_record(ctx, st)

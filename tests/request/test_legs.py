@@ -17,7 +17,7 @@ from asgi_generate.tracing.state import RequestState
 from asgi_generate.request.handshakes import AGGREGATED, CONCURRENT_PAIR, PAIRS, SEQUENTIAL_PAIR, handshake
 from asgi_generate.request.legs import Leg, LegEnd
 from asgi_generate.sdk import ids
-from asgi_generate.sdk.codec import Attempt
+from asgi_generate.request.leg_record import LegRecord
 from asgi_generate.workers.http import ConnectFailed, TimedOut, WorkerDisconnected
 from asgi_generate.protocols import PROTOCOLS
 from asgi_generate.workers.router import Worker
@@ -254,7 +254,7 @@ async def test_leg_runner_classifies_how_a_leg_ended(case):
     router = FakeRouter(probe_up=up)
     codec = SGLangCodec()
     ex = codec.exchange(codec.decode(b'{"input_ids": [1, 2], "stream": true, "rid": "mine"}', {}), "r" * 32)
-    attempt = Attempt("e0", "aggregated", "w0", {}, w)
+    attempt = LegRecord("e0", "aggregated", "w0", {}, worker=w)
     reader = Reader(ex)
     st = RequestState("r" * 32, "sglang", "/generate", "POST")
     leg = Leg(st, Settings(), w, attempt, ex.worker_request(attempt), 300.0)
@@ -272,7 +272,7 @@ async def test_leg_runner_cancels_a_leg_whose_worker_the_probe_gave_up():
     w = worker("w0", "sglang", FakePool(FakeResponse(200, [sse(CHUNK), STALL])))
     codec = SGLangCodec()
     ex = codec.exchange(codec.decode(b'{"input_ids": [1, 2], "stream": true}', {}), "r" * 32)
-    attempt = Attempt("e0", "aggregated", "w0", {}, w)
+    attempt = LegRecord("e0", "aggregated", "w0", {}, worker=w)
     reader = Reader(ex)
     leg = Leg(RequestState("r", "sglang", "/generate", "POST"), Settings(), w, attempt, ex.worker_request(attempt), 300.0)
     async with anyio.create_task_group() as tg:
@@ -501,7 +501,7 @@ async def test_a_leg_does_not_hold_its_request_body():
         id, pool = "w0", Pool()
 
     wreq = WorkerRequest(b"/generate", b'{"input_ids":[1,2,3]}', [(b"x-a", b"1")])
-    leg = Leg(RequestState("r", "sglang", "/generate", "POST"), Settings(), Worker(), Attempt("a" * 32, "aggregated"),
+    leg = Leg(RequestState("r", "sglang", "/generate", "POST"), Settings(), Worker(), LegRecord("a" * 32, "aggregated"),
               wreq)
     assert sent == [(b"POST", b"/generate", b'{"input_ids":[1,2,3]}', [(b"x-a", b"1")])]
     assert wreq.body == b"" and wreq.stream is True and leg.phase == "headers"

@@ -16,7 +16,7 @@ from asgi_generate.request.state import (
     CUTS, ITEM_ENDING, ITEM_FIELDS, LEG_TRANSITIONS, MOVE_TRANSITIONS, REQUEST_ONLY, REQUEST_TRANSITIONS,
     IllegalTransition, Moves,
 )
-from asgi_generate.sdk.codec import Attempt
+from asgi_generate.request.leg_record import LegRecord
 from asgi_generate.tracing.schema import ATTEMPT_OUTCOMES, STATUSES
 from asgi_generate.tracing.state import RequestState
 
@@ -101,7 +101,7 @@ def test_an_ending_the_machine_does_not_know_is_refused(misuse):
 @pytest.mark.parametrize("before", [None, *ATTEMPT_OUTCOMES])
 @pytest.mark.parametrize("after", [o for o in ATTEMPT_OUTCOMES if o != "aborted"])
 def test_every_leg_transition(before, after):
-    attempt = Attempt("a" * 32, outcome=before)
+    attempt = LegRecord("a" * 32, outcome=before)
     if after in LEG_TRANSITIONS[before] or after == before:
         state.end_leg(attempt, after)
         assert attempt.outcome == after
@@ -113,7 +113,7 @@ def test_every_leg_transition(before, after):
 @pytest.mark.parametrize("before", [None, *ATTEMPT_OUTCOMES])
 @pytest.mark.parametrize("lost", [False, True])
 def test_an_abort_answer_records_only_an_unknown_end(before, lost):
-    attempt = Attempt("a" * 32, outcome=before)
+    attempt = LegRecord("a" * 32, outcome=before)
     state.abort_answered(attempt, lost)
     assert attempt.outcome == (before or ("worker_lost" if lost else "aborted"))
 
