@@ -162,8 +162,8 @@ class Generation:
                 backoff = 0.0
                 if moves.bounded and self.st.migrations + self.st.replays >= self.ctx.settings.migration_limit:
                     # Only a resumed leg that could not even connect gets here.
-                    await self.writer.fail(RequestError(502, self._failed(tried[-1], "could not be reached"), "engine"),
-                                    "engine_error")
+                    err = RequestError(502, self._failed(tried[-1], "could not be reached"), "engine")
+                    await self.writer.fail(err, "engine_error")
                     return
                 if moves.bounded:  # migration or replay: bounded, backing off
                     backoff = migration_backoff(self.st.migrations + self.st.replays + 1)

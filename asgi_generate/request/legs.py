@@ -180,7 +180,8 @@ class Leg:
         self.route_key = route_key
         # Keeps the body only until it is sent; the caller's request object
         # lives as long as the leg, its body (the whole prompt) need not.
-        self._pooled_request = worker.pool.request(b"POST", wreq.path, wreq.body, wreq.headers, head_deadline=self.deadline)
+        self._pooled_request = worker.pool.request(
+            b"POST", wreq.path, wreq.body, wreq.headers, head_deadline=self.deadline)
         wreq.body = b""
 
     def enter(self, phase: str, limit: float) -> float:
