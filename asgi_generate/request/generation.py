@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import anyio
 
@@ -142,12 +142,11 @@ class Generation:
         if writer.scope is not None:
             writer.scope.cancel()
 
-    async def run(self) -> None:
-        """Answer the request: its attempts, or its batch's legs."""
-        if self.batch is not None:
-            await self.batch.run(self)
-        else:
-            await self.run_attempts()
+    def run(self) -> Awaitable[None]:
+        """Answer the request: its attempts, or its batch's legs (to await).
+        Not a coroutine of its own: an open stream holds every frame of its
+        await chain, and this one would only pick."""
+        return self.run_attempts() if self.batch is None else self.batch.run(self)
 
     async def run_attempts(self) -> None:
         """Plan and run attempts until the request is answered (see the module docstring)."""
