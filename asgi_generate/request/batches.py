@@ -1,6 +1,9 @@
 """Requests that carry several items: SGLang batches and ``n`` > 1, vLLM ``n`` > 1.
 
-A request with ``GenerateRequest.items`` runs as :class:`BatchGeneration`:
+A request with ``GenerateRequest.items`` runs with a :class:`Batch`, the
+strategy its attempt loop (:class:`~asgi_generate.request.generation.Generation`)
+and its answer writer (:class:`~asgi_generate.request.answer.AnswerWriter`)
+are given:
 
 - **Legs.** By default the whole request is one engine request on one worker
   (its prompts' prefixes are cached there). With ``--split-batches`` its
@@ -25,12 +28,12 @@ A request with ``GenerateRequest.items`` runs as :class:`BatchGeneration`:
 - **Accounting.** Each item keeps its own count of the tokens its client
   was sent (counted when the write carrying them was taken), its finish,
   usage and token timing; at the end the request's one state becomes one
-  record per item (:meth:`BatchGeneration.item_states`), each with the
+  record per item (:meth:`Batch.item_states`), each with the
   batch's id, its index and the batch size, its own attempts (the leg that
   carried it, under the item's engine id) and, for an item that had not
   finished, the request's outcome (a disconnect records every unfinished
   item as ``client_disconnect``). A request refused as a whole before any
-  item ran (:meth:`BatchGeneration.refused_whole`) is one record whatever
+  item ran (:meth:`Batch.refused_whole`) is one record whatever
   its items: the request's, its ``item_count`` saying how many it carried.
 """
 
@@ -38,19 +41,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import anyio
 
 from ..protocols import PROTOCOLS
 from ..sdk import ids
 from . import state
-from ..sdk.codec import LEG_DONE, Attempt, Codec, Event, Exchange, GenerateRequest, RequestError
+from ..sdk.codec import LEG_DONE, BatchItem, Event, RequestError
+from .leg_record import LegRecord
 from ..tracing.state import RequestState
-from .framing import Send
-from .generation import Generation
 
 if TYPE_CHECKING:
+    from ..sdk.codec import Codec, Exchange, GenerateRequest, WorkerRequest
+    from ..workers.router import Worker
+    from .answer import AnswerWriter
     from .context import RequestContext
 
 
@@ -71,44 +76,82 @@ class ItemTally:
     t_last_token: float | None = None
 
 
-class BatchGeneration(Generation):
-    """Drives a request with items; see the module docstring."""
+#: (item, tokens, finished) of one event's share, credited to the item once written.
+Share = tuple[int, int, bool]
 
-    __slots__ = ("items", "tallies", "outbox_items", "pending_items", "write_lock", "refused")
 
-    def __init__(
-        self, ctx: "RequestContext", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
-    ) -> None:
-        super().__init__(ctx, codec, ex, req, st, send)
-        self.sent_ids = None  # batches never migrate
-        self.items = req.items
-        self.tallies = [ItemTally(ids.mint()) for _ in self.items]
-        #: (item, tokens, finished) of the events in the outbox / of a unary answer.
-        self.outbox_items: list[tuple[int, int, bool]] = []
-        self.pending_items: list[tuple[int, int, bool]] = []
+class BatchLoop(Protocol):
+    """What a :class:`Batch` needs of the attempt loop that was given it
+    (:class:`~asgi_generate.request.generation.Generation`)."""
+
+    ctx: "RequestContext"
+    codec: "Codec"
+    codec_state: "Exchange"
+    req: "GenerateRequest"
+    st: RequestState
+    writer: "AnswerWriter"
+    #: The request's routing key; a batch sent whole to one worker sets it.
+    key: Any
+    batch: "Batch | None"
+
+    async def run_attempts(self) -> None:
+        """Run the request as one item is (on P/D pairs)."""
+
+    async def run_client_leg(self, worker: "Worker", attempt: LegRecord, wreq: "WorkerRequest") -> bool:
+        """Run and conclude a leg whose events make the client's answer;
+        whether to try another worker."""
+
+    def retry_after(self) -> list[tuple[bytes, bytes]]:
+        """The ``Retry-After`` of the frontend's own 503."""
+
+    def release_body(self) -> None:
+        """Give the request's share of the body budget back."""
+
+
+class Batch:
+    """A request with items: how its legs run (:meth:`run`) and each item's
+    share of the answer (:meth:`tally`, :meth:`credit`), then its records
+    (:meth:`item_states`); see the module docstring. Given to the request's
+    :class:`~asgi_generate.request.generation.Generation` and, through it,
+    to its :class:`~asgi_generate.request.answer.AnswerWriter`.
+
+    Args:
+        items: the request's items (``GenerateRequest.items``), in answer order.
+        st: the request's state; its records expand into the items' (``st.expand``).
+    """
+
+    __slots__ = ("items", "st", "tallies", "queued", "unary", "write_lock", "refused")
+
+    def __init__(self, items: list[BatchItem], st: RequestState) -> None:
+        self.items = items
+        self.st = st
+        self.tallies = [ItemTally(ids.mint()) for _ in items]
+        #: The shares of the events in the writer's outbox / of a unary answer.
+        self.queued: list[Share] = []
+        self.unary: list[Share] = []
         #: Legs run at once (``--split-batches``) share the client.
         self.write_lock = anyio.Lock()
-        #: The routing key of a batch sent whole to one worker, else ``None``.
-        self.key = None
         #: An engine answered the request with its own error (not 200).
         self.refused = False
         st.expand = self.item_states
 
     # -- legs ---------------------------------------------------------------
 
-    async def run(self) -> None:
-        protocol = self.codec.worker_protocol
-        router = self.ctx.router
+    async def run(self, loop: BatchLoop) -> None:
+        """Run the request's items: on one worker, split over several
+        (``--split-batches``), or as one request on a P/D pair."""
+        protocol = loop.codec.worker_protocol
+        router = loop.ctx.router
         if router.disaggregation == "always" or (router.disaggregation == "auto" and
                                                  not router.up(protocol, "aggregated") and router.can_plan(protocol)):
             refusal = PROTOCOLS[protocol].pd_items_refusal
             if refusal is not None:
-                await self.refuse(RequestError(400, refusal, "rejected"))
+                await loop.writer.refuse(RequestError(400, refusal, "rejected"))
                 return
-            await super().run()  # on pairs, as one item is
+            await loop.run_attempts()  # on pairs, as one item is
             return
         parts = [list(range(len(self.items)))]
-        if self.ctx.settings.split_batches:
+        if loop.ctx.settings.split_batches:
             workers = max(1, sum(1 for w in router.workers if w.healthy and w.protocol.name == protocol
                                  and w.role == "aggregated"))
             groups: dict[int, list[int]] = {}
@@ -120,83 +163,88 @@ class BatchGeneration(Generation):
         # A batch on one worker goes where the policy sends its prompt (n
         # samples of one prompt: its prefix is cached there); legs split
         # over workers go least outstanding.
-        self.key = router.routing_key(self.req, self.st.headers) if len(parts) == 1 else None
+        loop.key = router.routing_key(loop.req, self.st.headers) if len(parts) == 1 else None
         spread: list = []  # workers given a leg: the next leg prefers another
         # Every leg's body is built (and checked) before any is sent: a
         # refused item refuses the whole batch before an engine sees it.
         first = []
         for part in parts:
-            prepared = await self._prepare(part, spread, [])
+            prepared = await self._prepare(loop, part, spread, [])
             if prepared is None:
                 return
             first.append(prepared)
         if len(parts) == 1:
-            await self._leg(parts[0], spread, first[0])
+            await self._leg(loop, parts[0], spread, first[0])
             return
         async with anyio.create_task_group() as tg:
             for part, prepared in zip(parts, first):
-                tg.start_soon(self._leg_then_check, part, spread, prepared, tg.cancel_scope)
+                tg.start_soon(self._leg_then_check, loop, part, spread, prepared, tg.cancel_scope)
 
-    def carry(self, attempt: Attempt) -> None:
+    def give_items(self, attempt: LegRecord, names_entries: bool) -> None:
         """Give ``attempt`` every item, each under an id of its own where
-        the engine runs them so (a leg of an attempt on a pair)."""
-        attempt.entries = list(range(len(self.items)))
-        attempt.unfinished = set(attempt.entries)
-        if getattr(self.ex, "names_entries", False):
-            attempt.entry_ids = {j: ids.mint() for j in attempt.entries}
+        the engine runs them so (``names_entries``; a leg of an attempt on a pair)."""
+        self._assign(attempt, list(range(len(self.items))), names_entries)
 
-    async def _leg_then_check(self, entries: list[int], spread: list, prepared: tuple,
+    @staticmethod
+    def _assign(attempt: LegRecord, entries: list[int], names_entries: bool) -> None:
+        attempt.entries = entries
+        attempt.unfinished = set(entries)
+        if names_entries:
+            attempt.entry_ids = {j: ids.mint() for j in entries}
+
+    async def _leg_then_check(self, loop: BatchLoop, entries: list[int], spread: list, prepared: tuple,
                               scope: anyio.CancelScope) -> None:
-        await self._leg(entries, spread, prepared)
+        await self._leg(loop, entries, spread, prepared)
         if self.st.response_complete:  # an error ended the answer: stop the other legs
             scope.cancel()
 
-    async def _prepare(self, entries: list[int], spread: list, tried: list) -> tuple | None:
+    async def _prepare(self, loop: BatchLoop, entries: list[int], spread: list, tried: list) -> tuple | None:
         """A worker, attempt and worker request for the items ``entries``;
         ``None`` once the client was answered (no worker, or refused)."""
-        router = self.ctx.router
-        protocol = self.codec.worker_protocol
-        key = self.key
+        router = loop.ctx.router
+        protocol = loop.codec.worker_protocol
+        key = loop.key
         worker = router.pick(protocol, [*tried, *spread], key=key) or router.pick(protocol, tried, key=key)
         if worker is None:
             why = "no healthy worker" if router.has_protocol(protocol) else "no worker configured"
-            await self.fail(RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"), "unavailable",
-                            headers=self.retry_after())
+            await loop.writer.fail(RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"),
+                                   "unavailable", headers=loop.retry_after())
             return None
         spread.append(worker)
-        attempt = Attempt(ids.mint(), "aggregated", worker.id, worker.info, worker)
-        attempt.entries = entries
-        attempt.unfinished = set(entries)
-        if getattr(self.ex, "names_entries", False):
-            attempt.entry_ids = {j: ids.mint() for j in entries}
+        attempt = LegRecord(ids.mint(), "aggregated", worker.id, worker.info, worker=worker)
+        self._assign(attempt, entries, getattr(loop.codec_state, "names_entries", False))
         try:
-            wreq = self.ex.worker_request(attempt)
+            wreq = loop.codec_state.worker_request(attempt)
         except RequestError as exc:  # nothing was sent to any engine
             if not self.st.response_started:
-                await self.refuse(exc)
+                await loop.writer.refuse(exc)
             return None
         finally:
-            self.release_body()
+            loop.release_body()
         return worker, attempt, wreq
 
-    async def _leg(self, entries: list[int], spread: list, prepared: tuple) -> None:
+    async def _leg(self, loop: BatchLoop, entries: list[int], spread: list, prepared: tuple) -> None:
         """Run the items ``entries`` as one engine request, failing over to
         another worker while nothing reached the client."""
         tried: list = []
         while True:
             worker, attempt, wreq = prepared
             self.st.attempts.append(attempt)
-            leg = self.client_leg(worker, attempt, wreq)
-            retry = await self.judge(leg, await leg.run(self, self.ctx.router))
+            retry = await loop.run_client_leg(worker, attempt, wreq)
             if not retry or self.st.response_complete:
                 return
             spread.remove(worker)
             tried.append(worker)
-            prepared = await self._prepare(entries, spread, tried)
+            prepared = await self._prepare(loop, entries, spread, tried)
             if prepared is None:
                 return
 
-    async def settle(self, attempt: Attempt, event: Event) -> None:
+    @staticmethod
+    def end_items(attempt: LegRecord, event: Event) -> bool:
+        """Count ``event`` on the batch leg ``attempt``: the items it
+        finishes, and the leg's end (an error, its finish, or every item
+        it runs under an id of its own finished); whether the client is
+        owed the event (not a leg's end while other legs run)."""
         attempt.tokens += len(event.token_ids)
         for j, sub in event.entries or ():
             if sub.finish_reason is not None or sub.error is not None:
@@ -207,34 +255,23 @@ class BatchGeneration(Generation):
         elif event.finish_reason is not None or (attempt.entry_ids is not None and not attempt.unfinished):
             attempt.live = False
             state.end_leg(attempt, "finished")
-        if event.finish_reason != LEG_DONE:  # else: its items finished while other legs run
-            await self._deliver(event)
-
-    async def answer_worker_error(self, status: int, body: bytes, retry_after: bytes | None = None) -> None:
-        """The engine refused the request as a whole (its own non-200
-        answer); answered as any request's (:meth:`Generation.answer_worker_error`)."""
-        self.refused = True
-        await super().answer_worker_error(status, body, retry_after)
+        return event.finish_reason != LEG_DONE  # else: its items finished while other legs run
 
     # -- the client's answer, per item -----------------------------------------
 
-    async def _write(self, message: dict) -> None:
-        async with self.write_lock:
-            await super()._write(message)
-
-    def _queued(self, event: Event) -> bool:
-        return False  # every event goes through the items' tallies (_deliver)
-
-    async def _deliver(self, event: Event) -> None:
+    def tally(self, event: Event, timed: bool, gap: Callable[[float], None], stream: bool) -> None:
+        """Each item's share of ``event`` (its tokens, timing, usage, finish
+        and error), credited once written (:meth:`credit`); ``gap`` takes
+        the seconds between two of an item's token events when ``timed``."""
         now = time.monotonic()
         for j, sub in event.entries or ():
             tally = self.tallies[j]
             n = len(sub.token_ids)
-            if n and self.timed:
+            if n and timed:
                 if tally.t_first_token is None:
                     tally.t_first_token = now
                 else:
-                    self.gap(now - tally.t_last_token)
+                    gap(now - tally.t_last_token)
                 tally.t_last_token = now
             for name in ("prompt_tokens", "completion_tokens", "cached_tokens"):
                 value = getattr(sub, name)
@@ -245,18 +282,20 @@ class BatchGeneration(Generation):
                 tally.finish_reason, tally.matched = sub.finish_reason, sub.matched
             if sub.error is not None:
                 tally.error = sub.error.message
-            (self.outbox_items if self.req.stream else self.pending_items).append((j, n, finished))
-        await super()._deliver(event)
-        if not self.req.stream and self.st.response_complete and not self.gone and self.st.http_status == 200:
-            self._credit(self.pending_items)
+            (self.queued if stream else self.unary).append((j, n, finished))
 
-    async def flush(self, more: bool = True) -> None:
-        taken, self.outbox_items = self.outbox_items, []
-        await super().flush(more)
-        if not self.gone:
-            self._credit(taken)
+    def take_queued(self) -> list[Share]:
+        """The shares of the events about to be written (the writer's outbox)."""
+        taken, self.queued = self.queued, []
+        return taken
 
-    def _credit(self, taken: list[tuple[int, int, bool]]) -> None:
+    def credit_unary(self) -> None:
+        """The unary answer was written whole: credit its shares."""
+        self.credit(self.unary)
+
+    def credit(self, taken: list[Share]) -> None:
+        """The write carrying ``taken`` was taken by the server: each item
+        was sent its share."""
         for j, n, finished in taken:
             tally = self.tallies[j]
             tally.delivered += n
@@ -310,7 +349,7 @@ class BatchGeneration(Generation):
         return not any(t.delivered or t.finish_reason is not None or t.error is not None for t in self.tallies)
 
 
-def _item_attempts(attempts: list[Attempt], j: int, tally: ItemTally) -> Iterator[Attempt]:
+def _item_attempts(attempts: list[LegRecord], j: int, tally: ItemTally) -> Iterator[LegRecord]:
     """The legs that carried item ``j``, each as the item's own attempt (its
     own engine id where it had one, its abort acknowledgement, its tokens on
     the leg that served it)."""
@@ -322,19 +361,20 @@ def _item_attempts(attempts: list[Attempt], j: int, tally: ItemTally) -> Iterato
             engine_id, acked = a.entry_ids[j], (a.entry_acked or {}).get(j)
         else:
             engine_id, acked = a.engine_id, a.abort_acked
-        yield Attempt(engine_id, a.role, a.worker_id, outcome=outcome, abort_acked=acked,
+        yield LegRecord(engine_id, a.role, a.worker_id, outcome=outcome, abort_acked=acked,
                       tokens=tally.delivered if last else 0)
 
 
-def named_legs(gen: Generation) -> Iterator[tuple[str | None, object, str]]:
+def named_legs(gen: BatchLoop) -> Iterator[tuple[str | None, object, str]]:
     """``(public id, worker, engine id)`` of every live engine leg of
     ``gen`` a client id can name: a batch's unfinished items each under
     their own id, else the request's live attempts."""
-    if isinstance(gen, BatchGeneration):
+    if gen.batch is not None:
+        items = gen.batch.items
         for a in gen.st.attempts:
             if a.live and a.entry_ids is not None:
                 for j in sorted(a.unfinished or ()):
-                    yield gen.items[j].public_id, a.worker, a.entry_ids[j]
+                    yield items[j].public_id, a.worker, a.entry_ids[j]
         return
     for a in gen.st.attempts:
         if a.live:

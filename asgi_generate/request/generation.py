@@ -2,13 +2,18 @@
 what happens when one fails.
 
 :class:`Generation` asks the router for a plan (one aggregated worker, or a
-prefill/decode pair), runs it with the plan's handshake
-(:mod:`asgi_generate.request.handshakes`), whose legs run on the leg runner
-(:mod:`asgi_generate.request.legs`), and from how a leg whose events make
-the client's answer ended decides between failover (no token reached the
-client yet), migration (a stream continues on another worker as a
-``resumed`` attempt) and ending the request with the format's error. What
-the client sees is written by :class:`ClientStream`.
+prefill/decode pair) and has the plan's handshake
+(:mod:`asgi_generate.request.handshakes`) run it: the handshake drives
+this loop as its :class:`~asgi_generate.request.handshakes.LegRunner`,
+whose client legs run on the leg runner (:mod:`asgi_generate.request.legs`)
+and are concluded here (:meth:`Generation.conclude_leg`): failover (no
+token reached the client yet), migration (a stream continues on another
+worker as a ``resumed`` attempt) or the request's end with the format's
+error. What the client sees is written by the loop's one
+:class:`~asgi_generate.request.answer.AnswerWriter`; a request with items
+runs with a :class:`~asgi_generate.request.batches.Batch`. Where the answer
+goes on after a failure or a pause is the request's
+:class:`~asgi_generate.request.state.Moves`.
 
 Resuming after a pause (``resume_after_pause``, or the request's
 :data:`RESUME_HEADER`): when a leg ends with the engine's abort after a pause
@@ -26,14 +31,16 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import anyio
 
 from . import state
+from .aborts import abort_live_legs
+from .answer import AnswerWriter
 from .budget import Lease
-from .client_stream import ClientStream, abort_live_legs, send_in_band_error
-from ..sdk.codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError, WorkerRequest
+from ..sdk.codec import Codec, Event, Exchange, GenerateRequest, RequestError, WorkerRequest
+from .leg_record import LegRecord
 from .framing import Send
 from .handshakes import handshake
 from .legs import Leg, LegEnd
@@ -42,9 +49,10 @@ from ..workers.http import WorkerError
 from ..workers.router import Worker
 
 if TYPE_CHECKING:
+    from .batches import Batch
     from .context import RequestContext
 
-log = logging.getLogger("asgi_generate.request.handler")
+log = logging.getLogger(__name__)
 #: Seconds a request waits before its k-th resumed or replayed attempt:
 #: ``MIGRATION_BACKOFF_S * 2 ** (k - 1)``, at most ``MIGRATION_BACKOFF_MAX_S``
 #: (50, 100, 200 ms for the default limit of 3). A crash-looping fleet thus
@@ -62,48 +70,88 @@ def migration_backoff(k: int) -> float:
     return min(MIGRATION_BACKOFF_S * 2 ** (k - 1), MIGRATION_BACKOFF_MAX_S)
 
 
-class Generation(ClientStream):
-    """Drives one request's attempts; its answer is written by the base."""
+class Generation:
+    """Drives one request's attempts; its :attr:`writer` writes the answer.
 
-    __slots__ = ("lease", "resuming", "tried", "unmoved", "pause_epoch", "held_by_pause", "after_pause", "key")
+    Args:
+        ctx: the process as the request sees it.
+        codec: the request's format.
+        codec_state: the codec's state of this request (its
+            :class:`~asgi_generate.sdk.codec.Exchange`).
+        req: the decoded request.
+        st: the request's state.
+        send: the ASGI send.
+        batch: for a request with items, its :class:`~asgi_generate.request.batches.Batch`.
+        lease: the request's share of the body budget, given back once the
+            first worker request is built (the body is decoded and checked then).
+        scope: the cancel scope the request runs in (the writer cancels it
+            when the client goes away or is cut off).
+        reset: the server's reset of the client's connection, or ``None``
+            (see :class:`~asgi_generate.request.answer.AnswerWriter`).
+    """
+
+    __slots__ = ("ctx", "codec", "codec_state", "req", "st", "writer", "batch", "lease", "tried", "unmoved",
+                 "moves", "key", "outbox", "leg")
 
     def __init__(
-        self, ctx: "RequestContext", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
+        self, ctx: "RequestContext", codec: Codec, codec_state: Exchange, req: GenerateRequest, st: RequestState,
+        send: Send, batch: "Batch | None" = None, lease: Lease | None = None,
+        scope: anyio.CancelScope | None = None, reset: Callable[[], None] | None = None,
     ) -> None:
-        super().__init__(ctx, codec, ex, req, st, send)
-        #: The request's share of the body budget, given back once the first
-        #: worker request is built (the body is decoded and checked then).
-        self.lease: Lease | None = None
-        #: The last attempt failed mid-answer and the request migrates.
-        self.resuming = False
+        self.ctx = ctx
+        self.codec = codec
+        self.codec_state = codec_state
+        self.req = req
+        self.st = st
+        self.writer = AnswerWriter(ctx, codec, codec_state, req, st, send, batch, scope, reset)
+        self.batch = batch
+        self.lease = lease
         #: Workers this request failed on, never tried again for it.
         self.tried: list[Worker] = []
         #: Why the last failure was not migrated, for the client's error
         #: (:meth:`_failed`); ``None`` when nothing needs saying.
         self.unmoved: str | None = None
-        #: The fleet's pause count when the current plan was made; ``None``
-        #: when the request does not resume after a pause.
         wanted = st.headers.get(RESUME_HEADER, b"").strip().lower()
         opted = wanted in (b"1", b"true") or (ctx.settings.resume_after_pause and wanted not in (b"0", b"false"))
-        self.pause_epoch: int | None = 0 if opted else None
-        #: The last leg ended with a pause's abort, held (:meth:`settle`).
-        self.held_by_pause = False
-        #: The next leg resumes the stream after a pause.
-        self.after_pause = False
+        #: Where the answer goes on after a failure or a pause.
+        self.moves = state.Moves(st.request_id, 0 if opted else None)
         #: The request's routing key (:meth:`Router.routing_key`), once
         #: computed; every leg carries it, so the policy can weigh what
         #: the requests running on a worker hold there.
         self.key: Any = None
+        #: The client bytes queued by :meth:`read_payload`: the writer's outbox.
+        self.outbox = self.writer.outbox
+        #: The leg running for this loop (set by :meth:`Leg.run`), ``None`` between legs.
+        self.leg: Leg | None = None
+
+    @property
+    def pending(self) -> int:
+        """Tokens of a unary answer counted but not sent yet."""
+        return self.writer.pending
+
+    @property
+    def sent_ids(self) -> list[int] | None:
+        """Every output token id sent so far (``None``: the request cannot resume)."""
+        return self.writer.sent_ids
 
     def cancel_for_shutdown(self) -> None:
         """Stop this request because the server is shutting down; the
         handler then ends the answer cleanly and aborts the engine."""
-        self.shutdown = True
-        if self.scope is not None:
-            self.scope.cancel()
+        writer = self.writer
+        writer.shutdown = True
+        if writer.scope is not None:
+            writer.scope.cancel()
 
-    async def run(self) -> None:
+    def run(self) -> Awaitable[None]:
+        """Answer the request: its attempts, or its batch's legs (to await).
+        Not a coroutine of its own: an open stream holds every frame of its
+        await chain, and this one would only pick."""
+        return self.run_attempts() if self.batch is None else self.batch.run(self)
+
+    async def run_attempts(self) -> None:
+        """Plan and run attempts until the request is answered (see the module docstring)."""
         router = self.ctx.router
+        moves = self.moves
         tried = self.tried
         protocol = self.codec.worker_protocol
         key = self.key = router.routing_key(self.req, self.st.headers)  # the policy's, once per request
@@ -111,13 +159,12 @@ class Generation(ClientStream):
         try:
             while True:
                 backoff = 0.0
-                if self.resuming and not self.after_pause \
-                        and self.st.migrations + self.st.replays >= self.ctx.settings.migration_limit:
+                if moves.bounded and self.st.migrations + self.st.replays >= self.ctx.settings.migration_limit:
                     # Only a resumed leg that could not even connect gets here.
-                    await self.fail(RequestError(502, self._failed(tried[-1], "could not be reached"), "engine"),
-                                    "engine_error")
+                    err = RequestError(502, self._failed(tried[-1], "could not be reached"), "engine")
+                    await self.writer.fail(err, "engine_error")
                     return
-                if self.resuming and not self.after_pause:  # migration or replay: bounded, backing off
+                if moves.bounded:  # migration or replay: bounded, backing off
                     backoff = migration_backoff(self.st.migrations + self.st.replays + 1)
                     await anyio.sleep(backoff)
                     if not slot:
@@ -129,24 +176,22 @@ class Generation(ClientStream):
                     plan = (worker,) if worker is not None else router.plan(protocol, tried, key)
                 else:
                     plan = router.plan(protocol, tried, key)
-                self.after_pause = False
-                if self.pause_epoch is not None:
-                    self.pause_epoch = router.pauses.epoch(protocol)
-                if plan is None and self.resuming:
+                state.planned(moves)
+                if moves.pause_epoch is not None:
+                    moves.pause_epoch = router.pauses.epoch(protocol)
+                if plan is None and moves.continuing:
                     moved = self.st.migrations + self.st.replays
-                    await self.fail(RequestError(
+                    await self.writer.fail(RequestError(
                         502, f"no worker left to resume on after {moved} migration(s)", "worker_lost"
                     ), "engine_error")
                     return
                 if plan is None:
-                    await self.fail(RequestError(503, router.unavailable(protocol, key), "unavailable"),
-                                    "unavailable", headers=self.retry_after())
+                    await self.writer.fail(RequestError(503, router.unavailable(protocol, key), "unavailable"),
+                                           "unavailable", headers=self.retry_after())
                     return
-                failed = await handshake(plan).run(self, plan, self._next_role(), backoff)
-                if type(failed) is Leg:  # the attempt's client leg, run in this frame (Handshake.run)
-                    leg = failed
-                    failed = [leg.worker] if await self.judge(leg, await leg.run(self, self.ctx.router)) else []
-                if not failed and not self.after_pause:
+                role = state.next_role(moves, self.st, self.writer.sent_ids is not None)
+                failed = await handshake(plan).run(self, plan, role, backoff)
+                if not failed and not moves.after_pause:
                     return
                 # A leg given up (silent past the inter-token deadline, its pair
                 # failed) is aborted now, not when the request ends: an engine
@@ -173,31 +218,32 @@ class Generation(ClientStream):
         the format's error and return ``False``."""
         settings = self.ctx.settings
         slots = self.ctx.migrations
-        taken = await slots.take(settings.migration_wait, self.st)
-        if taken:
+        if await slots.acquire(settings.migration_wait, self.st):
             return True
-        await self.fail(RequestError(
+        await self.writer.fail(RequestError(
             503, f"no migration slot within {settings.migration_wait:g} s: {slots.active} streams already "
                  f"migrating (--max-concurrent-migrations {slots.limit()})", "unavailable"), "unavailable")
         return False
 
-    async def build(self, *attempts: Attempt) -> list[WorkerRequest] | None:
+    def give_items(self, attempt: LegRecord) -> None:
+        """Give ``attempt`` the request's items, if it has any (see
+        :meth:`~asgi_generate.request.handshakes.LegRunner.give_items`)."""
+        if self.batch is not None:
+            self.batch.give_items(attempt, getattr(self.codec_state, "names_entries", False))
+
+    async def worker_requests(self, *attempts: LegRecord) -> list[WorkerRequest] | None:
         """The codec's worker requests for ``attempts``, in order; ``None``
         once the codec refused one and the refusal was answered (nothing
         reached an engine). The body budget's share is given back either way."""
         try:
-            return [self.ex.worker_request(attempt) for attempt in attempts]
+            return [self.codec_state.worker_request(attempt) for attempt in attempts]
         except RequestError as exc:
-            await self.refuse(exc)
+            await self.writer.refuse(exc)
             return None
         finally:
             self.release_body()
 
-    def carry(self, attempt: Attempt) -> None:
-        """A request of one item: nothing to give ``attempt`` (see
-        :meth:`~asgi_generate.request.handshakes.AttemptLoop.carry`)."""
-
-    def begin(self, attempt: Attempt, wreq: WorkerRequest) -> None:
+    def record_leg(self, attempt: LegRecord, wreq: WorkerRequest) -> None:
         """Count ``attempt`` among the request's legs (its record lists it)
         and, with OpenTelemetry export on, give the leg its span id and the
         engine its ``traceparent``."""
@@ -205,53 +251,31 @@ class Generation(ClientStream):
         if self.ctx.recorder.otel is not None:
             self.ctx.recorder.otel.stamp(self.st, attempt, wreq)
 
-    def _next_role(self) -> str:
-        """The next attempt's role, counting it: ``resumed`` (a stream
-        continues), ``replayed`` (a unary request starts over), else
-        ``aggregated``."""
-        if not self.resuming:
-            return "aggregated"
-        if self.sent_ids is None:
-            self.st.replays += 1
-            return "replayed"
-        self.st.migrations += 1
-        return "resumed"
-
     def release_body(self) -> None:
         """Give the request's share of the body budget back (once its first
         worker request is built, the body is decoded and checked)."""
         if self.lease is not None:
             self.lease.release()
 
-    async def refuse(self, exc: RequestError) -> None:
-        """Answer a request the codec refused while building a worker
-        request (nothing reached an engine), in-band if the format says so."""
-        # Nothing to replay; and a prompt too long for the model may be
-        # millions of ids, which the record must not keep alive.
-        self.st.input_ids = None
-        self.st.replay_excluded = "rejected"
-        if exc.in_band and not self.st.response_started:
-            await send_in_band_error(self.codec, self._write, self.st, exc)
-        else:
-            await self.fail(exc, "rejected")
-
-    def client_leg(
-        self, worker: Worker, attempt: Attempt, wreq: WorkerRequest, gate: anyio.Event | None = None
-    ) -> Leg:
-        """The leg of ``attempt`` on ``worker`` whose events make the
+    async def run_client_leg(
+        self, worker: Worker, attempt: LegRecord, wreq: WorkerRequest, gate: anyio.Event | None = None
+    ) -> bool:
+        """Run the leg of ``attempt`` on ``worker`` whose events make the
         client's answer (an aggregated, resumed, replayed or batch leg, or a
-        P/D pair's decode leg, whose payloads wait for ``gate``), to run
-        with this generation as its reader, then :meth:`judge`."""
+        P/D pair's decode leg, whose payloads wait for ``gate``), with this
+        loop as its reader, and conclude it (:meth:`conclude_leg`): whether
+        to try another worker."""
         settings = self.ctx.settings
         if not wreq.stream:
             # One unary worker answer carries no token timing: TTFT and ITL
             # stay unknown rather than equal to the total.
-            self.timed = False
-        return Leg(self.st, settings, worker, attempt, wreq, settings.inter_token_timeout, gate, self.key)
+            self.writer.timed = False
+        leg = Leg(self.st, settings, worker, attempt, wreq, settings.inter_token_timeout, gate, self.key)
+        return await self.conclude_leg(leg, await leg.run(self, self.ctx.router))
 
-    async def judge(self, leg: Leg, end: LegEnd) -> bool:
-        """Failover, migration or the request's end, from how a
-        :meth:`client_leg` ended; whether to try another worker.
+    async def conclude_leg(self, leg: Leg, end: LegEnd) -> bool:
+        """Failover, migration or the request's end, from how a client leg
+        ended; whether to try another worker.
 
         A leg past its phase deadline is left live for the abort and its
         request ends with 504 (in-band after the 200); the worker is not
@@ -271,63 +295,62 @@ class Generation(ClientStream):
         fails over or migrates as a lost worker's would, under a new engine
         id on another worker; with none left the request ends with 502.
         """
-        st, attempt, worker = self.st, leg.attempt, leg.worker
-        if self.held_by_pause:
-            self.held_by_pause = False
+        st, attempt, worker, writer = self.st, leg.attempt, leg.worker, self.writer
+        if self.moves.held:
             await self._hold_for_resume()
             return False
         if end is LegEnd.FINISHED:
             return False
         if end is LegEnd.CONNECT_FAILED:
             return True
-        if end is LegEnd.PAGE:
-            status, body, retry_after = leg.page
+        if end is LegEnd.ERROR_ANSWER:
+            status, body, retry_after = leg.error_answer
             # A stream's 503 is the worker going away (an engine ends a
             # stream's own abort in-band); a unary 503 may be the engine's
             # abort of this request, its answer.
             if status == 503 and leg.stream:
-                if not st.response_started and self.pending == 0:
+                if not st.response_started and writer.pending == 0:
                     if self.ctx.router.can_plan(self.codec.worker_protocol, [*self.tried, worker]):
                         return True  # before any token: the next worker, as a failover
                 elif self._migrate(attempt, f"answered {status}"):
                     return True
-            await self.answer_worker_error(status, body, retry_after)
+            await writer.answer_worker_error(status, body, retry_after)
             return False
         if end is LegEnd.TIMED_OUT:
             if leg.phase == "inter_token" and self._migrate(attempt, f"sent no token for {leg.limit:g} s"):
-                state.end_leg(attempt, "timeout")  # still live: aborted before the next attempt (run)
+                state.end_leg(attempt, "timeout")  # still live: aborted before the next attempt (run_attempts)
                 return True
             # Slow is not dead: the leg stays live so that it is aborted.
-            await self.fail(leg.error, "timeout")
+            await writer.fail(leg.error, "timeout")
             return False
         if end is LegEnd.WORKER_LOST or end is LegEnd.UNANSWERED or end is LegEnd.CANCELLED:
-            if self.req.stream and not st.response_started and self.pending == 0 and (
+            if self.req.stream and not st.response_started and writer.pending == 0 and (
                     end is not LegEnd.UNANSWERED  # the worker is down: planning says if any other is up
                     or self.ctx.router.can_plan(self.codec.worker_protocol, [*self.tried, worker])):
                 return True  # nothing reached the client: a plain failover, whichever noticed first
         if end is LegEnd.WORKER_LOST or end is LegEnd.UNANSWERED:
             if await self._held_finish(attempt) or self._migrate(attempt, f"failed: {leg.lost}"):
                 return not st.response_complete
-            await self.fail(RequestError(502, self._failed(worker, f"failed: {leg.lost}"), "engine"), "engine_error")
+            await writer.fail(RequestError(502, self._failed(worker, f"failed: {leg.lost}"), "engine"),
+                              "engine_error")
             return False
         if end is LegEnd.CANCELLED:
             if self._migrate(attempt, f"lost: {leg.lost}"):
                 return True
-            await self.fail(RequestError(502, self._failed(worker, f"lost: {leg.lost}"), "worker_lost"),
-                            "engine_error")
+            await writer.fail(RequestError(502, self._failed(worker, f"lost: {leg.lost}"), "worker_lost"),
+                              "engine_error")
             return False
-        await self.fail(leg.error, "engine_error")  # an engine or protocol error
+        await writer.fail(leg.error, "engine_error")  # an engine or protocol error
         return False
 
+    async def fail(self, err: RequestError, status: str) -> None:
+        """End the client's answer with ``err`` (see :meth:`AnswerWriter.fail`)."""
+        await self.writer.fail(err, status)
+
     async def answer_worker_error(self, status: int, body: bytes, retry_after: bytes | None = None) -> None:
-        """Answer the client with a worker's own non-200 answer (``status``,
-        ``body``), as the codec renders it (:meth:`Exchange.worker_error`),
-        with the worker's ``Retry-After`` when it sent one (an engine that
-        is full says when to come back; the client's answer says it too)."""
-        status, body = self.ex.worker_error(status, body)
-        state.fail(self.st, "engine_error" if status >= 500 else "rejected", status, "engine",
-                   body[:512].decode("utf-8", "replace"))
-        await self._unary(status, body, () if retry_after is None else ((b"retry-after", retry_after),))
+        """Answer the client with a worker's own error answer (see
+        :meth:`AnswerWriter.answer_worker_error`)."""
+        await self.writer.answer_worker_error(status, body, retry_after)
 
     async def abort_live_legs(self) -> None:
         """Abort every live leg of the request now (a failed P/D pair's,
@@ -335,7 +358,7 @@ class Generation(ClientStream):
         with anyio.CancelScope(shield=True):
             await abort_live_legs(self.ctx, self.st)
 
-    def _migrate(self, attempt: Attempt, why: str) -> bool:
+    def _migrate(self, attempt: LegRecord, why: str) -> bool:
         """Whether the request, whose ``attempt`` (aggregated, resumed,
         replayed or a P/D decode leg) failed mid-answer for a migratable
         reason (``why``), continues on another worker: migration is on,
@@ -347,39 +370,41 @@ class Generation(ClientStream):
         limit = self.ctx.settings.migration_limit
         if limit == 0 or attempt.role == "prefill":
             return False
-        refusal = self.ex.resume_refusal() if self.sent_ids is not None else None
+        sent_ids = self.writer.sent_ids
+        refusal = self.codec_state.resume_refusal() if sent_ids is not None else None
         if refusal is not None:
             st.not_migrated = refusal
             self.unmoved = f"not migrated: {refusal}"
             return False
-        if st.response_started and self.sent_ids is None:
+        if st.response_started and sent_ids is None:
             return False  # a unary answer already went out
         if not self.ctx.router.can_plan(self.codec.worker_protocol, [*self.tried, attempt.worker]):
             self.unmoved = "migration impossible: no worker left to resume on"
             return False
         if st.migrations + st.replays >= limit:
             return False
-        self.resuming = True
-        if self.sent_ids is None:
+        state.migrate(self.moves)
+        if sent_ids is None:
             log.info("request %s: worker %s %s; replaying the unary request from scratch (attempt %d)",
                      st.request_id, attempt.worker_id, why, st.migrations + st.replays + 2)
         else:
             log.info("request %s: worker %s %s; resuming after %d tokens (migration %d)",
-                     st.request_id, attempt.worker_id, why, len(self.sent_ids), st.migrations + 1)
+                     st.request_id, attempt.worker_id, why, len(sent_ids), st.migrations + 1)
         return True
 
-    def _paused_abort(self, attempt: Attempt, event: Event) -> bool:
+    def _paused_abort(self, attempt: LegRecord, event: Event) -> bool:
         """Whether ``event``, the engine's abort of ``attempt``, is a pause's
         to hold (module docstring): the request resumes after pauses, one
         began since its plan, and the codec can resume the stream (or, unary
         with nothing sent, replay it)."""
-        if self.pause_epoch is None or event.finish_reason != "abort" or event.error is not None:
+        epoch = self.moves.pause_epoch
+        if epoch is None or event.finish_reason != "abort" or event.error is not None:
             return False
-        if self.ctx.router.pauses.epoch(self.codec.worker_protocol) <= self.pause_epoch:
+        if self.ctx.router.pauses.epoch(self.codec.worker_protocol) <= epoch:
             return False
-        if self.sent_ids is None:
-            return not self.st.response_started and self.pending == 0
-        return self.ex.resume_refusal() is None
+        if self.writer.sent_ids is None:
+            return not self.st.response_started and self.writer.pending == 0
+        return self.codec_state.resume_refusal() is None
 
     async def _hold_for_resume(self) -> None:
         """Wait for the fleet's resume, then resume the stream; past the
@@ -387,16 +412,16 @@ class Generation(ClientStream):
         settings, protocol = self.ctx.settings, self.codec.worker_protocol
         why = await self.ctx.router.pauses.hold(protocol, settings.pause_hold_limit, settings.pause_hold_timeout)
         if why is None:
-            self.resuming = self.after_pause = True
-            self.st.pause_resumes += 1
+            state.resume_after_pause(self.moves, self.st)
             log.info("request %s: resuming after the pause of the %s fleet (%d tokens sent)", self.st.request_id,
-                     protocol, len(self.sent_ids or ()))
+                     protocol, len(self.writer.sent_ids or ()))
             return
+        state.give_up_hold(self.moves)
         message = (f"held across a pause: {settings.pause_hold_limit} streams are held already (pause_hold_limit)"
                    if why == "full" else
                    f"held across a pause: the fleet did not resume within {settings.pause_hold_timeout:g} s "
                    f"(pause_hold_timeout)")
-        await self.fail(RequestError(503, message, "unavailable"), "unavailable")
+        await self.writer.fail(RequestError(503, message, "unavailable"), "unavailable")
 
     def _failed(self, worker: Worker, what: str) -> str:
         """The client's message for a worker failure that ends the request,
@@ -407,64 +432,74 @@ class Generation(ClientStream):
         why = f"migration limit {limit} reached" if spent else self.unmoved
         return f"worker {worker.id} {what}" + (f" ({why})" if why else "")
 
-    async def _held_finish(self, attempt: Attempt) -> bool:
+    async def _held_finish(self, attempt: LegRecord) -> bool:
         """A stream cut after its finishing event (e.g. vLLM's finish reason
         held for a usage chunk that never came) is finished, not resumed."""
-        event = self.ex.end_of_stream(attempt)
+        event = self.codec_state.end_of_stream(attempt)
         if event is None or (event.error is None and event.finish_reason is None):
             return False
-        await self.settle(attempt, event)
+        await self.deliver_event(attempt, event)
         return True
 
     # -- the leg runner's reader (asgi_generate.request.legs.LegReader) ---------
 
-    def answered(self, attempt: Attempt) -> bool:
+    def answered(self, attempt: LegRecord) -> bool:
         """The client's answer is complete: nothing more is wanted of a leg."""
         return self.st.response_complete
 
-    def take(self, attempt: Attempt, payload: bytes) -> Event | None:
-        """The event of one worker payload, for :meth:`settle`; ``None``
-        once a running stream's event was counted and queued (no await),
-        or when the answer is complete (the payload is dropped).
+    def read_payload(self, attempt: LegRecord, payload: bytes) -> Event | None:
+        """The event of one worker payload, for :meth:`deliver_event`;
+        ``None`` once a running stream's event was counted and queued (no
+        await), or when the answer is complete (the payload is dropped).
 
         Raises:
             RequestError: the payload breaks the worker protocol.
         """
         if self.st.response_complete:
             return None
-        event = self.ex.feed(attempt, payload)
-        if self._queued(event):
+        event = self.codec_state.feed(attempt, payload)
+        if self.writer.queue_without_await(event):
             attempt.tokens += len(event.token_ids)
             return None
         return event
 
-    async def settle(self, attempt: Attempt, event: Event) -> None:
+    async def deliver_event(self, attempt: LegRecord, event: Event) -> None:
         """Count ``event`` on ``attempt`` (a finish or error ends the leg,
         with the usage its engine reported, unless the codec cut the answer
-        short of the engine) and deliver it."""
+        short of the engine) and write it to the client; a pause's abort
+        holds the stream instead (module docstring); a batch leg's event
+        counts on its items (:meth:`Batch.end_items`)."""
+        if self.batch is not None:
+            if self.batch.end_items(attempt, event):
+                await self.writer.deliver(event)
+            return
         attempt.tokens += len(event.token_ids)
         if self._paused_abort(attempt, event):
             # Not the answer: its tokens go out, the stream goes on after the resume.
             attempt.live = False
             state.end_leg(attempt, "aborted")
             attempt.usage = event.reported()
-            self.held_by_pause = True
+            state.hold_for_pause(self.moves)
             event.finish_reason = None
             if event.token_ids:
-                await self._deliver(event)
+                await self.writer.deliver(event)
             return
         if (event.error is not None or event.finish_reason is not None) and not event.cut:
             attempt.live = False
             state.end_leg(attempt, "finished" if event.error is None else "error")
             attempt.usage = event.reported()
-        await self._deliver(event)
+        await self.writer.deliver(event)
 
-    async def cut_short(self, attempt: Attempt) -> None:
+    async def flush(self) -> None:
+        """Write :attr:`outbox` (one worker read's events) to the client."""
+        await self.writer.flush()
+
+    async def cut_short(self, attempt: LegRecord) -> None:
         """The leg's answer ended unfinished: finish it with what the codec
         holds (:meth:`_held_finish`).
 
         Raises:
             WorkerError: the codec holds no finish.
         """
-        if not self.held_by_pause and not await self._held_finish(attempt):
+        if not self.moves.held and not await self._held_finish(attempt):
             raise WorkerError("worker ended the response without a finish reason")

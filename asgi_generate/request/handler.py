@@ -30,18 +30,19 @@ import anyio
 from ..sdk import ids
 from . import state
 from .budget import Lease
-from .client_stream import abort_live_legs, finish_record, send_in_band_error
+from .aborts import abort_live_legs
+from .answer import finish_record, send_in_band_error
 from ..sdk.codec import Codec, GenerateRequest, RequestError
 from ..tracing.state import RequestState
 from .framing import BodyTimeout, BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
-from .batches import BatchGeneration
+from .batches import Batch
 from .generation import Generation
 from .watchdog import CONNECTION_RESET, DISCONNECT_WATCH, RECEIVE_NOWAIT
 
 if TYPE_CHECKING:
     from .context import RequestContext
 
-log = logging.getLogger("asgi_generate.request.handler")
+log = logging.getLogger(__name__)
 #: Bodies from this size on are decoded in a worker thread (1 MiB: about
 #: 10 ms of parsing; smaller ones cost less than the thread hop).
 DECODE_THREAD_BYTES = 1 << 20
@@ -196,45 +197,50 @@ async def _generate(
     st.input_length = len(request.input_ids) if request.input_ids is not None else None
     st.replay_excluded = request.replay_excluded
     st.model = request.model
-    kind = Generation if request.items is None else BatchGeneration
-    gen = kind(ctx, codec, codec.exchange(request, st.request_id), request, st, send)
-    gen.lease = lease
     extensions = scope.get("extensions", {})
-    gen.reset = extensions.get(CONNECTION_RESET)
     watch = extensions.get(DISCONNECT_WATCH)
-    if watch is not None and ctx.watchdog.running:
+    inline = watch is not None and ctx.watchdog.running
+    # Under our hypercorn the request runs in a scope of its own; else in
+    # its guard's task group, inside this scope (_run_guarded).
+    run_scope = anyio.CancelScope()
+    batch = None if request.items is None else Batch(request.items, st)
+    gen = Generation(ctx, codec, codec.exchange(request, st.request_id), request, st, send,
+                     batch=batch, lease=lease, scope=run_scope, reset=extensions.get(CONNECTION_RESET))
+    writer = gen.writer
+    if inline:
         # No task of its own (inline here: one coroutine frame fewer per open
-        # stream): the server calls ClientStream.client_gone when the
+        # stream): the server calls AnswerWriter.client_gone when the
         # client's connection closes, and the app's watchdog keeps its
         # timers (see asgi_generate.request.watchdog).
-        with anyio.CancelScope() as gen.scope:
+        with run_scope:
             ctx.inflight[st.request_id] = gen
-            key = ctx.watchdog.watch(gen, gen.timers(time.monotonic())[1])
+            key = ctx.watchdog.watch(writer, writer.timers(time.monotonic())[1])
             try:
-                watch(gen.client_gone)
+                watch(writer.client_gone)
                 await gen.run()
             finally:
                 watch(None)
                 ctx.watchdog.forget(key)
                 del ctx.inflight[st.request_id]
-        if gen.cutting_off is not None:  # the record is the cut-off's to write
+        if writer.cutting_off is not None:  # the record is the cut-off's to write
             with anyio.CancelScope(shield=True):
-                await gen.cutting_off.wait()
+                await writer.cutting_off.wait()
     else:
         await _run_guarded(ctx, gen, receive)
-    if gen.shutdown and not st.response_complete:
+    if writer.shutdown and not st.response_complete:
         # The grace period ran out: end the answer cleanly, in-band if begun.
-        await gen.fail(RequestError(503, "server is shutting down", "shutdown"), "shutdown", cut=True)
+        await writer.fail(RequestError(503, "server is shutting down", "shutdown"), "shutdown", cut=True)
 
 
 async def _run_guarded(ctx: "RequestContext", gen: Generation, receive: Receive) -> None:
-    """Run ``gen`` beside its guard task, which watches ``receive()``."""
-    async with anyio.create_task_group() as tg:
-        gen.scope = tg.cancel_scope
-        ctx.inflight[gen.st.request_id] = gen
-        try:
-            tg.start_soon(gen.guard, receive)
-            await gen.run()
-            tg.cancel_scope.cancel()
-        finally:
-            del ctx.inflight[gen.st.request_id]
+    """Run ``gen`` beside its guard task, which watches ``receive()``; the
+    writer's scope cancels both."""
+    with gen.writer.scope:
+        async with anyio.create_task_group() as tg:
+            ctx.inflight[gen.st.request_id] = gen
+            try:
+                tg.start_soon(gen.writer.guard, receive)
+                await gen.run()
+                tg.cancel_scope.cancel()
+            finally:
+                del ctx.inflight[gen.st.request_id]

@@ -25,13 +25,18 @@ planned, one strategy per kind of plan and worker protocol.
 :func:`handshake` picks one for a plan, by the worker protocol's
 ``WorkerProtocol.pd``: the handshakes name no engine. A pair's engine state lives in its
 handshake and in the :class:`~asgi_generate.sdk.codec.Pair` both its
-attempts carry; the codec builds the bytes from that. Each leg runs on the
-leg runner (:class:`~asgi_generate.request.legs.Leg`); a leg whose events
-make the client's answer is the attempt loop's to judge
-(:meth:`AttemptLoop.judge`), a prefill leg is judged here: a pair whose
-leg fails before the client got anything is aborted, then the request runs
-on another pair (a worker that could not be reached or was lost) or ends
-with the format's error (the engine's error answer).
+attempts carry; the codec builds the bytes from that.
+
+One direction: the attempt loop calls :meth:`Handshake.run` once per
+attempt and the handshake drives the loop's :class:`LegRunner` (builds
+the worker requests, runs the legs) until the attempt is over; nothing is
+handed back but the workers to leave out. Each leg runs on the leg runner
+(:class:`~asgi_generate.request.legs.Leg`); a leg whose events make the
+client's answer is concluded by the runner
+(:meth:`LegRunner.run_client_leg`), a prefill leg here: a pair whose leg
+fails before the client got anything is aborted, then the request runs on
+another pair (a worker that could not be reached or was lost) or ends with
+the format's error (the engine's error answer).
 """
 
 from __future__ import annotations
@@ -43,13 +48,15 @@ from urllib.parse import urlsplit
 import anyio
 
 from ..sdk import ids
-from ..sdk.codec import NO_KV_TRANSFER, Attempt, Event, Pair, RequestError
+from ..sdk.codec import NO_KV_TRANSFER, Event, Pair, RequestError
+from .leg_record import LegRecord
 from ..workers.http import WorkerError
 from . import state
 from .legs import Leg, LegEnd
 
 if TYPE_CHECKING:
     from ..sdk.codec import Exchange, WorkerRequest
+    from .state import Moves
     from ..workers.router import Worker
     from ..tracing.state import RequestState
     from .context import RequestContext
@@ -58,48 +65,50 @@ if TYPE_CHECKING:
 _live_rooms: set[int] = set()
 
 
-class AttemptLoop(Protocol):
-    """What a handshake needs of the request's attempt loop
-    (:class:`~asgi_generate.request.generation.Generation`)."""
+class LegRunner(Protocol):
+    """What a handshake drives: the request's attempt loop
+    (:class:`~asgi_generate.request.generation.Generation`), which builds
+    worker requests and runs and concludes the legs whose events make the
+    client's answer. It never calls the handshake back."""
 
     ctx: "RequestContext"
     st: "RequestState"
-    ex: "Exchange"
+    #: The codec's state of the request (its ``Exchange``).
+    codec_state: "Exchange"
     #: Tokens of a unary answer counted but not sent yet.
     pending: int
-    #: The last attempt failed mid-answer and the request migrates.
-    resuming: bool
     #: Every output token id sent so far (``None``: the request cannot resume).
     sent_ids: list[int] | None
+    #: Where the answer goes on after a failure (``moves.continuing``: the
+    #: request migrates).
+    moves: "Moves"
     #: The request's routing key (``None`` before it is routed, or for
     #: legs spread least outstanding), carried by its legs.
     key: Any
 
-    async def build(self, *attempts: Attempt) -> "list[WorkerRequest] | None":
-        """The attempts' worker requests; ``None`` once a refusal was answered."""
-
-    def carry(self, attempt: Attempt) -> None:
+    def give_items(self, attempt: LegRecord) -> None:
         """Give ``attempt`` the items it carries: a batch's, each under an
         id of its own (``Attempt.entries``, ``entry_ids``); nothing for a
         request of one item."""
 
-    def begin(self, attempt: Attempt, wreq: "WorkerRequest") -> None:
+    async def worker_requests(self, *attempts: LegRecord) -> "list[WorkerRequest] | None":
+        """The attempts' worker requests; ``None`` once a refusal was answered."""
+
+    def record_leg(self, attempt: LegRecord, wreq: "WorkerRequest") -> None:
         """Count ``attempt`` among the request's legs."""
 
-    def client_leg(
-        self, worker: "Worker", attempt: Attempt, wreq: "WorkerRequest", gate: anyio.Event | None = None
-    ) -> Leg:
-        """A leg whose events make the client's answer, to run with the loop as its reader."""
-
-    async def judge(self, leg: Leg, end: LegEnd) -> bool:
-        """Failover, migration or the request's end from how a client leg
-        ended; whether to try another worker."""
+    async def run_client_leg(
+        self, worker: "Worker", attempt: LegRecord, wreq: "WorkerRequest", gate: anyio.Event | None = None
+    ) -> bool:
+        """Run a leg whose events make the client's answer and conclude it
+        (failover, migration or the request's end); whether to try
+        another worker."""
 
     async def fail(self, err: RequestError, status: str) -> None:
         """End the client's answer with ``err``."""
 
     async def answer_worker_error(self, status: int, body: bytes, retry_after: bytes | None = None) -> None:
-        """Answer the client with a worker's own error page (and its
+        """Answer the client with a worker's own error answer (and its
         ``Retry-After``, if it sent one)."""
 
     async def abort_live_legs(self) -> None:
@@ -110,71 +119,68 @@ class Handshake(Protocol):
     """One attempt's strategy (see the module docstring)."""
 
     async def run(
-        self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float
-    ) -> "list[Worker] | Leg":
-        """Run one attempt of ``loop``'s request on ``workers``: ``role`` is
-        ``aggregated``, ``resumed`` (its legs carry the output sent so far
-        after the prompt) or ``replayed``; ``backoff`` the seconds waited
-        before it.
+        self, runner: LegRunner, workers: "tuple[Worker, ...]", role: str, backoff: float
+    ) -> "list[Worker]":
+        """Run one attempt of ``runner``'s request on ``workers``: ``role``
+        is ``aggregated``, ``resumed`` (its legs carry the output sent so
+        far after the prompt) or ``replayed``; ``backoff`` the seconds
+        waited before it.
 
         Returns the workers to leave out of the next attempt (empty: the
         request is answered, successfully or with its error; a leg that
-        died mid-answer gives its worker with ``loop.resuming`` set when the
-        request migrates), or the attempt's last leg, a client leg
-        (:meth:`AttemptLoop.client_leg`) that the loop runs and judges in
-        its own frame: an open stream holds every coroutine between the
-        request and the worker read.
+        died mid-answer gives its worker with ``runner.moves.continuing``
+        when the request migrates).
         """
 
 
 def _attempt(engine_id: str, role: str, worker: "Worker", backoff: float, resumes: list[int] | None,
-             pair: Pair | None = None) -> Attempt:
-    return Attempt(engine_id, role, worker.id, worker.info, worker, pair=pair, resumes=resumes,
-                   backoff_ms=round(backoff * 1000))
+             pair: Pair | None = None) -> LegRecord:
+    return LegRecord(engine_id, role, worker.id, worker.info, pair=pair, resumes=resumes,
+                     backoff_ms=round(backoff * 1000), worker=worker)
 
 
 class Aggregated:
     """One worker, one leg."""
 
     async def run(
-        self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float
-    ) -> "list[Worker] | Leg":
-        """See :meth:`Handshake.run`: the one leg, for the loop to run."""
+        self, runner: LegRunner, workers: "tuple[Worker, ...]", role: str, backoff: float
+    ) -> "list[Worker]":
+        """See :meth:`Handshake.run`."""
         (worker,) = workers
-        resumes = list(loop.sent_ids) if role == "resumed" else None  # where the client's answer stands
+        resumes = list(runner.sent_ids) if role == "resumed" else None  # where the client's answer stands
         attempt = _attempt(ids.mint(), role, worker, backoff, resumes)
-        loop.carry(attempt)
-        built = await loop.build(attempt)
+        runner.give_items(attempt)
+        built = await runner.worker_requests(attempt)
         if built is None:
             return []
-        loop.begin(attempt, built[0])
-        return loop.client_leg(worker, attempt, built[0])
+        runner.record_leg(attempt, built[0])
+        return [worker] if await runner.run_client_leg(worker, attempt, built[0]) else []
 
 
 class _Prefill:
     """A prefill leg's reader: its answer goes to the codec, never to the
     client; keeps how the leg ended for the pair."""
 
-    __slots__ = ("ex", "leg", "retry", "error", "page")
+    __slots__ = ("codec_state", "leg", "retry", "error", "error_answer")
     outbox: tuple = ()
 
-    def __init__(self, ex: "Exchange") -> None:
-        self.ex = ex
+    def __init__(self, codec_state: "Exchange") -> None:
+        self.codec_state = codec_state
         self.leg: Leg | None = None
         #: The pair failed on this worker: the request may run on another pair.
         self.retry = False
         #: The pair failed with this error for the client.
         self.error: RequestError | None = None
         #: The worker's own non-200 answer, for the client.
-        self.page: tuple[int, bytes, bytes | None] | None = None
+        self.error_answer: tuple[int, bytes, bytes | None] | None = None
 
-    def answered(self, attempt: Attempt) -> bool:
+    def answered(self, attempt: LegRecord) -> bool:
         return not attempt.live
 
-    def take(self, attempt: Attempt, payload: bytes) -> Event | None:
-        return self.ex.feed(attempt, payload) if attempt.live else None
+    def read_payload(self, attempt: LegRecord, payload: bytes) -> Event | None:
+        return self.codec_state.feed(attempt, payload) if attempt.live else None
 
-    async def settle(self, attempt: Attempt, event: Event) -> None:
+    async def deliver_event(self, attempt: LegRecord, event: Event) -> None:
         if event.error is not None:
             attempt.live = False
             state.end_leg(attempt, "error")
@@ -187,14 +193,14 @@ class _Prefill:
     async def flush(self) -> None:  # nothing is queued for the client
         pass
 
-    async def cut_short(self, attempt: Attempt) -> None:
+    async def cut_short(self, attempt: LegRecord) -> None:
         raise WorkerError("prefill worker ended its answer without a finish reason")
 
-    def judge(self, leg: Leg, end: LegEnd) -> None:
+    def note_end(self, leg: Leg, end: LegEnd) -> None:
         """How the pair fares after its prefill leg ended ``end``."""
-        if end is LegEnd.PAGE:
-            self.page = leg.page
-            self.error = RequestError(leg.page[0], "prefill leg failed", "engine")
+        if end is LegEnd.ERROR_ANSWER:
+            self.error_answer = leg.error_answer
+            self.error = RequestError(leg.error_answer[0], "prefill leg failed", "engine")
         elif end in (LegEnd.CONNECT_FAILED, LegEnd.WORKER_LOST, LegEnd.UNANSWERED, LegEnd.CANCELLED):
             self.retry = True
         elif end is not LegEnd.FINISHED:  # timed out (the leg stays live), engine or protocol error
@@ -202,7 +208,7 @@ class _Prefill:
 
 
 async def _run_prefill(
-    loop: AttemptLoop, prefill: _Prefill, worker: "Worker", attempt: Attempt, wreq: "WorkerRequest",
+    runner: LegRunner, prefill: _Prefill, worker: "Worker", attempt: LegRecord, wreq: "WorkerRequest",
     gate: anyio.Event | None = None, decode_scope: anyio.CancelScope | None = None,
 ) -> None:
     """Run a prefill leg, its whole answer into the codec (it answers once
@@ -211,8 +217,8 @@ async def _run_prefill(
     before ``gate`` opens, so the decode leg waiting on it sends the client
     nothing (the pair is then aborted); ``gate`` opens however the leg ends."""
     try:
-        leg = Leg(loop.st, loop.ctx.settings, worker, attempt, wreq, route_key=loop.key)
-        prefill.judge(leg, await leg.run(prefill, loop.ctx.router))
+        leg = Leg(runner.st, runner.ctx.settings, worker, attempt, wreq, route_key=runner.key)
+        prefill.note_end(leg, await leg.run(prefill, runner.ctx.router))
     finally:
         if (prefill.retry or prefill.error is not None) and decode_scope is not None:
             decode_scope.cancel()
@@ -220,13 +226,13 @@ async def _run_prefill(
             gate.set()
 
 
-async def _prefill_failed(loop: AttemptLoop, prefill: _Prefill) -> None:
+async def _prefill_failed(runner: LegRunner, prefill: _Prefill) -> None:
     """The client's answer when the prefill leg failed before it got
-    anything: the worker's own error page, or the error in the format's shape."""
-    if prefill.page is not None:
-        await loop.answer_worker_error(*prefill.page)
+    anything: the worker's own error answer, or the error in the format's shape."""
+    if prefill.error_answer is not None:
+        await runner.answer_worker_error(*prefill.error_answer)
     else:
-        await loop.fail(prefill.error, "timeout" if prefill.error.kind == "timeout" else "engine_error")
+        await runner.fail(prefill.error, "timeout" if prefill.error.kind == "timeout" else "engine_error")
 
 
 def mint_room() -> int:
@@ -252,15 +258,16 @@ class ConcurrentPair:
     ``bootstrap_room`` as a list, ``io_struct.GenerateReqInput.
     _normalize_bootstrap_params``)."""
 
-    async def run(self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float) -> "list[Worker]":
+    async def run(self, runner: LegRunner, workers: "tuple[Worker, ...]", role: str,
+                  backoff: float) -> "list[Worker]":
         """See :meth:`Handshake.run`."""
         prefill, decode = workers
         pair = Pair()
-        resumes = list(loop.sent_ids) if role == "resumed" else None
+        resumes = list(runner.sent_ids) if role == "resumed" else None
         p_att = _attempt(ids.mint(), "prefill", prefill, backoff, resumes, pair)
         d_att = _attempt(ids.mint(), "decode", decode, backoff, resumes, pair)
-        loop.carry(p_att)
-        loop.carry(d_att)
+        runner.give_items(p_att)
+        runner.give_items(d_att)
         rooms = []
         for _ in d_att.entries or (None,):
             rooms.append(mint_room())
@@ -268,55 +275,54 @@ class ConcurrentPair:
         pair.fields.update(prefill.protocol.pair_join(
             bootstrap_host(prefill), prefill.bootstrap_port, rooms if d_att.entries is not None else rooms[0]))
         try:
-            built = await loop.build(p_att, d_att)
+            built = await runner.worker_requests(p_att, d_att)
             if built is None:
                 return []
             p_req, d_req = built
-            loop.begin(p_att, p_req)
-            loop.begin(d_att, d_req)
+            runner.record_leg(p_att, p_req)
+            runner.record_leg(d_att, d_req)
             # The decode's first event waits for the prefill's answer (the
             # legs' race, see the module docstring).
             gate = anyio.Event()
-            result = _Prefill(loop.ex)
+            result = _Prefill(runner.codec_state)
             retry_decode = False
             async with anyio.create_task_group() as tg:
                 with anyio.CancelScope() as decode_scope:
-                    tg.start_soon(_run_prefill, loop, result, prefill, p_att, p_req, gate, decode_scope)
-                    leg = loop.client_leg(decode, d_att, d_req, gate)
-                    retry_decode = await loop.judge(leg, await leg.run(loop, loop.ctx.router))
-                if p_att.live and (d_att.outcome != "finished" or loop.st.finish_reason == "abort"):
+                    tg.start_soon(_run_prefill, runner, result, prefill, p_att, p_req, gate, decode_scope)
+                    retry_decode = await runner.run_client_leg(decode, d_att, d_req, gate)
+                if p_att.live and (d_att.outcome != "finished" or runner.st.finish_reason == "abort"):
                     # No decode will take the prefill's KV: stop waiting for it
                     # (the leg stays live, so it is aborted).
                     tg.cancel_scope.cancel()
-            return await _after_pair(loop, prefill, decode, result, retry_decode)
+            return await _after_pair(runner, prefill, decode, result, retry_decode)
         finally:
             _live_rooms.difference_update(rooms)
 
 
-async def _after_pair(loop: AttemptLoop, prefill: "Worker", decode: "Worker", result: _Prefill,
+async def _after_pair(runner: LegRunner, prefill: "Worker", decode: "Worker", result: _Prefill,
                       retry_decode: bool) -> "list[Worker]":
     """What a concurrent pair's end means for the request (see :meth:`Handshake.run`)."""
-    st = loop.st
+    st = runner.st
     if result.retry or result.error is not None:  # the decode leg sent nothing of this pair's
-        await loop.abort_live_legs()
-        if not st.response_started and not loop.pending:
+        await runner.abort_live_legs()
+        if not st.response_started and not runner.pending:
             if result.retry:
                 return [w for w, failed in ((prefill, True), (decode, retry_decode)) if failed]
-            await _prefill_failed(loop, result)
+            await _prefill_failed(runner, result)
         elif not st.response_complete:  # a resumed pair: the client has earlier attempts' tokens
             err = result.error or RequestError(502, "the prefill leg of a resumed pair failed", "engine")
-            await loop.fail(err, "engine_error")
+            await runner.fail(err, "engine_error")
         return []
     if retry_decode:
-        if st.response_started or loop.pending:
-            if loop.resuming:  # the decode leg died mid-answer: migrate
-                await loop.abort_live_legs()
+        if st.response_started or runner.pending:
+            if runner.moves.continuing:  # the decode leg died mid-answer: migrate
+                await runner.abort_live_legs()
                 return [decode]
             # The decode leg already answered the client (in part): no retry.
             if not st.response_complete:
-                await loop.fail(RequestError(502, "a P/D leg failed mid-answer", "engine"), "engine_error")
+                await runner.fail(RequestError(502, "a P/D leg failed mid-answer", "engine"), "engine_error")
             return []
-        await loop.abort_live_legs()
+        await runner.abort_live_legs()
         return [decode]
     return []
 
@@ -326,41 +332,40 @@ class SequentialPair:
     answered (vLLM: ``kv_transfer_params``; see the module docstring)."""
 
     async def run(
-        self, loop: AttemptLoop, workers: "tuple[Worker, ...]", role: str, backoff: float
-    ) -> "list[Worker] | Leg":
-        """See :meth:`Handshake.run`: once the prefill leg answered, the
-        decode leg, for the loop to run."""
+        self, runner: LegRunner, workers: "tuple[Worker, ...]", role: str, backoff: float
+    ) -> "list[Worker]":
+        """See :meth:`Handshake.run`: once the prefill leg answered, the decode leg."""
         prefill, decode = workers
-        resumes = list(loop.sent_ids) if role == "resumed" else None
+        resumes = list(runner.sent_ids) if role == "resumed" else None
         pair = Pair()
         engine_id = ids.mint()  # one id on both legs, as vLLM's proxies send it
         p_att = _attempt(engine_id, "prefill", prefill, backoff, resumes, pair)
         d_att = _attempt(engine_id, "decode", decode, backoff, resumes, pair)
-        built = await loop.build(p_att)
+        built = await runner.worker_requests(p_att)
         if built is None:
             return []
-        loop.begin(p_att, built[0])
-        result = _Prefill(loop.ex)
-        await _run_prefill(loop, result, prefill, p_att, built[0])
+        runner.record_leg(p_att, built[0])
+        result = _Prefill(runner.codec_state)
+        await _run_prefill(runner, result, prefill, p_att, built[0])
         if result.retry or result.error is not None:
-            await loop.abort_live_legs()
+            await runner.abort_live_legs()
             if result.retry:
                 return [prefill]
-            await _prefill_failed(loop, result)
+            await _prefill_failed(runner, result)
             return []
         try:
             try:
-                d_req = loop.ex.worker_request(d_att)
+                d_req = runner.codec_state.worker_request(d_att)
             except RequestError as exc:
-                if exc.kind != NO_KV_TRANSFER or not loop.ctx.settings.pd_fallback:
+                if exc.kind != NO_KV_TRANSFER or not runner.ctx.settings.pd_fallback:
                     raise
                 pair.local_prefill = True  # recorded: the decode worker prefills alone
-                d_req = loop.ex.worker_request(d_att)
+                d_req = runner.codec_state.worker_request(d_att)
         except RequestError as exc:  # the prefill's answer cannot start a decode
-            await loop.fail(exc, "engine_error")
+            await runner.fail(exc, "engine_error")
             return []
-        loop.begin(d_att, d_req)
-        return loop.client_leg(decode, d_att, d_req)
+        runner.record_leg(d_att, d_req)
+        return [decode] if await runner.run_client_leg(decode, d_att, d_req) else []
 
 
 AGGREGATED = Aggregated()

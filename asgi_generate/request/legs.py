@@ -29,7 +29,8 @@ from .framing import SSEDecoder
 
 if TYPE_CHECKING:
     from ..config import Settings
-    from ..sdk.codec import Attempt, Event, WorkerRequest
+    from ..sdk.codec import Event, WorkerRequest
+    from .leg_record import LegRecord
     from ..workers.router import Router, Worker
     from ..tracing.state import RequestState
 
@@ -52,9 +53,9 @@ class LegEnd(enum.Enum):
     #: answer was complete and only the rest of the leg failed (its drain).
     FINISHED = "finished"
     #: The worker answered a status other than 200 before any event:
-    #: :attr:`Leg.page` holds it, ``(status, body, retry-after)`` (not
-    #: live, outcome ``error``).
-    PAGE = "page"
+    #: :attr:`Leg.error_answer` holds it, ``(status, body, retry-after)``
+    #: (not live, outcome ``error``).
+    ERROR_ANSWER = "error_answer"
     #: No connection could be opened: the worker was marked down (not live,
     #: outcome ``connect_failed``).
     CONNECT_FAILED = "connect_failed"
@@ -91,30 +92,30 @@ class LegReader(Protocol):
     :class:`~asgi_generate.request.generation.Generation`) or a P/D prefill
     leg's keeper (:mod:`asgi_generate.request.handshakes`)."""
 
-    #: Client bytes :meth:`take` queued, sent by :meth:`flush` after each read.
+    #: Client bytes :meth:`read_payload` queued, sent by :meth:`flush` after each read.
     outbox: list
     #: The leg running for this reader (set by :meth:`Leg.run`), ``None`` between legs.
     leg: "Leg | None"
 
-    def answered(self, attempt: "Attempt") -> bool:
+    def answered(self, attempt: "LegRecord") -> bool:
         """Nothing more is wanted from ``attempt``'s leg."""
 
-    def take(self, attempt: "Attempt", payload: bytes) -> "Event | None":
-        """The event of one worker payload for :meth:`settle`; ``None`` once
-        it was taken with no await, or when :meth:`answered` (the payload
-        is dropped).
+    def read_payload(self, attempt: "LegRecord", payload: bytes) -> "Event | None":
+        """The event of one worker payload for :meth:`deliver_event`;
+        ``None`` once it was queued with no await, or when :meth:`answered`
+        (the payload is dropped).
 
         Raises:
             RequestError: the payload breaks the worker protocol.
         """
 
-    async def settle(self, attempt: "Attempt", event: "Event") -> None:
+    async def deliver_event(self, attempt: "LegRecord", event: "Event") -> None:
         """Account for ``event`` and deliver it."""
 
     async def flush(self) -> None:
         """Send :attr:`outbox`."""
 
-    async def cut_short(self, attempt: "Attempt") -> None:
+    async def cut_short(self, attempt: "LegRecord") -> None:
         """The leg's answer ended before :meth:`answered`: finish it from
         what the codec holds, else raise :class:`WorkerError`."""
 
@@ -145,17 +146,17 @@ class Leg:
 
     After :meth:`run`: :attr:`phase` and :attr:`limit` are the phase that
     ran last (``headers``, ``first_token``, ``inter_token`` or ``request``),
-    and :attr:`page`, :attr:`error` and :attr:`lost` say what :class:`LegEnd`
+    and :attr:`error_answer`, :attr:`error` and :attr:`lost` say what :class:`LegEnd`
     lists.
     """
 
     __slots__ = (
         "worker", "attempt", "stream", "first_token", "between", "gate", "phase", "limit", "deadline",
-        "scope", "page", "error", "lost", "delivering", "reader", "route_key", "_exchange",
+        "scope", "error_answer", "error", "lost", "delivering", "reader", "route_key", "_pooled_request",
     )
 
     def __init__(
-        self, st: "RequestState", settings: "Settings", worker: "Worker", attempt: "Attempt", wreq: "WorkerRequest",
+        self, st: "RequestState", settings: "Settings", worker: "Worker", attempt: "LegRecord", wreq: "WorkerRequest",
         between: float | None = None, gate: anyio.Event | None = None, route_key: Any = None,
     ) -> None:
         if st.t_dispatched is None:
@@ -169,7 +170,7 @@ class Leg:
         )
         self.deadline = deadline_in(self.limit)
         self.scope = anyio.CancelScope()
-        self.page: tuple[int, bytes, bytes | None] | None = None
+        self.error_answer: tuple[int, bytes, bytes | None] | None = None
         self.error: RequestError | None = None
         self.lost: str | None = None
         #: The leg's own task is handing events to its reader (a client
@@ -179,7 +180,8 @@ class Leg:
         self.route_key = route_key
         # Keeps the body only until it is sent; the caller's request object
         # lives as long as the leg, its body (the whole prompt) need not.
-        self._exchange = worker.pool.request(b"POST", wreq.path, wreq.body, wreq.headers, head_deadline=self.deadline)
+        self._pooled_request = worker.pool.request(
+            b"POST", wreq.path, wreq.body, wreq.headers, head_deadline=self.deadline)
         wreq.body = b""
 
     def enter(self, phase: str, limit: float) -> float:
@@ -233,7 +235,7 @@ class Leg:
         worker.inflight.add(self)
         try:
             with self.scope:
-                resp = await self._exchange.__aenter__()
+                resp = await self._pooled_request.__aenter__()
                 try:
                     if self.stream:
                         self.enter("first_token", self.first_token)
@@ -241,16 +243,16 @@ class Leg:
                         body = await resp.read(self.deadline)
                         attempt.live = False
                         state.end_leg(attempt, "error")
-                        self.page = (resp.status, body, resp.retry_after)
+                        self.error_answer = (resp.status, body, resp.retry_after)
                     else:
                         gate = self.gate
                         if not self.stream:
                             payload = await resp.read(self.deadline)
                             if gate is not None:
                                 await gate.wait()
-                            if (event := reader.take(attempt, payload)) is not None:
+                            if (event := reader.read_payload(attempt, payload)) is not None:
                                 self.delivering = True
-                                await reader.settle(attempt, event)
+                                await reader.deliver_event(attempt, event)
                                 self.delivering = False
                         else:
                             decoder = SSEDecoder()
@@ -271,9 +273,9 @@ class Leg:
                                                 continue
                                             await gate.wait()
                                             gate = None
-                                        if (event := reader.take(attempt, payload)) is not None:
+                                        if (event := reader.read_payload(attempt, payload)) is not None:
                                             self.delivering = True
-                                            await reader.settle(attempt, event)  # else taken with no await
+                                            await reader.deliver_event(attempt, event)  # else queued with no await
                                             self.delivering = False
                                 payloads = payload = event = None
                                 if reader.outbox:
@@ -288,10 +290,10 @@ class Leg:
                             self.delivering = True
                             await reader.cut_short(attempt)
                 except BaseException as exc:
-                    await self._exchange.__aexit__(type(exc), exc, exc.__traceback__)
+                    await self._pooled_request.__aexit__(type(exc), exc, exc.__traceback__)
                     raise
-                await self._exchange.__aexit__(None, None, None)
-                return LegEnd.FINISHED if self.page is None else LegEnd.PAGE
+                await self._pooled_request.__aexit__(None, None, None)
+                return LegEnd.FINISHED if self.error_answer is None else LegEnd.ERROR_ANSWER
         except (WorkerError, TimedOut, RequestError) as exc:
             return await self._failed(exc, reader, router)
         finally:

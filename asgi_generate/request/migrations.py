@@ -31,7 +31,7 @@ class MigrationSlots:
     """Slots for migrated streams, shared by one process's requests.
 
     Args:
-        limit: the slots there are now (called at each take: the default
+        limit: the slots there are now (called at each acquire: the default
             follows the workers' count as workers come and go).
 
     Attributes:
@@ -50,7 +50,7 @@ class MigrationSlots:
         """Streams waiting for a slot now."""
         return len(self._waiters)
 
-    async def take(self, wait: float, st: "RequestState") -> bool:
+    async def acquire(self, wait: float, st: "RequestState") -> bool:
         """Take a slot for the request of ``st``, waiting up to ``wait``
         seconds behind the streams that came first; whether one was taken
         (the caller then calls :meth:`give_back` exactly once). A wait is

@@ -13,13 +13,19 @@ A request (:class:`~asgi_generate.tracing.state.RequestState`) runs with
   :data:`REQUEST_TRANSITIONS` allows: the client leaving before its answer
   was complete, a slow client cut off, the shutdown grace running out.
 
-An attempt (:class:`~asgi_generate.sdk.codec.Attempt`) runs with
+An attempt (:class:`~asgi_generate.request.leg_record.LegRecord`) runs with
 ``outcome`` ``None``: :func:`end_leg` records how its leg ended, as
 :data:`LEG_TRANSITIONS` allows; :func:`abort_answered` records the abort's
 answer unless the leg's end is known already.
 
 A request with items records one state per item, derived from the
 request's by :func:`item_state`.
+
+Where a request's answer goes on after a leg failed mid-answer or its
+fleet paused is its :class:`Moves`, whose ``phase`` changes as
+:data:`MOVE_TRANSITIONS` allows: :func:`migrate`, :func:`hold_for_pause`,
+:func:`resume_after_pause`, :func:`give_up_hold` and :func:`planned`;
+:func:`next_role` names (and counts) the next attempt.
 
 An illegal transition is a bug: it is logged as an error and warned as
 :class:`IllegalTransition` (the test suite turns that warning into an
@@ -31,8 +37,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
+from dataclasses import dataclass
 
-from ..sdk.codec import Attempt
+from .leg_record import LegRecord
 from ..tracing.schema import ATTEMPT_OUTCOMES, STATUSES
 from ..tracing.state import RequestState
 
@@ -89,8 +96,9 @@ REQUEST_ONLY = frozenset({"output_ids", "trace", "body_bytes", "expand", "item_c
 
 
 class IllegalTransition(UserWarning):
-    """A request's ending or an attempt's outcome was changed against
-    :data:`REQUEST_TRANSITIONS` or :data:`LEG_TRANSITIONS`: a bug."""
+    """A request's ending, an attempt's outcome or a request's move phase
+    was changed against :data:`REQUEST_TRANSITIONS`,
+    :data:`LEG_TRANSITIONS` or :data:`MOVE_TRANSITIONS`: a bug."""
 
 
 def _illegal(what: str) -> None:
@@ -163,7 +171,7 @@ def cut(st: RequestState, status: str, http_status: int | None, error_type: str,
     st.error_message = message
 
 
-def end_leg(attempt: Attempt, outcome: str) -> None:
+def end_leg(attempt: LegRecord, outcome: str) -> None:
     """Record how ``attempt``'s leg ended (``finished``, ``error``,
     ``connect_failed``, ``worker_lost``, ``timeout``)."""
     if outcome != attempt.outcome and outcome not in LEG_TRANSITIONS[attempt.outcome]:
@@ -171,7 +179,7 @@ def end_leg(attempt: Attempt, outcome: str) -> None:
     attempt.outcome = outcome
 
 
-def abort_answered(attempt: Attempt, lost: bool) -> None:
+def abort_answered(attempt: LegRecord, lost: bool) -> None:
     """The abort of ``attempt``'s leg was answered: ``worker_lost`` if its
     worker was gone (``lost``), else ``aborted``; a leg whose end was
     recorded before keeps it."""
@@ -203,3 +211,109 @@ def item_state(st: RequestState, answered: bool, error: str | None, **own) -> Re
         if f.name in REQUEST_ONLY:
             own[f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default
     return dataclasses.replace(st, **own)
+
+
+#: The first attempt runs, or a failover of it (nothing of the answer moved).
+FIRST = "first"
+#: An attempt failed mid-answer: every later attempt continues the answer
+#: (``resumed``, or ``replayed`` when unary), each after a backoff and
+#: bounded by ``migration_limit``.
+CONTINUING = "continuing"
+#: A leg ended with the engine's abort of a pause of its fleet: the stream
+#: waits for the fleet's resume (:mod:`asgi_generate.workers.pauses`).
+HELD = "held"
+#: The fleet resumed: the next attempt continues the stream at once (no
+#: backoff, not counted against ``migration_limit``).
+AFTER_PAUSE = "after_pause"
+#: The hold ended without a resume (past ``pause_hold_limit`` or
+#: ``pause_hold_timeout``): the request ended with 503.
+GIVEN_UP = "given_up"
+#: Move phase -> the phases it may change to (see :class:`Moves`).
+MOVE_TRANSITIONS: dict[str, frozenset[str]] = {
+    FIRST: frozenset({CONTINUING, HELD}),
+    CONTINUING: frozenset({CONTINUING, HELD}),
+    HELD: frozenset({AFTER_PAUSE, GIVEN_UP}),
+    AFTER_PAUSE: frozenset({CONTINUING}),
+    GIVEN_UP: frozenset(),
+}
+
+
+@dataclass(slots=True)
+class Moves:
+    """Where one request's answer goes on: its move ``phase`` (one of
+    :data:`MOVE_TRANSITIONS`) and the fleet's pause count when its current
+    plan was made (``pause_epoch``; ``None`` when the request does not
+    resume after a pause). The counts of moves are the record's
+    (``RequestState.migrations``, ``replays``, ``pause_resumes``)."""
+
+    request_id: str
+    pause_epoch: int | None = None
+    phase: str = FIRST
+
+    @property
+    def continuing(self) -> bool:
+        """The next attempt continues the answer (``resumed`` or ``replayed``)."""
+        return self.phase == CONTINUING or self.phase == AFTER_PAUSE
+
+    @property
+    def bounded(self) -> bool:
+        """The next attempt is a migration's: after a backoff, bounded by
+        ``migration_limit`` (a continuation after a pause is neither)."""
+        return self.phase == CONTINUING
+
+    @property
+    def held(self) -> bool:
+        """The last leg ended with a pause's abort, held for the resume."""
+        return self.phase == HELD
+
+    @property
+    def after_pause(self) -> bool:
+        """The fleet resumed: the next attempt continues the held stream."""
+        return self.phase == AFTER_PAUSE
+
+
+def _move(moves: Moves, phase: str) -> None:
+    if phase not in MOVE_TRANSITIONS[moves.phase]:
+        _illegal(f"request {moves.request_id}: moves {moves.phase} -> {phase}")
+    moves.phase = phase
+
+
+def migrate(moves: Moves) -> None:
+    """An attempt failed mid-answer and the request migrates."""
+    _move(moves, CONTINUING)
+
+
+def hold_for_pause(moves: Moves) -> None:
+    """A leg ended with a pause's abort: hold the stream for the resume."""
+    _move(moves, HELD)
+
+
+def resume_after_pause(moves: Moves, st: RequestState) -> None:
+    """The fleet resumed: the held stream continues (counted in ``st.pause_resumes``)."""
+    _move(moves, AFTER_PAUSE)
+    st.pause_resumes += 1
+
+
+def give_up_hold(moves: Moves) -> None:
+    """The hold ended without a resume; the request ends with 503."""
+    _move(moves, GIVEN_UP)
+
+
+def planned(moves: Moves) -> None:
+    """The next attempt was planned: after a pause, it continues the
+    stream, and any later one continues it too."""
+    if moves.phase == AFTER_PAUSE:
+        _move(moves, CONTINUING)
+
+
+def next_role(moves: Moves, st: RequestState, stream_resumes: bool) -> str:
+    """The next attempt's role, counting it in ``st``: ``resumed`` (a
+    stream continues, ``stream_resumes``), ``replayed`` (a unary request
+    starts over), else ``aggregated``."""
+    if not moves.continuing:
+        return "aggregated"
+    if not stream_resumes:
+        st.replays += 1
+        return "replayed"
+    st.migrations += 1
+    return "resumed"

@@ -2,7 +2,7 @@
 comments and the slow-client cut-off, instead of a guard task per request.
 
 An open stream spends nearly all its life waiting for the engine. A guard
-task of its own (:meth:`asgi_generate.request.client_stream.ClientStream.guard`:
+task of its own (:meth:`asgi_generate.request.answer.AnswerWriter.guard`:
 the task, its task group, its cancel scopes and a parked ``receive()``)
 costs about 4 KB per stream; served by hypercorn with
 :mod:`asgi_generate.server.hypercorn.fixes`, a request learns of its client's

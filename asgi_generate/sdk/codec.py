@@ -236,7 +236,11 @@ class Pair:
 
 @dataclass(slots=True)
 class Attempt:
-    """One engine leg of a request on one worker.
+    """One engine leg of a request on one worker, as its codec sees it.
+
+    The handler keeps its own bookkeeping of the leg (whether it may still
+    run, how it ended, its tokens, its abort's answer) in a record of its
+    own that extends this one; a codec reads only what is here.
 
     Attributes:
         engine_id: the id minted for the engine, unique per attempt, fixed
@@ -248,53 +252,30 @@ class Attempt:
             worker died mid-answer).
         worker_id: the worker's id in the router.
         worker_info: the worker's server info (e.g. SGLang ``/get_server_info``).
-        live: the engine may be running this leg (set by the handler).
-        outcome: how the leg ended (set by the handler): ``finished``,
-            ``aborted``, ``error``, ``connect_failed``, ``worker_lost``.
-        abort_acked: the engine acknowledged an abort of this leg.
-        worker: the router's worker object (the handler's; codecs ignore it).
+        pair: for a ``prefill`` or ``decode`` leg, its P/D pair's
+            :class:`Pair` (both legs share it), else ``None``.
         resumes: for a migrated leg (``resumed``, or a P/D leg of a
             migration), the output token ids already sent to the client,
             which the leg's prompt carries after the original one.
-        tokens: output tokens this leg contributed to the client's answer.
+        entries: batch legs: the items (indices into
+            ``GenerateRequest.items``) this leg carries, in the order the
+            worker body lists them; else ``None``.
+        entry_ids: batch legs whose items the engine runs under ids of their
+            own (SGLang entries): item index -> the id minted for it, what
+            aborts it; else ``None``.
         backoff_ms: milliseconds the request waited before this leg (the
             migration backoff).
-        pair: for a ``prefill`` or ``decode`` leg, its P/D pair's
-            :class:`Pair` (both legs share it), else ``None``.
-        span_id: with OpenTelemetry export on, the leg's span id (sent to
-            the engine in its ``traceparent``), else 0; ``t_sent``/``t_ended``
-            the leg's start and end (``time.monotonic()``), then only.
-        usage: the counts the leg's engine reported with the end of its
-            answer (set by the handler, :meth:`Event.reported`), for the
-            record; ``None`` when none came.
     """
 
     engine_id: str
     role: str = "aggregated"
     worker_id: str = ""
     worker_info: Mapping[str, Any] = field(default_factory=dict)
-    worker: Any = None
-    live: bool = False
-    outcome: str | None = None
-    abort_acked: bool | None = None
     pair: "Pair | None" = None
     resumes: list[int] | None = None
-    tokens: int = 0
-    span_id: int = 0
-    t_sent: float | None = None
-    t_ended: float | None = None
-    #: Batch legs: the items (indices into ``GenerateRequest.items``) this
-    #: leg carries, in the order the worker body lists them.
     entries: list[int] | None = None
-    #: Batch legs whose items the engine runs under ids of their own (SGLang
-    #: entries): item index -> the id minted for it, what aborts it.
     entry_ids: dict[int, str] | None = None
-    #: Batch legs: the carried items not finished yet (the handler's).
-    unfinished: set[int] | None = None
-    #: Batch legs: item index -> whether the engine acknowledged its abort.
-    entry_acked: dict[int, bool] | None = None
     backoff_ms: int = 0
-    usage: "Usage | None" = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,16 +11,14 @@ import anyio
 import orjson
 import pytest
 
-from asgi_generate.request.batches import BatchGeneration
-from asgi_generate.request.client_stream import finish_record
-from asgi_generate.request.generation import Generation
+from asgi_generate.request.answer import finish_record
 from asgi_generate.tracing.record import build_record
 from asgi_generate.tracing.state import RequestState
 from asgi_generate.workers.router import Router
 from asgi_generate_sglang.codec import SGLangCodec
 from asgi_generate_vllm import VLLMCodec
 from fakes import AnsweringPool, FakeContext
-from test_context import SGLANG_URL, _router, _sse, anyio_backend  # noqa: F401
+from test_context import SGLANG_URL, _router, _sse, anyio_backend, generation  # noqa: F401
 
 ABORT_MESSAGE = "the engine aborted the request (finish_reason abort): its output is truncated"
 
@@ -34,8 +32,8 @@ def _vllm_router(answer) -> Router:
     return router
 
 
-async def _serve(gen_class, ctx: FakeContext, body: dict, codec=None, request_id: str = "r" * 32):
-    """Run one request through ``gen_class`` on ``ctx``: the messages its
+async def _serve(ctx: FakeContext, body: dict, codec=None, request_id: str = "r" * 32):
+    """Run one request through its :class:`Generation` on ``ctx``: the messages its
     client got, its finished state and the records it left (as JSON)."""
     codec = codec or SGLangCodec()
     req = codec.decode(orjson.dumps(body), {b"content-type": b"application/json"})
@@ -48,7 +46,7 @@ async def _serve(gen_class, ctx: FakeContext, body: dict, codec=None, request_id
     async def send(message: dict) -> None:
         out.append(message)
 
-    gen = gen_class(ctx, codec, codec.exchange(req, request_id), req, st, send)
+    gen = generation(ctx, codec, req, st, send)
     with anyio.fail_after(5):
         await gen.run()
     st.t_done = None
@@ -72,7 +70,7 @@ def _error_200(sent: dict):
 @pytest.mark.anyio
 async def test_a_unary_batch_answered_502_after_its_engines_error_records_502_on_every_item():
     ctx = FakeContext(_router(_error_200))
-    out, st, recs = await _serve(BatchGeneration, ctx, {"input_ids": [1, 2, 3], "sampling_params": {"n": 2}})
+    out, st, recs = await _serve(ctx, {"input_ids": [1, 2, 3], "sampling_params": {"n": 2}})
     assert (out[0]["status"], orjson.loads(out[1]["body"])) == (502, {
         "object": "error", "message": "worker ended the response without output", "type": "502", "param": None,
         "code": 502})
@@ -126,7 +124,7 @@ async def test_an_answer_the_engine_cut_by_its_abort_is_engine_abort_not_ok(engi
     else:
         ctx, codec = FakeContext(_vllm_router(_vllm_aborted)), VLLMCodec()
         body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 8}, "stream": stream}
-    out, st, (rec,) = await _serve(Generation, ctx, body, codec)
+    out, st, (rec,) = await _serve(ctx, body, codec)
     assert out[0]["status"] == 200
     assert _outcome(rec) == ("engine_abort", 200, {"type": "engine_abort", "message": ABORT_MESSAGE}, 2,
                              {"finish_reason": "abort", "backend_finish_reason": "abort"})
@@ -143,7 +141,7 @@ def _sglang_batch_one_aborted(sent: dict):
 @pytest.mark.anyio
 async def test_a_batch_item_the_engine_aborted_is_engine_abort_beside_its_ok_sibling():
     ctx = FakeContext(_router(_sglang_batch_one_aborted))
-    out, st, recs = await _serve(BatchGeneration, ctx, {"input_ids": [1, 2, 3], "sampling_params": {"n": 2}})
+    out, st, recs = await _serve(ctx, {"input_ids": [1, 2, 3], "sampling_params": {"n": 2}})
     assert out[0]["status"] == 200
     assert [_outcome(r) for r in recs] == [
         ("ok", 200, None, 2, {"finish_reason": "length", "backend_finish_reason": "length"}),
@@ -160,7 +158,7 @@ async def test_a_batch_item_the_engine_aborted_is_engine_abort_beside_its_ok_sib
 async def test_a_batch_no_worker_can_take_is_one_unavailable_record_with_its_item_count(stream):
     ctx = FakeContext(_router())  # its one worker is down
     body = {"input_ids": [1, 2, 3], "rid": "wide", "sampling_params": {"n": 1000}, "stream": stream}
-    out, st, recs = await _serve(BatchGeneration, ctx, body)
+    out, st, recs = await _serve(ctx, body)
     assert out[0]["status"] == 503
     assert [(r["request_id"], r.get("public_id"), r.get("item_count"), r.get("batch_id")) for r in recs] == [
         ("r" * 32, "wide", 1000, None)]
@@ -182,7 +180,7 @@ def _vllm_refuses_n(sent: dict):
 async def test_a_vllm_n_its_engine_refuses_is_one_rejected_record_whatever_n():
     ctx = FakeContext(_vllm_router(_vllm_refuses_n))
     body = {"token_ids": [1, 2, 3], "request_id": "wide", "sampling_params": {"max_tokens": 1, "n": 16384}}
-    out, st, recs = await _serve(BatchGeneration, ctx, body, VLLMCodec())
+    out, st, recs = await _serve(ctx, body, VLLMCodec())
     assert out[0]["status"] == 400
     assert [(r.get("public_id"), r.get("item_count"), r.get("batch_id"), r["status"], r["http_status"],
              r["input_tokens"], [a["outcome"] for a in r["attempts"]]) for r in recs] == [
@@ -201,7 +199,7 @@ def _sglang_batch_refused(sent: dict):
 async def test_a_batch_whose_items_ran_before_its_error_keeps_a_record_per_item():
     ctx = FakeContext(_router(_sglang_batch_refused))
     body = {"input_ids": [1, 2, 3], "sampling_params": {"n": 2}, "stream": True}
-    out, st, recs = await _serve(BatchGeneration, ctx, body)
+    out, st, recs = await _serve(ctx, body)
     assert [(r.get("batch_index"), r.get("item_count"), r["status"], r["output_tokens"]) for r in recs] == [
         (0, None, "engine_error", 1), (1, None, "engine_error", 0)]
 
@@ -216,7 +214,7 @@ async def test_a_batch_refused_before_any_engine_saw_it_is_one_rejected_record(s
     router.workers[0].info["max_model_len"] = 4
     ctx = FakeContext(router)
     body = {"input_ids": [1, 2, 3, 4, 5], "rid": "long", "sampling_params": {"n": 50}, "stream": stream}
-    out, st, recs = await _serve(BatchGeneration, ctx, body)
+    out, st, recs = await _serve(ctx, body)
     message = "The input (5 tokens) is longer than the model's context length (4 tokens)."
     assert out[0]["status"] == (200 if stream else 400)
     assert router.workers[0].pool.sent == []

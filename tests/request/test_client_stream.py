@@ -1,4 +1,4 @@
-"""The client's answer (asgi_generate/request/client_stream.py) in process:
+"""The client's answer (asgi_generate/request/answer.py) in process:
 the exact ASGI messages of an SSE stream and of a unary answer, what counts
 as delivered, errors after the first byte, a client that hangs up, and the
 guard's timers (keep-alive comments, the slow-client cut-off)."""
@@ -9,9 +9,10 @@ import anyio
 import orjson
 import pytest
 
-from asgi_generate.request.client_stream import ClientStream, send_in_band_error
+from asgi_generate.request.answer import AnswerWriter, send_in_band_error
 from asgi_generate.request.framing import KEEPALIVE, SSE_HEADERS
-from asgi_generate.sdk.codec import Attempt, RequestError
+from asgi_generate.request.leg_record import LegRecord
+from asgi_generate.sdk.codec import RequestError
 from asgi_generate.tracing.state import RequestState
 from asgi_generate_sglang import SGLangCodec
 from fakes import FakeContext
@@ -20,7 +21,7 @@ from test_legs import answer, anyio_backend  # noqa: F401  (the fixture: both ba
 
 
 class Answer:
-    """A :class:`ClientStream` for an SGLang ``body``, its ASGI sends in
+    """An :class:`AnswerWriter` for an SGLang ``body``, its ASGI sends in
     :attr:`out`, fed worker chunks of one aggregated attempt."""
 
     def __init__(self, body: dict, gone_after: int | None = None, **settings) -> None:
@@ -31,10 +32,10 @@ class Answer:
         self.ctx = FakeContext(_router(), **settings)
         self.out: list[dict] = []
         self.gone_after = gone_after
-        self.stream = ClientStream(self.ctx, codec, codec.exchange(self.req, self.st.request_id), self.req,
+        self.stream = AnswerWriter(self.ctx, codec, codec.exchange(self.req, self.st.request_id), self.req,
                                    self.st, self.send)
-        self.attempt = Attempt("e0", "aggregated", "w0", {}, self.ctx.router.workers[0])
-        self.stream.ex.worker_request(self.attempt)
+        self.attempt = LegRecord("e0", "aggregated", "w0", {}, worker=self.ctx.router.workers[0])
+        self.stream.codec_state.worker_request(self.attempt)
 
     async def send(self, message: dict) -> None:
         if self.gone_after is not None and len(self.out) >= self.gone_after:
@@ -44,9 +45,9 @@ class Answer:
     async def feed(self, chunk: dict) -> None:
         """One worker read of one chunk, as the leg runner hands it over:
         queued while the stream runs, else delivered; then flushed."""
-        event = self.stream.ex.feed(self.attempt, orjson.dumps(chunk))
-        if not self.stream._queued(event):
-            await self.stream._deliver(event)
+        event = self.stream.codec_state.feed(self.attempt, orjson.dumps(chunk))
+        if not self.stream.queue_without_await(event):
+            await self.stream.deliver(event)
         if self.stream.outbox:
             await self.stream.flush()
 

@@ -1,5 +1,5 @@
-"""The request package on its own: Generation, ClientStream and
-BatchGeneration driven through a small fake :class:`RequestContext` (no
+"""The request package on its own: Generation, its AnswerWriter and
+its Batch driven through a small fake :class:`RequestContext` (no
 App, no server, no socket), and the narrow protocols checked against what
 the process hands over."""
 
@@ -16,11 +16,16 @@ import pytest
 
 from asgi_generate.config import Settings
 from asgi_generate.tracing.state import RequestState
-from asgi_generate.request.batches import BatchGeneration
-from asgi_generate.request.client_stream import ClientStream, abort_live_legs, finish_record
+from asgi_generate.request.aborts import abort_live_legs
+from asgi_generate.request.answer import AnswerWriter, finish_record
+from asgi_generate.request.batches import Batch
+from asgi_generate.request.budget import BodyBudget
 from asgi_generate.request.context import RequestContext
 from asgi_generate.request.generation import Generation
-from asgi_generate.sdk.codec import Attempt, RequestError
+from asgi_generate.request.migrations import MigrationSlots
+from asgi_generate.request.watchdog import Watchdog
+from asgi_generate.request.leg_record import LegRecord
+from asgi_generate.sdk.codec import RequestError
 from asgi_generate.workers.router import Router
 from asgi_generate_sglang.codec import SGLangCodec
 from fakes import AnsweringPool, FakeContext
@@ -60,9 +65,15 @@ def _streamed(sent: dict) -> tuple[int, list[bytes]]:
     return 200, _sse(chunks)
 
 
-async def _serve(gen_class, ctx: FakeContext, body: dict, request_id: str = "r" * 32):
-    """Run one request through ``gen_class`` on ``ctx``: the messages its
-    client got and its finished state."""
+def generation(ctx, codec, req, st: RequestState, send) -> Generation:
+    """The attempt loop of ``req``, given its :class:`Batch` when it has items (as the handler builds it)."""
+    batch = None if req.items is None else Batch(req.items, st)
+    return Generation(ctx, codec, codec.exchange(req, st.request_id), req, st, send, batch=batch)
+
+
+async def _serve(ctx: FakeContext, body: dict, request_id: str = "r" * 32):
+    """Run one request through its :class:`Generation` on ``ctx``: the
+    messages its client got and its finished state."""
     codec = SGLangCodec()
     req = codec.decode(orjson.dumps(body), {b"content-type": b"application/json"})
     st = RequestState(request_id, codec.name, "/generate", "POST")
@@ -72,7 +83,7 @@ async def _serve(gen_class, ctx: FakeContext, body: dict, request_id: str = "r" 
     async def send(message: dict) -> None:
         out.append(message)
 
-    gen = gen_class(ctx, codec, codec.exchange(req, request_id), req, st, send)
+    gen = generation(ctx, codec, req, st, send)
     with anyio.fail_after(5):
         await gen.run()
     await finish_record(ctx, st)
@@ -92,7 +103,7 @@ def _error_answer(status: int, message: bytes, length: int, headers: tuple = ())
 
 @pytest.mark.e2e
 def test_the_request_modules_import_without_the_server_or_ops():
-    code = ("import sys, asgi_generate.request.generation, asgi_generate.request.client_stream, "
+    code = ("import sys, asgi_generate.request.generation, asgi_generate.request.answer, "
             "asgi_generate.request.batches; "
             "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('asgi_generate.')}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
@@ -103,7 +114,7 @@ def test_the_request_modules_import_without_the_server_or_ops():
 @pytest.mark.anyio
 async def test_generation_with_no_healthy_worker_answers_503_saying_when_to_retry():
     ctx = FakeContext(_router(), health_interval=2.5)
-    out, st = await _serve(Generation, ctx, {"input_ids": [1, 2, 3]})
+    out, st = await _serve(ctx, {"input_ids": [1, 2, 3]})
     # The health probe interval, in whole seconds: when a worker may be back.
     assert out == _error_answer(503, b"no healthy worker for protocol 'sglang'", 107, ((b"retry-after", b"3"),))
     assert (st.status, st.http_status, st.error_type, st.attempts) == ("unavailable", 503, "unavailable", [])
@@ -113,7 +124,7 @@ async def test_generation_with_no_healthy_worker_answers_503_saying_when_to_retr
 @pytest.mark.anyio
 async def test_generation_streams_a_workers_sse_and_counts_its_tokens():
     ctx = FakeContext(_router(_streamed))
-    out, st = await _serve(Generation, ctx, {"input_ids": [1, 2, 3], "stream": True, "rid": "client-1"})
+    out, st = await _serve(ctx, {"input_ids": [1, 2, 3], "stream": True, "rid": "client-1"})
     assert out[0] == {"type": "http.response.start", "status": 200, "headers": [
         (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
         (b"x-accel-buffering", b"no")]}
@@ -145,7 +156,7 @@ async def test_client_stream_ends_before_and_after_the_200_and_aborts_live_legs(
         out.append(message)
 
     st = RequestState("s" * 32, codec.name, "/generate", "POST")
-    stream = ClientStream(ctx, codec, codec.exchange(req, st.request_id), req, st, send)
+    stream = AnswerWriter(ctx, codec, codec.exchange(req, st.request_id), req, st, send)
     assert (stream.write_timeout, stream.keepalive, stream.sent_ids) == (30.0, 0.0, [])
     await stream.fail(RequestError(504, "worker w0 sent no token within 1 s", "timeout"), "timeout")
     assert out == _error_answer(504, b"worker w0 sent no token within 1 s", 102)
@@ -153,7 +164,7 @@ async def test_client_stream_ends_before_and_after_the_200_and_aborts_live_legs(
 
     out.clear()
     st = RequestState("t" * 32, codec.name, "/generate", "POST")
-    stream = ClientStream(ctx, codec, codec.exchange(req, st.request_id), req, st, send)
+    stream = AnswerWriter(ctx, codec, codec.exchange(req, st.request_id), req, st, send)
     st.response_started, st.http_status = True, 200
     await stream.fail(RequestError(502, "worker w0 failed", "engine"), "engine_error")
     assert out == [{"type": "http.response.body", "more_body": False, "body":
@@ -161,8 +172,8 @@ async def test_client_stream_ends_before_and_after_the_200_and_aborts_live_legs(
     assert (st.status, st.http_status, st.response_complete) == ("engine_error", 200, True)
 
     worker = ctx.router.workers[0]
-    st.attempts = [Attempt("a" * 32, "aggregated", "w0", worker=worker, live=True),
-                   Attempt("b" * 32, "decode", "w0", worker=worker, live=False)]
+    st.attempts = [LegRecord("a" * 32, "aggregated", "w0", worker=worker, live=True),
+                   LegRecord("b" * 32, "decode", "w0", worker=worker, live=False)]
     ctx.open_requests[st.request_id] = st
     await abort_live_legs(ctx, st)
     await finish_record(ctx, st)
@@ -185,7 +196,7 @@ def _batch_answer(sent: dict) -> tuple[int, list[bytes]]:
 async def test_batch_generation_answers_in_item_order_and_records_each_item():
     ctx = FakeContext(_router(_batch_answer))
     body = {"input_ids": [[1, 2], [3, 4]], "rid": ["first", "second"]}
-    out, st = await _serve(BatchGeneration, ctx, body, request_id="b" * 32)
+    out, st = await _serve(ctx, body, request_id="b" * 32)
     (sent,) = ctx.router.workers[0].pool.sent
     assert out[0]["status"] == 200
     assert orjson.loads(out[1]["body"]) == [
@@ -219,7 +230,9 @@ def _members(protocol: type) -> set[str]:
 def _protocols_and_their_implementations():
     from asgi_generate.ops.fanout import AdminContext
     from asgi_generate.request.context import Recorder, Running
-    from asgi_generate.request.handshakes import AttemptLoop
+    from asgi_generate.request.answer import ItemShares
+    from asgi_generate.request.batches import BatchLoop
+    from asgi_generate.request.handshakes import LegRunner
     from asgi_generate.request.legs import LegReader
     from asgi_generate.server.app import App
     from asgi_generate.sim.app import SimApp
@@ -229,7 +242,8 @@ def _protocols_and_their_implementations():
     app = App(Settings(embedded_workers=0), codecs=[])
     return [
         (RequestContext, app), (AdminContext, app), (Recorder, app.recorder),
-        (Running, Generation), (AttemptLoop, Generation), (LegReader, Generation), (Candidate, _router().workers[0]),
+        (Running, Generation), (LegRunner, Generation), (LegReader, Generation), (BatchLoop, Generation),
+        (ItemShares, Batch), (Candidate, _router().workers[0]),
         (BatchHost, SimApp("sglang").protocol),
     ]
 

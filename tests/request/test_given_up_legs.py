@@ -131,7 +131,7 @@ def test_migration_slots_are_taken_in_turn_and_held_until_given_back():
     states = [RequestState(f"r{i}", "sglang", "/generate", "POST") for i in range(5)]
 
     async def stream(i: int, wait: float) -> None:
-        taken = await slots.take(wait, states[i])
+        taken = await slots.acquire(wait, states[i])
         order.append((i, taken))
         if taken:
             await anyio.sleep(0.6)

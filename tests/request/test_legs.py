@@ -14,18 +14,17 @@ import pytest
 from asgi_generate.config import Settings
 from asgi_generate.request import handshakes
 from asgi_generate.tracing.state import RequestState
-from asgi_generate.request.batches import BatchGeneration
-from asgi_generate.request.generation import Generation
 from asgi_generate.request.handshakes import AGGREGATED, CONCURRENT_PAIR, PAIRS, SEQUENTIAL_PAIR, handshake
 from asgi_generate.request.legs import Leg, LegEnd
 from asgi_generate.sdk import ids
-from asgi_generate.sdk.codec import Attempt
+from asgi_generate.request.leg_record import LegRecord
 from asgi_generate.exceptions import ConnectFailed, TimedOut, WorkerDisconnected
 from asgi_generate.protocols import PROTOCOLS
 from asgi_generate.workers.router import Worker
 from asgi_generate_sglang import SGLangCodec
 from asgi_generate_vllm import VLLMCodec
 from fakes import STALL, FakeContext, FakePool, FakeResponse, FakeRouter
+from test_context import generation
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -63,8 +62,7 @@ class Client:
         req = codec.decode(orjson.dumps(body), headers)
         self.st = RequestState("r" * 32, codec.name, "/generate", "POST")
         self.st.headers = headers
-        kind = Generation if req.items is None else BatchGeneration
-        self.gen = kind(self.ctx, codec, codec.exchange(req, self.st.request_id), req, self.st, self.send)
+        self.gen = generation(self.ctx, codec, req, self.st, self.send)
 
     async def send(self, message: dict) -> None:
         self.messages.append(message)
@@ -89,7 +87,7 @@ class Client:
 
 
 class Reader:
-    """A leg reader over a codec exchange: records the events it settled."""
+    """A leg reader over a codec's state of a request: records the events delivered to it."""
 
     outbox: list = []
     leg = None
@@ -101,10 +99,10 @@ class Reader:
     def answered(self, attempt):
         return not attempt.live
 
-    def take(self, attempt, payload):
+    def read_payload(self, attempt, payload):
         return self.ex.feed(attempt, payload) if attempt.live else None
 
-    async def settle(self, attempt, event):
+    async def deliver_event(self, attempt, event):
         self.events.append((event.token_ids, event.finish_reason))
         if event.finish_reason is not None:
             attempt.live = False
@@ -125,8 +123,8 @@ BROKEN = WorkerDisconnected("worker closed the connection mid-response")
 RUNS = {
     "finished": (lambda: FakeResponse(200, [sse(CHUNK), sse(LAST, b"[DONE]")]), True,
                  LegEnd.FINISHED, False, "finished", None, [], [], [([5], None), ([6], "length")]),
-    "page": (lambda: FakeResponse(503, [b'{"error": "shutting down"}']), True,
-             LegEnd.PAGE, False, "error", (503, b'{"error": "shutting down"}', None), [], [], []),
+    "error_answer": (lambda: FakeResponse(503, [b'{"error": "shutting down"}']), True,
+             LegEnd.ERROR_ANSWER, False, "error", (503, b'{"error": "shutting down"}', None), [], [], []),
     "connect_failed": (lambda: ConnectFailed("connection refused"), True,
                        LegEnd.CONNECT_FAILED, False, "connect_failed", None, [("w0", "connection refused")], [], []),
     "headers_timeout": (lambda: TimedOut("deadline"), True,
@@ -161,13 +159,13 @@ async def test_leg_runner_classifies_how_a_leg_ended(case):
     router = FakeRouter(probe_up=up)
     codec = SGLangCodec()
     ex = codec.exchange(codec.decode(b'{"input_ids": [1, 2], "stream": true, "rid": "mine"}', {}), "r" * 32)
-    attempt = Attempt("e0", "aggregated", "w0", {}, w)
+    attempt = LegRecord("e0", "aggregated", "w0", {}, worker=w)
     reader = Reader(ex)
     st = RequestState("r" * 32, "sglang", "/generate", "POST")
     leg = Leg(st, Settings(), w, attempt, ex.worker_request(attempt), 300.0)
     assert (await leg.run(reader, router)) is end
     assert (attempt.live, attempt.outcome) == (live, outcome)
-    got = {LegEnd.PAGE: leg.page, LegEnd.WORKER_LOST: leg.lost, LegEnd.CANCELLED: leg.lost}.get(
+    got = {LegEnd.ERROR_ANSWER: leg.error_answer, LegEnd.WORKER_LOST: leg.lost, LegEnd.CANCELLED: leg.lost}.get(
         end, None if leg.error is None else leg.error.message)
     assert got == detail
     assert (router.marked, router.probed, reader.events) == (marked, probed, events)
@@ -179,7 +177,7 @@ async def test_leg_runner_cancels_a_leg_whose_worker_the_probe_gave_up():
     w = worker("w0", "sglang", FakePool(FakeResponse(200, [sse(CHUNK), STALL])))
     codec = SGLangCodec()
     ex = codec.exchange(codec.decode(b'{"input_ids": [1, 2], "stream": true}', {}), "r" * 32)
-    attempt = Attempt("e0", "aggregated", "w0", {}, w)
+    attempt = LegRecord("e0", "aggregated", "w0", {}, worker=w)
     reader = Reader(ex)
     leg = Leg(RequestState("r", "sglang", "/generate", "POST"), Settings(), w, attempt, ex.worker_request(attempt), 300.0)
     async with anyio.create_task_group() as tg:
@@ -408,7 +406,7 @@ async def test_a_leg_does_not_hold_its_request_body():
         id, pool = "w0", Pool()
 
     wreq = WorkerRequest(b"/generate", b'{"input_ids":[1,2,3]}', [(b"x-a", b"1")])
-    leg = Leg(RequestState("r", "sglang", "/generate", "POST"), Settings(), Worker(), Attempt("a" * 32, "aggregated"),
+    leg = Leg(RequestState("r", "sglang", "/generate", "POST"), Settings(), Worker(), LegRecord("a" * 32, "aggregated"),
               wreq)
     assert sent == [(b"POST", b"/generate", b'{"input_ids":[1,2,3]}', [(b"x-a", b"1")])]
     assert wreq.body == b"" and wreq.stream is True and leg.phase == "headers"

@@ -13,9 +13,10 @@ import pytest
 
 from asgi_generate.request import state
 from asgi_generate.request.state import (
-    CUTS, ITEM_ENDING, ITEM_FIELDS, LEG_TRANSITIONS, REQUEST_ONLY, REQUEST_TRANSITIONS, IllegalTransition,
+    CUTS, ITEM_ENDING, ITEM_FIELDS, LEG_TRANSITIONS, MOVE_TRANSITIONS, REQUEST_ONLY, REQUEST_TRANSITIONS,
+    IllegalTransition, Moves,
 )
-from asgi_generate.sdk.codec import Attempt
+from asgi_generate.request.leg_record import LegRecord
 from asgi_generate.tracing.schema import ATTEMPT_OUTCOMES, STATUSES
 from asgi_generate.tracing.state import RequestState
 
@@ -100,7 +101,7 @@ def test_an_ending_the_machine_does_not_know_is_refused(misuse):
 @pytest.mark.parametrize("before", [None, *ATTEMPT_OUTCOMES])
 @pytest.mark.parametrize("after", [o for o in ATTEMPT_OUTCOMES if o != "aborted"])
 def test_every_leg_transition(before, after):
-    attempt = Attempt("a" * 32, outcome=before)
+    attempt = LegRecord("a" * 32, outcome=before)
     if after in LEG_TRANSITIONS[before] or after == before:
         state.end_leg(attempt, after)
         assert attempt.outcome == after
@@ -112,7 +113,7 @@ def test_every_leg_transition(before, after):
 @pytest.mark.parametrize("before", [None, *ATTEMPT_OUTCOMES])
 @pytest.mark.parametrize("lost", [False, True])
 def test_an_abort_answer_records_only_an_unknown_end(before, lost):
-    attempt = Attempt("a" * 32, outcome=before)
+    attempt = LegRecord("a" * 32, outcome=before)
     state.abort_answered(attempt, lost)
     assert attempt.outcome == (before or ("worker_lost" if lost else "aborted"))
 
@@ -186,5 +187,59 @@ def test_only_the_state_machine_assigns_an_ending_or_an_outcome():
             for target in targets:
                 for t in ast.walk(target):
                     if isinstance(t, ast.Attribute) and t.attr in watched:
+                        found.append(f"{path.name}:{t.lineno} {t.attr}")
+    assert found == []
+
+
+#: The move transitions, by the phase each leads to.
+MOVES_TO = {
+    state.CONTINUING: state.migrate,
+    state.HELD: state.hold_for_pause,
+    state.AFTER_PAUSE: lambda moves: state.resume_after_pause(moves, ended(None)),
+    state.GIVEN_UP: state.give_up_hold,
+}
+
+
+@pytest.mark.parametrize("before", list(MOVE_TRANSITIONS))
+@pytest.mark.parametrize("after", list(MOVES_TO))
+def test_every_move_transition(before, after):
+    moves = Moves("r" * 32, phase=before)
+    if after in MOVE_TRANSITIONS[before]:
+        MOVES_TO[after](moves)
+        assert moves.phase == after
+    else:
+        with pytest.raises(IllegalTransition):
+            MOVES_TO[after](moves)
+
+
+def test_a_request_held_across_a_pause_continues_unbounded_then_as_any_migration():
+    st = ended(None)
+    moves = Moves("r" * 32, pause_epoch=0)
+    assert (moves.continuing, state.next_role(moves, st, True)) == (False, "aggregated")
+    state.hold_for_pause(moves)
+    assert (moves.held, moves.continuing) == (True, False)
+    state.resume_after_pause(moves, st)
+    assert (moves.after_pause, moves.continuing, moves.bounded, st.pause_resumes) == (True, True, False, 1)
+    state.planned(moves)
+    assert (moves.phase, moves.bounded) == (state.CONTINUING, True)
+    assert [state.next_role(moves, st, True), state.next_role(moves, st, False)] == ["resumed", "replayed"]
+    assert (st.migrations, st.replays) == (1, 1)
+
+
+def test_only_the_state_machine_moves_a_request_or_counts_its_moves():
+    counters = {"migrations", "replays", "pause_resumes"}
+    found = []
+    for path in sorted(REQUEST_PACKAGE.glob("*.py")):
+        if path.name == "state.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                for t in ast.walk(target):
+                    if not isinstance(t, ast.Attribute):
+                        continue
+                    owner = t.value.attr if isinstance(t.value, ast.Attribute) else getattr(t.value, "id", None)
+                    if t.attr in counters or (t.attr == "phase" and owner == "moves"):
                         found.append(f"{path.name}:{t.lineno} {t.attr}")
     assert found == []

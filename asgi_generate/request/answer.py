@@ -1,31 +1,33 @@
-"""The client side of one /generate request: its response writes and the
-watch on its connection.
+"""The answer writer of one /generate request: its response writes and
+the watch on its connection.
 
-:class:`ClientStream` turns the normalized events of whatever legs serve a
+:class:`AnswerWriter` turns the normalized events of whatever legs serve a
 request into the client's answer (unary body or SSE events, counted as
 delivered once the server took them), ends an answer with the format's
 error (its own status before the 200, in-band after it), and in
-:meth:`ClientStream.guard` watches the client for disconnects, slow reads
-and idle SSE (keep-alive comments). The attempt loop that feeds it lives in
-:mod:`asgi_generate.request.generation`.
+:meth:`AnswerWriter.guard` watches the client for disconnects, slow reads
+and idle SSE (keep-alive comments). The attempt loop that feeds it, and
+owns it, lives in :mod:`asgi_generate.request.generation`. A request with
+items gives its writer its :class:`ItemShares` (a
+:class:`~asgi_generate.request.batches.Batch`), which keeps each item's
+share of what was written.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import anyio
 
 from . import state
-from ..sdk.codec import Attempt, Codec, Event, Exchange, GenerateRequest, RequestError
+from .aborts import abort_live_legs
+from ..sdk.codec import Codec, Event, Exchange, GenerateRequest, RequestError
 from ..tracing.state import RequestState
 from .framing import KEEPALIVE, SSE_HEADERS, Headers, Receive, Send, send_unary, sse_event, sse_parts
-from ..workers.aborts import ACKED, LOST
 
 if TYPE_CHECKING:
     from .context import RequestContext
-    from .legs import Leg
 
 
 async def finish_record(ctx: "RequestContext", st: RequestState) -> None:
@@ -53,21 +55,63 @@ async def send_in_band_error(codec: Codec, send: Send, st: RequestState, err: Re
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-class ClientStream:
-    """One request's answer to its client, written from normalized events."""
+class ItemShares(Protocol):
+    """Each item's share of the answer of a request with items, kept as
+    it is written (:class:`~asgi_generate.request.batches.Batch`)."""
+
+    #: Held across each write: legs run at once share the client.
+    write_lock: anyio.Lock
+    #: An engine answered the request with its own error (not 200).
+    refused: bool
+
+    def tally(self, event: Event, timed: bool, gap: Callable[[float], None], stream: bool) -> None:
+        """Each item's share of ``event``, credited once written."""
+
+    def take_queued(self) -> Any:
+        """The shares of the events about to be written, for :meth:`credit`."""
+
+    def credit(self, taken: Any) -> None:
+        """The write carrying ``taken`` was taken by the server."""
+
+    def credit_unary(self) -> None:
+        """The unary answer was written whole."""
+
+
+class AnswerWriter:
+    """One request's answer to its client, written from normalized events.
+
+    Args:
+        ctx: the process as the request sees it.
+        codec: the request's format.
+        codec_state: the codec's state of this request (its
+            :class:`~asgi_generate.sdk.codec.Exchange`), which renders the
+            client's bytes.
+        req: the decoded request.
+        st: the request's state, whose answer fields this writer keeps.
+        send: the ASGI send.
+        items: for a request with items, the per-item accounting every
+            write goes through; ``None`` for one prompt.
+        scope: the cancel scope of the request's run, cancelled when its
+            client goes away or is cut off (``None``: nothing to cancel).
+        reset: the server's reset of the client's connection (the scope
+            extension :data:`asgi_generate.request.watchdog.CONNECTION_RESET`),
+            or ``None``.
+    """
 
     __slots__ = (
-        "ctx", "codec", "ex", "req", "st", "send", "pending", "in_send", "last_send",
+        "ctx", "codec", "codec_state", "req", "st", "send", "pending", "in_send", "last_send",
         "scope", "shutdown", "write_timeout", "send_started", "timed", "outbox", "outbox_tokens",
-        "leg", "gone", "sent_ids", "keepalive", "cutting_off", "gap", "reset",
+        "gone", "sent_ids", "keepalive", "cutting_off", "gap", "reset", "items",
     )
 
     def __init__(
-        self, ctx: "RequestContext", codec: Codec, ex: Exchange, req: GenerateRequest, st: RequestState, send: Send
+        self, ctx: "RequestContext", codec: Codec, codec_state: Exchange, req: GenerateRequest, st: RequestState,
+        send: Send, items: ItemShares | None = None, scope: anyio.CancelScope | None = None,
+        reset: Callable[[], None] | None = None,
     ) -> None:
         self.ctx = ctx
         self.codec = codec
-        self.ex = ex
+        self.codec_state = codec_state
         self.req = req
         self.st = st
         self.send = send
@@ -77,33 +121,40 @@ class ClientStream:
         self.timed = True
         self.outbox: list[bytes] = []
         self.outbox_tokens = 0
-        self.scope: anyio.CancelScope | None = None
+        self.scope = scope
+        #: The server is shutting down: the request was cancelled for it.
         self.shutdown = False
         self.write_timeout = ctx.settings.slow_client_timeout
-        #: The running leg (:class:`asgi_generate.request.legs.Leg`), set by
-        #: the leg runner; cancelled when its worker is lost.
-        self.leg: Leg | None = None
         #: A write failed because the client is gone (see :meth:`_write`).
         self.gone = False
         #: Every output token id received for the client, what a resumed
         #: attempt continues from; ``None`` when migration is off or the
-        #: answer is unary (its engine leg shows no tokens before the end).
-        self.sent_ids: list[int] | None = [] if req.stream and ctx.settings.migration_limit > 0 else None
+        #: answer is unary (its engine leg shows no tokens before the end),
+        #: or the request has items (a batch never migrates).
+        self.sent_ids: list[int] | None = (
+            [] if req.stream and ctx.settings.migration_limit > 0 and items is None else None)
         #: Seconds of silence before an SSE keep-alive comment (0 = none).
         self.keepalive = ctx.settings.sse_keepalive if req.stream else 0.0
         #: Set once a slow-client cut-off started by the watchdog is done.
         self.cutting_off: anyio.Event | None = None
         #: Counts the seconds between two token events (the ITL metric).
         self.gap = ctx.recorder.inter_token_latency(st.format)
-        #: The server's reset of the client's connection (the scope extension
-        #: :data:`asgi_generate.request.watchdog.CONNECTION_RESET`), or ``None``.
-        self.reset: Callable[[], None] | None = None
+        self.reset = reset
+        #: Each item's share of the answer, for a request with items.
+        self.items = items
 
     async def _write(self, message: dict) -> None:
         """Hand ``message`` to the server. A client is only ever owed the
         events of one worker read (at most 64 KiB of worker bytes);
         :meth:`guard` cuts off a client that leaves a write untaken too
         long."""
+        if self.items is None:
+            await self._write_now(message)
+            return
+        async with self.items.write_lock:  # legs run at once share the client
+            await self._write_now(message)
+
+    async def _write_now(self, message: dict) -> None:
         self.in_send = True
         self.send_started = time.monotonic()
         try:
@@ -167,7 +218,7 @@ class ClientStream:
         if event.finish_reason is not None:
             st.finish_reason = event.finish_reason
             st.finish_matched = event.matched
-            # A batch's finish is its leg's: each item's own is judged in its record (item_state).
+            # A batch's finish is its leg's: each item's own is decided in its record (item_state).
             if event.finish_reason == state.ABORT and event.entries is None:
                 state.engine_abort(st)
             return True
@@ -175,23 +226,31 @@ class ClientStream:
 
     def _queue(self, event: Event) -> None:
         """A streamed event's bytes into the outbox (sent by :meth:`flush`)."""
-        data = self.ex.client_event(event)
+        data = self.codec_state.client_event(event)
         if data is not None:
             self.outbox.extend(sse_parts(data))
         self.outbox_tokens += len(event.token_ids)
 
-    def _queued(self, event: Event) -> bool:
-        """Take a running stream's event that does not end it with no await
-        (O(1), the common case); ``False``: :meth:`_deliver` must take it."""
+    def queue_without_await(self, event: Event) -> bool:
+        """Count and queue a running stream's event that does not end it,
+        with no await (O(1), the common case); ``False``: :meth:`deliver`
+        must write it. Every event of a request with items goes through
+        :meth:`deliver` (its items' tallies)."""
         if not self.st.response_started or not self.req.stream or event.error is not None \
-                or event.finish_reason is not None:
+                or event.finish_reason is not None or self.items is not None:
             return False
         self._count(event)
         self._queue(event)
         return True
 
-    async def _deliver(self, event: Event) -> None:
+    async def deliver(self, event: Event) -> None:
+        """Count ``event`` and write it: a stream starts with its first
+        event; its last one (a finish or an error) ends the answer, as does
+        a unary answer's one event."""
         st = self.st
+        items = self.items
+        if items is not None:
+            items.tally(event, self.timed, self.gap, self.req.stream)
         done = self._count(event)
         if self.req.stream:
             if not st.response_started:
@@ -206,7 +265,7 @@ class ClientStream:
         else:
             self.pending += len(event.token_ids)
             if done:
-                status, body = self.ex.unary_body()
+                status, body = self.codec_state.unary_body()
                 if st.http_status is None:
                     st.http_status = status
                 await self._unary(status, body)
@@ -214,6 +273,9 @@ class ClientStream:
                     st.output_tokens = self.pending
         if done:
             state.finish_ok(st)
+        if items is not None and not self.req.stream and st.response_complete and not self.gone \
+                and st.http_status == 200:
+            items.credit_unary()
 
     async def flush(self, more: bool = True) -> None:
         """Send every event decoded from one worker read in one write; count
@@ -223,9 +285,37 @@ class ClientStream:
         tokens = self.outbox_tokens
         self.outbox.clear()
         self.outbox_tokens = 0
+        items = self.items
+        queued = items.take_queued() if items is not None else None
         await self._send(body, more)
         if not self.gone:
             self.st.output_tokens += tokens
+            if queued is not None:
+                items.credit(queued)
+
+    async def answer_worker_error(self, status: int, body: bytes, retry_after: bytes | None = None) -> None:
+        """Answer the client with a worker's own non-200 answer (``status``,
+        ``body``), as the codec renders it (:meth:`Exchange.worker_error`),
+        with the worker's ``Retry-After`` when it sent one (an engine that
+        is full says when to come back; the client's answer says it too)."""
+        if self.items is not None:
+            self.items.refused = True  # the engine refused the request as a whole
+        status, body = self.codec_state.worker_error(status, body)
+        state.fail(self.st, "engine_error" if status >= 500 else "rejected", status, "engine",
+                   body[:512].decode("utf-8", "replace"))
+        await self._unary(status, body, () if retry_after is None else ((b"retry-after", retry_after),))
+
+    async def refuse(self, exc: RequestError) -> None:
+        """Answer a request the codec refused while building a worker
+        request (nothing reached an engine), in-band if the format says so."""
+        # Nothing to replay; and a prompt too long for the model may be
+        # millions of ids, which the record must not keep alive.
+        self.st.input_ids = None
+        self.st.replay_excluded = "rejected"
+        if exc.in_band and not self.st.response_started:
+            await send_in_band_error(self.codec, self._write, self.st, exc)
+        else:
+            await self.fail(exc, "rejected")
 
     async def fail(self, err: RequestError, status: str, cut: bool = False, headers: Headers = ()) -> None:
         """End the response with ``err``: its own status before the 200
@@ -349,46 +439,3 @@ class ClientStream:
         finally:
             if self.cutting_off is not None:
                 self.cutting_off.set()
-
-
-
-async def abort_live_legs(ctx: "RequestContext", st: RequestState) -> None:
-    """Abort every engine leg of ``st`` that may still run, concurrently,
-    recording on each attempt whether the engine acknowledged."""
-    live = [a for a in st.attempts if a.live]
-    if len(live) == 1:  # the common case needs no task group
-        await _abort_leg(ctx, live[0])
-        return
-    if not live:
-        return
-    async with anyio.create_task_group() as tg:
-        for attempt in live:
-            tg.start_soon(_abort_leg, ctx, attempt)
-
-
-async def _abort_leg(ctx: "RequestContext", attempt: Attempt) -> None:
-    attempt.live = False
-    if attempt.entry_ids is not None:  # a batch leg: each unfinished item by its own id
-        await _abort_entries(ctx, attempt)
-        return
-    # A worker marked down (dead, or given up by its probe) gets no abort:
-    # the queue answers "lost" at once, so the record is not held up.
-    result = await ctx.abort_engine_request(attempt.worker, attempt.engine_id)
-    attempt.abort_acked = result == ACKED
-    state.abort_answered(attempt, result == LOST)
-
-
-async def _abort_entries(ctx: "RequestContext", attempt: Attempt) -> None:
-    acked: dict[int, bool] = {}
-    results: dict[int, str] = {}
-
-    async def one(j: int) -> None:
-        results[j] = await ctx.abort_engine_request(attempt.worker, attempt.entry_ids[j])
-        acked[j] = results[j] == ACKED
-
-    async with anyio.create_task_group() as tg:
-        for j in sorted(attempt.unfinished or ()):
-            tg.start_soon(one, j)
-    attempt.entry_acked = acked
-    attempt.abort_acked = all(acked.values())
-    state.abort_answered(attempt, LOST in results.values())
