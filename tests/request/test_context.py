@@ -107,7 +107,7 @@ def test_the_request_modules_import_without_the_server_or_ops():
             "asgi_generate.request.batches; "
             "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('asgi_generate.')}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.split() == ["['config',", "'hashes',", "'protocols',", "'request',", "'sdk',", "'tracing',",
+    assert out.stdout.split() == ["['config',", "'exceptions',", "'hashes',", "'protocols',", "'request',", "'sdk',", "'tracing',",
                                   "'worker_specs',", "'workers']"]
 
 
