@@ -35,7 +35,7 @@ MOVE_EVERY = 1_000
 
 def _state():
     from asgi_generate.tracing.state import RequestState
-    from asgi_generate.request.leg_record import LegRecord as Attempt
+    from asgi_generate.tracing.state import LegRecord as Attempt
 
     st = RequestState("0" * 32, "sglang", "/generate", "POST")
     st.status, st.http_status, st.stream = "ok", 200, True
@@ -102,7 +102,7 @@ def metrics_us() -> tuple[float, float, float, float]:
 
 def otel_us() -> tuple[float, float]:
     """(stamp with OTel on, the check with it off)."""
-    from asgi_generate.request.leg_record import LegRecord as Attempt
+    from asgi_generate.tracing.state import LegRecord as Attempt
     from asgi_generate.sdk.codec import WorkerRequest
     from asgi_generate.config import Settings
     from asgi_generate.tracing.otlp import Otlp

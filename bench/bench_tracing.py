@@ -56,7 +56,7 @@ from support import Proc, start_frontend, start_sim  # noqa: E402
 
 from asgi_generate.tracing.state import RequestState  # noqa: E402
 from asgi_generate.assets import TOKENIZER_PATH  # noqa: E402
-from asgi_generate.request.leg_record import LegRecord as Attempt  # noqa: E402
+from asgi_generate.tracing.state import LegRecord as Attempt  # noqa: E402
 from asgi_generate.tracing.analysis import OutputAnalyzer  # noqa: E402
 from asgi_generate.tracing.record import build_record  # noqa: E402
 from asgi_generate.tracing.sinks import JsonlFileSink  # noqa: E402

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from . import state
-from .leg_record import LegRecord
+from ..tracing.state import LegRecord
 from ..tracing.state import RequestState
 from ..workers.aborts import ACKED, LOST
 

@@ -49,7 +49,7 @@ from ..protocols import PROTOCOLS
 from ..sdk import ids
 from . import state
 from ..sdk.codec import LEG_DONE, BatchItem, Event, RequestError
-from .leg_record import LegRecord
+from ..tracing.state import LegRecord
 from ..tracing.state import RequestState
 
 if TYPE_CHECKING:

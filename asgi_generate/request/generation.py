@@ -40,11 +40,10 @@ from .aborts import abort_live_legs
 from .answer import AnswerWriter
 from .budget import Lease
 from ..sdk.codec import Codec, Event, Exchange, GenerateRequest, RequestError, WorkerRequest
-from .leg_record import LegRecord
 from .framing import Send
 from .handshakes import handshake
 from .legs import Leg, LegEnd
-from ..tracing.state import RequestState
+from ..tracing.state import LegRecord, RequestState
 from ..workers.http import WorkerError
 from ..workers.router import Worker
 

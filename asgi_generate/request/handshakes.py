@@ -49,7 +49,7 @@ import anyio
 
 from ..sdk import ids
 from ..sdk.codec import NO_KV_TRANSFER, Event, Pair, RequestError
-from .leg_record import LegRecord
+from ..tracing.state import LegRecord
 from ..workers.http import WorkerError
 from . import state
 from .legs import Leg, LegEnd

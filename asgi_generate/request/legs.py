@@ -30,7 +30,7 @@ from .framing import SSEDecoder
 if TYPE_CHECKING:
     from ..config import Settings
     from ..sdk.codec import Event, WorkerRequest
-    from .leg_record import LegRecord
+    from ..tracing.state import LegRecord
     from ..workers.router import Router, Worker
     from ..tracing.state import RequestState
 

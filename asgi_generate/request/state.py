@@ -13,7 +13,7 @@ A request (:class:`~asgi_generate.tracing.state.RequestState`) runs with
   :data:`REQUEST_TRANSITIONS` allows: the client leaving before its answer
   was complete, a slow client cut off, the shutdown grace running out.
 
-An attempt (:class:`~asgi_generate.request.leg_record.LegRecord`) runs with
+An attempt (:class:`~asgi_generate.tracing.state.LegRecord`) runs with
 ``outcome`` ``None``: :func:`end_leg` records how its leg ended, as
 :data:`LEG_TRANSITIONS` allows; :func:`abort_answered` records the abort's
 answer unless the leg's end is known already.
@@ -39,9 +39,8 @@ import logging
 import warnings
 from dataclasses import dataclass
 
-from .leg_record import LegRecord
 from ..tracing.schema import ATTEMPT_OUTCOMES, STATUSES
-from ..tracing.state import RequestState
+from ..tracing.state import LegRecord, RequestState
 
 log = logging.getLogger("asgi_generate.request.state")
 

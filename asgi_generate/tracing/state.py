@@ -13,10 +13,49 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-from ..sdk.codec import Attempt
+from ..sdk.codec import Attempt, Usage
 from .tracecontext import TraceContext
+
+
+@dataclass(slots=True)
+class LegRecord(Attempt):
+    """One engine leg of a request, as the handler keeps it: the SDK's
+    :class:`~asgi_generate.sdk.codec.Attempt` (what the leg's codec reads)
+    and the handler's bookkeeping beside it. The request package's state
+    machine (:mod:`asgi_generate.request.state`) changes its ``outcome``.
+
+    Attributes:
+        worker: the router's worker object the leg runs on.
+        live: the engine may be running this leg.
+        outcome: how the leg ended: ``finished``, ``aborted``, ``error``,
+            ``connect_failed``, ``worker_lost``, ``timeout``; ``None`` while
+            it runs.
+        abort_acked: the engine acknowledged an abort of this leg.
+        tokens: output tokens this leg contributed to the client's answer.
+        span_id: with OpenTelemetry export on, the leg's span id (sent to
+            the engine in its ``traceparent``), else 0; ``t_sent``/``t_ended``
+            the leg's start and end (``time.monotonic()``), then only.
+        unfinished: batch legs: the carried items not finished yet.
+        entry_acked: batch legs: item index -> whether the engine
+            acknowledged its abort.
+        usage: the counts the leg's engine reported with the end of its
+            answer (:meth:`Event.reported`), for the record; ``None`` when
+            none came.
+    """
+
+    worker: Any = None
+    live: bool = False
+    outcome: str | None = None
+    abort_acked: bool | None = None
+    tokens: int = 0
+    span_id: int = 0
+    t_sent: float | None = None
+    t_ended: float | None = None
+    unfinished: set[int] | None = None
+    entry_acked: dict[int, bool] | None = None
+    usage: Usage | None = None
 
 
 @dataclass(slots=True)
@@ -61,7 +100,7 @@ class RequestState:
     t_first_token: float | None = None
     t_last_token: float | None = None
     t_done: float | None = None
-    attempts: list[Attempt] = field(default_factory=list)
+    attempts: "list[LegRecord]" = field(default_factory=list)
     migrations: int = 0
     #: Times the stream was held across a fleet pause and resumed.
     pause_resumes: int = 0

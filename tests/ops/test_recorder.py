@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from asgi_generate.config import Settings
 from asgi_generate.ops.recorder import Recorder
-from asgi_generate.request.leg_record import LegRecord as Attempt
+from asgi_generate.tracing.state import LegRecord as Attempt
 from asgi_generate.tracing.state import RequestState
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from asgi_generate.request.answer import AnswerWriter, send_in_band_error
 from asgi_generate.request.framing import KEEPALIVE, SSE_HEADERS
-from asgi_generate.request.leg_record import LegRecord
+from asgi_generate.tracing.state import LegRecord
 from asgi_generate.sdk.codec import RequestError
 from asgi_generate.tracing.state import RequestState
 from asgi_generate_sglang import SGLangCodec

@@ -17,7 +17,7 @@ from asgi_generate.tracing.state import RequestState
 from asgi_generate.request.handshakes import AGGREGATED, CONCURRENT_PAIR, PAIRS, SEQUENTIAL_PAIR, handshake
 from asgi_generate.request.legs import Leg, LegEnd
 from asgi_generate.sdk import ids
-from asgi_generate.request.leg_record import LegRecord
+from asgi_generate.tracing.state import LegRecord
 from asgi_generate.exceptions import ConnectFailed, TimedOut, WorkerDisconnected
 from asgi_generate.protocols import PROTOCOLS
 from asgi_generate.workers.router import Worker

@@ -16,7 +16,7 @@ from asgi_generate.request.state import (
     CUTS, ITEM_ENDING, ITEM_FIELDS, LEG_TRANSITIONS, MOVE_TRANSITIONS, REQUEST_ONLY, REQUEST_TRANSITIONS,
     IllegalTransition, Moves,
 )
-from asgi_generate.request.leg_record import LegRecord
+from asgi_generate.tracing.state import LegRecord
 from asgi_generate.tracing.schema import ATTEMPT_OUTCOMES, STATUSES
 from asgi_generate.tracing.state import RequestState
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from asgi_generate.tracing.state import RequestState
 from asgi_generate.assets import TOKENIZER_PATH
 from asgi_generate.request.state import fail
-from asgi_generate.request.leg_record import LegRecord as Attempt
+from asgi_generate.tracing.state import LegRecord as Attempt
 from asgi_generate.tracing.analysis import OutputAnalyzer
 from asgi_generate.tracing.hashing import block_hashes
 from asgi_generate.tracing.record import _ms, build_record, session_fields
