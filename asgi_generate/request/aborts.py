@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from . import state
-from ..tracing.state import LegRecord
-from ..tracing.state import RequestState
+from ..tracing.state import LegRecord, RequestState
 from ..workers.aborts import ACKED, LOST
 
 if TYPE_CHECKING:

@@ -49,8 +49,7 @@ from ..protocols import PROTOCOLS
 from ..sdk import ids
 from . import state
 from ..sdk.codec import LEG_DONE, BatchItem, Event, RequestError
-from ..tracing.state import LegRecord
-from ..tracing.state import RequestState
+from ..tracing.state import LegRecord, RequestState
 
 if TYPE_CHECKING:
     from ..sdk.codec import Codec, Exchange, GenerateRequest, WorkerRequest

@@ -44,7 +44,7 @@ from .framing import Send
 from .handshakes import handshake
 from .legs import Leg, LegEnd
 from ..tracing.state import LegRecord, RequestState
-from ..workers.http import WorkerError
+from ..exceptions import WorkerError
 from ..workers.router import Worker
 
 if TYPE_CHECKING:

@@ -34,7 +34,8 @@ from .aborts import abort_live_legs
 from .answer import finish_record, send_in_band_error
 from ..sdk.codec import Codec, GenerateRequest, RequestError
 from ..tracing.state import RequestState
-from .framing import BodyTimeout, BodyTooLarge, ClientDisconnected, Receive, Send, read_body, send_unary
+from ..exceptions import BodyTimeout, BodyTooLarge, ClientDisconnected
+from .framing import Receive, Send, read_body, send_unary
 from .batches import Batch
 from .generation import Generation
 from .watchdog import CONNECTION_RESET, DISCONNECT_WATCH, RECEIVE_NOWAIT

@@ -50,7 +50,7 @@ import anyio
 from ..sdk import ids
 from ..sdk.codec import NO_KV_TRANSFER, Event, Pair, RequestError
 from ..tracing.state import LegRecord
-from ..workers.http import WorkerError
+from ..exceptions import WorkerError
 from . import state
 from .legs import Leg, LegEnd
 

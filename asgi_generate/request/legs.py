@@ -24,15 +24,14 @@ import anyio
 
 from ..sdk.codec import RequestError
 from . import state
-from ..workers.http import ConnectFailed, TimedOut, Unanswered, WorkerError
+from ..exceptions import ConnectFailed, TimedOut, Unanswered, WorkerError
 from .framing import SSEDecoder
 
 if TYPE_CHECKING:
     from ..config import Settings
     from ..sdk.codec import Event, WorkerRequest
-    from ..tracing.state import LegRecord
     from ..workers.router import Router, Worker
-    from ..tracing.state import RequestState
+    from ..tracing.state import LegRecord, RequestState
 
 #: The SSE payload that ends an engine's stream (both engines send it).
 DONE = b"[DONE]"
