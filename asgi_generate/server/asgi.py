@@ -26,6 +26,7 @@ import sys
 from .hypercorn import patches as hypercorn_patches
 from .app import App
 from ..config import Settings
+from ..protocols import EngineLoadError
 from ..sdk.registry import CodecLoadError
 
 
@@ -46,7 +47,7 @@ def _app() -> App:
         hypercorn_patches.install(send_errors=App.handles_send_errors,
                                   header_read_timeout=settings.header_read_timeout)
         return App(settings)
-    except (ValueError, CodecLoadError) as exc:  # TraceSetupError is a ValueError
+    except (ValueError, CodecLoadError, EngineLoadError) as exc:  # TraceSetupError is a ValueError
         for line in str(exc).splitlines():
             print(f"asgi-generate: {line}", file=sys.stderr)
         raise SystemExit(2) from None

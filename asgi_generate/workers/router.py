@@ -39,7 +39,7 @@ import re
 import ssl
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
 import anyio
 import orjson
@@ -51,8 +51,6 @@ from ..protocols import PROTOCOLS, WorkerProtocol, read_model_card
 
 log = logging.getLogger("asgi_generate.router")
 ROLES = ("aggregated", "prefill", "decode")
-#: SGLang's ``--disaggregation-bootstrap-port`` default.
-DEFAULT_BOOTSTRAP_PORT = 8998
 #: The request header asking for workers at this weight version or later.
 MIN_VERSION_HEADER = b"asgi-generate-min-weight-version"
 
@@ -109,7 +107,8 @@ class Worker:
             its engine version when it reported one.
         last_error: why it was last marked down.
         role: ``aggregated``, ``prefill`` or ``decode``.
-        bootstrap_port: an SGLang prefill worker's bootstrap port, else ``None``.
+        bootstrap_port: a prefill worker's join port (SGLang's bootstrap port),
+            for an engine whose pairs join by one, else ``None``.
         draining: left the fleet: gets no new requests, its in-flight ones
             finish (:meth:`Router.drain`).
         fence: why it is fenced (it failed a weight update), else ``None``.
@@ -175,24 +174,13 @@ class Worker:
         }
 
 
-def split_worker_url(url: str, role: str, protocol: str = "sglang") -> tuple[str, int | None]:
-    """A configured worker URL's base URL and bootstrap port: an SGLang
-    prefill worker's ``?bootstrap_port=B``, else :data:`DEFAULT_BOOTSTRAP_PORT`
-    for an SGLang prefill worker and ``None`` for the others."""
-    base, _, query = url.partition("?")
-    if role != "prefill" or protocol != "sglang":
-        return base.rstrip("/"), None
-    port = dict(parse_qsl(query)).get("bootstrap_port")
-    return base.rstrip("/"), int(port) if port else DEFAULT_BOOTSTRAP_PORT
-
-
 class Router:
     """Picks workers and tracks their health.
 
     Args:
         specs: ``(protocol, url)`` pairs of aggregated workers.
         prefill, decode: ``(protocol, url)`` pairs of P/D workers (a prefill
-            URL may carry ``?bootstrap_port=B``).
+            URL may carry its join port, SGLang's ``?bootstrap_port=B``).
         disaggregation: ``auto`` (pairs when the protocol has a healthy
             prefill and decode worker, else aggregated), ``always`` (pairs
             only) or ``never`` (aggregated only).
@@ -249,7 +237,8 @@ class Router:
         Raises:
             KeyError: ``protocol`` is unknown.
         """
-        base, bootstrap_port = split_worker_url(url, role, protocol)
+        engine = PROTOCOLS[protocol]
+        base, bootstrap_port = engine.split_url(url, role)
         parts = urlsplit(base)
         tls = None
         if parts.scheme == "https":
@@ -259,7 +248,7 @@ class Router:
         pool = ConnectionPool(parts.hostname, parts.port, connect_timeout=self.connect_timeout, ssl_context=tls)
         probe_pool = ConnectionPool(parts.hostname, parts.port, connect_timeout=self.connect_timeout, max_idle=1,
                                     ssl_context=tls)
-        worker = Worker(f"w{next(self._ids)}", PROTOCOLS[protocol], base, pool, probe_pool, role, bootstrap_port)
+        worker = Worker(f"w{next(self._ids)}", engine, base, pool, probe_pool, role, bootstrap_port)
         self.workers.append(worker)
         self._join_group(worker)
         return worker
