@@ -112,6 +112,18 @@ class WorkerProtocol:
             waiting, prompt tokens waiting uncached)``.
 
             Raises ValueError for a body not of the route's shape.
+        weight_loads: the weight routes that change the weights or their
+            version: ``(path, the body field naming the new version or
+            None, whether the call loads weights too)`` (the version fence,
+            :mod:`asgi_generate.workers.fence`; :meth:`weight_load`).
+        cache_resets: admin routes that empty the engine's prefix cache
+            (the routing policy forgets what it knew of it).
+        resumes: admin routes that end a pause
+            (:mod:`asgi_generate.workers.pauses`).
+        aborting_pause: whether an admin call is a pause that aborts running
+            requests: ``aborting_pause(path, query, body)`` with the query
+            parameters and the body as parsed JSON (a callable, read only
+            when needed); ``None``: the engine has no such pause.
     """
 
     name: str
@@ -144,6 +156,10 @@ class WorkerProtocol:
     replay_progress: "Callable[[dict, int], tuple[int, bool]] | None" = None
     load_path: bytes | None = None
     load_reader: "Callable[[bytes], tuple[int, int]] | None" = None
+    weight_loads: tuple[tuple[str, str | None, bool], ...] = ()
+    cache_resets: tuple[str, ...] = ()
+    resumes: tuple[str, ...] = ()
+    aborting_pause: "Callable[[str, Mapping[str, str], Callable[[], object]], bool] | None" = None
 
     def read_info(self, obj: object) -> dict:
         """Normalise the info route's JSON, with the context length in tokens
@@ -170,6 +186,15 @@ class WorkerProtocol:
             return orjson.dumps({self.abort_field: named})
         (engine_id,) = named
         return orjson.dumps({self.abort_field: engine_id})
+
+    def weight_load(self, path: str) -> tuple[str | None, bool] | None:
+        """What a call of weight route ``path`` changes (see
+        :attr:`weight_loads`), ``None`` when it changes neither the weights
+        nor their version."""
+        for route, version_field, loads in self.weight_loads:
+            if route == path:
+                return version_field, loads
+        return None
 
     def split_url(self, url: str, role: str) -> tuple[str, int | None]:
         """A configured worker URL's base URL and join port: a prefill

@@ -75,24 +75,13 @@ def paths() -> frozenset[str]:
                       *(path for engine in PROTOCOLS.values() for path, _ in engine.admin_routes), *weights.paths()})
 
 
-#: Admin routes that empty the engines' prefix caches.
-CACHE_RESETS = ("/flush_cache", "/reset_prefix_cache")
-#: Admin routes that end a pause (:mod:`asgi_generate.workers.pauses`).
-RESUMES = ("/continue_generation", "/resume")
-
-
-def _aborting_pause(request: Request, body: bytes) -> bool:
-    """Whether the call is a pause that aborts running requests: SGLang
-    ``/pause_generation`` with ``mode`` ``abort`` (the default,
-    ``PauseGenerationReqInput``), vLLM ``/pause`` with ``mode=abort`` (the
-    default, ``rl/online/api_router.py`` ``pause_generation``)."""
-    path = request.url.path
-    if path == "/pause":
-        return request.query_params.get("mode", "abort") == "abort"
-    if path == "/pause_generation":
-        obj = parsed(body) if body.strip() else {}
-        return isinstance(obj, dict) and obj.get("mode", "abort") == "abort"
-    return False
+def _aborting_pause(protocol: str, request: Request, body: bytes) -> bool:
+    """Whether the call is a pause that aborts running requests, as
+    ``protocol``'s description says (SGLang ``/pause_generation`` with
+    ``mode`` ``abort``, vLLM ``/pause`` with ``mode=abort``)."""
+    says = PROTOCOLS[protocol].aborting_pause
+    return says is not None and says(request.url.path, request.query_params,
+                                     lambda: parsed(body) if body.strip() else {})
 
 
 def build(ctx: AdminContext) -> Router:
@@ -114,12 +103,13 @@ def _fan_out(ctx: AdminContext, protocol: str) -> Endpoint:
         if isinstance(body, Response):
             return body
         pauses, path = ctx.router.pauses, request.url.path
-        if _aborting_pause(request, body):
+        engine = PROTOCOLS[protocol]
+        if _aborting_pause(protocol, request, body):
             pauses.begin(protocol)  # before the engines abort: their aborts are the pause's
         response, answers = await to_every_worker(ctx, protocol, request, body)
-        if path in RESUMES:
+        if path in engine.resumes:
             pauses.end(protocol)
-        if path in CACHE_RESETS:
+        if path in engine.cache_resets:
             for a in answers:
                 if a.status == 200:  # that engine's prefix cache is empty now
                     ctx.router.policy.forget(a.worker)

@@ -46,7 +46,8 @@ SGLang. The 200 answer is the first worker's plus ``world_size`` and
 list gives each worker's ``rank_offset`` and ``ranks`` with its result.
 
 The version fence (:mod:`asgi_generate.workers.router`). A route that loads
-weights or sets their version (:data:`LOADS`) tells the router which workers
+weights or sets their version (each engine's ``weight_loads``, and
+:data:`LOADS`) tells the router which workers
 now serve which version; called on the whole fleet, its version becomes the
 fleet's, and every worker that did not answer 200 is fenced out of the
 rotation, unless every worker refused the call with a 4xx (a bad body: no
@@ -73,18 +74,10 @@ from ..workers.router import Worker
 from .fanout import (JSON, WORKER_HEADER, AdminContext, Answer, Endpoint, body_of, call_each, chosen, error, failed,
                      guarded, none_up, parsed, skipped_header, to_every_worker)
 
-#: Routes that change the weights or their version: path to the body field
-#: naming the new version and whether the call loads weights too
-#: (:meth:`~asgi_generate.workers.router.Router.weights_loaded`).
-LOADS = {
-    "/update_weights_from_distributed": ("weight_version", True),
-    "/update_weights_from_tensor": ("weight_version", True),
-    "/update_weights_from_ipc": ("weight_version", True),
-    "/update_weights_from_disk": ("weight_version", True),
-    "/update_weights": (None, True),
-    "/finish_weight_update": ("weight_version", False),
-    "/update_weight_version": ("new_version", False),
-}
+#: The frontend's own route that sets the weight version, on every engine:
+#: the body field naming it, and no weights loaded (the engines' own weight
+#: routes are their descriptions' ``weight_loads``).
+LOADS = {"/update_weight_version": ("new_version", False)}
 
 
 @cache
@@ -126,7 +119,8 @@ async def _to_fleet(ctx: AdminContext, protocol: str, request: Request, body: by
     """The call to every worker of ``protocol`` (or the named one); when
     it changes weights, the router told who loaded what and who failed."""
     response, answers = await to_every_worker(ctx, protocol, request, body, ctx.settings.weight_update_timeout)
-    load = LOADS.get(request.url.path)
+    path = request.url.path
+    load = LOADS.get(path) or PROTOCOLS[protocol].weight_load(path)
     if load is not None and answers:
         field, with_weights = load
         obj = parsed(body) if body.strip() else {}

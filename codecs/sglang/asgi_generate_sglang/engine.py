@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import orjson
 
+from typing import Callable, Mapping
+
 from asgi_generate.protocols import WorkerProtocol, positive_int
 
 
@@ -63,6 +65,15 @@ def read_loads(body: bytes) -> tuple[int, int]:
         raise ValueError(f"/v1/loads entry without its counts: {exc!r}") from None
 
 
+def aborting_pause(path: str, query: "Mapping[str, str]", body: "Callable[[], object]") -> bool:
+    """``/pause_generation`` with ``mode`` ``abort`` (the default,
+    ``PauseGenerationReqInput``) aborts running requests."""
+    if path != "/pause_generation":
+        return False
+    obj = body()
+    return isinstance(obj, dict) and obj.get("mode", "abort") == "abort"
+
+
 ENGINE = WorkerProtocol(
     "sglang", b"/health", b"/get_server_info", b"/abort_request", read_server_info, "rid", pd="concurrent",
     pair_join=bootstrap, models_path=b"/v1/models", weight_version_path=b"/get_model_info",
@@ -99,4 +110,13 @@ ENGINE = WorkerProtocol(
     replay_progress=replay_progress,
     load_path=b"/v1/loads?include=core",
     load_reader=read_loads,
+    weight_loads=(
+        ("/update_weights_from_distributed", "weight_version", True),
+        ("/update_weights_from_tensor", "weight_version", True),
+        ("/update_weights_from_ipc", "weight_version", True),
+        ("/update_weights_from_disk", "weight_version", True),
+    ),
+    cache_resets=("/flush_cache",),
+    resumes=("/continue_generation",),
+    aborting_pause=aborting_pause,
 )

@@ -11,6 +11,8 @@ Routes from ``vllm/entrypoints/openai/api_server.py`` (``health``,
 
 from __future__ import annotations
 
+from typing import Callable, Mapping
+
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -66,6 +68,12 @@ def read_metrics(body: bytes) -> tuple[int, int]:
     return int(total), 0
 
 
+def aborting_pause(path: str, query: "Mapping[str, str]", body: "Callable[[], object]") -> bool:
+    """``/pause`` with ``mode=abort`` (the default, ``rl/online/api_router.py``
+    ``pause_generation``) aborts running requests."""
+    return path == "/pause" and query.get("mode", "abort") == "abort"
+
+
 ENGINE = WorkerProtocol(
     "vllm", b"/health", b"/v1/models", b"/abort_requests", read_model_card, "request_ids", abort_takes_list=True,
     engine_id_prefix="generate-tokens-", version_path=b"/version", pd="sequential",
@@ -97,4 +105,8 @@ ENGINE = WorkerProtocol(
     replay_progress=replay_progress,
     load_path=b"/metrics",
     load_reader=read_metrics,
+    weight_loads=(("/update_weights", None, True), ("/finish_weight_update", "weight_version", False)),
+    cache_resets=("/reset_prefix_cache",),
+    resumes=("/resume",),
+    aborting_pause=aborting_pause,
 )
