@@ -36,7 +36,7 @@ from typing import Iterable, Sequence
 
 import orjson
 
-from ...protocols import PROTOCOLS
+from ...protocols import PROTOCOLS, EngineLoadError
 from ..schema import schema_json
 from .rows import mooncake_rows, percentile
 from .validate import check_records, read_jsonl
@@ -119,7 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     ):
         sub.add_parser(name, help=help_).add_argument("files", nargs="+", metavar="FILE")
     sub.add_parser("schema", help="print the record JSON Schema")
-    _replay_parser(sub)
+    try:  # --format's choices are the installed engines'
+        _replay_parser(sub)
+    except EngineLoadError as exc:
+        for line in str(exc).splitlines():
+            print(f"asgi-generate-trace: {line}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if args.command == "schema":
         sys.stdout.buffer.write(schema_json())
