@@ -14,8 +14,8 @@ from __future__ import annotations
 
 __all__ = [
     "BodyTimeout", "BodyTooLarge", "ClientDisconnected", "ClientGone", "CodecLoadError", "ConnectFailed",
-    "MetricsSetupError", "ParserError", "ReportUnavailable", "TimedOut", "TokenIdOutOfRange", "TraceSetupError", "Unanswered",
-    "WorkerDisconnected", "WorkerError",
+    "EngineLoadError", "MetricsSetupError", "ParserError", "ReportUnavailable", "TimedOut",
+    "TokenIdOutOfRange", "TraceSetupError", "Unanswered", "WorkerDisconnected", "WorkerError",
 ]
 
 
@@ -92,6 +92,11 @@ class CodecLoadError(Exception):
 class TokenIdOutOfRange(ValueError):
     """A token id does not fit an unsigned 32-bit integer (the replay hash
     chain's input, tracing/hashing.py)."""
+
+
+class EngineLoadError(Exception):
+    """The installed engine descriptions cannot be used: one failed to
+    load, or two claim one name; the message has one line per problem."""
 
 
 class ParserError(ValueError):

@@ -1,31 +1,49 @@
-"""Worker protocols: how the frontend talks to an engine besides generating.
+"""Engine descriptions: how the frontend talks to an engine besides generating.
 
-Each engine's native API has its own health, info and abort routes: SGLang's
-``python/sglang/srt/entrypoints/http_server.py`` (``health``,
-``get_server_info``, ``abort_request``: ``{"rid"}``, 200 with an empty body);
-vLLM's ``vllm/entrypoints/openai/api_server.py`` (``health``,
-``show_available_models``, ``show_version``) and, on a ``--tokens-only``
-server, ``vllm/entrypoints/serve/disagg/api_router.py`` (``abort_requests``:
-``{"request_ids"}`` with the engine's prefixed ids). Codecs name the protocol
-they ride on; the handler uses this table to abort and the router to probe.
-Pure data at the bottom of the package: the settings check worker specs
-against it (:mod:`asgi_generate.worker_specs`).
+Each engine's native API has its own health, info and abort routes, its own
+P/D handshake, admin and weight routes. A :class:`WorkerProtocol` holds all
+of that as data; each engine's description is registered through the
+``asgi_generate.engines`` entry point group, as codecs are through
+``asgi_generate.codecs``::
+
+    [options.entry_points]
+    asgi_generate.engines =
+        myengine = my_package.engine:ENGINE
+
+The entry point names a :class:`WorkerProtocol` (or a zero-argument
+factory returning one) carrying the entry point's name. SGLang's and
+vLLM's descriptions live in their codec distributions. :data:`PROTOCOLS`,
+the descriptions by name, loads the group on first use; an entry point that
+fails to load, gives something else, or claims a name another one claims is
+reported by name (:class:`EngineLoadError`). Codecs name the engine they
+ride on; the handler uses its description to abort and pair legs, the
+router to probe. Pure data at the bottom of the package: the settings check
+worker specs against it (:mod:`asgi_generate.worker_specs`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from importlib.metadata import entry_points
+from typing import Any, Callable, Iterator, Mapping
+from urllib.parse import parse_qsl
 
 import orjson
+
+from .exceptions import EngineLoadError
+
+GROUP = "asgi_generate.engines"
+#: A fanned-out route: path and the HTTP methods it takes.
+RouteSpec = tuple[str, tuple[str, ...]]
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerProtocol:
-    """One engine protocol's control routes, as data.
+    """One engine's description, as data.
 
     Attributes:
-        name: ``sglang`` or ``vllm``.
+        name: the engine's name (its entry point's), as worker specs and
+            codecs name it.
         health_path: GET, 200 when the engine serves.
         info_path: GET, JSON server info (see :meth:`read_info`).
         abort_path: POST route that aborts requests by id.
@@ -45,9 +63,10 @@ class WorkerProtocol:
             fields) or ``sequential`` (the prefill leg's answer carried by
             the decode leg); ``None``: no P/D.
         pair_join: a ``concurrent`` pair's join fields, which both legs'
-            bodies carry: ``pair_join(host, bootstrap_port, rooms)`` with the
-            prefill worker's host (IPv6 in brackets), its bootstrap port and
-            the room minted per pair (a list, one per entry, for a batch).
+            bodies carry: ``pair_join(host, join_port, rooms)`` with the
+            prefill worker's host (IPv6 in brackets), its join port
+            (:attr:`join_query`) and the room minted per pair (a list, one
+            per entry, for a batch).
         pd_items_refusal: why a request of several items (a batch, ``n`` >
             1) cannot run on this protocol's pairs, the client's 400;
             ``None``: it can.
@@ -56,6 +75,57 @@ class WorkerProtocol:
         weight_version_path: GET, ``{"weight_version": ...}``: the weights
             the engine serves (SGLang ``get_model_info``, vLLM
             ``rl/online/api_router.py`` ``weight_info``).
+        join_query: the URL query parameter naming a prefill worker's join
+            port (SGLang's ``bootstrap_port``): a prefill worker's URL may
+            end ``?NAME=PORT``; ``None``: no worker URL takes a query.
+        default_join_port: a prefill worker's join port when its URL names
+            none (SGLang's ``--disaggregation-bootstrap-port`` default).
+        join_port_info_field: the server info field in which a prefill
+            worker reports the join port it took (the embedded simulators
+            take a free one).
+        simulated: the simulator (``asgi-generate sim --protocol NAME``)
+            speaks this engine, so ``serve`` can embed it.
+        sim_pd_flags: the simulator's flags for a prefill and a decode
+            worker; ``None``: no simulated P/D.
+        admin_routes: the engine's admin routes the frontend fans out to its
+            workers as they are.
+        weight_routes: the engine's weight routes fanned out as they are.
+        group_init: the weight-update group set-up route and the body field
+            wrapping its arguments (vLLM's ``init_info``; ``None``: the body
+            is the arguments); ``None``: no such route.
+        parallel_size: the GET route and field of a worker's parallel size
+            (ranks), read to assign group ranks; ``None``: none.
+        health_generate: how to ask a worker for one token: the path and,
+            for a POST, its JSON body (``None``: GET).
+        native_admin: the frontend's own server info routes and
+            ``/abort_request`` speak for this engine's workers (they are
+            SGLang's routes).
+        generate_path: the engine's native generate route (the trace
+            replay's target).
+        replay_body: the streamed native request body of a replayed row:
+            ``replay_body(token_ids, max_tokens, request_id)``.
+        replay_progress: one streamed event of that request read as
+            ``(output tokens so far, finished)``:
+            ``replay_progress(event, so_far)``.
+        load_path: GET, the engine's own queue figures, summed over its DP
+            ranks by :attr:`load_reader` (:mod:`asgi_generate.workers.engine_load`);
+            ``None``: it serves none.
+        load_reader: that route's body read as ``(requests running plus
+            waiting, prompt tokens waiting uncached)``.
+
+            Raises ValueError for a body not of the route's shape.
+        weight_loads: the weight routes that change the weights or their
+            version: ``(path, the body field naming the new version or
+            None, whether the call loads weights too)`` (the version fence,
+            :mod:`asgi_generate.workers.fence`; :meth:`weight_load`).
+        cache_resets: admin routes that empty the engine's prefix cache
+            (the routing policy forgets what it knew of it).
+        resumes: admin routes that end a pause
+            (:mod:`asgi_generate.workers.pauses`).
+        aborting_pause: whether an admin call is a pause that aborts running
+            requests: ``aborting_pause(path, query, body)`` with the query
+            parameters and the body as parsed JSON (a callable, read only
+            when needed); ``None``: the engine has no such pause.
     """
 
     name: str
@@ -72,12 +142,32 @@ class WorkerProtocol:
     pd_items_refusal: str | None = None
     models_path: bytes | None = None
     weight_version_path: bytes | None = None
+    join_query: str | None = None
+    default_join_port: int | None = None
+    join_port_info_field: str | None = None
+    simulated: bool = False
+    sim_pd_flags: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+    admin_routes: tuple[RouteSpec, ...] = ()
+    weight_routes: tuple[RouteSpec, ...] = ()
+    group_init: tuple[str, str | None] | None = None
+    parallel_size: tuple[bytes, str] | None = None
+    health_generate: tuple[bytes, bytes | None] | None = None
+    native_admin: bool = False
+    generate_path: str = "/generate"
+    replay_body: "Callable[[list[int], int, str], dict] | None" = None
+    replay_progress: "Callable[[dict, int], tuple[int, bool]] | None" = None
+    load_path: bytes | None = None
+    load_reader: "Callable[[bytes], tuple[int, int]] | None" = None
+    weight_loads: tuple[tuple[str, str | None, bool], ...] = ()
+    cache_resets: tuple[str, ...] = ()
+    resumes: tuple[str, ...] = ()
+    aborting_pause: "Callable[[str, Mapping[str, str], Callable[[], object]], bool] | None" = None
 
     def read_info(self, obj: object) -> dict:
         """Normalise the info route's JSON, with the context length in tokens
-        as ``max_model_len`` (``None`` when unknown): :func:`read_server_info`
-        (SGLang) or :func:`read_model_card` (vLLM). Anything unexpected
-        gives ``{}``."""
+        as ``max_model_len`` (``None`` when unknown), by :attr:`info_reader`
+        (:func:`read_model_card` for an OpenAI model list). Anything
+        unexpected gives ``{}``."""
         if not isinstance(obj, dict):
             return {}
         return self.info_reader(obj)
@@ -99,13 +189,25 @@ class WorkerProtocol:
         (engine_id,) = named
         return orjson.dumps({self.abort_field: engine_id})
 
+    def weight_load(self, path: str) -> tuple[str | None, bool] | None:
+        """What a call of weight route ``path`` changes (see
+        :attr:`weight_loads`), ``None`` when it changes neither the weights
+        nor their version."""
+        for route, version_field, loads in self.weight_loads:
+            if route == path:
+                return version_field, loads
+        return None
 
-def read_server_info(obj: dict) -> dict:
-    """SGLang's ``/get_server_info`` (``http_server.get_server_info``: the
-    ``ServerArgs`` fields and scheduler info; its ``version`` is the
-    engine's) as is, its ``context_length`` (``--context-length``, null
-    unless given) copied to ``max_model_len``."""
-    return {**obj, "max_model_len": _int(obj.get("context_length"))}
+    def split_url(self, url: str, role: str) -> tuple[str, int | None]:
+        """A configured worker URL's base URL and join port: a prefill
+        worker's ``?`` :attr:`join_query` ``=PORT``, else
+        :attr:`default_join_port`, for an engine with a join query; ``None``
+        for the others."""
+        base, _, query = url.partition("?")
+        if role != "prefill" or self.join_query is None:
+            return base.rstrip("/"), None
+        port = dict(parse_qsl(query)).get(self.join_query)
+        return base.rstrip("/"), int(port) if port else self.default_join_port
 
 
 def read_model_card(obj: object) -> dict:
@@ -118,36 +220,85 @@ def read_model_card(obj: object) -> dict:
     if not isinstance(data, list) or not data or not isinstance(data[0], dict):
         return {}
     first = data[0]
-    return {"served_model_name": first.get("id"), "max_model_len": _int(first.get("max_model_len")), "root": first.get("root")}
+    return {"served_model_name": first.get("id"), "max_model_len": positive_int(first.get("max_model_len")),
+            "root": first.get("root")}
 
 
-def _int(value: object) -> int | None:
+def positive_int(value: object) -> int | None:
+    """``value`` when it is an int > 0 (not a bool), else ``None``."""
     return value if type(value) is int and value > 0 else None
 
 
-def sglang_bootstrap(host: str, port: int | None, rooms: "list[int] | int") -> dict:
-    """SGLang's P/D join fields (``disaggregation/mini_lb.py``:
-    ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``; a list of
-    rooms for a batch, ``io_struct.GenerateReqInput._normalize_bootstrap_params``)."""
-    return {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": rooms}
+def load_engines(group: str = GROUP) -> dict[str, WorkerProtocol]:
+    """Every engine description in the entry point ``group``, by name,
+    taken in (name, distribution) order.
+
+    Raises:
+        EngineLoadError: an entry point failed to import or to build, gave
+            something other than a :class:`WorkerProtocol` named as the entry
+            point, or claims a name another distribution claims (both named).
+    """
+    found: dict[str, tuple[WorkerProtocol, str]] = {}
+    problems: list[str] = []
+    eps = sorted(entry_points(group=group), key=lambda e: (e.name, e.dist.name if e.dist else ""))
+    for ep in eps:
+        where = f"{ep.name!r} ({ep.dist.name if ep.dist else '?'} {ep.dist.version if ep.dist else '?'}, {ep.value})"
+        try:
+            # A plugin that calls sys.exit at import must not end the server unnamed.
+            engine = ep.load()
+            if not isinstance(engine, WorkerProtocol) and callable(engine):
+                engine = engine()
+            if not isinstance(engine, WorkerProtocol):
+                raise TypeError(f"{ep.value} gave a {type(engine).__name__}, not an "
+                                "asgi_generate.protocols.WorkerProtocol")
+            if engine.name != ep.name:
+                raise ValueError(f"the engine is named {engine.name!r}; its entry point must carry the same name")
+        except (Exception, SystemExit) as exc:
+            problems.append(f"engine {where} failed to load: {type(exc).__name__}: {exc}")
+            continue
+        if engine.name in found:
+            problems.append(f"engines {found[engine.name][1]} and {where} both use the name {engine.name!r}")
+            continue
+        found[engine.name] = (engine, where)
+    if problems:
+        raise EngineLoadError("\n".join(problems))
+    return {name: engine for name, (engine, _) in found.items()}
 
 
-SGLANG = WorkerProtocol(
-    "sglang", b"/health", b"/get_server_info", b"/abort_request", read_server_info, "rid", pd="concurrent",
-    pair_join=sglang_bootstrap, models_path=b"/v1/models", weight_version_path=b"/get_model_info",
-)
-#: vLLM runs each of the ``n`` choices as a request of its own
-#: (``ParentRequest.get_child_info`` in ``v1/engine/parallel_sampling.py``),
-#: each sharing the one ``kv_transfer_params`` and reading the producer's
-#: blocks, which the producer frees after the first reader's notification
-#: (``consumer_notification_counts_by_req`` in
-#: ``distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py``).
-VLLM_ITEMS_REFUSAL = ("n > 1 cannot run on a vLLM prefill/decode pair: each choice would read the one "
-                      "prefill's KV, which the producer frees after the first read; send n requests of n = 1, "
-                      "or add an aggregated worker")
-VLLM = WorkerProtocol(
-    "vllm", b"/health", b"/v1/models", b"/abort_requests", read_model_card, "request_ids", abort_takes_list=True,
-    engine_id_prefix="generate-tokens-", version_path=b"/version", pd="sequential",
-    pd_items_refusal=VLLM_ITEMS_REFUSAL, weight_version_path=b"/weight_info",
-)
-PROTOCOLS = {p.name: p for p in (SGLANG, VLLM)}
+class Engines(Mapping[str, WorkerProtocol]):
+    """The engine descriptions by name, loaded from :data:`GROUP` on first
+    use (so an engine's module may import this one), in name order.
+
+    Raises:
+        EngineLoadError: on first use, as :func:`load_engines`.
+    """
+
+    def __init__(self) -> None:
+        self._engines: dict[str, WorkerProtocol] | None = None
+
+    def _loaded(self) -> dict[str, WorkerProtocol]:
+        if self._engines is None:
+            self._engines = load_engines()
+        return self._engines
+
+    def __getitem__(self, name: str) -> WorkerProtocol:
+        return self._loaded()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._loaded())
+
+    def __len__(self) -> int:
+        return len(self._loaded())
+
+    def __repr__(self) -> str:
+        return f"Engines({list(self)!r})"
+
+    def where(self, **fields: Any) -> list[WorkerProtocol]:
+        """The descriptions whose attributes are truthy (``field=True``) or
+        equal the given values, in name order."""
+        return [e for e in self.values()
+                if all(bool(getattr(e, k)) if v is True else getattr(e, k) == v for k, v in fields.items())]
+
+
+#: The installed engines' descriptions by name.
+PROTOCOLS = Engines()

@@ -28,14 +28,15 @@ WORKER_SCHEMES = ("http", "https", "dns")
 def parse_worker_spec(spec: str, role: str = "aggregated") -> tuple[str, str]:
     """Split ``PROTOCOL=http://HOST:PORT`` (``https://`` for TLS, or
     ``dns://NAME:PORT``: every address NAME resolves to) into protocol and
-    URL. An SGLang
-    prefill worker's URL may end ``?bootstrap_port=B`` (kept in the URL;
-    :func:`~asgi_generate.workers.router.split_worker_url` reads it). IPv6 hosts are bracketed.
+    URL. A prefill worker of an engine with a join query
+    (:attr:`~asgi_generate.protocols.WorkerProtocol.join_query`, SGLang's
+    ``bootstrap_port``) may end ``?NAME=B`` (kept in the URL;
+    :meth:`~asgi_generate.protocols.WorkerProtocol.split_url` reads it). IPv6 hosts are bracketed.
 
     Raises:
         ValueError: unknown protocol, not an ``http://``, ``https://`` or
             ``dns://`` ``HOST:PORT`` URL, a query other than a prefill's
-            bootstrap port, or a protocol without P/D support in a P/D role.
+            join port, or a protocol without P/D support in a P/D role.
     """
     protocol, sep, url = spec.partition("=")
     if not sep:
@@ -53,11 +54,15 @@ def parse_worker_spec(spec: str, role: str = "aggregated") -> tuple[str, str]:
         raise ValueError(f"worker {spec!r}: expected an http(s)://HOST:PORT or dns://NAME:PORT URL")
     if parts.query:
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
-        bootstrap = query.pop("bootstrap_port", None)
-        if query or role != "prefill" or protocol != "sglang":
-            raise ValueError(f"worker {spec!r}: only an sglang prefill worker takes a query (?bootstrap_port=B)")
-        if not (bootstrap or "").isdigit() or not 0 < int(bootstrap) < 65536:
-            raise ValueError(f"worker {spec!r}: bootstrap_port must be a port number, not {bootstrap!r}")
+        takes = [e for e in PROTOCOLS.values() if e.join_query is not None]
+        name = PROTOCOLS[protocol].join_query
+        join = query.pop(name, None) if name is not None else None
+        if query or role != "prefill" or name is None:
+            who = " or ".join(f"an {e.name} prefill worker" for e in takes) or "no worker"
+            what = ", ".join(f"?{e.join_query}=B" for e in takes)
+            raise ValueError(f"worker {spec!r}: only {who} takes a query ({what})")
+        if not (join or "").isdigit() or not 0 < int(join) < 65536:
+            raise ValueError(f"worker {spec!r}: {name} must be a port number, not {join!r}")
     return protocol, url.rstrip("/")
 
 

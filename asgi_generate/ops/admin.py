@@ -46,11 +46,13 @@ unfinished item); their clients see the engine's abort finish. An empty ``rid`` 
 
 from __future__ import annotations
 
-import orjson
+from functools import cache
+
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, Router
 
+from ..protocols import PROTOCOLS
 from ..sdk import ids
 from ..request.batches import named_legs
 from ..workers.aborts import ACKED
@@ -60,54 +62,37 @@ from .fanout import (AdminContext, Answer, Endpoint, body_of, call, combined, er
                      target, to_every_worker)
 
 INFO_PATHS = ("/get_model_info", "/model_info", "/get_server_info", "/server_info")
-#: Fanned-out admin routes: path, methods, protocol.
-FAN_OUT = (
-    ("/flush_cache", ("GET", "POST"), "sglang"),
-    ("/pause_generation", ("POST",), "sglang"),
-    ("/continue_generation", ("POST",), "sglang"),
-    ("/release_memory_occupation", ("GET", "POST"), "sglang"),
-    ("/resume_memory_occupation", ("GET", "POST"), "sglang"),
-    ("/reset_prefix_cache", ("POST",), "vllm"),
-    ("/sleep", ("POST",), "vllm"),
-    ("/wake_up", ("POST",), "vllm"),
-    ("/is_sleeping", ("GET",), "vllm"),
-    ("/pause", ("POST",), "vllm"),
-    ("/resume", ("POST",), "vllm"),
-    ("/is_paused", ("GET",), "vllm"),
-)
-#: Every path this module serves (the app's dispatch sends these here).
-PATHS = frozenset({*INFO_PATHS, "/health_generate", "/abort_request", *(p for p, _, _ in FAN_OUT),
-                   *weights.PATHS})
 
 
-#: Admin routes that empty the engines' prefix caches.
-CACHE_RESETS = ("/flush_cache", "/reset_prefix_cache")
-#: Admin routes that end a pause (:mod:`asgi_generate.workers.pauses`).
-RESUMES = ("/continue_generation", "/resume")
+@cache
+def paths() -> frozenset[str]:
+    """Every path this module serves (the app's dispatch sends these here):
+    the info routes, ``/health_generate``, ``/abort_request``, each
+    engine's admin routes
+    (:attr:`~asgi_generate.protocols.WorkerProtocol.admin_routes`) and the
+    weight routes (:func:`asgi_generate.ops.weights.paths`)."""
+    return frozenset({*INFO_PATHS, "/health_generate", "/abort_request",
+                      *(path for engine in PROTOCOLS.values() for path, _ in engine.admin_routes), *weights.paths()})
 
 
-def _aborting_pause(request: Request, body: bytes) -> bool:
-    """Whether the call is a pause that aborts running requests: SGLang
-    ``/pause_generation`` with ``mode`` ``abort`` (the default,
-    ``PauseGenerationReqInput``), vLLM ``/pause`` with ``mode=abort`` (the
-    default, ``rl/online/api_router.py`` ``pause_generation``)."""
-    path = request.url.path
-    if path == "/pause":
-        return request.query_params.get("mode", "abort") == "abort"
-    if path == "/pause_generation":
-        obj = parsed(body) if body.strip() else {}
-        return isinstance(obj, dict) and obj.get("mode", "abort") == "abort"
-    return False
+def _aborting_pause(protocol: str, request: Request, body: bytes) -> bool:
+    """Whether the call is a pause that aborts running requests, as
+    ``protocol``'s description says (SGLang ``/pause_generation`` with
+    ``mode`` ``abort``, vLLM ``/pause`` with ``mode=abort``)."""
+    says = PROTOCOLS[protocol].aborting_pause
+    return says is not None and says(request.url.path, request.query_params,
+                                     lambda: parsed(body) if body.strip() else {})
 
 
 def build(ctx: AdminContext) -> Router:
-    """The starlette router serving :data:`PATHS` for ``ctx`` (its workers,
+    """The starlette router serving :func:`paths` for ``ctx`` (its workers,
     in-flight requests and settings), which it reads at each request."""
     routes = [Route(path, _info(ctx), methods=["GET"]) for path in INFO_PATHS]
     routes.append(Route("/health_generate", _health_generate(ctx), methods=["GET"]))
     routes.append(Route("/abort_request", guarded(ctx, _abort_request(ctx)), methods=["POST"]))
-    for path, methods, protocol in FAN_OUT:
-        routes.append(Route(path, guarded(ctx, _fan_out(ctx, protocol)), methods=list(methods)))
+    for engine in PROTOCOLS.values():
+        for path, methods in engine.admin_routes:
+            routes.append(Route(path, guarded(ctx, _fan_out(ctx, engine.name)), methods=list(methods)))
     routes += weights.routes(ctx)
     return Router(routes)
 
@@ -118,12 +103,13 @@ def _fan_out(ctx: AdminContext, protocol: str) -> Endpoint:
         if isinstance(body, Response):
             return body
         pauses, path = ctx.router.pauses, request.url.path
-        if _aborting_pause(request, body):
+        engine = PROTOCOLS[protocol]
+        if _aborting_pause(protocol, request, body):
             pauses.begin(protocol)  # before the engines abort: their aborts are the pause's
         response, answers = await to_every_worker(ctx, protocol, request, body)
-        if path in RESUMES:
+        if path in engine.resumes:
             pauses.end(protocol)
-        if path in CACHE_RESETS:
+        if path in engine.cache_resets:
             for a in answers:
                 if a.status == 200:  # that engine's prefix cache is empty now
                     ctx.router.policy.forget(a.worker)
@@ -144,11 +130,11 @@ def _abort_request(ctx: AdminContext) -> Endpoint:
         if not isinstance(rid, str) or not isinstance(abort_all, bool):
             return error(400, "'rid' must be a string and 'abort_all' a boolean")
         if abort_all:
-            return (await to_every_worker(ctx, "sglang", request, body))[0]
+            return (await to_every_worker(ctx, _native(), request, body))[0]
         legs = [
             (worker, engine_id)
             for gen in list(ctx.inflight.values())
-            if gen.codec.worker_protocol == "sglang" and rid
+            if gen.codec.worker_protocol == _native() and rid
             for public, worker, engine_id in named_legs(gen)
             if (public or "").startswith(rid)
         ]
@@ -168,13 +154,22 @@ def _abort_request(ctx: AdminContext) -> Endpoint:
 
 def _info(ctx: AdminContext) -> Endpoint:
     async def endpoint(request: Request) -> Response:
-        for worker in _healthy(ctx, "sglang"):
+        native = _native()
+        for worker in _healthy(ctx, native):
             answer = await call(worker, "GET", target(request), b"", [], ctx.settings.admin_timeout)
             if answer.status is not None:
                 return Response(answer.body, answer.status, media_type=answer.content_type)
-        return error(503, "no healthy worker for protocol 'sglang'")
+        return error(503, f"no healthy worker for protocol {native!r}")
 
     return endpoint
+
+
+def _native() -> str:
+    """The engine the frontend's own info routes and ``/abort_request``
+    speak for (:attr:`~asgi_generate.protocols.WorkerProtocol.native_admin`:
+    they are SGLang's routes); ``""`` when none is installed."""
+    native = PROTOCOLS.where(native_admin=True)
+    return native[0].name if native else ""
 
 
 def _healthy(ctx: AdminContext, protocol: str) -> list[Worker]:
@@ -198,13 +193,16 @@ def _health_generate(ctx: AdminContext) -> Endpoint:
 
 async def _generates(ctx: AdminContext, protocol: str) -> bool:
     """Whether one healthy worker of ``protocol`` generates a token now."""
+    asked = PROTOCOLS[protocol].health_generate
+    if asked is None:
+        return False
+    path, body = asked
     for worker in _healthy(ctx, protocol):
-        if protocol == "sglang":
-            answer = await call(worker, "GET", b"/health_generate", b"", [], ctx.settings.admin_timeout)
+        if body is None:
+            answer = await call(worker, "GET", path, b"", [], ctx.settings.admin_timeout)
         else:
-            body = orjson.dumps({"token_ids": [0], "sampling_params": {"max_tokens": 1}})
             headers = [(b"content-type", b"application/json"), (b"x-request-id", b"health-" + ids.mint().encode())]
-            answer = await call(worker, "POST", b"/inference/v1/generate", body, headers, ctx.settings.admin_timeout)
+            answer = await call(worker, "POST", path, body, headers, ctx.settings.admin_timeout)
         if answer.status == 200:
             return True
     return False

@@ -46,7 +46,8 @@ SGLang. The 200 answer is the first worker's plus ``world_size`` and
 list gives each worker's ``rank_offset`` and ``ranks`` with its result.
 
 The version fence (:mod:`asgi_generate.workers.router`). A route that loads
-weights or sets their version (:data:`LOADS`) tells the router which workers
+weights or sets their version (each engine's ``weight_loads``, and
+:data:`LOADS`) tells the router which workers
 now serve which version; called on the whole fleet, its version becomes the
 fleet's, and every worker that did not answer 200 is fenced out of the
 rotation, unless every worker refused the call with a 4xx (a bad body: no
@@ -60,6 +61,7 @@ and it takes requests once that is the fleet's; the answer is ``{"worker",
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import orjson
@@ -67,53 +69,37 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from ..protocols import PROTOCOLS
 from ..workers.router import Worker
 from .fanout import (JSON, WORKER_HEADER, AdminContext, Answer, Endpoint, body_of, call_each, chosen, error, failed,
                      guarded, none_up, parsed, skipped_header, to_every_worker)
 
-#: Weight routes sent as they are: path, methods, protocol.
-FAN_OUT = (
-    ("/destroy_weights_update_group", ("POST",), "sglang"),
-    ("/update_weights_from_distributed", ("POST",), "sglang"),
-    ("/update_weights_from_tensor", ("POST",), "sglang"),
-    ("/update_weights_from_ipc", ("POST",), "sglang"),
-    ("/update_weights_from_disk", ("POST",), "sglang"),
-    ("/begin_weight_update", ("POST",), "sglang"),
-    ("/end_weight_update", ("POST",), "sglang"),
-    ("/get_weights_by_name", ("GET", "POST"), "sglang"),
-    ("/weights_checker", ("GET", "POST"), "sglang"),
-    ("/shutdown_weight_transfer_engine", ("POST",), "vllm"),
-    ("/start_weight_update", ("POST",), "vllm"),
-    ("/update_weights", ("POST",), "vllm"),
-    ("/finish_weight_update", ("POST",), "vllm"),
-    ("/weight_checker", ("POST",), "vllm"),
-    ("/weight_info", ("GET",), "vllm"),
-)
-#: Routes that change the weights or their version: path to the body field
-#: naming the new version and whether the call loads weights too
-#: (:meth:`~asgi_generate.workers.router.Router.weights_loaded`).
-LOADS = {
-    "/update_weights_from_distributed": ("weight_version", True),
-    "/update_weights_from_tensor": ("weight_version", True),
-    "/update_weights_from_ipc": ("weight_version", True),
-    "/update_weights_from_disk": ("weight_version", True),
-    "/update_weights": (None, True),
-    "/finish_weight_update": ("weight_version", False),
-    "/update_weight_version": ("new_version", False),
-}
-#: Routes that set up a group: path, protocol.
-GROUP_INITS = (("/init_weights_update_group", "sglang"), ("/init_weight_transfer_engine", "vllm"))
-#: Every path this module serves (``/update_weight_version`` is both engines').
-PATHS = frozenset({*(p for p, _, _ in FAN_OUT), *(p for p, _ in GROUP_INITS), "/get_world_size",
-                   "/update_weight_version", "/clear_weight_fence"})
+#: The frontend's own route that sets the weight version, on every engine:
+#: the body field naming it, and no weights loaded (the engines' own weight
+#: routes are their descriptions' ``weight_loads``).
+LOADS = {"/update_weight_version": ("new_version", False)}
+
+
+@cache
+def paths() -> frozenset[str]:
+    """Every path this module serves: each engine's weight routes
+    (:attr:`~asgi_generate.protocols.WorkerProtocol.weight_routes`) and
+    group set-up route, ``/get_world_size``, ``/update_weight_version``
+    (both engines') and ``/clear_weight_fence``."""
+    engines = PROTOCOLS.values()
+    return frozenset({*(path for e in engines for path, _ in e.weight_routes),
+                      *(e.group_init[0] for e in engines if e.group_init is not None),
+                      "/get_world_size", "/update_weight_version", "/clear_weight_fence"})
 
 
 def routes(ctx: AdminContext) -> list[Route]:
-    """The starlette routes of :data:`PATHS` for ``ctx``."""
-    out = [Route(path, guarded(ctx, _fan_out(ctx, protocol)), methods=list(methods))
-           for path, methods, protocol in FAN_OUT]
+    """The starlette routes of :func:`paths` for ``ctx``."""
+    engines = PROTOCOLS.values()
+    out = [Route(path, guarded(ctx, _fan_out(ctx, e.name)), methods=list(methods))
+           for e in engines for path, methods in e.weight_routes]
     out.append(Route("/update_weight_version", guarded(ctx, _version(ctx)), methods=["POST"]))
-    out += [Route(path, guarded(ctx, _init_group(ctx, protocol)), methods=["POST"]) for path, protocol in GROUP_INITS]
+    out += [Route(e.group_init[0], guarded(ctx, _init_group(ctx, e.name)), methods=["POST"])
+            for e in engines if e.group_init is not None]
     out.append(Route("/get_world_size", guarded(ctx, _world_size(ctx)), methods=["GET"]))
     out.append(Route("/clear_weight_fence", guarded(ctx, _clear_fence(ctx)), methods=["POST"]))
     return out
@@ -133,7 +119,8 @@ async def _to_fleet(ctx: AdminContext, protocol: str, request: Request, body: by
     """The call to every worker of ``protocol`` (or the named one); when
     it changes weights, the router told who loaded what and who failed."""
     response, answers = await to_every_worker(ctx, protocol, request, body, ctx.settings.weight_update_timeout)
-    load = LOADS.get(request.url.path)
+    path = request.url.path
+    load = LOADS.get(path) or PROTOCOLS[protocol].weight_load(path)
     if load is not None and answers:
         field, with_weights = load
         obj = parsed(body) if body.strip() else {}
@@ -159,7 +146,8 @@ def _version(ctx: AdminContext) -> Endpoint:
         body = await body_of(ctx, request)
         if isinstance(body, Response):
             return body
-        protocols = [p for p in ("sglang", "vllm") if any(w.protocol.name == p for w in ctx.router.workers)]
+        protocols = [e.name for e in PROTOCOLS.where(weight_version_path=True)
+                     if any(w.protocol is e for w in ctx.router.workers)]
         if not protocols:
             return error(503, "no worker configured")
         responses = [await _to_fleet(ctx, p, request, body) for p in protocols]
@@ -181,7 +169,7 @@ def _listed(response: Response) -> list[Any]:
 
 async def _parallel_sizes(ctx: AdminContext, protocol: str, request: Request, workers: list[Worker],
                           skipped: list[Worker]) -> list[Answer]:
-    path = b"/get_server_info" if protocol == "sglang" else b"/get_world_size"
+    path, _ = PROTOCOLS[protocol].parallel_size  # type: ignore[misc]
     return await call_each(ctx, request, workers, skipped, lambda w: b"", ctx.settings.weight_update_timeout,
                            "GET", path)
 
@@ -189,7 +177,8 @@ async def _parallel_sizes(ctx: AdminContext, protocol: str, request: Request, wo
 def _size(protocol: str, answer: Answer) -> int | None:
     """A worker's parallel size from its info answer, ``None`` when it gave none."""
     obj = parsed(answer.body) if answer.status == 200 else None
-    size = obj.get("tp_size" if protocol == "sglang" else "world_size") if isinstance(obj, dict) else None
+    _, field = PROTOCOLS[protocol].parallel_size  # type: ignore[misc]
+    size = obj.get(field) if isinstance(obj, dict) else None
     return size if type(size) is int and size > 0 else None
 
 
@@ -214,9 +203,12 @@ async def _sizes(ctx: AdminContext, protocol: str, request: Request) -> tuple[li
 def _world_size(ctx: AdminContext) -> Endpoint:
     """``GET /get_world_size``: the fleet's sum (vLLM's shape)."""
     async def endpoint(request: Request) -> Response:
-        protocol = request.query_params.get("protocol", "vllm")
-        if protocol not in ("sglang", "vllm"):
-            return error(400, "protocol must be 'sglang' or 'vllm'")
+        sized = [e.name for e in PROTOCOLS.where(parallel_size=True)]
+        # By default the engine whose own route this is.
+        native = [e.name for e in PROTOCOLS.values() if e.parallel_size and e.parallel_size[0] == b"/get_world_size"]
+        protocol = request.query_params.get("protocol", native[0] if native else "")
+        if protocol not in sized:
+            return error(400, f"protocol must be {' or '.join(map(repr, sized))}")
         sizes = await _sizes(ctx, protocol, request)
         if isinstance(sizes, Response):
             return sizes
@@ -233,9 +225,10 @@ def _init_group(ctx: AdminContext, protocol: str) -> Endpoint:
         if isinstance(body, Response):
             return body
         obj = parsed(body) if body.strip() else None
-        args = obj.get("init_info") if protocol == "vllm" and isinstance(obj, dict) else obj
+        wrap = PROTOCOLS[protocol].group_init[1]  # type: ignore[index]
+        args = obj.get(wrap) if wrap is not None and isinstance(obj, dict) else obj
         if not isinstance(args, dict):
-            what = "an object with an 'init_info' object" if protocol == "vllm" else "a JSON object"
+            what = f"an object with an {wrap!r} object" if wrap is not None else "a JSON object"
             return error(400, f"the body must be {what}")
         offset = args.get("rank_offset")
         if type(offset) is not int or offset < 0:
@@ -258,7 +251,7 @@ def _init_group(ctx: AdminContext, protocol: str) -> Endpoint:
 
         def body_for(w: Worker) -> bytes:
             mine = {**args, "rank_offset": assignment[w.id]["rank_offset"], "world_size": world}
-            return orjson.dumps({**obj, "init_info": mine} if protocol == "vllm" else mine)
+            return orjson.dumps({**obj, wrap: mine} if wrap is not None else mine)
 
         answers = await call_each(ctx, request, [w for w, _ in workers], skipped, body_for,
                                   ctx.settings.weight_update_timeout)

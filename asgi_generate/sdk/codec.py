@@ -430,7 +430,10 @@ class Codec:
     Attributes:
         name: the format's name (``sglang``, ``vllm``, ...), unique.
         routes: the (method, path) pairs it serves.
-        worker_protocol: the worker protocol it rides on (``sglang``, ``vllm``).
+        worker_protocol: the engine it rides on: the name of an engine
+            description in the ``asgi_generate.engines`` entry point group
+            (:data:`asgi_generate.protocols.PROTOCOLS`: ``sglang``, ``vllm``,
+            ...); the registry refuses a codec naming none installed.
         content_type: the unary response media type.
         sse_terminal: the bytes that end an SSE response.
     """

@@ -141,7 +141,7 @@ class App:
         if kind == "http":
             method, path = scope["method"], scope["path"]
             try:
-                if path in admin.PATHS:
+                if path in admin.paths():
                     await self.admin(scope, receive, send)
                 else:
                     await self._other_route(method, path, scope, send)

@@ -26,7 +26,7 @@ import sys
 from .hypercorn import patches
 from .app import App
 from ..config import Settings
-from ..exceptions import CodecLoadError
+from ..exceptions import CodecLoadError, EngineLoadError
 
 
 def _log_to_stderr() -> None:
@@ -44,9 +44,9 @@ def _app() -> App:
         settings = Settings.from_env()
         settings.check()
         patches.install(send_errors=App.handles_send_errors,
-                                  header_read_timeout=settings.header_read_timeout)
+                        header_read_timeout=settings.header_read_timeout)
         return App(settings)
-    except (ValueError, CodecLoadError) as exc:  # TraceSetupError is a ValueError
+    except (ValueError, CodecLoadError, EngineLoadError) as exc:  # TraceSetupError is a ValueError
         for line in str(exc).splitlines():
             print(f"asgi-generate: {line}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -18,6 +18,7 @@ from .. import __version__
 from . import detach
 from ..config import SETTINGS, Setting, Settings
 from .serving import LOG_FORMAT, WORKER_CLASSES, ServerTLS, hold_signals, hypercorn_config, run
+from ..exceptions import EngineLoadError
 from ..protocols import PROTOCOLS
 from ..sdk.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS
 from ..sim.prefix_cache import DEFAULT_CACHE_TOKENS
@@ -161,7 +162,9 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                        help="logging level (default %(default)s)")
 
     sim = sub.add_parser("sim", help="run a simulated engine worker", formatter_class=_Help)
-    sim.add_argument("--protocol", choices=("sglang", "vllm"), default="sglang", help="native protocol to speak")
+    sim_engines = [e.name for e in PROTOCOLS.where(simulated=True)]
+    sim.add_argument("--protocol", choices=sim_engines, default=sim_engines[0] if sim_engines else None,
+                     help="native protocol to speak")
     sim.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     sim.add_argument("--port", type=PORT, default=30000, help="port to listen on (default %(default)s)")
     sim.add_argument("--fd", type=_bounded(int, 0), default=None, help="serve an inherited listening socket instead")
@@ -482,6 +485,11 @@ def _check() -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``asgi-generate`` console script."""
     argv = sys.argv[1:] if argv is None else argv
+    try:  # the engine descriptions, before any flag or worker spec is read against them
+        list(PROTOCOLS)
+    except EngineLoadError as exc:
+        _report_problems(str(exc).splitlines())
+        return 2
     d = Settings()
     if argv[:1] == ["serve"]:
         try:  # the variables are serve's defaults, exactly as under hypercorn

@@ -34,6 +34,7 @@ import orjson
 
 from ..assets import TOKENIZER_PATH
 from ..config import Settings
+from ..protocols import PROTOCOLS, WorkerProtocol
 from .serving import listening_socket
 from ..workers.http import ConnectionPool, WorkerError
 
@@ -76,7 +77,7 @@ class Simulator(NamedTuple):
 @asynccontextmanager
 async def embedded_workers(
     count: int,
-    protocol: str = "sglang",
+    protocol: str,
     ttft_ms: float = 0.0,
     itl_ms: float = 0.0,
     ready_timeout: float = 60.0,
@@ -164,25 +165,23 @@ def _ended(code: int) -> str:
     return f"exit {code}" if code >= 0 else signal.Signals(-code).name
 
 
-async def _bootstrap_port(url: str) -> int:
-    """An SGLang prefill simulator's bootstrap port (it took a free one)."""
+async def _join_port(url: str, engine: WorkerProtocol) -> int:
+    """A prefill simulator's join port (it took a free one), from its server
+    info's :attr:`~asgi_generate.protocols.WorkerProtocol.join_port_info_field`."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     pool = ConnectionPool(host, int(port), connect_timeout=1.0)
     try:
         with anyio.fail_after(10):
-            async with pool.request(b"GET", b"/get_server_info") as resp:
-                return orjson.loads(await resp.read())["disaggregation_bootstrap_port"]
+            async with pool.request(b"GET", engine.info_path) as resp:
+                return orjson.loads(await resp.read())[engine.join_port_info_field]
     finally:
         await pool.aclose()
 
 
-#: The protocols the simulator speaks, in the order embedded workers start.
-SIM_PROTOCOLS = ("sglang", "vllm")
-#: ``sim`` flags of each protocol's P/D roles.
-PD_FLAGS = {
-    "sglang": (["--disaggregation-mode", "prefill", "--bootstrap-port", "0"], ["--disaggregation-mode", "decode"]),
-    "vllm": (["--kv-role", "producer"], ["--kv-role", "consumer"]),
-}
+def sim_protocols() -> list[str]:
+    """The engines the simulator speaks, in the order embedded workers
+    start (name order)."""
+    return [e.name for e in PROTOCOLS.where(simulated=True)]
 
 
 class Fleet(NamedTuple):
@@ -200,12 +199,12 @@ async def embedded_fleet(
     protocols: Iterable[str], count: int, ttft_ms: float = 0.0, itl_ms: float = 0.0, pd: bool = False
 ) -> AsyncIterator[Fleet]:
     """:func:`embedded_workers` for each of ``protocols`` the simulator
-    speaks (in :data:`SIM_PROTOCOLS` order), and with ``pd`` one prefill
+    speaks (in :func:`sim_protocols` order), and with ``pd`` one prefill
     and one decode simulator each; yields all their specs."""
     protocols = set(protocols)
     log.warning("no worker configured (--worker, ASGI_GENERATE_WORKERS): serving %d simulated "
                 "worker(s) per protocol (%s), not real engines", count,
-                ", ".join(p for p in SIM_PROTOCOLS if p in protocols))
+                ", ".join(p for p in sim_protocols() if p in protocols))
     async with AsyncExitStack() as stack:
         fleet = Fleet([], [], [], [])
 
@@ -215,16 +214,17 @@ async def embedded_fleet(
             fleet.simulators.extend(sims)
             return [sim.url for sim in sims]
 
-        for protocol in SIM_PROTOCOLS:
+        for protocol in sim_protocols():
             if protocol not in protocols:
                 continue
             fleet.workers.extend((protocol, url) for url in await start(count, protocol))
-            if not pd:
+            engine = PROTOCOLS[protocol]
+            if not pd or engine.sim_pd_flags is None:
                 continue
-            prefill_flags, decode_flags = PD_FLAGS[protocol]
+            prefill_flags, decode_flags = engine.sim_pd_flags
             (url,) = await start(1, protocol, "prefill", prefill_flags)
-            if protocol == "sglang":
-                url = f"{url}?bootstrap_port={await _bootstrap_port(url)}"
+            if engine.join_query is not None:
+                url = f"{url}?{engine.join_query}={await _join_port(url, engine)}"
             fleet.prefill.append((protocol, url))
             fleet.decode.extend((protocol, url) for url in await start(1, protocol, "decode", decode_flags))
         yield fleet

@@ -1,17 +1,14 @@
 """An engine's own load figures: what every frontend replica reads alike.
 
 A frontend replica knows only the requests it sent; the engine knows them
-all. Both engines serve their scheduler's queue over HTTP:
-
-- SGLang ``GET /v1/loads?include=core`` (``sglang/srt/entrypoints/v1_loads.py``
-  ``get_loads``): ``{"loads": [{"num_running_reqs", "num_waiting_reqs",
-  "num_waiting_uncached_tokens", ...}, ...]}``, one entry per DP rank
-  (``LoadSnapshot`` in ``sglang/srt/managers/load_snapshot.py``).
-- vLLM ``GET /metrics``: the Prometheus gauges ``vllm:num_requests_running``
-  and ``vllm:num_requests_waiting``, one sample per engine (DP rank)
-  (``PrometheusStatLogger`` in ``vllm/v1/metrics/loggers.py``). vLLM's
-  ``GET /load`` is not used: it counts only with
-  ``--enable-server-load-tracking``.
+all. An engine that serves its scheduler's queue over HTTP says where and
+how to read it in its description
+(:attr:`~asgi_generate.protocols.WorkerProtocol.load_path` and
+``load_reader``): SGLang ``GET /v1/loads?include=core``
+(``sglang/srt/entrypoints/v1_loads.py`` ``get_loads``), vLLM ``GET
+/metrics`` (its ``vllm:num_requests_running`` and
+``vllm:num_requests_waiting`` gauges, ``PrometheusStatLogger`` in
+``vllm/v1/metrics/loggers.py``).
 
 Figures are summed over DP ranks: the frontend routes to the server, the
 server to its ranks.
@@ -20,13 +17,9 @@ server to its ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator, Mapping
 
-import orjson
-from prometheus_client.parser import text_string_to_metric_families
-
-#: The route each worker protocol serves its load on.
-LOAD_PATHS = {"sglang": b"/v1/loads?include=core", "vllm": b"/metrics"}
-_VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+from ..protocols import PROTOCOLS
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,35 +29,45 @@ class EngineLoad:
     Attributes:
         requests: requests running plus waiting.
         waiting_tokens: prompt tokens waiting for prefill that its cache
-            does not hold (SGLang's ``num_waiting_uncached_tokens``; vLLM
-            serves no such figure: 0).
+            does not hold (SGLang's ``num_waiting_uncached_tokens``; an
+            engine that serves no such figure: 0).
     """
 
     requests: int
     waiting_tokens: int
 
 
+class _LoadPaths(Mapping[str, bytes]):
+    """The route each engine serves its load on, by engine name (engines
+    without one are left out)."""
+
+    def _paths(self) -> dict[str, bytes]:
+        return {e.name: e.load_path for e in PROTOCOLS.values() if e.load_path is not None}
+
+    def __getitem__(self, name: str) -> bytes:
+        return self._paths()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._paths())
+
+    def __len__(self) -> int:
+        return len(self._paths())
+
+
+#: The route each worker protocol serves its load on.
+LOAD_PATHS: Mapping[str, bytes] = _LoadPaths()
+
+
 def parse_load(protocol: str, body: bytes) -> EngineLoad:
-    """The load in ``body``, the answer of ``LOAD_PATHS[protocol]``.
+    """The load in ``body``, the answer of ``LOAD_PATHS[protocol]``, read
+    by the engine's ``load_reader``.
 
     Raises:
         ValueError: a body that is not the route's shape (orjson's
             ``JSONDecodeError`` is one).
+        KeyError: ``protocol`` has no load route.
     """
-    if protocol == "sglang":
-        loads = orjson.loads(body).get("loads")
-        if not isinstance(loads, list):
-            raise ValueError("/v1/loads has no loads list")
-        try:
-            return EngineLoad(sum(int(x["num_running_reqs"]) + int(x["num_waiting_reqs"]) for x in loads),
-                              sum(int(x.get("num_waiting_uncached_tokens", 0)) for x in loads))
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"/v1/loads entry without its counts: {exc!r}") from None
-    total, seen = 0.0, set()
-    for family in text_string_to_metric_families(body.decode("utf-8", "replace")):
-        if family.name in _VLLM_GAUGES:
-            seen.add(family.name)
-            total += sum(sample.value for sample in family.samples)
-    if len(seen) != len(_VLLM_GAUGES):
-        raise ValueError(f"/metrics lacks {sorted(set(_VLLM_GAUGES) - seen)}")
-    return EngineLoad(int(total), 0)
+    reader = PROTOCOLS[protocol].load_reader
+    if reader is None:
+        raise KeyError(protocol)
+    return EngineLoad(*reader(body))

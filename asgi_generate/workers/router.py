@@ -20,179 +20,39 @@ marks down has its in-flight requests told at once
 worker comes back when its health route answers 200 again and its server
 info was read (SGLang's streaming mode is a server flag the codec needs).
 
-The version fence. Each worker's weight version is read with its server
-info (SGLang ``/get_model_info``, vLLM ``/weight_info``) and set by the
-weight routes that change it (:meth:`Router.weights_loaded`). Once a weight
-version is set on a protocol's fleet, a request goes only to workers at that
-version; a worker that failed its update is fenced (out of the rotation,
-logged, counted, its reason shown) until it reaches the fleet's version or
-an operator clears the fence. A request may ask for a minimum version
-(:data:`MIN_VERSION_HEADER`); versions compare part by part, digits as
-numbers (``v9`` < ``v10``).
+The probes are :mod:`~asgi_generate.workers.probes`'s, the weight version
+fence :mod:`~asgi_generate.workers.fence`'s.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import re
 import ssl
-from dataclasses import dataclass
-from typing import Any, Iterable, Protocol
-from urllib.parse import parse_qsl, urlsplit
+from typing import Any, Iterable
+from urllib.parse import urlsplit
 
-import anyio
-import orjson
-
-from .http import ConnectFailed, ConnectionPool, WorkerDisconnected, WorkerError, tls_context
+from . import probes
+from .fence import MIN_VERSION_HEADER, Fence, RouteKey
+from .http import ConnectionPool, tls_context
 from .pauses import Pauses
 from .policies import Policy
-from ..protocols import PROTOCOLS, WorkerProtocol, read_model_card
+from .worker import Worker
+from ..protocols import PROTOCOLS
+
+#: ``Worker`` is :mod:`~asgi_generate.workers.worker`'s, named here too for
+#: the modules that pick and pass workers.
+__all__ = ["ROLES", "Router", "Worker"]
 
 log = logging.getLogger("asgi_generate.router")
 ROLES = ("aggregated", "prefill", "decode")
-#: SGLang's ``--disaggregation-bootstrap-port`` default.
-DEFAULT_BOOTSTRAP_PORT = 8998
-#: The request header asking for workers at this weight version or later.
-MIN_VERSION_HEADER = b"asgi-generate-min-weight-version"
-
-
-def version_order(version: str) -> tuple:
-    """A sort key for weight versions: digit runs as numbers, the rest as text."""
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", version) if p)
-
-
-@dataclass(frozen=True, slots=True)
-class RouteKey:
-    """A routing key with a minimum weight version: the policy's key and
-    the version a request asked for at least."""
-
-    policy_key: Any
-    min_version: str
-
-
-class InFlight(Protocol):
-    """A request riding a worker, as the router sees it (the handler's
-    leg).
-
-    Attributes:
-        route_key: its request's routing key (:meth:`Router.routing_key`),
-            or ``None``.
-        attempt: its attempt; ``attempt.tokens`` are the output tokens it
-            produced so far.
-    """
-
-    route_key: Any
-    attempt: Any
-
-    def worker_lost(self, worker: "Worker", reason: str) -> None:
-        """``worker`` was declared lost by its health probe: stop waiting
-        for it (today the request ends; migration will resume it elsewhere).
-        Called from the probe's task; must not block."""
-
-
-class Worker:
-    """One engine worker.
-
-    Attributes:
-        id: ``w0``, ``w1``, ... in the order workers joined (never reused).
-        url: its base URL, ``http://host:port`` or ``https://host:port``.
-        protocol: the native protocol it speaks.
-        pool: its keep-alive connection pool for requests and aborts.
-        probe_pool: the health probe's own connection, so probes never wait
-            behind requests.
-        healthy: routable now.
-        inflight: the requests riding it now (the handler adds and removes
-            them around each attempt).
-        failures: health probes failed in a row.
-        info: its server info (``{}`` until read); ``info["version"]`` is
-            its engine version when it reported one.
-        last_error: why it was last marked down.
-        role: ``aggregated``, ``prefill`` or ``decode``.
-        bootstrap_port: an SGLang prefill worker's bootstrap port, else ``None``.
-        draining: left the fleet: gets no new requests, its in-flight ones
-            finish (:meth:`Router.drain`).
-        fence: why it is fenced (it failed a weight update), else ``None``.
-        failed_updates: weight updates it failed.
-
-    ``info`` is replaced, never changed in place, so an attempt keeps the
-    info (the weight version) its worker had when the attempt was sent.
-    """
-
-    def __init__(
-        self, wid: str, protocol: WorkerProtocol, url: str, pool: ConnectionPool, probe_pool: ConnectionPool,
-        role: str = "aggregated", bootstrap_port: int | None = None,
-    ) -> None:
-        self.id = wid
-        self.protocol = protocol
-        self.url = url
-        self.role = role
-        self.bootstrap_port = bootstrap_port
-        self.pool = pool
-        self.probe_pool = probe_pool
-        self.healthy = False
-        self.inflight: set[InFlight] = set()
-        self.failures = 0
-        self.info: dict[str, Any] = {}
-        self.last_error: str | None = None
-        self.index = 0
-        self.draining = False
-        self.fence: str | None = None
-        self.failed_updates = 0
-
-    @property
-    def weight_version(self) -> str | None:
-        """The weight version its engine serves, ``None`` when unknown."""
-        return self.info.get("weight_version")
-
-    @property
-    def outstanding(self) -> int:
-        """Requests in flight on it."""
-        return len(self.inflight)
-
-    @property
-    def state(self) -> str:
-        """``draining`` (out of the rotation, its requests running on),
-        ``up`` (in the rotation) or ``down``, as ``/v1/models`` lists it."""
-        return "draining" if self.draining else "up" if self.healthy else "down"
-
-    def describe(self) -> dict[str, Any]:
-        """The worker as ``/v1/models`` lists it."""
-        return {
-            "id": self.id,
-            "url": self.url,
-            "protocol": self.protocol.name,
-            "role": self.role,
-            **({"bootstrap_port": self.bootstrap_port} if self.bootstrap_port is not None else {}),
-            "state": self.state,
-            "outstanding": self.outstanding,
-            "model": self.info.get("served_model_name") or self.info.get("model_path"),
-            "engine_version": self.info.get("version"),
-            "max_model_len": self.info.get("max_model_len"),
-            "last_error": self.last_error,
-            "weight_version": self.weight_version,
-            "fence": self.fence,
-        }
-
-
-def split_worker_url(url: str, role: str, protocol: str = "sglang") -> tuple[str, int | None]:
-    """A configured worker URL's base URL and bootstrap port: an SGLang
-    prefill worker's ``?bootstrap_port=B``, else :data:`DEFAULT_BOOTSTRAP_PORT`
-    for an SGLang prefill worker and ``None`` for the others."""
-    base, _, query = url.partition("?")
-    if role != "prefill" or protocol != "sglang":
-        return base.rstrip("/"), None
-    port = dict(parse_qsl(query)).get("bootstrap_port")
-    return base.rstrip("/"), int(port) if port else DEFAULT_BOOTSTRAP_PORT
-
-
 class Router:
     """Picks workers and tracks their health.
 
     Args:
         specs: ``(protocol, url)`` pairs of aggregated workers.
         prefill, decode: ``(protocol, url)`` pairs of P/D workers (a prefill
-            URL may carry ``?bootstrap_port=B``).
+            URL may carry its join port, SGLang's ``?bootstrap_port=B``).
         disaggregation: ``auto`` (pairs when the protocol has a healthy
             prefill and decode worker, else aggregated), ``always`` (pairs
             only) or ``never`` (aggregated only).
@@ -231,8 +91,8 @@ class Router:
         self.connect_timeout = connect_timeout
         self.health_timeout = health_timeout
         self.health_failures = max(1, health_failures)
-        #: The weight version set on each protocol's fleet.
-        self.fleet_versions: dict[str, str] = {}
+        #: The weight version fence.
+        self.fence = Fence()
         #: Each protocol's pauses and the streams held across them.
         self.pauses = Pauses()
         for role, listed in (("aggregated", specs), ("prefill", prefill), ("decode", decode)):
@@ -249,7 +109,8 @@ class Router:
         Raises:
             KeyError: ``protocol`` is unknown.
         """
-        base, bootstrap_port = split_worker_url(url, role, protocol)
+        engine = PROTOCOLS[protocol]
+        base, bootstrap_port = engine.split_url(url, role)
         parts = urlsplit(base)
         tls = None
         if parts.scheme == "https":
@@ -259,7 +120,7 @@ class Router:
         pool = ConnectionPool(parts.hostname, parts.port, connect_timeout=self.connect_timeout, ssl_context=tls)
         probe_pool = ConnectionPool(parts.hostname, parts.port, connect_timeout=self.connect_timeout, max_idle=1,
                                     ssl_context=tls)
-        worker = Worker(f"w{next(self._ids)}", PROTOCOLS[protocol], base, pool, probe_pool, role, bootstrap_port)
+        worker = Worker(f"w{next(self._ids)}", engine, base, pool, probe_pool, role, bootstrap_port)
         self.workers.append(worker)
         self._join_group(worker)
         return worker
@@ -307,17 +168,14 @@ class Router:
         floor = headers.get(MIN_VERSION_HEADER)
         return RouteKey(key, floor.decode("latin-1").strip()) if floor else key
 
+    @property
+    def fleet_versions(self) -> dict[str, str]:
+        """The weight version set on each protocol's fleet (:class:`Fence`)."""
+        return self.fence.versions
+
     def routable(self, worker: Worker, min_version: str | None = None) -> bool:
-        """Whether ``worker`` may get a new request: up, not fenced, at its
-        fleet's weight version once one is set, and at ``min_version`` or
-        later when given."""
-        if not worker.healthy or worker.fence is not None:
-            return False
-        have = worker.weight_version
-        target = self.fleet_versions.get(worker.protocol.name)
-        if target is not None and have != target:
-            return False
-        return min_version is None or (have is not None and version_order(have) >= version_order(min_version))
+        """Whether ``worker`` may get a new request (:meth:`Fence.admits`)."""
+        return self.fence.admits(worker, min_version)
 
     def unavailable(self, protocol: str, key: Any = None) -> str:
         """Why no worker of ``protocol`` can take a request with ``key``:
@@ -325,51 +183,16 @@ class Router:
         if not self.has_protocol(protocol):
             return f"no worker configured for protocol {protocol!r}"
         workers = [w for w in self.workers if w.protocol.name == protocol and w.healthy and not w.draining]
-        target = self.fleet_versions.get(protocol)
-        fenced = any(w.fence is not None for w in workers)
-        if not workers or (target is None and not fenced and not isinstance(key, RouteKey)):
-            return f"no healthy worker for protocol {protocol!r}"
-        wanted = ["unfenced"] if fenced else []
-        if target is not None:
-            wanted.append(f"at the fleet's weight version {target!r}")
-        if isinstance(key, RouteKey):
-            wanted.append(f"at weight version {key.min_version!r} or later")
-        seen = ", ".join(f"{w.id}: {w.weight_version}" + (f" (fenced: {w.fence})" if w.fence else "")
-                         for w in workers)
-        return f"no healthy worker for protocol {protocol!r} {' and '.join(wanted)} ({seen})"
+        return self.fence.unavailable(protocol, workers, key)
 
     def weights_loaded(self, protocol: str, loaded: list[Worker], failed: dict[Worker, str],
                        version: str | None, fleet: bool, with_weights: bool) -> None:
-        """A weight route answered: ``loaded`` workers now serve ``version``
-        (``None``: the label is kept), each of ``failed`` (with why) is
-        fenced and counted. With ``fleet`` (the call went to every worker,
-        not a named one) ``version`` becomes the fleet's. A fenced worker
-        that reaches the fleet's version (any, while no fleet call set one)
-        is let back when the call loaded weights with it (``with_weights``)
-        or named that worker; a fleet call that only relabels keeps it
-        fenced (it missed the weights)."""
-        if fleet and version is not None:
-            self.fleet_versions[protocol] = version
-        target = self.fleet_versions.get(protocol)
-        for w in loaded:
-            if version is not None:
-                w.info = {**w.info, "weight_version": version}
-            back = with_weights or not fleet
-            if w.fence is not None and back and (target is None or w.weight_version == target):
-                log.warning("worker %s (%s) reached weight version %r: back in the rotation", w.id, w.url,
-                            w.weight_version)
-                w.fence = None
-        for w, why in failed.items():
-            w.failed_updates += 1
-            w.fence = why
-            log.warning("worker %s (%s) fenced out of the rotation: %s", w.id, w.url, why)
+        """A weight route answered (:meth:`Fence.weights_loaded`)."""
+        self.fence.weights_loaded(protocol, loaded, failed, version, fleet, with_weights)
 
     def clear_fence(self, worker: Worker, version: str | None) -> None:
         """An operator let ``worker`` back, its engine now at ``version``."""
-        log.warning("worker %s (%s) fence cleared by an operator (was: %s); weight version %r", worker.id,
-                    worker.url, worker.fence, version)
-        worker.fence = None
-        worker.info = {**worker.info, "weight_version": version}
+        self.fence.clear(worker, version)
 
     def pick(
         self, protocol: str, exclude: Iterable[Worker] = (), role: str = "aggregated", key: Any = None
@@ -441,103 +264,21 @@ class Router:
     def worker_lost(self, worker: Worker, reason: str) -> None:
         """The probe gave ``worker`` up: mark it down, make the policy
         forget its cache, and tell every request riding it
-        (:meth:`InFlight.worker_lost`) at once."""
+        (:meth:`~asgi_generate.workers.worker.InFlight.worker_lost`) at once."""
         self.mark_down(worker, reason)
         self.policy.forget(worker)
         for request in list(worker.inflight):
             request.worker_lost(worker, reason)
 
     async def probe(self, worker: Worker) -> bool:
-        """Check ``worker``'s health (and, when it is not up, read its server
-        info and engine version) within ``health_timeout``; mark it up, count a failure, or
-        declare it lost (:meth:`worker_lost`). Returns whether it is up.
-        These reads are idempotent: one the worker dropped on a reused
-        connection gets one fresh try."""
-        proto = worker.protocol
-        pool = worker.probe_pool
-        try:
-            with anyio.fail_after(self.health_timeout):
-                async with pool.request(b"GET", proto.health_path, idempotent=True) as resp:
-                    await resp.read()
-                    if resp.status != 200:
-                        raise WorkerError(f"health answered {resp.status}")
-                if not worker.healthy:
-                    worker.info = await self._read_info(worker)
-        except TimeoutError:
-            self._probe_failed(worker, f"health probe got no answer within {self.health_timeout:g} s", False)
-            return False
-        except (WorkerError, orjson.JSONDecodeError) as exc:
-            at_once = isinstance(exc, (ConnectFailed, WorkerDisconnected))
-            self._probe_failed(worker, str(exc) or type(exc).__name__, at_once)
-            return False
-        worker.failures = 0
-        if not worker.healthy:
-            log.info("worker %s (%s) is up", worker.id, worker.url)
-        worker.healthy = True
-        worker.last_error = None
-        return True
+        """Check ``worker``'s health, and mark it up, count a failure or
+        declare it lost (:func:`~asgi_generate.workers.probes.probe`).
+        Returns whether it is up."""
+        return await probes.probe(self, worker)
 
-    async def _read_info(self, worker: Worker) -> dict[str, Any]:
-        proto = worker.protocol
-        pool = worker.probe_pool
-        info: dict[str, Any] = {}
-        if proto.info_path is not None:
-            async with pool.request(b"GET", proto.info_path, idempotent=True) as resp:
-                body = await resp.read()
-                if resp.status != 200:
-                    raise WorkerError(f"server info answered {resp.status}")
-            info = proto.read_info(orjson.loads(body))
-            if proto.models_path is not None and info.get("max_model_len") is None:
-                info["max_model_len"] = await self._context_length(pool, proto.models_path)
-        if proto.version_path is not None:
-            async with pool.request(b"GET", proto.version_path, idempotent=True) as resp:
-                body = await resp.read()
-            # An engine without the route still serves; its version
-            # stays unknown and codecs rely on no versioned behaviour.
-            info["version"] = proto.read_version(orjson.loads(body)) if resp.status == 200 else None
-        if proto.weight_version_path is not None:
-            info["weight_version"] = await self.read_weight_version(worker)
-        return info
-
-    @staticmethod
-    async def read_weight_version(worker: Worker) -> str | None:
-        """The weight version ``worker``'s engine reports now; ``None`` when
-        it has no such route or gives none (an engine without the RL routes
-        still serves)."""
-        path = worker.protocol.weight_version_path
-        if path is None:
-            return None
-        try:
-            async with worker.probe_pool.request(b"GET", path) as resp:
-                body = await resp.read()
-            return worker.protocol.read_version(orjson.loads(body), "weight_version") if resp.status == 200 else None
-        except (WorkerError, orjson.JSONDecodeError):
-            return None
-
-    def _probe_failed(self, worker: Worker, reason: str, at_once: bool) -> None:
-        worker.failures += 1
-        if at_once or worker.failures >= self.health_failures:
-            self.worker_lost(worker, reason)
-        elif not worker.healthy:
-            self.mark_down(worker, reason)
-        else:
-            log.warning("worker %s (%s) health probe failed (%d of %d before down): %s",
-                        worker.id, worker.url, worker.failures, self.health_failures, reason)
-
-    @staticmethod
-    async def _context_length(pool: ConnectionPool, path: bytes) -> int | None:
-        """The context length from the worker's model list at ``path``,
-        ``None`` if it gives none: a worker without the route (or one that
-        drops the connection on it) is not unhealthy for that, its prompts
-        are just left to it to check."""
-        try:
-            async with pool.request(b"GET", path, idempotent=True) as resp:
-                body = await resp.read()
-            if resp.status != 200:
-                return None
-            return read_model_card(orjson.loads(body)).get("max_model_len")
-        except (WorkerError, orjson.JSONDecodeError):
-            return None
+    #: The weight version ``worker``'s engine reports now
+    #: (:func:`~asgi_generate.workers.probes.read_weight_version`).
+    read_weight_version = staticmethod(probes.read_weight_version)
 
     @property
     def healthy_count(self) -> int:

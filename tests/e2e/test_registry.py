@@ -52,15 +52,16 @@ def environment_untouched():
     assert environment_snapshot() == before
 
 
-def make_dist(root: pathlib.Path, name: str, version: str, module: str, source: str, eps: dict[str, str]) -> None:
+def make_dist(root: pathlib.Path, name: str, version: str, module: str, source: str, eps: dict[str, str],
+              group: str = "asgi_generate.codecs") -> None:
     """Lay out distribution ``name`` ``version`` with module ``module`` and
-    entry points ``eps`` (name -> ``module:attr``) in ``root``."""
+    entry points ``eps`` (name -> ``module:attr``) of ``group`` in ``root``."""
     (root / f"{module}.py").write_text(textwrap.dedent(source))
     info = root / f"{name.replace('-', '_')}-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     lines = "".join(f"{k} = {v}\n" for k, v in eps.items())
-    (info / "entry_points.txt").write_text(f"[asgi_generate.codecs]\n{lines}")
+    (info / "entry_points.txt").write_text(f"[{group}]\n{lines}")
 
 
 def env_with(path: pathlib.Path) -> dict[str, str]:
@@ -272,3 +273,45 @@ def test_every_codec_that_declares_itself_wrongly_is_named_with_its_reason(tmp_p
     )
     listed = cli(tmp_path, "codecs")
     assert (listed.returncode, listed.stderr) == (2, expected)
+
+
+ENGINES = "asgi_generate.engines"
+
+
+def test_an_engine_that_fails_to_load_or_is_no_engine_is_named_with_its_reason(tmp_path):
+    make_dist(tmp_path, "throwaway-engines", "2.0", "throwaway_engines", """
+        from asgi_generate.protocols import WorkerProtocol
+
+
+        def broken():
+            raise RuntimeError("no such engine")
+
+
+        NOT_ONE = 42
+        RENAMED = WorkerProtocol("othername", b"/health", None, b"/abort", dict, "ids")
+    """, {"broken": "throwaway_engines:broken", "notone": "throwaway_engines:NOT_ONE",
+          "renamed": "throwaway_engines:RENAMED"}, group=ENGINES)
+    where = "(throwaway-engines 2.0, throwaway_engines:{})"
+    for command in (["codecs"], ["serve", "--host", "127.0.0.1", "--port", "0", "--worker",
+                                 "sglang=http://127.0.0.1:9"]):
+        done = cli(tmp_path, *command)
+        assert done.returncode == 2
+        assert done.stdout == ""
+        assert done.stderr == (
+            f"asgi-generate: engine 'broken' {where.format('broken')} failed to load: RuntimeError: no such engine\n"
+            f"asgi-generate: engine 'notone' {where.format('NOT_ONE')} failed to load: TypeError: "
+            "throwaway_engines:NOT_ONE gave a int, not an asgi_generate.protocols.WorkerProtocol\n"
+            f"asgi-generate: engine 'renamed' {where.format('RENAMED')} failed to load: ValueError: "
+            "the engine is named 'othername'; its entry point must carry the same name\n"
+        )
+
+
+def test_two_engines_with_one_name_are_both_named(tmp_path):
+    make_dist(tmp_path, "asgi-generate-again", "1.0", "again_engine", """
+        from asgi_generate_sglang.engine import ENGINE
+    """, {"sglang": "again_engine:ENGINE"}, group=ENGINES)
+    sglang = f"'sglang' (asgi-generate-sglang {SGLANG.version}, asgi_generate_sglang.engine:ENGINE)"
+    done = cli(tmp_path, "codecs")
+    assert done.returncode == 2
+    assert done.stderr == ("asgi-generate: engines 'sglang' (asgi-generate-again 1.0, again_engine:ENGINE) and "
+                           f"{sglang} both use the name 'sglang'\n")

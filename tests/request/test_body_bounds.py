@@ -25,7 +25,9 @@ from asgi_generate.request.budget import BodyBudget
 from asgi_generate.exceptions import BodyTimeout, ClientDisconnected
 from asgi_generate.request.framing import read_body
 from asgi_generate.server.hypercorn.lean import AppQueue, TrioAppQueue
-from asgi_generate.protocols import SGLANG, VLLM, read_model_card
+from asgi_generate.protocols import PROTOCOLS, read_model_card
+
+SGLANG, VLLM = PROTOCOLS["sglang"], PROTOCOLS["vllm"]
 from support import post, sse, start_frontend, start_sim, stats, trace_records
 
 MiB = 1024 * 1024

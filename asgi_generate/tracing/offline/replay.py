@@ -50,6 +50,7 @@ import anyio
 import httpx
 import orjson
 
+from ...protocols import PROTOCOLS
 from .rows import exportable, mooncake_rows, percentile
 from .validate import read_jsonl
 
@@ -59,7 +60,6 @@ FIRST_TOKEN_ID = 100
 #: Block size of the published Mooncake traces (FAST'25 artifact), which
 #: their rows do not carry.
 MOONCAKE_BLOCK_SIZE = 512
-ROUTES = {"sglang": "/generate", "vllm": "/inference/v1/generate"}
 
 
 @dataclass(slots=True)
@@ -219,12 +219,7 @@ def request_body(fmt: str, index: int, row: Row, block_size: int, vocab_size: in
     that it cannot end before the point where the client left."""
     ids = prompt_tokens(row, block_size, vocab_size)
     out = max(1, row.output_length) if row.leave_after_tokens is None else row.leave_after_tokens + 1
-    if fmt == "sglang":
-        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": out, "ignore_eos": True},
-                "stream": True, "rid": f"replay-{index}"}
-    else:
-        body = {"token_ids": ids, "sampling_params": {"max_tokens": out, "ignore_eos": True},
-                "stream": True, "stream_options": {"include_usage": True}, "request_id": f"replay-{index}"}
+    body = PROTOCOLS[fmt].replay_body(ids, out, f"replay-{index}")  # type: ignore[misc]
     return orjson.dumps(body)
 
 
@@ -234,12 +229,8 @@ def _read_event(fmt: str, obj: dict, so_far: int) -> tuple[int, bool, str | None
     if "error" in obj:
         err = obj["error"]
         return so_far, False, (err.get("message") if isinstance(err, dict) else str(err)) or "error"
-    if fmt == "sglang":
-        meta = obj.get("meta_info", {})
-        return meta.get("completion_tokens", so_far), meta.get("finish_reason") is not None, None
-    choices = obj.get("choices") or []
-    added = sum(len(c.get("token_ids") or []) for c in choices)
-    return so_far + added, any(c.get("finish_reason") for c in choices), None
+    tokens, done = PROTOCOLS[fmt].replay_progress(obj, so_far)  # type: ignore[misc]
+    return tokens, done, None
 
 
 async def _one(client: httpx.AsyncClient, fmt: str, row: Row, body: bytes, res: Result, t0: float) -> None:
@@ -261,7 +252,7 @@ async def _stream(client: httpx.AsyncClient, fmt: str, leave_at: int | None, bod
     first event, unread, for 0)."""
     finished = False
     try:
-        async with client.stream("POST", ROUTES[fmt], content=body,
+        async with client.stream("POST", PROTOCOLS[fmt].generate_path, content=body,
                                  headers={"content-type": "application/json"}) as resp:
             if resp.status_code != 200:
                 body = await resp.aread()
@@ -305,7 +296,7 @@ async def replay(
     block_size: int,
     url: str,
     *,
-    fmt: str = "sglang",
+    fmt: str,
     speedup: float = 1.0,
     max_concurrency: int = 256,
     timeout: float = 600.0,
@@ -316,7 +307,9 @@ async def replay(
     """Replay ``rows`` against the frontend at ``url`` (module docstring).
 
     Args:
-        fmt: ``sglang`` or ``vllm`` (the native route used).
+        fmt: the engine whose native generate route and body are used
+            (:attr:`~asgi_generate.protocols.WorkerProtocol.generate_path`,
+            ``replay_body``): ``sglang`` or ``vllm``.
         speedup: arrival times are divided by it.
         max_concurrency: requests in flight at most (and connections open).
         timeout: seconds each request may wait for any one read.

@@ -36,6 +36,8 @@ from typing import Iterable, Sequence
 
 import orjson
 
+from ...exceptions import EngineLoadError
+from ...protocols import PROTOCOLS
 from ..schema import schema_json
 from .rows import mooncake_rows, percentile
 from .validate import check_records, read_jsonl
@@ -118,7 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     ):
         sub.add_parser(name, help=help_).add_argument("files", nargs="+", metavar="FILE")
     sub.add_parser("schema", help="print the record JSON Schema")
-    _replay_parser(sub)
+    try:  # --format's choices are the installed engines'
+        _replay_parser(sub)
+    except EngineLoadError as exc:
+        for line in str(exc).splitlines():
+            print(f"asgi-generate-trace: {line}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if args.command == "schema":
         sys.stdout.buffer.write(schema_json())
@@ -142,7 +149,8 @@ def _replay_parser(sub) -> None:
                         description="Replay request_end records or a Mooncake trace against a frontend.")
     rp.add_argument("files", nargs="+", metavar="FILE", help="request_end JSONL files, or one Mooncake trace")
     rp.add_argument("--url", required=True, help="the frontend's base URL, e.g. http://127.0.0.1:8000")
-    rp.add_argument("--format", choices=("sglang", "vllm"), default="sglang",
+    formats = [e.name for e in PROTOCOLS.where(replay_body=True)]
+    rp.add_argument("--format", choices=formats, default=formats[0] if formats else None,
                     help="native route to send to (default %(default)s)")
     rp.add_argument("--speedup", type=_above_zero, default=1.0,
                     help="divide the recorded arrival times by this (default %(default)s)")

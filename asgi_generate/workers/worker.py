@@ -1,0 +1,120 @@
+"""One engine worker as the router keeps it, and what rides on it.
+
+A worker's state (``up``, ``draining``, ``down``), its server info, its
+connection pools and the requests in flight on it;
+:class:`~asgi_generate.workers.router.Router` adds, picks, probes
+(:mod:`~asgi_generate.workers.probes`) and fences
+(:mod:`~asgi_generate.workers.fence`) them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from .http import ConnectionPool
+from ..protocols import WorkerProtocol
+
+
+class InFlight(Protocol):
+    """A request riding a worker, as the router sees it (the handler's
+    leg).
+
+    Attributes:
+        route_key: its request's routing key (:meth:`~asgi_generate.workers.router.Router.routing_key`),
+            or ``None``.
+        attempt: its attempt; ``attempt.tokens`` are the output tokens it
+            produced so far.
+    """
+
+    route_key: Any
+    attempt: Any
+
+    def worker_lost(self, worker: "Worker", reason: str) -> None:
+        """``worker`` was declared lost by its health probe: stop waiting
+        for it (today the request ends; migration will resume it elsewhere).
+        Called from the probe's task; must not block."""
+
+
+class Worker:
+    """One engine worker.
+
+    Attributes:
+        id: ``w0``, ``w1``, ... in the order workers joined (never reused).
+        url: its base URL, ``http://host:port`` or ``https://host:port``.
+        protocol: the native protocol it speaks.
+        pool: its keep-alive connection pool for requests and aborts.
+        probe_pool: the health probe's own connection, so probes never wait
+            behind requests.
+        healthy: routable now.
+        inflight: the requests riding it now (the handler adds and removes
+            them around each attempt).
+        failures: health probes failed in a row.
+        info: its server info (``{}`` until read); ``info["version"]`` is
+            its engine version when it reported one.
+        last_error: why it was last marked down.
+        role: ``aggregated``, ``prefill`` or ``decode``.
+        bootstrap_port: a prefill worker's join port (SGLang's bootstrap port),
+            for an engine whose pairs join by one, else ``None``.
+        draining: left the fleet: gets no new requests, its in-flight ones
+            finish (:meth:`~asgi_generate.workers.router.Router.drain`).
+        fence: why it is fenced (it failed a weight update), else ``None``.
+        failed_updates: weight updates it failed.
+
+    ``info`` is replaced, never changed in place, so an attempt keeps the
+    info (the weight version) its worker had when the attempt was sent.
+    """
+
+    def __init__(
+        self, wid: str, protocol: WorkerProtocol, url: str, pool: ConnectionPool, probe_pool: ConnectionPool,
+        role: str = "aggregated", bootstrap_port: int | None = None,
+    ) -> None:
+        self.id = wid
+        self.protocol = protocol
+        self.url = url
+        self.role = role
+        self.bootstrap_port = bootstrap_port
+        self.pool = pool
+        self.probe_pool = probe_pool
+        self.healthy = False
+        self.inflight: set[InFlight] = set()
+        self.failures = 0
+        self.info: dict[str, Any] = {}
+        self.last_error: str | None = None
+        self.index = 0
+        self.draining = False
+        self.fence: str | None = None
+        self.failed_updates = 0
+
+    @property
+    def weight_version(self) -> str | None:
+        """The weight version its engine serves, ``None`` when unknown."""
+        return self.info.get("weight_version")
+
+    @property
+    def outstanding(self) -> int:
+        """Requests in flight on it."""
+        return len(self.inflight)
+
+    @property
+    def state(self) -> str:
+        """``draining`` (out of the rotation, its requests running on),
+        ``up`` (in the rotation) or ``down``, as ``/v1/models`` lists it."""
+        return "draining" if self.draining else "up" if self.healthy else "down"
+
+    def describe(self) -> dict[str, Any]:
+        """The worker as ``/v1/models`` lists it."""
+        return {
+            "id": self.id,
+            "url": self.url,
+            "protocol": self.protocol.name,
+            "role": self.role,
+            **({"bootstrap_port": self.bootstrap_port} if self.bootstrap_port is not None else {}),
+            "state": self.state,
+            "outstanding": self.outstanding,
+            "model": self.info.get("served_model_name") or self.info.get("model_path"),
+            "engine_version": self.info.get("version"),
+            "max_model_len": self.info.get("max_model_len"),
+            "last_error": self.last_error,
+            "weight_version": self.weight_version,
+            "fence": self.fence,
+        }

@@ -1,0 +1,122 @@
+"""SGLang as an asgi-generate engine: its description
+(:class:`~asgi_generate.protocols.WorkerProtocol`), registered in the
+``asgi_generate.engines`` entry point group.
+
+Routes from ``python/sglang/srt/entrypoints/http_server.py``: ``health``,
+``get_server_info``, ``abort_request`` (``{"rid"}``, 200 with an empty
+body), ``get_model_info`` (the weight version), the admin and weight routes
+below; P/D from ``disaggregation/mini_lb.py``.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from typing import Callable, Mapping
+
+from asgi_generate.protocols import WorkerProtocol, positive_int
+
+
+def read_server_info(obj: dict) -> dict:
+    """SGLang's ``/get_server_info`` (``http_server.get_server_info``: the
+    ``ServerArgs`` fields and scheduler info; its ``version`` is the
+    engine's) as is, its ``context_length`` (``--context-length``, null
+    unless given) copied to ``max_model_len``."""
+    return {**obj, "max_model_len": positive_int(obj.get("context_length"))}
+
+
+def bootstrap(host: str, port: int | None, rooms: "list[int] | int") -> dict:
+    """SGLang's P/D join fields (``disaggregation/mini_lb.py``:
+    ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``; a list of
+    rooms for a batch, ``io_struct.GenerateReqInput._normalize_bootstrap_params``)."""
+    return {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": rooms}
+
+
+def replay_body(ids: list[int], max_tokens: int, rid: str) -> dict:
+    """A streamed ``/generate`` request (``io_struct.GenerateReqInput``)."""
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens, "ignore_eos": True},
+            "stream": True, "rid": rid}
+
+
+def replay_progress(obj: dict, so_far: int) -> tuple[int, bool]:
+    """Output tokens and whether it finished, from one streamed event's
+    ``meta_info`` (``completion_tokens``, ``finish_reason``)."""
+    meta = obj.get("meta_info", {})
+    return meta.get("completion_tokens", so_far), meta.get("finish_reason") is not None
+
+
+def read_loads(body: bytes) -> tuple[int, int]:
+    """``GET /v1/loads?include=core`` (``sglang/srt/entrypoints/v1_loads.py``
+    ``get_loads``): ``{"loads": [{"num_running_reqs", "num_waiting_reqs",
+    "num_waiting_uncached_tokens", ...}, ...]}``, one entry per DP rank
+    (``LoadSnapshot`` in ``sglang/srt/managers/load_snapshot.py``), as
+    (requests running plus waiting, uncached prompt tokens waiting).
+
+    Raises:
+        ValueError: no loads list, or an entry without its counts.
+    """
+    loads = orjson.loads(body).get("loads")
+    if not isinstance(loads, list):
+        raise ValueError("/v1/loads has no loads list")
+    try:
+        return (sum(int(x["num_running_reqs"]) + int(x["num_waiting_reqs"]) for x in loads),
+                sum(int(x.get("num_waiting_uncached_tokens", 0)) for x in loads))
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"/v1/loads entry without its counts: {exc!r}") from None
+
+
+def aborting_pause(path: str, query: "Mapping[str, str]", body: "Callable[[], object]") -> bool:
+    """``/pause_generation`` with ``mode`` ``abort`` (the default,
+    ``PauseGenerationReqInput``) aborts running requests."""
+    if path != "/pause_generation":
+        return False
+    obj = body()
+    return isinstance(obj, dict) and obj.get("mode", "abort") == "abort"
+
+
+ENGINE = WorkerProtocol(
+    "sglang", b"/health", b"/get_server_info", b"/abort_request", read_server_info, "rid", pd="concurrent",
+    pair_join=bootstrap, models_path=b"/v1/models", weight_version_path=b"/get_model_info",
+    join_query="bootstrap_port",
+    # ``--disaggregation-bootstrap-port``'s default (server_args.py).
+    default_join_port=8998,
+    join_port_info_field="disaggregation_bootstrap_port",
+    simulated=True,
+    sim_pd_flags=(("--disaggregation-mode", "prefill", "--bootstrap-port", "0"), ("--disaggregation-mode", "decode")),
+    admin_routes=(
+        ("/flush_cache", ("GET", "POST")),
+        ("/pause_generation", ("POST",)),
+        ("/continue_generation", ("POST",)),
+        ("/release_memory_occupation", ("GET", "POST")),
+        ("/resume_memory_occupation", ("GET", "POST")),
+    ),
+    weight_routes=(
+        ("/destroy_weights_update_group", ("POST",)),
+        ("/update_weights_from_distributed", ("POST",)),
+        ("/update_weights_from_tensor", ("POST",)),
+        ("/update_weights_from_ipc", ("POST",)),
+        ("/update_weights_from_disk", ("POST",)),
+        ("/begin_weight_update", ("POST",)),
+        ("/end_weight_update", ("POST",)),
+        ("/get_weights_by_name", ("GET", "POST")),
+        ("/weights_checker", ("GET", "POST")),
+    ),
+    group_init=("/init_weights_update_group", None),
+    parallel_size=(b"/get_server_info", "tp_size"),
+    health_generate=(b"/health_generate", None),
+    native_admin=True,
+    generate_path="/generate",
+    replay_body=replay_body,
+    replay_progress=replay_progress,
+    load_path=b"/v1/loads?include=core",
+    load_reader=read_loads,
+    weight_loads=(
+        ("/update_weights_from_distributed", "weight_version", True),
+        ("/update_weights_from_tensor", "weight_version", True),
+        ("/update_weights_from_ipc", "weight_version", True),
+        ("/update_weights_from_disk", "weight_version", True),
+    ),
+    cache_resets=("/flush_cache",),
+    resumes=("/continue_generation",),
+    aborting_pause=aborting_pause,
+)

@@ -1,0 +1,112 @@
+"""vLLM as an asgi-generate engine: its description
+(:class:`~asgi_generate.protocols.WorkerProtocol`), registered in the
+``asgi_generate.engines`` entry point group.
+
+Routes from ``vllm/entrypoints/openai/api_server.py`` (``health``,
+``show_available_models``, ``show_version``), on a ``--tokens-only`` server
+``vllm/entrypoints/serve/disagg/api_router.py`` (``abort_requests``:
+``{"request_ids"}`` with the engine's prefixed ids) and the RL routes of
+``rl/online/api_router.py`` (admin and weights, below).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from asgi_generate.protocols import WorkerProtocol, read_model_card
+
+#: vLLM runs each of the ``n`` choices as a request of its own
+#: (``ParentRequest.get_child_info`` in ``v1/engine/parallel_sampling.py``),
+#: each sharing the one ``kv_transfer_params`` and reading the producer's
+#: blocks, which the producer frees after the first reader's notification
+#: (``consumer_notification_counts_by_req`` in
+#: ``distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py``).
+ITEMS_REFUSAL = ("n > 1 cannot run on a vLLM prefill/decode pair: each choice would read the one "
+                 "prefill's KV, which the producer frees after the first read; send n requests of n = 1, "
+                 "or add an aggregated worker")
+
+
+def replay_body(ids: list[int], max_tokens: int, rid: str) -> dict:
+    """A streamed ``/inference/v1/generate`` request, usage included."""
+    return {"token_ids": ids, "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True},
+            "stream": True, "stream_options": {"include_usage": True}, "request_id": rid}
+
+
+def replay_progress(obj: dict, so_far: int) -> tuple[int, bool]:
+    """Output tokens and whether it finished, from one streamed event's
+    ``choices`` (their ``token_ids`` added, any ``finish_reason``)."""
+    choices = obj.get("choices") or []
+    added = sum(len(c.get("token_ids") or []) for c in choices)
+    return so_far + added, any(c.get("finish_reason") for c in choices)
+
+
+#: The scheduler gauges of ``GET /metrics`` (``PrometheusStatLogger`` in
+#: ``vllm/v1/metrics/loggers.py``), one sample per engine (DP rank). vLLM's
+#: ``GET /load`` is not used: it counts only with
+#: ``--enable-server-load-tracking``.
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def read_metrics(body: bytes) -> tuple[int, int]:
+    """``GET /metrics``: the :data:`GAUGES` summed over their samples, as
+    (requests running plus waiting, 0: vLLM serves no uncached prompt
+    token figure).
+
+    Raises:
+        ValueError: a gauge is missing, or the text is not Prometheus'.
+    """
+    total, seen = 0.0, set()
+    for family in text_string_to_metric_families(body.decode("utf-8", "replace")):
+        if family.name in GAUGES:
+            seen.add(family.name)
+            total += sum(sample.value for sample in family.samples)
+    if len(seen) != len(GAUGES):
+        raise ValueError(f"/metrics lacks {sorted(set(GAUGES) - seen)}")
+    return int(total), 0
+
+
+def aborting_pause(path: str, query: "Mapping[str, str]", body: "Callable[[], object]") -> bool:
+    """``/pause`` with ``mode=abort`` (the default, ``rl/online/api_router.py``
+    ``pause_generation``) aborts running requests."""
+    return path == "/pause" and query.get("mode", "abort") == "abort"
+
+
+ENGINE = WorkerProtocol(
+    "vllm", b"/health", b"/v1/models", b"/abort_requests", read_model_card, "request_ids", abort_takes_list=True,
+    engine_id_prefix="generate-tokens-", version_path=b"/version", pd="sequential",
+    pd_items_refusal=ITEMS_REFUSAL, weight_version_path=b"/weight_info",
+    simulated=True,
+    sim_pd_flags=(("--kv-role", "producer"), ("--kv-role", "consumer")),
+    admin_routes=(
+        ("/reset_prefix_cache", ("POST",)),
+        ("/sleep", ("POST",)),
+        ("/wake_up", ("POST",)),
+        ("/is_sleeping", ("GET",)),
+        ("/pause", ("POST",)),
+        ("/resume", ("POST",)),
+        ("/is_paused", ("GET",)),
+    ),
+    weight_routes=(
+        ("/shutdown_weight_transfer_engine", ("POST",)),
+        ("/start_weight_update", ("POST",)),
+        ("/update_weights", ("POST",)),
+        ("/finish_weight_update", ("POST",)),
+        ("/weight_checker", ("POST",)),
+        ("/weight_info", ("GET",)),
+    ),
+    group_init=("/init_weight_transfer_engine", "init_info"),
+    parallel_size=(b"/get_world_size", "world_size"),
+    health_generate=(b"/inference/v1/generate", orjson.dumps({"token_ids": [0], "sampling_params": {"max_tokens": 1}})),
+    generate_path="/inference/v1/generate",
+    replay_body=replay_body,
+    replay_progress=replay_progress,
+    load_path=b"/metrics",
+    load_reader=read_metrics,
+    weight_loads=(("/update_weights", None, True), ("/finish_weight_update", "weight_version", False)),
+    cache_resets=("/reset_prefix_cache",),
+    resumes=("/resume",),
+    aborting_pause=aborting_pause,
+)
