@@ -122,6 +122,13 @@ class WorkerProtocol:
             (the routing policy forgets what it knew of it).
         resumes: admin routes that end a pause
             (:mod:`asgi_generate.workers.pauses`).
+        kv_events_path: GET, where the worker says it publishes its KV
+            cache events (:mod:`asgi_generate.workers.policies.kv_sources`);
+            ``None``: it says nowhere.
+        kv_events_reader: that route's JSON read with the worker URL's host
+            as ``((publisher endpoint, replay endpoint or None, topic) or
+            None, block size or None, why there is none)``, a wildcard host
+            dialled as the worker's (:func:`dial`).
         aborting_pause: whether an admin call is a pause that aborts running
             requests: ``aborting_pause(path, query, body)`` with the query
             parameters and the body as parsed JSON (a callable, read only
@@ -162,6 +169,8 @@ class WorkerProtocol:
     cache_resets: tuple[str, ...] = ()
     resumes: tuple[str, ...] = ()
     aborting_pause: "Callable[[str, Mapping[str, str], Callable[[], object]], bool] | None" = None
+    kv_events_path: bytes | None = None
+    kv_events_reader: "Callable[[object, str], tuple[tuple[str, str | None, str] | None, int | None, str]] | None" = None
 
     def read_info(self, obj: object) -> dict:
         """Normalise the info route's JSON, with the context length in tokens
@@ -222,6 +231,16 @@ def read_model_card(obj: object) -> dict:
     first = data[0]
     return {"served_model_name": first.get("id"), "max_model_len": positive_int(first.get("max_model_len")),
             "root": first.get("root")}
+
+
+#: Hosts an engine binds its publisher to that a subscriber cannot dial.
+WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
+
+
+def dial(name: str, host: str) -> str:
+    """The host to dial for a publisher bound to ``name``: ``host`` (the
+    worker URL's) for a wildcard, else ``name``."""
+    return host if name in WILDCARD_HOSTS else name
 
 
 def positive_int(value: object) -> int | None:

@@ -36,7 +36,8 @@ from ..assets import TOKENIZER_PATH
 from ..config import Settings
 from ..protocols import PROTOCOLS, WorkerProtocol
 from .serving import listening_socket
-from ..workers.http import ConnectionPool, WorkerError
+from ..exceptions import WorkerError
+from ..workers.http import ConnectionPool
 
 log = logging.getLogger("asgi_generate.server.embedded")
 

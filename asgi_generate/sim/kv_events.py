@@ -42,7 +42,7 @@ trailing ``{"cache_salt": ...}``). The hashes are each engine's own
 (:mod:`asgi_generate.sim.block_hash`): vLLM publishes unsigned 64-bit ints,
 SGLang signed.
 
-Discovery: vLLM ``GET /kv_event_sources`` (0.32 and later,
+Discovery: vLLM ``GET /kv_event_sources`` (0.31 and later,
 ``vllm/entrypoints/serve/instrumentator/basic.py``: the publisher's config
 per data-parallel rank); SGLang ``/server_info``'s ``kv_events``
 (``describe_kv_events_publisher`` in ``sglang/srt/runtime_context.py``).

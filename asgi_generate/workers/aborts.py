@@ -26,7 +26,7 @@ engine. So each worker gets one :class:`AbortQueue`:
   load of an engine already slow to answer (and name the ids twice);
 - a connection that closes before the answer's head leaves the abort
   unacknowledged, not sent again (the engine may have read it: the pool
-  never re-sends one, :class:`~asgi_generate.workers.http.Unanswered`);
+  never re-sends one, :class:`~asgi_generate.exceptions.Unanswered`);
   the worker's own probe judges whether it is gone;
 - a refused connect or a connection broken mid-answer means the worker is lost: that
   batch and everything queued behind it end at once as ``lost``, the worker

@@ -45,8 +45,7 @@ from typing import Iterable
 import anyio
 import h11
 
-# WorkerError: the base of the pool's failures, which callers catch.
-from ..exceptions import ConnectFailed, TimedOut, Unanswered, WorkerDisconnected, WorkerError  # noqa: F401
+from ..exceptions import ConnectFailed, TimedOut, Unanswered, WorkerDisconnected
 from .sockets import TCPConnection, TLSConnection, connect
 
 log = logging.getLogger("asgi_generate.workers")

@@ -18,7 +18,8 @@ from typing import Any, Protocol
 import anyio
 import orjson
 
-from .http import ConnectFailed, ConnectionPool, WorkerDisconnected, WorkerError
+from ..exceptions import ConnectFailed, WorkerDisconnected, WorkerError
+from .http import ConnectionPool
 from .worker import Worker
 from ..protocols import read_model_card
 

@@ -196,7 +196,7 @@ class TCPConnection:
         (:attr:`watched`) the answer is known without a system call: it
         would have turned readable at the loop's last turn, and its parked
         reader dropped it (bytes that came since then are as a close racing
-        the request: the pool's :class:`~asgi_generate.workers.http.Unanswered`)."""
+        the request: the pool's :class:`~asgi_generate.exceptions.Unanswered`)."""
         return not self.watched and readable_now(self.sock)
 
     async def send(self, data: bytes) -> None:

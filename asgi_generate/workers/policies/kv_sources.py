@@ -24,16 +24,6 @@ log = logging.getLogger("asgi_generate.kv_aware")
 DISCOVERY_TIMEOUT_S = 5.0
 #: Seconds between looks at a worker waiting to be up, or to come back.
 WATCH_S = 0.2
-_WILDCARDS = ("*", "0.0.0.0", "::", "[::]")
-
-
-def _dial(endpoint: str, host: str) -> str:
-    """``endpoint`` with a wildcard host replaced by ``host``."""
-    rest = endpoint[len("tcp://"):]
-    name, _, port = rest.rpartition(":")
-    return f"tcp://{host}:{port}" if name in _WILDCARDS else endpoint
-
-
 async def follow_events(worker: Any, kv: WorkerKV, given: Source | None) -> None:
     """``worker``'s subscriber service: once the worker is up, find where it
     publishes (:func:`discover`) and follow its events into ``kv``'s index
@@ -63,14 +53,15 @@ async def follow_events(worker: Any, kv: WorkerKV, given: Source | None) -> None
 async def discover(worker: Any, given: Source | None) -> tuple[Source | None, int | None, str]:
     """Where ``worker`` publishes its KV events, its block size if it says,
     and why not when it does not: ``given`` (a ``--kv-events`` source) when
-    there is one, else what the worker answers (vLLM ``GET
-    /kv_event_sources``, SGLang ``GET /server_info``'s ``kv_events``), a
-    wildcard host read as the worker URL's."""
-    host = urlsplit(worker.url).hostname or "127.0.0.1"
+    there is one, else what the worker answers on its engine's
+    ``kv_events_path`` (vLLM ``GET /kv_event_sources``, SGLang ``GET
+    /server_info``'s ``kv_events``), read by its ``kv_events_reader``."""
     if given is not None:
         return given, None, ""
-    vllm = worker.protocol.name == "vllm"
-    path = b"/kv_event_sources" if vllm else b"/server_info"
+    protocol = worker.protocol
+    if protocol.kv_events_path is None:
+        return None, None, f"{protocol.name} workers say nowhere where they publish KV events"
+    path = protocol.kv_events_path
     try:
         with anyio.fail_after(DISCOVERY_TIMEOUT_S):
             async with worker.pool.request(b"GET", path) as resp:
@@ -80,19 +71,5 @@ async def discover(worker: Any, given: Source | None) -> tuple[Source | None, in
         info = orjson.loads(body)
     except (TimeoutError, WorkerError, orjson.JSONDecodeError) as exc:
         return None, None, f"GET {path.decode()} failed: {exc!r}"
-    if vllm:
-        config = info.get("0") if isinstance(info, dict) else None
-        if not isinstance(config, dict) or config.get("publisher") != "zmq":
-            return None, None, "GET /kv_event_sources lists no zmq publisher"
-        replay = config.get("replay_endpoint")
-        return (Source(_dial(config["endpoint"], host), replay and _dial(replay, host), config.get("topic") or ""),
-                None, "")
-    events = info.get("kv_events") if isinstance(info, dict) else None
-    if not isinstance(events, dict) or events.get("publisher") != "zmq":
-        return None, None, "/server_info has no kv_events publisher"
-    name = events.get("endpoint_host") or host
-    dial = host if name in _WILDCARDS else name
-    replay = events.get("replay_endpoint_port_base")
-    source = Source(f"tcp://{dial}:{events['endpoint_port_base']}",
-                    f"tcp://{dial}:{replay}" if replay is not None else None, events.get("topic") or "")
-    return source, events.get("block_size"), ""
+    endpoints, block_size, why = protocol.kv_events_reader(info, urlsplit(worker.url).hostname or "127.0.0.1")
+    return (Source(*endpoints) if endpoints is not None else None), block_size, why

@@ -14,7 +14,7 @@ import orjson
 
 from typing import Callable, Mapping
 
-from asgi_generate.protocols import WorkerProtocol, positive_int
+from asgi_generate.protocols import WorkerProtocol, dial, positive_int
 
 
 def read_server_info(obj: dict) -> dict:
@@ -74,6 +74,20 @@ def aborting_pause(path: str, query: "Mapping[str, str]", body: "Callable[[], ob
     return isinstance(obj, dict) and obj.get("mode", "abort") == "abort"
 
 
+def kv_events(info: object, host: str) -> tuple[tuple[str, str | None, str] | None, int | None, str]:
+    """``GET /server_info``'s ``kv_events`` (the ``--kv-events-config``
+    the scheduler publishes with: ``endpoint_host``, ``endpoint_port_base``,
+    ``replay_endpoint_port_base``, ``topic``, ``block_size``) read as DP
+    rank 0's ZMQ endpoints (see ``WorkerProtocol.kv_events_reader``)."""
+    events = info.get("kv_events") if isinstance(info, dict) else None
+    if not isinstance(events, dict) or events.get("publisher") != "zmq":
+        return None, None, "/server_info has no kv_events publisher"
+    name = dial(events.get("endpoint_host") or host, host)
+    replay = events.get("replay_endpoint_port_base")
+    return ((f"tcp://{name}:{events['endpoint_port_base']}", f"tcp://{name}:{replay}" if replay is not None else None,
+             events.get("topic") or ""), events.get("block_size"), "")
+
+
 ENGINE = WorkerProtocol(
     "sglang", b"/health", b"/get_server_info", b"/abort_request", read_server_info, "rid", pd="concurrent",
     pair_join=bootstrap, models_path=b"/v1/models", weight_version_path=b"/get_model_info",
@@ -118,5 +132,7 @@ ENGINE = WorkerProtocol(
     ),
     cache_resets=("/flush_cache",),
     resumes=("/continue_generation",),
+    kv_events_path=b"/server_info",
+    kv_events_reader=kv_events,
     aborting_pause=aborting_pause,
 )

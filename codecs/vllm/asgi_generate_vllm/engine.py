@@ -16,7 +16,7 @@ from typing import Callable, Mapping
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from asgi_generate.protocols import WorkerProtocol, read_model_card
+from asgi_generate.protocols import WorkerProtocol, dial, read_model_card
 
 #: vLLM runs each of the ``n`` choices as a request of its own
 #: (``ParentRequest.get_child_info`` in ``v1/engine/parallel_sampling.py``),
@@ -74,6 +74,23 @@ def aborting_pause(path: str, query: "Mapping[str, str]", body: "Callable[[], ob
     return path == "/pause" and query.get("mode", "abort") == "abort"
 
 
+def kv_event_sources(info: object, host: str) -> tuple[tuple[str, str | None, str] | None, int | None, str]:
+    """``GET /kv_event_sources`` (``entrypoints/serve/instrumentator/basic.py``: DP rank
+    -> the ``KVEventsConfig`` it publishes with) read as rank 0's ZMQ
+    publisher and replay endpoints and topic (see
+    ``WorkerProtocol.kv_events_reader``); vLLM says no block size there."""
+    config = info.get("0") if isinstance(info, dict) else None
+    if not isinstance(config, dict) or config.get("publisher") != "zmq":
+        return None, None, "GET /kv_event_sources lists no zmq publisher"
+    replay = config.get("replay_endpoint")
+    return (_dialled(config["endpoint"], host), replay and _dialled(replay, host), config.get("topic") or ""), None, ""
+
+
+def _dialled(endpoint: str, host: str) -> str:
+    name, _, port = endpoint[len("tcp://"):].rpartition(":")
+    return f"tcp://{dial(name, host)}:{port}"
+
+
 ENGINE = WorkerProtocol(
     "vllm", b"/health", b"/v1/models", b"/abort_requests", read_model_card, "request_ids", abort_takes_list=True,
     engine_id_prefix="generate-tokens-", version_path=b"/version", pd="sequential",
@@ -108,5 +125,7 @@ ENGINE = WorkerProtocol(
     weight_loads=(("/update_weights", None, True), ("/finish_weight_update", "weight_version", False)),
     cache_resets=("/reset_prefix_cache",),
     resumes=("/resume",),
+    kv_events_path=b"/kv_event_sources",
+    kv_events_reader=kv_event_sources,
     aborting_pause=aborting_pause,
 )
