@@ -28,8 +28,8 @@ from typing import Callable
 
 import orjson
 
-from asgi_generate.sdk.codec import Attempt, dumps_compact
-from asgi_generate.sdk.token_ids import pack_token_ids
+from asgi_generate.sdk._codec import Attempt, dumps_compact
+from asgi_generate.sdk._token_ids import pack_token_ids
 from asgi_generate_sglang.codec import SGLangCodec
 
 

@@ -44,8 +44,8 @@ import sys
 import time
 from pathlib import Path
 
-from asgi_generate.sdk.codec import GenerateRequest
-from asgi_generate.sdk.token_ids import pack_token_ids
+from asgi_generate.sdk._codec import GenerateRequest
+from asgi_generate.sdk._token_ids import pack_token_ids
 from asgi_generate.workers.kv_events import Removed, Stored
 from asgi_generate.workers.policies.cache_aware import CacheAwarePolicy
 from asgi_generate.workers.policies.kv_aware import KVAwarePolicy

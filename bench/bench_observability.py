@@ -103,7 +103,7 @@ def metrics_us() -> tuple[float, float, float, float]:
 def otel_us() -> tuple[float, float]:
     """(stamp with OTel on, the check with it off)."""
     from asgi_generate.tracing.state import LegRecord as Attempt
-    from asgi_generate.sdk.codec import WorkerRequest
+    from asgi_generate.sdk._codec import WorkerRequest
     from asgi_generate.config import Settings
     from asgi_generate.tracing.otlp import Otlp
 

@@ -37,10 +37,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from support import start_sim  # noqa: E402
 
-from asgi_generate.sdk import ids  # noqa: E402
-from asgi_generate.sdk.codec import Attempt  # noqa: E402
+from asgi_generate.sdk import _ids as ids  # noqa: E402
+from asgi_generate.sdk._codec import Attempt  # noqa: E402
 from asgi_generate.request.framing import SSEDecoder  # noqa: E402
-from asgi_generate.sdk.registry import load_codecs  # noqa: E402
+from asgi_generate.sdk._registry import load_codecs  # noqa: E402
 from asgi_generate.workers.http import ConnectionPool  # noqa: E402
 
 PROMPT = [100 + (i * 7919) % 3900 for i in range(128)]

@@ -33,7 +33,7 @@ PRELOAD = [
     "asgi_generate.server.hypercorn.asyncio_serve",
     "asgi_generate.sim.app",
     "asgi_generate.tracing",
-    "asgi_generate.sdk.registry",
+    "asgi_generate.sdk._registry",
     "asgi_generate_sglang",
     "asgi_generate_vllm",
     "asgi_generate_zstd",

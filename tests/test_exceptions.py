@@ -1,6 +1,6 @@
 """asgi_generate/exceptions.py is the one module that defines the
 frontend's exceptions: no other module defines one, but for the SDK's
-(codecs raise and catch them: sdk/codec.py, sdk/lax.py) and the
+(codecs raise and catch them: sdk/_codec.py, sdk/_lax.py) and the
 simulator's (it shares no code with the frontend it checks)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def _defined_outside() -> list[str]:
     classes: dict[str, tuple[str, list[str]]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
-        if rel in ("exceptions.py", "sdk/codec.py", "sdk/lax.py") or rel.startswith("sim/"):
+        if rel in ("exceptions.py", "sdk/_codec.py", "sdk/_lax.py") or rel.startswith("sim/"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):

@@ -53,7 +53,7 @@ from starlette.responses import Response
 from starlette.routing import Route, Router
 
 from ..protocols import PROTOCOLS
-from ..sdk import ids
+from ..sdk import _ids as ids
 from ..request.batches import named_legs
 from ..workers.aborts import ACKED
 from ..workers.router import Worker

@@ -58,7 +58,7 @@ from ..workers.router import Worker
 if TYPE_CHECKING:
     from ..config import Settings
     from ..request.context import Running
-    from ..sdk.registry import LoadedCodec
+    from ..sdk._registry import LoadedCodec
     from ..workers.router import Router as WorkerRouter
 
 Endpoint = Callable[[Request], Awaitable[Response]]

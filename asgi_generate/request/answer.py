@@ -22,7 +22,7 @@ import anyio
 
 from . import state
 from .aborts import abort_live_legs
-from ..sdk.codec import Codec, Event, Exchange, GenerateRequest, RequestError
+from ..sdk._codec import Codec, Event, Exchange, GenerateRequest, RequestError
 from ..tracing.state import RequestState
 from .framing import KEEPALIVE, SSE_HEADERS, Headers, Receive, Send, send_unary, sse_event, sse_parts
 
@@ -84,7 +84,7 @@ class AnswerWriter:
         ctx: the process as the request sees it.
         codec: the request's format.
         codec_state: the codec's state of this request (its
-            :class:`~asgi_generate.sdk.codec.Exchange`), which renders the
+            :class:`~asgi_generate.sdk.Exchange`), which renders the
             client's bytes.
         req: the decoded request.
         st: the request's state, whose answer fields this writer keeps.

@@ -46,13 +46,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 import anyio
 
 from ..protocols import PROTOCOLS
-from ..sdk import ids
+from ..sdk import _ids as ids
 from . import state
-from ..sdk.codec import LEG_DONE, BatchItem, Event, RequestError
+from ..sdk._codec import LEG_DONE, BatchItem, Event, RequestError
 from ..tracing.state import LegRecord, RequestState
 
 if TYPE_CHECKING:
-    from ..sdk.codec import Codec, Exchange, GenerateRequest, WorkerRequest
+    from ..sdk._codec import Codec, Exchange, GenerateRequest, WorkerRequest
     from ..workers.router import Worker
     from .answer import AnswerWriter
     from .context import RequestContext

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 if TYPE_CHECKING:
     from ..config import Settings
-    from ..sdk.codec import Codec
+    from ..sdk._codec import Codec
     from ..tracing.otlp import Otlp
     from ..workers.router import Router, Worker
     from ..tracing.state import RequestState

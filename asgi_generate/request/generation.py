@@ -39,7 +39,7 @@ from . import state
 from .aborts import abort_live_legs
 from .answer import AnswerWriter
 from .budget import Lease
-from ..sdk.codec import Codec, Event, Exchange, GenerateRequest, RequestError, WorkerRequest
+from ..sdk._codec import Codec, Event, Exchange, GenerateRequest, RequestError, WorkerRequest
 from .framing import Send
 from .handshakes import handshake
 from .legs import Leg, LegEnd
@@ -76,7 +76,7 @@ class Generation:
         ctx: the process as the request sees it.
         codec: the request's format.
         codec_state: the codec's state of this request (its
-            :class:`~asgi_generate.sdk.codec.Exchange`).
+            :class:`~asgi_generate.sdk.Exchange`).
         req: the decoded request.
         st: the request's state.
         send: the ASGI send.

@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Callable
 
 import anyio
 
-from ..sdk import ids
+from ..sdk import _ids as ids
 from . import state
 from .budget import Lease
 from .aborts import abort_live_legs
 from .answer import finish_record, send_in_band_error
-from ..sdk.codec import Codec, GenerateRequest, RequestError
+from ..sdk._codec import Codec, GenerateRequest, RequestError
 from ..tracing.state import RequestState
 from ..exceptions import BodyTimeout, BodyTooLarge, ClientDisconnected
 from .framing import Receive, Send, read_body, send_unary

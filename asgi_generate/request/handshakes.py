@@ -24,7 +24,7 @@ planned, one strategy per kind of plan and worker protocol.
 
 :func:`handshake` picks one for a plan, by the worker protocol's
 ``WorkerProtocol.pd``: the handshakes name no engine. A pair's engine state lives in its
-handshake and in the :class:`~asgi_generate.sdk.codec.Pair` both its
+handshake and in the :class:`~asgi_generate.sdk.Pair` both its
 attempts carry; the codec builds the bytes from that.
 
 One direction: the attempt loop calls :meth:`Handshake.run` once per
@@ -47,15 +47,15 @@ from urllib.parse import urlsplit
 
 import anyio
 
-from ..sdk import ids
-from ..sdk.codec import NO_KV_TRANSFER, Event, Pair, RequestError
+from ..sdk import _ids as ids
+from ..sdk._codec import NO_KV_TRANSFER, Event, Pair, RequestError
 from ..tracing.state import LegRecord
 from ..exceptions import WorkerError
 from . import state
 from .legs import Leg, LegEnd
 
 if TYPE_CHECKING:
-    from ..sdk.codec import Exchange, WorkerRequest
+    from ..sdk._codec import Exchange, WorkerRequest
     from .state import Moves
     from ..workers.router import Worker
     from ..tracing.state import RequestState

@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
-from ..sdk.codec import RequestError
+from ..sdk._codec import RequestError
 from . import state
 from ..exceptions import ConnectFailed, TimedOut, Unanswered, WorkerError
 from .framing import SSEDecoder
 
 if TYPE_CHECKING:
     from ..config import Settings
-    from ..sdk.codec import Event, WorkerRequest
+    from ..sdk._codec import Event, WorkerRequest
     from ..workers.router import Router, Worker
     from ..tracing.state import LegRecord, RequestState
 
@@ -76,7 +76,7 @@ class LegEnd(enum.Enum):
     #: :attr:`Leg.lost` says how it closed.
     UNANSWERED = "unanswered"
     #: The worker broke its protocol (the codec raised: a
-    #: :class:`~asgi_generate.sdk.codec.WorkerAnswerError` for an answer it
+    #: :class:`~asgi_generate.sdk.WorkerAnswerError` for an answer it
     #: cannot read, else one it cannot join); :attr:`Leg.error` is the
     #: codec's error (outcome ``error``). The connection is closed, never
     #: reused: what follows on it is unknown.

@@ -3,10 +3,12 @@
 A codec (a wire format served by the shared /generate handler) is a sans-IO
 :class:`Codec` with an :class:`Exchange` per request, registered through the
 ``asgi_generate.codecs`` entry point group (:data:`GROUP`). Import from this
-package only; its submodules are its implementation.
+package only (:data:`__all__`): its underscored submodules are its
+implementation; :mod:`.answer`, the readers of a worker's answer, is its one
+public submodule.
 """
 
-from .codec import (
+from ._codec import (
     LEG_DONE,
     MAX_REQUEST_ITEMS,
     NO_KV_TRANSFER,
@@ -27,14 +29,14 @@ from .codec import (
     engine_error_page,
 )
 from . import answer
-from .compact import dumps_compact
-from .ids import mint
-from .lax import LaxError, lax_scalar
+from ._compact import dumps_compact
+from ._ids import mint
+from ._lax import LaxError, lax_scalar
 from ..exceptions import CodecLoadError
-from .registry import GROUP, LoadedCodec, load_codecs
-from .text import PromptTokenizer, StopWatch
-from .token_ids import PackedIds, as_u32, pack_token_ids
-from .versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS, VLLMBehaviour, parse_version, vllm_behaviour
+from ._registry import GROUP, LoadedCodec, load_codecs
+from ._text import PromptTokenizer, StopWatch
+from ._token_ids import PackedIds, as_u32, pack_token_ids
+from ._versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS, VLLMBehaviour, parse_version, vllm_behaviour
 
 __all__ = [
     "GROUP", "LEG_DONE", "MAX_REQUEST_ITEMS", "NO_KV_TRANSFER", "VLLM_DEFAULT_VERSION", "VLLM_VERSIONS",

@@ -1,7 +1,7 @@
 """Checks of a worker's answer, for codecs' :meth:`Exchange.feed`.
 
 Each check reads one field of a decoded JSON answer and either returns it or
-raises :class:`~asgi_generate.sdk.codec.WorkerAnswerError` naming the field
+raises :class:`~asgi_generate.sdk.WorkerAnswerError` naming the field
 (by its path in the answer, e.g. ``meta_info.finish_reason.type``), what it
 is and what the protocol has there. A missing field reads as ``MISSING``;
 ``None`` is JSON ``null``. Booleans are never integers (JSON tells them
@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from .codec import WorkerAnswerError
+from ._codec import WorkerAnswerError
 
 class _Missing:
     __slots__ = ()

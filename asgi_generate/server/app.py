@@ -27,7 +27,7 @@ from .. import hashes
 from ..ops import admin
 from ..tracing.state import RequestState
 from ..request.context import Running
-from ..sdk.codec import Codec
+from ..sdk._codec import Codec
 from ..config import Settings
 from . import embedded
 from .hypercorn import edge_counts, patches
@@ -36,8 +36,8 @@ from ..request.migrations import MigrationSlots
 from ..request.framing import Receive, Send, send_unary
 from ..request.handler import handle_generate, reject_method
 from ..ops.recorder import Recorder
-from ..sdk.registry import LoadedCodec, load_codecs
-from ..sdk.text import PromptTokenizer
+from ..sdk._registry import LoadedCodec, load_codecs
+from ..sdk._text import PromptTokenizer
 from ..request.watchdog import Watchdog
 from ..workers.aborts import UNACKNOWLEDGED, AbortQueue
 from ..workers.policies import build_policy
@@ -60,7 +60,7 @@ class App:
     Args:
         settings: the configuration.
         codecs: the codecs to serve; by default every installed one
-            (:func:`asgi_generate.sdk.registry.load_codecs`).
+            (:func:`asgi_generate.sdk.load_codecs`).
         resolver: the DNS lookup of ``dns://`` workers (tests pass a fake).
         simulators: the embedded simulators serving ``settings``' workers
             when another process started them (``serve --workers N``); with

@@ -20,7 +20,7 @@ from ..config import SETTINGS, Setting, Settings
 from .serving import LOG_FORMAT, WORKER_CLASSES, ServerTLS, hold_signals, hypercorn_config, run
 from ..exceptions import EngineLoadError
 from ..protocols import PROTOCOLS
-from ..sdk.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS
+from ..sdk._versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS
 from ..sim.prefix_cache import DEFAULT_CACHE_TOKENS
 
 if TYPE_CHECKING:
@@ -296,7 +296,7 @@ def _fail(message: str) -> int:
 def _serve(args: argparse.Namespace, d: Settings) -> int:
     from .app import App
     from ..ops.metrics import MetricsSetupError, multiproc_dir
-    from ..sdk.registry import CodecLoadError, load_codecs
+    from ..sdk._registry import CodecLoadError, load_codecs
     from .serving import listening_socket
     from .supervisor import supervise
     from ..tracing import Tracer, TraceSetupError
@@ -455,7 +455,7 @@ def _report_problems(lines: list[str]) -> None:
 def _codecs() -> int:
     """List every codec that loads; name each that does not, and each
     collision, on stderr and exit 2 (``serve`` would refuse to start)."""
-    from ..sdk.registry import discover
+    from ..sdk._registry import discover
 
     found = discover(PROTOCOLS)
     rows = [("NAME", "ROUTES", "WORKER PROTOCOL", "DISTRIBUTION", "VERSION")]

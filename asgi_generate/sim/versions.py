@@ -4,7 +4,7 @@ Each :class:`Change` is one behaviour of ``POST /inference/v1/generate`` (or
 a route beside it) and the first release that has it, read from the released
 wheels (``pip download --no-deps vllm==X``, 0.24.0 to 0.33.0), with the file
 and function that show it there. The frontend's codec keeps a table of its
-own (``asgi_generate.sdk.versions``); tests/sim/test_sim_versions.py checks
+own (``asgi_generate.sdk._versions``); tests/sim/test_sim_versions.py checks
 that the two agree on every fact both record, so the oracle and what it
 judges cannot drift apart unseen.
 

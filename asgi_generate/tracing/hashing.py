@@ -23,7 +23,7 @@ from typing import Sequence
 
 from ..hashes import SEED, chain, chain_json  # SEED: the chain's, named here for readers and tests
 from ..exceptions import TokenIdOutOfRange
-from ..sdk.token_ids import as_u32
+from ..sdk._token_ids import as_u32
 
 _LITTLE = sys.byteorder == "little"
 
@@ -38,7 +38,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
 
     Args:
         token_ids: the input token ids, each in ``[0, 2**32)``: a list, or an
-            ``array('I')`` (a codec's :func:`~asgi_generate.sdk.token_ids.pack_token_ids`),
+            ``array('I')`` (a codec's :func:`~asgi_generate.sdk.pack_token_ids`),
             whose bytes are hashed as they are on a little-endian host (no
             per-id conversion, the costly part on a long prompt).
         block_size: tokens per block, at least 1.

@@ -52,7 +52,7 @@ from .tracecontext import TraceContext, format_traceparent, from_headers, mint_s
 from .state import RequestState
 
 if TYPE_CHECKING:
-    from ..sdk.codec import Attempt, WorkerRequest
+    from ..sdk._codec import Attempt, WorkerRequest
     from ..config import Settings
 
 SCOPE = "asgi_generate"

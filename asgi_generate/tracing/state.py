@@ -15,14 +15,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ..sdk.codec import Attempt, Usage
+from ..sdk._codec import Attempt, Usage
 from .tracecontext import TraceContext
 
 
 @dataclass(slots=True)
 class LegRecord(Attempt):
     """One engine leg of a request, as the handler keeps it: the SDK's
-    :class:`~asgi_generate.sdk.codec.Attempt` (what the leg's codec reads)
+    :class:`~asgi_generate.sdk.Attempt` (what the leg's codec reads)
     and the handler's bookkeeping beside it. The request package's state
     machine (:mod:`asgi_generate.request.state`) changes its ``outcome``.
 

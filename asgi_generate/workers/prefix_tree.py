@@ -26,7 +26,7 @@ import itertools
 from array import array
 from typing import Iterable
 
-from ..sdk.token_ids import as_u32
+from ..sdk._token_ids import as_u32
 
 #: Code points a token id maps onto (ids beyond fold onto others: the tree
 #: is an approximation, and real vocabularies stay far below).
@@ -38,7 +38,7 @@ def token_key(ids: list[int] | array) -> str:
     """The key of a token id prompt: :data:`TOKENS` then one character per id.
 
     ``ids``: a list, or the codec's packed ``array('I')``
-    (:class:`~asgi_generate.sdk.token_ids.PackedIds`), read as it is."""
+    (:class:`~asgi_generate.sdk.PackedIds`), read as it is."""
     try:  # in C: about 5 times faster than chr() per id
         return TOKENS + as_u32(ids).tobytes().decode("utf-32-le", "surrogatepass")
     except (OverflowError, UnicodeDecodeError):  # an id past the code points

@@ -22,7 +22,7 @@ import httpx
 import orjson
 import pytest
 
-from asgi_generate.sdk.codec import RequestError
+from asgi_generate.sdk._codec import RequestError
 from asgi_generate_sglang import SGLangCodec
 from support import post, sse, start_frontend
 

@@ -8,7 +8,7 @@ import pytest
 
 def test_no_codec_to_serve_is_refused(monkeypatch):
     from asgi_generate.exceptions import CodecLoadError
-    from asgi_generate.sdk import registry
+    from asgi_generate.sdk import _registry as registry
     from asgi_generate.protocols import PROTOCOLS
 
     monkeypatch.setattr(registry, "entry_points", lambda group: [])

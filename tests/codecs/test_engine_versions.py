@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from asgi_generate.protocols import PROTOCOLS
-from asgi_generate.sdk.versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS, parse_version, vllm_behaviour
+from asgi_generate.sdk._versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS, parse_version, vllm_behaviour
 from support import start_frontend, start_sim, stats, wait_until, trace_lines
 
 GEN = "/inference/v1/generate"

@@ -9,8 +9,8 @@ import array
 import orjson
 import pytest
 
-from asgi_generate.sdk.codec import Attempt, dumps_compact
-from asgi_generate.sdk.token_ids import pack_token_ids
+from asgi_generate.sdk._codec import Attempt, dumps_compact
+from asgi_generate.sdk._token_ids import pack_token_ids
 from asgi_generate_sglang.codec import SGLangCodec
 
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from asgi_generate.sdk import ids
+from asgi_generate.sdk import _ids as ids
 
 
 def test_minted_ids_are_fixed_width_and_never_prefixes():

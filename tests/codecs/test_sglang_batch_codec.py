@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asgi_generate.sdk.codec import LEG_DONE, Attempt, RequestError
+from asgi_generate.sdk._codec import LEG_DONE, Attempt, RequestError
 from asgi_generate_sglang.codec import SGLangCodec
 
 CODEC = SGLangCodec()

@@ -228,7 +228,7 @@ def test_too_deeply_nested_pass_through_is_400(frontend, sims):
 
 
 def test_engine_error_pages_that_are_not_json_get_sglang_shape():
-    from asgi_generate.sdk.codec import GenerateRequest
+    from asgi_generate.sdk._codec import GenerateRequest
     from asgi_generate_sglang import SGLangCodec
 
     ex = SGLangCodec().exchange(GenerateRequest(stream=False, native={}), "r")

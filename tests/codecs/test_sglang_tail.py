@@ -12,7 +12,7 @@ from asgi_generate_sglang.tail import layout, read_tail
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asgi_generate.sdk.codec import Attempt
+from asgi_generate.sdk._codec import Attempt
 
 LAW = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ENGINE_ID = "e" * 32

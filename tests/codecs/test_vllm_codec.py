@@ -8,7 +8,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from asgi_generate.sdk.codec import Attempt, EngineError, Event, RequestError, WorkerAnswerError
+from asgi_generate.sdk._codec import Attempt, EngineError, Event, RequestError, WorkerAnswerError
 from asgi_generate.protocols import PROTOCOLS
 from asgi_generate_vllm import VLLMCodec
 from asgi_generate_vllm.request import restore_echo

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asgi_generate.sdk import WorkerAnswerError
-from asgi_generate.sdk.codec import Attempt, Pair
+from asgi_generate.sdk._codec import Attempt, Pair
 
 LAW = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 E = "0123456789abcdef0123456789abcdef"

@@ -24,9 +24,9 @@ from asgi_generate_zstd.frame import MAGIC, decompress_frame
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asgi_generate.sdk.codec import Attempt, GenerateRequest, RequestError
-from asgi_generate.sdk.ids import mint
-from asgi_generate.sdk.token_ids import pack_token_ids
+from asgi_generate.sdk._codec import Attempt, GenerateRequest, RequestError
+from asgi_generate.sdk._ids import mint
+from asgi_generate.sdk._token_ids import pack_token_ids
 
 ZSTD = {b"content-type": b"application/zstd"}
 MiB = 1024 * 1024
@@ -296,7 +296,7 @@ def test_bomb_peak_rss_including_zstd_own_buffers(bombs, tmp_path: pathlib.Path)
         f"""
         import resource, sys
         from asgi_generate_zstd import ZstdCodec
-        from asgi_generate.sdk.codec import RequestError
+        from asgi_generate.sdk._codec import RequestError
         body = open({str(path)!r}, "rb").read()
         codec = ZstdCodec()
         codec.max_body_bytes = {LIMIT}

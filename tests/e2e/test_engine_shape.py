@@ -17,7 +17,7 @@ import httpx
 import orjson
 import pytest
 
-from asgi_generate.sdk.versions import VLLM_VERSIONS, vllm_behaviour
+from asgi_generate.sdk._versions import VLLM_VERSIONS, vllm_behaviour
 from support import CONTINUATION, PROMPT, same, sse, start_frontend, start_sim, without_timing
 
 pytestmark = pytest.mark.e2e

@@ -285,8 +285,8 @@ def test_failure_before_the_first_token_is_a_failover(fleet):
 
 def _in_band(fleet: Fleet, message: str) -> bytes:
     """The exact in-band error payload of a 502 in ``fleet``'s format."""
-    from asgi_generate.sdk.codec import RequestError
-    from asgi_generate.sdk.registry import load_codecs
+    from asgi_generate.sdk._codec import RequestError
+    from asgi_generate.sdk._registry import load_codecs
     from asgi_generate.protocols import PROTOCOLS
 
     codec = next(c.codec for c in load_codecs(protocols=PROTOCOLS) if c.codec.name == fleet.protocol)
@@ -624,7 +624,7 @@ def test_text_prompt_migrates_with_a_tokenizer_only(fleet, plain):
     (special tokens added by the tokenizer's post-processor, specials in
     the text parsed): the answer equals the uninterrupted one. Without
     ``--tokenizer`` it ends with today's in-band error, counted."""
-    from asgi_generate.sdk.text import PromptTokenizer
+    from asgi_generate.sdk._text import PromptTokenizer
 
     text = "<|im_start|>user\nHello there<|im_end|>"
     length = len(PromptTokenizer(str(TOKENIZER_PATH)).encode(text))

@@ -88,7 +88,7 @@ def table(stdout: str) -> list[list[str]]:
 
 
 THROWAWAY = """
-    from asgi_generate.sdk.codec import Route
+    from asgi_generate.sdk._codec import Route
     from asgi_generate_sglang import SGLangCodec
 
 
@@ -128,7 +128,7 @@ def test_a_codec_installed_from_its_own_distribution_is_discovered_and_served(tm
 
 def test_two_codecs_on_one_route_never_start_together(tmp_path, sims):
     make_dist(tmp_path, "throwaway-clash", "1.0", "throwaway_clash", """
-        from asgi_generate.sdk.codec import Route
+        from asgi_generate.sdk._codec import Route
         from asgi_generate_sglang import SGLangCodec
 
 
@@ -150,7 +150,7 @@ def test_two_codecs_on_one_route_never_start_together(tmp_path, sims):
 
 def test_two_codecs_with_one_name_never_start_together(tmp_path, sims):
     make_dist(tmp_path, "throwaway-twin", "2.0", "throwaway_twin", """
-        from asgi_generate.sdk.codec import Route
+        from asgi_generate.sdk._codec import Route
         from asgi_generate_sglang import SGLangCodec
 
 
@@ -188,7 +188,7 @@ def test_a_codec_that_fails_to_import_is_named_and_stops_serve_unless_skipped(tm
     try:
         monkeypatch.undo()
         skipped = BROKEN.removeprefix("asgi-generate: ").rstrip("\n") + "; skipped (--skip-broken-codecs)"
-        assert f"ERROR asgi_generate.sdk.registry: {skipped}" in frontend.log()
+        assert f"ERROR asgi_generate.sdk._registry: {skipped}" in frontend.log()
         names = [f["name"] for f in httpx.get(frontend.url + "/v1/models", timeout=10).json()["formats"]]
         assert "broken" not in names and "sglang" in names
         resp = httpx.post(frontend.url + "/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 2}},
@@ -202,7 +202,7 @@ def test_every_codec_that_declares_itself_wrongly_is_named_with_its_reason(tmp_p
     make_dist(tmp_path, "throwaway-bad", "3.1", "throwaway_bad", """
         import sys
 
-        from asgi_generate.sdk.codec import Route
+        from asgi_generate.sdk._codec import Route
         from asgi_generate_sglang import SGLangCodec
 
 
@@ -260,7 +260,7 @@ def test_every_codec_that_declares_itself_wrongly_is_named_with_its_reason(tmp_p
         "health": "ValueError: route GET /health: the frontend serves /health itself",
         "lower": "ValueError: route post /lower: the method must be upper-case letters",
         "missing": "AttributeError: module 'throwaway_bad' has no attribute 'Missing'",
-        "notcodec": "TypeError: throwaway_bad:not_a_codec gave a int, not an asgi_generate.sdk.codec.Codec",
+        "notcodec": "TypeError: throwaway_bad:not_a_codec gave a int, not an asgi_generate.sdk.Codec",
         "renamed": "ValueError: the codec is named 'othername'; its entry point must carry the same name",
         "routeless": "ValueError: the codec declares no routes",
         "twice": "ValueError: route POST /twice is declared twice",

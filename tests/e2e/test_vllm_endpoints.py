@@ -45,7 +45,7 @@ import httpx
 import orjson
 import pytest
 
-from asgi_generate.sdk.versions import VLLM_VERSIONS, vllm_behaviour
+from asgi_generate.sdk._versions import VLLM_VERSIONS, vllm_behaviour
 from support import CONTINUATION, PROMPT, same, sampled, start_frontend, start_sim, stats
 from vllm_refusals import MALFORMED, malformed_body
 

@@ -12,7 +12,7 @@ import pytest
 from asgi_generate.request.answer import AnswerWriter, send_in_band_error
 from asgi_generate.request.framing import KEEPALIVE, SSE_HEADERS
 from asgi_generate.tracing.state import LegRecord
-from asgi_generate.sdk.codec import RequestError
+from asgi_generate.sdk._codec import RequestError
 from asgi_generate.tracing.state import RequestState
 from asgi_generate_sglang import SGLangCodec
 from fakes import FakeContext

@@ -25,7 +25,7 @@ from asgi_generate.request.generation import Generation
 from asgi_generate.request.migrations import MigrationSlots
 from asgi_generate.request.watchdog import Watchdog
 from asgi_generate.tracing.state import LegRecord
-from asgi_generate.sdk.codec import RequestError
+from asgi_generate.sdk._codec import RequestError
 from asgi_generate.workers.router import Router
 from asgi_generate_sglang.codec import SGLangCodec
 from fakes import AnsweringPool, FakeContext

@@ -16,7 +16,7 @@ from asgi_generate.request import handshakes
 from asgi_generate.tracing.state import RequestState
 from asgi_generate.request.handshakes import AGGREGATED, CONCURRENT_PAIR, PAIRS, SEQUENTIAL_PAIR, handshake
 from asgi_generate.request.legs import Leg, LegEnd
-from asgi_generate.sdk import ids
+from asgi_generate.sdk import _ids as ids
 from asgi_generate.tracing.state import LegRecord
 from asgi_generate.exceptions import ConnectFailed, TimedOut, WorkerDisconnected
 from asgi_generate.protocols import PROTOCOLS
@@ -391,7 +391,7 @@ async def test_a_leg_does_not_hold_its_request_body():
     # The attempt loop keeps its WorkerRequest for the leg's whole life; the
     # body (a whole prompt's JSON) goes to the pool and is not kept there.
     from asgi_generate.tracing.state import RequestState
-    from asgi_generate.sdk.codec import WorkerRequest
+    from asgi_generate.sdk._codec import WorkerRequest
     from asgi_generate.config import Settings
     from asgi_generate.request.legs import Leg
 

@@ -566,7 +566,7 @@ def test_serve_embedded_pd_serves_pairs_of_both_protocols():
 
 
 def _legs_exchange(body: dict):
-    from asgi_generate.sdk.codec import Attempt, Pair
+    from asgi_generate.sdk._codec import Attempt, Pair
     from asgi_generate_sglang import SGLangCodec
 
     codec = SGLangCodec()
@@ -620,7 +620,7 @@ def test_codec_joins_expert_rows(decode_ids, finish, own, want):
                         "positions after a prompt of 1 from 0"),  # incomplete: never partial
 ])
 def test_codec_refuses_bad_expert_rows(pre, own, dtype, message):
-    from asgi_generate.sdk.codec import RequestError
+    from asgi_generate.sdk._codec import RequestError
 
     ex, p, d = _legs_exchange({"input_ids": [1], "return_routed_experts": True})
     extra = {"routed_experts_dtype": dtype} if dtype else {}

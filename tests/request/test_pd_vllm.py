@@ -590,7 +590,7 @@ def test_prefill_answering_an_error_is_the_answer(vsims, tmp_path_factory):
 
 
 def _legs(body: dict):
-    from asgi_generate.sdk.codec import Attempt, Pair
+    from asgi_generate.sdk._codec import Attempt, Pair
     from asgi_generate_vllm import VLLMCodec
 
     codec = VLLMCodec()
@@ -687,7 +687,7 @@ BIG = 8 << 20  # the most elements of one array
     (_npy_b64(_rows(3)), None, "the decode leg sent 0 routed-expert rows for 3 output tokens"),  # never partial
 ])
 def test_codec_refuses_bad_vllm_expert_rows(pre, own, message):
-    from asgi_generate.sdk.codec import RequestError
+    from asgi_generate.sdk._codec import RequestError
 
     ex, p, d = _legs(PROMPT3)
     ex.feed(p, _prefill_answer(pre))
@@ -716,7 +716,7 @@ def test_codec_prompt_logprobs_from_the_leg_that_computed_them(pre, own, want):
 
 
 def test_codec_prompt_logprobs_that_differ_fail():
-    from asgi_generate.sdk.codec import RequestError
+    from asgi_generate.sdk._codec import RequestError
 
     ex, p, d = _legs(PROMPT3)
     ex.feed(p, _prefill_answer(prompt_logprobs=PL))

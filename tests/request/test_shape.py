@@ -40,7 +40,7 @@ CODEC_FIELDS = {"engine_id", "role", "worker_id", "worker_info", "pair", "resume
 
 def test_the_sdk_attempt_holds_what_codecs_read_and_the_leg_record_the_handlers_bookkeeping():
     from asgi_generate.tracing.state import LegRecord
-    from asgi_generate.sdk.codec import Attempt
+    from asgi_generate.sdk._codec import Attempt
 
     codecs = pathlib.Path(__file__).resolve().parents[2] / "codecs"
     read = set()

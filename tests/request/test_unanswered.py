@@ -21,7 +21,7 @@ import orjson
 import pytest
 
 from asgi_generate.request import handshakes
-from asgi_generate.sdk import ids
+from asgi_generate.sdk import _ids as ids
 from asgi_generate.workers.router import Router
 from asgi_generate_sglang import SGLangCodec
 from asgi_generate_vllm import VLLMCodec

@@ -369,7 +369,7 @@ def test_unknown_routes_are_fastapis_404(fe, method, path):
 
 
 def test_sglang_5xx_has_one_type_unary_and_in_band():
-    from asgi_generate.sdk.codec import RequestError
+    from asgi_generate.sdk._codec import RequestError
     from asgi_generate_sglang import SGLangCodec
 
     codec = SGLangCodec()

@@ -1,5 +1,5 @@
 """The simulator's record of vLLM versions (sim/versions.py) and the
-codec's (sdk/versions.py) agree on every fact both keep: the versions the
+codec's (sdk/_versions.py) agree on every fact both keep: the versions the
 simulator plays, how version strings read, and each shared behaviour at
 every release the record names and the one before it. A fact changed on one
 side only fails here."""
@@ -12,7 +12,7 @@ import anyio
 import orjson
 import pytest
 
-from asgi_generate.sdk import versions as codec
+from asgi_generate.sdk import _versions as codec
 from asgi_generate.sim import versions as sim
 from asgi_generate.sim.app import SimApp
 from support import asgi_json, asgi_request

@@ -19,8 +19,8 @@ from asgi_generate_sglang.codec import SGLangCodec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asgi_generate.sdk.codec import Attempt
-from asgi_generate.sdk.token_ids import pack_token_ids
+from asgi_generate.sdk._codec import Attempt
+from asgi_generate.sdk._token_ids import pack_token_ids
 from asgi_generate.hashes import _python
 from asgi_generate.exceptions import TokenIdOutOfRange
 from asgi_generate.tracing.hashing import SEED, block_hashes, block_hashes_json

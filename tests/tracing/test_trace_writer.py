@@ -15,9 +15,9 @@ import pytest
 from asgi_generate.tracing.state import RequestState
 from asgi_generate.server.app import App
 from asgi_generate.assets import TOKENIZER_PATH
-from asgi_generate.sdk.codec import Codec, RequestError, Route
+from asgi_generate.sdk._codec import Codec, RequestError, Route
 from asgi_generate.config import Settings
-from asgi_generate.sdk.registry import LoadedCodec
+from asgi_generate.sdk._registry import LoadedCodec
 from asgi_generate.tracing import Tracer, TraceSetupError
 from asgi_generate.tracing.record import build_record
 from asgi_generate.tracing.sinks import Sink

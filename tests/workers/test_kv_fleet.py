@@ -12,7 +12,7 @@ import anyio
 import orjson
 import pytest
 
-from asgi_generate.sdk.codec import BatchItem, GenerateRequest
+from asgi_generate.sdk._codec import BatchItem, GenerateRequest
 from asgi_generate.sim.app import SimApp
 from asgi_generate.workers.engine_load import EngineLoad, parse_load
 from asgi_generate.workers.kv_events import Source, Stored, Subscriber

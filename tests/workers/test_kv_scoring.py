@@ -6,7 +6,7 @@ exact costs worked out in each test. A worker's index is fed a
 
 from __future__ import annotations
 
-from asgi_generate.sdk.codec import BatchItem, GenerateRequest
+from asgi_generate.sdk._codec import BatchItem, GenerateRequest
 from asgi_generate.workers.block_hash import ROOT, block_hashes
 from asgi_generate.workers.kv_events import Stored
 from asgi_generate.workers.policies.kv_aware import KVAwarePolicy

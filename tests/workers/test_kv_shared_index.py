@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asgi_generate.sdk.codec import GenerateRequest
+from asgi_generate.sdk._codec import GenerateRequest
 from asgi_generate.hashes import mask_drop, mask_missing, mask_remove, mask_set, mask_walk
 from asgi_generate.workers.block_hash import ROOT, block_hashes
 from asgi_generate.workers.kv_events import Cleared, Removed, Stored

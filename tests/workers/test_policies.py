@@ -10,12 +10,12 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asgi_generate.sdk.codec import GenerateRequest
+from asgi_generate.sdk._codec import GenerateRequest
 from asgi_generate.config import Settings
 from asgi_generate.workers.policies import build_policy
 from asgi_generate.workers.policies.cache_aware import CacheAwarePolicy
 from asgi_generate.workers.policies.session import SessionPolicy
-from asgi_generate.sdk.token_ids import pack_token_ids
+from asgi_generate.sdk._token_ids import pack_token_ids
 from asgi_generate.workers.prefix_tree import PrefixTree, token_key
 from asgi_generate.workers.router import Router
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Collection, Mapping,
 from ...config import POLICIES
 
 if TYPE_CHECKING:
-    from ...sdk.codec import GenerateRequest
+    from ...sdk._codec import GenerateRequest
     from ...config import Settings
 
 

@@ -44,7 +44,7 @@ from ..prefix_tree import PrefixTree, text_key, token_key
 from . import Candidate, Least, Policy, W
 
 if TYPE_CHECKING:
-    from ...sdk.codec import GenerateRequest
+    from ...sdk._codec import GenerateRequest
 
 
 def prompt_ids(request: "GenerateRequest") -> Sequence[int] | None:

@@ -81,7 +81,7 @@ from .kv_sources import follow_events
 from .kv_worker import WorkerKV, moving_average
 
 if TYPE_CHECKING:
-    from ...sdk.codec import GenerateRequest
+    from ...sdk._codec import GenerateRequest
 
 
 class _Key:

@@ -32,7 +32,7 @@ from ...config import DEFAULT_SESSION_HEADERS
 from . import Candidate, Least, Policy, W
 
 if TYPE_CHECKING:
-    from ...sdk.codec import GenerateRequest
+    from ...sdk._codec import GenerateRequest
 
 _score = xxhash.xxh3_64_intdigest
 

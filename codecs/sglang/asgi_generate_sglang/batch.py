@@ -337,7 +337,7 @@ class SGLangBatchExchange(Exchange):
 
     def end_of_stream(self, attempt: Attempt) -> Event | None:
         """A leg whose entries all finished while other legs still run:
-        :data:`~asgi_generate.sdk.codec.LEG_DONE`; ``None`` when one of its
+        :data:`~asgi_generate.sdk.LEG_DONE`; ``None`` when one of its
         entries never finished (the answer was cut short)."""
         if not all(j in self.finished for j in attempt.entries):
             return None

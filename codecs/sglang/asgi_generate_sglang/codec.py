@@ -54,7 +54,7 @@ had, so its rows are exactly the uninterrupted rows.
 
 With the frontend's tokenizer (``Codec.tokenizer``, ``--tokenizer``) a
 ``text`` prompt resumes as its token ids (tokenized as SGLang does, see
-:class:`asgi_generate.sdk.text.PromptTokenizer`), and stop strings are checked
+:class:`asgi_generate.sdk.PromptTokenizer`), and stop strings are checked
 across the seam (:mod:`asgi_generate_sglang.seam`): the engine only looks in
 its own output, so a stop string begun before the seam is the frontend's to
 find; the answer then ends there as the engine would have ended it, and the

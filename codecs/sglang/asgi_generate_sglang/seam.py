@@ -12,7 +12,7 @@ SGLang looks for stop strings in the output of its own request only
 tail of ``output_ids``), so a resumed leg never sees a stop string that
 began before the seam. The frontend, which has the whole output, checks each
 token after the seam as the uninterrupted engine would
-(:class:`asgi_generate.sdk.text.StopWatch`) and, on a hit the engine did not
+(:class:`asgi_generate.sdk.StopWatch`) and, on a hit the engine did not
 report, ends the answer there: the chunk is cut after the token that
 completed the string and made the engine's final chunk (``finish_reason``
 ``{"type": "stop", "matched": s}``, ``text`` cut where the string begins

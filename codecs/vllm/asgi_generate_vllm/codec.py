@@ -15,7 +15,7 @@ value is refused with 400 on every mode, since it could name another
 request's KV blocks.
 
 Versions. What differs between vLLM versions
-(:mod:`asgi_generate.sdk.versions`) is read from the attempt's worker
+(:mod:`asgi_generate.sdk._versions`) is read from the attempt's worker
 info (the version the worker reported at registration), never guessed:
 ``stop_reason`` becomes the event's ``matched`` only from a worker whose
 version sends it. Logprob entries (``"token_id:N"`` labels, or integer

@@ -83,7 +83,7 @@ def bad_request(message: str, param: str | None = None) -> VLLMRequestError:
 # ("model", {field: node}, required_fields).
 INT, STR, BOOL, ANY, TOKEN_IDS = ("int",), ("str",), ("bool",), ("any",), ("token_ids",)
 #: The exact JSON type of each scalar kind (anything else goes through
-#: :func:`asgi_generate.sdk.lax.lax_scalar`).
+#: :func:`asgi_generate.sdk.lax_scalar`).
 _SCALARS = {
     "int": lambda v: type(v) is int,
     "str": lambda v: type(v) is str,

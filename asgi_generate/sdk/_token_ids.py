@@ -16,7 +16,7 @@ import array
 import sys
 from dataclasses import dataclass
 
-from .compact import dumps_compact
+from ._compact import dumps_compact
 
 _LITTLE = sys.byteorder == "little"
 
@@ -29,7 +29,7 @@ class PackedIds:
         u32: the ids as an ``array('I')``, whose bytes are little-endian u32
             (4 bytes per id).
         json: the ids' JSON text, ``orjson.dumps(ids)`` (copied to its size
-            when short, :func:`asgi_generate.sdk.compact.dumps_compact`).
+            when short, :func:`asgi_generate.sdk.dumps_compact`).
     """
 
     u32: array.array

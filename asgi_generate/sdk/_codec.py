@@ -5,7 +5,7 @@ normalized values and normalized values into bytes, with no sockets, awaits or
 clocks. The handler owns every await, timeout, retry, abort and trace record,
 and derives all of them from the normalized :class:`Event` stream that every
 codec must produce anyway. Codecs register through the entry point group
-``asgi_generate.codecs`` (see :mod:`asgi_generate.sdk.registry`); an entry point
+``asgi_generate.codecs`` (see :mod:`asgi_generate.sdk._registry`); an entry point
 names a :class:`Codec` subclass or a zero-argument factory returning one.
 
 Per request the handler calls, in order::
@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import orjson
 
-from .compact import dumps_compact  # re-exported: codecs import it from here
-from .token_ids import PackedIds
+from ._compact import dumps_compact  # re-exported: codecs import it from here
+from ._token_ids import PackedIds
 
 if TYPE_CHECKING:
-    from .text import PromptTokenizer
+    from ._text import PromptTokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +176,7 @@ class GenerateRequest:
             packed them built its first worker request (no list of ints
             held while the request streams).
         input_ids_packed: ``input_ids`` packed as u32 and as JSON text
-            (:func:`asgi_generate.sdk.token_ids.pack_token_ids`) when the codec
+            (:func:`asgi_generate.sdk.pack_token_ids`) when the codec
             packed them while checking them, else ``None``.
         prompt_text: the prompt when it is one text, else ``None`` (what
             cache-aware routing matches when there are no token ids).

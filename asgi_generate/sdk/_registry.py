@@ -1,7 +1,7 @@
 """Codec discovery through the ``asgi_generate.codecs`` entry point group.
 
 Each entry point, named after its codec, names a
-:class:`~asgi_generate.sdk.codec.Codec` subclass or a zero-argument factory
+:class:`~asgi_generate.sdk.Codec` subclass or a zero-argument factory
 returning one::
 
     [options.entry_points]
@@ -24,7 +24,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Collection
 
 from ..exceptions import CodecLoadError
-from .codec import Codec, Route
+from ._codec import Codec, Route
 
 GROUP = "asgi_generate.codecs"
 #: Paths :class:`asgi_generate.server.app.App` serves itself; a codec route there
@@ -32,7 +32,7 @@ GROUP = "asgi_generate.codecs"
 RESERVED_PATHS = ("/health", "/v1/models", "/stats")
 SKIP_HINT = "start with --skip-broken-codecs to serve without the codecs that failed to load"
 _METHOD = re.compile(r"[A-Z]+")
-log = logging.getLogger("asgi_generate.sdk.registry")
+log = logging.getLogger("asgi_generate.sdk._registry")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +99,7 @@ def _check(codec: object, ep: EntryPoint, protocols: Collection[str]) -> Codec:
     """``codec`` if it can be served (riding on one of ``protocols``, the
     frontend's worker protocol names), else raise saying why."""
     if not isinstance(codec, Codec):
-        raise TypeError(f"{ep.value} gave a {type(codec).__name__}, not an asgi_generate.sdk.codec.Codec")
+        raise TypeError(f"{ep.value} gave a {type(codec).__name__}, not an asgi_generate.sdk.Codec")
     if codec.name != ep.name:
         raise ValueError(f"the codec is named {codec.name!r}; its entry point must carry the same name")
     if codec.worker_protocol not in protocols:
@@ -110,7 +110,7 @@ def _check(codec: object, ep: EntryPoint, protocols: Collection[str]) -> Codec:
     seen: set[Route] = set()
     for route in codec.routes:
         if not isinstance(route, Route):
-            raise TypeError(f"route {route!r} is not an asgi_generate.sdk.codec.Route")
+            raise TypeError(f"route {route!r} is not an asgi_generate.sdk.Route")
         if not _METHOD.fullmatch(route.method):
             raise ValueError(f"route {route.method} {route.path}: the method must be upper-case letters")
         if not route.path.startswith("/"):
