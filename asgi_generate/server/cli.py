@@ -261,6 +261,7 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                      help="logging level (default %(default)s)")
 
     sub.add_parser("codecs", help="list the installed codecs")
+    sub.add_parser("engines", help="list the installed engine descriptions")
     sub.add_parser("check", help="report how this install hashes: with the C accelerator or in pure Python")
     return parser
 
@@ -470,6 +471,19 @@ def _codecs() -> int:
     return 2 if problems else 0
 
 
+def _engines() -> int:
+    """List every installed engine description (the ``asgi_generate.engines``
+    entry points): its name, P/D handshake (``-`` for none), whether
+    ``asgi-generate sim`` plays it, and its generate route (:func:`main`
+    names each that does not load, first)."""
+    rows = [("NAME", "P/D", "SIMULATED", "GENERATE")]
+    rows += [(e.name, e.pd or "-", "yes" if e.simulated else "no", e.generate_path) for e in PROTOCOLS.values()]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    return 0
+
+
 def _check() -> int:
     """Print this install's version and whether the hash chains run in C
     (``hash_accelerator``, as ``/stats`` says it; :data:`asgi_generate.hashes.ACCELERATED`)
@@ -499,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(d).parse_args(argv)
     if args.command == "codecs":
         return _codecs()
+    if args.command == "engines":
+        return _engines()
     if args.command == "check":
         return _check()
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)

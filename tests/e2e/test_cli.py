@@ -87,7 +87,7 @@ def test_the_embedded_default_migrates_a_text_prompt(worker_class):
     finally:
         fe.stop()
     (line,) = [line for line in fe.log_path.read_text().splitlines() if "resuming" in line]
-    assert re.search(r" INFO asgi_generate\.request\.handler: request \S+: worker w[01] "
+    assert re.search(r" INFO asgi_generate\.request\.generation: request \S+: worker w[01] "
                      r"(failed|lost): (worker broke HTTP/1\.1|connection to worker lost|health probe)[^;]*; "
                      r"resuming after \d+ tokens \(migration 1\)$", line), line
 

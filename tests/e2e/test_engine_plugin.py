@@ -96,6 +96,12 @@ def test_a_third_engine_from_its_own_distribution_is_served_aggregated(toy_path,
             assert codecs.returncode == 0, codecs.stderr
             assert ["toy", "POST /toy/generate", "toy", "asgi-generate-toy-engine", "0.1.0"] in [
                 re.split(r"\s{2,}", line) for line in codecs.stdout.splitlines()]
+            engines = subprocess.run([sys.executable, "-m", "asgi_generate", "engines"], capture_output=True,
+                                     text=True, timeout=60, env={**os.environ, **env_with(toy_path)})
+            assert (engines.returncode, engines.stderr) == (0, "")
+            assert [re.split(r"\s{2,}", line) for line in engines.stdout.splitlines()] == [
+                ["NAME", "P/D", "SIMULATED", "GENERATE"], ["sglang", "concurrent", "yes", "/generate"],
+                ["toy", "sequential", "no", "/toy_generate"], ["vllm", "sequential", "yes", "/inference/v1/generate"]]
             unary, events = ask(fe)
             assert unary.status_code == 200
             assert unary.json() == {"tokens": EXPECTED, "finish": "length"}
