@@ -1,7 +1,6 @@
-"""The codec distributions use the frontend only through its public seams:
-the SDK's ``__all__`` (and its one public submodule, ``answer``) for a
-codec, and the engine description (``asgi_generate.protocols``) for an
-engine. Nothing else of the frontend, no private SDK module."""
+"""The codec distributions, codecs and engine descriptions alike, use the
+frontend only through the SDK's ``__all__`` (and its one public submodule,
+``answer``): nothing else of the frontend, no private SDK module."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import asgi_generate.sdk as sdk
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: What a codec distribution may import of asgi_generate.
-PUBLIC = {"asgi_generate.sdk", "asgi_generate.sdk.answer", "asgi_generate.protocols"}
+PUBLIC = {"asgi_generate.sdk", "asgi_generate.sdk.answer"}
 
 
 def _frontend_imports(path: pathlib.Path) -> list[tuple[str, str]]:

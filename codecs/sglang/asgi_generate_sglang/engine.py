@@ -14,7 +14,7 @@ import orjson
 
 from typing import Callable, Mapping
 
-from asgi_generate.protocols import WorkerProtocol, dial, positive_int
+from asgi_generate.sdk import WorkerProtocol, dial, positive_int
 
 
 def read_server_info(obj: dict) -> dict:

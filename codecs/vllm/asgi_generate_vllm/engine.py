@@ -16,7 +16,7 @@ from typing import Callable, Mapping
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from asgi_generate.protocols import WorkerProtocol, dial, read_model_card
+from asgi_generate.sdk import WorkerProtocol, dial, read_model_card
 
 #: vLLM runs each of the ``n`` choices as a request of its own
 #: (``ParentRequest.get_child_info`` in ``v1/engine/parallel_sampling.py``),

@@ -1,7 +1,7 @@
 """The toy engine's description: its routes, and P/D pairs joined
 sequentially (the prefill leg answers a handle the decode leg carries)."""
 
-from asgi_generate.protocols import WorkerProtocol
+from asgi_generate.sdk import WorkerProtocol
 
 
 def read_info(obj: dict) -> dict:
