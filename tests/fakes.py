@@ -242,7 +242,33 @@ BODY = {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 6, "ign
 STREAM = {**BODY, "stream": True, "rid": "mine"}
 
 
-class FakeWorker:
+class LoopbackServer:
+    """A TCP server on 127.0.0.1 in a thread of its own (an anyio blocking
+    portal), for the test's synchronous code: ``with`` starts it, its
+    :attr:`url` names it, each connection runs the subclass's
+    ``async _handle(stream)``; leaving the block stops it."""
+
+    url: str
+
+    def __enter__(self):
+        self._cm = anyio.from_thread.start_blocking_portal()
+        portal = self._cm.__enter__()
+        self._portal = portal
+        self._listener = portal.call(functools.partial(anyio.create_tcp_listener, local_host="127.0.0.1"))
+        self.url = f"http://127.0.0.1:{self._listener.extra(anyio.abc.SocketAttribute.local_port)}"
+        self._serving = portal.start_task_soon(self._listener.serve, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._serving.cancel()
+        self._portal.call(self._listener.aclose)
+        self._cm.__exit__(None, None, None)
+
+    async def _handle(self, stream) -> None:
+        raise NotImplementedError
+
+
+class FakeWorker(LoopbackServer):
     """An SGLang worker whose ``/generate`` misbehaves as told.
 
     ``mode``: ``stall`` (headers, one event, then only ``: ping`` comments),
@@ -257,20 +283,6 @@ class FakeWorker:
         self.blackhole = False
         self.generates: list[str] = []
         self.aborts: list[str] = []
-
-    def __enter__(self) -> "FakeWorker":
-        self._cm = anyio.from_thread.start_blocking_portal()
-        portal = self._cm.__enter__()
-        self._portal = portal
-        self._listener = portal.call(functools.partial(anyio.create_tcp_listener, local_host="127.0.0.1"))
-        self.url = f"http://127.0.0.1:{self._listener.extra(anyio.abc.SocketAttribute.local_port)}"
-        self._serving = portal.start_task_soon(self._listener.serve, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._serving.cancel()
-        self._portal.call(self._listener.aclose)
-        self._cm.__exit__(None, None, None)
 
     async def _handle(self, stream) -> None:
         conn = h11.Connection(h11.SERVER)

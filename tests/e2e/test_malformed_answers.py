@@ -8,7 +8,6 @@ leg's), on both worker classes.
 
 from __future__ import annotations
 
-import functools
 
 import anyio
 import anyio.abc
@@ -17,6 +16,7 @@ import h11
 import orjson
 import pytest
 
+from fakes import LoopbackServer
 from support import post, read_h11_request, send_h11_answer, start_frontend, trace_records, wait_until
 
 GENERATE = {"sglang": b"/generate", "vllm": b"/inference/v1/generate"}
@@ -27,7 +27,7 @@ INFO = {
 }
 
 
-class AnsweringWorker:
+class AnsweringWorker(LoopbackServer):
     """An SGLang or vLLM worker whose generate route answers 200 with the
     payloads it is given, whatever it was asked: a unary request gets
     ``payloads[0]`` as its body (with its length), a stream each payload as
@@ -46,20 +46,6 @@ class AnsweringWorker:
         self.generates = 0
         self.closed = 0
         self.reused = 0
-
-    def __enter__(self) -> "AnsweringWorker":
-        self._cm = anyio.from_thread.start_blocking_portal()
-        portal = self._cm.__enter__()
-        self._portal = portal
-        self._listener = portal.call(functools.partial(anyio.create_tcp_listener, local_host="127.0.0.1"))
-        self.url = f"http://127.0.0.1:{self._listener.extra(anyio.abc.SocketAttribute.local_port)}"
-        self._serving = portal.start_task_soon(self._listener.serve, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._serving.cancel()
-        self._portal.call(self._listener.aclose)
-        self._cm.__exit__(None, None, None)
 
     async def _handle(self, stream) -> None:
         conn = h11.Connection(h11.SERVER)

@@ -175,8 +175,9 @@ def test_an_item_needs_exactly_its_own_fields():
         state.item_state(ended("ok"), True, None, **own)
 
 
-def test_only_the_state_machine_assigns_an_ending_or_an_outcome():
-    watched = {"status", "error_type", "error_message", "outcome"}
+def _assigned_attributes() -> list[tuple[str, ast.Attribute]]:
+    """``(file name, attribute)`` of every attribute assigned to in the
+    request package outside state.py."""
     found = []
     for path in sorted(REQUEST_PACKAGE.glob("*.py")):
         if path.name == "state.py":
@@ -184,10 +185,13 @@ def test_only_the_state_machine_assigns_an_ending_or_an_outcome():
         for node in ast.walk(ast.parse(path.read_text())):
             targets = node.targets if isinstance(node, ast.Assign) else \
                 [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
-            for target in targets:
-                for t in ast.walk(target):
-                    if isinstance(t, ast.Attribute) and t.attr in watched:
-                        found.append(f"{path.name}:{t.lineno} {t.attr}")
+            found += [(path.name, t) for target in targets for t in ast.walk(target) if isinstance(t, ast.Attribute)]
+    return found
+
+
+def test_only_the_state_machine_assigns_an_ending_or_an_outcome():
+    watched = {"status", "error_type", "error_message", "outcome"}
+    found = [f"{name}:{t.lineno} {t.attr}" for name, t in _assigned_attributes() if t.attr in watched]
     assert found == []
 
 
@@ -229,17 +233,8 @@ def test_a_request_held_across_a_pause_continues_unbounded_then_as_any_migration
 def test_only_the_state_machine_moves_a_request_or_counts_its_moves():
     counters = {"migrations", "replays", "pause_resumes"}
     found = []
-    for path in sorted(REQUEST_PACKAGE.glob("*.py")):
-        if path.name == "state.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets = node.targets if isinstance(node, ast.Assign) else \
-                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
-            for target in targets:
-                for t in ast.walk(target):
-                    if not isinstance(t, ast.Attribute):
-                        continue
-                    owner = t.value.attr if isinstance(t.value, ast.Attribute) else getattr(t.value, "id", None)
-                    if t.attr in counters or (t.attr == "phase" and owner == "moves"):
-                        found.append(f"{path.name}:{t.lineno} {t.attr}")
+    for name, t in _assigned_attributes():
+        owner = t.value.attr if isinstance(t.value, ast.Attribute) else getattr(t.value, "id", None)
+        if t.attr in counters or (t.attr == "phase" and owner == "moves"):
+            found.append(f"{name}:{t.lineno} {t.attr}")
     assert found == []
