@@ -41,7 +41,7 @@ from .answer import AnswerWriter
 from .budget import Lease
 from ..sdk._codec import Codec, Event, Exchange, GenerateRequest, RequestError, WorkerRequest
 from .framing import Send
-from .handshakes import handshake
+from .handshakes import ClientLeg, handshake
 from .legs import Leg, LegEnd
 from ..tracing.state import LegRecord, RequestState
 from ..exceptions import WorkerError
@@ -190,6 +190,11 @@ class Generation:
                     return
                 role = state.next_role(moves, self.st, self.writer.sent_ids is not None)
                 failed = await handshake(plan).run(self, plan, role, backoff)
+                if type(failed) is ClientLeg:
+                    # Run in this frame, not the handshake's (see ClientLeg).
+                    worker, attempt, wreq = failed
+                    leg = self._client_leg(worker, attempt, wreq, None)
+                    failed = [worker] if await self.conclude_leg(leg, await leg.run(self, router)) else []
                 if not failed and not moves.after_pause:
                     return
                 # A leg given up (silent past the inter-token deadline, its pair
@@ -264,13 +269,17 @@ class Generation:
         P/D pair's decode leg, whose payloads wait for ``gate``), with this
         loop as its reader, and conclude it (:meth:`conclude_leg`): whether
         to try another worker."""
+        leg = self._client_leg(worker, attempt, wreq, gate)
+        return await self.conclude_leg(leg, await leg.run(self, self.ctx.router))
+
+    def _client_leg(self, worker: Worker, attempt: LegRecord, wreq: WorkerRequest, gate: anyio.Event | None) -> Leg:
+        """The leg runner of a client leg, with this loop as its reader."""
         settings = self.ctx.settings
         if not wreq.stream:
             # One unary worker answer carries no token timing: TTFT and ITL
             # stay unknown rather than equal to the total.
             self.writer.timed = False
-        leg = Leg(self.st, settings, worker, attempt, wreq, settings.inter_token_timeout, gate, self.key)
-        return await self.conclude_leg(leg, await leg.run(self, self.ctx.router))
+        return Leg(self.st, settings, worker, attempt, wreq, settings.inter_token_timeout, gate, self.key)
 
     async def conclude_leg(self, leg: Leg, end: LegEnd) -> bool:
         """Failover, migration or the request's end, from how a client leg

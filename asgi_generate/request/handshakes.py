@@ -29,10 +29,12 @@ attempts carry; the codec builds the bytes from that.
 
 One direction: the attempt loop calls :meth:`Handshake.run` once per
 attempt and the handshake drives the loop's :class:`LegRunner` (builds
-the worker requests, runs the legs) until the attempt is over; nothing is
-handed back but the workers to leave out. Each leg runs on the leg runner
-(:class:`~asgi_generate.request.legs.Leg`); a leg whose events make the
-client's answer is concluded by the runner
+the worker requests, runs the legs) until the attempt is over or only its
+client leg is left: it hands back the workers to leave out, or that last
+leg as a :class:`ClientLeg` plan, which the loop runs in its own frame (an
+open stream then holds no handshake frame: about 1 KB less per stream).
+Each leg runs on the leg runner (:class:`~asgi_generate.request.legs.Leg`);
+a leg whose events make the client's answer is concluded by the runner
 (:meth:`LegRunner.run_client_leg`), a prefill leg here: a pair whose leg
 fails before the client got anything is aborted, then the request runs on
 another pair (a worker that could not be reached or was lost) or ends with
@@ -42,7 +44,7 @@ the format's error (the engine's error answer).
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
 import anyio
@@ -115,12 +117,22 @@ class LegRunner(Protocol):
         """Abort every live leg of the request now."""
 
 
+class ClientLeg(NamedTuple):
+    """An attempt's last leg, the one whose events make the client's
+    answer, for the attempt loop to run and conclude
+    (:meth:`LegRunner.run_client_leg`'s arguments)."""
+
+    worker: "Worker"
+    attempt: LegRecord
+    wreq: "WorkerRequest"
+
+
 class Handshake(Protocol):
     """One attempt's strategy (see the module docstring)."""
 
     async def run(
         self, runner: LegRunner, workers: "tuple[Worker, ...]", role: str, backoff: float
-    ) -> "list[Worker]":
+    ) -> "list[Worker] | ClientLeg":
         """Run one attempt of ``runner``'s request on ``workers``: ``role``
         is ``aggregated``, ``resumed`` (its legs carry the output sent so
         far after the prompt) or ``replayed``; ``backoff`` the seconds
@@ -129,7 +141,8 @@ class Handshake(Protocol):
         Returns the workers to leave out of the next attempt (empty: the
         request is answered, successfully or with its error; a leg that
         died mid-answer gives its worker with ``runner.moves.continuing``
-        when the request migrates).
+        when the request migrates), or the attempt's client leg, for the
+        loop to run and conclude as :meth:`LegRunner.run_client_leg` does.
         """
 
 
@@ -144,8 +157,8 @@ class Aggregated:
 
     async def run(
         self, runner: LegRunner, workers: "tuple[Worker, ...]", role: str, backoff: float
-    ) -> "list[Worker]":
-        """See :meth:`Handshake.run`."""
+    ) -> "list[Worker] | ClientLeg":
+        """See :meth:`Handshake.run`: the one leg, for the loop to run."""
         (worker,) = workers
         resumes = list(runner.sent_ids) if role == "resumed" else None  # where the client's answer stands
         attempt = _attempt(ids.mint(), role, worker, backoff, resumes)
@@ -154,7 +167,7 @@ class Aggregated:
         if built is None:
             return []
         runner.record_leg(attempt, built[0])
-        return [worker] if await runner.run_client_leg(worker, attempt, built[0]) else []
+        return ClientLeg(worker, attempt, built[0])
 
 
 class _Prefill:
@@ -333,8 +346,9 @@ class SequentialPair:
 
     async def run(
         self, runner: LegRunner, workers: "tuple[Worker, ...]", role: str, backoff: float
-    ) -> "list[Worker]":
-        """See :meth:`Handshake.run`: once the prefill leg answered, the decode leg."""
+    ) -> "list[Worker] | ClientLeg":
+        """See :meth:`Handshake.run`: once the prefill leg answered, the
+        decode leg, for the loop to run."""
         prefill, decode = workers
         resumes = list(runner.sent_ids) if role == "resumed" else None
         pair = Pair()
@@ -365,7 +379,7 @@ class SequentialPair:
             await runner.fail(exc, "engine_error")
             return []
         runner.record_leg(d_att, d_req)
-        return [decode] if await runner.run_client_leg(decode, d_att, d_req) else []
+        return ClientLeg(decode, d_att, d_req)
 
 
 AGGREGATED = Aggregated()

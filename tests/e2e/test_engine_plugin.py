@@ -85,6 +85,9 @@ def ask(fe) -> tuple[httpx.Response, list[bytes]]:
 STREAMED = [orjson.dumps({"t": [t], "done": "length" if i == 3 else None}) for i, t in enumerate(EXPECTED)] + [b"[DONE]"]
 
 
+# The first test of the module also builds the toy distribution (pip, build
+# isolation): minutes on a loaded machine, hence a longer hang bound.
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
 def test_a_third_engine_from_its_own_distribution_is_served_aggregated(toy_path, worker_class):
     with toy_worker(toy_path) as url:
@@ -111,6 +114,7 @@ def test_a_third_engine_from_its_own_distribution_is_served_aggregated(toy_path,
             fe.stop()
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
 def test_a_third_engine_from_its_own_distribution_is_served_as_a_pd_pair(toy_path, worker_class):
     with toy_worker(toy_path, "prefill") as prefill, toy_worker(toy_path, "decode") as decode:
