@@ -17,7 +17,6 @@ server to its ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Mapping
 
 from ..protocols import PROTOCOLS
 
@@ -37,30 +36,9 @@ class EngineLoad:
     waiting_tokens: int
 
 
-class _LoadPaths(Mapping[str, bytes]):
-    """The route each engine serves its load on, by engine name (engines
-    without one are left out)."""
-
-    def _paths(self) -> dict[str, bytes]:
-        return {e.name: e.load_path for e in PROTOCOLS.values() if e.load_path is not None}
-
-    def __getitem__(self, name: str) -> bytes:
-        return self._paths()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._paths())
-
-    def __len__(self) -> int:
-        return len(self._paths())
-
-
-#: The route each worker protocol serves its load on.
-LOAD_PATHS: Mapping[str, bytes] = _LoadPaths()
-
-
 def parse_load(protocol: str, body: bytes) -> EngineLoad:
-    """The load in ``body``, the answer of ``LOAD_PATHS[protocol]``, read
-    by the engine's ``load_reader``.
+    """The load in ``body``, the answer of the engine's ``load_path``, read
+    by its ``load_reader``.
 
     Raises:
         ValueError: a body that is not the route's shape (orjson's

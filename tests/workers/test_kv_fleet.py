@@ -14,6 +14,7 @@ import pytest
 
 from asgi_generate.sdk._codec import BatchItem, GenerateRequest
 from asgi_generate.sim.app import SimApp
+from asgi_generate.protocols import PROTOCOLS
 from asgi_generate.workers.engine_load import EngineLoad, parse_load
 from asgi_generate.workers.kv_events import Source, Stored, Subscriber
 from asgi_generate.workers.policies.kv_aware import KVAwarePolicy
@@ -190,11 +191,9 @@ def test_the_load_reader_skips_an_idle_engine_and_reads_a_busy_one():
     idle, it reads once and then skips until this replica routes there."""
     bodies = [b'{"loads": [{"num_running_reqs": 0, "num_waiting_reqs": 0}]}']
 
-    class _Proto:
-        name = "sglang"
-
     worker = _Worker(0)
-    worker.healthy, worker.pool, worker.protocol = True, CallPool(lambda method, path, body: CannedAnswer(200, bodies[-1])), _Proto()
+    worker.healthy, worker.pool = True, CallPool(lambda method, path, body: CannedAnswer(200, bodies[-1]))
+    worker.protocol = PROTOCOLS["sglang"]
     policy = KVAwarePolicy(load_interval=0.01)
     kv = policy._kv(worker)
 

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import anyio
 
 from ...exceptions import WorkerError
-from ..engine_load import LOAD_PATHS, parse_load
+from ..engine_load import parse_load
 from .kv_sources import DISCOVERY_TIMEOUT_S, WATCH_S
 from .kv_worker import WorkerKV
 
@@ -27,7 +27,7 @@ async def read_loads(worker: Any, kv: WorkerKV, interval: float, idle_interval: 
     until one succeeds (``kv.why_own`` says why). Runs until cancelled, or
     returns at once when no load route is known for the worker's protocol."""
     protocol = worker.protocol.name
-    path = LOAD_PATHS.get(protocol)
+    path = worker.protocol.load_path
     if path is None:
         kv.why_own = f"no load route known for {protocol}"
         return
