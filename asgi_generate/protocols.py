@@ -24,7 +24,7 @@ worker specs against it (:mod:`asgi_generate.worker_specs`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Callable, Iterator, Mapping
 from urllib.parse import parse_qsl
 
@@ -248,6 +248,17 @@ def positive_int(value: object) -> int | None:
     return value if type(value) is int and value > 0 else None
 
 
+def plugin_entry_points(group: str) -> list[tuple[EntryPoint, str, str]]:
+    """The entry points of ``group`` with their distribution's name and
+    version (``?`` when unknown), in (name, distribution) order, so that
+    what is loaded and every message do not depend on the order of
+    ``sys.path``. Shared by the engine and codec loaders."""
+    found = []
+    for ep in entry_points(group=group):
+        found.append((ep, ep.dist.name if ep.dist else "?", ep.dist.version if ep.dist else "?"))
+    return sorted(found, key=lambda e: (e[0].name, e[1] if e[1] != "?" else ""))
+
+
 def load_engines(group: str = GROUP) -> dict[str, WorkerProtocol]:
     """Every engine description in the entry point ``group``, by name,
     taken in (name, distribution) order.
@@ -259,9 +270,8 @@ def load_engines(group: str = GROUP) -> dict[str, WorkerProtocol]:
     """
     found: dict[str, tuple[WorkerProtocol, str]] = {}
     problems: list[str] = []
-    eps = sorted(entry_points(group=group), key=lambda e: (e.name, e.dist.name if e.dist else ""))
-    for ep in eps:
-        where = f"{ep.name!r} ({ep.dist.name if ep.dist else '?'} {ep.dist.version if ep.dist else '?'}, {ep.value})"
+    for ep, dist, version in plugin_entry_points(group):
+        where = f"{ep.name!r} ({dist} {version}, {ep.value})"
         try:
             # A plugin that calls sys.exit at import must not end the server unnamed.
             engine = ep.load()

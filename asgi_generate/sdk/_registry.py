@@ -20,10 +20,11 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import EntryPoint
 from typing import Collection
 
 from ..exceptions import CodecLoadError
+from ..protocols import plugin_entry_points
 from ._codec import Codec, Route
 
 GROUP = "asgi_generate.codecs"
@@ -131,10 +132,7 @@ def discover(protocols: Collection[str]) -> Discovery:
     messages do not depend on the order of ``sys.path``.
     """
     found = Discovery()
-    eps = sorted(entry_points(group=GROUP), key=lambda e: (e.name, e.dist.name if e.dist else ""))
-    for ep in eps:
-        dist = ep.dist.name if ep.dist else "?"
-        version = ep.dist.version if ep.dist else "?"
+    for ep, dist, version in plugin_entry_points(GROUP):
         try:
             # A plugin that calls sys.exit at import must not end the server unnamed.
             codec = _check(ep.load()(), ep, protocols)
