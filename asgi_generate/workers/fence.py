@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .worker import Worker
 
 # The router's logger: these lines are the router's decisions.
+# The router's logger, as before the split: operators match its lines by that name.
 log = logging.getLogger("asgi_generate.router")
 #: The request header asking for workers at this weight version or later.
 MIN_VERSION_HEADER = b"asgi-generate-min-weight-version"

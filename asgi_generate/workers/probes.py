@@ -24,6 +24,7 @@ from .worker import Worker
 from ..protocols import read_model_card
 
 # The router's logger: these lines are the router's decisions.
+# The router's logger, as before the split: operators match its lines by that name.
 log = logging.getLogger("asgi_generate.router")
 
 
