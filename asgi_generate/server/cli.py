@@ -253,6 +253,9 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                      help="tensor-parallel size played: the ranks taken in a weight-update group")
     sim.add_argument("--weights-group-registry", default=None, metavar="PATH",
                      help="a file the fleet's simulators share to refuse overlapping weight-update ranks")
+    sim.add_argument("--weight-load-s", type=_bounded(float, 0), default=0.0, metavar="S",
+                     help="seconds each weight load takes, the engine busy (SGLang's /health stalls) "
+                          "(default %(default)s)")
     sim.add_argument("--model-name", default="sim", help="served model name (default %(default)s)")
     sim.add_argument("--parent-pid", type=_bounded(int, 1), default=None, help="exit when this process exits")
     sim.add_argument("--worker-class", choices=WORKER_CLASSES, default="asyncio",
@@ -445,6 +448,7 @@ def _sim_app(args: argparse.Namespace) -> "SimApp":
         kv_events_config=args.kv_events_config,
         tp_size=args.tp_size,
         weights_group_registry=args.weights_group_registry,
+        weight_load_s=args.weight_load_s,
     )
 
 

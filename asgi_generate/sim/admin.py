@@ -106,7 +106,7 @@ class SimAdmin:
             while self.engine.running:  # vLLM's "wait": in-flight requests finish first
                 await anyio.sleep(0.01)
         if path in self.weights.routes:
-            status, answer = self.weights.answer(path, args, obj)
+            status, answer = await self.weights.answer(path, args, obj)
         else:
             status, answer = getattr(self, "_" + path.strip("/"))(args, obj)
         if isinstance(answer, bytes):

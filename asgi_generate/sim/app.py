@@ -30,6 +30,16 @@ took it: a prefill leg failing before and after its decode leg streams.
 ``{"weight_updates": N}`` makes the next ``N`` weight loads fail
 (:mod:`asgi_generate.sim.weights`).
 
+SGLang's ``/health`` and ``/health_generate`` run a one-token generation
+and answer once the scheduler sends anything (``http_server.py``
+``health_generate``): while the engine is paused (any mode: the
+generation waits on ``tokenizer_manager.is_pause_cond``) or loading weights
+(``weight_load_s``; the load holds ``model_update_lock``), they stall until
+that ends, and answer 503 after :data:`HEALTH_CHECK_TIMEOUT` seconds.
+vLLM's ``/health`` only asks whether the engine died
+(``serve/instrumentator/health.py``, ``AsyncLLM.check_health``): it answers
+at once, paused, asleep or loading.
+
 ``tp_size`` is the tensor-parallel size the simulator plays: the ranks it
 takes in a weight-update group, SGLang's ``/get_server_info`` ``tp_size``,
 vLLM's ``/get_world_size``.
@@ -77,6 +87,10 @@ NOT_FOUND = orjson.dumps({"detail": "Not Found"})
 #: hermes tool call (``<think>`` and ``<tool_call>`` are single tokens).
 MARKER_TEXT = '<think>Checking.</think><tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
 MAX_BODY = 1 << 30
+#: Seconds SGLang's health generation waits for the scheduler before it
+#: answers 503 (``http_server.py`` ``HEALTH_CHECK_TIMEOUT``, the default
+#: of ``SGLANG_HEALTH_CHECK_TIMEOUT``).
+HEALTH_CHECK_TIMEOUT = 20.0
 #: Request ids whose last ``traceparent`` /sim/stats keeps (the newest).
 MAX_TRACEPARENTS = 4096
 
@@ -142,6 +156,7 @@ class SimApp:
             weight-update group).
         weights_group_registry: the file of the fleet's
             :class:`~asgi_generate.sim.weights.GroupRegistry`, or ``None``.
+        weight_load_s: seconds each weight load takes (0: at once).
 
     Raises:
         ValueError: unknown protocol, a vLLM version that is not one, a
@@ -183,6 +198,7 @@ class SimApp:
         kv_events_config: str | None = None,
         tp_size: int = 1,
         weights_group_registry: str | None = None,
+        weight_load_s: float = 0.0,
     ) -> None:
         if protocol not in ("sglang", "vllm"):
             raise ValueError(f"unknown simulator protocol {protocol!r}")
@@ -257,10 +273,12 @@ class SimApp:
                                 context_length=context_length or CONTEXT_LENGTH)
         )
         registry = GroupRegistry(weights_group_registry) if weights_group_registry else None
-        self.weights = SimWeights(self.engine, protocol, tp_size, registry)
+        self.weights = SimWeights(self.engine, protocol, tp_size, registry, weight_load_s)
         self.admin = SimAdmin(self.engine, protocol, self.weights)
         self.engine_version = engine_version
         self.traceparents: dict[str, str] = {}
+        #: SGLang health calls that waited for a pause or a weight load to end.
+        self.health_waits = 0
         self.model_name = model_name
         self.model_path = str(ASSETS_DIR)
         self.parent_pid = parent_pid
@@ -290,7 +308,7 @@ class SimApp:
             if body is not None:
                 await p.abort_request(body, send)
         elif path in ("/health", "/health_generate") and method == "GET":
-            await self._health(send)
+            await self._health(send, await self._health_generation())
         elif path in ("/get_server_info", "/server_info") and method == "GET":
             info = p.server_info(self.model_path)
             info["tp_size"] = self.weights.tp_size
@@ -345,6 +363,7 @@ class SimApp:
             stats["kv_events"] = self.engine.events.stats()
         stats["admin_calls"] = dict(self.admin.calls)
         stats["weights"] = self.weights.stats()
+        stats["health_waits"] = self.health_waits
         stats["traceparents"] = dict(self.traceparents)
         d = self.disagg
         if d is not None:
@@ -396,8 +415,21 @@ class SimApp:
         else:
             await send_unary(send, 404, NOT_FOUND)
 
-    async def _health(self, send: Send) -> None:
-        await send_unary(send, 503 if self.engine.down else 200, b"")
+    async def _health(self, send: Send, generated: bool = True) -> None:
+        await send_unary(send, 503 if self.engine.down or not generated else 200, b"")
+
+    async def _health_generation(self) -> bool:
+        """SGLang's health generation: whether the scheduler served it
+        within :data:`HEALTH_CHECK_TIMEOUT` seconds, waiting while the
+        engine is paused or loading weights (module docstring)."""
+        busy = lambda: self.engine.held or self.weights.loading > 0  # noqa: E731
+        if not busy():
+            return True
+        self.health_waits += 1
+        with anyio.move_on_after(HEALTH_CHECK_TIMEOUT):
+            while busy():  # polled: a paused or loading engine is an admin moment
+                await anyio.sleep(0.01)
+        return not busy()
 
     async def _faults(self, method: str, receive: Receive, send: Send) -> None:
         if method == "DELETE":

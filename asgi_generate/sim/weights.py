@@ -56,6 +56,12 @@ exception in the engine: 500 ``Internal Server Error``:
 Failure hook: ``POST /sim/faults`` ``{"weight_updates": N}`` makes this
 engine's next ``N`` weight loads (an ``update_weights_from_*`` call, vLLM
 ``/update_weights``) fail with the engine's failure answer.
+
+Load time: ``sim --weight-load-s S`` makes each weight load take ``S``
+seconds before it answers (default 0: at once), the engine busy meanwhile
+(:attr:`SimWeights.loading`): SGLang's health routes stall then
+(:mod:`asgi_generate.sim.app`), as a scheduler busy loading serves no
+health generation.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ import hashlib
 import os
 from typing import Any, Callable
 
+import anyio
 import orjson
 
 from .engine import SimEngine
@@ -93,6 +100,9 @@ VLLM_WEIGHT_ROUTES = {
     "/weight_checker": ("POST",),
     "/get_world_size": ("GET",),
 }
+#: The routes that load weights (:attr:`SimWeights.load_s` each).
+LOADS = frozenset({"/update_weights_from_distributed", "/update_weights_from_tensor", "/update_weights_from_ipc",
+                   "/update_weights_from_disk", "/update_weights"})
 #: SGLang's default group name (``InitWeightsUpdateGroupReqInput``).
 DEFAULT_GROUP = "weight_update_group"
 Answer = tuple[int, Any]
@@ -168,10 +178,16 @@ class SimWeights:
             weight-update group.
         registry: the fleet's shared :class:`GroupRegistry`, or ``None``
             (ranks then checked against ``world_size`` only).
+        load_s: seconds each weight load takes before it answers.
+
+    Raises:
+        ValueError: ``load_s`` below 0.
     """
 
     def __init__(self, engine: SimEngine, protocol: str, tp_size: int = 1,
-                 registry: GroupRegistry | None = None) -> None:
+                 registry: GroupRegistry | None = None, load_s: float = 0.0) -> None:
+        if not load_s >= 0:
+            raise ValueError(f"--weight-load-s must be 0 or more, got {load_s}")
         self.engine = engine
         self.vllm = protocol == "vllm"
         self.routes = VLLM_WEIGHT_ROUTES if self.vllm else SGLANG_WEIGHT_ROUTES
@@ -184,6 +200,9 @@ class SimWeights:
         #: Weight loads still to fail (``POST /sim/faults`` ``weight_updates``).
         self.failures = 0
         self.failed = 0
+        self.load_s = load_s
+        #: Weight loads under way now (each takes :attr:`load_s` seconds).
+        self.loading = 0
 
     @property
     def version(self) -> str:
@@ -194,9 +213,16 @@ class SimWeights:
         """Whether ``(method, path)`` is one of its weight routes."""
         return method in self.routes.get(path, ())
 
-    def answer(self, path: str, args: dict[str, str], obj: dict) -> Answer:
+    async def answer(self, path: str, args: dict[str, str], obj: dict) -> Answer:
         """``(status, JSON-able body)`` for one call of a route it
-        :meth:`serves`; a body of bytes is sent as text."""
+        :meth:`serves`, a weight load after :attr:`load_s` seconds; a body
+        of bytes is sent as text."""
+        if self.load_s > 0 and path in LOADS:
+            self.loading += 1
+            try:
+                await anyio.sleep(self.load_s)
+            finally:
+                self.loading -= 1
         handler = getattr(self, ("_v_" if self.vllm else "_s_") + path.strip("/"))
         return handler(args, obj)
 
@@ -239,7 +265,7 @@ class SimWeights:
     def stats(self) -> dict:
         """The ``/sim/stats`` ``weights`` entry."""
         return {"weight_version": self.version, "tp_size": self.tp_size, "groups": dict(self.groups),
-                "failures_armed": self.failures, "failed_updates": self.failed}
+                "failures_armed": self.failures, "failed_updates": self.failed, "loading": self.loading}
 
     # -- SGLang ---------------------------------------------------------------
 
