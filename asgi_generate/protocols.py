@@ -122,6 +122,13 @@ class WorkerProtocol:
             (the routing policy forgets what it knew of it).
         resumes: admin routes that end a pause
             (:mod:`asgi_generate.workers.pauses`).
+        pauses: admin routes after which the engine serves no generation
+            (its health route may stall) until another is called: ``(the
+            route, the route that ends it)`` (a pause, a sleep, a release
+            of memory); while one the frontend sent holds, a failing health
+            probe does not take the worker out, and the ending route
+            reaches it even when it is down
+            (:mod:`asgi_generate.ops.fanout`).
         kv_events_path: GET, where the worker says it publishes its KV
             cache events (:mod:`asgi_generate.workers.policies.kv_sources`);
             ``None``: it says nowhere.
@@ -168,6 +175,7 @@ class WorkerProtocol:
     weight_loads: tuple[tuple[str, str | None, bool], ...] = ()
     cache_resets: tuple[str, ...] = ()
     resumes: tuple[str, ...] = ()
+    pauses: tuple[tuple[str, str], ...] = ()
     aborting_pause: "Callable[[str, Mapping[str, str], Callable[[], object]], bool] | None" = None
     kv_events_path: bytes | None = None
     kv_events_reader: "Callable[[object, str], tuple[tuple[str, str | None, str] | None, int | None, str]] | None" = None

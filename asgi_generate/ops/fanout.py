@@ -34,6 +34,19 @@ route sends. The rules every fanned-out call follows:
   "down: <why>"}``; each skip is logged. With no worker of the protocol up,
   503 names them. What a skipped worker serves when it comes back (e.g. its
   weights) is for its health probe and the weight version to decide.
+- A call in flight on a worker, and a pause it took (a route of its engine
+  description's ``pauses``: SGLang ``/pause_generation``,
+  ``/release_memory_occupation``; vLLM ``/pause``, ``/sleep``) until the
+  route that ends it answered 200, keep its failing health probes from
+  taking it out (:attr:`~asgi_generate.workers.worker.Worker.busy`,
+  :mod:`~asgi_generate.workers.probes`). A pause counts from the moment it
+  is sent; an answer other than 200 (the engine refused it) undoes it, no
+  answer leaves it counted.
+- The route that ends a pause (``/continue_generation``, ``/resume``,
+  ``/wake_up``, ``/resume_memory_occupation``) reaches every worker that
+  took the pause and has not answered 200 to it since, down or not. One it
+  could not reach (its connection refused) makes the answer 502, naming it
+  as skipped: it is still paused, and the next such call tries it again.
 
 Errors the frontend makes itself are SGLang's shape
 (``_create_error_response``): ``{"error": {"message"}}``.
@@ -241,18 +254,47 @@ async def gather(calls: list[Callable[[], Awaitable[Answer]]]) -> list[Answer]:
 def chosen(ctx: AdminContext, protocol: str, request: Request) -> tuple[list[Worker], list[Worker]] | Response:
     """The workers of ``protocol`` a call goes to and the ones skipped as
     down, or the error answer: every one of the protocol, or the one the
-    request names (module docstring)."""
+    request names; a route ending a pause goes to a worker paused by it
+    even when it is down (module docstring)."""
     workers = [w for w in ctx.router.workers if w.protocol.name == protocol]
     if not workers:
         return error(503, f"no worker configured for protocol {protocol!r}")
+    path = request.url.path
     named = request.query_params.get("worker") or request.headers.get(WORKER_HEADER)
     if named:
         workers = [w for w in workers if w.id == named]
         if not workers:
             return error(404, f"no worker {named!r} of protocol {protocol!r}")
-        if not workers[0].healthy:
+        if not workers[0].healthy and path not in workers[0].paused:
             return error(503, f"worker {named!r} is down: {why(workers[0])}")
-    return [w for w in workers if w.healthy], [w for w in workers if not w.healthy]
+    called = [w for w in workers if w.healthy or path in w.paused]
+    return called, [w for w in workers if w not in called]
+
+
+def _ended_by(worker: Worker, path: str) -> str | None:
+    """The route that ends the pause ``path`` puts ``worker``'s engine in,
+    ``None`` when ``path`` pauses nothing."""
+    return next((end for start, end in worker.protocol.pauses if start == path), None)
+
+
+async def _traced_call(worker: Worker, method: str, path: str, tgt: bytes, body: bytes,
+                       headers: list[tuple[bytes, bytes]], timeout: float) -> Answer:
+    """:func:`call`, counted in ``worker.calls`` while in flight, with the
+    pause it starts or ends noted in ``worker.paused`` (module docstring)."""
+    end = _ended_by(worker, path)
+    known = end is None or end in worker.paused
+    if end is not None:
+        worker.paused.add(end)  # from the moment it is sent: the engine may act on it at once
+    worker.calls += 1
+    try:
+        answer = await call(worker, method, tgt, body, headers, timeout)
+    finally:
+        worker.calls -= 1
+    if not known and (answer.refused or answer.status not in (None, 200)):
+        worker.paused.discard(end)  # the engine never got it, or refused it
+    if answer.status == 200:
+        worker.paused.discard(path)
+    return answer
 
 
 async def call_each(ctx: AdminContext, request: Request, workers: list[Worker], skipped: list[Worker],
@@ -263,7 +305,9 @@ async def call_each(ctx: AdminContext, request: Request, workers: list[Worker], 
     A worker whose connection was refused is marked down and added to
     ``skipped``; skips are logged."""
     tgt, headers = path or target(request), content_headers(request)
-    called = await gather([(lambda w=w: call(w, method or request.method, tgt, bodies(w), headers, timeout))
+    route = path.decode("latin-1") if path is not None else request.url.path
+    called = await gather([(lambda w=w: _traced_call(w, method or request.method, route, tgt, bodies(w), headers,
+                                                     timeout))
                            for w in workers])
     answers = []
     for a in called:
@@ -296,4 +340,6 @@ async def to_every_worker(ctx: AdminContext, protocol: str, request: Request, bo
     answers = await call_each(ctx, request, workers, skipped, lambda w: body, timeout or ctx.settings.admin_timeout)
     if not answers:
         return none_up(protocol, skipped), []
+    if any(request.url.path in w.paused for w in skipped):  # a pause it could not end
+        return failed([a.result() for a in answers], skipped), answers
     return combined(answers, skipped), answers

@@ -8,6 +8,19 @@ a reused connection gets one fresh try. An up worker is marked down after
 ``health_failures`` failed probes in a row, or at once when the probe
 cannot connect or its connection breaks (the worker is then lost: its
 requests are told at once).
+
+Slow is not dead: while the worker is busy with what the frontend asked
+(:attr:`~asgi_generate.workers.worker.Worker.busy`: an admin or weight call
+in flight on it, or a pause, sleep or memory release it took until the
+route that ends it answered 200), a probe that times out or is answered
+other than 200 counts for nothing. SGLang's ``/health`` runs a one-token
+generation that a loading or paused scheduler does not serve
+(``http_server.py`` ``health_generate``). The call's own deadline decides
+instead (``weight_update_timeout``, ``admin_timeout``): a weight load that
+failed or timed out fences the worker (:mod:`~asgi_generate.workers.fence`),
+and once no call holds it its probes count again. A probe that cannot
+connect, or whose connection breaks, still takes it out at once: the engine
+is gone, not busy.
 """
 
 from __future__ import annotations
@@ -125,6 +138,11 @@ async def read_weight_version(worker: Worker) -> str | None:
 
 
 def _failed(router: Probing, worker: Worker, reason: str, at_once: bool) -> None:
+    busy = worker.busy
+    if busy is not None and not at_once:
+        log.debug("worker %s (%s) health probe failed while busy (%s), not counted: %s",
+                  worker.id, worker.url, busy, reason)
+        return
     worker.failures += 1
     if at_once or worker.failures >= router.health_failures:
         router.worker_lost(worker, reason)

@@ -14,7 +14,9 @@ and for failed health probes, never for a slow request. Each worker is
 probed on its own connection, in its own loop, every ``health_interval``
 seconds, with a budget of its own (``health_timeout``); an up worker is
 marked down after ``health_failures`` failed probes in a row, or at once
-when the probe cannot connect or its connection breaks. A worker the probe
+when the probe cannot connect or its connection breaks; a probe that fails
+or times out while the worker is busy with a call the frontend sent (a
+weight load, a pause until its resume) counts for nothing. A worker the probe
 marks down has its in-flight requests told at once
 (:meth:`Router.worker_lost`) rather than left to their timeouts. A down
 worker comes back when its health route answers 200 again and its server
@@ -258,6 +260,8 @@ class Router:
         on: only the probe declares them lost."""
         if worker.healthy or worker.last_error is None:
             log.warning("worker %s (%s) marked down: %s", worker.id, worker.url, reason)
+        if worker.healthy:
+            worker.times_down += 1
         worker.healthy = False
         worker.last_error = reason
 

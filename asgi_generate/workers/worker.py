@@ -59,6 +59,13 @@ class Worker:
             finish (:meth:`~asgi_generate.workers.router.Router.drain`).
         fence: why it is fenced (it failed a weight update), else ``None``.
         failed_updates: weight updates it failed.
+        calls: admin and weight calls the frontend sent it that are in
+            flight now (each bounded by its own deadline).
+        paused: the routes that end a pause the frontend sent it (its
+            engine description's ``pauses``: ``/continue_generation``,
+            ``/wake_up``, ...) and it has not yet answered 200; at most
+            one per such route.
+        times_down: times it left the rotation (marked down while up).
 
     ``info`` is replaced, never changed in place, so an attempt keeps the
     info (the weight version) its worker had when the attempt was sent.
@@ -84,6 +91,20 @@ class Worker:
         self.draining = False
         self.fence: str | None = None
         self.failed_updates = 0
+        self.calls = 0
+        self.paused: set[str] = set()
+        self.times_down = 0
+
+    @property
+    def busy(self) -> str | None:
+        """Why it is doing what the frontend asked (a call in flight, or
+        paused by one), else ``None``: then a failing or slow health probe
+        does not take it out (:mod:`~asgi_generate.workers.probes`)."""
+        if self.calls:
+            return f"{self.calls} admin call(s) in flight"
+        if self.paused:
+            return f"paused until {', '.join(sorted(self.paused))}"
+        return None
 
     @property
     def weight_version(self) -> str | None:

@@ -132,6 +132,11 @@ ENGINE = WorkerProtocol(
     ),
     cache_resets=("/flush_cache",),
     resumes=("/continue_generation",),
+    # A paused scheduler (any mode) serves no generation, /health's included
+    # (tokenizer_manager.py pause_generation, http_server.py health_generate);
+    # released memory holds no weights or KV cache to run one with.
+    pauses=(("/pause_generation", "/continue_generation"),
+            ("/release_memory_occupation", "/resume_memory_occupation")),
     kv_events_path=b"/server_info",
     kv_events_reader=kv_events,
     aborting_pause=aborting_pause,

@@ -125,6 +125,9 @@ ENGINE = WorkerProtocol(
     weight_loads=(("/update_weights", None, True), ("/finish_weight_update", "weight_version", False)),
     cache_resets=("/reset_prefix_cache",),
     resumes=("/resume",),
+    # rl/online/api_router.py pause_generation; serve/dev sleep (weights and
+    # KV cache offloaded until /wake_up).
+    pauses=(("/pause", "/resume"), ("/sleep", "/wake_up")),
     kv_events_path=b"/kv_event_sources",
     kv_events_reader=kv_event_sources,
     aborting_pause=aborting_pause,
