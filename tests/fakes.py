@@ -127,8 +127,9 @@ class CannedAnswer:
 class CallPool:
     """A worker's pool (a :class:`~asgi_generate.workers.pool.WorkerPool`)
     answering every call with ``answer``: a :class:`CannedAnswer`, an
-    exception its head raises, or a function of ``(method, target, body)``
-    returning either; ``calls`` lists ``(method, target, body)``."""
+    exception its head raises, :data:`STALL` (no answer ever), or a
+    function of ``(method, target, body)`` returning one of those;
+    ``calls`` lists ``(method, target, body)``."""
 
     def __init__(self, answer) -> None:
         self.answer = answer
@@ -139,7 +140,7 @@ class CallPool:
 
         def head():
             answer = self.answer(method, path, body) if callable(self.answer) else self.answer
-            if isinstance(answer, BaseException):
+            if isinstance(answer, BaseException) or answer is STALL:
                 return answer
             return FakeResponse(answer.status, [answer.body] if answer.body else [], answer.content_type)
 
