@@ -277,7 +277,7 @@ def _ended_by(worker: Worker, path: str) -> str | None:
     return next((end for start, end in worker.protocol.pauses if start == path), None)
 
 
-async def _traced_call(worker: Worker, method: str, path: str, tgt: bytes, body: bytes,
+async def _counted_call(worker: Worker, method: str, path: str, tgt: bytes, body: bytes,
                        headers: list[tuple[bytes, bytes]], timeout: float) -> Answer:
     """:func:`call`, counted in ``worker.calls`` while in flight, with the
     pause it starts or ends noted in ``worker.paused`` (module docstring)."""
@@ -306,7 +306,7 @@ async def call_each(ctx: AdminContext, request: Request, workers: list[Worker], 
     ``skipped``; skips are logged."""
     tgt, headers = path or target(request), content_headers(request)
     route = path.decode("latin-1") if path is not None else request.url.path
-    called = await gather([(lambda w=w: _traced_call(w, method or request.method, route, tgt, bodies(w), headers,
+    called = await gather([(lambda w=w: _counted_call(w, method or request.method, route, tgt, bodies(w), headers,
                                                      timeout))
                            for w in workers])
     answers = []

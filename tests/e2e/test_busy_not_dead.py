@@ -27,7 +27,7 @@ PROMPT = [300, 7, 8]
 LOAD_S = 5
 #: A probe that gets no answer within this gives up; two in a row take an
 #: up worker out (today's rule for a worker not busy with a call).
-PROBE = ["--health-timeout", "0.5", "--health-failures", "2"]
+PROBE = ["--health-timeout", "1", "--health-failures", "2"]
 
 
 def _stream(protocol: str, url: str, rid: str) -> tuple[threading.Thread, list]:
