@@ -492,9 +492,12 @@ def _resume_base(chunk: dict, incremental: bool) -> dict:
 
 
 def _event(new: list, meta: dict, cut: bool = False) -> Event:
-    """The event of a chunk whose new output ids are ``new``."""
+    """The event of a chunk whose new output ids are ``new``, with the
+    weight version the engine reported for them (``meta_info.weight_version``,
+    ``tokenizer_manager.py``: the version when the chunk was made)."""
     finish = meta.get("finish_reason")
     is_dict = type(finish) is dict
+    version = meta.get("weight_version")
     return Event(
         new,
         finish.get("type") if is_dict else None,
@@ -503,6 +506,7 @@ def _event(new: list, meta: dict, cut: bool = False) -> Event:
         completion_tokens=meta.get("completion_tokens"),
         cached_tokens=meta.get("cached_tokens"),
         cut=cut,
+        weight_version=version if type(version) is str else None,
     )
 
 

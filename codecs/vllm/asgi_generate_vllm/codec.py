@@ -181,6 +181,31 @@ def _reported(usage: Any) -> Usage | None:
                  _int(details.get("cached_tokens")) if type(details) is dict else None)
 
 
+def _spans(choice: dict) -> list[tuple[str, int, int]] | None:
+    """A finished choice's ``weight_versions`` (vLLM 0.33
+    ``GenerateStreamChoiceBase``/``GenerateChoiceBase``: ``[{"version",
+    "start", "end"}]`` over the choice's output token indices, from
+    ``v1/engine/output_processor.py`` ``_weight_version_spans``) as
+    ``(version, start, end)``; ``None`` when absent or null.
+
+    Raises:
+        WorkerAnswerError: not a list of such spans.
+    """
+    spans = choice.get("weight_versions")
+    if spans is None:
+        return None
+    if type(spans) is not list:
+        raise wrong("choices[0].weight_versions", spans, "a list of spans or null")
+    out = []
+    for i, s in enumerate(spans):
+        if type(s) is not dict or type(s.get("version")) is not str or type(s.get("start")) is not int \
+                or type(s.get("end")) is not int:
+            raise wrong(f"choices[0].weight_versions[{i}]", s, "an object with a string version and integer "
+                        "start and end")
+        out.append((s["version"], s["start"], s["end"]))
+    return out
+
+
 def _usage_event(token_ids: list[int], finish: str, usage: Any, matched: int | str | None) -> Event:
     """The finishing event, with vLLM's ``usage`` (``prompt_tokens``,
     ``completion_tokens``, ``prompt_tokens_details.cached_tokens``; counts of
@@ -393,6 +418,8 @@ class VLLMExchange(Exchange):
             self.out = orjson.dumps(obj) if joined else payload
             event = _usage_event(ids, finish, obj.get("usage"), _stop_reason(attempt, choices[0]))
             event.leg_usage = own
+            if self.native.n == 1:
+                event.weight_spans = _spans(choices[0])
             if self.native.n != 1:
                 event.entries = [
                     (c["index"], Event(c["token_ids"], c.get("finish_reason") or "stop",
@@ -441,7 +468,10 @@ class VLLMExchange(Exchange):
             if self.native.n != 1:
                 entries.append((index, Event(got, finish, matched=_stop_reason(attempt, choice) if finish else None)))
         self.out = orjson.dumps(obj)
-        return Event(ids, entries=entries if self.native.n != 1 else None)
+        event = Event(ids, entries=entries if self.native.n != 1 else None)
+        if self.native.n == 1 and choices[0].get("finish_reason") is not None:
+            event.weight_spans = _spans(choices[0])
+        return event
 
     @staticmethod
     def _prefilled(attempt: Attempt) -> Prefilled | None:
