@@ -221,6 +221,11 @@ def test_vllm_segments_are_the_weight_versions_the_engine_reported(fleet):
         assert ids[:k] == sampled(PROMPTS[i], 0, k, True, version=old)
         assert ids[k:] == sampled(PROMPTS[i] + ids[:k], 0, N - k, True, version=new)
         assert [(a["role"], a["weight_version"]) for a in rec["attempts"]] == [("aggregated", old), ("resumed", new)]
+        # The client's finished choice says the same, over its whole answer.
+        (last,) = [ch for c in chunks if c != b"[DONE]" for ch in orjson.loads(c).get("choices", [])
+                   if ch.get("finish_reason") == "length"]
+        assert last["weight_versions"] == [{"version": old, "start": 0, "end": k},
+                                           {"version": new, "start": k, "end": N}]
 
 
 def test_vllm_unary_replayed_after_a_pause_counts_the_tokens_sent_exactly(fleet):

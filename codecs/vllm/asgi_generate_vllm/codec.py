@@ -244,7 +244,7 @@ class VLLMExchange(Exchange):
 
     __slots__ = (
         "native", "stream", "stream_id", "finish", "matched", "finished", "out", "status", "input_ids",
-        "resumed", "choice_tokens", "details", "sent",
+        "resumed", "choice_tokens", "details", "sent", "spans",
     )
 
     def __init__(self, request: GenerateRequest, request_id: str) -> None:
@@ -271,6 +271,9 @@ class VLLMExchange(Exchange):
         self.details: Any = None
         #: The body of the last worker request built (the leg that answers next).
         self.sent: dict | None = None
+        #: A stream's weight version spans so far over the client's answer
+        #: (:meth:`_answer_spans`).
+        self.spans: list[tuple[str, int, int]] = []
 
     def resume_refusal(self) -> str | None:
         """Why this request cannot resume mid-answer (see the module docstring)."""
@@ -467,11 +470,33 @@ class VLLMExchange(Exchange):
                     self.finish, self.matched = finish, _stop_reason(attempt, choice)
             if self.native.n != 1:
                 entries.append((index, Event(got, finish, matched=_stop_reason(attempt, choice) if finish else None)))
-        self.out = orjson.dumps(obj)
         event = Event(ids, entries=entries if self.native.n != 1 else None)
         if self.native.n == 1 and choices[0].get("finish_reason") is not None:
             event.weight_spans = _spans(choices[0])
+            if event.weight_spans is not None:
+                self._answer_spans(choices[0], event.weight_spans)
+        self.out = orjson.dumps(obj)
         return event
+
+    def _answer_spans(self, choice: dict, spans: list[tuple[str, int, int]]) -> None:
+        """A finished stream choice's ``weight_versions`` over the client's
+        whole answer: a resumed leg's spans (over its own output) moved past
+        the ``resumed`` tokens it was re-fed, after the spans the earlier
+        legs' finishing chunks gave for those (a leg that ended without one,
+        a lost worker's, leaves the engine's spans as they are)."""
+        r = self.resumed
+        before = [x for x in self.spans if x[2] <= r]
+        if r and (before[-1][2] if before else 0) != r:
+            return
+        whole = list(before)
+        for version, start, end in spans:
+            if whole and whole[-1][0] == version and whole[-1][2] == start + r:
+                whole[-1] = (version, whole[-1][1], end + r)
+            else:
+                whole.append((version, start + r, end + r))
+        self.spans = whole
+        if r:
+            choice["weight_versions"] = [{"version": v, "start": a, "end": b} for v, a, b in whole]
 
     @staticmethod
     def _prefilled(attempt: Attempt) -> Prefilled | None:
