@@ -244,7 +244,7 @@ class VLLMExchange(Exchange):
 
     __slots__ = (
         "native", "stream", "stream_id", "finish", "matched", "finished", "out", "status", "input_ids",
-        "resumed", "choice_tokens", "details", "sent", "spans",
+        "resumed", "choice_tokens", "details", "sent", "spans", "leg_starts",
     )
 
     def __init__(self, request: GenerateRequest, request_id: str) -> None:
@@ -274,6 +274,10 @@ class VLLMExchange(Exchange):
         #: A stream's weight version spans so far over the client's answer
         #: (:meth:`_answer_spans`).
         self.spans: list[tuple[str, int, int]] = []
+        #: Where each client leg of a stream began in the answer, with its
+        #: worker's weight version then (``worker_info``): the versions of
+        #: tokens whose leg ended without reporting them.
+        self.leg_starts: list[tuple[int, str | None]] = []
 
     def resume_refusal(self) -> str | None:
         """Why this request cannot resume mid-answer (see the module docstring)."""
@@ -336,6 +340,8 @@ class VLLMExchange(Exchange):
                     raise RequestError(502, "the prefill worker answered no kv_transfer_params", NO_KV_TRANSFER)
                 body["kv_transfer_params"] = kv
         self.resumed = len(attempt.resumes or ())
+        self.leg_starts = [x for x in self.leg_starts if x[0] < self.resumed]
+        self.leg_starts.append((self.resumed, attempt.worker_info.get("weight_version")))
         if not self.stream:
             return WorkerRequest(PATH.encode(), dump_body(body), headers, stream=False)
         body["stream_options"] = {
@@ -482,21 +488,34 @@ class VLLMExchange(Exchange):
         """A finished stream choice's ``weight_versions`` over the client's
         whole answer: a resumed leg's spans (over its own output) moved past
         the ``resumed`` tokens it was re-fed, after the spans the earlier
-        legs' finishing chunks gave for those (a leg that ended without one,
-        a lost worker's, leaves the engine's spans as they are)."""
+        legs' finishing chunks gave for those; tokens of a leg that ended
+        without one (a lost worker's) at its worker's version when it was
+        sent (unknown: the engine's spans are left as they are)."""
         r = self.resumed
-        before = [x for x in self.spans if x[2] <= r]
-        if r and (before[-1][2] if before else 0) != r:
-            return
-        whole = list(before)
+        whole = [x for x in self.spans if x[2] <= r]
+        covered = whole[-1][2] if whole else 0
+        starts = self.leg_starts
+        for i, (at, version) in enumerate(starts):
+            end = min(starts[i + 1][0] if i + 1 < len(starts) else r, r)
+            if end <= covered:
+                continue
+            if version is None:
+                return
+            self._extend(whole, version, max(at, covered), end)
+            covered = end
         for version, start, end in spans:
-            if whole and whole[-1][0] == version and whole[-1][2] == start + r:
-                whole[-1] = (version, whole[-1][1], end + r)
-            else:
-                whole.append((version, start + r, end + r))
+            self._extend(whole, version, start + r, end + r)
         self.spans = whole
         if r:
             choice["weight_versions"] = [{"version": v, "start": a, "end": b} for v, a, b in whole]
+
+    @staticmethod
+    def _extend(spans: list[tuple[str, int, int]], version: str, start: int, end: int) -> None:
+        """Add ``[start, end)`` at ``version`` to contiguous ``spans``."""
+        if spans and spans[-1][0] == version and spans[-1][2] == start:
+            spans[-1] = (version, spans[-1][1], end)
+        else:
+            spans.append((version, start, end))
 
     @staticmethod
     def _prefilled(attempt: Attempt) -> Prefilled | None:
