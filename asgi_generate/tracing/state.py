@@ -63,19 +63,23 @@ class LegRecord(Attempt):
 
     def count(self, event: Event) -> None:
         """Count ``event``'s tokens as sent to the client by this leg, and
-        the weight versions its engine reported for them: ``weight_spans``
-        (the whole leg's) replace the runs, ``weight_version`` extends them."""
-        n = len(event.token_ids)
-        self.tokens += n
-        spans = event.weight_spans
-        if spans is not None:
-            self.versions = [[v, end - start] for v, start, end in spans if end > start]
-        elif n and event.weight_version is not None:
+        the weight versions its engine reported for them (a codec gives one
+        or the other): ``weight_version`` extends the runs, ``weight_spans``
+        (the whole leg's) replace them. (Once per streamed event: written
+        for the CPU.)"""
+        ids = event.token_ids
+        self.tokens += len(ids)
+        version = event.weight_version
+        if version is not None and ids:
             runs = self.versions
-            if runs and runs[-1][0] == event.weight_version:
-                runs[-1][1] += n
-            else:
-                runs.append([event.weight_version, n])
+            if runs:
+                last = runs[-1]
+                if last[0] == version:
+                    last[1] += len(ids)
+                    return
+            runs.append([version, len(ids)])
+        elif event.weight_spans is not None:
+            self.versions = [[v, end - start] for v, start, end in event.weight_spans if end > start]
 
     def version_runs(self) -> list[tuple[str | None, int]]:
         """``(weight version, tokens)`` runs of the :attr:`tokens` this leg
