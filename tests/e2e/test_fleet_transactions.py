@@ -228,30 +228,34 @@ def test_vllm_segments_are_the_weight_versions_the_engine_reported(fleet):
                                            {"version": new, "start": k, "end": N}]
 
 
-def test_vllm_unary_replayed_after_a_pause_counts_the_tokens_sent_exactly(fleet):
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_a_unary_request_replayed_after_a_pause_counts_the_tokens_sent_exactly(fleet, protocol):
     sims, fe, base = fleet
-    version = _engine_version(sims[1], "vllm")
-    tag = f"unary-{version}"
+    sim = sims[0] if protocol == "sglang" else sims[1]
+    version = _engine_version(sim, protocol)
+    tag = f"unary-{protocol}-{version}"
     out: list = [None] * len(PROMPTS)
 
     def one(i: int) -> None:
-        path, body = _body("vllm", PROMPTS[i], f"{tag}-{i}", stream=False)
+        path, body = _body(protocol, PROMPTS[i], f"{tag}-{i}", stream=False)
         out[i] = post(fe.url, body, path)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
     for t in threads:
         t.start()
-    generating(sims[1], running=len(PROMPTS), tokens=3)
-    assert post(fe.url, {}, "/pause?mode=abort").status_code == 200
-    assert post(fe.url, {}, "/resume").status_code == 200
+    generating(sim, running=len(PROMPTS), tokens=3)
+    pause, resume = ("/pause_generation", "/continue_generation") if protocol == "sglang" else \
+        ("/pause?mode=abort", "/resume")
+    assert post(fe.url, {"mode": "abort"} if protocol == "sglang" else {}, pause).status_code == 200
+    assert post(fe.url, {}, resume).status_code == 200
     for t in threads:
         t.join(30)
     records = _records(base, tag, len(PROMPTS))
     for i, r in enumerate(out):
         assert r.status_code == 200, r.text
-        (choice,) = r.json()["choices"]
+        got = r.json()["output_ids"] if protocol == "sglang" else r.json()["choices"][0]["token_ids"]
         # Replayed from scratch on the same weights: the uninterrupted answer.
-        assert choice["token_ids"] == sampled(PROMPTS[i], 0, N, True, version=version)
+        assert got == sampled(PROMPTS[i], 0, N, True, version=version)
         rec = records[f"{tag}-{i}"]
         assert (rec["status"], rec["output_tokens"], rec["replays"], rec["pause_resumes"]) == ("ok", N, 1, 1)
         first, replayed = rec["attempts"]

@@ -246,6 +246,8 @@ class SGLangExchange(Exchange):
             self.incremental = stream and bool(attempt.worker_info.get("incremental_streaming_output"))
             self.engine_tag = dumps_compact(attempt.engine_id)
             self.decode_chunks = 0
+            if not attempt.resumes:  # the answer starts over (a failover, a unary replay)
+                self.seen = 0
         wreq = WorkerRequest(b"/generate", dump_body(body), stream=stream)
         self._keep_packed_prompt()
         return wreq
