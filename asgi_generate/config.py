@@ -357,9 +357,11 @@ class Settings:
              "with the format's error")
     resume_after_pause: bool = setting(
         False,
-        help="hold a stream the engine aborted for a fleet pause (SGLang pause_generation abort, vLLM "
-             "pause?mode=abort) and resume it after the fleet's resume, on the new weights; a request's "
-             "asgi-generate-resume-after-pause header (1 or 0) overrides it")
+        help="hold a stream the engine aborted for a fleet transaction the frontend sent (SGLang "
+             "pause_generation abort, vLLM pause?mode=abort, an SGLang weight route with abort_all_requests, "
+             "true by default for update_weight_version) and resume it after the fleet's resume (or that "
+             "route's answer), on the new weights; a request's asgi-generate-resume-after-pause header (1 or "
+             "0) overrides it")
     pause_hold_limit: int = setting(
         4096, gt=0, metavar="N",
         help="streams held across pauses at once; one more ends with 503")

@@ -140,6 +140,10 @@ class WorkerProtocol:
             requests: ``aborting_pause(path, query, body)`` with the query
             parameters and the body as parsed JSON (a callable, read only
             when needed); ``None``: the engine has no such pause.
+        aborting_call: whether a weight call aborts running requests
+            without pausing (its streams may be held until the call was
+            answered): ``aborting_call(path, query, body)`` as
+            :attr:`aborting_pause`; ``None``: no such call.
     """
 
     name: str
@@ -177,6 +181,7 @@ class WorkerProtocol:
     resumes: tuple[str, ...] = ()
     pauses: tuple[tuple[str, str], ...] = ()
     aborting_pause: "Callable[[str, Mapping[str, str], Callable[[], object]], bool] | None" = None
+    aborting_call: "Callable[[str, Mapping[str, str], Callable[[], object]], bool] | None" = None
     kv_events_path: bytes | None = None
     kv_events_reader: "Callable[[object, str], tuple[tuple[str, str | None, str] | None, int | None, str]] | None" = None
 

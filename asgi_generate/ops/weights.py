@@ -45,6 +45,13 @@ SGLang. The 200 answer is the first worker's plus ``world_size`` and
 ``assignment``: ``[{"worker", "rank_offset", "ranks"}]`` per worker; a 502's
 list gives each worker's ``rank_offset`` and ``ranks`` with its result.
 
+A call that aborts running requests without pausing (each engine's
+``aborting_call``: SGLang's weight routes with ``abort_all_requests``, true
+by default for ``/update_weight_version``) is a fleet transaction
+(:meth:`asgi_generate.workers.pauses.Pauses.call`) from before the engines
+get it until it was answered: with ``--resume-after-pause`` the streams it
+aborted are held until then and resume on the new weights.
+
 The version fence (:mod:`asgi_generate.workers.router`). A route that loads
 weights or sets their version (each engine's ``weight_loads``, and
 :data:`LOADS`) tells the router which workers
@@ -118,7 +125,16 @@ def _fan_out(ctx: AdminContext, protocol: str) -> Endpoint:
 async def _to_fleet(ctx: AdminContext, protocol: str, request: Request, body: bytes) -> Response:
     """The call to every worker of ``protocol`` (or the named one); when
     it changes weights, the router told who loaded what and who failed."""
-    response, answers = await to_every_worker(ctx, protocol, request, body, ctx.settings.weight_update_timeout)
+    aborts = PROTOCOLS[protocol].aborting_call
+    if aborts is not None and aborts(request.url.path, request.query_params,
+                                     lambda: parsed(body) if body.strip() else {}):
+        # A fleet transaction from before the engines abort until answered:
+        # the streams they abort may be held until then.
+        with ctx.router.pauses.call(protocol):
+            response, answers = await to_every_worker(ctx, protocol, request, body,
+                                                      ctx.settings.weight_update_timeout)
+    else:
+        response, answers = await to_every_worker(ctx, protocol, request, body, ctx.settings.weight_update_timeout)
     path = request.url.path
     load = LOADS.get(path) or PROTOCOLS[protocol].weight_load(path)
     if load is not None and answers:

@@ -16,12 +16,14 @@ goes on after a failure or a pause is the request's
 :class:`~asgi_generate.request.state.Moves`.
 
 Resuming after a pause (``resume_after_pause``, or the request's
-:data:`RESUME_HEADER`): when a leg ends with the engine's abort after a pause
-of its fleet began (:mod:`asgi_generate.workers.pauses`), the abort is not
+:data:`RESUME_HEADER`): when a leg ends with the engine's abort after a
+fleet transaction began (a pause in abort mode, or a weight call that aborts
+running requests; :mod:`asgi_generate.workers.pauses`), the abort is not
 the answer: the tokens it carried go out, the stream is held until the
-fleet's resume, then continues as a ``resumed`` leg (prompt plus the tokens
-sent so far, the remaining budget) on a worker at the fleet's weight
-version. It counts as a migration in the record but not against
+fleet's resume (or the aborting call's answer), then continues as a
+``resumed`` leg (prompt plus the tokens sent so far, the remaining budget)
+on a worker at the fleet's weight version; a unary request sent nothing and
+is replayed from scratch, none of the aborted leg's tokens counted. It counts as a migration in the record but not against
 ``migration_limit``. Past ``pause_hold_limit`` held streams or
 ``pause_hold_timeout`` seconds the request ends with 503, in-band after the
 200.
@@ -177,7 +179,7 @@ class Generation:
                     plan = router.plan(protocol, tried, key)
                 state.planned(moves)
                 if moves.pause_epoch is not None:
-                    moves.pause_epoch = router.pauses.epoch(protocol)
+                    moves.pause_epoch = router.pauses.mark(protocol)
                 if plan is None and moves.continuing:
                     moved = self.st.migrations + self.st.replays
                     await self.writer.fail(RequestError(
@@ -401,14 +403,16 @@ class Generation:
         return True
 
     def _paused_abort(self, attempt: LegRecord, event: Event) -> bool:
-        """Whether ``event``, the engine's abort of ``attempt``, is a pause's
-        to hold (module docstring): the request resumes after pauses, one
-        began since its plan, and the codec can resume the stream (or, unary
-        with nothing sent, replay it)."""
+        """Whether ``event``, the engine's abort of ``attempt``, is a fleet
+        transaction's to hold (module docstring): the request resumes after
+        pauses, a pause or aborting call began since its plan or was open
+        then (:meth:`~asgi_generate.workers.pauses.Pauses.aborted_since`),
+        and the codec can resume the stream (or, unary with nothing sent,
+        replay it)."""
         epoch = self.moves.pause_epoch
         if epoch is None or event.finish_reason != "abort" or event.error is not None:
             return False
-        if self.ctx.router.pauses.epoch(self.codec.worker_protocol) <= epoch:
+        if not self.ctx.router.pauses.aborted_since(self.codec.worker_protocol, epoch):
             return False
         if self.writer.sent_ids is None:
             return not self.st.response_started and self.writer.pending == 0
@@ -467,7 +471,7 @@ class Generation:
             return None
         event = self.codec_state.feed(attempt, payload)
         if self.writer.queue_without_await(event):
-            attempt.tokens += len(event.token_ids)
+            attempt.count(event)
             return None
         return event
 
@@ -481,17 +485,20 @@ class Generation:
             if self.batch.end_items(attempt, event):
                 await self.writer.deliver(event)
             return
-        attempt.tokens += len(event.token_ids)
         if self._paused_abort(attempt, event):
-            # Not the answer: its tokens go out, the stream goes on after the resume.
+            # Not the answer: a stream's tokens go out and it goes on after
+            # the resume; a unary request sent nothing and starts over, so
+            # none of this leg's tokens are the client's (DESIGN invariant 2).
             attempt.live = False
             state.end_leg(attempt, "aborted")
             attempt.usage = event.reported()
             state.hold_for_pause(self.moves)
             event.finish_reason = None
-            if event.token_ids:
+            if event.token_ids and self.writer.sent_ids is not None:
+                attempt.count(event)
                 await self.writer.deliver(event)
             return
+        attempt.count(event)
         if (event.error is not None or event.finish_reason is not None) and not event.cut:
             attempt.live = False
             state.end_leg(attempt, "finished" if event.error is None else "error")

@@ -338,6 +338,14 @@ class Event:
             counts are not that (the codec joined a P/D pair's legs, or made
             a resumed leg's counts the uninterrupted answer's); ``None``:
             the event's own counts are the leg's.
+        weight_version: the weight version the engine reported for this
+            event's ``token_ids`` (SGLang ``meta_info.weight_version``,
+            ``tokenizer_manager.py``); ``None``: not reported.
+        weight_spans: the weight versions the engine reported for the
+            leg's whole output, ``(version, start, end)`` over the leg's own
+            output token indices, ``end`` exclusive (vLLM's
+            ``weight_versions`` on a finished choice, ``WeightVersionSpan``
+            in ``vllm/outputs.py``); ``None``: not in this event.
     """
 
     token_ids: list[int]
@@ -350,6 +358,8 @@ class Event:
     entries: list[tuple[int, "Event"]] | None = None
     cut: bool = False
     leg_usage: Usage | None = None
+    weight_version: str | None = None
+    weight_spans: list[tuple[str, int, int]] | None = None
 
     def reported(self) -> Usage | None:
         """The counts this leg's engine reported: :attr:`leg_usage`, else

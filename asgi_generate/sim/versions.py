@@ -83,6 +83,10 @@ VLLM_CHANGES = (
     Change("generate_schema", (0, 32, 0),
            "entrypoints/scale_out/token_in_token_out/protocol.py GenerateLogProbs, GenerateChoiceBase.stop_reason, "
            "GenerateRequest.output_mode; serving.py sends a finishing output without tokens"),
+    Change("weight_version_spans", (0, 33, 0),
+           "outputs.py WeightVersionSpan; v1/engine/output_processor.py RequestState._weight_version_spans: a "
+           "finished choice's weight_versions, the versions v1/engine/core.py _attach_weight_version stamped on "
+           "each step's tokens"),
     Change("expert_rows_by_block", (0, 33, 0),
            "distributed/aux_output_connector/connector.py AuxOutputSchedulerConnector.cap_external_hit"),
     Change("bounds_max_tokens", (0, 34, 0),
@@ -114,6 +118,8 @@ class VLLMPlayed:
         generate_schema: the 0.32 answer layout (``GenerateLogProbs``
             entries, ``stop_reason``, ``output_mode``; finishing chunks
             without tokens sent).
+        weight_version_spans: a finished choice carries ``weight_versions``:
+            ``[{"version", "start", "end"}]`` over its output tokens.
         expert_rows_by_block: a P/D consumer returning routed experts
             prefills the prompt itself.
         bounds_max_tokens: ``max_tokens`` past the context is refused.
@@ -129,6 +135,7 @@ class VLLMPlayed:
     prompt_logprobs_prefill_locally: bool
     kv_event_sources: bool
     generate_schema: bool
+    weight_version_spans: bool
     expert_rows_by_block: bool
     bounds_max_tokens: bool
 

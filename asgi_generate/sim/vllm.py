@@ -384,14 +384,22 @@ class VLLMProtocol:
 
     def _choice(
         self, index: int, logprobs: Any, finish: str | None, stop_reason: int | None, ids: list[int],
-        experts: str | None = None,
+        experts: str | None = None, versions: list[list] | None = None, generated: int = 0,
     ) -> dict:
-        """One choice in the played version's field order (``model_dump``)."""
+        """One choice in the played version's field order (``model_dump``);
+        a finished one's ``weight_versions`` are the spans of ``versions``
+        (``[version, first token index]`` starts) over its ``generated``
+        output tokens, as ``output_processor.py`` ``_weight_version_spans``
+        makes them."""
         if not self.behaviour.generate_schema:
             return {"index": index, "logprobs": logprobs, "finish_reason": finish, "token_ids": ids,
                     "routed_experts": experts}
+        spans = None
+        if finish is not None and versions is not None and self.behaviour.weight_version_spans:
+            ends = [start for _, start in versions[1:]] + [generated]
+            spans = [{"version": v, "start": start, "end": end} for (v, start), end in zip(versions, ends)]
         return {"index": index, "finish_reason": finish, "stop_reason": stop_reason, "token_ids": ids,
-                "routed_experts": experts, "sampling_mask": None, "weight_versions": None, "logprobs": logprobs}
+                "routed_experts": experts, "sampling_mask": None, "weight_versions": spans, "logprobs": logprobs}
 
     def _usage(self, prompt: int, completion: int) -> dict:
         """vLLM's ``UsageInfo`` for ``prompt`` input and ``completion`` output
@@ -488,8 +496,14 @@ class VLLMProtocol:
             self.engine.batch_requests += 1
             self.engine.batch_items += n
         eos = self.engine.model.eos_id
+        # Per choice: [weight version, first output index] at each change
+        # (output_processor.py track_weight_version).
+        versions: list[list[list]] = [[] for _ in range(n)]
         async for step in self.engine.samples(job, tuple(range(n))):
             for i, token in step:
+                version = self.engine.model.weight_version
+                if not versions[i] or versions[i][-1][0] != version:
+                    versions[i].append([version, len(out[i])])
                 out[i].append(token.token_id)
                 finish[i] = token.finish[0] if token.finish is not None else None
                 # vLLM names a matched stop token; EOS (checked first) and caps have none.
@@ -507,7 +521,7 @@ class VLLMProtocol:
                 if finish[i] is None and len(pending[i]) < self.stream_interval:
                     continue
                 await self._stream_choice(send, job.rid, opts, i, pending[i], content[i], finish[i], stop_reason[i],
-                                          prompt, len(out[i]), experts[i])
+                                          prompt, len(out[i]), experts[i], versions[i])
                 pending[i] = []
         if job.aborted:
             for i in range(n):
@@ -518,7 +532,7 @@ class VLLMProtocol:
                 # versions before 0.32 skip it and later ones send it anyway.
                 if opts.stream and (pending[i] or self.behaviour.generate_schema):
                     await self._stream_choice(send, job.rid, opts, i, pending[i], content[i], "abort", None,
-                                              prompt, len(out[i]))
+                                              prompt, len(out[i]), None, versions[i])
         completion = sum(len(o) for o in out)
         if opts.stream:
             tail = b""
@@ -534,7 +548,7 @@ class VLLMProtocol:
             kv_out = self.kv.finished(job.rid, job.input_ids, finish[0] or "stop", cached)
         choices = [
             self._choice(i, {"content": content[i]} if k is not None else None, finish[i] or "stop", stop_reason[i],
-                         out[i], experts[i])
+                         out[i], experts[i], versions[i], len(out[i]))
             for i in range(n)
         ]
         usage = self._final_usage(job, completion)
@@ -565,12 +579,13 @@ class VLLMProtocol:
     async def _stream_choice(
         self, send: Send, rid: str, opts: Options, index: int, ids: list[int], content: list[dict],
         finish: str | None, stop_reason: int | None, prompt: int, generated: int, experts: str | None = None,
+        versions: list[list] | None = None,
     ) -> None:
         """One chunk of choice ``index``: its tokens ``ids`` (the last of
         ``content``'s entries), with continuous usage counting that choice's
         ``generated`` tokens (vLLM's ``num_generated_tokens[i]``)."""
         logprobs = {"content": content[-len(ids):]} if opts.logprobs is not None and ids else None
-        choice = self._choice(index, logprobs, finish, stop_reason, ids, experts)
+        choice = self._choice(index, logprobs, finish, stop_reason, ids, experts, versions, generated)
         usage = self._usage(prompt, generated) if opts.continuous_usage else None
         await self._send_chunk(send, self._chunk(rid, [choice], usage))
 

@@ -26,16 +26,17 @@ _TRUE = ("1", "true", "yes")
 
 
 def _segments(st: RequestState) -> list[dict]:
-    """The output tokens sent per run of legs at one weight version."""
+    """The output tokens sent per run of one weight version, in order: the
+    versions the engines reported for them (:meth:`LegRecord.version_runs`)."""
     segments: list[dict] = []
     for a in st.attempts:
         if a.role == "prefill" or not a.tokens:
             continue
-        version = a.worker_info.get("weight_version")
-        if segments and segments[-1]["weight_version"] == version:
-            segments[-1]["tokens"] += a.tokens
-        else:
-            segments.append({"weight_version": version, "tokens": a.tokens})
+        for version, tokens in a.version_runs():
+            if segments and segments[-1]["weight_version"] == version:
+                segments[-1]["tokens"] += tokens
+            else:
+                segments.append({"weight_version": version, "tokens": tokens})
     return segments
 
 
@@ -186,7 +187,10 @@ def build_record(st: RequestState, block_size: int, analyzer: OutputAnalyzer | N
         rec["replays"] = st.replays
     if st.pause_resumes:
         rec["pause_resumes"] = st.pause_resumes
-        rec["segments"] = _segments(st)
+    if st.pause_resumes or st.migrations or st.replays or any(len(a.versions) > 1 for a in st.attempts):
+        segments = _segments(st)
+        if st.pause_resumes or len(segments) > 1:
+            rec["segments"] = segments
     if st.not_migrated is not None:
         rec["not_migrated"] = st.not_migrated
     attempts = []
@@ -202,7 +206,7 @@ def build_record(st: RequestState, block_size: int, analyzer: OutputAnalyzer | N
             row["local_prefill"] = True
         if a.backoff_ms:
             row["backoff_ms"] = a.backoff_ms
-        weight_version = a.worker_info.get("weight_version")
+        weight_version = a.versions[0][0] if a.versions else a.worker_info.get("weight_version")
         if weight_version is not None:
             row["weight_version"] = weight_version
         if a.usage is not None:

@@ -147,8 +147,11 @@ SCHEMA: dict[str, Any] = {
                     },
                 },
             },
-            "With pause_resumes: which weights produced the tokens sent, in order: each run of legs at one "
-            "weight version (null when unknown) and the output tokens they sent.",
+            "With pause_resumes, or when the tokens sent came from more than one weight version: which "
+            "weights produced them, in order: each run of tokens at one weight version and how many were sent. "
+            "The version is the one the engine reported for those tokens (SGLang meta_info.weight_version per "
+            "chunk, vLLM weight_versions on the finished choice), else the leg's worker's version when the leg "
+            "was sent (null when unknown); the tokens sum to output_tokens.",
         ),
         "replays": _d(
             _COUNT, "Times a unary request ran again from scratch on another worker after its worker died "
@@ -190,9 +193,10 @@ SCHEMA: dict[str, Any] = {
                         "absent when none.",
                     ),
                     "weight_version": _d(
-                        {"type": "string"}, "The weight version the leg's worker served when the leg was sent "
-                        "(SGLang /get_model_info, vLLM /weight_info, or the weight update the frontend made); "
-                        "absent when unknown.",
+                        {"type": "string"}, "The weight version the engine reported for the leg's first output "
+                        "token sent (SGLang meta_info.weight_version, vLLM weight_versions); else the one the leg's "
+                        "worker served when the leg was sent (SGLang /get_model_info, vLLM /weight_info, or the "
+                        "weight update the frontend made); absent when unknown.",
                     ),
                     "usage": {
                         "description": "The token counts this leg's engine reported for it, as reported (a "

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ..sdk._codec import Attempt, Usage
+from ..sdk._codec import Attempt, Event, Usage
 from .tracecontext import TraceContext
 
 
@@ -43,6 +43,9 @@ class LegRecord(Attempt):
         usage: the counts the leg's engine reported with the end of its
             answer (:meth:`Event.reported`), for the record; ``None`` when
             none came.
+        versions: the weight versions the engine reported for the leg's
+            output, in order: ``[version, tokens]`` runs over the leg's own
+            output (:meth:`count`); see :meth:`version_runs`.
     """
 
     worker: Any = None
@@ -56,6 +59,47 @@ class LegRecord(Attempt):
     unfinished: set[int] | None = None
     entry_acked: dict[int, bool] | None = None
     usage: Usage | None = None
+    versions: list[list[Any]] = field(default_factory=list)
+
+    def count(self, event: Event) -> None:
+        """Count ``event``'s tokens as sent to the client by this leg, and
+        the weight versions its engine reported for them (a codec gives one
+        or the other): ``weight_version`` extends the runs, ``weight_spans``
+        (the whole leg's) replace them. (Once per streamed event: written
+        for the CPU.)"""
+        ids = event.token_ids
+        self.tokens += len(ids)
+        version = event.weight_version
+        if version is not None and ids:
+            runs = self.versions
+            if runs:
+                last = runs[-1]
+                if last[0] == version:
+                    last[1] += len(ids)
+                    return
+            runs.append([version, len(ids)])
+        elif event.weight_spans is not None:
+            self.versions = [[v, end - start] for v, start, end in event.weight_spans if end > start]
+
+    def version_runs(self) -> list[tuple[str | None, int]]:
+        """``(weight version, tokens)`` runs of the :attr:`tokens` this leg
+        sent, in order: as its engine reported them, the rest (tokens it
+        reported no version for) at its worker's version when the leg was
+        sent (``worker_info``; ``None`` when unknown)."""
+        out: list[tuple[str | None, int]] = []
+        left = self.tokens
+        for version, n in self.versions:
+            if left <= 0:
+                break
+            out.append((version, min(n, left)))
+            left -= n
+        if left > 0:
+            reading = self.worker_info.get("weight_version")
+            if out and out[-1][0] == reading:
+                out[-1] = (reading, out[-1][1] + left)
+            else:
+                out.append((reading, left))
+        return out
 
 
 @dataclass(slots=True)

@@ -245,3 +245,30 @@ def test_bad_logprob_start_len_is_the_engines_400(frontend, sims):
     assert through.status_code == direct.status_code == 400
     assert through.json() == direct.json() == {
         "error": {"message": "logprob_start_len (-5) must be -1 or at least 0."}}
+
+
+def test_a_unary_replay_reads_its_whole_answer_and_the_engines_weight_version():
+    """A unary request the engine aborted (a pause's abort, held) is replayed
+    from scratch: the replay's answer is the client's whole answer, not its
+    tail past the aborted answer's tokens; each event carries the engine's
+    ``meta_info.weight_version``."""
+    from asgi_generate.sdk._codec import Attempt
+    from asgi_generate_sglang.codec import SGLangCodec
+
+    codec = SGLangCodec()
+    ex = codec.exchange(codec.decode(orjson.dumps({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4}}),
+                                     {}), "pub")
+    first = Attempt("a" * 32, "aggregated")
+    ex.worker_request(first)
+    aborted = {"text": "", "output_ids": [7, 8], "meta_info": {
+        "id": "a" * 32, "finish_reason": {"type": "abort", "message": "Abort before prefill"}, "prompt_tokens": 2,
+        "weight_version": "default", "completion_tokens": 2, "cached_tokens": 0}}
+    event = ex.feed(first, orjson.dumps(aborted))
+    assert (event.token_ids, event.finish_reason, event.weight_version) == ([7, 8], "abort", "default")
+    replayed = Attempt("b" * 32, "replayed")
+    ex.worker_request(replayed)
+    whole = {"text": "", "output_ids": [7, 8, 9, 10], "meta_info": {
+        "id": "b" * 32, "finish_reason": {"type": "length", "length": 4}, "prompt_tokens": 2,
+        "weight_version": "1", "completion_tokens": 4, "cached_tokens": 0}}
+    event = ex.feed(replayed, orjson.dumps(whole))
+    assert (event.token_ids, event.finish_reason, event.weight_version) == ([7, 8, 9, 10], "length", "1")

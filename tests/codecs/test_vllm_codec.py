@@ -643,3 +643,47 @@ def test_a_body_with_more_error_sites_than_the_bound_gets_the_first_error():
     with pytest.raises(RequestError) as err:
         decode({"token_ids": ids[1:], "sampling_params": {}})
     assert orjson.loads(CODEC.error_body(err.value))["error"]["message"].startswith("10000 validation errors:\n")
+
+
+def _finishing(rid: str, ids: list[int], finish: str, spans) -> bytes:
+    return orjson.dumps({"request_id": rid, "choices": [
+        {"index": 0, "finish_reason": finish, "stop_reason": None, "token_ids": ids, "routed_experts": None,
+         "sampling_mask": None, "weight_versions": spans, "logprobs": None}], "usage": None})
+
+
+def _span(v, a, b):
+    return {"version": v, "start": a, "end": b}
+
+
+@pytest.mark.parametrize("first_spans,expected", [
+    # The held leg's abort reported its tokens' versions.
+    ([_span("v0", 0, 2)], [_span("v0", 0, 2), _span("v1", 2, 5)]),
+    # A lost leg reported none: its worker's version when it was sent.
+    (None, [_span("w0", 0, 2), _span("v1", 2, 5)]),
+])
+def test_a_resumed_streams_finished_choice_gives_weight_versions_over_the_whole_answer(first_spans, expected):
+    ex = exchange({"token_ids": [1, 2, 3], "stream": True, "sampling_params": {"max_tokens": 5}})
+    first = Attempt("a" * 32, "aggregated", worker_info={"weight_version": "w0"})
+    ex.worker_request(first)
+    rid = "generate-tokens-" + "a" * 32
+    assert ex.feed(first, _finishing(rid, [10], None, None)).weight_spans is None
+    if first_spans is not None:
+        event = ex.feed(first, _finishing(rid, [11], "abort", first_spans))
+        assert event.weight_spans == [("v0", 0, 2)]
+    else:
+        ex.feed(first, _finishing(rid, [11], None, None))
+    resumed = Attempt("b" * 32, "resumed", worker_info={"weight_version": "v1"}, resumes=[10, 11])
+    ex.worker_request(resumed)
+    event = ex.feed(resumed, _finishing("generate-tokens-" + "b" * 32, [12, 13, 14], "length", [_span("v1", 0, 3)]))
+    # The leg's own spans for the record; the whole answer's for the client.
+    assert event.weight_spans == [("v1", 0, 3)]
+    assert orjson.loads(ex.client_event(event))["choices"][0]["weight_versions"] == expected
+
+
+def test_weight_versions_of_the_wrong_shape_are_a_worker_answer_error():
+    ex = exchange({"token_ids": [1], "stream": True, "sampling_params": {"max_tokens": 1}})
+    ex.worker_request(ATTEMPT)
+    with pytest.raises(WorkerAnswerError) as err:
+        ex.feed(ATTEMPT, _finishing(f"generate-tokens-{ENGINE_ID}", [5], "length", [{"version": 1, "start": 0}]))
+    assert err.value.message == ("worker answer: choices[0].weight_versions[0] is an object, "
+                                 "expected an object with a string version and integer start and end")

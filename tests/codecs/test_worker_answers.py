@@ -57,6 +57,7 @@ SGLANG_KINDS = {
     "meta_info.prompt_tokens": {"int"},
     "meta_info.completion_tokens": {"int"},
     "meta_info.cached_tokens": {"int"},
+    "meta_info.weight_version": {"str"},
     "meta_info.routed_experts": {"str", "null"},
     "meta_info.cached_tokens_details": {"dict", "null"},
     "error": {"dict"},

@@ -463,7 +463,8 @@ def worker_streams(draw) -> tuple[bool, list[bytes]]:
     incremental = draw(st.booleans())
     ids = draw(st.lists(st.integers(0, 50_000), min_size=0, max_size=12))
     steps = sorted(set(draw(st.lists(st.integers(1, max(1, len(ids))), max_size=4))) | {len(ids)})
-    extra = draw(st.dictionaries(st.sampled_from(["weight_version", "e2e_latency"]), json_values, max_size=2))
+    extra = draw(st.fixed_dictionaries({}, optional={"weight_version": st.text(max_size=4),
+                                                      "e2e_latency": json_values}))
     if draw(st.booleans()):  # SGLang's [logprob, token_id, text] triples
         triple = st.tuples(st.none() | st.floats(-20, 0), st.integers(0, 50_000), st.none() | st.text(max_size=3))
         extra["output_token_logprobs"] = draw(st.lists(triple.map(list), max_size=3))

@@ -178,3 +178,34 @@ def test_new_weights_apply_mid_stream():
         assert ids[k:] == sampled(PROMPT + ids[:k], 0, 30 - k, True, version="v9")
     finally:
         sg.stop()
+
+
+def test_vllm_reports_the_weight_versions_of_each_token_on_the_finished_choice():
+    """vLLM 0.33 (``output_processor.py`` ``_weight_version_spans``): the
+    finished choice carries ``weight_versions`` spans over its output
+    tokens, split where the weights changed mid-stream; a unary answer's
+    one span covers it."""
+    vl = start_sim("vllm", itl_ms=20)
+    try:
+        out: list = []
+        body = {"token_ids": PROMPT, "stream": True, "sampling_params": {"max_tokens": 30, "ignore_eos": True}}
+        t = threading.Thread(target=lambda: out.append(sse(vl.url, body, "/inference/v1/generate")))
+        t.start()
+        generating(vl, tokens=2)
+        assert post(vl.url, b"", "/pause?mode=keep").status_code == 200
+        assert post(vl.url, {"new_version": "v9"}, "/update_weight_version").status_code == 200
+        assert post(vl.url, b"", "/resume").status_code == 200
+        t.join(10)
+        choices = [ch for c in out[0][1] if c != b"[DONE]" for ch in orjson.loads(c)["choices"]]
+        ids = [i for ch in choices for i in ch["token_ids"]]
+        assert [ch["weight_versions"] for ch in choices[:-1]] == [None] * (len(choices) - 1)
+        first, second = choices[-1]["weight_versions"]
+        k = first["end"]
+        assert (first, second) == ({"version": "default", "start": 0, "end": k}, {"version": "v9", "start": k, "end": 30})
+        assert ids[:k] == sampled(PROMPT, 0, k, True)
+        assert ids[k:] == sampled(PROMPT + ids[:k], 0, 30 - k, True, version="v9")
+        unary = post(vl.url, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 6, "ignore_eos": True}},
+                     "/inference/v1/generate").json()["choices"][0]
+        assert unary["weight_versions"] == [{"version": "v9", "start": 0, "end": 6}]
+    finally:
+        vl.stop()

@@ -97,3 +97,27 @@ async def test_a_fenced_worker_named_in_a_load_that_succeeds_is_back_with_no_fle
                               query=b"worker=w1")
     assert status == 200
     assert [(router.routable(w), w.fence) for w in router.workers] == [(True, None), (True, None)]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path,body,aborts", [
+    ("/update_weight_version", b'{"new_version": "7"}', True),  # abort_all_requests defaults to true
+    ("/update_weight_version", b'{"new_version": "7", "abort_all_requests": false}', False),
+    ("/update_weights_from_disk", b'{"model_path": "/m"}', False),  # defaults to false
+    ("/update_weights_from_disk", b'{"model_path": "/m", "abort_all_requests": true}', True),
+    ("/update_weights_from_tensor", b'{"serialized_named_tensors": [], "abort_all_requests": true}', True),
+    ("/update_weights_from_ipc", b'{"zmq_handles": {}, "abort_all_requests": true}', False),  # no such field
+])
+async def test_a_weight_call_that_aborts_is_a_fleet_transaction_while_it_runs(path, body, aborts):
+    seen = []
+
+    def answer(method, target, sent):
+        seen.append(router.pauses.paused("sglang"))  # while the engine has the call
+        return ADMIN_OK
+
+    router, _ = admin_fleet(answer, answer)
+    ctx = FakeAdminContext(router)
+    epoch = router.pauses.epoch("sglang")
+    assert (await admin_call(ctx, "POST", path, body))[0] == 200
+    assert (seen, router.pauses.epoch("sglang"), router.pauses.paused("sglang")) == \
+        ([aborts, aborts], epoch + aborts, False)

@@ -52,4 +52,4 @@ def test_the_sdk_attempt_holds_what_codecs_read_and_the_leg_record_the_handlers_
     assert {f.name for f in dataclasses.fields(Attempt)} == CODEC_FIELDS
     assert {f.name for f in dataclasses.fields(LegRecord)} - CODEC_FIELDS == {
         "worker", "live", "outcome", "abort_acked", "tokens", "span_id", "t_sent", "t_ended", "unfinished",
-        "entry_acked", "usage"}
+        "entry_acked", "usage", "versions"}

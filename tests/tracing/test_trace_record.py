@@ -326,3 +326,50 @@ def test_accounting_laws(s, bs):
         names = rec["finish"]["tool_calls"]
         rewritten = s.finish_reason == "stop" and bool(names)
         assert rec["finish"]["finish_reason"] == ("tool_calls" if rewritten else s.finish_reason)
+
+
+@st.composite
+def legs_with_versions(draw) -> tuple[list[Attempt], list]:
+    """Legs of one request as its engines reported their weight versions:
+    per token (SGLang chunks), as spans over the leg's whole output at its
+    end (vLLM), or not at all (the worker's reading at the leg's start
+    stands for them); some legs deliver fewer tokens than their engine made
+    (a codec's cut). Returns the legs and the version of every token sent,
+    in order."""
+    from asgi_generate.sdk import Event
+
+    versions = st.sampled_from(["default", "1", "2"])
+    legs, truth = [], []
+    for i in range(draw(st.integers(1, 4))):
+        made = draw(st.lists(versions, max_size=12))
+        sent = draw(st.integers(0, len(made)))
+        reading = draw(st.none() | versions)
+        style = draw(st.sampled_from(["chunks", "spans", "none"]))
+        leg = Attempt(f"e{i}", "resumed" if i else "aggregated", f"w{i}",
+                      {} if reading is None else {"weight_version": reading})
+        for j in range(sent):
+            leg.count(Event([7], weight_version=made[j] if style == "chunks" else None))
+        if style == "spans":
+            starts = [j for j in range(len(made)) if j == 0 or made[j] != made[j - 1]]
+            ends = starts[1:] + [len(made)]
+            leg.count(Event([], "length", weight_spans=[(made[s], s, e) for s, e in zip(starts, ends)]))
+        legs.append(leg)
+        truth += made[:sent] if style != "none" else [reading] * sent
+    return legs, truth
+
+
+@given(legs_with_versions())
+def test_law_segments_are_the_engines_versions_of_the_tokens_sent(drawn):
+    legs, truth = drawn
+    s = state(status="ok", stream=True, t_done=101.0, output_tokens=len(truth), attempts=legs, pause_resumes=1,
+              migrations=len(legs) - 1, finish_reason="length", http_status=200)
+    rec = built(s, 16)
+    expected: list[dict] = []
+    for v in truth:
+        if expected and expected[-1]["weight_version"] == v:
+            expected[-1]["tokens"] += 1
+        else:
+            expected.append({"weight_version": v, "tokens": 1})
+    assert rec["segments"] == expected
+    assert sum(x["tokens"] for x in rec["segments"]) == rec["output_tokens"] == len(truth)
+    valid(rec)

@@ -138,3 +138,17 @@ def test_console_script_prints_the_schema():
     out = subprocess.run([sys.executable, "-m", "asgi_generate.tracing.offline.tools", "schema"],
                          capture_output=True, check=True, timeout=30).stdout
     assert out == schema_json()
+
+
+def test_an_ok_records_segments_must_sum_to_its_output_tokens(capsys, tmp_path):
+    rec = next(orjson.loads(x) for x in EXAMPLES.read_bytes().splitlines() if b'"status":"ok"' in x)
+    n = rec["output_tokens"]
+    good = {**rec, "segments": [{"weight_version": "default", "tokens": n - 1}, {"weight_version": "1", "tokens": 1}]}
+    bad = {**good, "request_id": "e" * 32, "segments": [{"weight_version": "default", "tokens": n + 1}]}
+    path = tmp_path / "segments.jsonl"
+    path.write_bytes(orjson.dumps(good) + b"\n" + orjson.dumps(bad) + b"\n")
+    code, out, _ = run(capsys, "validate", str(path))
+    assert (code, out.splitlines()) == (1, [
+        f"{path}:2: segments' tokens do not sum to output_tokens",
+        "INVALID: 1 violations in 2 records",
+    ])

@@ -67,6 +67,9 @@ def record_problems(rec: dict) -> list[str]:
             problems.append("status ok without finish metadata")
         if "http_status" not in rec:
             problems.append("status ok without http_status")
+    if rec["status"] == "ok" and "segments" in rec and \
+            sum(x["tokens"] for x in rec["segments"]) != rec["output_tokens"]:
+        problems.append("segments' tokens do not sum to output_tokens")
     if rec["status"] == "engine_abort" and rec.get("finish", {}).get("backend_finish_reason") != "abort":
         problems.append("status engine_abort without the engine's abort finish")
     finish = rec.get("finish")

@@ -77,7 +77,7 @@ def check_error(chunk: dict, at: str) -> None:
 
 def check_meta(meta: dict, at: str, start: int = 0, inputs: bool = True) -> None:
     """Check the ``meta_info`` fields the codec reads: ``finish_reason``,
-    the token counts, the logprob lists (each one's type; the output
+    the token counts, ``weight_version``, the logprob lists (each one's type; the output
     lists' entries from position ``start``, what a cumulative chunk added;
     the prompt lists' entries when ``inputs``) and the expert rows.
 
@@ -99,6 +99,7 @@ def check_meta(meta: dict, at: str, start: int = 0, inputs: bool = True) -> None
         answer.check(finish, "status_code", f"{at}.finish_reason.status_code", _OPT_INT, "an integer")
     for key in ("prompt_tokens", "completion_tokens", "cached_tokens"):
         answer.check(meta, key, f"{at}.{key}", (int,), "an integer")
+    answer.check(meta, "weight_version", f"{at}.weight_version", (str,), "a string")
     for key in TRIPLES:
         value = answer.check(meta, key, f"{at}.{key}", (list, type(None)), "a list")
         if type(value) is list and (inputs or key not in _INPUTS):

@@ -246,6 +246,8 @@ class SGLangExchange(Exchange):
             self.incremental = stream and bool(attempt.worker_info.get("incremental_streaming_output"))
             self.engine_tag = dumps_compact(attempt.engine_id)
             self.decode_chunks = 0
+            if not attempt.resumes:  # the answer starts over (a failover, a unary replay)
+                self.seen = 0
         wreq = WorkerRequest(b"/generate", dump_body(body), stream=stream)
         self._keep_packed_prompt()
         return wreq
@@ -492,9 +494,12 @@ def _resume_base(chunk: dict, incremental: bool) -> dict:
 
 
 def _event(new: list, meta: dict, cut: bool = False) -> Event:
-    """The event of a chunk whose new output ids are ``new``."""
+    """The event of a chunk whose new output ids are ``new``, with the
+    weight version the engine reported for them (``meta_info.weight_version``,
+    ``tokenizer_manager.py``: the version when the chunk was made)."""
     finish = meta.get("finish_reason")
     is_dict = type(finish) is dict
+    version = meta.get("weight_version")
     return Event(
         new,
         finish.get("type") if is_dict else None,
@@ -503,6 +508,7 @@ def _event(new: list, meta: dict, cut: bool = False) -> Event:
         completion_tokens=meta.get("completion_tokens"),
         cached_tokens=meta.get("cached_tokens"),
         cut=cut,
+        weight_version=version if type(version) is str else None,
     )
 
 

@@ -74,6 +74,31 @@ def aborting_pause(path: str, query: "Mapping[str, str]", body: "Callable[[], ob
     return isinstance(obj, dict) and obj.get("mode", "abort") == "abort"
 
 
+#: The weight routes with ``abort_all_requests``, and its default
+#: (``io_struct.py``: ``UpdateWeightVersionReqInput`` true;
+#: ``UpdateWeightFromDiskReqInput``, ``UpdateWeightsFromDistributedReqInput``,
+#: ``UpdateWeightsFromTensorReqInput`` false).
+ABORT_ALL_DEFAULTS = {
+    "/update_weight_version": True,
+    "/update_weights_from_disk": False,
+    "/update_weights_from_distributed": False,
+    "/update_weights_from_tensor": False,
+}
+
+
+def aborting_call(path: str, query: "Mapping[str, str]", body: "Callable[[], object]") -> bool:
+    """A weight route whose ``abort_all_requests`` (:data:`ABORT_ALL_DEFAULTS`)
+    is true aborts every running request before it runs
+    (``http_server.py`` ``update_weight_version``,
+    ``tokenizer_control_mixin.py`` ``update_weights_from_distributed``/
+    ``_tensor``, ``tokenizer_manager.py`` ``update_weights_from_disk``)."""
+    default = ABORT_ALL_DEFAULTS.get(path)
+    if default is None:
+        return False
+    obj = body()
+    return isinstance(obj, dict) and obj.get("abort_all_requests", default) is True
+
+
 def kv_events(info: object, host: str) -> tuple[tuple[str, str | None, str] | None, int | None, str]:
     """``GET /server_info``'s ``kv_events`` (the ``--kv-events-config``
     the scheduler publishes with: ``endpoint_host``, ``endpoint_port_base``,
@@ -140,4 +165,5 @@ ENGINE = WorkerProtocol(
     kv_events_path=b"/server_info",
     kv_events_reader=kv_events,
     aborting_pause=aborting_pause,
+    aborting_call=aborting_call,
 )

@@ -181,6 +181,31 @@ def _reported(usage: Any) -> Usage | None:
                  _int(details.get("cached_tokens")) if type(details) is dict else None)
 
 
+def _spans(choice: dict) -> list[tuple[str, int, int]] | None:
+    """A finished choice's ``weight_versions`` (vLLM 0.33
+    ``GenerateStreamChoiceBase``/``GenerateChoiceBase``: ``[{"version",
+    "start", "end"}]`` over the choice's output token indices, from
+    ``v1/engine/output_processor.py`` ``_weight_version_spans``) as
+    ``(version, start, end)``; ``None`` when absent or null.
+
+    Raises:
+        WorkerAnswerError: not a list of such spans.
+    """
+    spans = choice.get("weight_versions")
+    if spans is None:
+        return None
+    if type(spans) is not list:
+        raise wrong("choices[0].weight_versions", spans, "a list of spans or null")
+    out = []
+    for i, s in enumerate(spans):
+        if type(s) is not dict or type(s.get("version")) is not str or type(s.get("start")) is not int \
+                or type(s.get("end")) is not int:
+            raise wrong(f"choices[0].weight_versions[{i}]", s, "an object with a string version and integer "
+                        "start and end")
+        out.append((s["version"], s["start"], s["end"]))
+    return out
+
+
 def _usage_event(token_ids: list[int], finish: str, usage: Any, matched: int | str | None) -> Event:
     """The finishing event, with vLLM's ``usage`` (``prompt_tokens``,
     ``completion_tokens``, ``prompt_tokens_details.cached_tokens``; counts of
@@ -219,7 +244,7 @@ class VLLMExchange(Exchange):
 
     __slots__ = (
         "native", "stream", "stream_id", "finish", "matched", "finished", "out", "status", "input_ids",
-        "resumed", "choice_tokens", "details", "sent",
+        "resumed", "choice_tokens", "details", "sent", "spans", "leg_starts",
     )
 
     def __init__(self, request: GenerateRequest, request_id: str) -> None:
@@ -246,6 +271,13 @@ class VLLMExchange(Exchange):
         self.details: Any = None
         #: The body of the last worker request built (the leg that answers next).
         self.sent: dict | None = None
+        #: A stream's weight version spans so far over the client's answer
+        #: (:meth:`_answer_spans`).
+        self.spans: list[tuple[str, int, int]] = []
+        #: Where each client leg of a stream began in the answer, with its
+        #: worker's weight version then (``worker_info``): the versions of
+        #: tokens whose leg ended without reporting them.
+        self.leg_starts: list[tuple[int, str | None]] = []
 
     def resume_refusal(self) -> str | None:
         """Why this request cannot resume mid-answer (see the module docstring)."""
@@ -308,6 +340,8 @@ class VLLMExchange(Exchange):
                     raise RequestError(502, "the prefill worker answered no kv_transfer_params", NO_KV_TRANSFER)
                 body["kv_transfer_params"] = kv
         self.resumed = len(attempt.resumes or ())
+        self.leg_starts = [x for x in self.leg_starts if x[0] < self.resumed]
+        self.leg_starts.append((self.resumed, attempt.worker_info.get("weight_version")))
         if not self.stream:
             return WorkerRequest(PATH.encode(), dump_body(body), headers, stream=False)
         body["stream_options"] = {
@@ -393,6 +427,8 @@ class VLLMExchange(Exchange):
             self.out = orjson.dumps(obj) if joined else payload
             event = _usage_event(ids, finish, obj.get("usage"), _stop_reason(attempt, choices[0]))
             event.leg_usage = own
+            if self.native.n == 1:
+                event.weight_spans = _spans(choices[0])
             if self.native.n != 1:
                 event.entries = [
                     (c["index"], Event(c["token_ids"], c.get("finish_reason") or "stop",
@@ -440,8 +476,46 @@ class VLLMExchange(Exchange):
                     self.finish, self.matched = finish, _stop_reason(attempt, choice)
             if self.native.n != 1:
                 entries.append((index, Event(got, finish, matched=_stop_reason(attempt, choice) if finish else None)))
+        event = Event(ids, entries=entries if self.native.n != 1 else None)
+        if self.native.n == 1 and choices[0].get("finish_reason") is not None:
+            event.weight_spans = _spans(choices[0])
+            if event.weight_spans is not None:
+                self._answer_spans(choices[0], event.weight_spans)
         self.out = orjson.dumps(obj)
-        return Event(ids, entries=entries if self.native.n != 1 else None)
+        return event
+
+    def _answer_spans(self, choice: dict, spans: list[tuple[str, int, int]]) -> None:
+        """A finished stream choice's ``weight_versions`` over the client's
+        whole answer: a resumed leg's spans (over its own output) moved past
+        the ``resumed`` tokens it was re-fed, after the spans the earlier
+        legs' finishing chunks gave for those; tokens of a leg that ended
+        without one (a lost worker's) at its worker's version when it was
+        sent (unknown: the engine's spans are left as they are)."""
+        r = self.resumed
+        whole = [x for x in self.spans if x[2] <= r]
+        covered = whole[-1][2] if whole else 0
+        starts = self.leg_starts
+        for i, (at, version) in enumerate(starts):
+            end = min(starts[i + 1][0] if i + 1 < len(starts) else r, r)
+            if end <= covered:
+                continue
+            if version is None:
+                return
+            self._extend(whole, version, max(at, covered), end)
+            covered = end
+        for version, start, end in spans:
+            self._extend(whole, version, start + r, end + r)
+        self.spans = whole
+        if r:
+            choice["weight_versions"] = [{"version": v, "start": a, "end": b} for v, a, b in whole]
+
+    @staticmethod
+    def _extend(spans: list[tuple[str, int, int]], version: str, start: int, end: int) -> None:
+        """Add ``[start, end)`` at ``version`` to contiguous ``spans``."""
+        if spans and spans[-1][0] == version and spans[-1][2] == start:
+            spans[-1] = (version, spans[-1][1], end)
+        else:
+            spans.append((version, start, end))
 
     @staticmethod
     def _prefilled(attempt: Attempt) -> Prefilled | None:
