@@ -56,7 +56,11 @@ later call that loads the fleet's version (any, while no fleet call set
 one) is back. ``POST /clear_weight_fence?worker=wN`` lets a fenced worker back
 (an operator fixed it): its weight version is read from its engine again,
 and it takes requests once that is the fleet's; the answer is ``{"worker",
-"weight_version", "in_rotation"}``.
+"weight_version", "in_rotation"}``. Fences are no engine's state: the
+process that took the call tells its siblings of one ``serve --workers N``
+(:meth:`~asgi_generate.workers.fleet_state.FleetState.tell_siblings`); the
+weight versions every process reads from the engines
+(:mod:`asgi_generate.workers.fleet_state`).
 """
 
 from __future__ import annotations
@@ -136,6 +140,7 @@ async def _to_fleet(ctx: AdminContext, protocol: str, request: Request, body: by
             return response
         ctx.router.weights_loaded(protocol, loaded, failed, version if isinstance(version, str) else None, fleet,
                                   with_weights)
+        await ctx.router.fleet.tell_siblings(protocol)  # fences are this process's: no engine holds them
     return response
 
 
@@ -276,6 +281,7 @@ def _clear_fence(ctx: AdminContext) -> Endpoint:
         if worker is None:
             return error(404, f"no worker {named!r}" if named else "name the worker: ?worker=wN")
         ctx.router.clear_fence(worker, await ctx.router.read_weight_version(worker))
+        await ctx.router.fleet.tell_siblings(worker.protocol.name)
         answer = {"worker": worker.id, "weight_version": worker.weight_version,
                   "in_rotation": ctx.router.routable(worker)}
         return Response(orjson.dumps(answer), 200, media_type=JSON)

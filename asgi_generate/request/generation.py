@@ -17,7 +17,9 @@ goes on after a failure or a pause is the request's
 
 Resuming after a pause (``resume_after_pause``, or the request's
 :data:`RESUME_HEADER`): when a leg ends with the engine's abort after a pause
-of its fleet began (:mod:`asgi_generate.workers.pauses`), the abort is not
+of its fleet began (:mod:`asgi_generate.workers.pauses`; a pause another
+process or replica took is asked of the engine at that abort,
+:meth:`~asgi_generate.workers.fleet_state.FleetState.confirm_pause`), the abort is not
 the answer: the tokens it carried go out, the stream is held until the
 fleet's resume, then continues as a ``resumed`` leg (prompt plus the tokens
 sent so far, the remaining budget) on a worker at the fleet's weight
@@ -400,6 +402,13 @@ class Generation:
                      st.request_id, attempt.worker_id, why, len(sent_ids), st.migrations + 1)
         return True
 
+    def _abort_without_pause(self, event: Event) -> bool:
+        """Whether ``event`` is the engine's abort of a request that resumes
+        after pauses while no pause began here since its plan."""
+        epoch = self.moves.pause_epoch
+        return epoch is not None and event.finish_reason == "abort" and event.error is None and \
+            self.ctx.router.pauses.epoch(self.codec.worker_protocol) <= epoch
+
     def _paused_abort(self, attempt: LegRecord, event: Event) -> bool:
         """Whether ``event``, the engine's abort of ``attempt``, is a pause's
         to hold (module docstring): the request resumes after pauses, one
@@ -482,6 +491,9 @@ class Generation:
                 await self.writer.deliver(event)
             return
         attempt.tokens += len(event.token_ids)
+        if self._abort_without_pause(event):
+            # Another process or replica may have paused the fleet: ask the engine.
+            await self.ctx.router.fleet.confirm_pause(attempt.worker)
         if self._paused_abort(attempt, event):
             # Not the answer: its tokens go out, the stream goes on after the resume.
             attempt.live = False
