@@ -1,0 +1,108 @@
+"""One fleet across processes (asgi_generate/workers/fleet_state.py): under
+``serve --workers 2`` a trainer's pause, weight update and resume reach one
+process through the shared port, and every process learns them from the
+engines: each stream the pause aborted is held and resumed exactly on the
+new weights, whichever process served it, and none is recorded ``ok`` with
+the engine's abort."""
+
+from __future__ import annotations
+
+import glob
+import re
+import threading
+
+import orjson
+import pytest
+
+from support import Proc, listening_socket, post, sampled, sse, start_sim, stats, trace_records, wait_until
+
+pytestmark = pytest.mark.e2e
+
+N = 100
+STREAMS = 6
+
+
+def _body(protocol: str, i: int, tag: str) -> tuple[str, dict]:
+    prompt = [300 + i, 7, 8]
+    if protocol == "sglang":
+        return "/generate", {"rid": f"{tag}-{i}", "input_ids": prompt, "stream": True,
+                             "sampling_params": {"max_new_tokens": N, "ignore_eos": True}}
+    return "/inference/v1/generate", {"request_id": f"{tag}-{i}", "token_ids": prompt, "stream": True,
+                                      "sampling_params": {"max_tokens": N, "ignore_eos": True}}
+
+
+def _answer(protocol: str, chunks: list[bytes]) -> tuple[list[int], str | None]:
+    objs = [orjson.loads(c) for c in chunks if c != b"[DONE]"]
+    if protocol == "sglang":
+        return objs[-1]["output_ids"], (objs[-1]["meta_info"]["finish_reason"] or {}).get("type")
+    ids, finish = [], None
+    for o in objs:
+        for ch in o.get("choices", []):
+            ids += ch.get("token_ids") or []
+            finish = ch.get("finish_reason") or finish
+    return ids, finish
+
+
+def _cycle(url: str, protocol: str, version: str) -> None:
+    """Pause (abort), load ``version``, resume: each call through the shared port."""
+    if protocol == "sglang":
+        assert post(url, {"mode": "abort"}, "/pause_generation").status_code == 200
+        r = post(url, {"model_path": "/ckpt", "weight_version": version}, "/update_weights_from_disk")
+        assert r.status_code == 200, r.text
+        assert post(url, {}, "/continue_generation").status_code == 200
+    else:
+        assert post(url, {}, "/pause?mode=abort").status_code == 200
+        assert post(url, {"weight_version": version}, "/finish_weight_update").status_code == 200
+        assert post(url, {}, "/resume").status_code == 200
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_two_processes_hold_and_resume_every_stream_a_pause_aborted(tmp_path, worker_class, protocol):
+    sims = [start_sim(protocol, itl_ms=20) for _ in range(2)]
+    base = str(tmp_path / "t")
+    fe = None
+    try:
+        fe = Proc("frontend-workers", ["serve", "--workers", "2", "--worker-class", worker_class,
+                                       *(a for s in sims for a in ("--worker", f"{protocol}={s.url}")),
+                                       "--health-interval", "0.2", "--log-level", "warning",
+                                       "--resume-after-pause", "--pause-hold-timeout", "10",
+                                       "--trace-file", base + ".jsonl"], listening_socket(), "/health")
+        out: list = [None] * STREAMS
+
+        def one(i: int) -> None:
+            path, body = _body(protocol, i, "fleet")
+            out[i] = sse(fe.url, body, path)  # a connection of its own: either process may take it
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(STREAMS)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: sum(stats(s)["running"] for s in sims) == STREAMS)
+        wait_until(lambda: all(n >= 1 for s in sims for n in stats(s)["running_output_tokens"].values()))
+        _cycle(fe.url, protocol, "v1")
+        for t in threads:
+            t.join(30)
+        wait_until(lambda: len(trace_records(base + ".*.jsonl")) == STREAMS, timeout=30)
+        by_pid: dict[str, int] = {}
+        records = {}
+        for f in glob.glob(base + ".*.jsonl"):
+            pid = re.match(r".*\.(\d+)\.\d+.*\.jsonl$", f).group(1)
+            for r in trace_records(f):
+                records[r["public_id"]] = r
+                by_pid[pid] = by_pid.get(pid, 0) + 1
+        for i, (status, chunks) in enumerate(out):
+            ids, finish = _answer(protocol, chunks)
+            rec = records[f"fleet-{i}"]
+            segments = [(s["weight_version"], s["tokens"]) for s in rec.get("segments", [])]
+            assert (status, len(ids), finish, rec["status"], rec.get("pause_resumes")) == (200, N, "length", "ok", 1), \
+                (i, segments, by_pid)
+            (v0, k), (v1, rest) = segments
+            assert (v0, v1, k + rest) == ("default", "v1", N) and 0 < k < N
+            prompt = [300 + i, 7, 8]
+            assert ids[:k] == sampled(prompt, 0, k, True, version="default")
+            assert ids[k:] == sampled(prompt + ids[:k], 0, N - k, True, version="v1")
+    finally:
+        if fe is not None:
+            fe.stop()
+        for s in sims:
+            s.stop()
