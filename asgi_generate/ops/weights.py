@@ -122,6 +122,16 @@ def _fan_out(ctx: AdminContext, protocol: str) -> Endpoint:
 async def _to_fleet(ctx: AdminContext, protocol: str, request: Request, body: bytes) -> Response:
     """The call to every worker of ``protocol`` (or the named one); when
     it changes weights, the router told who loaded what and who failed."""
+    with ctx.router.fleet.local_call(protocol):  # the fleet's readings wait for its answer
+        response, answers = await _weight_call(ctx, protocol, request, body)
+    if answers:
+        await ctx.router.fleet.tell_siblings(protocol)  # fences are this process's: no engine holds them
+    return response
+
+
+async def _weight_call(ctx: AdminContext, protocol: str, request: Request, body: bytes) -> tuple[Response, list]:
+    """:func:`_to_fleet`'s call, its answer and, when it changed weights or their
+    version, the workers' answers (else none)."""
     response, answers = await to_every_worker(ctx, protocol, request, body, ctx.settings.weight_update_timeout)
     path = request.url.path
     load = LOADS.get(path) or PROTOCOLS[protocol].weight_load(path)
@@ -137,11 +147,11 @@ async def _to_fleet(ctx: AdminContext, protocol: str, request: Request, body: by
         if fleet and not loaded and all(a.status is not None and 400 <= a.status < 500 for a in answers):
             # Every worker refused the call (a bad body): no weights changed
             # anywhere, so no worker is behind the others and none is fenced.
-            return response
+            return response, []
         ctx.router.weights_loaded(protocol, loaded, failed, version if isinstance(version, str) else None, fleet,
                                   with_weights)
-        await ctx.router.fleet.tell_siblings(protocol)  # fences are this process's: no engine holds them
-    return response
+        return response, answers
+    return response, []
 
 
 def _version(ctx: AdminContext) -> Endpoint:

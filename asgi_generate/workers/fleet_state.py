@@ -19,14 +19,16 @@ an abort finish while no pause is known here). What it learns:
 - resumed (no worker reports itself paused any more): :meth:`Pauses.end
   <asgi_generate.workers.pauses.Pauses.end>`, and held streams go on;
 - a worker's new weight version: its ``info`` (what routing and records
-  read), and, when the version changed since the last reading, the fleet's
-  weight version (:class:`~asgi_generate.workers.fence.Fence`): new
-  requests go only to workers at the version the engines moved to.
+  read), and, when a worker's version changed since the last reading, the
+  fleet's weight version (:class:`~asgi_generate.workers.fence.Fence`): new
+  requests go only to workers at the version the engines moved to (of
+  several, the one most workers report, the greatest on a tie: a worker
+  whose update failed is left behind).
 
-While this process's own pause or resume call is on its way to the
-engines (:meth:`FleetState.local_call`), readings neither begin nor end a
-pause: the call does, and a reading taken before the engines got it is
-stale. A reading that fails or times out changes nothing: it never marks a
+While this process's own pause, resume or weight call is on its way to
+the engines (:meth:`FleetState.local_call`), readings change nothing: the
+call does, and a reading taken before the engines got it is stale (as is
+one taken before :meth:`FleetState.confirm_pause` began a pause). A reading that fails or times out changes nothing: it never marks a
 worker down (invariant 8: the health probe alone does).
 
 What the engines do not hold (a fence an operator cleared, a worker fenced
@@ -46,7 +48,7 @@ import anyio
 import orjson
 
 from ..exceptions import WorkerError
-from .fence import Fence
+from .fence import Fence, version_order
 from .pauses import Pauses
 from .worker import Worker
 
@@ -139,9 +141,9 @@ class FleetState:
 
     @contextmanager
     def local_call(self, protocol: str) -> Iterator[None]:
-        """Around this process's own pause or resume fan-out to
-        ``protocol``'s engines: readings taken meanwhile neither begin nor
-        end a pause (the call does, :class:`Pauses`)."""
+        """Around this process's own pause, resume or weight fan-out to
+        ``protocol``'s engines: readings taken meanwhile change nothing
+        (the call does: :class:`Pauses`, :class:`Fence`)."""
         self._calls[protocol] = self._calls.get(protocol, 0) + 1
         self._marks[protocol] = self._marks.get(protocol, 0) + 1
         try:
@@ -158,6 +160,9 @@ class FleetState:
         """Act on one reading of ``protocol``'s up workers (taken when
         :meth:`mark` was ``mark``): weight versions first (a resume then
         plans on the new weights), then the pause state."""
+        if self._calls.get(protocol) or self._marks.get(protocol, 0) != mark:
+            return  # this process's own call decides; a reading taken across it is stale
+        moved: dict[str, Worker] = {}
         for w, r in readings.items():
             if r.paused is None and r.version is None:
                 self.counts["failed"] += 1
@@ -167,13 +172,19 @@ class FleetState:
             self._seen_versions[w.id] = r.version
             if r.version != w.weight_version:
                 w.info = {**w.info, "weight_version": r.version}  # replaced: attempts keep theirs
-            if before is not None and before != r.version and self.fence.versions.get(protocol) != r.version:
-                log.warning("fleet %s: worker %s (%s) moved from weight version %r to %r: the fleet's version "
-                            "now", protocol, w.id, w.url, before, r.version)
-                self.fence.versions[protocol] = r.version
+            if before is not None and before != r.version:
+                moved[r.version] = w
+        if moved:
+            # Updates between two readings: the version most workers read now,
+            # the greatest of those on a tie (a worker left behind is not the fleet).
+            held = [r.version for r in readings.values() if r.version is not None]
+            version = max(moved, key=lambda v: (held.count(v), version_order(v)))
+            if self.fence.versions.get(protocol) != version:
+                w = moved[version]
+                log.warning("fleet %s: worker %s (%s) moved to weight version %r: the fleet's version now",
+                            protocol, w.id, w.url, version)
+                self.fence.versions[protocol] = version
                 self.counts["versions_learned"] += 1
-        if self._calls.get(protocol) or self._marks.get(protocol, 0) != mark:
-            return  # this process's own pause or resume call decides
         states = [r.paused for r in readings.values() if r.paused is not None]
         if not states:
             return
@@ -230,6 +241,7 @@ class FleetState:
         log.warning("fleet %s: worker %s (%s) aborted a stream and reports a pause: held streams wait for "
                     "its resume", protocol, worker.id, worker.url)
         self._seen_paused[protocol] = True
+        self._marks[protocol] = mark + 1  # a reading taken before this one is stale
         self.pauses.begin(protocol)
         self.counts["pauses_learned"] += 1
         if self._wake is not None:
