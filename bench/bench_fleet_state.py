@@ -221,6 +221,7 @@ def main() -> int:
                     raise RuntimeError(f"{label}: {len(every)} processes answered")
                 time.sleep(2)
                 got = latencies(sims, fes, every, args.changes, 1.0)
+                change(sims, "resume", "")  # the next frontends start on a running fleet
                 for kind, values in got.items():
                     print(f"| {label} | {kind} | {len(values)} | {statistics.median(values) * 1000:.0f} | "
                           f"{max(values) * 1000:.0f} |")

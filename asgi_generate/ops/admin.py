@@ -58,6 +58,7 @@ from ..protocols import PROTOCOLS
 from ..sdk import _ids as ids
 from ..request.batches import named_legs
 from ..workers.aborts import ACKED
+from ..workers.fleet_state import PAUSE
 from ..workers.router import Worker
 from . import weights
 from .fanout import (AdminContext, Answer, Endpoint, body_of, call, combined, error, gather, guarded, parsed,
@@ -111,7 +112,7 @@ def _fan_out(ctx: AdminContext, protocol: str) -> Endpoint:
             response, answers = await to_every_worker(ctx, protocol, request, body)
         else:
             # This process's own pause or resume: the fleet's readings wait for its answer.
-            with ctx.router.fleet.local_call(protocol):
+            with ctx.router.fleet.local_call(protocol, PAUSE):
                 if aborting:
                     pauses.begin(protocol)  # before the engines abort: their aborts are the pause's
                 response, answers = await to_every_worker(ctx, protocol, request, body)

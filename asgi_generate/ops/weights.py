@@ -74,6 +74,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..protocols import PROTOCOLS
+from ..workers.fleet_state import WEIGHTS
 from ..workers.router import Worker
 from .fanout import (JSON, WORKER_HEADER, AdminContext, Answer, Endpoint, body_of, call_each, chosen, error, failed,
                      guarded, none_up, parsed, skipped_header, to_every_worker)
@@ -122,7 +123,7 @@ def _fan_out(ctx: AdminContext, protocol: str) -> Endpoint:
 async def _to_fleet(ctx: AdminContext, protocol: str, request: Request, body: bytes) -> Response:
     """The call to every worker of ``protocol`` (or the named one); when
     it changes weights, the router told who loaded what and who failed."""
-    with ctx.router.fleet.local_call(protocol):  # the fleet's readings wait for its answer
+    with ctx.router.fleet.local_call(protocol, WEIGHTS):  # the fleet's readings wait for its answer
         response, answers = await _weight_call(ctx, protocol, request, body)
     if answers:
         await ctx.router.fleet.tell_siblings(protocol)  # fences are this process's: no engine holds them

@@ -25,8 +25,9 @@ an abort finish while no pause is known here). What it learns:
   several, the one most workers report, the greatest on a tie: a worker
   whose update failed is left behind).
 
-While this process's own pause, resume or weight call is on its way to
-the engines (:meth:`FleetState.local_call`), readings change nothing: the
+While this process's own pause or resume call is on its way to the
+engines (:meth:`FleetState.local_call`), readings neither begin nor end a
+pause, and while its own weight call is, they set no weight version: the
 call does, and a reading taken before the engines got it is stale (as is
 one taken before :meth:`FleetState.confirm_pause` began a pause). A reading that fails or times out changes nothing: it never marks a
 worker down (invariant 8: the health probe alone does).
@@ -53,6 +54,9 @@ from .pauses import Pauses
 from .worker import Worker
 
 log = logging.getLogger("asgi_generate.fleet_state")
+#: The kinds of this process's own calls (:meth:`FleetState.local_call`).
+PAUSE, WEIGHTS = "pause", "weights"
+KINDS = (PAUSE, WEIGHTS)
 #: Seconds one worker's reading (its pause route, then its weight version
 #: route) may take; past it the reading counts as failed and changes nothing.
 READ_TIMEOUT_S = 5.0
@@ -128,10 +132,11 @@ class FleetState:
         self._seen_paused: dict[str, bool] = {}
         #: Per worker id: the weight version its engine last reported.
         self._seen_versions: dict[str, str] = {}
-        #: Per protocol: this process's own pause or resume calls on their way.
-        self._calls: dict[str, int] = {}
-        #: Per protocol: changes of ``_calls``; a reading taken across one is stale.
-        self._marks: dict[str, int] = {}
+        #: Per (protocol, kind): this process's own calls on their way
+        #: (kinds: :data:`PAUSE`, :data:`WEIGHTS`).
+        self._calls: dict[tuple[str, str], int] = {}
+        #: Per (protocol, kind): changes of ``_calls``; a reading taken across one is stale.
+        self._marks: dict[tuple[str, str], int] = {}
         self._wake: anyio.Event | None = None
         self.share: Callable[[dict[str, Any]], Awaitable[None]] | None = None
         self.counts = {"readings": 0, "failed": 0, "pauses_learned": 0, "resumes_learned": 0,
@@ -140,28 +145,31 @@ class FleetState:
     # -- this process's own calls -------------------------------------------
 
     @contextmanager
-    def local_call(self, protocol: str) -> Iterator[None]:
-        """Around this process's own pause, resume or weight fan-out to
-        ``protocol``'s engines: readings taken meanwhile change nothing
-        (the call does: :class:`Pauses`, :class:`Fence`)."""
-        self._calls[protocol] = self._calls.get(protocol, 0) + 1
-        self._marks[protocol] = self._marks.get(protocol, 0) + 1
+    def local_call(self, protocol: str, kind: str) -> Iterator[None]:
+        """Around this process's own fan-out to ``protocol``'s engines of a
+        pause or resume (``kind`` :data:`PAUSE`) or a weight route
+        (:data:`WEIGHTS`): what readings taken meanwhile say of that
+        (pause state, weight versions) changes nothing; the call does
+        (:class:`Pauses`, :class:`Fence`)."""
+        key = (protocol, kind)
+        self._calls[key] = self._calls.get(key, 0) + 1
+        self._marks[key] = self._marks.get(key, 0) + 1
         try:
             yield
         finally:
-            self._calls[protocol] -= 1
-            self._marks[protocol] += 1
+            self._calls[key] -= 1
+            self._marks[key] += 1
             if self._wake is not None:
                 self._wake.set()  # read again now: the call's outcome is the engines'
 
     # -- readings -------------------------------------------------------------
 
-    def apply(self, protocol: str, readings: dict[Worker, Reading], mark: int) -> None:
+    def apply(self, protocol: str, readings: dict[Worker, Reading], mark: tuple[int, int]) -> None:
         """Act on one reading of ``protocol``'s up workers (taken when
         :meth:`mark` was ``mark``): weight versions first (a resume then
         plans on the new weights), then the pause state."""
-        if self._calls.get(protocol) or self._marks.get(protocol, 0) != mark:
-            return  # this process's own call decides; a reading taken across it is stale
+        if self._stale(protocol, WEIGHTS, mark):
+            return self._apply_pause(protocol, readings, mark)
         moved: dict[str, Worker] = {}
         for w, r in readings.items():
             if r.paused is None and r.version is None:
@@ -185,6 +193,18 @@ class FleetState:
                             protocol, w.id, w.url, version)
                 self.fence.versions[protocol] = version
                 self.counts["versions_learned"] += 1
+        self._apply_pause(protocol, readings, mark)
+
+    def _stale(self, protocol: str, kind: str, mark: tuple[int, int]) -> bool:
+        """Whether what a reading taken at ``mark`` says of ``kind`` is
+        stale: this process's own call of that kind is on its way, or one
+        was made since the reading began."""
+        key = (protocol, kind)
+        return bool(self._calls.get(key)) or self._marks.get(key, 0) != mark[KINDS.index(kind)]
+
+    def _apply_pause(self, protocol: str, readings: dict[Worker, Reading], mark: tuple[int, int]) -> None:
+        if self._stale(protocol, PAUSE, mark):
+            return
         states = [r.paused for r in readings.values() if r.paused is not None]
         if not states:
             return
@@ -200,9 +220,9 @@ class FleetState:
             self.pauses.end(protocol)
             self.counts["resumes_learned"] += 1
 
-    def mark(self, protocol: str) -> int:
+    def mark(self, protocol: str) -> tuple[int, int]:
         """The stamp a reading of ``protocol`` takes as it starts (:meth:`apply`)."""
-        return self._marks.get(protocol, 0)
+        return tuple(self._marks.get((protocol, kind), 0) for kind in KINDS)  # type: ignore[return-value]
 
     async def read(self) -> None:
         """One reading of every up worker that says its pause state or
@@ -235,13 +255,12 @@ class FleetState:
             return False
         mark = self.mark(protocol)
         reading = await self._read(worker, versions=False)
-        if reading.paused is not True or self._calls.get(protocol) or self.mark(protocol) != mark \
-                or self.pauses.paused(protocol):
+        if reading.paused is not True or self._stale(protocol, PAUSE, mark) or self.pauses.paused(protocol):
             return False
         log.warning("fleet %s: worker %s (%s) aborted a stream and reports a pause: held streams wait for "
                     "its resume", protocol, worker.id, worker.url)
         self._seen_paused[protocol] = True
-        self._marks[protocol] = mark + 1  # a reading taken before this one is stale
+        self._marks[(protocol, PAUSE)] = mark[0] + 1  # a reading taken before this one is stale
         self.pauses.begin(protocol)
         self.counts["pauses_learned"] += 1
         if self._wake is not None:

@@ -8,9 +8,9 @@ the engine's abort."""
 from __future__ import annotations
 
 import glob
-import re
 import threading
 
+import httpx
 import orjson
 import pytest
 
@@ -19,7 +19,19 @@ from support import Proc, listening_socket, post, sampled, sse, start_sim, stats
 pytestmark = pytest.mark.e2e
 
 N = 100
-STREAMS = 6
+
+
+def _streams_per_process(fe: Proc) -> dict[int, int]:
+    """Streams each of the 2 processes has on its workers now (its
+    ``/stats``, asked on fresh connections until both answered)."""
+    seen: dict[int, int] = {}
+    for _ in range(200):
+        with httpx.Client(timeout=10) as client:
+            got = client.get(fe.url + "/stats").json()
+        seen[got["pid"]] = sum(w["outstanding"] for w in got["workers"].values())
+        if len(seen) == 2:
+            return seen
+    raise AssertionError(f"only {seen} answered")
 
 
 def _body(protocol: str, i: int, tag: str) -> tuple[str, dict]:
@@ -59,6 +71,9 @@ def _cycle(url: str, protocol: str, version: str) -> None:
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
 def test_two_processes_hold_and_resume_every_stream_a_pause_aborted(tmp_path, worker_class, protocol):
+    """The issue's scenario: six streams (more until both processes serve
+    some), pause with abort, a weight load and the resume through the
+    shared port."""
     sims = [start_sim(protocol, itl_ms=20) for _ in range(2)]
     base = str(tmp_path / "t")
     fe = None
@@ -68,25 +83,31 @@ def test_two_processes_hold_and_resume_every_stream_a_pause_aborted(tmp_path, wo
                                        "--health-interval", "0.2", "--log-level", "warning",
                                        "--resume-after-pause", "--pause-hold-timeout", "10",
                                        "--trace-file", base + ".jsonl"], listening_socket(), "/health")
-        out: list = [None] * STREAMS
+        out: list = []
+        threads: list[threading.Thread] = []
 
         def one(i: int) -> None:
             path, body = _body(protocol, i, "fleet")
             out[i] = sse(fe.url, body, path)  # a connection of its own: either process may take it
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(STREAMS)]
-        for t in threads:
-            t.start()
-        wait_until(lambda: sum(stats(s)["running"] for s in sims) == STREAMS)
+        # Six streams, and more (bounded) until both processes serve some:
+        # the kernel places each connection on either process.
+        while len(threads) < 6 or (len(threads) < 12 and min(_streams_per_process(fe).values()) == 0):
+            out.append(None)
+            threads.append(threading.Thread(target=one, args=(len(threads),)))
+            threads[-1].start()
+            if len(threads) >= 6:
+                wait_until(lambda: sum(stats(s)["running"] for s in sims) == len(threads))
+        assert min(_streams_per_process(fe).values()) > 0
         wait_until(lambda: all(n >= 1 for s in sims for n in stats(s)["running_output_tokens"].values()))
         _cycle(fe.url, protocol, "v1")
         for t in threads:
             t.join(30)
-        wait_until(lambda: len(trace_records(base + ".*.jsonl")) == STREAMS, timeout=30)
+        wait_until(lambda: len(trace_records(base + ".*.jsonl")) == len(out), timeout=30)
         by_pid: dict[str, int] = {}
         records = {}
         for f in glob.glob(base + ".*.jsonl"):
-            pid = re.match(r".*\.(\d+)\.\d+.*\.jsonl$", f).group(1)
+            pid = f[len(base) + 1:].split(".")[0]  # the files are BASE.PID.*
             for r in trace_records(f):
                 records[r["public_id"]] = r
                 by_pid[pid] = by_pid.get(pid, 0) + 1

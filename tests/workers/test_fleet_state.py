@@ -7,7 +7,7 @@ import anyio
 import pytest
 
 from asgi_generate.protocols import PROTOCOLS
-from asgi_generate.workers.fleet_state import FleetState, Reading
+from asgi_generate.workers.fleet_state import PAUSE, WEIGHTS, FleetState, Reading
 from asgi_generate.workers.router import Router
 
 
@@ -52,12 +52,12 @@ def test_readings_across_this_process_own_call_change_nothing():
     router, fleet = _fleet()
     pauses = router.pauses
     stale = fleet.mark("sglang")  # a reading starts
-    with fleet.local_call("sglang"):
+    with fleet.local_call("sglang", PAUSE):
         pauses.begin("sglang")  # the admin route's own pause
-        _apply(fleet, router, (False, "v9"), (False, "v9"))  # read while the call is out: ignored
-        assert pauses.paused("sglang") and router.workers[0].weight_version == "v0"
-    fleet.apply("sglang", _readings(router, (False, "v9"), (False, "v9")), stale)  # begun before: stale
-    assert pauses.paused("sglang") and router.workers[0].weight_version == "v0"
+        _apply(fleet, router, (False, "v0"), (False, "v0"))  # read while the call is out: ignored
+        assert pauses.paused("sglang")
+    fleet.apply("sglang", _readings(router, (False, "v0"), (False, "v0")), stale)  # begun before: stale
+    assert pauses.paused("sglang")
     # A fresh reading after the call was answered: the engines say resumed
     # (another process took the resume), though this one never read the pause.
     _apply(fleet, router, (False, "v0"), (False, "v0"))
@@ -69,11 +69,11 @@ def test_a_paused_reading_after_this_process_resumed_begins_no_new_pause():
     is unhealthy until a /health passes): the same pause, not a new one."""
     router, fleet = _fleet()
     pauses = router.pauses
-    with fleet.local_call("sglang"):
+    with fleet.local_call("sglang", PAUSE):
         pauses.begin("sglang")
     _apply(fleet, router, (True, "v0"), (True, "v0"))  # read paused: the same pause, no new epoch
     assert pauses.epoch("sglang") == 1
-    with fleet.local_call("sglang"):
+    with fleet.local_call("sglang", PAUSE):
         pauses.end("sglang")
     _apply(fleet, router, (True, "v0"), (False, "v0"))
     assert (pauses.paused("sglang"), pauses.epoch("sglang")) == (False, 1)
@@ -205,3 +205,16 @@ def test_sglang_ready_read_as_paused(status, body, paused):
     (200, b"not json", None), (500, b'{"error": "x"}', None)])
 def test_vllm_is_paused_read(status, body, paused):
     assert PROTOCOLS["vllm"].pause_reader(status, body) is paused
+
+
+def test_this_process_weight_call_stales_versions_but_not_the_pause_state():
+    router, fleet = _fleet()
+    _apply(fleet, router, (False, "v0"), (False, "v0"))
+    stale = fleet.mark("sglang")
+    with fleet.local_call("sglang", WEIGHTS):
+        router.weights_loaded("sglang", router.workers, {}, "v1", True, True)
+        fleet.apply("sglang", _readings(router, (True, "v0"), (True, "v0")), stale)
+    # The old versions read before the call answered are not the workers':
+    # the pause the same reading shows is the engines'.
+    assert [w.weight_version for w in router.workers] == ["v1", "v1"] and router.fleet_versions == {"sglang": "v1"}
+    assert router.pauses.paused("sglang")
