@@ -373,9 +373,9 @@ class Settings:
              "replica learns a pause, a resume and a new weight version; 0 = no reading (only the calls this "
              "process takes, and what its siblings tell it)")
     fleet_state_paused_interval: float = setting(
-        0.05, unit="s", gt=0,
-        help="seconds between those readings while a fleet is paused, so held streams resume soon after "
-             "the engines do")
+        0.1, unit="s", gt=0,
+        help="seconds between those readings while a fleet is paused (its pause route only, the weight "
+             "versions once resumed), so held streams resume soon after the engines do")
     health_interval: float = setting(
         2.0, unit="s", gt=0,
         help="seconds between health probes of each worker; in whole seconds (at least 1), the Retry-After of "

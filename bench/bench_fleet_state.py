@@ -10,8 +10,10 @@ vLLM ``/pause?mode=keep``), a new weight version
 of the reading interval. A process acts when it logs that it learned the
 change (``asgi_generate.fleet_state``: the pause begun, the resume, the
 fleet's new weight version); the latency of a change is from the moment
-the first engine was asked (the engines are asked one after the other) to
-the moment the last process acted on it.
+the engines made it (all are asked at once; a fleet is paused, or at a
+new version, once its first engine answered, resumed once its last one
+did) to the moment the last process acted on it, the later of the two
+protocols.
 Prints p50 and max per kind and over all changes.
 
 Then the frontends' CPU per second (every process, from ``/proc``), the
@@ -88,15 +90,28 @@ def _post(url: str, path: str, body: dict) -> None:
         raise RuntimeError(f"{url}{path}: {r.status_code} {r.text}")
 
 
-def change(sims, kind: str, version: str) -> None:
-    """Make ``kind`` on every engine, one after the other."""
-    for protocol, url, _ in sims:
+def change(sims, kind: str, version: str) -> dict[str, list[float]]:
+    """Make ``kind`` on every engine, all at once; the wall times (s) at
+    which each engine of each protocol answered."""
+    answered: dict[str, list[float]] = {}
+
+    def one(protocol: str, url: str) -> None:
         if kind == "pause":
             _post(url, *(("/pause_generation", {"mode": "in_place"}) if protocol == "sglang" else ("/pause?mode=keep", {})))
         elif kind == "resume":
             _post(url, *(("/continue_generation", {}) if protocol == "sglang" else ("/resume", {})))
         else:
             _post(url, "/update_weight_version", {"new_version": version})
+        answered.setdefault(protocol, []).append(time.time())
+
+    threads = [threading.Thread(target=one, args=(protocol, url)) for protocol, url, _ in sims]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if sum(map(len, answered.values())) != len(sims):
+        raise RuntimeError(f"{kind}: not every engine answered")
+    return answered
 
 
 def learned(frontends) -> list[tuple[float, int, str, str]]:
@@ -138,7 +153,7 @@ def latencies(sims, frontends, every: set[int], changes: int, interval: float) -
         kind = kinds[i % 3]
         time.sleep(random.uniform(0, interval))  # any moment of the reading interval
         start = time.time() - 0.002  # the log's times are to the millisecond
-        change(sims, kind, f"v{i}")
+        answered = change(sims, kind, f"v{i}")
         deadline = time.monotonic() + 30
         while True:
             lines = [line for line in learned(frontends) if line[0] >= start]
@@ -148,8 +163,9 @@ def latencies(sims, frontends, every: set[int], changes: int, interval: float) -
             if time.monotonic() > deadline:
                 raise RuntimeError(f"change {i} ({kind}): not every process acted: {sorted(acted)}")
             time.sleep(0.02)
-        last = max(when for when, pid, protocol, k in lines if k == kind)
-        out[kind].append(last - start)
+        # A fleet is paused, or at a new version, once one engine is; resumed once all are.
+        at = {p: (max(t) if kind == "resume" else min(t)) for p, t in answered.items()}
+        out[kind].append(max(when - at[protocol] for when, pid, protocol, k in lines if k == kind))
     return out
 
 
@@ -211,7 +227,7 @@ def main() -> int:
         sims = start_sims(stack, logs)
         print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load "
               f"{open('/proc/loadavg').read().split()[0]}, worker class {args.worker_class}, reading every 1 s "
-              f"(every 0.05 s while paused)\n")
+              f"(every 0.1 s while paused)\n")
         print("| frontends | change | n | p50 ms | max ms |\n|---|---|---|---|---|")
         for label, processes, replicas in (("serve --workers 4", 4, 1), ("3 replicas", 1, 3)):
             with contextlib.ExitStack() as fronts:

@@ -9,7 +9,8 @@ its description (:class:`~asgi_generate.protocols.WorkerProtocol`):
 paused; vLLM ``GET /is_paused``) and ``weight_version_path`` (SGLang ``GET
 /model_info``, vLLM ``GET /weight_info``). :class:`FleetState` reads every
 up worker every ``interval`` seconds (``paused_interval`` while a fleet is
-paused, to see the resume soon), and one worker at once when an engine's
+paused, to see the resume soon: then only the pause route, the versions
+once the resume is seen), and one worker at once when an engine's
 answer shows a change this process does not know of (:meth:`FleetState.confirm_pause`:
 an abort finish while no pause is known here). What it learns:
 
@@ -120,7 +121,7 @@ class FleetState:
     """
 
     def __init__(self, workers: Callable[[], list[Worker]], pauses: Pauses, fence: Fence, interval: float = 1.0,
-                 paused_interval: float = 0.05,
+                 paused_interval: float = 0.1,
                  read: Callable[..., Awaitable[Reading]] = read_worker) -> None:
         self._workers = workers
         self.pauses = pauses
@@ -232,18 +233,29 @@ class FleetState:
             if w.healthy and not w.draining and (w.protocol.pause_path or w.protocol.weight_version_path):
                 by_protocol.setdefault(w.protocol.name, []).append(w)
         marks = {p: self.mark(p) for p in by_protocol}
+        # While paused, only the pause route (read often): the versions once resumed.
+        paused = {p for p in by_protocol if self._seen_paused.get(p) or self.pauses.paused(p)}
+        readings = await self._read_all({p: ws for p, ws in by_protocol.items()}, paused)
+        resumed = {p for p in paused if any(r.paused is False for r in readings[p].values())
+                   and not any(r.paused for r in readings[p].values())}
+        if resumed:
+            readings.update(await self._read_all({p: by_protocol[p] for p in resumed}, set()))
+        for protocol in by_protocol:
+            self.apply(protocol, readings[protocol], marks[protocol])
+        self.counts["readings"] += 1
+
+    async def _read_all(self, by_protocol: dict[str, list[Worker]],
+                        without_versions: set[str]) -> dict[str, dict[Worker, Reading]]:
         readings: dict[str, dict[Worker, Reading]] = {p: {} for p in by_protocol}
 
         async def one(protocol: str, worker: Worker) -> None:
-            readings[protocol][worker] = await self._read(worker)
+            readings[protocol][worker] = await self._read(worker, versions=protocol not in without_versions)
 
         async with anyio.create_task_group() as tg:
             for protocol, workers in by_protocol.items():
                 for w in workers:
                     tg.start_soon(one, protocol, w)
-        for protocol in by_protocol:
-            self.apply(protocol, readings[protocol], marks[protocol])
-        self.counts["readings"] += 1
+        return readings
 
     async def confirm_pause(self, worker: Worker) -> bool:
         """An engine aborted a stream on ``worker`` while no pause of its

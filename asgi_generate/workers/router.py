@@ -86,7 +86,7 @@ class Router:
         policy: Policy | None = None,
         ssl_context: ssl.SSLContext | None = None,
         fleet_interval: float = 1.0,
-        fleet_paused_interval: float = 0.05,
+        fleet_paused_interval: float = 0.1,
     ) -> None:
         self.policy = policy if policy is not None else Policy()
         self.workers: list[Worker] = []

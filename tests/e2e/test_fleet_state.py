@@ -127,3 +127,37 @@ def test_two_processes_hold_and_resume_every_stream_a_pause_aborted(tmp_path, wo
             fe.stop()
         for s in sims:
             s.stop()
+
+
+def test_the_simulators_say_whether_they_are_paused_as_the_engines_do():
+    """SGLang ``GET /ready``: 200, empty, and 503 while paused in any mode
+    (``tokenizer_manager.is_ready``) or unhealthy; vLLM ``GET /is_paused``
+    in any mode and ``/weight_info``: what every frontend process reads."""
+    sg, vl = start_sim("sglang"), start_sim("vllm")
+    try:
+        r = httpx.get(sg.url + "/ready")
+        assert (r.status_code, r.content, r.headers["content-length"]) == (200, b"", "0")
+        for mode in ("abort", "retract", "in_place"):
+            assert post(sg.url, {"mode": mode}, "/pause_generation").status_code == 200
+            r = httpx.get(sg.url + "/ready")
+            assert (r.status_code, r.content) == (503, b""), mode
+            assert post(sg.url, {}, "/continue_generation").status_code == 200
+            assert httpx.get(sg.url + "/ready").status_code == 200
+        assert post(sg.url, {"count": 1, "after_tokens": 0}, "/sim/faults").status_code == 200
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+        with pytest.raises(httpx.HTTPError):
+            post(sg.url, body)  # the armed request drops its connection: health answers 503 from now on
+        assert httpx.get(sg.url + "/health").status_code == 503 and httpx.get(sg.url + "/ready").status_code == 503
+        assert httpx.delete(sg.url + "/sim/faults").status_code == 200
+        assert httpx.get(sg.url + "/ready").status_code == 200
+        assert httpx.get(sg.url + "/model_info").json()["weight_version"] == "default"
+        for mode in ("abort", "wait", "keep"):
+            assert httpx.get(vl.url + "/is_paused").json() == {"is_paused": False}
+            assert post(vl.url, {}, f"/pause?mode={mode}").status_code == 200
+            assert httpx.get(vl.url + "/is_paused").json() == {"is_paused": True}, mode
+            assert post(vl.url, {}, "/resume").status_code == 200
+        assert post(vl.url, {"new_version": "v3"}, "/update_weight_version").status_code == 200
+        assert httpx.get(vl.url + "/weight_info").json() == {"weight_version": "v3"}
+    finally:
+        sg.stop()
+        vl.stop()

@@ -218,3 +218,25 @@ def test_this_process_weight_call_stales_versions_but_not_the_pause_state():
     # the pause the same reading shows is the engines'.
     assert [w.weight_version for w in router.workers] == ["v1", "v1"] and router.fleet_versions == {"sglang": "v1"}
     assert router.pauses.paused("sglang")
+
+
+@pytest.mark.anyio
+async def test_while_paused_only_the_pause_route_is_read_and_the_versions_once_resumed():
+    router, fleet = _fleet(2)
+    said = {"paused": True, "version": "v0"}
+    asked: list[bool] = []
+
+    async def read(worker, timeout=5.0, versions=True):
+        asked.append(versions)
+        return Reading(said["paused"], said["version"] if versions else None)
+
+    fleet._read = read
+    await fleet.read()
+    assert router.pauses.paused("sglang") and asked == [True, True]
+    said["version"] = "v1"
+    await fleet.read()  # paused: versions not read
+    assert asked[2:] == [False, False] and router.workers[0].weight_version == "v0"
+    said["paused"] = False
+    await fleet.read()  # the resume, then the versions it resumes on
+    assert asked[4:] == [False, False, True, True]
+    assert not router.pauses.paused("sglang") and router.fleet_versions == {"sglang": "v1"}
