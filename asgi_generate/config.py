@@ -374,8 +374,9 @@ class Settings:
              "process takes, and what its siblings tell it)")
     fleet_state_paused_interval: float = setting(
         0.1, unit="s", gt=0,
-        help="seconds between those readings while a fleet is paused (its pause route only, the weight "
-             "versions once resumed), so held streams resume soon after the engines do")
+        help="seconds between readings of a paused fleet's pause route (its weight versions are read every "
+             "--fleet-state-interval still, and at once on the resume), so held streams resume soon after "
+             "the engines do")
     health_interval: float = setting(
         2.0, unit="s", gt=0,
         help="seconds between health probes of each worker; in whole seconds (at least 1), the Retry-After of "

@@ -9,8 +9,9 @@ its description (:class:`~asgi_generate.protocols.WorkerProtocol`):
 paused; vLLM ``GET /is_paused``) and ``weight_version_path`` (SGLang ``GET
 /model_info``, vLLM ``GET /weight_info``). :class:`FleetState` reads every
 up worker every ``interval`` seconds (``paused_interval`` while a fleet is
-paused, to see the resume soon: then only the pause route, the versions
-once the resume is seen), and one worker at once when an engine's
+paused, to see the resume soon: then the weight versions every
+``interval`` still, and at once when the resume is seen), and one worker
+at once when an engine's
 answer shows a change this process does not know of (:meth:`FleetState.confirm_pause`:
 an abort finish while no pause is known here). What it learns:
 
@@ -42,6 +43,7 @@ carried by :mod:`asgi_generate.ops.siblings`).
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterator
@@ -139,6 +141,8 @@ class FleetState:
         #: Per (protocol, kind): changes of ``_calls``; a reading taken across one is stale.
         self._marks: dict[tuple[str, str], int] = {}
         self._wake: anyio.Event | None = None
+        #: Per protocol: when (``anyio.current_time()``) its weight versions were last read.
+        self._versions_read: dict[str, float] = {}
         self.share: Callable[[dict[str, Any]], Awaitable[None]] | None = None
         self.counts = {"readings": 0, "failed": 0, "pauses_learned": 0, "resumes_learned": 0,
                        "versions_learned": 0, "fence_messages": 0}
@@ -233,13 +237,19 @@ class FleetState:
             if w.healthy and not w.draining and (w.protocol.pause_path or w.protocol.weight_version_path):
                 by_protocol.setdefault(w.protocol.name, []).append(w)
         marks = {p: self.mark(p) for p in by_protocol}
-        # While paused, only the pause route (read often): the versions once resumed.
-        paused = {p for p in by_protocol if self._seen_paused.get(p) or self.pauses.paused(p)}
-        readings = await self._read_all({p: ws for p, ws in by_protocol.items()}, paused)
+        # While paused, the pause route is read often, the versions every
+        # interval as ever, and at once when the resume is seen.
+        now = anyio.current_time()
+        paused = {p for p in by_protocol if (self._seen_paused.get(p) or self.pauses.paused(p))
+                  and now - self._versions_read.get(p, -math.inf) < self.interval}
+        for p in by_protocol.keys() - paused:
+            self._versions_read[p] = now
+        readings = await self._read_all(by_protocol, paused)
         resumed = {p for p in paused if any(r.paused is False for r in readings[p].values())
                    and not any(r.paused for r in readings[p].values())}
         if resumed:
             readings.update(await self._read_all({p: by_protocol[p] for p in resumed}, set()))
+            self._versions_read.update(dict.fromkeys(resumed, now))
         for protocol in by_protocol:
             self.apply(protocol, readings[protocol], marks[protocol])
         self.counts["readings"] += 1

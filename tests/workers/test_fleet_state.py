@@ -221,7 +221,7 @@ def test_this_process_weight_call_stales_versions_but_not_the_pause_state():
 
 
 @pytest.mark.anyio
-async def test_while_paused_only_the_pause_route_is_read_and_the_versions_once_resumed():
+async def test_while_paused_the_versions_are_read_every_interval_and_once_resumed():
     router, fleet = _fleet(2)
     said = {"paused": True, "version": "v0"}
     asked: list[bool] = []
@@ -230,7 +230,7 @@ async def test_while_paused_only_the_pause_route_is_read_and_the_versions_once_r
         asked.append(versions)
         return Reading(said["paused"], said["version"] if versions else None)
 
-    fleet._read = read
+    fleet._read, fleet.interval = read, 60.0
     await fleet.read()
     assert router.pauses.paused("sglang") and asked == [True, True]
     said["version"] = "v1"
@@ -240,3 +240,7 @@ async def test_while_paused_only_the_pause_route_is_read_and_the_versions_once_r
     await fleet.read()  # the resume, then the versions it resumes on
     assert asked[4:] == [False, False, True, True]
     assert not router.pauses.paused("sglang") and router.fleet_versions == {"sglang": "v1"}
+    fleet.interval = 0.0  # an interval passed: the versions are read while paused too
+    said["paused"], said["version"] = True, "v2"
+    await fleet.read()
+    assert asked[8:] == [True, True] and router.pauses.paused("sglang") and router.fleet_versions == {"sglang": "v2"}
