@@ -368,6 +368,17 @@ class Settings:
     pause_hold_timeout: float = setting(
         600.0, unit="s", gt=0,
         help="seconds a stream is held for the fleet's resume; past it, it ends with 503")
+    fleet_state_interval: float = setting(
+        1.0, unit="s", ge=0,
+        help="seconds between readings of every engine's pause state and weight version (SGLang GET /ready "
+             "and /model_info, vLLM GET /is_paused and /weight_info), through which every process of every "
+             "replica learns a pause, a resume and a new weight version; 0 = no reading (only the calls this "
+             "process takes, and what its siblings tell it)")
+    fleet_state_paused_interval: float = setting(
+        0.1, unit="s", gt=0,
+        help="seconds between readings of a paused fleet's pause route (its weight versions are read every "
+             "--fleet-state-interval still, and at once on the resume), so held streams resume soon after "
+             "the engines do")
     health_interval: float = setting(
         2.0, unit="s", gt=0,
         help="seconds between health probes of each worker; in whole seconds (at least 1), the Retry-After of "

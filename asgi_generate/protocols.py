@@ -136,6 +136,12 @@ class WorkerProtocol:
             as ``((publisher endpoint, replay endpoint or None, topic) or
             None, block size or None, why there is none)``, a wildcard host
             dialled as the worker's (:func:`dial`).
+        pause_path: GET, whether the engine is paused now, read by every
+            frontend process (:mod:`asgi_generate.workers.fleet_state`);
+            ``None``: it says nowhere.
+        pause_reader: that route's answer read as paused (``True``), not
+            paused (``False``) or unknown (``None``):
+            ``pause_reader(status, body)``.
         aborting_pause: whether an admin call is a pause that aborts running
             requests: ``aborting_pause(path, query, body)`` with the query
             parameters and the body as parsed JSON (a callable, read only
@@ -182,6 +188,8 @@ class WorkerProtocol:
     pauses: tuple[tuple[str, str], ...] = ()
     aborting_pause: "Callable[[str, Mapping[str, str], Callable[[], object]], bool] | None" = None
     aborting_call: "Callable[[str, Mapping[str, str], Callable[[], object]], bool] | None" = None
+    pause_path: bytes | None = None
+    pause_reader: "Callable[[int, bytes], bool | None] | None" = None
     kv_events_path: bytes | None = None
     kv_events_reader: "Callable[[object, str], tuple[tuple[str, str | None, str] | None, int | None, str]] | None" = None
 

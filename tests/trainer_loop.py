@@ -17,7 +17,13 @@ engine with different tensor-parallel sizes, while rollouts stream.
 - without it (the request's header set to 0), every stream ends with the
   engine's abort;
 - one worker failing its update: 502 naming it, the worker out of the
-  rotation, new requests only on workers at the new version.
+  rotation, new requests only on workers at the new version;
+- with several frontend processes (``serve --workers N``: the calls go to
+  whichever process the shared port gives them) or replicas (``replicas``
+  ``serve`` processes sharing the simulators; the calls go to the first,
+  the streams to each in turn): all of the above on every process, and a
+  request asking for the new version (the minimum-version header) runs
+  only on it, on every process.
 
 Used by tests/e2e/test_trainer_loop.py (a few streams) and
 bench/bench_trainer_loop.py (50).
@@ -39,17 +45,21 @@ SGLANG_TP = (1, 2, 1, 2)
 VLLM_TP = (1, 2, 2, 4)
 N = 120
 RESUME = "asgi-generate-resume-after-pause"
+MIN_VERSION = "asgi-generate-min-weight-version"
 TENSORS = {"names": ["model.layers.0.mlp.up_proj.weight"], "dtypes": ["bfloat16"], "shapes": [[8, 8]]}
 
 
 class Fleet:
     """4 SGLang and 4 vLLM simulators (ITL 20 ms) sharing a rank registry,
-    behind one frontend with ``--resume-after-pause`` and a trace file."""
+    behind ``replicas`` frontends (each ``serve --workers processes``) with
+    ``--resume-after-pause`` and a trace file (one per process)."""
 
-    def __init__(self, tmp: str, worker_class: str) -> None:
+    def __init__(self, tmp: str, worker_class: str, processes: int = 1, replicas: int = 1) -> None:
         self.registry = f"{tmp}/groups.json"
+        self.processes = processes
         shared = ["--weights-group-registry", self.registry]
         specs = [(protocol, tp) for protocol, sizes in (("sglang", SGLANG_TP), ("vllm", VLLM_TP)) for tp in sizes]
+        self.fes = []
         with ThreadPoolExecutor(len(specs)) as pool:  # started side by side: each waits for its health
             started = [pool.submit(start_sim, p, itl_ms=20, extra=["--tp-size", str(tp), *shared]) for p, tp in specs]
         self.sims = [f.result() for f in started if f.exception() is None]
@@ -58,20 +68,43 @@ class Fleet:
                 raise next(f.exception() for f in started if f.exception() is not None)
             self.trace = f"{tmp}/trace"
             workers = [f"{'sglang' if i < 4 else 'vllm'}={s.url}" for i, s in enumerate(self.sims)]
-            self.fe = start_frontend(workers, worker_class=worker_class,
-                                     extra=["--resume-after-pause", "--trace-file", self.trace + ".jsonl"])
+            extra = ["--resume-after-pause", "--trace-file", self.trace + ".jsonl",
+                     *(["--workers", str(processes)] if processes > 1 else [])]
+            with ThreadPoolExecutor(replicas) as pool:
+                started = [pool.submit(start_frontend, workers, worker_class=worker_class, extra=extra)
+                           for _ in range(replicas)]
+            self.fes = [f.result() for f in started if f.exception() is None]
+            if len(self.fes) < replicas:
+                raise next(f.exception() for f in started if f.exception() is not None)
+            #: The replica that takes every control call.
+            self.fe = self.fes[0]
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
         """Stop every process it started."""
-        for p in [*self.sims, *([self.fe] if hasattr(self, "fe") else [])]:
+        for p in [*self.sims, *self.fes]:
             p.stop()
 
     def records(self) -> dict[str, dict]:
         """The trace records so far, by public id."""
         return {r.get("public_id", ""): r for r in trace_records(self.trace + ".*.jsonl")}
+
+    def every_stats(self) -> list[dict]:
+        """``/stats`` of every frontend process: each replica's, and each
+        process of a ``--workers N`` one (asked anew until every one of its
+        processes answered; bounded)."""
+        out = []
+        for fe in self.fes:
+            seen: dict[int, dict] = {}
+            deadline = time.monotonic() + 30
+            while len(seen) < self.processes and time.monotonic() < deadline:
+                with httpx.Client(timeout=10) as client:  # a connection of its own: any process may take it
+                    got = client.get(fe.url + "/stats").json()
+                seen[got["pid"]] = got
+            out += seen.values()
+        return out
 
 
 def _prompt(i: int) -> list[int]:
@@ -109,7 +142,7 @@ def _rollouts(fleet: Fleet, streams: int, tag: str, resume: bool) -> tuple[list[
     def one(i: int) -> None:
         protocol = "sglang" if i % 2 == 0 else "vllm"
         path, body = _request(protocol, i, tag)
-        out[i] = (protocol, *sse(fleet.fe.url, body, path, headers=headers))
+        out[i] = (protocol, *sse(fleet.fes[i % len(fleet.fes)].url, body, path, headers=headers))
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
     for t in threads:
@@ -208,22 +241,55 @@ def _failed_worker(fleet: Fleet, version: str, problems: list[str]) -> None:
     w3 = httpx.get(url + "/stats", timeout=10).json()["workers"]["w3"]
     if w3["in_rotation"] or not w3["fence"]:
         problems.append(f"w3 after its failed update: {w3}")
+    # Every process: the fence (siblings are told; another replica reads
+    # the fleet's new version from the engines, so w3, behind, leaves its
+    # rotation too), within the reading interval.
+    try:
+        wait_until(lambda: all(not s["workers"]["w3"]["in_rotation"] for s in fleet.every_stats()), timeout=15)
+    except AssertionError:
+        problems.append(f"w3 still in a rotation: {[s['workers']['w3'] for s in fleet.every_stats()]}")
+    if fleet.processes > 1:
+        fenced = [bool(s["workers"]["w3"]["fence"]) for s in fleet.every_stats()[:fleet.processes]]
+        if not all(fenced):
+            problems.append(f"w3 fenced on the process that took the call only: {fenced}")
     before = stats(fleet.sims[3])["received"]
     for i in range(8):
         path, body = _request("sglang", i, f"after-{version}")
         body["stream"], body["sampling_params"]["max_new_tokens"] = False, 2
-        got = post(url, body, path).json()["meta_info"]["weight_version"]
+        got = post(fleet.fes[i % len(fleet.fes)].url, body, path).json()["meta_info"]["weight_version"]
         if got != version:
             problems.append(f"a request after the update ran on weight version {got}")
     if stats(fleet.sims[3])["received"] != before:
         problems.append("the fenced worker got requests")
 
 
-def run(tmp: str, worker_class: str, streams: int) -> tuple[list[str], dict[str, Any]]:
-    """The whole loop; what went wrong, and figures (seconds per phase)."""
+def _min_version(fleet: Fleet, version: str, problems: list[str]) -> None:
+    """A request asking for ``version`` at least runs only on it, on every
+    process (a 503 from a process not at that version yet is allowed,
+    until it is: bounded)."""
+    for n, fe in enumerate(fleet.fes):
+        for i in range(2 * fleet.processes):
+            path, body = _request("sglang", i, f"min-{version}-{n}")
+            body["stream"], body["sampling_params"]["max_new_tokens"] = False, 2
+            deadline = time.monotonic() + 15
+            while True:
+                with httpx.Client(timeout=30) as client:  # a connection of its own: any process may take it
+                    r = client.post(fe.url + path, json=body, headers={MIN_VERSION: version})
+                if r.status_code != 503 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            got = r.json()["meta_info"]["weight_version"] if r.status_code == 200 else None
+            if got != version:
+                problems.append(f"a request asking for {version} at least: {r.status_code}, ran on {got}")
+
+
+def run(tmp: str, worker_class: str, streams: int, processes: int = 1,
+        replicas: int = 1) -> tuple[list[str], dict[str, Any]]:
+    """The whole loop, through ``replicas`` frontends of ``processes``
+    processes each; what went wrong, and figures (seconds per phase)."""
     problems: list[str] = []
     figures: dict[str, Any] = {}
-    fleet = Fleet(tmp, worker_class)
+    fleet = Fleet(tmp, worker_class, processes, replicas)
     try:
         _init_groups(fleet, problems)
         for phase, resume, old, new in (("resumed", True, "default", "1"), ("aborted", False, "1", "2")):
@@ -237,11 +303,13 @@ def run(tmp: str, worker_class: str, streams: int) -> tuple[list[str], dict[str,
                 t.join(60)
             if resume:
                 _resumed_exactly(fleet, out, phase, old, new, problems)
+                _min_version(fleet, new, problems)
             else:
                 _ended_with_abort(out, phase, problems)
             figures[f"{phase}_s"] = round(time.monotonic() - t0, 2)
         _failed_worker(fleet, "3", problems)
-        figures["pauses"] = httpx.get(fleet.fe.url + "/stats", timeout=10).json()["pauses"]
+        every = fleet.every_stats()
+        figures["pauses"] = {k: sum(s["pauses"][k] for s in every) for k in ("held", "resumed", "expired")}
         if figures["pauses"]["resumed"] < streams // 2:
             problems.append(f"only {figures['pauses']['resumed']} of {streams} streams were held and resumed")
     finally:

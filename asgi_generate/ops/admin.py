@@ -33,7 +33,9 @@ A pause that aborts running requests (SGLang ``/pause_generation``
 ``abort``, vLLM ``/pause?mode=abort``) is noted before it reaches the
 engines, and the fleet's resume (``/continue_generation``, ``/resume``)
 after it was answered, so that streams may be held across it
-(:mod:`asgi_generate.workers.pauses`, ``--resume-after-pause``). vLLM's
+(:mod:`asgi_generate.workers.pauses`, ``--resume-after-pause``); the other
+processes and replicas learn both from the engines
+(:mod:`asgi_generate.workers.fleet_state`). vLLM's
 ``/pause?mode=wait`` answers once the engines' running requests finished.
 
 ``POST /abort_request`` ``{"abort_all": true}`` fans out as above. With
@@ -56,6 +58,7 @@ from ..protocols import PROTOCOLS
 from ..sdk import _ids as ids
 from ..request.batches import named_legs
 from ..workers.aborts import ACKED
+from ..workers.fleet_state import PAUSE
 from ..workers.router import Worker
 from . import weights
 from .fanout import (AdminContext, Answer, Endpoint, body_of, call, combined, error, gather, guarded, parsed,
@@ -104,11 +107,17 @@ def _fan_out(ctx: AdminContext, protocol: str) -> Endpoint:
             return body
         pauses, path = ctx.router.pauses, request.url.path
         engine = PROTOCOLS[protocol]
-        if _aborting_pause(protocol, request, body):
-            pauses.begin(protocol)  # before the engines abort: their aborts are the pause's
-        response, answers = await to_every_worker(ctx, protocol, request, body)
-        if path in engine.resumes:
-            pauses.end(protocol)
+        aborting = _aborting_pause(protocol, request, body)
+        if not aborting and path not in engine.resumes:
+            response, answers = await to_every_worker(ctx, protocol, request, body)
+        else:
+            # This process's own pause or resume: the fleet's readings wait for its answer.
+            with ctx.router.fleet.local_call(protocol, PAUSE):
+                if aborting:
+                    pauses.begin(protocol)  # before the engines abort: their aborts are the pause's
+                response, answers = await to_every_worker(ctx, protocol, request, body)
+                if path in engine.resumes:
+                    pauses.end(protocol)
         if path in engine.cache_resets:
             for a in answers:
                 if a.status == 200:  # that engine's prefix cache is empty now

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import os
 from bisect import bisect_left
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import anyio
 import prometheus_client
@@ -363,10 +363,12 @@ class Metrics:
             if wid in urls:
                 self.kv.labels(wid, urls[wid], quantity).set(value)
 
-    async def run(self, router: Router, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, router: Router, on_message: Callable[[dict[str, Any]], None] | None = None, *,
+                  task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Several processes, until cancelled: :meth:`refresh` every
         :data:`REFRESH_S` seconds and whenever a sibling's scrape asks
-        (:func:`asgi_generate.ops.siblings.answer`); reports started once
+        (:func:`asgi_generate.ops.siblings.answer`, which hands siblings'
+        other messages to ``on_message``); reports started once
         siblings can ask; a last :meth:`flush` when cancelled (the end of
         the lifespan), so a process that stops leaves all its counts.
 
@@ -375,7 +377,7 @@ class Metrics:
         """
         try:
             async with anyio.create_task_group() as tg:
-                await tg.start(siblings.answer, self.multiproc_dir, lambda: self.refresh(router))
+                await tg.start(siblings.answer, self.multiproc_dir, lambda: self.refresh(router), on_message)
                 task_status.started()
                 while True:
                     self.refresh(router)

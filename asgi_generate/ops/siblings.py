@@ -1,4 +1,5 @@
-"""Sibling processes' metrics made current for a scrape.
+"""Sibling processes: metrics made current for a scrape, and fleet decisions
+told to one another.
 
 With several processes (``serve --workers N``, ``hypercorn -w N``) each one
 counts its requests in memory and moves the counts into prometheus-client's
@@ -16,6 +17,13 @@ refreshed its values (in its event loop, so never in the middle of a
 request's counting). On Linux the socket is in the abstract namespace (no
 file, no limit on the folder's path length, gone with the process) and the
 file is empty; elsewhere the file is the socket itself.
+
+The same sockets carry the decisions of one process that no engine holds
+(:mod:`asgi_generate.workers.fleet_state`: a fence an operator cleared, a
+worker fenced for a failed update): :func:`tell` connects to each sibling,
+sends ``m``, the length of a JSON object (4 bytes, big-endian, at most
+:data:`MAX_MESSAGE` bytes) and the object; the sibling hands it to its
+``on_message`` in its event loop and answers one byte.
 """
 
 from __future__ import annotations
@@ -23,10 +31,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import struct
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 import anyio
+import orjson
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 #: The name of a process's file in the folder: the prefix and its process id.
 PREFIX = "flush_"
@@ -36,6 +47,8 @@ ASK_TIMEOUT = 1.0
 #: macOS and the BSDs, with its final NUL).
 MAX_PATH = 103
 ABSTRACT = sys.platform.startswith("linux")
+#: The largest message :func:`tell` sends, in bytes (a bigger one is refused).
+MAX_MESSAGE = 1 << 20
 
 
 def address(folder: str, pid: int) -> str:
@@ -55,10 +68,12 @@ def folder_problem(folder: str) -> str | None:
     return None
 
 
-async def answer(folder: str, refresh: Callable[[], None], *,
+async def answer(folder: str, refresh: Callable[[], None],
+                 on_message: Callable[[dict[str, Any]], None] | None = None, *,
                  task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
     """Forever: answer siblings' requests by calling ``refresh()`` (this
-    process's counts into the files); reports started once listening.
+    process's counts into the files), and hand their messages
+    (:func:`tell`) to ``on_message``; reports started once listening.
     This process's file is removed when this ends.
 
     Raises:
@@ -70,10 +85,21 @@ async def answer(folder: str, refresh: Callable[[], None], *,
 
     async def one(stream) -> None:
         async with stream:
-            with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-                await stream.receive(1)
-                refresh()
-                await stream.send(b"1")
+            with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.IncompleteRead, OSError,
+                                     orjson.JSONDecodeError, ValueError):
+                with anyio.fail_after(ASK_TIMEOUT * 5):
+                    reader = BufferedByteReceiveStream(stream)
+                    kind = await reader.receive_exactly(1)
+                    if kind == b"m":
+                        (size,) = struct.unpack(">I", await reader.receive_exactly(4))
+                        if size > MAX_MESSAGE:
+                            raise ValueError(f"a message of {size} bytes")
+                        message = orjson.loads(await reader.receive_exactly(size))
+                        if on_message is not None and isinstance(message, dict):
+                            on_message(message)
+                    else:
+                        refresh()
+                    await stream.send(b"1")
 
     try:
         async with listener:
@@ -86,21 +112,43 @@ async def answer(folder: str, refresh: Callable[[], None], *,
             os.unlink(marker)
 
 
-async def ask(folder: str, timeout: float = ASK_TIMEOUT) -> None:
-    """Have every other process with a file in ``folder`` refresh, and wait
-    until they all answered or ``timeout`` seconds passed (a process gone
-    refuses at once)."""
+def _siblings(folder: str) -> set[int]:
     own = os.getpid()
-    pids = {int(name[len(PREFIX):]) for name in os.listdir(folder)
+    return {int(name[len(PREFIX):]) for name in os.listdir(folder)
             if name.startswith(PREFIX) and name[len(PREFIX):].isdigit()} - {own}
 
+
+async def _each(folder: str, request: bytes, timeout: float) -> None:
+    """Send ``request`` to every sibling and wait for each one's byte, all
+    within ``timeout`` seconds (a process gone refuses at once)."""
     async def one(pid: int) -> None:
         with contextlib.suppress(OSError, anyio.EndOfStream, anyio.BrokenResourceError):
             async with await anyio.connect_unix(address(folder, pid)) as stream:
-                await stream.send(b"f")
+                await stream.send(request)
                 await stream.receive(1)
 
     with anyio.move_on_after(timeout):
         async with anyio.create_task_group() as tg:
-            for pid in pids:
+            for pid in _siblings(folder):
                 tg.start_soon(one, pid)
+
+
+async def tell(folder: str, message: dict[str, Any], timeout: float = ASK_TIMEOUT) -> None:
+    """Hand ``message`` (a JSON object of at most :data:`MAX_MESSAGE`
+    bytes) to every other process with a file in ``folder``, and wait until
+    each applied it or ``timeout`` seconds passed.
+
+    Raises:
+        ValueError: the message is larger than :data:`MAX_MESSAGE`.
+    """
+    body = orjson.dumps(message)
+    if len(body) > MAX_MESSAGE:
+        raise ValueError(f"a sibling message of {len(body)} bytes (at most {MAX_MESSAGE})")
+    await _each(folder, b"m" + struct.pack(">I", len(body)) + body, timeout)
+
+
+async def ask(folder: str, timeout: float = ASK_TIMEOUT) -> None:
+    """Have every other process with a file in ``folder`` refresh, and wait
+    until they all answered or ``timeout`` seconds passed (a process gone
+    refuses at once)."""
+    await _each(folder, b"f", timeout)

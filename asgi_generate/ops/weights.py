@@ -63,7 +63,11 @@ later call that loads the fleet's version (any, while no fleet call set
 one) is back. ``POST /clear_weight_fence?worker=wN`` lets a fenced worker back
 (an operator fixed it): its weight version is read from its engine again,
 and it takes requests once that is the fleet's; the answer is ``{"worker",
-"weight_version", "in_rotation"}``.
+"weight_version", "in_rotation"}``. Fences are no engine's state: the
+process that took the call tells its siblings of one ``serve --workers N``
+(:meth:`~asgi_generate.workers.fleet_state.FleetState.tell_siblings`); the
+weight versions every process reads from the engines
+(:mod:`asgi_generate.workers.fleet_state`).
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..protocols import PROTOCOLS
+from ..workers.fleet_state import WEIGHTS
 from ..workers.router import Worker
 from .fanout import (JSON, WORKER_HEADER, AdminContext, Answer, Endpoint, body_of, call_each, chosen, error, failed,
                      guarded, none_up, parsed, skipped_header, to_every_worker)
@@ -125,12 +130,22 @@ def _fan_out(ctx: AdminContext, protocol: str) -> Endpoint:
 async def _to_fleet(ctx: AdminContext, protocol: str, request: Request, body: bytes) -> Response:
     """The call to every worker of ``protocol`` (or the named one); when
     it changes weights, the router told who loaded what and who failed."""
+    with ctx.router.fleet.local_call(protocol, WEIGHTS):  # the fleet's readings wait for its answer
+        response, answers = await _weight_call(ctx, protocol, request, body)
+    if answers:
+        await ctx.router.fleet.tell_siblings(protocol)  # fences are this process's: no engine holds them
+    return response
+
+
+async def _weight_call(ctx: AdminContext, protocol: str, request: Request, body: bytes) -> tuple[Response, list]:
+    """:func:`_to_fleet`'s call, its answer and, when it changed weights or their
+    version, the workers' answers (else none)."""
     aborts = PROTOCOLS[protocol].aborting_call
     if aborts is not None and aborts(request.url.path, request.query_params,
                                      lambda: parsed(body) if body.strip() else {}):
         # A fleet transaction from before the engines abort until answered:
         # the streams they abort may be held until then.
-        with ctx.router.pauses.call(protocol):
+        async with ctx.router.fleet.aborting_call(protocol, ctx.settings.weight_update_timeout):
             response, answers = await to_every_worker(ctx, protocol, request, body,
                                                       ctx.settings.weight_update_timeout)
     else:
@@ -149,10 +164,11 @@ async def _to_fleet(ctx: AdminContext, protocol: str, request: Request, body: by
         if fleet and not loaded and all(a.status is not None and 400 <= a.status < 500 for a in answers):
             # Every worker refused the call (a bad body): no weights changed
             # anywhere, so no worker is behind the others and none is fenced.
-            return response
+            return response, []
         ctx.router.weights_loaded(protocol, loaded, failed, version if isinstance(version, str) else None, fleet,
                                   with_weights)
-    return response
+        return response, answers
+    return response, []
 
 
 def _version(ctx: AdminContext) -> Endpoint:
@@ -292,6 +308,7 @@ def _clear_fence(ctx: AdminContext) -> Endpoint:
         if worker is None:
             return error(404, f"no worker {named!r}" if named else "name the worker: ?worker=wN")
         ctx.router.clear_fence(worker, await ctx.router.read_weight_version(worker))
+        await ctx.router.fleet.tell_siblings(worker.protocol.name)
         answer = {"worker": worker.id, "weight_version": worker.weight_version,
                   "in_rotation": ctx.router.routable(worker)}
         return Response(orjson.dumps(answer), 200, media_type=JSON)

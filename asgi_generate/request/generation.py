@@ -18,7 +18,9 @@ goes on after a failure or a pause is the request's
 Resuming after a pause (``resume_after_pause``, or the request's
 :data:`RESUME_HEADER`): when a leg ends with the engine's abort after a
 fleet transaction began (a pause in abort mode, or a weight call that aborts
-running requests; :mod:`asgi_generate.workers.pauses`), the abort is not
+running requests; :mod:`asgi_generate.workers.pauses`; a pause another
+process or replica took is asked of the engine at that abort,
+:meth:`~asgi_generate.workers.fleet_state.FleetState.confirm_pause`), the abort is not
 the answer: the tokens it carried go out, the stream is held until the
 fleet's resume (or the aborting call's answer), then continues as a
 ``resumed`` leg (prompt plus the tokens sent so far, the remaining budget)
@@ -402,6 +404,13 @@ class Generation:
                      st.request_id, attempt.worker_id, why, len(sent_ids), st.migrations + 1)
         return True
 
+    def _abort_without_pause(self, event: Event) -> bool:
+        """Whether ``event`` is the engine's abort of a request that resumes
+        after pauses while no pause began here since its plan."""
+        epoch = self.moves.pause_epoch
+        return epoch is not None and event.finish_reason == "abort" and event.error is None and \
+            not self.ctx.router.pauses.aborted_since(self.codec.worker_protocol, epoch)
+
     def _paused_abort(self, attempt: LegRecord, event: Event) -> bool:
         """Whether ``event``, the engine's abort of ``attempt``, is a fleet
         transaction's to hold (module docstring): the request resumes after
@@ -485,6 +494,9 @@ class Generation:
             if self.batch.end_items(attempt, event):
                 await self.writer.deliver(event)
             return
+        if self._abort_without_pause(event):
+            # Another process or replica may have paused the fleet: ask the engine.
+            await self.ctx.router.fleet.confirm_pause(attempt.worker)
         if self._paused_abort(attempt, event):
             # Not the answer: a stream's tokens go out and it goes on after
             # the resume; a unary request sent nothing and starts over, so

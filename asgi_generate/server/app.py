@@ -18,13 +18,14 @@ import logging
 import os
 import time
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import Any, Awaitable, Callable, Iterable
 
 import anyio
 import orjson
 
 from .. import hashes
-from ..ops import admin
+from ..ops import admin, siblings
 from ..tracing.state import RequestState
 from ..request.context import Running
 from ..sdk._codec import Codec
@@ -204,6 +205,8 @@ class App:
                     health_failures=st.health_failures,
                     policy=build_policy(st),
                     ssl_context=tls_context(st.worker_ca_file, st.worker_insecure),
+                    fleet_interval=st.fleet_state_interval,
+                    fleet_paused_interval=st.fleet_state_paused_interval,
                 )
                 stack.push_async_callback(self.router.aclose)
                 listed = [*(("aggregated", s) for s in specs), *(("prefill", s) for s in prefill),
@@ -219,12 +222,14 @@ class App:
                 )
                 async with anyio.create_task_group() as tg:
                     await tg.start(membership.run)
+                    await tg.start(self.router.fleet.run)
                     tg.start_soon(self.watchdog.run, time.monotonic)
                     recorder = self.recorder
                     if recorder.tracer is not None:
                         await tg.start(recorder.tracer.run)
                     if recorder.metrics.multiproc_dir is not None:
-                        await tg.start(recorder.metrics.run, self.router)
+                        await tg.start(recorder.metrics.run, self.router, self._sibling_message)
+                        self.router.fleet.share = partial(siblings.tell, recorder.metrics.multiproc_dir)
                     self._shutdown_requested = anyio.Event()
                     if self.shutting_down:  # stopped while starting up
                         self._shutdown_requested.set()
@@ -286,6 +291,18 @@ class App:
             gen.cancel_for_shutdown()
 
     # -- used by the handler -------------------------------------------------
+
+    def _sibling_message(self, message: dict[str, Any]) -> None:
+        """A sibling process's message (:func:`asgi_generate.ops.siblings.tell`):
+        a fence decision no engine holds
+        (:meth:`~asgi_generate.workers.fleet_state.FleetState.apply_fence_message`),
+        or an aborting call it began or ended
+        (:meth:`~asgi_generate.workers.fleet_state.FleetState.apply_call_message`)."""
+        kind = message.get("kind")
+        if kind == "fence":
+            self.router.fleet.apply_fence_message(message)
+        elif kind == "call":
+            self.router.fleet.apply_call_message(message)
 
     def _worker_services(self, worker: Worker) -> Callable[[], Awaitable[None]]:
         """A joining worker's tasks, to run: its abort queue and the routing
@@ -402,6 +419,7 @@ class App:
             "routing": self.router.policy.stats(),
             "fleet_weight_versions": dict(self.router.fleet_versions),
             "pauses": self.router.pauses.stats(),
+            "fleet_state": self.router.fleet.stats(),
             "workers": {
                 w.id: {
                     "url": w.url,

@@ -1,7 +1,9 @@
 """The simulator's ASGI application: one engine behind one native protocol.
 
 Routes (SGLang mode): ``POST|PUT /generate``, ``POST /abort_request``,
-``GET /health``, ``/health_generate``, ``/get_server_info`` (``/server_info``),
+``GET /health``, ``/health_generate``, ``/ready`` (200 with an empty body,
+503 while paused, in any mode, or while the health routes answer 503:
+``http_server.ready``, ``tokenizer_manager.is_ready``), ``/get_server_info`` (``/server_info``),
 ``/get_model_info`` (``/model_info``), ``/v1/models``, ``/v1/loads``
 (:mod:`asgi_generate.sim.loads`), the admin routes
 (``/flush_cache``, ``/pause_generation``, ...: :mod:`asgi_generate.sim.admin`),
@@ -309,6 +311,8 @@ class SimApp:
                 await p.abort_request(body, send)
         elif path in ("/health", "/health_generate") and method == "GET":
             await self._health(send, await self._health_generation())
+        elif path == "/ready" and method == "GET":
+            await send_unary(send, 503 if self.engine.held or self.engine.down else 200, b"")
         elif path in ("/get_server_info", "/server_info") and method == "GET":
             info = p.server_info(self.model_path)
             info["tp_size"] = self.weights.tp_size

@@ -54,6 +54,11 @@ class Pauses:
         pause, or an aborting call in flight): its held streams wait."""
         return protocol in self._resumed
 
+    def pausing(self, protocol: str) -> bool:
+        """Whether a pause of ``protocol``'s fleet is open now (begun, not
+        yet ended; an aborting call alone is not one)."""
+        return protocol in self._paused
+
     def mark(self, protocol: str) -> int:
         """What a leg planned now notes for :meth:`aborted_since`: the
         epoch, less one while a transaction is open (its abort may reach
@@ -81,13 +86,23 @@ class Pauses:
     def call(self, protocol: str) -> Iterator[None]:
         """A call that aborts ``protocol``'s running requests without
         pausing: open while the block runs (the call sent and answered)."""
-        self._calls[protocol] = self._calls.get(protocol, 0) + 1
-        self._open(protocol)
+        self.open_call(protocol)
         try:
             yield
         finally:
+            self.close_call(protocol)
+
+    def open_call(self, protocol: str) -> None:
+        """An aborting call of ``protocol`` began (here, or in a sibling
+        process that said so); open until :meth:`close_call`."""
+        self._calls[protocol] = self._calls.get(protocol, 0) + 1
+        self._open(protocol)
+
+    def close_call(self, protocol: str) -> None:
+        """An aborting call :meth:`open_call` opened was answered."""
+        if self._calls.get(protocol, 0):
             self._calls[protocol] -= 1
-            self._close(protocol)
+        self._close(protocol)
 
     def _open(self, protocol: str) -> None:
         self._epochs[protocol] = self.epoch(protocol) + 1

@@ -23,7 +23,8 @@ worker comes back when its health route answers 200 again and its server
 info was read (SGLang's streaming mode is a server flag the codec needs).
 
 The probes are :mod:`~asgi_generate.workers.probes`'s, the weight version
-fence :mod:`~asgi_generate.workers.fence`'s.
+fence :mod:`~asgi_generate.workers.fence`'s, the pauses and versions read
+from the engines :mod:`~asgi_generate.workers.fleet_state`'s.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from urllib.parse import urlsplit
 
 from . import probes
 from .fence import MIN_VERSION_HEADER, Fence, RouteKey
+from .fleet_state import FleetState
 from .http import ConnectionPool, tls_context
 from .pauses import Pauses
 from .policies import Policy
@@ -68,6 +70,9 @@ class Router:
         ssl_context: the TLS context of ``https://`` workers (default:
             :func:`~asgi_generate.workers.http.tls_context`, verifying
             against the system's CAs).
+        fleet_interval, fleet_paused_interval: seconds between readings
+            of the engines' pause state and weight versions, and while
+            paused (:class:`~asgi_generate.workers.fleet_state.FleetState`).
     """
 
     def __init__(
@@ -82,6 +87,8 @@ class Router:
         health_failures: int = 3,
         policy: Policy | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        fleet_interval: float = 1.0,
+        fleet_paused_interval: float = 0.1,
     ) -> None:
         self.policy = policy if policy is not None else Policy()
         self.workers: list[Worker] = []
@@ -97,6 +104,8 @@ class Router:
         self.fence = Fence()
         #: Each protocol's pauses and the streams held across them.
         self.pauses = Pauses()
+        #: What the engines say of the fleet (pauses, weight versions), read by every process.
+        self.fleet = FleetState(lambda: self.workers, self.pauses, self.fence, fleet_interval, fleet_paused_interval)
         for role, listed in (("aggregated", specs), ("prefill", prefill), ("decode", decode)):
             for protocol, url in listed:
                 self.add(protocol, url, role)

@@ -5,7 +5,8 @@
 Routes from ``python/sglang/srt/entrypoints/http_server.py``: ``health``,
 ``get_server_info``, ``abort_request`` (``{"rid"}``, 200 with an empty
 body), ``get_model_info`` (the weight version), the admin and weight routes
-below; P/D from ``disaggregation/mini_lb.py``.
+below, ``ready`` (paused or not) and ``model_info`` (the weight version),
+read by every frontend process; P/D from ``disaggregation/mini_lb.py``.
 """
 
 from __future__ import annotations
@@ -99,6 +100,16 @@ def aborting_call(path: str, query: "Mapping[str, str]", body: "Callable[[], obj
     return isinstance(obj, dict) and obj.get("abort_all_requests", default) is True
 
 
+def read_ready(status: int, body: bytes) -> bool | None:
+    """``GET /ready`` (``http_server.ready``): 200 when the server takes
+    new requests, 503 while it is paused, in any mode (``is_pause``, set by
+    ``/pause_generation`` before it aborts anything, cleared by
+    ``/continue_generation``), and while it is starting, unhealthy or
+    shutting down (``tokenizer_manager.is_ready``), which a frontend whose
+    health probe finds the worker up reads as paused; anything else: unknown."""
+    return {200: False, 503: True}.get(status)
+
+
 def kv_events(info: object, host: str) -> tuple[tuple[str, str | None, str] | None, int | None, str]:
     """``GET /server_info``'s ``kv_events`` (the ``--kv-events-config``
     the scheduler publishes with: ``endpoint_host``, ``endpoint_port_base``,
@@ -115,7 +126,8 @@ def kv_events(info: object, host: str) -> tuple[tuple[str, str | None, str] | No
 
 ENGINE = WorkerProtocol(
     "sglang", b"/health", b"/get_server_info", b"/abort_request", read_server_info, "rid", pd="concurrent",
-    pair_join=bootstrap, models_path=b"/v1/models", weight_version_path=b"/get_model_info",
+    # ``/model_info``: ``/get_model_info`` logs a deprecation warning on each call.
+    pair_join=bootstrap, models_path=b"/v1/models", weight_version_path=b"/model_info",
     join_query="bootstrap_port",
     # ``--disaggregation-bootstrap-port``'s default (server_args.py).
     default_join_port=8998,
@@ -166,4 +178,6 @@ ENGINE = WorkerProtocol(
     kv_events_reader=kv_events,
     aborting_pause=aborting_pause,
     aborting_call=aborting_call,
+    pause_path=b"/ready",
+    pause_reader=read_ready,
 )

@@ -74,6 +74,19 @@ def aborting_pause(path: str, query: "Mapping[str, str]", body: "Callable[[], ob
     return path == "/pause" and query.get("mode", "abort") == "abort"
 
 
+def read_is_paused(status: int, body: bytes) -> bool | None:
+    """``GET /is_paused`` (``rl/online/api_router.py`` ``is_paused``):
+    ``{"is_paused": bool}``, true in every pause mode and while asleep
+    (``EngineCore.is_scheduler_paused``); anything else: unknown."""
+    if status != 200:
+        return None
+    try:
+        paused = orjson.loads(body).get("is_paused")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return paused if isinstance(paused, bool) else None
+
+
 def kv_event_sources(info: object, host: str) -> tuple[tuple[str, str | None, str] | None, int | None, str]:
     """``GET /kv_event_sources`` (``entrypoints/serve/instrumentator/basic.py``: DP rank
     -> the ``KVEventsConfig`` it publishes with) read as rank 0's ZMQ
@@ -131,4 +144,6 @@ ENGINE = WorkerProtocol(
     kv_events_path=b"/kv_event_sources",
     kv_events_reader=kv_event_sources,
     aborting_pause=aborting_pause,
+    pause_path=b"/is_paused",
+    pause_reader=read_is_paused,
 )

@@ -1,0 +1,170 @@
+"""One fleet across processes (asgi_generate/workers/fleet_state.py): under
+``serve --workers 2`` a trainer's pause, weight update and resume reach one
+process through the shared port, and every process learns them from the
+engines: each stream the pause aborted is held and resumed exactly on the
+new weights, whichever process served it, and none is recorded ``ok`` with
+the engine's abort."""
+
+from __future__ import annotations
+
+import glob
+import threading
+
+import httpx
+import orjson
+import pytest
+
+from support import Proc, listening_socket, post, sampled, sse, start_sim, stats, trace_records, wait_until
+
+pytestmark = pytest.mark.e2e
+
+N = 100
+
+
+def _streams_per_process(fe: Proc) -> dict[int, int]:
+    """Streams each of the 2 processes has on its workers now (its
+    ``/stats``, asked on fresh connections until both answered)."""
+    seen: dict[int, int] = {}
+    for _ in range(200):
+        with httpx.Client(timeout=10) as client:
+            got = client.get(fe.url + "/stats").json()
+        seen[got["pid"]] = sum(w["outstanding"] for w in got["workers"].values())
+        if len(seen) == 2:
+            return seen
+    raise AssertionError(f"only {seen} answered")
+
+
+def _body(protocol: str, i: int, tag: str) -> tuple[str, dict]:
+    prompt = [300 + i, 7, 8]
+    if protocol == "sglang":
+        return "/generate", {"rid": f"{tag}-{i}", "input_ids": prompt, "stream": True,
+                             "sampling_params": {"max_new_tokens": N, "ignore_eos": True}}
+    return "/inference/v1/generate", {"request_id": f"{tag}-{i}", "token_ids": prompt, "stream": True,
+                                      "sampling_params": {"max_tokens": N, "ignore_eos": True}}
+
+
+def _answer(protocol: str, chunks: list[bytes]) -> tuple[list[int], str | None]:
+    objs = [orjson.loads(c) for c in chunks if c != b"[DONE]"]
+    if protocol == "sglang":
+        return objs[-1]["output_ids"], (objs[-1]["meta_info"]["finish_reason"] or {}).get("type")
+    ids, finish = [], None
+    for o in objs:
+        for ch in o.get("choices", []):
+            ids += ch.get("token_ids") or []
+            finish = ch.get("finish_reason") or finish
+    return ids, finish
+
+
+def _cycle(url: str, protocol: str, version: str, transaction: str) -> None:
+    """Pause (abort), load ``version``, resume: each call through the shared
+    port; or (``transaction`` ``"abort_all"``) SGLang's
+    ``/update_weight_version``, which aborts every running request without
+    pausing (``abort_all_requests`` true by default)."""
+    if transaction == "abort_all":
+        r = post(url, {"new_version": version}, "/update_weight_version")
+        assert r.status_code == 200, r.text
+    elif protocol == "sglang":
+        assert post(url, {"mode": "abort"}, "/pause_generation").status_code == 200
+        r = post(url, {"model_path": "/ckpt", "weight_version": version}, "/update_weights_from_disk")
+        assert r.status_code == 200, r.text
+        assert post(url, {}, "/continue_generation").status_code == 200
+    else:
+        assert post(url, {}, "/pause?mode=abort").status_code == 200
+        assert post(url, {"weight_version": version}, "/finish_weight_update").status_code == 200
+        assert post(url, {}, "/resume").status_code == 200
+
+
+@pytest.mark.parametrize("protocol, transaction", [("sglang", "pause"), ("vllm", "pause"), ("sglang", "abort_all")])
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_two_processes_hold_and_resume_every_stream_a_pause_aborted(tmp_path, worker_class, protocol, transaction):
+    """Six streams (more until both processes serve some), pause with
+    abort, a weight load and the resume through the shared port; or a
+    weight call that aborts without pausing, which no engine reports: the
+    process that took it tells its sibling before the engines abort."""
+    sims = [start_sim(protocol, itl_ms=20) for _ in range(2)]
+    base = str(tmp_path / "t")
+    fe = None
+    try:
+        fe = Proc("frontend-workers", ["serve", "--workers", "2", "--worker-class", worker_class,
+                                       *(a for s in sims for a in ("--worker", f"{protocol}={s.url}")),
+                                       "--health-interval", "0.2", "--log-level", "warning",
+                                       "--resume-after-pause", "--pause-hold-timeout", "10",
+                                       "--trace-file", base + ".jsonl"], listening_socket(), "/health")
+        out: list = []
+        threads: list[threading.Thread] = []
+
+        def one(i: int) -> None:
+            path, body = _body(protocol, i, "fleet")
+            out[i] = sse(fe.url, body, path)  # a connection of its own: either process may take it
+
+        # Six streams, and more (bounded) until both processes serve some:
+        # the kernel places each connection on either process.
+        while len(threads) < 6 or (len(threads) < 12 and min(_streams_per_process(fe).values()) == 0):
+            out.append(None)
+            threads.append(threading.Thread(target=one, args=(len(threads),)))
+            threads[-1].start()
+            if len(threads) >= 6:
+                wait_until(lambda: sum(stats(s)["running"] for s in sims) == len(threads))
+        assert min(_streams_per_process(fe).values()) > 0
+        wait_until(lambda: all(n >= 1 for s in sims for n in stats(s)["running_output_tokens"].values()))
+        _cycle(fe.url, protocol, "v1", transaction)
+        for t in threads:
+            t.join(30)
+        wait_until(lambda: len(trace_records(base + ".*.jsonl")) == len(out), timeout=30)
+        by_pid: dict[str, int] = {}
+        records = {}
+        for f in glob.glob(base + ".*.jsonl"):
+            pid = f[len(base) + 1:].split(".")[0]  # the files are BASE.PID.*
+            for r in trace_records(f):
+                records[r["public_id"]] = r
+                by_pid[pid] = by_pid.get(pid, 0) + 1
+        for i, (status, chunks) in enumerate(out):
+            ids, finish = _answer(protocol, chunks)
+            rec = records[f"fleet-{i}"]
+            segments = [(s["weight_version"], s["tokens"]) for s in rec.get("segments", [])]
+            assert (status, len(ids), finish, rec["status"], rec.get("pause_resumes")) == (200, N, "length", "ok", 1), \
+                (i, segments, by_pid)
+            (v0, k), (v1, rest) = segments
+            assert (v0, v1, k + rest) == ("default", "v1", N) and 0 < k < N
+            prompt = [300 + i, 7, 8]
+            assert ids[:k] == sampled(prompt, 0, k, True, version="default")
+            assert ids[k:] == sampled(prompt + ids[:k], 0, N - k, True, version="v1")
+    finally:
+        if fe is not None:
+            fe.stop()
+        for s in sims:
+            s.stop()
+
+
+def test_the_simulators_say_whether_they_are_paused_as_the_engines_do():
+    """SGLang ``GET /ready``: 200, empty, and 503 while paused in any mode
+    (``tokenizer_manager.is_ready``) or unhealthy; vLLM ``GET /is_paused``
+    in any mode and ``/weight_info``: what every frontend process reads."""
+    sg, vl = start_sim("sglang"), start_sim("vllm")
+    try:
+        r = httpx.get(sg.url + "/ready")
+        assert (r.status_code, r.content, r.headers["content-length"]) == (200, b"", "0")
+        for mode in ("abort", "retract", "in_place"):
+            assert post(sg.url, {"mode": mode}, "/pause_generation").status_code == 200
+            r = httpx.get(sg.url + "/ready")
+            assert (r.status_code, r.content) == (503, b""), mode
+            assert post(sg.url, {}, "/continue_generation").status_code == 200
+            assert httpx.get(sg.url + "/ready").status_code == 200
+        assert post(sg.url, {"count": 1, "after_tokens": 0}, "/sim/faults").status_code == 200
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+        with pytest.raises(httpx.HTTPError):
+            post(sg.url, body)  # the armed request drops its connection: health answers 503 from now on
+        assert httpx.get(sg.url + "/health").status_code == 503 and httpx.get(sg.url + "/ready").status_code == 503
+        assert httpx.delete(sg.url + "/sim/faults").status_code == 200
+        assert httpx.get(sg.url + "/ready").status_code == 200
+        assert httpx.get(sg.url + "/model_info").json()["weight_version"] == "default"
+        for mode in ("abort", "wait", "keep"):
+            assert httpx.get(vl.url + "/is_paused").json() == {"is_paused": False}
+            assert post(vl.url, {}, f"/pause?mode={mode}").status_code == 200
+            assert httpx.get(vl.url + "/is_paused").json() == {"is_paused": True}, mode
+            assert post(vl.url, {}, "/resume").status_code == 200
+        assert post(vl.url, {"new_version": "v3"}, "/update_weight_version").status_code == 200
+        assert httpx.get(vl.url + "/weight_info").json() == {"weight_version": "v3"}
+    finally:
+        sg.stop()
+        vl.stop()
