@@ -233,6 +233,7 @@ class SGLangProtocol:
             logit_bias=bias,
             # GenerateReqInput._normalize_single_inputs: "" is None.
             namespace=(field(obj, "extra_key", (str,), None) or None, field(obj, "cache_salt", (str,), None) or None),
+            priority=field(obj, "priority", (int,), None),
         )
         # The scheduler refuses these (Scheduler.handle_generate_request, then
         # its grammar manager): an abort with status 400 before any token.
@@ -519,6 +520,8 @@ class SGLangProtocol:
                 )
             if finish is not None:
                 break
+        if finish is None and job.refused is not None:  # evicted from a full queue while waiting
+            finish = ("abort", job.refused)
         if finish is None and not job.aborted:
             finish = ("length", job.max_new_tokens)  # max_new_tokens == 0
         if opts["room"] is not None and not job.aborted and finish[0] != "abort":

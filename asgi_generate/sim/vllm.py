@@ -107,6 +107,7 @@ import anyio
 import orjson
 
 from .framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
+from .capacity import VLLM_QUEUE_OVERFLOW
 from .engine import DuplicateRequestId, Job, SimEngine, Token
 from .grammars import VLLM_REFUSAL
 from .kvconnector import KVConsumer, KVProducer
@@ -298,6 +299,8 @@ class VLLMProtocol:
             stop_token_ids=frozenset(sp.get("stop_token_ids") or ()),
             ignore_eos=sp.get("ignore_eos", False),
             namespace=(obj.get("cache_salt") or None,),
+            priority=obj.get("priority", 0),
+            seqs=n,
         )
         opts = Options(
             stream=bool(obj.get("stream")),
@@ -433,6 +436,10 @@ class VLLMProtocol:
         """Serve one ``POST /inference/v1/generate``."""
         try:
             job, opts = self.parse(body, headers)
+            capacity = self.engine.capacity
+            if capacity is not None and capacity.vllm_overflow(1 if opts.stream else opts.n):
+                # AsyncLLM.check_admission from ServingTokens._preflight: before any byte.
+                raise error(VLLM_QUEUE_OVERFLOW, "Service Unavailable", 503)
             self.engine.submit(job)
         except VLLMError as exc:
             await send_unary(send, exc.status, orjson.dumps(exc.body))
