@@ -195,7 +195,8 @@ class Entry:
 
 @dataclass(slots=True)
 class _Plan:
-    deadline: float
+    seconds: float
+    deadline: float = 0.0
     decode: list[Entry] = field(default_factory=list)
     prefill: list[tuple[Entry, int]] = field(default_factory=list)
 
@@ -338,6 +339,7 @@ class Capacity:
                             tg.cancel_scope.cancel()
                     self._idle = False
                     continue
+                plan.deadline = anyio.current_time() + plan.seconds
                 self._plan = plan
             wait = self._plan.deadline - anyio.current_time()
             if wait > 0:
@@ -351,6 +353,17 @@ class Capacity:
             if plan is not None:
                 self.steps += 1
                 self._apply(plan)
+
+    def step_now(self) -> tuple[int, int]:
+        """Plan and apply one step at once, its time not spent (for tests
+        and tools that drive the scheduler by hand; a generator still takes
+        each granted token with :meth:`next_token`). Returns ``(sequences
+        decoded, prefill tokens computed)``."""
+        plan = self._schedule()
+        if plan.prefill or plan.decode:
+            self.steps += 1
+            self._apply(plan)
+        return sum(e.seqs for e in plan.decode), sum(n for _, n in plan.prefill)
 
     def _wake(self) -> None:
         self._stepped.set()
@@ -405,7 +418,7 @@ class Capacity:
             self._schedule_vllm(plan)
         seqs = sum(e.seqs for e in plan.decode) + sum(e.seqs for e, _ in plan.prefill)
         tokens = sum(n for _, n in plan.prefill)
-        plan.deadline = anyio.current_time() + cfg.step_s + cfg.seq_s * seqs + cfg.prefill_token_s * tokens
+        plan.seconds = cfg.step_s + cfg.seq_s * seqs + cfg.prefill_token_s * tokens
         self.peak_running = max(self.peak_running, len(self.running))
         return plan
 
@@ -415,7 +428,9 @@ class Capacity:
 
     def _schedule_sglang(self, plan: _Plan) -> None:
         cfg, pool = self.config, self.pool()
-        decoding = [e for e in self.running if self._ready(e)]
+        # The decode batch: every prefilled request (one whose last token is
+        # still untaken decodes as soon as it is taken, so it counts too).
+        decoding = [e for e in self.running if e.computed >= e.need and e.generated < e.max_new]
         if pool is not None and decoding:
             # ScheduleBatch.retract_decode: keep the most output, then the shortest prompt.
             keep = sorted(decoding, key=lambda e: (e.generated, -e.prompt), reverse=True)
@@ -424,7 +439,8 @@ class Capacity:
                 self._back_to_waiting(keep.pop(), front=False)
                 self.retractions += 1
                 self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-            decoding = [e for e in decoding if e in keep]
+            decoding = keep
+        decoding = [e for e in decoding if self._ready(e)]
         plan.decode = decoding
         if decoding:
             step = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / NEW_TOKEN_RATIO_DECAY_STEPS
@@ -438,7 +454,7 @@ class Capacity:
                 break
             cost = entry.need - entry.computed
             if free is not None:
-                ask = cost + min(entry.max_new, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+                ask = cost + min(entry.max_new - entry.generated, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
                 if ask > free and self.running:
                     break
                 free -= ask

@@ -1,0 +1,261 @@
+"""The simulator's capacity model (``asgi_generate.sim.capacity``): each
+engine's limits, queue refusals, retraction and preemption, priority order,
+load figures and gauges, and answers that stay the same value for value.
+In process: the scheduler stepped by hand, and the ASGI app driven as a
+client would."""
+
+from __future__ import annotations
+
+import anyio
+import orjson
+import pytest
+
+from asgi_generate.sim.app import SimApp
+from asgi_generate.sim.capacity import (
+    SGLANG_QUEUE_EVICTED, SGLANG_QUEUE_FULL, VLLM_QUEUE_OVERFLOW, capacity_config,
+)
+from asgi_generate.sim.engine import RECENT_RIDS, Job, SimEngine
+from asgi_generate.sim.loads import sglang_loads, vllm_metrics
+from asgi_generate.sim.tokenizer import SimTokenizer
+from support import asgi_request, sampled
+
+
+def _engine(protocol: str, block_size: int = 1, **flags) -> SimEngine:
+    return SimEngine(SimTokenizer().model(), capacity=capacity_config(protocol, block_size, **flags),
+                     cache_tokens=0)
+
+
+def _run(engine: SimEngine, steps: int = 5000) -> list[str]:
+    """Step the scheduler by hand, each generator taking its token at once;
+    the rids in the order they finished."""
+    cap, done = engine.capacity, []
+    for _ in range(steps):
+        if not cap.entries:
+            return done
+        cap.step_now()
+        for entry in list(cap.entries.values()):
+            if entry.credit:
+                entry.credit = False
+                if entry.generated >= entry.max_new:
+                    engine.finish(entry.job)
+                    done.append(entry.job.rid)
+    raise AssertionError("the scheduler did not finish its requests")
+
+
+def _job(rid: str, first: int, prompt: int, max_new: int, priority: int | None = None) -> Job:
+    return Job(rid, [first] * prompt, max_new, ignore_eos=True, priority=priority)
+
+
+def test_off_unless_a_flag_is_set():
+    assert capacity_config("sglang", 1) is None
+    assert capacity_config("vllm", 16, scheduling_policy="fcfs") is None
+    assert SimApp("sglang").engine.capacity is None
+    assert "capacity" not in SimApp("vllm").engine.stats()
+
+
+@pytest.mark.parametrize("protocol, flags, message", [
+    ("sglang", {"max_running_requests": 0}, "--max-running-requests must be a positive integer, got 0"),
+    ("sglang", {"max_total_tokens": -5}, "--max-total-tokens must be a positive integer, got -5"),
+    ("sglang", {"max_queued_requests": -1}, "--max-queued-requests must be an integer of at least 0, got -1"),
+    ("vllm", {"max_num_seqs": 0}, "--max-num-seqs must be a positive integer, got 0"),
+    ("vllm", {"num_gpu_blocks_override": 0}, "--num-gpu-blocks-override must be a positive integer, got 0"),
+    ("vllm", {"scheduling_policy": "lifo"}, "--scheduling-policy must be fcfs or priority, got 'lifo'"),
+    ("vllm", {"max_running_requests": 4}, "--max-running-requests is SGLang's; this simulator plays vllm"),
+    ("sglang", {"max_num_seqs": 4}, "--max-num-seqs is vLLM's; this simulator plays sglang"),
+    ("sglang", {"step_ms": -1.0}, "--step-ms must be at least 0, got -1.0"),
+    ("sglang", {"schedule_low_priority_values_first": True},
+     "--schedule-low-priority-values-first needs --enable-priority-scheduling"),
+])
+def test_flags_are_validated(protocol, flags, message):
+    with pytest.raises(ValueError) as err:
+        capacity_config(protocol, 16, **flags)
+    assert str(err.value) == message
+
+
+def test_step_time_replaces_the_fixed_latencies():
+    with pytest.raises(ValueError, match="drop --ttft-ms"):
+        SimApp("sglang", ttft_ms=5, capacity=capacity_config("sglang", 1, step_ms=1.0))
+
+
+def test_sglang_retracts_the_fewest_output_tokens_and_recomputes():
+    # 300 tokens: two 4-token prompts with 200 new tokens each fit the
+    # reservation at first (4 + 200 * 0.7 each), not once both decode.
+    engine = _engine("sglang", max_total_tokens=300)
+    for i in range(3):
+        engine.submit(_job(f"r{i}", 10 + i, 4, 200))
+    cap = engine.capacity
+    cap.step_now()
+    assert [e.job.rid for e in cap.running] == ["r0", "r1"] and cap.sequences() == (2, 1)
+    assert _run(engine) == ["r0", "r2", "r1"]
+    stats = cap.stats()
+    assert (stats["retractions"], stats["preemptions"], stats["peak_running"], stats["kv_used"]) == (1, 0, 2, 0)
+
+
+def test_vllm_preempts_the_last_running_and_recomputes():
+    # 10 blocks of 4 tokens; three 8-token prompts growing to 38 tokens.
+    engine = _engine("vllm", 4, num_gpu_blocks_override=10, max_num_seqs=4)
+    for i in range(3):
+        engine.submit(_job(f"v{i}", 10 + i, 8, 30))
+    assert _run(engine) == ["v0", "v1", "v2"]
+    assert (engine.capacity.preemptions, engine.capacity.retractions) == (3, 0)
+
+
+def test_vllm_max_num_seqs_and_batched_tokens():
+    engine = _engine("vllm", 16, max_num_seqs=2, max_num_batched_tokens=10)
+    for i in range(3):
+        engine.submit(_job(f"v{i}", 10 + i, 8, 3))
+    cap = engine.capacity
+    # The budget of 10 takes v0's 8 prompt tokens and 2 of v1's (chunked).
+    assert cap.step_now() == (0, 10)
+    assert [(e.job.rid, e.computed) for e in cap.running] == [("v0", 8), ("v1", 2)]
+    assert cap.sequences() == (2, 1)
+
+
+def test_priority_orders_the_queue():
+    sglang = _engine("sglang", max_running_requests=1, enable_priority_scheduling=True)
+    for rid, prio in (("a", None), ("b", 1), ("c", 5), ("d", None), ("e", 1)):
+        sglang.submit(_job(rid, 10, 4, 2, prio))
+    # Larger first; none is the lowest; ties in arrival order.
+    assert _run(sglang) == ["c", "b", "e", "a", "d"]
+    low = _engine("sglang", max_running_requests=1, enable_priority_scheduling=True,
+                  schedule_low_priority_values_first=True)
+    for rid, prio in (("a", None), ("b", 1), ("c", 5)):
+        low.submit(_job(rid, 10, 4, 2, prio))
+    assert _run(low) == ["b", "c", "a"]
+    vllm = _engine("vllm", 16, max_num_seqs=1, scheduling_policy="priority")
+    for rid, prio in (("a", 0), ("b", 3), ("c", -2)):
+        vllm.submit(_job(rid, 10, 4, 2, prio))
+    assert _run(vllm) == ["c", "a", "b"]  # smaller first
+    fcfs = _engine("vllm", 16, max_num_seqs=1)
+    for rid, prio in (("a", 0), ("b", 3), ("c", -2)):
+        fcfs.submit(_job(rid, 10, 4, 2, prio))
+    assert _run(fcfs) == ["a", "b", "c"]  # FCFS ignores priority
+
+
+def test_sglang_full_queue_refuses_or_evicts_the_least_preferred():
+    engine = _engine("sglang", max_running_requests=1, max_queued_requests=1, enable_priority_scheduling=True)
+    jobs = [_job("run", 10, 4, 5, 0), _job("low", 11, 4, 5, 0), _job("high", 12, 4, 5, 9), _job("lower", 13, 4, 5, -3)]
+    engine.submit(jobs[0])
+    engine.capacity.step_now()  # "run" runs; the queue is empty
+    for job in jobs[1:]:
+        engine.submit(job)
+    assert jobs[1].refused == (503, SGLANG_QUEUE_EVICTED)
+    assert jobs[2].refused is None
+    assert jobs[3].refused == (503, SGLANG_QUEUE_FULL)
+    assert [e.job.rid for e in engine.capacity.waiting] == ["high"] and engine.capacity.queue_refusals == 2
+
+
+def test_load_figures_and_gauges_are_the_schedulers():
+    sglang = _engine("sglang", max_running_requests=2, max_total_tokens=1000)
+    for i in range(3):
+        sglang.submit(_job(f"r{i}", 10 + i, 6, 50))
+    sglang.capacity.step_now()  # two prefills of 6 tokens; one waits
+    status, body, _ = sglang_loads(sglang, b"", "0.5.23", 262144)
+    load = orjson.loads(body)["loads"][0]
+    assert status == 200
+    assert {k: load[k] for k in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens",
+                                 "num_active_tokens", "max_total_num_tokens", "max_running_requests",
+                                 "token_usage")} == {
+        "num_running_reqs": 2, "num_waiting_reqs": 1, "num_used_tokens": 12, "num_total_tokens": 18,
+        "num_active_tokens": 18, "max_total_num_tokens": 1000, "max_running_requests": 2, "token_usage": 0.012}
+    vllm = _engine("vllm", 16, max_num_seqs=1, num_gpu_blocks_override=8)
+    for i in range(2):
+        vllm.submit(_job(f"v{i}", 10 + i, 20, 5))
+    vllm.capacity.step_now()  # 20 prompt tokens: 2 of 8 blocks
+    labels = 'engine="0",model_name="m"'
+    assert vllm_metrics(vllm, "m").decode().splitlines()[2::3] == [
+        f"vllm:num_requests_running{{{labels}}} 1.0",
+        f"vllm:num_requests_waiting{{{labels}}} 1.0",
+        f"vllm:kv_cache_usage_perc{{{labels}}} 0.25",
+        f"vllm:num_preemptions_total{{{labels}}} 0.0",
+    ]
+
+
+# -- through the ASGI app ---------------------------------------------------
+
+
+async def _until(predicate, timeout: float = 10.0) -> None:
+    with anyio.fail_after(timeout):
+        while not predicate():
+            await anyio.sleep(0.005)
+
+
+def test_sglang_queue_full_answer_and_identical_tokens_under_retraction():
+    cap = capacity_config("sglang", 1, max_total_tokens=300, max_queued_requests=1, step_ms=1.0)
+    app = SimApp("sglang", capacity=cap, cache_tokens=0)
+    prompts = [[10 + i] * 4 for i in range(3)]
+    answers: dict[int, tuple[int, dict]] = {}
+
+    async def one(i: int) -> None:
+        body = {"input_ids": prompts[i], "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+        status, _, raw = await asgi_request(app, "POST", "/generate", orjson.dumps(body))
+        answers[i] = status, orjson.loads(raw)
+
+    async def run() -> None:
+        async with anyio.create_task_group() as tg:
+            for i in range(2):
+                tg.start_soon(one, i)
+            await _until(lambda: app.engine.capacity.sequences() == (2, 0))
+            tg.start_soon(one, 2)  # queued: the queue now holds one
+            await _until(lambda: app.engine.capacity.sequences()[1] == 1)
+            status, _, raw = await asgi_request(app, "POST", "/generate", orjson.dumps(
+                {"input_ids": [7, 7], "sampling_params": {"max_new_tokens": 3}}))
+            answers[3] = status, orjson.loads(raw)
+
+    anyio.run(run)
+    assert answers[3] == (503, {"object": "error", "message": "The request queue is full.", "type": "503",
+                                "param": None, "code": 503})
+    for i in range(3):
+        status, body = answers[i]
+        assert status == 200 and body["output_ids"] == sampled(prompts[i], 0, 200, ignore_eos=True)
+    assert app.engine.capacity.retractions >= 1
+
+
+def test_vllm_overflow_answer_and_identical_tokens_under_preemption():
+    cap = capacity_config("vllm", 4, num_gpu_blocks_override=10, max_num_queued_reqs=3, step_ms=1.0)
+    app = SimApp("vllm", block_size=4, capacity=cap, cache_tokens=0)
+    prompts = [[10 + i] * 8 for i in range(3)]
+    answers: dict[int, tuple[int, dict]] = {}
+
+    async def one(i: int) -> None:
+        body = {"token_ids": prompts[i], "sampling_params": {"max_tokens": 30, "ignore_eos": True},
+                "request_id": f"q{i}"}
+        status, _, raw = await asgi_request(app, "POST", "/inference/v1/generate", orjson.dumps(body))
+        answers[i] = status, orjson.loads(raw)
+
+    async def run() -> None:
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(one, i)
+            await _until(lambda: app.engine.capacity.unfinished() == 3)
+            status, _, raw = await asgi_request(app, "POST", "/inference/v1/generate", orjson.dumps(
+                {"token_ids": [7, 7], "sampling_params": {"max_tokens": 3}}))
+            answers[3] = status, orjson.loads(raw)
+
+    anyio.run(run)
+    assert answers[3] == (503, {"error": {"message": VLLM_QUEUE_OVERFLOW, "type": "Service Unavailable",
+                                          "param": None, "code": 503}})
+    for i in range(3):
+        status, body = answers[i]
+        assert status == 200 and body["choices"][0]["token_ids"] == sampled(prompts[i], 0, 30, ignore_eos=True)
+    assert app.engine.capacity.preemptions == 3
+    status, _, raw = anyio.run(asgi_request, app, "GET", "/metrics")
+    assert 'vllm:num_preemptions_total{engine="0",model_name="sim"} 3.0' in raw.decode().splitlines()
+
+
+def test_rid_lists_are_bounded_and_counts_exact():
+    app = SimApp("vllm")
+    count = RECENT_RIDS + 50
+
+    async def run() -> None:
+        for i in range(count):
+            await asgi_request(app, "POST", "/inference/v1/generate", orjson.dumps(
+                {"token_ids": [5], "sampling_params": {"max_tokens": 1}, "request_id": f"m{i}"}))
+        await asgi_request(app, "POST", "/abort_requests", orjson.dumps({"request_ids": [f"x{i}" for i in range(count)]}))
+
+    anyio.run(run)
+    stats = app.engine.stats()
+    assert stats["received"] == count and stats["completed"] == count
+    assert len(stats["seen_rids"]) == RECENT_RIDS == stats["recent_rids_max"]
+    assert stats["seen_rids"][-1].endswith("m%d" % (count - 1)) and stats["seen_rids"][0].endswith("m50")
+    assert len(stats["abort_named_ids"]) == RECENT_RIDS and stats["abort_named_total"] == count
