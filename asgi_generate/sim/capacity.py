@@ -264,21 +264,34 @@ class Capacity:
         # A P/D decode's prompt KV came from its prefill server: nothing to compute.
         entry = Entry(job, prompt, max_new, seqs, priority, self._arrivals, need=prompt,
                       computed=prompt if prefilled else 0, matched=prefilled)
-        if cfg.engine == "sglang" and cfg.max_queued is not None and len(self.waiting) + 1 > cfg.max_queued:
-            self.queue_refusals += 1
-            victim = max(self.waiting, key=self._sglang_rank) if cfg.priority and self.waiting else None
-            if victim is None or not self._sglang_rank(entry)[0] < self._sglang_rank(victim)[0]:
-                job.refused = (503, SGLANG_QUEUE_FULL)
-                return
-            # Priority scheduling: the least preferred waiting request goes instead.
-            self.waiting.remove(victim)
-            victim.gone = True
-            del self.entries[id(victim.job)]
-            victim.job.refused = (503, SGLANG_QUEUE_EVICTED)
         self.entries[id(job)] = entry
+        if cfg.engine == "sglang" and not self._sglang_queue(entry):
+            return
         self.waiting.append(entry)
         self.peak_waiting = max(self.peak_waiting, len(self.waiting))
         self._wake()
+
+    def _sglang_queue(self, entry: Entry) -> bool:
+        """SGLang ``_abort_on_queued_limit`` for ``entry`` (new or
+        retracted) about to join the waiting queue: ``False`` when it is the
+        one aborted; with priority scheduling the least preferred waiting
+        request goes instead when ``entry`` is strictly better. The one
+        aborted leaves with ``refused`` set (status 503)."""
+        cfg = self.config
+        if cfg.max_queued is None or len(self.waiting) + 1 <= cfg.max_queued:
+            return True
+        self.queue_refusals += 1
+        victim = max(self.waiting, key=self._sglang_rank) if cfg.priority and self.waiting else None
+        if victim is None or not self._sglang_rank(entry)[0] < self._sglang_rank(victim)[0]:
+            victim, message = entry, SGLANG_QUEUE_FULL
+        else:
+            message = SGLANG_QUEUE_EVICTED
+            self.waiting.remove(victim)
+        victim.gone = True
+        del self.entries[id(victim.job)]
+        victim.job.refused = (503, message)
+        self._wake()
+        return victim is not entry
 
     def leave(self, job) -> None:
         """``job`` ended (finished, aborted, refused): free its seat and KV."""
@@ -546,7 +559,7 @@ class Capacity:
         entry.need = entry.prompt + entry.generated
         if front:
             self.waiting.insert(0, entry)
-        else:
+        elif self._sglang_queue(entry):  # a retracted request meets the queue's limit too
             self.waiting.append(entry)
         self.peak_waiting = max(self.peak_waiting, len(self.waiting))
 

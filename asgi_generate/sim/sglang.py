@@ -618,9 +618,15 @@ class SGLangProtocol:
             "enable_return_routed_experts": True,
             "context_length": self.context_length,
             "version": "0.0.0-sim",
-            "max_total_num_tokens": MAX_TOTAL_NUM_TOKENS,
+            "max_total_num_tokens": self._pool(),
             "stream_interval": self.stream_interval,
         }
+
+    def _pool(self) -> int:
+        """The KV pool in tokens: ``--max-total-tokens`` with the capacity
+        model, else :data:`MAX_TOTAL_NUM_TOKENS`."""
+        cap = self.engine.capacity
+        return cap.config.kv_tokens if cap is not None and cap.config.kv_tokens is not None else MAX_TOTAL_NUM_TOKENS
 
     def model_info(self, model_path: str) -> dict:
         """The ``/get_model_info`` body."""
