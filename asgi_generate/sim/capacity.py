@@ -61,13 +61,16 @@ from typing import Callable
 
 import anyio
 
-#: SGLang's decode reservation ratio (``ServerArgs``
-#: ``init_new_token_ratio`` 0.7, ``min_new_token_ratio`` 0.1 times
-#: ``schedule_conservativeness`` 1, decayed per decode step over
-#: ``new_token_ratio_decay`` steps; 0.5.23 ``scheduler.py``).
+#: SGLang's decode reservation ratio (``NewTokenRatioTracker``: its
+#: environment's defaults ``SGLANG_INIT_NEW_TOKEN_RATIO`` 0.7 times
+#: ``schedule_conservativeness`` 1, the minimum 0.14 of that, decayed per
+#: decode step over ``SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS``; after a
+#: retraction ``estimate_new_token_ratio_after_retract`` with
+#: ``SGLANG_RETRACT_DECODE_STEPS``).
 INIT_NEW_TOKEN_RATIO = 0.7
-MIN_NEW_TOKEN_RATIO = 0.1
+MIN_NEW_TOKEN_RATIO = 0.7 * 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
+RETRACT_DECODE_STEPS = 20
 #: SGLang's clip on a request's reserved new tokens (``CLIP_MAX_NEW_TOKENS``).
 CLIP_MAX_NEW_TOKENS = 4096
 
@@ -441,6 +444,7 @@ class Capacity:
 
     def _schedule_sglang(self, plan: _Plan) -> None:
         cfg, pool = self.config, self.pool()
+        retracted_before = self.retractions
         # The decode batch: every prefilled request (one whose last token is
         # still untaken decodes as soon as it is taken, so it counts too).
         decoding = [e for e in self.running if e.computed >= e.need and e.generated < e.max_new]
@@ -448,14 +452,18 @@ class Capacity:
             # ScheduleBatch.retract_decode: keep the most output, then the shortest prompt.
             keep = sorted(decoding, key=lambda e: (e.generated, -e.prompt), reverse=True)
             others = sum(self._held(e) for e in self.running if e not in keep)
+            retracted = self.retractions
             while len(keep) > 1 and others + sum(self._held(e, 1) for e in keep) > pool:
                 self._back_to_waiting(keep.pop(), front=False)
                 self.retractions += 1
-                self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+            if self.retractions > retracted:
+                decoded = sum(e.generated for e in keep)
+                self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(keep))
+                                           / (sum(e.max_new for e in keep) + 1))
             decoding = keep
         decoding = [e for e in decoding if self._ready(e)]
         plan.decode = decoding
-        if decoding:
+        if decoding and self.retractions == retracted_before:
             step = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / NEW_TOKEN_RATIO_DECAY_STEPS
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - step)
         # PrefillAdder: admit in queue order while seats and tokens last.
