@@ -249,6 +249,43 @@ def test_vllm_overflow_answer_and_identical_tokens_under_preemption():
     assert 'vllm:num_preemptions_total{engine="0",model_name="sim"} 3.0' in raw.decode().splitlines()
 
 
+def test_step_time_is_the_roofline():
+    engine = _engine("vllm", 16, step_ms=2.0, step_us_per_seq=100.0, step_us_per_prefill_token=10.0)
+    for i in range(2):
+        engine.submit(_job(f"v{i}", 10 + i, 8, 3))
+    cap = engine.capacity
+    # Two prefills of 8 tokens: 2 ms + 2 x 100 us + 16 x 10 us.
+    assert cap._schedule().seconds == pytest.approx(0.00236)
+    cap.step_now()
+    for entry in cap.running:
+        entry.credit = False
+    assert cap._schedule().seconds == pytest.approx(0.0022)  # two decodes
+
+
+def test_preemption_keeps_logprobs_and_expert_rows():
+    body = {"token_ids": [10] * 8, "sampling_params": {"max_tokens": 30, "ignore_eos": True, "logprobs": 2}}
+
+    async def answers(app: SimApp) -> list[dict]:
+        out: list[dict] = []
+
+        async def one(i: int) -> None:
+            raw = (await asgi_request(app, "POST", "/inference/v1/generate", orjson.dumps(
+                {**body, "token_ids": [10 + i] * 8, "request_id": f"p{i}"})))[2]
+            out.append((i, orjson.loads(raw)["choices"][0]))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(one, i)
+        return [choice for _, choice in sorted(out)]
+
+    cap = capacity_config("vllm", 4, num_gpu_blocks_override=10, step_ms=0.5)
+    loaded = SimApp("vllm", block_size=4, capacity=cap, cache_tokens=0, routed_experts=True)
+    plain = SimApp("vllm", block_size=4, cache_tokens=0, routed_experts=True)
+    got, want = anyio.run(answers, loaded), anyio.run(answers, plain)
+    assert loaded.engine.capacity.preemptions >= 1
+    assert got == want and all(c["routed_experts"] and len(c["logprobs"]["content"]) == 30 for c in got)
+
+
 def test_rid_lists_are_bounded_and_counts_exact():
     app = SimApp("vllm")
     count = RECENT_RIDS + 50
