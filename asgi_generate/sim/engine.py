@@ -368,6 +368,15 @@ class SimEngine:
         job.aborted = True
         job.abort_event.set()
 
+    def abandon(self, job: Job) -> None:
+        """The engine's own abort of ``job`` (SGLang's, of a vanished
+        client's request): it stops at its next token and leaves the
+        scheduler at once; it stays running until its handler ends."""
+        job.aborted = True
+        job.abort_event.set()
+        if self.capacity is not None:
+            self.capacity.leave(job)
+
     def _stop(self, hit: list[str]) -> list[str]:
         for r in hit:
             # The engine frees an aborted request at once, even while its

@@ -412,8 +412,7 @@ class SGLangProtocol:
         self.engine.disconnects += 1
         # SGLang aborts a vanished client's request after a short delay.
         await anyio.sleep(self.disconnect_abort_s)
-        job.aborted = True
-        job.abort_event.set()
+        self.engine.abandon(job)
 
     async def run_job(self, job: Job, opts: dict, send: Send, done: list[bool]) -> None:
         t0 = time.monotonic()

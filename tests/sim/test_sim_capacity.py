@@ -286,6 +286,43 @@ def test_preemption_keeps_logprobs_and_expert_rows():
     assert got == want and all(c["routed_experts"] and len(c["logprobs"]["content"]) == 30 for c in got)
 
 
+def test_a_vanished_client_frees_its_place_in_the_queue():
+    cap = capacity_config("sglang", 1, max_running_requests=1, step_ms=2.0)
+    app = SimApp("sglang", capacity=cap, cache_tokens=0, disconnect_abort_s=0.0)
+    gone = anyio.Event()
+
+    async def queued() -> None:
+        sent = [{"type": "http.request", "body": orjson.dumps(
+            {"input_ids": [11] * 4, "sampling_params": {"max_new_tokens": 50}}), "more_body": False}]
+
+        async def receive() -> dict:
+            if sent:
+                return sent.pop()
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            pass
+
+        scope = {"type": "http", "method": "POST", "path": "/generate", "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json")]}
+        await app(scope, receive, send)
+
+    async def run() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(asgi_request, app, "POST", "/generate", orjson.dumps(
+                {"input_ids": [10] * 4, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}))
+            await _until(lambda: app.engine.capacity.sequences() == (1, 0))
+            tg.start_soon(queued)
+            await _until(lambda: app.engine.capacity.sequences() == (1, 1))
+            gone.set()
+            await _until(lambda: app.engine.capacity.sequences() == (1, 0))
+            assert app.engine.capacity.stats()["peak_running"] == 1
+            tg.cancel_scope.cancel()
+
+    anyio.run(run)
+
+
 def test_rid_lists_are_bounded_and_counts_exact():
     app = SimApp("vllm")
     count = RECENT_RIDS + 50
