@@ -193,7 +193,6 @@ class Entry:
     matched: bool = False
     running: bool = False
     gone: bool = False
-    refusal: tuple[int, str] | None = None
 
 
 @dataclass(slots=True)
