@@ -268,6 +268,8 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                      help="SGLang: order the queue by the request's priority (larger first)")
     cap.add_argument("--schedule-low-priority-values-first", action="store_true",
                      help="SGLang: with --enable-priority-scheduling, smaller priority values first")
+    cap.add_argument("--abort-on-priority-when-disabled", action="store_true",
+                     help="SGLang: without --enable-priority-scheduling, abort a request that names a priority")
     cap.add_argument("--max-num-seqs", type=positive, default=None, metavar="N",
                      help="vLLM: sequences running at once (n > 1 counts n)")
     cap.add_argument("--num-gpu-blocks-override", type=positive, default=None, metavar="N",

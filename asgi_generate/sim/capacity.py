@@ -10,7 +10,8 @@ engine's own figures:
   ``--max-total-tokens``; a waiting queue, FCFS or, with
   ``--enable-priority-scheduling``, by ``priority`` (larger first, or smaller
   with ``--schedule-low-priority-values-first``; a request without one takes
-  the lowest); ``--max-queued-requests``: past it the newcomer is aborted
+  the lowest; without it a priority is ignored, or aborted with 503 under
+  ``--abort-on-priority-when-disabled``); ``--max-queued-requests``: past it the newcomer is aborted
   with status 503 ``"The request queue is full."``, or with priority
   scheduling the least preferred waiting request when the newcomer is
   strictly better (``"The request is aborted by a higher priority
@@ -76,6 +77,8 @@ CLIP_MAX_NEW_TOKENS = 4096
 
 SGLANG_QUEUE_FULL = "The request queue is full."
 SGLANG_QUEUE_EVICTED = "The request is aborted by a higher priority request."
+SGLANG_PRIORITY_DISABLED = ("Using priority is disabled for this server. "
+                            "Please send a new request without a priority.")
 #: vLLM's ``QueueOverflowError`` (``vllm/exceptions.py``), answered by its
 #: ``create_error_response`` (type: the status' phrase).
 VLLM_QUEUE_OVERFLOW = (
@@ -101,6 +104,7 @@ class CapacityConfig:
     max_queued: int | None = None
     priority: bool = False
     low_priority_values_first: bool = False
+    abort_on_priority_when_disabled: bool = False
     step_s: float = 0.0
     seq_s: float = 0.0
     prefill_token_s: float = 0.0
@@ -109,7 +113,8 @@ class CapacityConfig:
 #: The capacity flags of each engine, as its own CLI spells them, and the
 #: engine-neutral step costs (``sim --help``).
 SGLANG_FLAGS = ("max_running_requests", "max_total_tokens", "max_queued_requests",
-                "enable_priority_scheduling", "schedule_low_priority_values_first")
+                "enable_priority_scheduling", "schedule_low_priority_values_first",
+                "abort_on_priority_when_disabled")
 VLLM_FLAGS = ("max_num_seqs", "num_gpu_blocks_override", "max_num_batched_tokens", "max_num_queued_reqs",
               "scheduling_policy")
 STEP_FLAGS = ("step_ms", "step_us_per_seq", "step_us_per_prefill_token")
@@ -167,11 +172,12 @@ def capacity_config(protocol: str, block_size: int, **flags) -> CapacityConfig |
     if protocol == "sglang":
         return CapacityConfig("sglang", get("max_running_requests"), get("max_total_tokens"), 1, None,
                               get("max_queued_requests"), bool(get("enable_priority_scheduling")),
-                              bool(get("schedule_low_priority_values_first")), **costs)
+                              bool(get("schedule_low_priority_values_first")),
+                              bool(get("abort_on_priority_when_disabled")), **costs)
     blocks = get("num_gpu_blocks_override")
     return CapacityConfig("vllm", get("max_num_seqs"), None if blocks is None else blocks * block_size,
                           block_size, get("max_num_batched_tokens"), get("max_num_queued_reqs"),
-                          policy == "priority", False, **costs)
+                          policy == "priority", False, False, **costs)
 
 
 @dataclass(eq=False, slots=True)
@@ -256,6 +262,9 @@ class Capacity:
         """Queue ``job``. On SGLang a full queue refuses it or another
         waiting job (that job's ``refused`` is set and it is woken)."""
         cfg = self.config
+        if cfg.abort_on_priority_when_disabled and not cfg.priority and priority is not None:
+            job.refused = (503, SGLANG_PRIORITY_DISABLED)  # Scheduler._set_or_validate_priority
+            return
         if priority is None or not cfg.priority:
             # SGLang: a request without a priority ranks last; vLLM ignores it under FCFS.
             if cfg.engine == "sglang":

@@ -12,7 +12,7 @@ import pytest
 
 from asgi_generate.sim.app import SimApp
 from asgi_generate.sim.capacity import (
-    SGLANG_QUEUE_EVICTED, SGLANG_QUEUE_FULL, VLLM_QUEUE_OVERFLOW, capacity_config,
+    SGLANG_PRIORITY_DISABLED, SGLANG_QUEUE_EVICTED, SGLANG_QUEUE_FULL, VLLM_QUEUE_OVERFLOW, capacity_config,
 )
 from asgi_generate.sim.engine import RECENT_RIDS, Job, SimEngine
 from asgi_generate.sim.loads import sglang_loads, vllm_metrics
@@ -144,6 +144,19 @@ def test_priority_orders_the_queue():
     for rid, prio in (("a", 0), ("b", 3), ("c", -2)):
         fcfs.submit(_job(rid, 10, 4, 2, prio))
     assert _run(fcfs) == ["a", "b", "c"]  # FCFS ignores priority
+
+
+def test_sglang_priority_when_disabled_is_ignored_or_aborted():
+    ignored = _engine("sglang", max_running_requests=1)
+    for rid, prio in (("a", None), ("b", 7)):
+        ignored.submit(_job(rid, 10, 4, 2, prio))
+    assert _run(ignored) == ["a", "b"]
+    strict = _engine("sglang", abort_on_priority_when_disabled=True)
+    job, plain = _job("p", 10, 4, 2, 7), _job("q", 10, 4, 2)
+    strict.submit(job)
+    strict.submit(plain)
+    assert job.refused == (503, SGLANG_PRIORITY_DISABLED) and plain.refused is None
+    assert _run(strict) == ["q"]
 
 
 def test_sglang_full_queue_refuses_or_evicts_the_least_preferred():
