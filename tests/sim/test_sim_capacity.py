@@ -352,3 +352,14 @@ def test_rid_lists_are_bounded_and_counts_exact():
     assert len(stats["seen_rids"]) == RECENT_RIDS == stats["recent_rids_max"]
     assert stats["seen_rids"][-1].endswith("m%d" % (count - 1)) and stats["seen_rids"][0].endswith("m50")
     assert len(stats["abort_named_ids"]) == RECENT_RIDS and stats["abort_named_total"] == count
+
+
+def test_the_step_cache_is_bounded():
+    from asgi_generate.sim.model import MAX_CACHED_STEPS
+
+    model = SimTokenizer().model()
+    first = model.step(12345)
+    for state in range(3 * MAX_CACHED_STEPS):
+        model.step(state)
+    assert len(model._cache) <= MAX_CACHED_STEPS == 4096
+    assert model.step(12345) == first  # recomputed the same
