@@ -275,6 +275,29 @@ def test_step_time_is_the_roofline():
     assert cap._schedule().seconds == pytest.approx(0.0022)  # two decodes
 
 
+def test_queueing_shows_as_latency():
+    # One seat, 5 ms steps: the second request waits out the first's 10 steps.
+    cap = capacity_config("vllm", 16, max_num_seqs=1, step_ms=5.0)
+    app = SimApp("vllm", capacity=cap, cache_tokens=0)
+    took: dict[int, float] = {}
+
+    async def one(i: int) -> None:
+        start = anyio.current_time()
+        status, _, _ = await asgi_request(app, "POST", "/inference/v1/generate", orjson.dumps(
+            {"token_ids": [10 + i] * 4, "sampling_params": {"max_tokens": 10, "ignore_eos": True}}))
+        assert status == 200
+        took[i] = anyio.current_time() - start
+
+    async def run() -> None:
+        async with anyio.create_task_group() as tg:
+            for i in range(2):
+                tg.start_soon(one, i)
+
+    anyio.run(run)
+    assert app.engine.capacity.steps == 20  # a prefill step with the first token, then 9 decodes, each
+    assert took[0] >= 0.05 and took[1] >= 0.1
+
+
 def test_preemption_keeps_logprobs_and_expert_rows():
     body = {"token_ids": [10] * 8, "sampling_params": {"max_tokens": 30, "ignore_eos": True, "logprobs": 2}}
 
