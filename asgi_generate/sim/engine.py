@@ -311,12 +311,10 @@ class SimEngine:
                 self._prefill_unit.release()
         else:
             self._match(job)
-        if self.cache is not None and not job.aborted:
-            job.prefill_done = True
-            self._insert(job, job.input_ids)
+        self._prefilled(job)
 
     def _prefilled(self, job: Job) -> None:
-        """The capacity model computed ``job``'s prompt: cache it."""
+        """``job``'s prompt is computed: cache it."""
         if self.cache is not None and not job.aborted:
             job.prefill_done = True
             self._insert(job, job.input_ids)
