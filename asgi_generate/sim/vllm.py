@@ -238,8 +238,11 @@ class VLLMProtocol:
         if model is not None and model != self.model_name:
             raise error(f"The model `{model}` does not exist.", "NotFoundError", 404, "model")
         n = sp.get("n", 1)
-        if n > MAX_NUM_SEQS:
-            raise error(f"sampling_params.n must be at most the server's max_num_seqs ({MAX_NUM_SEQS}), got {n}.")
+        capacity = self.engine.capacity
+        max_num_seqs = capacity.config.max_running if capacity is not None else None
+        max_num_seqs = max_num_seqs or MAX_NUM_SEQS  # --max-num-seqs, else vLLM's default
+        if n > max_num_seqs:
+            raise error(f"sampling_params.n must be at most the server's max_num_seqs ({max_num_seqs}), got {n}.")
         if self.behaviour.refuses_stop_strings and stop_strings(sp):
             raise error(
                 "stop strings are not supported on a --tokens-only server because detokenization is disabled. "

@@ -268,6 +268,15 @@ def test_vllm_overflow_answer_and_identical_tokens_under_preemption(backend):
     assert 'vllm:num_preemptions_total{engine="0",model_name="sim"} 3.0' in raw.decode().splitlines()
 
 
+def test_vllm_n_is_bounded_by_max_num_seqs():
+    app = SimApp("vllm", capacity=capacity_config("vllm", 16, max_num_seqs=2))
+    status, _, raw = anyio.run(asgi_request, app, "POST", "/inference/v1/generate", orjson.dumps(
+        {"token_ids": [5, 6], "sampling_params": {"max_tokens": 2, "n": 3}}))
+    assert (status, orjson.loads(raw)) == (400, {"error": {
+        "message": "sampling_params.n must be at most the server's max_num_seqs (2), got 3.",
+        "type": "BadRequestError", "param": None, "code": 400}})
+
+
 def test_step_time_is_the_roofline():
     engine = _engine("vllm", 16, step_ms=2.0, step_us_per_seq=100.0, step_us_per_prefill_token=10.0)
     for i in range(2):
