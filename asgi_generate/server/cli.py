@@ -256,6 +256,40 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     sim.add_argument("--weight-load-s", type=_bounded(float, 0), default=0.0, metavar="S",
                      help="seconds each weight load takes, the engine busy (SGLang's /health stalls) "
                           "(default %(default)s)")
+    cap = sim.add_argument_group(
+        "capacity model", "the engine's scheduler (off unless one of these is set; then the step time "
+        "alone times tokens, instead of --ttft-ms/--itl-ms/--prefill-us-per-token; see docs/simulator.md)")
+    positive = _bounded(int, 1)
+    cap.add_argument("--max-running-requests", type=positive, default=None, metavar="N",
+                     help="SGLang: requests running at once")
+    cap.add_argument("--max-total-tokens", type=positive, default=None, metavar="N",
+                     help="SGLang: the KV token pool; decoding requests are retracted when it runs out")
+    cap.add_argument("--max-queued-requests", type=_bounded(int, 0), default=None, metavar="N",
+                     help="SGLang: waiting requests; past it a request is aborted with 503 "
+                          "'The request queue is full.'")
+    cap.add_argument("--enable-priority-scheduling", action="store_true",
+                     help="SGLang: order the queue by the request's priority (larger first)")
+    cap.add_argument("--schedule-low-priority-values-first", action="store_true",
+                     help="SGLang: with --enable-priority-scheduling, smaller priority values first")
+    cap.add_argument("--abort-on-priority-when-disabled", action="store_true",
+                     help="SGLang: without --enable-priority-scheduling, abort a request that names a priority")
+    cap.add_argument("--max-num-seqs", type=positive, default=None, metavar="N",
+                     help="vLLM: sequences running at once (n > 1 counts n)")
+    cap.add_argument("--num-gpu-blocks-override", type=positive, default=None, metavar="N",
+                     help="vLLM: the KV pool in blocks of --block-size; running requests are preempted "
+                          "(recomputed later) when it runs out")
+    cap.add_argument("--max-num-batched-tokens", type=positive, default=None, metavar="N",
+                     help="vLLM: tokens computed per step (prefills chunked to fit)")
+    cap.add_argument("--max-num-queued-reqs", type=_bounded(int, 0), default=None, metavar="N",
+                     help="vLLM: requests waiting or running; past it a request is refused with 503")
+    cap.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                     help="vLLM: the waiting queue's order (priority: smaller first)")
+    cap.add_argument("--step-ms", type=_bounded(float, 0), default=None, metavar="MS",
+                     help="the fixed cost of each scheduler step")
+    cap.add_argument("--step-us-per-seq", type=_bounded(float, 0), default=None, metavar="US",
+                     help="each step's cost per sequence in its batch")
+    cap.add_argument("--step-us-per-prefill-token", type=_bounded(float, 0), default=None, metavar="US",
+                     help="each step's cost per prompt token it computes")
     sim.add_argument("--model-name", default="sim", help="served model name (default %(default)s)")
     sim.add_argument("--parent-pid", type=_bounded(int, 1), default=None, help="exit when this process exits")
     sim.add_argument("--worker-class", choices=WORKER_CLASSES, default="asyncio",
@@ -414,7 +448,11 @@ def _sim_app(args: argparse.Namespace) -> "SimApp":
         ValueError: a flag value the simulator cannot play.
     """
     from ..sim.app import SimApp
+    from ..sim.capacity import SGLANG_FLAGS, STEP_FLAGS, VLLM_FLAGS, capacity_config
 
+    block = args.block_size or (16 if args.protocol == "vllm" else 1)
+    capacity = capacity_config(args.protocol, block,
+                               **{name: getattr(args, name) for name in SGLANG_FLAGS + VLLM_FLAGS + STEP_FLAGS})
     return SimApp(
         protocol=args.protocol,
         ttft_ms=args.ttft_ms,
@@ -449,6 +487,7 @@ def _sim_app(args: argparse.Namespace) -> "SimApp":
         tp_size=args.tp_size,
         weights_group_registry=args.weights_group_registry,
         weight_load_s=args.weight_load_s,
+        capacity=capacity,
     )
 
 

@@ -76,6 +76,7 @@ from .disagg import DEFAULT_TIMEOUT_S, DecodeKV, PrefillRooms
 from .kvconnector import DEFAULT_EXPIRY_S, KVConsumer, KVProducer
 from .prefix_cache import DEFAULT_CACHE_TOKENS
 from .admin import SimAdmin
+from .capacity import CapacityConfig
 from .weights import GroupRegistry, SimWeights
 from .engine import SimEngine, SimFault
 from .loads import PROMETHEUS, sglang_loads, vllm_metrics
@@ -159,6 +160,9 @@ class SimApp:
         weights_group_registry: the file of the fleet's
             :class:`~asgi_generate.sim.weights.GroupRegistry`, or ``None``.
         weight_load_s: seconds each weight load takes (0: at once).
+        capacity: the engine's scheduler limits and step costs
+            (:func:`~asgi_generate.sim.capacity.capacity_config`); ``None``:
+            unbounded, timed by ``ttft_ms``/``itl_ms``/``prefill_us_per_token``.
 
     Raises:
         ValueError: unknown protocol, a vLLM version that is not one, a
@@ -201,6 +205,7 @@ class SimApp:
         tp_size: int = 1,
         weights_group_registry: str | None = None,
         weight_load_s: float = 0.0,
+        capacity: CapacityConfig | None = None,
     ) -> None:
         if protocol not in ("sglang", "vllm"):
             raise ValueError(f"unknown simulator protocol {protocol!r}")
@@ -240,6 +245,10 @@ class SimApp:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
+        if capacity is not None and (ttft_ms or itl_ms or prefill_us_per_token):
+            raise ValueError("with the capacity model the step time (--step-ms, --step-us-per-seq, "
+                             "--step-us-per-prefill-token) times every token: drop --ttft-ms, --itl-ms "
+                             "and --prefill-us-per-token")
         self.tokenizer = SimTokenizer()
         model = self.tokenizer.model(vocab_size)
         script = (*self.tokenizer.encode(MARKER_TEXT), self.tokenizer.eos_id) if emit_markers else ()
@@ -247,7 +256,7 @@ class SimApp:
             model, ttft_ms / 1000.0, itl_ms / 1000.0,
             script=script, abort_after=abort_after, abort_status=abort_status,
             cache_tokens=cache_tokens, cache_block=block_size, whole_runs=protocol == "sglang",
-            prefill_us_per_token=prefill_us_per_token, hasher=block_hasher(protocol),
+            prefill_us_per_token=prefill_us_per_token, hasher=block_hasher(protocol), capacity=capacity,
         )
         if kv_events_config:
             # Imported only here: pyzmq is needed only by a simulator that publishes.

@@ -8,17 +8,25 @@ the tokens (through :class:`~asgi_generate.sim.model.Model`), when they come
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator
 
 import anyio
 
+from .capacity import Capacity, CapacityConfig
 from .model import Model, Step
 from .block_hash import EMPTY, BlockHasher, Chain, SGLangPageHashes
 from .prefix_cache import DEFAULT_CACHE_TOKENS, PrefixCache
 
 if TYPE_CHECKING:
     from .kv_events import KVEventPublisher
+
+#: Request ids each ``/sim/stats`` list keeps (``seen_rids``,
+#: ``aborted_rids``, ``disconnect_aborted_rids``, ``abort_named_ids``): the
+#: newest, beside an exact count of all (``*_total``), so the simulator's
+#: memory stays flat over any number of requests.
+RECENT_RIDS = 10_000
 
 
 class DuplicateRequestId(Exception):
@@ -78,6 +86,10 @@ class Job:
     prefill_done: bool = False
     #: Steps generated so far (``/sim/stats``' ``running_output_tokens``).
     generated: int = 0
+    #: The request's ``priority`` (scheduled by it only under the capacity
+    #: model's priority scheduling), and the sequences it runs (vLLM ``n``).
+    priority: int | None = None
+    seqs: int = 1
 
 
 @dataclass(slots=True)
@@ -122,6 +134,10 @@ class SimEngine:
             one compute unit, one after another in arrival order, as a busy
             engine's batches do: a request's first token comes after the
             prefills before it, its own, then ``ttft_s``.
+        capacity: the engine's scheduler limits and step costs
+            (:mod:`asgi_generate.sim.capacity`); ``None`` (the default):
+            unbounded, timed by ``ttft_s``/``itl_s``/``prefill_us_per_token``.
+            With it, the step time alone times every token.
 
     The prefix cache (a :class:`~asgi_generate.sim.prefix_cache.PrefixCache`
     of token blocks in namespaces, LRU) is matched when a prefill starts and takes the
@@ -148,8 +164,10 @@ class SimEngine:
         whole_runs: bool = True,
         prefill_us_per_token: float = 0.0,
         hasher: BlockHasher | None = None,
+        capacity: CapacityConfig | None = None,
     ) -> None:
         self.model = model
+        self.capacity = Capacity(capacity, self._match, self._prefilled) if capacity is not None else None
         self.hasher: BlockHasher = hasher if hasher is not None else SGLangPageHashes()
         #: Where the cache's KV events go (``sim --kv-events-config``).
         self.events: KVEventPublisher | None = None
@@ -175,12 +193,14 @@ class SimEngine:
         #: Generate requests that arrived, refused ones included.
         self.generate_requests = 0
         self.completed = 0
-        self.aborted_rids: list[str] = []
+        self.aborted_rids: deque[str] = deque(maxlen=RECENT_RIDS)
+        self.aborted_total = 0
         self.abort_requests = 0
         self.disconnects = 0
-        self.disconnect_aborted_rids: list[str] = []
-        self.abort_named_ids: list[str] = []
-        self.seen_rids: list[str] = []
+        self.disconnect_aborted_rids: deque[str] = deque(maxlen=RECENT_RIDS)
+        self.abort_named_ids: deque[str] = deque(maxlen=RECENT_RIDS)
+        self.abort_named_total = 0
+        self.seen_rids: deque[str] = deque(maxlen=RECENT_RIDS)
         #: Armed faults: (token count after which a request fails, the
         #: prompt length it must have or ``None`` for any, whether it stalls).
         self.faults: list[tuple[int, int | None, bool]] = []
@@ -229,9 +249,14 @@ class SimEngine:
                 del self.faults[i]
                 break
         self.running[job.rid] = job
+        if self.capacity is not None and job.refused is None:
+            self.capacity.enter(job, len(job.input_ids), job.max_new_tokens, job.seqs, job.priority,
+                                prefilled=job.prefilled is not None)
 
     def finish(self, job: Job) -> None:
         """Remove ``job`` from the running set and count it completed."""
+        if self.capacity is not None:
+            self.capacity.leave(job)
         if self.running.get(job.rid) is job:
             del self.running[job.rid]
             self.completed += 1
@@ -286,6 +311,10 @@ class SimEngine:
                 self._prefill_unit.release()
         else:
             self._match(job)
+        self._prefilled(job)
+
+    def _prefilled(self, job: Job) -> None:
+        """``job``'s prompt is computed: cache it."""
         if self.cache is not None and not job.aborted:
             job.prefill_done = True
             self._insert(job, job.input_ids)
@@ -314,6 +343,7 @@ class SimEngine:
         self.abort_requests += 1
         if rid:
             self.abort_named_ids.append(rid)
+            self.abort_named_total += 1
         return self._stop([r for r in self.running if abort_all or (rid and r.startswith(rid))])
 
     def abort_ids(self, rids: list[str]) -> list[str]:
@@ -323,6 +353,7 @@ class SimEngine:
         from the engine's own disconnect aborts (:meth:`disconnected`)."""
         self.abort_requests += 1
         self.abort_named_ids.extend(rids)
+        self.abort_named_total += len(rids)
         return self._stop([r for r in dict.fromkeys(rids) if r in self.running])
 
     def disconnected(self, job: Job) -> None:
@@ -335,16 +366,28 @@ class SimEngine:
         job.aborted = True
         job.abort_event.set()
 
+    def abandon(self, job: Job) -> None:
+        """The engine's own abort of ``job`` (SGLang's, of a vanished
+        client's request): it stops at its next token and leaves the
+        scheduler at once; it stays running until its handler ends."""
+        job.aborted = True
+        job.abort_event.set()
+        if self.capacity is not None:
+            self.capacity.leave(job)
+
     def _stop(self, hit: list[str]) -> list[str]:
         for r in hit:
             # The engine frees an aborted request at once, even while its
             # HTTP response is still blocked on a slow reader.
             job = self.running.pop(r)
+            if self.capacity is not None:
+                self.capacity.leave(job)
             self.completed += 1
             job.aborted = True
             job.abort_event.set()
             self._cache_finished(job)
         self.aborted_rids.extend(hit)
+        self.aborted_total += len(hit)
         return hit
 
     def abort_all(self) -> list[str]:
@@ -392,13 +435,16 @@ class SimEngine:
         states = dict.fromkeys(samples, start)
         outs: dict[int, list[int]] = {sample: [] for sample in samples}
         script = self.script[self._script_start(job.input_ids) :]
-        if job.prefilled is None:
+        capacity = self.capacity  # with it, the scheduler times every token
+        if capacity is None and job.prefilled is None:
             await self._prefill(job)
             await self._pause(job, self.ttft_s)
         for i in range(job.max_new_tokens):
             if self.held:
                 await self._while_held(job)
             if job.aborted:
+                return
+            if capacity is not None and not await capacity.next_token(job):
                 return
             if i == job.fail_after and job.stall:
                 self.faults_fired += 1
@@ -426,7 +472,7 @@ class SimEngine:
                     del states[sample]
             if not states:
                 return
-            if self.itl_s > 0:
+            if self.itl_s > 0 and capacity is None:
                 await self._pause(job, self.itl_s)
             else:  # a batching engine serves everyone: never hog the loop
                 await anyio.lowlevel.checkpoint()
@@ -467,14 +513,19 @@ class SimEngine:
         prompts' tokens times the cache's miss rate so far (SGLang
         ``SchedulerLoadInquirer.get_num_waiting_uncached_tokens`` when its
         waiting queue is not prefix-matched yet)."""
-        waiting = len(self.waiting)
         miss = 1.0 - self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 1.0
+        if self.capacity is not None:
+            running, waiting = self.capacity.sequences()
+            uncached = sum(int((e.need - e.computed) * miss) for e in self.capacity.waiting)
+            return running, waiting, uncached
+        waiting = len(self.waiting)
         uncached = sum(int(len(job.input_ids) * miss) for job in self.waiting.values())
         return max(0, len(self.running) - waiting), waiting, uncached
 
     def stats(self) -> dict:
-        """The ``/sim/stats`` body."""
-        return {
+        """The ``/sim/stats`` body (``capacity``: the scheduler's figures,
+        with the capacity model only)."""
+        stats = {
             "running": len(self.running),
             "running_rids": sorted(self.running),
             # A test waits on these to act mid-generation instead of sleeping.
@@ -483,11 +534,15 @@ class SimEngine:
             "generate_requests": self.generate_requests,
             "completed": self.completed,
             "aborted_rids": list(self.aborted_rids),
+            "aborted_total": self.aborted_total,
             "abort_requests": self.abort_requests,
             "disconnects": self.disconnects,
             "disconnect_aborted_rids": list(self.disconnect_aborted_rids),
             "abort_named_ids": list(self.abort_named_ids),
+            "abort_named_total": self.abort_named_total,
             "seen_rids": list(self.seen_rids),
+            # Each rid list above holds the newest RECENT_RIDS; the counts are of all.
+            "recent_rids_max": RECENT_RIDS,
             "batch_requests": self.batch_requests,
             "batch_items": self.batch_items,
             "faults_armed": len(self.faults),
@@ -502,3 +557,6 @@ class SimEngine:
                 "flushes": self.cache_flushes,
             },
         }
+        if self.capacity is not None:
+            stats["capacity"] = self.capacity.stats()
+        return stats

@@ -5,11 +5,19 @@
   "num_accelerators", "loads": [...]}``, one load per DP rank, each the
   core keys of ``LoadSnapshot.to_dict`` (``sglang/srt/managers/load_snapshot.py``);
   ``?include=`` picks sections (the simulator has only ``core``),
-  ``?dp_rank=`` one rank, ``?format=prometheus`` the gauges as text.
+  ``?dp_rank=`` one rank, ``?format=prometheus`` the gauges as text. With
+  the capacity model (:mod:`asgi_generate.sim.capacity`) the token figures
+  are the scheduler's, as ``SchedulerLoadInquirer.get_loads`` reports them:
+  ``num_used_tokens`` the pool held, ``num_total_tokens`` that plus the
+  waiting requests' tokens, ``num_active_tokens`` the same (aggregated),
+  ``token_usage`` used over ``max_total_num_tokens``, and
+  ``max_running_requests`` the limit (0: none); without it they are 0.
 - vLLM ``GET /metrics``: the Prometheus scheduler gauges
   ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``, labelled
   ``model_name`` and ``engine`` (``vllm/v1/metrics/loggers.py``
-  ``PrometheusStatLogger``). vLLM's ``GET /load`` counts only the routes
+  ``PrometheusStatLogger``); with the capacity model also
+  ``vllm:kv_cache_usage_perc`` (used blocks over the pool) and the counter
+  ``vllm:num_preemptions_total``. vLLM's ``GET /load`` counts only the routes
   wrapped in ``load_aware_call`` and only with
   ``--enable-server-load-tracking``, so the gauges are what every vLLM
   serves.
@@ -57,6 +65,15 @@ def sglang_loads(engine: "SimEngine", query: bytes, version: str,
                 num_waiting_uncached_tokens=uncached, max_total_num_tokens=max_total_num_tokens,
                 token_usage=0.0, gen_throughput=0.0, cache_hit_rate=round(hits, 4), utilization=0.0,
                 decode_moments=None)
+    cap = engine.capacity
+    if cap is not None:
+        pool = cap.pool()
+        total = pool if pool is not None else max_total_num_tokens
+        used = cap.used()
+        pending = used + cap.waiting_tokens()
+        load.update(num_used_tokens=used, num_total_tokens=pending, num_active_tokens=pending,
+                    max_total_num_tokens=total, max_running_requests=cap.config.max_running or 0,
+                    token_usage=used / total)
     loads = [load] if args.get("dp_rank", "0") == "0" else []
     if args.get("format") == "prometheus":
         lines = []
@@ -72,6 +89,19 @@ def vllm_metrics(engine: "SimEngine", model_name: str) -> bytes:
     """vLLM ``GET /metrics``: the scheduler's two gauges, Prometheus text."""
     running, waiting, _ = engine.load()
     labels = f'engine="0",model_name="{model_name}"'
+    cap = engine.capacity
+    extra = ""
+    if cap is not None:
+        pool = cap.pool()
+        usage = cap.used() / pool if pool else 0.0
+        extra = (
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f"vllm:kv_cache_usage_perc{{{labels}}} {float(usage)}\n"
+            "# HELP vllm:num_preemptions Cumulative number of preemption from the engine.\n"
+            "# TYPE vllm:num_preemptions counter\n"
+            f"vllm:num_preemptions_total{{{labels}}} {float(cap.preemptions)}\n"
+        )
     return (
         "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
         "# TYPE vllm:num_requests_running gauge\n"
@@ -79,4 +109,5 @@ def vllm_metrics(engine: "SimEngine", model_name: str) -> bytes:
         "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
         "# TYPE vllm:num_requests_waiting gauge\n"
         f"vllm:num_requests_waiting{{{labels}}} {float(waiting)}\n"
+        f"{extra}"
     ).encode()

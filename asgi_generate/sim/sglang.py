@@ -233,6 +233,7 @@ class SGLangProtocol:
             logit_bias=bias,
             # GenerateReqInput._normalize_single_inputs: "" is None.
             namespace=(field(obj, "extra_key", (str,), None) or None, field(obj, "cache_salt", (str,), None) or None),
+            priority=field(obj, "priority", (int,), None),
         )
         # The scheduler refuses these (Scheduler.handle_generate_request, then
         # its grammar manager): an abort with status 400 before any token.
@@ -411,8 +412,7 @@ class SGLangProtocol:
         self.engine.disconnects += 1
         # SGLang aborts a vanished client's request after a short delay.
         await anyio.sleep(self.disconnect_abort_s)
-        job.aborted = True
-        job.abort_event.set()
+        self.engine.abandon(job)
 
     async def run_job(self, job: Job, opts: dict, send: Send, done: list[bool]) -> None:
         t0 = time.monotonic()
@@ -519,6 +519,8 @@ class SGLangProtocol:
                 )
             if finish is not None:
                 break
+        if finish is None and job.refused is not None:  # evicted from a full queue while waiting
+            finish = ("abort", job.refused)
         if finish is None and not job.aborted:
             finish = ("length", job.max_new_tokens)  # max_new_tokens == 0
         if opts["room"] is not None and not job.aborted and finish[0] != "abort":
@@ -615,9 +617,15 @@ class SGLangProtocol:
             "enable_return_routed_experts": True,
             "context_length": self.context_length,
             "version": "0.0.0-sim",
-            "max_total_num_tokens": MAX_TOTAL_NUM_TOKENS,
+            "max_total_num_tokens": self._pool(),
             "stream_interval": self.stream_interval,
         }
+
+    def _pool(self) -> int:
+        """The KV pool in tokens: ``--max-total-tokens`` with the capacity
+        model, else :data:`MAX_TOTAL_NUM_TOKENS`."""
+        cap = self.engine.capacity
+        return cap.config.kv_tokens if cap is not None and cap.config.kv_tokens is not None else MAX_TOTAL_NUM_TOKENS
 
     def model_info(self, model_path: str) -> dict:
         """The ``/get_model_info`` body."""

@@ -288,5 +288,4 @@ async def _watch_disconnect(proto: BatchHost, receive: Receive, jobs: list, done
     # SGLang aborts a vanished client's requests after a short delay.
     await anyio.sleep(proto.disconnect_abort_s)
     for job, _ in jobs:
-        job.aborted = True
-        job.abort_event.set()
+        proto.engine.abandon(job)

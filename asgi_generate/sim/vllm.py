@@ -107,6 +107,7 @@ import anyio
 import orjson
 
 from .framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
+from .capacity import VLLM_QUEUE_OVERFLOW
 from .engine import DuplicateRequestId, Job, SimEngine, Token
 from .grammars import VLLM_REFUSAL
 from .kvconnector import KVConsumer, KVProducer
@@ -237,8 +238,11 @@ class VLLMProtocol:
         if model is not None and model != self.model_name:
             raise error(f"The model `{model}` does not exist.", "NotFoundError", 404, "model")
         n = sp.get("n", 1)
-        if n > MAX_NUM_SEQS:
-            raise error(f"sampling_params.n must be at most the server's max_num_seqs ({MAX_NUM_SEQS}), got {n}.")
+        capacity = self.engine.capacity
+        max_num_seqs = capacity.config.max_running if capacity is not None else None
+        max_num_seqs = max_num_seqs or MAX_NUM_SEQS  # --max-num-seqs, else vLLM's default
+        if n > max_num_seqs:
+            raise error(f"sampling_params.n must be at most the server's max_num_seqs ({max_num_seqs}), got {n}.")
         if self.behaviour.refuses_stop_strings and stop_strings(sp):
             raise error(
                 "stop strings are not supported on a --tokens-only server because detokenization is disabled. "
@@ -298,6 +302,8 @@ class VLLMProtocol:
             stop_token_ids=frozenset(sp.get("stop_token_ids") or ()),
             ignore_eos=sp.get("ignore_eos", False),
             namespace=(obj.get("cache_salt") or None,),
+            priority=obj.get("priority", 0),
+            seqs=n,
         )
         opts = Options(
             stream=bool(obj.get("stream")),
@@ -441,6 +447,10 @@ class VLLMProtocol:
         """Serve one ``POST /inference/v1/generate``."""
         try:
             job, opts = self.parse(body, headers)
+            capacity = self.engine.capacity
+            if capacity is not None and capacity.vllm_overflow(1 if opts.stream else opts.n):
+                # AsyncLLM.check_admission from ServingTokens._preflight: before any byte.
+                raise error(VLLM_QUEUE_OVERFLOW, "Service Unavailable", 503)
             self.engine.submit(job)
         except VLLMError as exc:
             await send_unary(send, exc.status, orjson.dumps(exc.body))
