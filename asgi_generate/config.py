@@ -366,6 +366,56 @@ class Settings:
     pause_hold_timeout: float = setting(
         600.0, unit="s", gt=0,
         help="seconds a stream is held for the fleet's resume; past it, it ends with 503")
+    admission: bool = setting(
+        False,
+        help="admission control (docs/overload.md): a request waits in a bounded queue until its engines "
+             "have room by their own load figures, ordered by priority class, tenant share, group and "
+             "deadline; past the queue's bounds it is shed with 429 and Retry-After")
+    admission_worker_requests: int = setting(
+        64, gt=0, metavar="N",
+        help="admission: engine requests (running plus waiting, every frontend's) one worker takes before "
+             "it counts as full")
+    admission_waiting_tokens: int = setting(
+        0, unit="tokens", metavar="N",
+        help="admission: a worker whose engine reports this many uncached prompt tokens waiting for prefill "
+             "counts as full; 0 = no such bound")
+    admission_load_interval: float = setting(
+        0.1, unit="s", gt=0,
+        help="admission: seconds between readings of each engine's load (SGLang /v1/loads, vLLM /metrics)")
+    admission_load_stale: float = setting(
+        1.0, unit="s", gt=0,
+        help="admission: a load reading older than this counts its worker as full, never as empty")
+    admission_classes: str = setting(
+        "eval,agent,rollout,bulk", metavar="NAMES",
+        help="admission: the priority classes, highest first, named by a request's x-priority-class header")
+    admission_default_class: str = setting(
+        "rollout", metavar="NAME", help="admission: the class of a request that names none")
+    admission_reserved_share: float = setting(
+        0.05, le=1,
+        help="admission: the share of the fleet's room each class may take even while a higher class "
+             "waits, so that no class is starved")
+    admission_promote_after: float = setting(
+        30.0, unit="s", gt=0,
+        help="admission: a request waiting this long is ordered as one class higher (two after twice as long)")
+    admission_tenant_weights: str = setting(
+        "", metavar="TENANT=W,...",
+        help="admission: tenants' weights in their class's share (others weigh 1); the tenant is the "
+             "x-tenant header, else a hash of the bearer token")
+    admission_output_weight: float = setting(
+        2.0,
+        help="admission: a tenant's work is its uncached prompt tokens plus this times its output tokens")
+    admission_max_tenants: int = setting(
+        1000, gt=0, metavar="N",
+        help="admission: tenants tracked by name per class; more share one counter and one metrics label")
+    admission_queue_depth: int = setting(
+        1024, gt=0, metavar="N",
+        help="admission: requests waiting per class; one more is shed with 429")
+    admission_queue_bytes: int = setting(
+        64 * 1024 * 1024, unit="bytes", gt=0,
+        help="admission: request body bytes waiting per class; one more is shed with 429")
+    admission_queue_wait: float = setting(
+        30.0, unit="s", gt=0,
+        help="admission: seconds a request may wait for room (during a fleet pause too); past it, 429")
     health_interval: float = setting(
         2.0, unit="s", gt=0,
         help="seconds between health probes of each worker; in whole seconds (at least 1), the Retry-After of "

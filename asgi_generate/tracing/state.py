@@ -114,6 +114,14 @@ class RequestState:
     migration_wait: str | None = None
     response_started: bool = False
     response_complete: bool = False
+    #: Admission (``--admission``): seconds the request waited in its queue
+    #: (``None``: it never queued), its priority class, tenant and group id,
+    #: and why it was shed or cut (``queue_depth``, ``wait``, ``deadline``, ...).
+    queue_s: float | None = None
+    priority_class: str | None = None
+    tenant: str | None = None
+    group_id: str | None = None
+    shed_reason: str | None = None
     #: An item of a request that carried several: the request's id, the
     #: item's index in its answer, and how many items it carried.
     batch_id: str | None = None
