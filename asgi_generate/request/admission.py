@@ -347,7 +347,7 @@ class Queue:
             unit = self._head(q, tenant)
             if unit is None:
                 continue
-            counter = q.counters.get(tenant, 0.0) / self.weights.get(tenant, 1.0)
+            counter = q.counters.get(tenant, 0.0)  # work served over its weight
             if counter < best_counter or (counter == best_counter and unit.seq < best.seq):
                 best, best_counter = unit, counter
         return best
