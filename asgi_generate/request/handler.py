@@ -160,6 +160,18 @@ async def _admit(
     return None if request is None else (request, lease)
 
 
+def _note_request(st: RequestState, request: GenerateRequest) -> None:
+    """What the record keeps of the decoded request."""
+    st.public_id = request.public_id
+    st.stream = request.stream
+    # The packed ids, when the codec made them: no list of ints kept for the trace.
+    packed = request.input_ids_packed
+    st.input_ids = request.input_ids if packed is None else packed.u32
+    st.input_length = len(request.input_ids) if request.input_ids is not None else None
+    st.replay_excluded = request.replay_excluded
+    st.model = request.model
+
+
 async def _queue(
     ctx: "RequestContext", codec: Codec, request: GenerateRequest, scope: dict, receive: Receive, send: Send,
     st: RequestState, lease: Lease,
@@ -169,6 +181,7 @@ async def _queue(
     having no worker up). A shed request is answered in its format's error
     shape (429 with ``Retry-After``, or 503), a client that leaves while
     queued is recorded as gone; neither holds anything after."""
+    _note_request(st, request)
     admission = ctx.admission
     protocol = codec.worker_protocol
     if admission.bypass(protocol):
@@ -274,14 +287,7 @@ async def _generate(
     ctx: "RequestContext", codec: Codec, request: GenerateRequest, scope: dict, receive: Receive, send: Send,
     st: RequestState, lease: Lease,
 ) -> None:
-    st.public_id = request.public_id
-    st.stream = request.stream
-    # The packed ids, when the codec made them: no list of ints kept for the trace.
-    packed = request.input_ids_packed
-    st.input_ids = request.input_ids if packed is None else packed.u32
-    st.input_length = len(request.input_ids) if request.input_ids is not None else None
-    st.replay_excluded = request.replay_excluded
-    st.model = request.model
+    _note_request(st, request)
     extensions = scope.get("extensions", {})
     watch = extensions.get(DISCONNECT_WATCH)
     inline = watch is not None and ctx.watchdog.running

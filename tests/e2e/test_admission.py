@@ -1,0 +1,173 @@
+"""Admission end to end (``--admission``; docs/overload.md), through a real
+frontend and its simulators, both worker classes: sheds in SGLang's and
+vLLM's error shapes with ``Retry-After``, requests waiting (bounded) through
+a fleet pause, the slot given back when the client leaves while queued and
+while running, a stream cut at its deadline with the engine's abort finish,
+answers unchanged on an idle fleet, and exactly one record per request with
+its outcome."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import orjson
+import pytest
+
+from support import RawClient, Traced, post, sse, wait_until
+
+pytestmark = pytest.mark.e2e
+
+VLLM = "/inference/v1/generate"
+GENERATE = {"sglang": "/generate", "vllm": VLLM}
+PAUSE = {"sglang": ("/pause_generation", {"mode": "abort"}), "vllm": ("/pause?mode=abort", {})}
+RESUME = {"sglang": ("/continue_generation", {}), "vllm": ("/resume", {})}
+
+
+@pytest.fixture(scope="module", params=["trio", "asyncio"])
+def fe(request, tmp_path_factory):
+    t = Traced(tmp_path_factory, [
+        "--admission", "--admission-worker-requests", "2", "--admission-queue-depth", "1",
+        "--admission-queue-wait", "20", "--embedded-workers", "1", "--embedded-itl-ms", "20",
+    ], worker_class=request.param)
+    wait_until(lambda: _admission(t)["saturation"]["readings"] >= 2)
+    yield t
+    t.stop()
+
+
+def _admission(fe) -> dict:
+    return httpx.get(fe.url + "/stats", timeout=5).json()["admission"]
+
+
+def _rollout(fe, protocol: str) -> dict:
+    return _admission(fe)["protocols"].get(protocol, {}).get("classes", {}).get("rollout", {})
+
+
+def _body(protocol: str, n: int = 4, stream: bool = False, rid: str = "r") -> dict:
+    if protocol == "sglang":
+        return {"input_ids": [5, 6, 7], "rid": rid, "stream": stream,
+                "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}
+    return {"token_ids": [5, 6, 7], "request_id": rid, "stream": stream,
+            "sampling_params": {"max_tokens": n, "ignore_eos": True}}
+
+
+def _pause(fe, protocol: str) -> None:
+    path, body = PAUSE[protocol]
+    assert post(fe.url, body, path).status_code == 200
+
+
+def _resume(fe, protocol: str) -> None:
+    path, body = RESUME[protocol]
+    assert post(fe.url, body, path).status_code == 200
+
+
+def _in_thread(fn):
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("r", fn()))
+    thread.start()
+    return thread, out
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_a_full_queue_sheds_in_the_formats_shape_and_a_pause_waits(fe, protocol):
+    _pause(fe, protocol)
+    try:
+        thread, out = _in_thread(lambda: post(fe.url, _body(protocol, rid="waits"), GENERATE[protocol]))
+        wait_until(lambda: _rollout(fe, protocol).get("waiting") == 1)
+        shed = post(fe.url, _body(protocol, rid="shed"), GENERATE[protocol])
+    finally:
+        _resume(fe, protocol)
+    thread.join(30)
+    message = ("overloaded: shed from the rollout queue (queue_depth): the rollout queue is full (1 requests)")
+    want = ({"object": "error", "message": message, "type": "Too Many Requests", "param": None, "code": 429}
+            if protocol == "sglang" else
+            {"error": {"message": message, "type": "Too Many Requests", "param": None, "code": 429}})
+    assert (shed.status_code, shed.headers["retry-after"], shed.json()) == (429, "1", want)
+    waited = out["r"]
+    assert waited.status_code == 200
+    tokens = (waited.json()["output_ids"] if protocol == "sglang" else waited.json()["choices"][0]["token_ids"])
+    assert len(tokens) == 4
+    recs = {r["public_id"]: r for r in fe.take(2)}
+    assert (recs["shed"]["status"], recs["shed"]["http_status"], recs["shed"]["shed_reason"],
+            recs["shed"]["priority_class"], recs["shed"]["tenant"]) == ("shed", 429, "queue_depth", "rollout",
+                                                                         "default")
+    assert recs["shed"]["error"] == {"type": "queue_depth", "message": message}
+    assert recs["waits"]["status"] == "ok" and recs["waits"]["queue_ms"] > 0
+    assert recs["waits"]["output_tokens"] == 4
+    assert _rollout(fe, protocol)["held"] == 0
+
+
+def test_an_unknown_class_is_a_400(fe):
+    got = post(fe.url, _body("vllm", rid="bad"), VLLM, headers={"x-priority-class": "vip"})
+    assert got.status_code == 400
+    assert got.json()["error"]["message"] == ("unknown priority class 'vip' (x-priority-class; known: eval, agent, "
+                                              "rollout, bulk)")
+    (rec,) = fe.take(1)
+    assert rec["status"] == "rejected" and rec["http_status"] == 400
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_answers_are_unchanged_on_an_idle_fleet(fe, protocol):
+    worker = next(w for w in httpx.get(fe.url + "/v1/models").json()["workers"] if w["protocol"] == protocol)
+    direct = post(worker["url"], _body(protocol, n=6, rid="same"), GENERATE[protocol]).json()
+    got = post(fe.url, _body(protocol, n=6, rid="same"), GENERATE[protocol],
+               headers={"x-priority-class": "eval", "x-tenant": "team-a"}).json()
+    if protocol == "sglang":
+        assert got["output_ids"] == direct["output_ids"] and got["text"] == direct["text"]
+    else:
+        assert got["choices"] == direct["choices"]
+    (rec,) = fe.take(1)
+    assert (rec["status"], rec["priority_class"], rec["tenant"], rec["queue_ms"]) == ("ok", "eval", "team-a", 0)
+
+
+def test_the_slot_is_given_back_when_the_client_leaves_while_queued(fe):
+    _pause(fe, "sglang")
+    try:
+        client = RawClient(fe.url)
+        client.send(orjson.dumps(_body("sglang", rid="queued-gone")))
+        wait_until(lambda: _rollout(fe, "sglang").get("waiting") == 1)
+        client.sock.close()
+        wait_until(lambda: _rollout(fe, "sglang")["waiting"] == 0)
+    finally:
+        _resume(fe, "sglang")
+    (rec,) = fe.take(1)
+    assert rec["status"] == "client_disconnect" and rec["attempts"] == [] and "queue_ms" not in rec
+    assert _rollout(fe, "sglang")["held"] == 0
+
+
+def test_the_slot_is_given_back_when_the_client_leaves_while_running(fe):
+    client = RawClient(fe.url)
+    client.send(orjson.dumps(_body("sglang", n=500, stream=True, rid="running-gone")))
+    assert len(client.events(2)) == 2
+    assert _rollout(fe, "sglang")["held"] == 1
+    client.sock.close()
+    wait_until(lambda: _rollout(fe, "sglang")["held"] == 0)
+    (rec,) = fe.take(1)
+    assert rec["status"] == "client_disconnect" and rec["attempts"][0]["abort_acked"] is True
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_a_stream_at_its_deadline_ends_with_the_abort_finish_and_its_tokens(fe, protocol):
+    status, events = sse(fe.url, _body(protocol, n=500, stream=True, rid="late"), GENERATE[protocol],
+                         headers={"x-deadline-ms": "400"})
+    assert status == 200
+    payloads = [orjson.loads(e) for e in events if e != b"[DONE]"]
+    if protocol == "sglang":
+        last = payloads[-1]
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"
+        sent = len(last["output_ids"])
+    else:
+        assert payloads[-1]["choices"][0]["finish_reason"] == "abort"
+        sent = sum(len(p["choices"][0]["token_ids"]) for p in payloads)
+    assert 0 < sent < 500
+    (rec,) = fe.take(1)
+    assert (rec["status"], rec["shed_reason"], rec["output_tokens"]) == ("deadline", "deadline", sent)
+    assert _admission(fe)["deadline_cuts"] >= 1
+    assert _rollout(fe, protocol)["held"] == 0
+
+
+def test_metrics_show_admission(fe):
+    text = httpx.get(fe.url + "/metrics").text
+    assert 'asgi_generate_admission_slots_held{class="rollout",protocol="sglang"} 0.0' in text
+    assert 'asgi_generate_admission_room_sequences{protocol="sglang",quantity="capacity"} 2.0' in text
+    assert "asgi_generate_engine_requests{" in text
