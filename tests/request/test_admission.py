@@ -204,7 +204,7 @@ def served(weights: dict[str, float] | None, loads: dict[str, int], work: dict[s
     backlog capped at 40): both want more than half the fleet. The work
     each tenant got admitted after the first 20 ticks."""
     q, _ = make(8, weights=weights or {}, depth=10_000)
-    waiting: set = set()
+    waiting: dict = {}  # in arrival order: the run is deterministic
     running: list = []
     got = dict.fromkeys(loads, 0.0)
     backlog = dict.fromkeys(loads, 0)
@@ -214,13 +214,13 @@ def served(weights: dict[str, float] | None, loads: dict[str, int], work: dict[s
             q.release(e, None, now)
         running = [e for e in waiting if e.granted]
         for e in running:
-            waiting.discard(e)
+            del waiting[e]
             backlog[e.ask.tenant] -= 1
             if step >= 20:
                 got[e.ask.tenant] += e.ask.work
         for tenant, n in loads.items():
             for _ in range(min(n, 40 - backlog[tenant])):
-                waiting.add(q.enqueue(ask(tenant=tenant, work=work[tenant]), now))
+                waiting[q.enqueue(ask(tenant=tenant, work=work[tenant]), now)] = None
                 backlog[tenant] += 1
     return got
 
