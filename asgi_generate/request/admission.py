@@ -49,9 +49,9 @@ import anyio
 
 #: Shed reasons (the body's and the record's ``shed_reason``, the metrics'
 #: ``reason`` label).
-QUEUE_DEPTH, QUEUE_BYTES, WAIT, DEADLINE, GROUP_INCOMPLETE, NEVER = (
-    "queue_depth", "queue_bytes", "wait", "deadline", "group_incomplete", "never")
-REASONS = (QUEUE_DEPTH, QUEUE_BYTES, WAIT, DEADLINE, GROUP_INCOMPLETE, NEVER)
+QUEUE_DEPTH, QUEUE_BYTES, WAIT, DEADLINE, GROUP_INCOMPLETE, NEVER, SHUTDOWN = (
+    "queue_depth", "queue_bytes", "wait", "deadline", "group_incomplete", "never", "shutdown")
+REASONS = (QUEUE_DEPTH, QUEUE_BYTES, WAIT, DEADLINE, GROUP_INCOMPLETE, NEVER, SHUTDOWN)
 #: Retry-After is the class's recent wait, in whole seconds, within these bounds.
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 60
 #: How far a class's wait estimate moves toward each new wait (a moving average).
@@ -476,6 +476,14 @@ class Queue:
                     else:
                         refusal = self._refusal(q, WAIT, f"no room within {self.wait:g} s")
                     self._shed_unit(unit, refusal)
+
+    def shut(self) -> None:
+        """The server shuts down: every waiting unit is refused with 503
+        (:data:`SHUTDOWN`, no ``Retry-After``)."""
+        for q in self.classes:
+            for unit in list(q.fifo[q.fifo_head:]):
+                if not unit.done:
+                    self._shed_unit(unit, Refusal(503, SHUTDOWN, "server is shutting down", None))
 
     def next_expiry(self) -> float:
         """When :meth:`expire` next has something to do (monotonic seconds)."""

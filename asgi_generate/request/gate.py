@@ -210,6 +210,11 @@ class Admission:
         work = uncached + self.settings.admission_output_weight * output
         self.queue(entry.ask.protocol).release(entry, work, self.clock())
 
+    def shut(self) -> None:
+        """The server shuts down: every queued request is answered 503 now."""
+        for q in self.queues.values():
+            q.shut()
+
     def pump_all(self) -> None:
         """A reading came in: admit what now fits, on every protocol."""
         now = self.clock()

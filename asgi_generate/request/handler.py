@@ -214,6 +214,9 @@ async def _queue(
     refusal = entry.refusal
     if refusal is None:
         return True, entry
+    if refusal.reason == "shutdown":
+        await _send_error(codec, send, st, RequestError(503, refusal.message, "shutdown"))
+        return False, None
     st.shed_reason = refusal.reason
     headers = [(b"retry-after", b"%d" % refusal.retry_after)] if refusal.retry_after is not None else []
     await _send_error(codec, send, st, RequestError(refusal.status, refusal.message, refusal.reason), headers,

@@ -266,6 +266,8 @@ class App:
         if self.shutting_down:
             return
         self.shutting_down = True
+        if self.admission is not None:  # queued requests are answered 503 now
+            self.admission.shut()
         grace = self.settings.shutdown_grace
         if server_grace is not None:
             grace = max(0.0, min(grace, server_grace - END_MARGIN))

@@ -8,13 +8,14 @@ its outcome."""
 
 from __future__ import annotations
 
+import signal
 import threading
 
 import httpx
 import orjson
 import pytest
 
-from support import RawClient, Traced, post, sse, wait_until
+from support import RawClient, Traced, post, sse, start_frontend, start_sim, trace_records, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -171,3 +172,60 @@ def test_metrics_show_admission(fe):
     assert 'asgi_generate_admission_slots_held{class="rollout",protocol="sglang"} 0.0' in text
     assert 'asgi_generate_admission_room_sequences{protocol="sglang",quantity="capacity"} 2.0' in text
     assert "asgi_generate_engine_requests{" in text
+
+
+@pytest.fixture(scope="module")
+def sims():
+    started = [start_sim(), start_sim()]
+    yield started
+    for sim in started:
+        sim.stop()
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_the_slot_follows_a_migrated_stream_and_is_given_back_at_its_end(sims, worker_class, tmp_path):
+    base = str(tmp_path / "t")
+    fe = start_frontend([f"sglang={s.url}" for s in sims], worker_class=worker_class,
+                        extra=["--admission", "--trace-file", base + ".jsonl"])
+    try:
+        wait_until(lambda: _admission(fe)["saturation"]["readings"] >= 2)
+        for s in sims:
+            httpx.post(s.url + "/sim/faults", json={"after_tokens": 5, "input_len": 3}, timeout=5).raise_for_status()
+        status, events = sse(fe.url, _body("sglang", n=12, stream=True, rid="moved"), "/generate")
+        assert status == 200
+        assert len(orjson.loads(events[-2] if events[-1] == b"[DONE]" else events[-1])["output_ids"]) == 12
+        wait_until(lambda: _rollout(fe, "sglang")["held"] == 0)
+        (rec,) = wait_until(lambda: trace_records(base + ".*.jsonl"))
+        assert (rec["status"], rec["migrations"], rec["output_tokens"], rec["priority_class"]) == ("ok", 1, 12,
+                                                                                                 "rollout")
+    finally:
+        for s in sims:
+            httpx.delete(s.url + "/sim/faults", timeout=5)
+        fe.stop()
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_a_request_queued_at_shutdown_is_answered_503_with_its_record(sims, worker_class, tmp_path):
+    base = str(tmp_path / "t")
+    fe = start_frontend([f"sglang={sims[0].url}"], worker_class=worker_class,
+                        extra=["--admission", "--trace-file", base + ".jsonl"])
+    try:
+        wait_until(lambda: _admission(fe)["saturation"]["readings"] >= 1)
+        _pause(fe, "sglang")
+        client = RawClient(fe.url)
+        client.send(orjson.dumps(_body("sglang", rid="at-shutdown")))
+        wait_until(lambda: _rollout(fe, "sglang").get("waiting") == 1)
+        fe.signal(signal.SIGTERM)
+        head = client._next()
+        body = b""
+        while type(event := client._next()).__name__ == "Data":
+            body += event.data
+        assert head.status_code == 503
+        assert orjson.loads(body) == {"object": "error", "message": "server is shutting down", "type": "503",
+                                      "param": None, "code": 503}
+        fe.proc.wait(20)
+        (rec,) = trace_records(base + ".*.jsonl")
+        assert (rec["status"], rec["http_status"], rec["public_id"]) == ("shutdown", 503, "at-shutdown")
+    finally:
+        post(sims[0].url, {}, "/continue_generation")
+        fe.stop()
