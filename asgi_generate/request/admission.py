@@ -446,6 +446,7 @@ class Queue:
             return
         q = self.classes[unit.cls]
         unit.entries.remove(entry)
+        entry.unit = None  # once: a second withdraw finds nothing to do
         q.depth -= 1
         q.nbytes -= entry.ask.nbytes
         q.tenant_stats(entry.ask.tenant)[0] -= 1
