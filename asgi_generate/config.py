@@ -53,6 +53,45 @@ def default_budget_bytes() -> int:
     return max(64 * mib, min(512 * mib, total // 128))
 
 
+def parse_weights(text: str) -> dict[str, float]:
+    """``--admission-tenant-weights`` (``a=2,b=1``) as a dict.
+
+    Raises:
+        ValueError: an item without ``=`` or a weight that is not a positive number.
+    """
+    weights = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = 0.0
+        if not sep or not name.strip() or not weight > 0:
+            raise ValueError(f"{item!r} is not TENANT=WEIGHT with a positive weight")
+        weights[name.strip()] = weight
+    return weights
+
+
+def parse_priorities(text: str, classes: list[str]) -> dict[str, int]:
+    """``--admission-engine-priority`` (``eval=-10,bulk=10``) as a dict.
+
+    Raises:
+        ValueError: an item that is not CLASS=INTEGER with a known class.
+    """
+    priorities = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        try:
+            priority = int(value)
+        except ValueError:
+            sep = ""
+        if not sep or name not in classes:
+            raise ValueError(f"{item!r} is not CLASS=INTEGER with a class of {', '.join(classes)}")
+        priorities[name] = priority
+    return priorities
+
+
 @dataclass(frozen=True, slots=True)
 class Setting:
     """One setting's declaration: what its :class:`Settings` field holds in
@@ -397,6 +436,12 @@ class Settings:
     admission_promote_after: float = setting(
         30.0, unit="s", gt=0,
         help="admission: a request waiting this long is ordered as one class higher (two after twice as long)")
+    admission_engine_priority: str = setting(
+        "", metavar="CLASS=P,...",
+        help="admission: the engines' own priority field sent for each class (SGLang and vLLM priority, as "
+             "given: vLLM schedules lower values first, SGLang by its --schedule-low-priority-values-first) "
+             "where the client's body has none; only for engines started with priority scheduling (vLLM "
+             "refuses a priority other than 0 otherwise)")
     admission_tenant_weights: str = setting(
         "", metavar="TENANT=W,...",
         help="admission: tenants' weights in their class's share (others weigh 1); the tenant is the "
@@ -548,6 +593,18 @@ class Settings:
                 raise ValueError(f"{s.label} {fault}")
         if not any(h.strip() for h in self.session_headers.split(",")):
             raise ValueError(f"{_label('session_headers')} names no header")
+        classes = [c.strip() for c in self.admission_classes.split(",") if c.strip()]
+        if not classes or len(set(classes)) != len(classes):
+            raise ValueError(f"{_label('admission_classes')} must name distinct classes")
+        if self.admission_default_class not in classes:
+            raise ValueError(f"{_label('admission_default_class')} {self.admission_default_class!r} is not one "
+                             f"of {', '.join(classes)}")
+        for name, parse in (("admission_tenant_weights", lambda t: parse_weights(t)),
+                            ("admission_engine_priority", lambda t: parse_priorities(t, classes))):
+            try:
+                parse(getattr(self, name))
+            except ValueError as exc:
+                raise ValueError(f"{_label(name)}: {exc}") from None
         if self.workers_file is not None:
             try:
                 read_workers_file(self.workers_file)

@@ -31,6 +31,7 @@ import anyio
 from . import state
 from .admission import Ask, Entry, Queue
 from .saturation import Saturation
+from ..config import parse_priorities, parse_weights
 from ..sdk._codec import GenerateRequest, RequestError
 
 if TYPE_CHECKING:
@@ -53,25 +54,6 @@ MAX_NAME = 64
 CUT_POLL_S = 0.02
 
 
-def parse_weights(text: str) -> dict[str, float]:
-    """``--admission-tenant-weights`` (``a=2,b=1``) as a dict.
-
-    Raises:
-        ValueError: an item without ``=`` or a weight that is not a positive number.
-    """
-    weights = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        try:
-            weight = float(value)
-        except ValueError:
-            weight = 0.0
-        if not sep or not name.strip() or not weight > 0:
-            raise ValueError(f"{item!r} is not TENANT=WEIGHT with a positive weight")
-        weights[name.strip()] = weight
-    return weights
-
-
 class Admission:
     """The process's admission: queues, readings, figures.
 
@@ -88,6 +70,8 @@ class Admission:
         self.clock = clock
         self.classes = [c.strip() for c in settings.admission_classes.split(",") if c.strip()]
         self.weights = parse_weights(settings.admission_tenant_weights)
+        self.priorities = {name: {"priority": p} for name, p in
+                           parse_priorities(settings.admission_engine_priority, self.classes).items()}
         self.saturation = Saturation(settings.admission_worker_requests, settings.admission_waiting_tokens,
                                      settings.admission_load_stale, clock)
         self.queues: dict[str, Queue] = {}
@@ -178,6 +162,11 @@ class Admission:
         work = prompt + self.settings.admission_output_weight * (request.max_new_tokens or 0) * seqs
         st.priority_class, st.tenant, st.group_id = name, tenant, group
         return Ask(protocol, cls, tenant, seqs, float(work), st.body_bytes, deadline, group, size, prompt)
+
+    def engine_fields(self, st: "RequestState") -> dict:
+        """The top-level fields every engine leg of ``st``'s request carries:
+        its class's engine ``priority`` (``--admission-engine-priority``), if mapped."""
+        return self.priorities.get(st.priority_class, {})
 
     async def admit(self, ask: Ask) -> Entry:
         """Queue ``ask`` and wait for its grant or its shedding (the entry

@@ -239,6 +239,11 @@ class Generation:
         """The codec's worker requests for ``attempts``, in order; ``None``
         once the codec refused one and the refusal was answered (nothing
         reached an engine). The body budget's share is given back either way."""
+        admission = self.ctx.admission
+        if admission is not None:  # the engines' priority for the request's class, if mapped
+            fields = admission.engine_fields(self.st)
+            for attempt in attempts:
+                attempt.fields = fields
         try:
             return [self.codec_state.worker_request(attempt) for attempt in attempts]
         except RequestError as exc:

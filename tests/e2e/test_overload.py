@@ -229,3 +229,28 @@ def test_a_request_queued_at_shutdown_is_answered_503_with_its_record(sims, work
     finally:
         post(sims[0].url, {}, "/continue_generation")
         fe.stop()
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_a_class_is_sent_as_the_engines_priority_unless_the_client_gave_one(sims, worker_class):
+    from wire_proxy import WireProxy
+
+    vllm = start_sim("vllm")
+    proxies = {"sglang": WireProxy(sims[0].url), "vllm": WireProxy(vllm.url)}
+    fe = start_frontend([f"{p}={proxy.url}" for p, proxy in proxies.items()], worker_class=worker_class,
+                        extra=["--admission", "--admission-engine-priority", "eval=-10,bulk=10"])
+    try:
+        wait_until(lambda: _admission(fe)["saturation"]["readings"] >= 2)
+        for protocol, proxy in proxies.items():
+            path = GENERATE[protocol]
+            assert post(fe.url, _body(protocol, rid="e"), path, headers={"x-priority-class": "eval"}).status_code == 200
+            assert post(fe.url, _body(protocol, rid="r"), path).status_code == 200
+            own = {**_body(protocol, rid="o"), "priority": 3}
+            assert post(fe.url, own, path, headers={"x-priority-class": "bulk"}).status_code == 200
+            sent = [s.body for s in proxy.requests(path)]
+            assert [b.get("priority", "none") for b in sent] == [-10, "none", 3]
+    finally:
+        fe.stop()
+        for proxy in proxies.values():
+            proxy.stop()
+        vllm.stop()

@@ -397,3 +397,46 @@ async def test_admit_waits_sheds_at_wait_and_withdraws_when_cancelled():
         await anyio.sleep(2.0)
         q.release(first, None, trio.current_time())
     assert got[0].granted and got[0].waited == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"admission_default_class": "x"}, "--admission-default-class (ASGI_GENERATE_ADMISSION_DEFAULT_CLASS) 'x' is "
+                                       "not one of eval, agent, rollout, bulk"),
+    ({"admission_tenant_weights": "a=0"}, "--admission-tenant-weights (ASGI_GENERATE_ADMISSION_TENANT_WEIGHTS): "
+                                          "'a=0' is not TENANT=WEIGHT with a positive weight"),
+    ({"admission_engine_priority": "vip=1"}, "--admission-engine-priority (ASGI_GENERATE_ADMISSION_ENGINE_PRIORITY): "
+                                             "'vip=1' is not CLASS=INTEGER with a class of eval, agent, rollout, bulk"),
+    ({"admission_classes": "a,a", "admission_default_class": "a"},
+     "--admission-classes (ASGI_GENERATE_ADMISSION_CLASSES) must name distinct classes"),
+])
+def test_settings_are_checked_at_start(settings, message):
+    from asgi_generate.config import Settings
+
+    with pytest.raises(ValueError) as err:
+        Settings(**settings).check()
+    assert str(err.value) == message
+
+
+def test_headers_make_the_ask():
+    from asgi_generate.config import Settings
+    from asgi_generate.request.gate import Admission
+    from asgi_generate.sdk._codec import GenerateRequest, RequestError
+    from asgi_generate.tracing.state import RequestState
+
+    adm = Admission(Settings(admission=True, admission_engine_priority="eval=-5"), lambda: None)
+    st = RequestState("0" * 32, "sglang", "/generate", "POST")
+    st.headers = {b"x-priority-class": b"eval", b"authorization": b"Bearer secret", b"x-group-id": b"step7",
+                  b"x-group-size": b"8", b"x-deadline-ms": b"1500"}
+    st.input_length, st.body_bytes = 100, 400
+    got = adm.ask("sglang", GenerateRequest(stream=False, max_new_tokens=50), st)
+    assert got == Ask("sglang", 0, "token-2bb80d537b1d", 1, 200.0, 400, st.t_received + 1.5, "step7", 8, 100)
+    assert (st.priority_class, st.tenant, st.group_id) == ("eval", "token-2bb80d537b1d", "step7")
+    assert adm.engine_fields(st) == {"priority": -5}
+    st.headers = {b"x-group-id": b"g"}
+    with pytest.raises(RequestError) as err:
+        adm.ask("sglang", GenerateRequest(stream=False), st)
+    assert (err.value.status, err.value.message) == (400, "x-group-id needs x-group-size between 1 and 1024")
+    st.headers = {b"x-deadline-ms": b"soon"}
+    with pytest.raises(RequestError) as err:
+        adm.ask("sglang", GenerateRequest(stream=False), st)
+    assert err.value.message == "x-deadline-ms must be a number of milliseconds, at least 0"
