@@ -354,21 +354,22 @@ class Queue:
 
     def next_unit(self, now: float, capacity: int) -> Unit | None:
         """The unit to admit next, by the module's order (``None``: none waits)."""
-        reserved, ranked = None, None
+        ranked = []
         for i, q in enumerate(self.classes):
-            head = self._class_head(q)
-            if head is None:
+            if not q.heaps:  # nothing ready to go (an incomplete group is not)
                 continue
-            if reserved is None and q.held < self.reserved_share * capacity:
-                reserved = head
+            if q.held < self.reserved_share * capacity:
+                ranked.append((0, i, i, q))  # under its reserve: first, highest class first
+                continue
             oldest = q.oldest()
             waited = now - oldest.arrived if oldest is not None else 0.0
-            rank = i - int(waited // self.promote_after)
-            if ranked is None or rank < ranked[0]:
-                ranked = (rank, head)
-        if reserved is not None:
-            return reserved
-        return ranked[1] if ranked is not None else None
+            ranked.append((1, i - int(waited // self.promote_after), i, q))
+        ranked.sort(key=lambda row: row[:3])
+        for *_, q in ranked:  # only the classes looked at need their tenants scanned
+            head = self._class_head(q)
+            if head is not None:
+                return head
+        return None
 
     def pump(self, now: float) -> int:
         """Admit units, in order, while they fit; the count admitted. The
@@ -466,17 +467,26 @@ class Queue:
         """Shed every unit past its wait or its deadline at ``now``."""
         for q in self.classes:
             for unit in list(q.fifo[q.fifo_head:]):
-                if unit.done:
-                    continue
-                if unit.deadline <= now:
-                    self._shed_unit(unit, self._refusal(q, DEADLINE, "its deadline passed while it waited"))
-                elif now - unit.arrived >= self.wait:
-                    if not unit.complete:
-                        refusal = self._refusal(q, GROUP_INCOMPLETE, f"its group had {len(unit.entries)} of "
-                                                                     f"{unit.size} members after {self.wait:g} s")
-                    else:
-                        refusal = self._refusal(q, WAIT, f"no room within {self.wait:g} s")
-                    self._shed_unit(unit, refusal)
+                self.expire_unit(unit, now)
+
+    def expiry(self, unit: Unit) -> float:
+        """When ``unit`` is shed unless admitted: its wait's end or its deadline."""
+        return min(unit.arrived + self.wait, unit.deadline)
+
+    def expire_unit(self, unit: Unit, now: float) -> None:
+        """Shed ``unit`` if it is past its wait or its deadline at ``now``."""
+        if unit.done:
+            return
+        q = self.classes[unit.cls]
+        if unit.deadline <= now:
+            self._shed_unit(unit, self._refusal(q, DEADLINE, "its deadline passed while it waited"))
+        elif now - unit.arrived >= self.wait:
+            if not unit.complete:
+                refusal = self._refusal(q, GROUP_INCOMPLETE, f"its group had {len(unit.entries)} of "
+                                                             f"{unit.size} members after {self.wait:g} s")
+            else:
+                refusal = self._refusal(q, WAIT, f"no room within {self.wait:g} s")
+            self._shed_unit(unit, refusal)
 
     def shut(self) -> None:
         """The server shuts down: every waiting unit is refused with 503
@@ -485,15 +495,6 @@ class Queue:
             for unit in list(q.fifo[q.fifo_head:]):
                 if not unit.done:
                     self._shed_unit(unit, Refusal(503, SHUTDOWN, "server is shutting down", None))
-
-    def next_expiry(self) -> float:
-        """When :meth:`expire` next has something to do (monotonic seconds)."""
-        soonest = math.inf
-        for q in self.classes:
-            for unit in q.fifo[q.fifo_head:]:
-                if not unit.done:
-                    soonest = min(soonest, unit.arrived + self.wait, unit.deadline)
-        return soonest
 
     def _shed_unit(self, unit: Unit, refusal: Refusal) -> None:
         q = self.classes[unit.cls]

@@ -179,10 +179,12 @@ class Admission:
         entry.event = anyio.Event()
         try:
             while not (entry.granted or entry.refusal is not None):
-                with anyio.move_on_after(max(0.0, q.next_expiry() - self.clock())):
+                # Each waiter keeps its own unit's time (a group's members
+                # alike): no scan of the queue per waiter.
+                with anyio.move_on_after(max(0.0, q.expiry(entry.unit) - self.clock())):
                     await entry.event.wait()
                 if not entry.event.is_set():
-                    q.expire(self.clock())
+                    q.expire_unit(entry.unit, self.clock())
         finally:
             if not (entry.granted or entry.refusal is not None):
                 q.withdraw(entry, self.clock())
@@ -208,7 +210,6 @@ class Admission:
         """A reading came in: admit what now fits, on every protocol."""
         now = self.clock()
         for q in self.queues.values():
-            q.expire(now)
             q.pump(now)
 
     def service(self, worker: Any) -> Callable[[], Any]:

@@ -118,7 +118,7 @@ def test_deadline_passing_while_queued_sheds():
     q, _ = make(1)
     q.enqueue(ask(), 0.0)
     e = q.enqueue(ask(deadline=4.0), 1.0)
-    assert q.next_expiry() == 4.0
+    assert q.expiry(e.unit) == 4.0
     q.expire(3.9)
     assert e.refusal is None
     q.expire(4.0)
