@@ -121,30 +121,66 @@ def test_answers_are_unchanged_on_an_idle_fleet(fe, protocol):
     assert (rec["status"], rec["priority_class"], rec["tenant"], rec["queue_ms"]) == ("ok", "eval", "team-a", 0)
 
 
-def test_the_slot_is_given_back_when_the_client_leaves_while_queued(fe):
-    _pause(fe, "sglang")
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_the_slot_is_given_back_when_the_client_leaves_while_queued(fe, protocol):
+    _pause(fe, protocol)
     try:
         client = RawClient(fe.url)
-        client.send(orjson.dumps(_body("sglang", rid="queued-gone")))
-        wait_until(lambda: _rollout(fe, "sglang").get("waiting") == 1)
+        client.send(orjson.dumps(_body(protocol, rid="queued-gone")), path=GENERATE[protocol])
+        wait_until(lambda: _rollout(fe, protocol).get("waiting") == 1)
         client.sock.close()
-        wait_until(lambda: _rollout(fe, "sglang")["waiting"] == 0)
+        wait_until(lambda: _rollout(fe, protocol)["waiting"] == 0)
     finally:
-        _resume(fe, "sglang")
+        _resume(fe, protocol)
     (rec,) = fe.take(1)
     assert rec["status"] == "client_disconnect" and rec["attempts"] == [] and "queue_ms" not in rec
-    assert _rollout(fe, "sglang")["held"] == 0
+    assert _rollout(fe, protocol)["held"] == 0
 
 
-def test_the_slot_is_given_back_when_the_client_leaves_while_running(fe):
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_the_slot_is_given_back_when_the_client_leaves_while_running(fe, protocol):
     client = RawClient(fe.url)
-    client.send(orjson.dumps(_body("sglang", n=500, stream=True, rid="running-gone")))
+    client.send(orjson.dumps(_body(protocol, n=500, stream=True, rid="running-gone")), path=GENERATE[protocol])
     assert len(client.events(2)) == 2
-    assert _rollout(fe, "sglang")["held"] == 1
+    assert _rollout(fe, protocol)["held"] == 1
     client.sock.close()
-    wait_until(lambda: _rollout(fe, "sglang")["held"] == 0)
+    wait_until(lambda: _rollout(fe, protocol)["held"] == 0)
     (rec,) = fe.take(1)
     assert rec["status"] == "client_disconnect" and rec["attempts"][0]["abort_acked"] is True
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_the_overload_law_every_request_one_record_with_its_outcome(fe, protocol):
+    """A burst of 12 streams at a fleet of room 2 with one queue place per
+    class: each request is answered whole (200, all its tokens) or shed (429
+    with Retry-After in the format's shape), and has one record saying which."""
+    results = {}
+
+    def one(i: int) -> None:
+        results[i] = sse(fe.url, _body(protocol, n=20, stream=True, rid=f"burst-{i}"), GENERATE[protocol])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(results) == 12
+    ok = {f"burst-{i}" for i, (status, _) in results.items() if status == 200}
+    shed = {f"burst-{i}" for i, (status, _) in results.items() if status == 429}
+    assert len(ok) + len(shed) == 12 and len(ok) >= 2 and shed
+    for i, (status, events) in results.items():
+        if status == 200:
+            payloads = [orjson.loads(e) for e in events if e != b"[DONE]"]
+            got = (len(payloads[-1]["output_ids"]) if protocol == "sglang" else
+                   sum(len(p["choices"][0]["token_ids"]) for p in payloads if p.get("choices")))
+            assert got == 20
+    recs = {r["public_id"]: r for r in fe.take(12)}
+    assert set(recs) == ok | shed
+    assert {r["status"] for rid, r in recs.items() if rid in ok} == {"ok"}
+    assert all((recs[rid]["status"], recs[rid]["http_status"], recs[rid]["shed_reason"]) == ("shed", 429, "queue_depth")
+               for rid in shed)
+    assert all(recs[rid]["output_tokens"] == 20 for rid in ok)
+    wait_until(lambda: _rollout(fe, protocol)["held"] == 0 and _rollout(fe, protocol)["waiting"] == 0)
 
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
