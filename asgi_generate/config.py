@@ -418,6 +418,10 @@ class Settings:
         0, unit="tokens", metavar="N",
         help="admission: a worker whose engine reports this many uncached prompt tokens waiting for prefill "
              "counts as full; 0 = no such bound")
+    admission_kv_usage: float = setting(
+        0.0, le=1,
+        help="admission: a worker whose engine reports its KV cache this full (a fraction: SGLang token_usage, "
+             "vLLM vllm:kv_cache_usage_perc) counts as full; 0 = no such bound")
     admission_load_interval: float = setting(
         0.1, unit="s", gt=0,
         help="admission: seconds between readings of each engine's load (SGLang /v1/loads, vLLM /metrics)")

@@ -274,6 +274,9 @@ class Metrics:
                                            "prefill at admission's last reading (SGLang; 0 where the engine "
                                            "reports none), per worker.", ("worker",), registry=reg,
                                            multiprocess_mode="max")
+        self.engine_kv_usage = Gauge(p + "engine_kv_usage", "The engine's KV cache usage (a fraction) at "
+                                     "admission's last reading, where it reports one, per worker.", ("worker",),
+                                     registry=reg, multiprocess_mode="max")
         self.trace_written = Counter(p + "trace_records_written_total", "Request-end records written, by sink.",
                                      ("sink",), registry=reg)
         self.trace_dropped = Counter(p + "trace_records_dropped_total", "Request-end records lost, by cause "
@@ -406,7 +409,7 @@ class Metrics:
         """Admission's gauges now, and its totals' growth into the counters."""
         if self.registry is not None:
             for gauge in (self.admission_waiting, self.admission_held, self.admission_room, self.engine_requests,
-                          self.engine_waiting_tokens):
+                          self.engine_waiting_tokens, self.engine_kv_usage):
                 gauge.clear()
         for protocol, block in stats["protocols"].items():
             for quantity in ("free", "capacity"):
@@ -426,6 +429,8 @@ class Metrics:
             if "engine_requests" in reading:
                 self.engine_requests.labels(wid).set(reading["engine_requests"])
                 self.engine_waiting_tokens.labels(wid).set(reading["waiting_tokens"])
+                if reading["kv_usage"] is not None:
+                    self.engine_kv_usage.labels(wid).set(reading["kv_usage"])
 
     def _move(self, counter: Counter, labels: tuple, total: float) -> None:
         """Raise ``counter``'s child of ``labels`` to ``total`` (a running total kept elsewhere)."""

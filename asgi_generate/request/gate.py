@@ -73,7 +73,7 @@ class Admission:
         self.priorities = {name: {"priority": p} for name, p in
                            parse_priorities(settings.admission_engine_priority, self.classes).items()}
         self.saturation = Saturation(settings.admission_worker_requests, settings.admission_waiting_tokens,
-                                     settings.admission_load_stale, clock)
+                                     settings.admission_load_stale, clock, settings.admission_kv_usage)
         self.queues: dict[str, Queue] = {}
         self.deadline_cuts = 0
         self._timer: anyio.Event | None = None

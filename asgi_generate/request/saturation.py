@@ -11,7 +11,8 @@ construction, and what this process dispatched since the reading is never
 missed. A worker with no reading, or one older than
 ``--admission-load-stale`` seconds, counts as full, never as empty; so does
 one whose engine reports ``--admission-waiting-tokens`` uncached prompt
-tokens waiting, and every worker while its fleet is paused.
+tokens waiting or its KV cache ``--admission-kv-usage`` full, and every
+worker while its fleet is paused.
 
 Only ``aggregated`` and ``decode`` workers count: they hold running
 sequences (a P/D pair's prefill leg is short-lived).
@@ -59,14 +60,17 @@ class Saturation:
         limit: engine requests one worker takes (``--admission-worker-requests``).
         waiting_tokens: uncached prompt tokens waiting past which a worker
             is full; 0: no such bound.
+        kv_usage: the KV cache usage (a fraction) at which a worker is
+            full; 0: no such bound.
         stale: seconds after which a reading counts its worker as full.
         clock: monotonic seconds (tests pass a fake).
     """
 
     def __init__(self, limit: int, waiting_tokens: int = 0, stale: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, kv_usage: float = 0.0) -> None:
         self.limit = limit
         self.waiting_tokens = waiting_tokens
+        self.kv_usage = kv_usage
         self.stale = stale
         self.clock = clock
         self.readings: dict[str, Reading] = {}
@@ -90,7 +94,10 @@ class Saturation:
             reading = self.readings.get(w.id)
             if paused or reading is None or now - reading.at > self.stale:
                 continue
-            if self.waiting_tokens and reading.load.waiting_tokens >= self.waiting_tokens:
+            load = reading.load
+            if self.waiting_tokens and load.waiting_tokens >= self.waiting_tokens:
+                continue
+            if self.kv_usage and load.kv_usage is not None and load.kv_usage >= self.kv_usage:
                 continue
             free += max(0, self.limit - reading.others)
         return Room(max(0, free - held), capacity, ever)
@@ -137,10 +144,11 @@ class Saturation:
 
     def stats(self) -> dict:
         """``/stats``: each worker's last reading (engine requests, waiting
-        tokens, age in seconds, this process's share) or why none."""
+        tokens, KV usage, age in seconds, this process's share) or why none."""
         now = self.clock()
         rows: dict[str, Any] = {
             wid: {"engine_requests": r.load.requests, "waiting_tokens": r.load.waiting_tokens,
+                  "kv_usage": r.load.kv_usage,
                   "age_s": round(now - r.at, 3), "own": r.own, "stale": now - r.at > self.stale}
             for wid, r in self.readings.items()
         }

@@ -440,3 +440,49 @@ def test_headers_make_the_ask():
     with pytest.raises(RequestError) as err:
         adm.ask("sglang", GenerateRequest(stream=False), st)
     assert err.value.message == "x-deadline-ms must be a number of milliseconds, at least 0"
+
+
+def test_the_room_counts_stale_and_full_engines_as_full():
+    from types import SimpleNamespace
+
+    from asgi_generate.request.saturation import Saturation
+    from asgi_generate.workers.engine_load import EngineLoad
+
+    now = [100.0]
+    sat = Saturation(10, waiting_tokens=500, stale=1.0, clock=lambda: now[0], kv_usage=0.9)
+    workers = [SimpleNamespace(id=f"w{i}", role=role) for i, role in enumerate(
+        ("aggregated", "aggregated", "decode", "prefill", "aggregated", "aggregated", "aggregated"))]
+    up = lambda w: w.id != "w5"  # noqa: E731
+    sat.take(workers[0], EngineLoad(7, 0, 0.2), own=3)   # others 4: room 6
+    sat.take(workers[1], EngineLoad(2, 0, None), own=0)  # room 8
+    sat.take(workers[2], EngineLoad(12, 0, 0.5), own=0)  # over its limit: room 0
+    sat.take(workers[3], EngineLoad(0, 0), own=0)        # prefill: not counted
+    sat.take(workers[4], EngineLoad(0, 600), own=0)      # waiting tokens: full
+    sat.take(workers[6], EngineLoad(0, 0, 0.95), own=0)  # KV usage: full
+    assert sat.room(workers, up, paused=False, held=5, per_request=1.0) == Room(9, 50, 60)
+    assert sat.room(workers, up, paused=True, held=0, per_request=1.0) == Room(0, 50, 60)
+    now[0] = 101.5  # every reading stale: full, never empty
+    assert sat.room(workers, up, paused=False, held=0, per_request=1.0).free == 0
+    sat.take(workers[1], None, 0)
+    assert "w1" not in sat.readings
+
+
+def test_the_engines_load_readers_read_kv_usage():
+    from asgi_generate_sglang.engine import read_loads
+    from asgi_generate_vllm.engine import read_metrics
+
+    body = orjson_dumps({"loads": [
+        {"num_running_reqs": 3, "num_waiting_reqs": 2, "num_waiting_uncached_tokens": 40, "token_usage": 0.25},
+        {"num_running_reqs": 1, "num_waiting_reqs": 0, "num_waiting_uncached_tokens": 0, "token_usage": 0.5}]})
+    assert read_loads(body) == (6, 40, 0.5)
+    text = (b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\"} 4.0\n"
+            b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine=\"0\"} 1.0\n")
+    assert read_metrics(text) == (5, 0, None)
+    text += b"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine=\"0\"} 0.75\n"
+    assert read_metrics(text) == (5, 0, 0.75)
+
+
+def orjson_dumps(obj) -> bytes:
+    import orjson
+
+    return orjson.dumps(obj)
