@@ -65,6 +65,7 @@ async def handle_generate(ctx: "RequestContext", codec: Codec, scope: dict, rece
         if admitted is not None:  # run from here: one coroutine frame fewer per open stream
             request, lease = admitted
             admitted = None
+            _note_request(st, request)
             entry = None
             try:
                 if ctx.admission is not None:
@@ -181,7 +182,6 @@ async def _queue(
     having no worker up). A shed request is answered in its format's error
     shape (429 with ``Retry-After``, or 503), a client that leaves while
     queued is recorded as gone; neither holds anything after."""
-    _note_request(st, request)
     admission = ctx.admission
     protocol = codec.worker_protocol
     if admission.bypass(protocol):
@@ -290,7 +290,6 @@ async def _generate(
     ctx: "RequestContext", codec: Codec, request: GenerateRequest, scope: dict, receive: Receive, send: Send,
     st: RequestState, lease: Lease,
 ) -> None:
-    _note_request(st, request)
     extensions = scope.get("extensions", {})
     watch = extensions.get(DISCONNECT_WATCH)
     inline = watch is not None and ctx.watchdog.running
