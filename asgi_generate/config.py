@@ -456,6 +456,15 @@ class Settings:
     admission_max_tenants: int = setting(
         1000, gt=0, metavar="N",
         help="admission: tenants tracked by name per class; more share one counter and one metrics label")
+    admission_preemption: bool = setting(
+        False,
+        help="admission: while a higher class waits for room, preempt running streams of lower classes that "
+             "opted in (x-preemptible: 1): abort them on the engine, park them, and resume them exactly as "
+             "migrated legs when they get room again")
+    admission_max_parked: int = setting(
+        256, gt=0, metavar="N",
+        help="admission: preempted streams parked at once; a stream is not preempted past it (a parked "
+             "stream waits at most --admission-queue-wait, then ends with 503 in-band)")
     admission_queue_depth: int = setting(
         1024, gt=0, metavar="N",
         help="admission: requests waiting per class; one more is shed with 429")

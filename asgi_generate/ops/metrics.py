@@ -267,6 +267,12 @@ class Metrics:
         self.admission_deadline_cuts = Counter(p + "admission_deadline_cuts_total", "Admission: streams still "
                                                "running at their deadline, ended with the engine's abort finish.",
                                                registry=reg)
+        self.admission_preemptions = Counter(p + "admission_preemptions_total", "Admission: streams preempted for a "
+                                             "higher class (aborted on the engine, parked).", registry=reg)
+        self.admission_resumed_parked = Counter(p + "admission_resumed_parked_total", "Admission: parked streams "
+                                                "resumed exactly as migrated legs.", registry=reg)
+        self.admission_parked = Gauge(p + "admission_parked_streams", "Admission: preempted streams parked now.",
+                                      registry=reg, multiprocess_mode="livesum")
         self.engine_requests = Gauge(p + "engine_requests", "The engine's own count of requests running plus "
                                      "waiting at admission's last reading, per worker.", ("worker",),
                                      registry=reg, multiprocess_mode="max")
@@ -425,6 +431,9 @@ class Metrics:
                     self._move(self.admission_wait, labels, t["wait_seconds_total"])
                     self._move(self.admission_tenant_shed, labels, t["shed"])
         self._move(self.admission_deadline_cuts, (), stats["deadline_cuts"])
+        self._move(self.admission_preemptions, (), stats["preemptions"])
+        self._move(self.admission_resumed_parked, (), stats["resumed_parked"])
+        self.admission_parked.set(stats["parked"])
         for wid, reading in stats["saturation"]["workers"].items():
             if "engine_requests" in reading:
                 self.engine_requests.labels(wid).set(reading["engine_requests"])

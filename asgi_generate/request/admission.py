@@ -241,6 +241,9 @@ class Queue:
         self.wait = wait
         self.groups: dict[tuple[int, str, str], Unit] = {}
         self._seq = itertools.count()
+        #: Called when the next unit does not fit, with it and the free room
+        #: (preemption may make room); ``None``: nothing is done.
+        self.on_blocked: Callable[[Unit, int], None] | None = None
 
     # -- arrival --------------------------------------------------------------------
 
@@ -380,7 +383,11 @@ class Queue:
         admitted = 0
         while True:
             unit = self.next_unit(now, room.capacity)
-            if unit is None or unit.seqs > free:
+            if unit is None:
+                return admitted
+            if unit.seqs > free:
+                if self.on_blocked is not None:
+                    self.on_blocked(unit, free)
                 return admitted
             free -= unit.seqs
             self._grant(unit, now)

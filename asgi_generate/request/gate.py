@@ -16,12 +16,15 @@ Request headers (names lower-case, as ASGI gives them):
   token, else ``default``);
 - ``x-group-id`` and ``x-group-size``: requests admitted as one unit;
 - ``x-deadline-ms``: milliseconds from the request's arrival by which it
-  must have ended.
+  must have ended;
+- ``x-preemptible: 1``: with ``--admission-preemption``, the stream may be
+  preempted for a higher class (:class:`Parking`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
@@ -29,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import anyio
 
 from . import state
-from .admission import Ask, Entry, Queue
+from .admission import Ask, Entry, Queue, Unit
 from .saturation import Saturation
 from ..config import parse_priorities, parse_weights
 from ..sdk._codec import GenerateRequest, RequestError
@@ -45,6 +48,7 @@ TENANT_HEADER = b"x-tenant"
 GROUP_HEADER = b"x-group-id"
 GROUP_SIZE_HEADER = b"x-group-size"
 DEADLINE_HEADER = b"x-deadline-ms"
+PREEMPTIBLE_HEADER = b"x-preemptible"
 #: A tenant named by a bearer token is this many hex digits of its SHA-256
 #: (the token itself is never kept or shown).
 TOKEN_HASH_DIGITS = 12
@@ -76,7 +80,13 @@ class Admission:
                                      settings.admission_load_stale, clock, settings.admission_kv_usage)
         self.queues: dict[str, Queue] = {}
         self.deadline_cuts = 0
-        self._timer: anyio.Event | None = None
+        #: Preemptible streams holding a slot, by protocol (``--admission-preemption``).
+        self.preemptible: dict[str, set[Parking]] = {}
+        self.parked = 0
+        self.preemptions = self.resumed_parked = self.parked_expired = 0
+        #: Streams chosen for preemption whose engine abort is not sent yet (:meth:`run`).
+        self._victims: list[Parking] = []
+        self._wake: anyio.Event | None = None
 
     def queue(self, protocol: str) -> Queue:
         """``protocol``'s queue (made on first use)."""
@@ -88,7 +98,54 @@ class Admission:
                 promote_after=s.admission_promote_after, weights=self.weights,
                 max_tenants=s.admission_max_tenants, depth=s.admission_queue_depth,
                 nbytes=s.admission_queue_bytes, wait=s.admission_queue_wait)
+            if s.admission_preemption:
+                q.on_blocked = lambda unit, free: self._preempt(protocol, unit, free)
         return q
+
+    # -- preemption -----------------------------------------------------------------
+
+    def parking(self, entry: Entry, st: "RequestState", abort: Callable[[], Awaitable[None]]) -> "Parking | None":
+        """The preemption handle of a granted stream that opted in, kept
+        while it holds its slot; ``None`` when it may not be preempted."""
+        if not (self.settings.admission_preemption and st.stream and entry.granted
+                and st.headers.get(PREEMPTIBLE_HEADER, b"").strip() in (b"1", b"true")):
+            return None
+        parking = Parking(self, entry, st, abort)
+        self.preemptible.setdefault(entry.ask.protocol, set()).add(parking)
+        return parking
+
+    def _preempt(self, protocol: str, unit: Unit, free: int) -> None:
+        """``unit`` waits and does not fit in ``free``: preempt streams of
+        lower classes, the lowest class and the latest admitted first,
+        until what they free (with those being preempted) makes it fit."""
+        running = self.preemptible.get(protocol)
+        if not running:
+            return
+        freeing = sum(p.entry.ask.seqs for p in running if p.preempting)
+        victims = sorted((p for p in running if not p.preempting and p.entry.ask.cls > unit.cls),
+                         key=lambda p: (-p.entry.ask.cls, -p.order))
+        for parking in victims:
+            if free + freeing >= unit.seqs or self.parked + len(self._victims) >= self.settings.admission_max_parked:
+                break
+            parking.preempting = True
+            freeing += parking.entry.ask.seqs
+            self._victims.append(parking)
+        if self._victims and self._wake is not None:
+            self._wake.set()
+
+    async def run(self) -> None:
+        """Send the engine aborts of the streams chosen for preemption
+        (pumping is synchronous; aborts wait for their engines). Runs
+        while the app does."""
+        async with anyio.create_task_group() as tg:
+            while True:
+                self._wake = anyio.Event()
+                while self._victims:
+                    parking = self._victims.pop()
+                    self.preemptions += 1
+                    tg.start_soon(parking.abort)
+                await self._wake.wait()
+
 
     def held(self, protocol: str) -> tuple[int, int]:
         """Sequences and requests this process holds slots for on ``protocol``."""
@@ -224,11 +281,17 @@ class Admission:
 
     def stats(self) -> dict:
         """The ``/stats`` ``admission`` block: each protocol's room and
-        queue figures per class and tenant, deadline cuts, the readings."""
+        queue figures per class and tenant, deadline cuts, preemptions
+        (streams preempted, parked now, resumed, expired while parked), the
+        readings."""
         return {
             "enabled": True,
             "classes": self.classes,
             "deadline_cuts": self.deadline_cuts,
+            "preemptions": self.preemptions,
+            "parked": self.parked,
+            "resumed_parked": self.resumed_parked,
+            "parked_expired": self.parked_expired,
             "protocols": {
                 protocol: {"room": dict(zip(("free", "capacity", "ever"), _room(self.room(protocol)))),
                            "classes": q.stats()}
@@ -236,6 +299,58 @@ class Admission:
             },
             "saturation": self.saturation.stats(),
         }
+
+
+class Parking:
+    """A preemptible stream's handle (:meth:`Admission.parking`).
+
+    When admission preempts it, ``preempting`` is set and its engine legs
+    are aborted (``abort``); the engine's abort finish then holds the stream
+    (as a pause's does, :mod:`asgi_generate.request.generation`), which
+    calls :meth:`park`: its slot is given back and it waits in its class's
+    queue again; once granted, it resumes exactly as a migrated leg (the
+    prompt plus the tokens sent, the remaining budget).
+
+    Attributes:
+        entry: the slot it holds now (the handler releases this one).
+    """
+
+    _order = itertools.count()
+
+    def __init__(self, admission: Admission, entry: Entry, st: "RequestState",
+                 abort: Callable[[], Awaitable[None]]) -> None:
+        self.admission = admission
+        self.entry = entry
+        self.st = st
+        self.abort = abort
+        self.preempting = False
+        self.order = next(self._order)
+
+    async def park(self) -> str | None:
+        """Give the slot back and wait for another: ``None`` once granted,
+        else why not (the client's in-band 503 message)."""
+        admission = self.admission
+        running = admission.preemptible.get(self.entry.ask.protocol, set())
+        running.discard(self)
+        self.preempting = False
+        admission.release(self.entry, self.st)
+        admission.parked += 1
+        try:
+            entry = await admission.admit(self.entry.ask)
+        finally:
+            admission.parked -= 1
+        if not entry.granted:
+            admission.parked_expired += 1
+            return f"preempted and parked: {entry.refusal.message}"
+        self.entry = entry
+        self.order = next(self._order)
+        running.add(self)
+        admission.resumed_parked += 1
+        return None
+
+    def done(self) -> None:
+        """The stream ended: it is no longer preemptible."""
+        self.admission.preemptible.get(self.entry.ask.protocol, set()).discard(self)
 
 
 def _room(room: Any) -> tuple[int, int, int]:

@@ -38,7 +38,7 @@ from ..exceptions import BodyTimeout, BodyTooLarge, ClientDisconnected
 from .framing import Receive, Send, read_body, send_unary
 from .batches import Batch
 from .admission import Entry
-from .gate import cut_at_deadline
+from .gate import Parking, cut_at_deadline
 from .generation import Generation
 from .watchdog import CONNECTION_RESET, DISCONNECT_WATCH, RECEIVE_NOWAIT
 
@@ -66,18 +66,24 @@ async def handle_generate(ctx: "RequestContext", codec: Codec, scope: dict, rece
             request, lease = admitted
             admitted = None
             _note_request(st, request)
-            entry = None
+            entry = parking = None
             try:
                 if ctx.admission is not None:
                     go, entry = await _queue(ctx, codec, request, scope, receive, send, st, lease)
                     if not go:
                         return
+                if entry is not None:
+                    parking = ctx.admission.parking(entry, st, lambda: abort_live_legs(ctx, st))
                 if entry is not None and entry.ask.deadline is not None:
-                    await _generate_until(ctx, codec, request, scope, receive, send, st, lease, entry.ask.deadline)
+                    await _generate_until(ctx, codec, request, scope, receive, send, st, lease, entry.ask.deadline,
+                                          parking)
                 else:
-                    await _generate(ctx, codec, request, scope, receive, send, st, lease)
+                    await _generate(ctx, codec, request, scope, receive, send, st, lease, parking)
             finally:
                 lease.release()
+                if parking is not None:  # a preempted stream holds the slot it was given back
+                    parking.done()
+                    entry = parking.entry
                 if entry is not None:  # every ending: finished, aborted, disconnected, migrated, shut down
                     ctx.admission.release(entry, st)
     except OSError:  # an error answer's write: the client is gone (ASGI send exception)
@@ -234,7 +240,7 @@ async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> N
 
 async def _generate_until(
     ctx: "RequestContext", codec: Codec, request: GenerateRequest, scope: dict, receive: Receive, send: Send,
-    st: RequestState, lease: Lease, deadline: float,
+    st: RequestState, lease: Lease, deadline: float, parking: Parking | None = None,
 ) -> None:
     """:func:`_generate`, cut at ``deadline`` if still running (:func:`cut_at_deadline`)."""
     async with anyio.create_task_group() as tg:
@@ -242,7 +248,7 @@ async def _generate_until(
             ctx.admission.deadline_cuts += 1
 
         tg.start_soon(cut_at_deadline, st, deadline, lambda: abort_live_legs(ctx, st), cut)
-        await _generate(ctx, codec, request, scope, receive, send, st, lease)
+        await _generate(ctx, codec, request, scope, receive, send, st, lease, parking)
         tg.cancel_scope.cancel()
 
 
@@ -288,7 +294,7 @@ async def _read_and_decode(
 
 async def _generate(
     ctx: "RequestContext", codec: Codec, request: GenerateRequest, scope: dict, receive: Receive, send: Send,
-    st: RequestState, lease: Lease,
+    st: RequestState, lease: Lease, parking: Parking | None = None,
 ) -> None:
     extensions = scope.get("extensions", {})
     watch = extensions.get(DISCONNECT_WATCH)
@@ -299,6 +305,7 @@ async def _generate(
     batch = None if request.items is None else Batch(request.items, st)
     gen = Generation(ctx, codec, codec.exchange(request, st.request_id), request, st, send,
                      batch=batch, lease=lease, scope=run_scope, reset=extensions.get(CONNECTION_RESET))
+    gen.parking = parking
     writer = gen.writer
     if inline:
         # No task of its own (inline here: one coroutine frame fewer per open

@@ -225,6 +225,8 @@ class App:
                 async with anyio.create_task_group() as tg:
                     await tg.start(membership.run)
                     tg.start_soon(self.watchdog.run, time.monotonic)
+                    if self.admission is not None:
+                        tg.start_soon(self.admission.run)
                     recorder = self.recorder
                     if recorder.tracer is not None:
                         await tg.start(recorder.tracer.run)

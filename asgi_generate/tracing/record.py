@@ -189,6 +189,8 @@ def build_record(st: RequestState, block_size: int, analyzer: OutputAnalyzer | N
             rec["group_id"] = st.group_id
     if st.shed_reason is not None:
         rec["shed_reason"] = st.shed_reason
+    if st.preemptions:
+        rec["preemptions"] = st.preemptions
     if st.migrations:
         rec["migrations"] = st.migrations
     if st.replays:

@@ -140,6 +140,9 @@ SCHEMA: dict[str, Any] = {
         "group_id": _d({"type": "string", "maxLength": 64}, "Admission: the x-group-id it was admitted with."),
         "shed_reason": _d({"type": "string"}, "Admission: why it was shed (queue_depth, queue_bytes, wait, "
                                               "deadline, group_incomplete, never) or cut (deadline)."),
+        "preemptions": _d(_COUNT, "Admission: times the stream was preempted for a higher class (aborted on "
+                                  "its engine, parked) and resumed exactly as a migrated leg; each counts in "
+                                  "migrations too."),
         "pause_resumes": _d(
             _COUNT, "Times the stream was held across a fleet pause (the engine's abort) and resumed after "
             "it (--resume-after-pause); absent when none.",

@@ -104,6 +104,9 @@ class RequestState:
     migrations: int = 0
     #: Times the stream was held across a fleet pause and resumed.
     pause_resumes: int = 0
+    #: Times admission preempted the stream (aborted on its engine, parked)
+    #: and resumed it.
+    preemptions: int = 0
     #: Its W3C trace context, made at its first engine leg (or at export)
     #: when OpenTelemetry export is on (set by that export); ``None`` otherwise.
     trace: TraceContext | None = None

@@ -290,3 +290,41 @@ def test_a_class_is_sent_as_the_engines_priority_unless_the_client_gave_one(sims
         for proxy in proxies.values():
             proxy.stop()
         vllm.stop()
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_a_preempted_stream_resumes_exactly_and_the_higher_class_goes_first(worker_class, tmp_path):
+    base = str(tmp_path / "t")
+    slow = start_sim(itl_ms=30)
+    fe = start_frontend([f"sglang={slow.url}"], worker_class=worker_class, extra=[
+        "--admission", "--admission-preemption", "--admission-worker-requests", "1", "--admission-reserved-share", "0",
+        "--trace-file", base + ".jsonl"])
+    try:
+        wait_until(lambda: _admission(fe)["saturation"]["readings"] >= 1)
+        body = {**_body("sglang", n=40, stream=True, rid="bulk"), "input_ids": [9, 8, 7, 6]}
+        _, whole = sse(slow.url, {**body, "rid": "uninterrupted"}, "/generate")
+        client = RawClient(fe.url)
+        raw = orjson.dumps(body)
+        client.sock.sendall(
+            b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-priority-class: bulk\r\n"
+            b"x-preemptible: 1\r\ncontent-length: %d\r\n\r\n%s" % (len(raw), raw))
+        first = client.events(2)
+        assert len(first) == 2
+        urgent = post(fe.url, _body("sglang", n=3, rid="eval"), "/generate", headers={"x-priority-class": "eval"})
+        assert urgent.status_code == 200 and len(urgent.json()["output_ids"]) == 3
+        rest = client.events(1000)
+        got = [orjson.loads(e) for e in first + rest if e != b"[DONE]"]
+        want = [orjson.loads(e) for e in whole if e != b"[DONE]"]
+        assert got[-1]["output_ids"] == want[-1]["output_ids"] and len(got[-1]["output_ids"]) == 40
+        assert got[-1]["meta_info"]["finish_reason"] == want[-1]["meta_info"]["finish_reason"]
+        stats = _admission(fe)
+        assert (stats["preemptions"], stats["resumed_parked"], stats["parked"]) == (1, 1, 0)
+        wait_until(lambda: _admission(fe)["protocols"]["sglang"]["classes"]["bulk"]["held"] == 0)
+        written = wait_until(lambda: len(found := trace_records(base + ".*.jsonl")) == 2 and found)
+        recs = {r["public_id"]: r for r in written}
+        assert (recs["bulk"]["status"], recs["bulk"]["preemptions"], recs["bulk"]["migrations"],
+                recs["bulk"]["output_tokens"]) == ("ok", 1, 1, 40)
+        assert recs["eval"]["status"] == "ok"
+    finally:
+        fe.stop()
+        slow.stop()
