@@ -23,6 +23,7 @@ Request headers (names lower-case, as ASGI gives them):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -247,13 +248,14 @@ class Admission:
                 q.withdraw(entry, self.clock())
         return entry
 
-    def release(self, entry: Entry, st: "RequestState") -> None:
-        """``entry``'s request ended, whichever way: free its slot, with the
-        work it actually did (uncached prompt tokens plus weighted output
-        tokens sent)."""
+    def release(self, entry: Entry, st: "RequestState", output_before: int = 0) -> None:
+        """``entry``'s request ended (or was parked), whichever way: free its
+        slot, with the work it actually did under it (uncached prompt tokens
+        plus weighted output tokens sent, less ``output_before`` sent under
+        an earlier slot)."""
         if not entry.granted or entry.released:
             return
-        output = sum(a.tokens for a in st.attempts)
+        output = sum(a.tokens for a in st.attempts) - output_before
         uncached = max(0, entry.ask.prompt_tokens - (st.cached_tokens or 0))
         work = uncached + self.settings.admission_output_weight * output
         self.queue(entry.ask.protocol).release(entry, work, self.clock())
@@ -325,6 +327,8 @@ class Parking:
         self.abort = abort
         self.preempting = False
         self.order = next(self._order)
+        #: Output tokens sent under earlier slots (already charged).
+        self.output_before = 0
 
     async def park(self) -> str | None:
         """Give the slot back and wait for another: ``None`` once granted,
@@ -333,10 +337,12 @@ class Parking:
         running = admission.preemptible.get(self.entry.ask.protocol, set())
         running.discard(self)
         self.preempting = False
-        admission.release(self.entry, self.st)
+        admission.release(self.entry, self.st, self.output_before)
+        self.output_before = sum(a.tokens for a in self.st.attempts)
         admission.parked += 1
         try:
-            entry = await admission.admit(self.entry.ask)
+            # Its prompt was charged already; its remaining output is charged when it ends.
+            entry = await admission.admit(dataclasses.replace(self.entry.ask, work=0.0, prompt_tokens=0))
         finally:
             admission.parked -= 1
         if not entry.granted:

@@ -83,8 +83,8 @@ async def handle_generate(ctx: "RequestContext", codec: Codec, scope: dict, rece
                 lease.release()
                 if parking is not None:  # a preempted stream holds the slot it was given back
                     parking.done()
-                    entry = parking.entry
-                if entry is not None:  # every ending: finished, aborted, disconnected, migrated, shut down
+                    ctx.admission.release(parking.entry, st, parking.output_before)
+                elif entry is not None:  # every ending: finished, aborted, disconnected, migrated, shut down
                     ctx.admission.release(entry, st)
     except OSError:  # an error answer's write: the client is gone (ASGI send exception)
         state.client_left(st)

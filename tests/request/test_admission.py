@@ -486,3 +486,43 @@ def orjson_dumps(obj) -> bytes:
     import orjson
 
     return orjson.dumps(obj)
+
+
+def _preemptible_fleet(capacity: int, *classes: str):
+    from types import SimpleNamespace
+
+    from asgi_generate.config import Settings
+    from asgi_generate.request.gate import Admission
+
+    adm = Admission(Settings(admission=True, admission_preemption=True, admission_max_parked=3), lambda: None)
+    q = adm.queue("sglang")
+    fleet = Fleet(capacity)
+    fleet.queue = q
+    q.room = fleet
+    held = []
+    for cls in classes:
+        entry = q.enqueue(ask(cls), 0.0)
+        assert entry.granted
+        st = SimpleNamespace(stream=True, headers={b"x-preemptible": b"1"}, attempts=[], cached_tokens=None)
+        held.append(adm.parking(entry, st, None))
+    return adm, q, held
+
+
+def test_preemption_chooses_lower_classes_lowest_and_latest_first():
+    from types import SimpleNamespace
+
+    adm, q, (agent, rollout, bulk1, bulk2) = _preemptible_fleet(4, "agent", "rollout", "bulk", "bulk")
+    plain = SimpleNamespace(stream=True, headers={}, attempts=[])
+    assert adm.parking(agent.entry, plain, None) is None  # not opted in
+    q.enqueue(ask("eval", seqs=2), 1.0)  # waits for 2 sequences: both bulk streams go, the latest first
+    assert adm._victims == [bulk2, bulk1]
+    assert [p.preempting for p in (agent, rollout, bulk1, bulk2)] == [False, False, True, True]
+    q.pump(2.0)  # what is being freed makes room already: no one more
+    assert adm._victims == [bulk2, bulk1]
+
+
+def test_preemption_spares_the_waiting_class_and_higher_ones():
+    adm, q, (agent, rollout) = _preemptible_fleet(2, "agent", "rollout")
+    q.enqueue(ask("rollout"), 1.0)
+    q.enqueue(ask("agent"), 1.0)
+    assert adm._victims == [rollout]  # the agent unit preempts the rollout stream, never the agent one
