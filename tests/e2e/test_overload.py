@@ -301,7 +301,7 @@ def test_a_preempted_stream_resumes_exactly_and_the_higher_class_goes_first(work
         "--trace-file", base + ".jsonl"])
     try:
         wait_until(lambda: _admission(fe)["saturation"]["readings"] >= 1)
-        body = {**_body("sglang", n=40, stream=True, rid="bulk"), "input_ids": [9, 8, 7, 6]}
+        body = {**_body("sglang", n=80, stream=True, rid="bulk"), "input_ids": [9, 8, 7, 6]}
         _, whole = sse(slow.url, {**body, "rid": "uninterrupted"}, "/generate")
         client = RawClient(fe.url)
         raw = orjson.dumps(body)
@@ -315,7 +315,7 @@ def test_a_preempted_stream_resumes_exactly_and_the_higher_class_goes_first(work
         rest = client.events(1000)
         got = [orjson.loads(e) for e in first + rest if e != b"[DONE]"]
         want = [orjson.loads(e) for e in whole if e != b"[DONE]"]
-        assert got[-1]["output_ids"] == want[-1]["output_ids"] and len(got[-1]["output_ids"]) == 40
+        assert got[-1]["output_ids"] == want[-1]["output_ids"] and len(got[-1]["output_ids"]) == 80
         assert got[-1]["meta_info"]["finish_reason"] == want[-1]["meta_info"]["finish_reason"]
         stats = _admission(fe)
         assert (stats["preemptions"], stats["resumed_parked"], stats["parked"]) == (1, 1, 0)
@@ -323,7 +323,7 @@ def test_a_preempted_stream_resumes_exactly_and_the_higher_class_goes_first(work
         written = wait_until(lambda: len(found := trace_records(base + ".*.jsonl")) == 2 and found)
         recs = {r["public_id"]: r for r in written}
         assert (recs["bulk"]["status"], recs["bulk"]["preemptions"], recs["bulk"]["migrations"],
-                recs["bulk"]["output_tokens"]) == ("ok", 1, 1, 40)
+                recs["bulk"]["output_tokens"]) == ("ok", 1, 1, 80)
         assert recs["eval"]["status"] == "ok"
     finally:
         fe.stop()
