@@ -53,6 +53,45 @@ def default_budget_bytes() -> int:
     return max(64 * mib, min(512 * mib, total // 128))
 
 
+def parse_weights(text: str) -> dict[str, float]:
+    """``--admission-tenant-weights`` (``a=2,b=1``) as a dict.
+
+    Raises:
+        ValueError: an item without ``=`` or a weight that is not a positive number.
+    """
+    weights = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = 0.0
+        if not sep or not name.strip() or not weight > 0:
+            raise ValueError(f"{item!r} is not TENANT=WEIGHT with a positive weight")
+        weights[name.strip()] = weight
+    return weights
+
+
+def parse_priorities(text: str, classes: list[str]) -> dict[str, int]:
+    """``--admission-engine-priority`` (``eval=-10,bulk=10``) as a dict.
+
+    Raises:
+        ValueError: an item that is not CLASS=INTEGER with a known class.
+    """
+    priorities = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        try:
+            priority = int(value)
+        except ValueError:
+            sep = ""
+        if not sep or name not in classes:
+            raise ValueError(f"{item!r} is not CLASS=INTEGER with a class of {', '.join(classes)}")
+        priorities[name] = priority
+    return priorities
+
+
 @dataclass(frozen=True, slots=True)
 class Setting:
     """One setting's declaration: what its :class:`Settings` field holds in
@@ -379,6 +418,75 @@ class Settings:
         help="seconds between readings of a paused fleet's pause route (its weight versions are read every "
              "--fleet-state-interval still, and at once on the resume), so held streams resume soon after "
              "the engines do")
+    admission: bool = setting(
+        False,
+        help="admission control (docs/overload.md): a request waits in a bounded queue until its engines "
+             "have room by their own load figures, ordered by priority class, tenant share, group and "
+             "deadline; past the queue's bounds it is shed with 429 and Retry-After")
+    admission_worker_requests: int = setting(
+        64, gt=0, metavar="N",
+        help="admission: engine requests (running plus waiting, every frontend's) one worker takes before "
+             "it counts as full")
+    admission_waiting_tokens: int = setting(
+        0, unit="tokens", metavar="N",
+        help="admission: a worker whose engine reports this many uncached prompt tokens waiting for prefill "
+             "counts as full; 0 = no such bound")
+    admission_kv_usage: float = setting(
+        0.0, le=1,
+        help="admission: a worker whose engine reports its KV cache this full (a fraction: SGLang token_usage, "
+             "vLLM vllm:kv_cache_usage_perc) counts as full; 0 = no such bound")
+    admission_load_interval: float = setting(
+        0.1, unit="s", gt=0,
+        help="admission: seconds between readings of each engine's load (SGLang /v1/loads, vLLM /metrics)")
+    admission_load_stale: float = setting(
+        1.0, unit="s", gt=0,
+        help="admission: a load reading older than this counts its worker as full, never as empty")
+    admission_classes: str = setting(
+        "eval,agent,rollout,bulk", metavar="NAMES",
+        help="admission: the priority classes, highest first, named by a request's x-priority-class header")
+    admission_default_class: str = setting(
+        "rollout", metavar="NAME", help="admission: the class of a request that names none")
+    admission_reserved_share: float = setting(
+        0.05, le=1,
+        help="admission: the share of the fleet's room each class may take even while a higher class "
+             "waits, so that no class is starved")
+    admission_promote_after: float = setting(
+        30.0, unit="s", gt=0,
+        help="admission: a request waiting this long is ordered as one class higher (two after twice as long)")
+    admission_engine_priority: str = setting(
+        "", metavar="CLASS=P,...",
+        help="admission: the engines' own priority field sent for each class (SGLang and vLLM priority, as "
+             "given: vLLM schedules lower values first, SGLang by its --schedule-low-priority-values-first) "
+             "where the client's body has none; only for engines started with priority scheduling (vLLM "
+             "refuses a priority other than 0 otherwise)")
+    admission_tenant_weights: str = setting(
+        "", metavar="TENANT=W,...",
+        help="admission: tenants' weights in their class's share (others weigh 1); the tenant is the "
+             "x-tenant header, else a hash of the bearer token")
+    admission_output_weight: float = setting(
+        2.0,
+        help="admission: a tenant's work is its uncached prompt tokens plus this times its output tokens")
+    admission_max_tenants: int = setting(
+        1000, gt=0, metavar="N",
+        help="admission: tenants tracked by name per class; more share one counter and one metrics label")
+    admission_preemption: bool = setting(
+        False,
+        help="admission: while a higher class waits for room, preempt running streams of lower classes that "
+             "opted in (x-preemptible: 1): abort them on the engine, park them, and resume them exactly as "
+             "migrated legs when they get room again")
+    admission_max_parked: int = setting(
+        256, gt=0, metavar="N",
+        help="admission: preempted streams parked at once; a stream is not preempted past it (a parked "
+             "stream waits at most --admission-queue-wait, then ends with 503 in-band)")
+    admission_queue_depth: int = setting(
+        1024, gt=0, metavar="N",
+        help="admission: requests waiting per class; one more is shed with 429")
+    admission_queue_bytes: int = setting(
+        64 * 1024 * 1024, unit="bytes", gt=0,
+        help="admission: request body bytes waiting per class; one more is shed with 429")
+    admission_queue_wait: float = setting(
+        30.0, unit="s", gt=0,
+        help="admission: seconds a request may wait for room (during a fleet pause too); past it, 429")
     health_interval: float = setting(
         2.0, unit="s", gt=0,
         help="seconds between health probes of each worker; in whole seconds (at least 1), the Retry-After of "
@@ -511,6 +619,18 @@ class Settings:
                 raise ValueError(f"{s.label} {fault}")
         if not any(h.strip() for h in self.session_headers.split(",")):
             raise ValueError(f"{_label('session_headers')} names no header")
+        classes = [c.strip() for c in self.admission_classes.split(",") if c.strip()]
+        if not classes or len(set(classes)) != len(classes):
+            raise ValueError(f"{_label('admission_classes')} must name distinct classes")
+        if self.admission_default_class not in classes:
+            raise ValueError(f"{_label('admission_default_class')} {self.admission_default_class!r} is not one "
+                             f"of {', '.join(classes)}")
+        for name, parse in (("admission_tenant_weights", lambda t: parse_weights(t)),
+                            ("admission_engine_priority", lambda t: parse_priorities(t, classes))):
+            try:
+                parse(getattr(self, name))
+            except ValueError as exc:
+                raise ValueError(f"{_label(name)}: {exc}") from None
         if self.workers_file is not None:
             try:
                 read_workers_file(self.workers_file)

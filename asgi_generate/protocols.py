@@ -111,7 +111,9 @@ class WorkerProtocol:
             ranks by :attr:`load_reader` (:mod:`asgi_generate.workers.engine_load`);
             ``None``: it serves none.
         load_reader: that route's body read as ``(requests running plus
-            waiting, prompt tokens waiting uncached)``.
+            waiting, prompt tokens waiting uncached)``, optionally with a
+            third figure: the KV cache's usage as a fraction (``None``:
+            not reported).
 
             Raises ValueError for a body not of the route's shape.
         weight_loads: the weight routes that change the weights or their
@@ -181,7 +183,7 @@ class WorkerProtocol:
     replay_body: "Callable[[list[int], int, str], dict] | None" = None
     replay_progress: "Callable[[dict, int], tuple[int, bool]] | None" = None
     load_path: bytes | None = None
-    load_reader: "Callable[[bytes], tuple[int, int]] | None" = None
+    load_reader: "Callable[[bytes], tuple[int, int] | tuple[int, int, float | None]] | None" = None
     weight_loads: tuple[tuple[str, str | None, bool], ...] = ()
     cache_resets: tuple[str, ...] = ()
     resumes: tuple[str, ...] = ()

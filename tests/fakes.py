@@ -226,6 +226,7 @@ class FakeContext:
         self.watchdog = Watchdog()
         self.body_budget = BodyBudget(1 << 20)
         self.migrations = MigrationSlots(lambda: 4)
+        self.admission = None
         self.inflight: dict = {}
         self.open_requests: dict = {}
         self.shutting_down = False

@@ -242,6 +242,47 @@ class Metrics:
                         "rebuilds and restarts seen, blocks in its index (index_blocks), blocks predicted and "
                         "confirmed.", ("worker", "url", "quantity"), registry=reg,
                         multiprocess_mode="livemostrecent")
+        self.admission_waiting = Gauge(p + "admission_waiting_requests", "Admission: requests waiting in the "
+                                       "queue, by worker protocol, priority class and tenant.",
+                                       ("protocol", "class", "tenant"), registry=reg, multiprocess_mode="livesum")
+        self.admission_held = Gauge(p + "admission_slots_held", "Admission: engine sequences admitted and not "
+                                    "yet ended (slots held), by worker protocol and priority class.",
+                                    ("protocol", "class"), registry=reg, multiprocess_mode="livesum")
+        self.admission_room = Gauge(p + "admission_room_sequences", "Admission: the fleet's room in engine "
+                                    "sequences as this process judges it (free now, capacity of the up workers).",
+                                    ("protocol", "quantity"), registry=reg, multiprocess_mode="livesum")
+        self.admission_admitted = Counter(p + "admission_admitted_total", "Admission: requests admitted, by "
+                                          "worker protocol, priority class and tenant.",
+                                          ("protocol", "class", "tenant"), registry=reg)
+        self.admission_wait = Counter(p + "admission_wait_seconds_total", "Admission: seconds admitted "
+                                      "requests waited in the queue, by worker protocol, priority class and tenant "
+                                      "(divide by admission_admitted_total for the mean).",
+                                      ("protocol", "class", "tenant"), registry=reg)
+        self.admission_shed = Counter(p + "admission_shed_total", "Admission: requests shed (429 or 503), by "
+                                      "worker protocol, priority class and reason.",
+                                      ("protocol", "class", "reason"), registry=reg)
+        self.admission_tenant_shed = Counter(p + "admission_tenant_shed_total", "Admission: requests shed, by "
+                                             "worker protocol, priority class and tenant.",
+                                             ("protocol", "class", "tenant"), registry=reg)
+        self.admission_deadline_cuts = Counter(p + "admission_deadline_cuts_total", "Admission: streams still "
+                                               "running at their deadline, ended with the engine's abort finish.",
+                                               registry=reg)
+        self.admission_preemptions = Counter(p + "admission_preemptions_total", "Admission: streams preempted for a "
+                                             "higher class (aborted on the engine, parked).", registry=reg)
+        self.admission_resumed_parked = Counter(p + "admission_resumed_parked_total", "Admission: parked streams "
+                                                "resumed exactly as migrated legs.", registry=reg)
+        self.admission_parked = Gauge(p + "admission_parked_streams", "Admission: preempted streams parked now.",
+                                      registry=reg, multiprocess_mode="livesum")
+        self.engine_requests = Gauge(p + "engine_requests", "The engine's own count of requests running plus "
+                                     "waiting at admission's last reading, per worker.", ("worker",),
+                                     registry=reg, multiprocess_mode="max")
+        self.engine_waiting_tokens = Gauge(p + "engine_waiting_tokens", "Uncached prompt tokens waiting for "
+                                           "prefill at admission's last reading (SGLang; 0 where the engine "
+                                           "reports none), per worker.", ("worker",), registry=reg,
+                                           multiprocess_mode="max")
+        self.engine_kv_usage = Gauge(p + "engine_kv_usage", "The engine's KV cache usage (a fraction) at "
+                                     "admission's last reading, where it reports one, per worker.", ("worker",),
+                                     registry=reg, multiprocess_mode="max")
         self.trace_written = Counter(p + "trace_records_written_total", "Request-end records written, by sink.",
                                      ("sink",), registry=reg)
         self.trace_dropped = Counter(p + "trace_records_dropped_total", "Request-end records lost, by cause "
@@ -255,6 +296,11 @@ class Metrics:
         #: of each the counter holds already.
         self.closed_source: dict[str, int] = {}
         self._closed_moved: dict[str, int] = {}
+        #: Admission's ``/stats`` block (:meth:`asgi_generate.request.gate.Admission.stats`)
+        #: when ``--admission`` is on, read at each refresh; the totals it
+        #: held when last moved into the counters.
+        self.admission_source: Callable[[], dict] | None = None
+        self._admission_moved: dict[tuple, float] = {}
 
         self._requests, self._http_requests, self._prompt, self._generation, self._body, self._migrations, \
             self._migration_waits, self._legs, self._failures, self._aborts = map(_Children, (
@@ -362,6 +408,47 @@ class Metrics:
         for wid, quantity, value in router.policy.metrics():
             if wid in urls:
                 self.kv.labels(wid, urls[wid], quantity).set(value)
+        if self.admission_source is not None:
+            self._admission(self.admission_source())
+
+    def _admission(self, stats: dict) -> None:
+        """Admission's gauges now, and its totals' growth into the counters."""
+        if self.registry is not None:
+            for gauge in (self.admission_waiting, self.admission_held, self.admission_room, self.engine_requests,
+                          self.engine_waiting_tokens, self.engine_kv_usage):
+                gauge.clear()
+        for protocol, block in stats["protocols"].items():
+            for quantity in ("free", "capacity"):
+                self.admission_room.labels(protocol, quantity).set(block["room"][quantity])
+            for cls, row in block["classes"].items():
+                self.admission_held.labels(protocol, cls).set(row["held"])
+                for reason, count in row["shed"].items():
+                    self._move(self.admission_shed, (protocol, cls, reason), count)
+                for tenant, t in row["tenants"].items():
+                    labels = (protocol, cls, tenant)
+                    self.admission_waiting.labels(*labels).set(t["waiting"])
+                    self._move(self.admission_admitted, labels, t["admitted"])
+                    self._move(self.admission_wait, labels, t["wait_seconds_total"])
+                    self._move(self.admission_tenant_shed, labels, t["shed"])
+        self._move(self.admission_deadline_cuts, (), stats["deadline_cuts"])
+        self._move(self.admission_preemptions, (), stats["preemptions"])
+        self._move(self.admission_resumed_parked, (), stats["resumed_parked"])
+        self.admission_parked.set(stats["parked"])
+        for wid, reading in stats["saturation"]["workers"].items():
+            if "engine_requests" in reading:
+                self.engine_requests.labels(wid).set(reading["engine_requests"])
+                self.engine_waiting_tokens.labels(wid).set(reading["waiting_tokens"])
+                if reading["kv_usage"] is not None:
+                    self.engine_kv_usage.labels(wid).set(reading["kv_usage"])
+
+    def _move(self, counter: Counter, labels: tuple, total: float) -> None:
+        """Raise ``counter``'s child of ``labels`` to ``total`` (a running total kept elsewhere)."""
+        key = (id(counter), *labels)
+        moved = self._admission_moved.get(key, 0)
+        if key not in self._admission_moved or total > moved:
+            child = counter.labels(*labels) if labels else counter
+            child.inc(max(0, total - moved))
+            self._admission_moved[key] = max(total, moved)
 
     async def run(self, router: Router, on_message: Callable[[dict[str, Any]], None] | None = None, *,
                   task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ..workers.router import Router, Worker
     from ..tracing.state import RequestState
     from .budget import BodyBudget
+    from .gate import Admission
     from .migrations import MigrationSlots
     from .watchdog import Watchdog
 
@@ -82,6 +83,7 @@ class RequestContext(Protocol):
         watchdog: the client timers of requests served without a guard task.
         body_budget: request body bytes being read and decoded at once.
         migrations: the slots of migrated streams running at once.
+        admission: the admission queues (``--admission``), ``None`` when off.
         inflight: requests being generated, by minted id (the handler adds
             and removes them).
         open_requests: every request from its start to its record (its
@@ -95,6 +97,7 @@ class RequestContext(Protocol):
     watchdog: Watchdog
     body_budget: BodyBudget
     migrations: MigrationSlots
+    admission: Admission | None
     inflight: dict[str, Running]
     open_requests: dict[str, RequestState]
     shutting_down: bool

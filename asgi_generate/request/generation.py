@@ -94,7 +94,7 @@ class Generation:
     """
 
     __slots__ = ("ctx", "codec", "codec_state", "req", "st", "writer", "batch", "lease", "tried", "unmoved",
-                 "moves", "key", "outbox", "leg")
+                 "moves", "key", "outbox", "leg", "parking")
 
     def __init__(
         self, ctx: "RequestContext", codec: Codec, codec_state: Exchange, req: GenerateRequest, st: RequestState,
@@ -126,6 +126,9 @@ class Generation:
         self.outbox = self.writer.outbox
         #: The leg running for this loop (set by :meth:`Leg.run`), ``None`` between legs.
         self.leg: Leg | None = None
+        #: Admission's preemption handle when the stream may be preempted
+        #: (:class:`~asgi_generate.request.gate.Parking`), else ``None``.
+        self.parking: Any = None
 
     @property
     def pending(self) -> int:
@@ -243,6 +246,11 @@ class Generation:
         """The codec's worker requests for ``attempts``, in order; ``None``
         once the codec refused one and the refusal was answered (nothing
         reached an engine). The body budget's share is given back either way."""
+        admission = self.ctx.admission
+        if admission is not None:  # the engines' priority for the request's class, if mapped
+            fields = admission.engine_fields(self.st)
+            for attempt in attempts:
+                attempt.fields = fields
         try:
             return [self.codec_state.worker_request(attempt) for attempt in attempts]
         except RequestError as exc:
@@ -419,6 +427,9 @@ class Generation:
         and the codec can resume the stream (or, unary with nothing sent,
         replay it)."""
         epoch = self.moves.pause_epoch
+        if self.parking is not None and self.parking.preempting and event.finish_reason == "abort" \
+                and event.error is None:  # admission's preemption: held the same way
+            return self.writer.sent_ids is not None and self.codec_state.resume_refusal() is None
         if epoch is None or event.finish_reason != "abort" or event.error is not None:
             return False
         if not self.ctx.router.pauses.aborted_since(self.codec.worker_protocol, epoch):
@@ -431,6 +442,16 @@ class Generation:
         """Wait for the fleet's resume, then resume the stream; past the
         bound, end it with 503."""
         settings, protocol = self.ctx.settings, self.codec.worker_protocol
+        if self.parking is not None and self.parking.preempting:
+            parked = await self.parking.park()
+            if parked is None:
+                state.resume_after_preemption(self.moves, self.st)
+                log.info("request %s: resuming after a preemption (%d tokens sent)", self.st.request_id,
+                         len(self.writer.sent_ids or ()))
+                return
+            state.give_up_hold(self.moves)
+            await self.writer.fail(RequestError(503, parked, "unavailable"), "unavailable")
+            return
         why = await self.ctx.router.pauses.hold(protocol, settings.pause_hold_limit, settings.pause_hold_timeout)
         if why is None:
             state.resume_after_pause(self.moves, self.st)

@@ -37,6 +37,8 @@ from ..tracing.state import RequestState
 from ..exceptions import BodyTimeout, BodyTooLarge, ClientDisconnected
 from .framing import Receive, Send, read_body, send_unary
 from .batches import Batch
+from .admission import Entry
+from .gate import Parking, cut_at_deadline
 from .generation import Generation
 from .watchdog import CONNECTION_RESET, DISCONNECT_WATCH, RECEIVE_NOWAIT
 
@@ -63,10 +65,27 @@ async def handle_generate(ctx: "RequestContext", codec: Codec, scope: dict, rece
         if admitted is not None:  # run from here: one coroutine frame fewer per open stream
             request, lease = admitted
             admitted = None
+            _note_request(st, request)
+            entry = parking = None
             try:
-                await _generate(ctx, codec, request, scope, receive, send, st, lease)
+                if ctx.admission is not None:
+                    go, entry = await _queue(ctx, codec, request, scope, receive, send, st, lease)
+                    if not go:
+                        return
+                if entry is not None:
+                    parking = ctx.admission.parking(entry, st, lambda: abort_live_legs(ctx, st))
+                if entry is not None and entry.ask.deadline is not None:
+                    await _generate_until(ctx, codec, request, scope, receive, send, st, lease, entry.ask.deadline,
+                                          parking)
+                else:
+                    await _generate(ctx, codec, request, scope, receive, send, st, lease, parking)
             finally:
                 lease.release()
+                if parking is not None:  # a preempted stream holds the slot it was given back
+                    parking.done()
+                    ctx.admission.release(parking.entry, st, parking.output_before)
+                elif entry is not None:  # every ending: finished, aborted, disconnected, migrated, shut down
+                    ctx.admission.release(entry, st)
     except OSError:  # an error answer's write: the client is gone (ASGI send exception)
         state.client_left(st)
     except Exception as exc:  # a bug: answer 500 rather than drop the client
@@ -99,9 +118,11 @@ async def reject_method(ctx: "RequestContext", codec: Codec, scope: dict, allowe
 
 
 async def _send_error(
-    codec: Codec, send: Send, st: RequestState, err: RequestError, headers: list | None = None
+    codec: Codec, send: Send, st: RequestState, err: RequestError, headers: list | None = None,
+    outcome: str | None = None,
 ) -> None:
-    outcome = "shutdown" if err.kind == "shutdown" else "unavailable" if err.status == 503 else "rejected"
+    if outcome is None:
+        outcome = "shutdown" if err.kind == "shutdown" else "unavailable" if err.status == 503 else "rejected"
     state.fail(st, outcome, err.status, err.kind, err.message)
     st.http_status = err.status  # the one sent, whichever failure came first
     st.response_started = True
@@ -146,6 +167,91 @@ async def _admit(
     return None if request is None else (request, lease)
 
 
+def _note_request(st: RequestState, request: GenerateRequest) -> None:
+    """What the record keeps of the decoded request."""
+    st.public_id = request.public_id
+    st.stream = request.stream
+    # The packed ids, when the codec made them: no list of ints kept for the trace.
+    packed = request.input_ids_packed
+    st.input_ids = request.input_ids if packed is None else packed.u32
+    st.input_length = len(request.input_ids) if request.input_ids is not None else None
+    st.replay_excluded = request.replay_excluded
+    st.model = request.model
+
+
+async def _queue(
+    ctx: "RequestContext", codec: Codec, request: GenerateRequest, scope: dict, receive: Receive, send: Send,
+    st: RequestState, lease: Lease,
+) -> tuple[bool, Entry | None]:
+    """Wait for admission (:mod:`asgi_generate.request.gate`): whether the
+    request goes on, and its slot (``None``: it holds none, its protocol
+    having no worker up). A shed request is answered in its format's error
+    shape (429 with ``Retry-After``, or 503), a client that leaves while
+    queued is recorded as gone; neither holds anything after."""
+    admission = ctx.admission
+    protocol = codec.worker_protocol
+    if admission.bypass(protocol):
+        return True, None
+    try:
+        ask = admission.ask(protocol, request, st)
+    except RequestError as exc:
+        await _send_error(codec, send, st, exc)
+        return False, None
+    # The decoded request waits under the queue's own byte bound from here.
+    lease.release()
+    watch = scope.get("extensions", {}).get(DISCONNECT_WATCH)
+    with anyio.CancelScope() as gone:
+        if watch is not None:
+            watch(gone.cancel)
+            try:
+                entry = await admission.admit(ask)
+            finally:
+                watch(None)
+        else:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_cancel_on_disconnect, receive, gone)
+                entry = await admission.admit(ask)
+                tg.cancel_scope.cancel()
+    if gone.cancelled_caught:
+        state.client_left(st)
+        return False, None
+    if entry.unit is not None:
+        st.queue_s = entry.waited if entry.granted else admission.clock() - entry.arrived
+    refusal = entry.refusal
+    if refusal is None:
+        return True, entry
+    if refusal.reason == "shutdown":
+        await _send_error(codec, send, st, RequestError(503, refusal.message, "shutdown"))
+        return False, None
+    st.shed_reason = refusal.reason
+    headers = [(b"retry-after", b"%d" % refusal.retry_after)] if refusal.retry_after is not None else []
+    await _send_error(codec, send, st, RequestError(refusal.status, refusal.message, refusal.reason), headers,
+                      outcome="shed")
+    return False, None
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` when the client leaves (its body was read: the next
+    message is its disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+async def _generate_until(
+    ctx: "RequestContext", codec: Codec, request: GenerateRequest, scope: dict, receive: Receive, send: Send,
+    st: RequestState, lease: Lease, deadline: float, parking: Parking | None = None,
+) -> None:
+    """:func:`_generate`, cut at ``deadline`` if still running (:func:`cut_at_deadline`)."""
+    async with anyio.create_task_group() as tg:
+        def cut() -> None:
+            ctx.admission.deadline_cuts += 1
+
+        tg.start_soon(cut_at_deadline, st, deadline, lambda: abort_live_legs(ctx, st), cut)
+        await _generate(ctx, codec, request, scope, receive, send, st, lease, parking)
+        tg.cancel_scope.cancel()
+
+
 async def _read_and_decode(
     ctx: "RequestContext", codec: Codec, receive: Receive, send: Send, st: RequestState, headers: dict,
     length: int | None, receive_nowait: Callable[[], dict | None] | None = None,
@@ -188,16 +294,8 @@ async def _read_and_decode(
 
 async def _generate(
     ctx: "RequestContext", codec: Codec, request: GenerateRequest, scope: dict, receive: Receive, send: Send,
-    st: RequestState, lease: Lease,
+    st: RequestState, lease: Lease, parking: Parking | None = None,
 ) -> None:
-    st.public_id = request.public_id
-    st.stream = request.stream
-    # The packed ids, when the codec made them: no list of ints kept for the trace.
-    packed = request.input_ids_packed
-    st.input_ids = request.input_ids if packed is None else packed.u32
-    st.input_length = len(request.input_ids) if request.input_ids is not None else None
-    st.replay_excluded = request.replay_excluded
-    st.model = request.model
     extensions = scope.get("extensions", {})
     watch = extensions.get(DISCONNECT_WATCH)
     inline = watch is not None and ctx.watchdog.running
@@ -207,6 +305,7 @@ async def _generate(
     batch = None if request.items is None else Batch(request.items, st)
     gen = Generation(ctx, codec, codec.exchange(request, st.request_id), request, st, send,
                      batch=batch, lease=lease, scope=run_scope, reset=extensions.get(CONNECTION_RESET))
+    gen.parking = parking
     writer = gen.writer
     if inline:
         # No task of its own (inline here: one coroutine frame fewer per open

@@ -293,6 +293,13 @@ def resume_after_pause(moves: Moves, st: RequestState) -> None:
     st.pause_resumes += 1
 
 
+def resume_after_preemption(moves: Moves, st: RequestState) -> None:
+    """Admission gave a preempted (held) stream its slot back: it continues
+    (counted in ``st.preemptions``)."""
+    _move(moves, AFTER_PAUSE)
+    st.preemptions += 1
+
+
 def give_up_hold(moves: Moves) -> None:
     """The hold ended without a resume; the request ends with 503."""
     _move(moves, GIVEN_UP)

@@ -265,6 +265,10 @@ class Attempt:
             aborts it; else ``None``.
         backoff_ms: milliseconds the request waited before this leg (the
             migration backoff).
+        fields: top-level fields the handler asks this leg's worker body to
+            carry where the client's body has none of its own (the engines'
+            ``priority``, from admission's class); a codec whose engine has
+            no such field leaves them out.
     """
 
     engine_id: str
@@ -276,6 +280,7 @@ class Attempt:
     entries: list[int] | None = None
     entry_ids: dict[int, str] | None = None
     backoff_ms: int = 0
+    fields: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from . import embedded
 from .hypercorn import edge_counts, patches
 from ..request.budget import BodyBudget
 from ..request.migrations import MigrationSlots
+from ..request.gate import Admission
 from ..request.framing import Receive, Send, send_unary
 from ..request.handler import handle_generate, reject_method
 from ..ops.recorder import Recorder
@@ -111,6 +112,8 @@ class App:
         self.body_budget = BodyBudget(settings.body_budget_bytes)
         self.migrations = MigrationSlots(
             lambda: settings.max_concurrent_migrations or max(1, 2 * len(self.router.workers)))
+        #: Admission (``--admission``), ``None`` when off.
+        self.admission = Admission(settings, lambda: self.router) if settings.admission else None
         self.shutting_down = False
         self._shutdown_requested: anyio.Event | None = None
         #: ``time.monotonic()`` at which a shutdown ends what is in flight.
@@ -119,6 +122,8 @@ class App:
         #: Request and abort counters, metrics and the trace writer.
         self.recorder = Recorder(settings)
         self.recorder.metrics.closed_source = edge_counts.closed
+        if self.admission is not None:
+            self.recorder.metrics.admission_source = self.admission.stats
         #: Called once the lifespan has started (workers probed, simulators up).
         self.on_started: Callable[[], None] | None = None
 
@@ -224,6 +229,8 @@ class App:
                     await tg.start(membership.run)
                     await tg.start(self.router.fleet.run)
                     tg.start_soon(self.watchdog.run, time.monotonic)
+                    if self.admission is not None:
+                        tg.start_soon(self.admission.run)
                     recorder = self.recorder
                     if recorder.tracer is not None:
                         await tg.start(recorder.tracer.run)
@@ -266,6 +273,8 @@ class App:
         if self.shutting_down:
             return
         self.shutting_down = True
+        if self.admission is not None:  # queued requests are answered 503 now
+            self.admission.shut()
         grace = self.settings.shutdown_grace
         if server_grace is not None:
             grace = max(0.0, min(grace, server_grace - END_MARGIN))
@@ -306,18 +315,21 @@ class App:
 
     def _worker_services(self, worker: Worker) -> Callable[[], Awaitable[None]]:
         """A joining worker's tasks, to run: its abort queue and the routing
-        policy's own (a KV event subscriber), if any."""
+        policy's own (a KV event subscriber) and admission's load reader, if any."""
         aborts = self._start_aborts(worker)
-        policy = self.router.policy.service(worker)
-        if policy is None:
+        services = [s for s in (self.router.policy.service(worker),
+                                self.admission.service(worker) if self.admission is not None else None)
+                    if s is not None]
+        if not services:
             return aborts
 
-        async def both() -> None:
+        async def all_of() -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(aborts)
-                tg.start_soon(policy)
+                for service in services:
+                    tg.start_soon(service)
 
-        return both
+        return all_of
 
     def _start_aborts(self, worker: Worker) -> Callable[[], Awaitable[None]]:
         """A joining worker's abort queue (kept in :attr:`aborts`), to run."""
@@ -415,6 +427,7 @@ class App:
                 "waiting": self.body_budget.waiting,
             },
             "migration_slots": self.migrations.stats(),
+            "admission": self.admission.stats() if self.admission is not None else {"enabled": False},
             "trace": recorder.tracer.stats() if recorder.tracer is not None else {"enabled": False},
             "routing": self.router.policy.stats(),
             "fleet_weight_versions": dict(self.router.fleet_versions),

@@ -181,6 +181,17 @@ def build_record(st: RequestState, block_size: int, analyzer: OutputAnalyzer | N
     if output_tokens > 1 and t_first_token is not None and st.t_last_token is not None:
         rec["mean_itl_ms"] = _ms((st.t_last_token - t_first_token) / (output_tokens - 1))
 
+    if st.queue_s is not None:
+        rec["queue_ms"] = _ms(st.queue_s)
+    if st.priority_class is not None:
+        rec["priority_class"] = st.priority_class
+        rec["tenant"] = st.tenant
+        if st.group_id is not None:
+            rec["group_id"] = st.group_id
+    if st.shed_reason is not None:
+        rec["shed_reason"] = st.shed_reason
+    if st.preemptions:
+        rec["preemptions"] = st.preemptions
     if st.migrations:
         rec["migrations"] = st.migrations
     if st.replays:

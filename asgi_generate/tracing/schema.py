@@ -23,7 +23,7 @@ SCHEMA_ID = "asgi_generate.request_trace.v1"
 EVENT_TYPE = "request_end"
 STATUSES = (
     "ok", "client_disconnect", "rejected", "engine_error", "unavailable", "timeout", "shutdown", "slow_client",
-    "engine_abort",
+    "engine_abort", "shed", "deadline",
 )
 ATTEMPT_OUTCOMES = ("finished", "aborted", "error", "connect_failed", "worker_lost", "timeout")
 ROLES = ("aggregated", "prefill", "decode", "resumed", "replayed")
@@ -80,7 +80,9 @@ SCHEMA: dict[str, Any] = {
         "status": _d(
             {"enum": list(STATUSES)},
             "How the request ended. engine_abort: the answer ended with the engine's own abort (finish_reason "
-            "abort: a pause without hold, abort_all), its output truncated; added to v1.",
+            "abort: a pause without hold, abort_all), its output truncated; added to v1. shed: admission refused it "
+            "(429 or 503, see shed_reason); deadline: it was still running at its x-deadline-ms and ended with "
+            "the engine's abort finish carrying the tokens so far; both added to v1.",
         ),
         "http_status": _d(
             {"type": "integer", "minimum": 100, "maximum": 599},
@@ -130,6 +132,17 @@ SCHEMA: dict[str, Any] = {
             _COUNT, "Times the request continued on another worker mid-answer (resumed attempts); "
             "absent when none.",
         ),
+        "queue_ms": _d(_MS, "Admission: time the request waited in the admission queue; absent when it "
+                            "never queued (admission off, or refused at arrival)."),
+        "priority_class": _d({"type": "string"}, "Admission: the request's priority class."),
+        "tenant": _d({"type": "string", "maxLength": 64}, "Admission: the request's tenant (x-tenant, or a "
+                                                          "hash of its bearer token)."),
+        "group_id": _d({"type": "string", "maxLength": 64}, "Admission: the x-group-id it was admitted with."),
+        "shed_reason": _d({"type": "string"}, "Admission: why it was shed (queue_depth, queue_bytes, wait, "
+                                              "deadline, group_incomplete, never) or cut (deadline)."),
+        "preemptions": _d(_COUNT, "Admission: times the stream was preempted for a higher class (aborted on "
+                                  "its engine, parked) and resumed exactly as a migrated leg; each counts in "
+                                  "migrations too."),
         "pause_resumes": _d(
             _COUNT, "Times the stream was held across a fleet pause (the engine's abort) and resumed after "
             "it (--resume-after-pause); absent when none.",

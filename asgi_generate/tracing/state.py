@@ -148,6 +148,9 @@ class RequestState:
     migrations: int = 0
     #: Times the stream was held across a fleet pause and resumed.
     pause_resumes: int = 0
+    #: Times admission preempted the stream (aborted on its engine, parked)
+    #: and resumed it.
+    preemptions: int = 0
     #: Its W3C trace context, made at its first engine leg (or at export)
     #: when OpenTelemetry export is on (set by that export); ``None`` otherwise.
     trace: TraceContext | None = None
@@ -158,6 +161,14 @@ class RequestState:
     migration_wait: str | None = None
     response_started: bool = False
     response_complete: bool = False
+    #: Admission (``--admission``): seconds the request waited in its queue
+    #: (``None``: it never queued), its priority class, tenant and group id,
+    #: and why it was shed or cut (``queue_depth``, ``wait``, ``deadline``, ...).
+    queue_s: float | None = None
+    priority_class: str | None = None
+    tenant: str | None = None
+    group_id: str | None = None
+    shed_reason: str | None = None
     #: An item of a request that carried several: the request's id, the
     #: item's index in its answer, and how many items it carried.
     batch_id: str | None = None

@@ -30,10 +30,14 @@ class EngineLoad:
         waiting_tokens: prompt tokens waiting for prefill that its cache
             does not hold (SGLang's ``num_waiting_uncached_tokens``; an
             engine that serves no such figure: 0).
+        kv_usage: the KV cache's usage as a fraction (SGLang's
+            ``token_usage``, vLLM's ``vllm:kv_cache_usage_perc``; of the
+            fullest DP rank), ``None`` when the engine reports none.
     """
 
     requests: int
     waiting_tokens: int
+    kv_usage: float | None = None
 
 
 def parse_load(protocol: str, body: bytes) -> EngineLoad:

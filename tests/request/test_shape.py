@@ -35,7 +35,7 @@ def test_no_request_module_subclasses_a_class_of_another_request_module():
 
 #: What codecs read of an attempt: the SDK's public record holds these and no more.
 CODEC_FIELDS = {"engine_id", "role", "worker_id", "worker_info", "pair", "resumes", "entries", "entry_ids",
-                "backoff_ms"}
+                "backoff_ms", "fields"}
 
 
 def test_the_sdk_attempt_holds_what_codecs_read_and_the_leg_record_the_handlers_bookkeeping():

@@ -49,8 +49,8 @@ vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
 
 
 def test_engine_load_bodies_parse_summed_over_ranks():
-    assert parse_load("sglang", SGLANG_LOADS) == EngineLoad(3 + 2 + 4 + 2, 1000)
-    assert parse_load("vllm", VLLM_METRICS) == EngineLoad(7, 0)
+    assert parse_load("sglang", SGLANG_LOADS) == EngineLoad(3 + 2 + 4 + 2, 1000, 0.1)
+    assert parse_load("vllm", VLLM_METRICS) == EngineLoad(7, 0, 0.5)
     for protocol, bad in (("sglang", b'{"loads": [{"dp_rank": 0}]}'), ("sglang", b"<html>"),
                           ("vllm", b"vllm:num_requests_running 1\n")):
         with pytest.raises(ValueError):
@@ -82,8 +82,10 @@ def test_the_simulator_serves_its_engines_load_route(protocol):
         load = orjson.loads(busy)["loads"][0]
         assert (load["num_running_reqs"], load["num_waiting_reqs"], load["num_waiting_uncached_tokens"]) == (1, 2, 6)
         assert set(orjson.loads(busy)) == {"timestamp", "version", "accelerator", "num_accelerators", "loads"}
-    assert parse_load(protocol, busy) == EngineLoad(3, 6 if protocol == "sglang" else 0)
-    assert parse_load(protocol, idle) == EngineLoad(0, 0)
+    # the queue figures (the KV usage is the simulator's capacity model's)
+    busy, idle = parse_load(protocol, busy), parse_load(protocol, idle)
+    assert (busy.requests, busy.waiting_tokens) == (3, 6 if protocol == "sglang" else 0)
+    assert (idle.requests, idle.waiting_tokens) == (0, 0)
 
 
 class _Worker:

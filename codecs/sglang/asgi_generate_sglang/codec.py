@@ -238,6 +238,8 @@ class SGLangExchange(Exchange):
             self._resume(body, attempt.resumes)
         if attempt.pair is not None:
             body.update(attempt.pair.fields)
+        for name, value in attempt.fields.items():  # the engine's priority (GenerateReqInput.priority)
+            body.setdefault(name, value)
         stream = self.request.stream
         if attempt.role != "prefill":  # a prefill's answer never reaches the client
             if self.tail is not None:  # the client's view so far, parsed before its bytes go

@@ -46,12 +46,13 @@ def replay_progress(obj: dict, so_far: int) -> tuple[int, bool]:
     return meta.get("completion_tokens", so_far), meta.get("finish_reason") is not None
 
 
-def read_loads(body: bytes) -> tuple[int, int]:
+def read_loads(body: bytes) -> tuple[int, int, float | None]:
     """``GET /v1/loads?include=core`` (``sglang/srt/entrypoints/v1_loads.py``
     ``get_loads``): ``{"loads": [{"num_running_reqs", "num_waiting_reqs",
-    "num_waiting_uncached_tokens", ...}, ...]}``, one entry per DP rank
-    (``LoadSnapshot`` in ``sglang/srt/managers/load_snapshot.py``), as
-    (requests running plus waiting, uncached prompt tokens waiting).
+    "num_waiting_uncached_tokens", "token_usage", ...}, ...]}``, one entry per
+    DP rank (``LoadSnapshot`` in ``sglang/srt/managers/load_snapshot.py``), as
+    (requests running plus waiting, uncached prompt tokens waiting, the
+    fullest rank's KV token usage as a fraction, ``None`` when no rank says).
 
     Raises:
         ValueError: no loads list, or an entry without its counts.
@@ -60,9 +61,11 @@ def read_loads(body: bytes) -> tuple[int, int]:
     if not isinstance(loads, list):
         raise ValueError("/v1/loads has no loads list")
     try:
+        usage = [float(x["token_usage"]) for x in loads if isinstance(x.get("token_usage"), (int, float))]
         return (sum(int(x["num_running_reqs"]) + int(x["num_waiting_reqs"]) for x in loads),
-                sum(int(x.get("num_waiting_uncached_tokens", 0)) for x in loads))
-    except (KeyError, TypeError) as exc:
+                sum(int(x.get("num_waiting_uncached_tokens", 0)) for x in loads),
+                max(usage) if usage else None)
+    except (KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"/v1/loads entry without its counts: {exc!r}") from None
 
 

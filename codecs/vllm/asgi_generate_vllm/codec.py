@@ -320,6 +320,8 @@ class VLLMExchange(Exchange):
         # vllm/entrypoints/serve/engine/serving.py), so the body stays the
         # client's and an engine refusal echoes nothing the frontend made.
         self.sent = body = dict(self.native.body)
+        for name, value in attempt.fields.items():  # the engine's priority (GenerateRequest.priority)
+            body.setdefault(name, value)
         headers = [_JSON, (b"x-request-id", attempt.engine_id.encode())]
         if attempt.resumes:  # a migration: both legs of a pair carry the longer prompt
             self._resume(body, attempt.resumes)

@@ -48,24 +48,29 @@ def replay_progress(obj: dict, so_far: int) -> tuple[int, bool]:
 #: ``GET /load`` is not used: it counts only with
 #: ``--enable-server-load-tracking``.
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+#: The KV cache usage gauge (``PrometheusStatLogger``, vllm/v1/metrics/loggers.py).
+KV_USAGE = "vllm:kv_cache_usage_perc"
 
 
-def read_metrics(body: bytes) -> tuple[int, int]:
+def read_metrics(body: bytes) -> tuple[int, int, float | None]:
     """``GET /metrics``: the :data:`GAUGES` summed over their samples, as
     (requests running plus waiting, 0: vLLM serves no uncached prompt
-    token figure).
+    token figure, the fullest engine's ``vllm:kv_cache_usage_perc``, a
+    fraction despite its name, or ``None`` when it serves none).
 
     Raises:
         ValueError: a gauge is missing, or the text is not Prometheus'.
     """
-    total, seen = 0.0, set()
+    total, seen, usage = 0.0, set(), None
     for family in text_string_to_metric_families(body.decode("utf-8", "replace")):
         if family.name in GAUGES:
             seen.add(family.name)
             total += sum(sample.value for sample in family.samples)
+        elif family.name == KV_USAGE and family.samples:
+            usage = max(sample.value for sample in family.samples)
     if len(seen) != len(GAUGES):
         raise ValueError(f"/metrics lacks {sorted(set(GAUGES) - seen)}")
-    return int(total), 0
+    return int(total), 0, usage
 
 
 def aborting_pause(path: str, query: "Mapping[str, str]", body: "Callable[[], object]") -> bool:
