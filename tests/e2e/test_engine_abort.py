@@ -203,3 +203,30 @@ def test_two_concurrent_abort_requests_send_the_engine_one_abort(sims, worker_cl
         thread.join(30)
         fe.stop()
         proxy.stop()
+
+
+def test_vllm_abort_requests_reaches_a_pairs_decode_leg(tmp_path_factory):
+    producer = start_sim("vllm", itl_ms=10, extra=["--kv-role", "producer"])
+    consumer = start_sim("vllm", itl_ms=10, extra=["--kv-role", "consumer"])
+    fe = Traced(tmp_path_factory, ["--prefill", f"vllm={producer.url}", "--decode", f"vllm={consumer.url}"])
+    thread = None
+    try:
+        thread, out = _started(fe.url, "vllm", "pd-cut", True)
+        wait_until(lambda: [n >= 5 for n in stats(consumer)["running_output_tokens"].values()] == [True], timeout=30)
+        (engine_id,) = stats(consumer)["running_rids"]
+        got = post(fe.url, {"request_ids": ["pd-cut"]}, "/abort_requests")
+        assert (got.status_code, got.json()) == (200, {"status": "aborted", "aborted": 1})
+        thread.join(30)
+        finish, tokens = _finish("vllm", True, out["got"])
+        assert finish == "abort" and 0 < tokens < N
+        # The decode leg by its engine id, once; the prefill leg had ended.
+        assert stats(consumer)["abort_named_ids"] == [engine_id]
+        assert (stats(producer)["abort_named_ids"], stats(consumer)["running"]) == ([], 0)
+        (rec,) = fe.take()
+        assert (rec["public_id"], rec["status"], rec["output_tokens"]) == ("pd-cut", "engine_abort", tokens)
+    finally:
+        if thread is not None:
+            thread.join(30)
+        fe.stop()
+        producer.stop()
+        consumer.stop()
