@@ -513,6 +513,10 @@ class Settings:
     abort_deadline: float = setting(
         30.0, unit="s", gt=0,
         help="seconds a request's end waits, at most, for its aborts' answers, queueing included")
+    abort_memory: int = setting(
+        65536, gt=0,
+        help="engine ids per worker whose abort's answer is kept, so that a repeated abort of one (an admin "
+             "abort, a disconnect) is answered without sending a second")
     admin_token: str | None = setting(
         None, metavar="TOKEN",
         help="require 'Authorization: Bearer TOKEN' on admin routes (default: open; prefer the variable, "

@@ -38,6 +38,30 @@ RouteSpec = tuple[str, tuple[str, ...]]
 
 
 @dataclass(frozen=True, slots=True)
+class PublicAbort:
+    """How the frontend serves an engine's own abort route
+    (:attr:`WorkerProtocol.abort_path`) for the requests it runs
+    (:mod:`asgi_generate.ops.admin`).
+
+    Attributes:
+        read: the route's body (bytes) read as ``(public ids named, abort
+            all)``, or a refusal: ``(its 400 JSON body, None)``.
+        by_prefix: a named id aborts every public id it begins (SGLang's
+            scheduler); else only the id itself (vLLM).
+        answer: the 200 body, given the route's body and how many engine
+            legs the frontend aborted.
+        fan_out_all: abort all is the body sent as it is to every worker of
+            the engine (SGLang ``abort_all``); else each live leg the
+            frontend runs there is aborted by its engine id.
+    """
+
+    read: "Callable[[bytes], tuple[list[str], bool] | tuple[bytes, None]]"
+    by_prefix: bool
+    answer: "Callable[[bytes, int], bytes]"
+    fan_out_all: bool
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerProtocol:
     """One engine's description, as data.
 
@@ -152,6 +176,9 @@ class WorkerProtocol:
             without pausing (its streams may be held until the call was
             answered): ``aborting_call(path, query, body)`` as
             :attr:`aborting_pause`; ``None``: no such call.
+        public_abort: the frontend serves :attr:`abort_path` for the
+            requests it runs on this engine, as :class:`PublicAbort` says;
+            ``None``: it does not.
     """
 
     name: str
@@ -192,6 +219,7 @@ class WorkerProtocol:
     aborting_call: "Callable[[str, Mapping[str, str], Callable[[], object]], bool] | None" = None
     pause_path: bytes | None = None
     pause_reader: "Callable[[int, bytes], bool | None] | None" = None
+    public_abort: PublicAbort | None = None
     kv_events_path: bytes | None = None
     kv_events_reader: "Callable[[object, str], tuple[tuple[str, str | None, str] | None, int | None, str]] | None" = None
 

@@ -25,7 +25,7 @@ combined answer, skipped workers):
   ``/resume_memory_occupation``; ``POST /abort_request`` (below).
 - vLLM dev routes (``vllm/entrypoints/serve/dev/``): ``POST /reset_prefix_cache``,
   ``/sleep``, ``/wake_up``, ``GET /is_sleeping``, ``POST /pause``, ``/resume``,
-  ``GET /is_paused``.
+  ``GET /is_paused``; ``POST /abort_requests`` (below).
 
 The weight routes are :mod:`asgi_generate.ops.weights`'s.
 
@@ -44,6 +44,17 @@ public id starts with ``R`` (SGLang's scheduler matches by prefix), each by
 its minted engine id on whichever workers run its legs (a batch's items each
 by their own public id, ``rid_0``, ``rid_1``, ..., so ``rid`` ends every
 unfinished item); their clients see the engine's abort finish. An empty ``rid`` aborts nothing, as SGLang does.
+
+``POST /abort_requests`` ``{"request_ids": [...]}`` does the same for vLLM
+requests, matching whole public ids (vLLM ignores ids it does not know);
+an empty or absent list aborts every vLLM request the frontend runs (vLLM
+``rl/online/api_router.py`` ``abort_requests`` aborts all it tracks), each
+by its engine id. It answers vLLM's ``{"status": "aborted", "aborted": N}``.
+
+Both routes are one endpoint, :func:`_abort`, read from the engine's
+:attr:`~asgi_generate.protocols.WorkerProtocol.public_abort`. Each engine id
+is sent at most one abort, whatever the calls that name it
+(:class:`~asgi_generate.workers.aborts.AbortQueue`).
 """
 
 from __future__ import annotations
@@ -70,11 +81,12 @@ INFO_PATHS = ("/get_model_info", "/model_info", "/get_server_info", "/server_inf
 @cache
 def paths() -> frozenset[str]:
     """Every path this module serves (the app's dispatch sends these here):
-    the info routes, ``/health_generate``, ``/abort_request``, each
-    engine's admin routes
+    the info routes, ``/health_generate``, each engine's abort route (where
+    it has :attr:`~asgi_generate.protocols.WorkerProtocol.public_abort`), its admin routes
     (:attr:`~asgi_generate.protocols.WorkerProtocol.admin_routes`) and the
     weight routes (:func:`asgi_generate.ops.weights.paths`)."""
-    return frozenset({*INFO_PATHS, "/health_generate", "/abort_request",
+    return frozenset({*INFO_PATHS, "/health_generate",
+                      *(engine.abort_path.decode() for engine in PROTOCOLS.values() if engine.public_abort),
                       *(path for engine in PROTOCOLS.values() for path, _ in engine.admin_routes), *weights.paths()})
 
 
@@ -92,7 +104,9 @@ def build(ctx: AdminContext) -> Router:
     in-flight requests and settings), which it reads at each request."""
     routes = [Route(path, _info(ctx), methods=["GET"]) for path in INFO_PATHS]
     routes.append(Route("/health_generate", _health_generate(ctx), methods=["GET"]))
-    routes.append(Route("/abort_request", guarded(ctx, _abort_request(ctx)), methods=["POST"]))
+    for engine in PROTOCOLS.values():
+        if engine.public_abort is not None:
+            routes.append(Route(engine.abort_path.decode(), guarded(ctx, _abort(ctx, engine.name)), methods=["POST"]))
     for engine in PROTOCOLS.values():
         for path, methods in engine.admin_routes:
             routes.append(Route(path, guarded(ctx, _fan_out(ctx, engine.name)), methods=list(methods)))
@@ -127,26 +141,37 @@ def _fan_out(ctx: AdminContext, protocol: str) -> Endpoint:
     return endpoint
 
 
-def _abort_request(ctx: AdminContext) -> Endpoint:
+def _abort(ctx: AdminContext, protocol: str) -> Endpoint:
+    """The engine's own abort route (:attr:`~asgi_generate.protocols.WorkerProtocol.abort_path`)
+    for the requests the frontend runs on it, as its
+    :attr:`~asgi_generate.protocols.WorkerProtocol.public_abort` says."""
+    how = PROTOCOLS[protocol].public_abort
+
     async def endpoint(request: Request) -> Response:
         body = await body_of(ctx, request)
         if isinstance(body, Response):
             return body
-        obj = parsed(body) if body.strip() else {}
-        if not isinstance(obj, dict):
-            return error(400, "the body must be a JSON object")
-        rid, abort_all = obj.get("rid", ""), obj.get("abort_all", False)
-        if not isinstance(rid, str) or not isinstance(abort_all, bool):
-            return error(400, "'rid' must be a string and 'abort_all' a boolean")
-        if abort_all:
-            return (await to_every_worker(ctx, _native(), request, body))[0]
-        legs = [
-            (worker, engine_id)
+        named, abort_all = how.read(body)
+        if abort_all is None:
+            return Response(named, 400, media_type="application/json")
+        if abort_all and how.fan_out_all:
+            return (await to_every_worker(ctx, protocol, request, body))[0]
+        exact = set(named)
+
+        def hit(public: str | None) -> bool:
+            if abort_all:
+                return True
+            if how.by_prefix:
+                return any(public is not None and public.startswith(r) for r in named)
+            return public in exact
+
+        legs = {
+            (worker.id, engine_id): (worker, engine_id)
             for gen in list(ctx.inflight.values())
-            if gen.codec.worker_protocol == _native() and rid
+            if gen.codec.worker_protocol == protocol
             for public, worker, engine_id in named_legs(gen)
-            if (public or "").startswith(rid)
-        ]
+            if hit(public)
+        }
 
         async def abort(worker: Worker, engine_id: str) -> Answer:
             result = await ctx.abort_engine_request(worker, engine_id)
@@ -154,9 +179,11 @@ def _abort_request(ctx: AdminContext) -> Endpoint:
                 return Answer(worker, 200, b"")
             return Answer(worker, None, f"abort {result}".encode())
 
-        answers = await gather([(lambda w=w, e=e: abort(w, e)) for w, e in legs])
-        # SGLang answers 200 with an empty body, matched or not.
-        return Response(b"", 200) if all(a.status == 200 for a in answers) else combined(answers)
+        answers = await gather([(lambda w=w, e=e: abort(w, e)) for w, e in legs.values()])
+        if not all(a.status == 200 for a in answers):
+            return combined(answers)
+        answer = how.answer(body, len(legs))
+        return Response(answer, 200, media_type="application/json" if answer else None)
 
     return endpoint
 
@@ -174,8 +201,7 @@ def _info(ctx: AdminContext) -> Endpoint:
 
 
 def _native() -> str:
-    """The engine the frontend's own info routes and ``/abort_request``
-    speak for (:attr:`~asgi_generate.protocols.WorkerProtocol.native_admin`:
+    """The engine the frontend's own info routes speak for (:attr:`~asgi_generate.protocols.WorkerProtocol.native_admin`:
     they are SGLang's routes); ``""`` when none is installed."""
     native = PROTOCOLS.where(native_admin=True)
     return native[0].name if native else ""

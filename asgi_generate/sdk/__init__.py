@@ -36,14 +36,14 @@ from ._compact import dumps_compact
 from ._ids import mint
 from ._lax import LaxError, lax_scalar
 from ..exceptions import CodecLoadError
-from ..protocols import GROUP as ENGINES_GROUP, WorkerProtocol, dial, positive_int, read_model_card
+from ..protocols import GROUP as ENGINES_GROUP, PublicAbort, WorkerProtocol, dial, positive_int, read_model_card
 from ._registry import GROUP, LoadedCodec, load_codecs
 from ._text import PromptTokenizer, StopWatch
 from ._token_ids import PackedIds, as_u32, pack_token_ids
 from ._versions import VLLM_DEFAULT_VERSION, VLLM_VERSIONS, VLLMBehaviour, parse_version, vllm_behaviour
 
 __all__ = [
-    "ENGINES_GROUP", "WorkerProtocol", "dial", "positive_int", "read_model_card",
+    "ENGINES_GROUP", "PublicAbort", "WorkerProtocol", "dial", "positive_int", "read_model_card",
     "GROUP", "LEG_DONE", "MAX_REQUEST_ITEMS", "NO_KV_TRANSFER", "VLLM_DEFAULT_VERSION", "VLLM_VERSIONS",
     "Attempt", "BatchItem", "Codec", "CodecLoadError", "EngineError", "Event", "Exchange", "GenerateRequest",
     "LaxError", "LoadedCodec", "PackedIds", "Pair", "PromptTokenizer", "RequestError", "Route", "StopWatch",

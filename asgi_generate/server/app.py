@@ -341,6 +341,7 @@ class App:
             batch=st.abort_batch,
             timeout=st.abort_timeout,
             deadline=st.abort_deadline,
+            remember=st.abort_memory,
             on_lost=self.router.worker_lost,
         )
         return queue.run

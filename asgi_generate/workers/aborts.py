@@ -35,13 +35,20 @@ engine. So each worker gets one :class:`AbortQueue`:
   marked down end as ``lost`` without being sent: nothing waits out retries
   against a dead host;
 - a caller waits at most ``deadline`` seconds, queueing included; an abort
-  it gave up on is skipped if not yet sent.
+  every caller gave up on is skipped if not yet sent;
+- an engine id is sent at most one abort: a caller naming an id whose abort
+  is queued or in flight joins it (every caller gets the one answer), and
+  the answer of an abort that was sent is kept for the last ``remember``
+  ids and given to any later caller without sending again. Concurrent
+  admin aborts, abort-all, a client's disconnect and a leg given up may all
+  name the same leg; a duplicate abort is extra load at best, and breaks
+  pipeline-parallel engines at worst (SGLang model gateway, PR 2426).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Callable
 
 import anyio
@@ -66,13 +73,17 @@ _JSON = [(b"content-type", b"application/json")]
 class _Abort:
     """One engine id waiting for its abort's answer."""
 
-    __slots__ = ("engine_id", "result", "done", "given_up")
+    __slots__ = ("engine_id", "result", "done", "given_up", "waiters", "sent")
 
     def __init__(self, engine_id: str) -> None:
         self.engine_id = engine_id
         self.result: str | None = None
         self.done = anyio.Event()
         self.given_up = False
+        #: Callers waiting for this answer (joined duplicates included).
+        self.waiters = 0
+        #: Whether a request naming it went out (its answer is remembered).
+        self.sent = False
 
     def settle(self, result: str) -> None:
         if self.result is None:
@@ -93,6 +104,9 @@ class AbortQueue:
         timeout: seconds a try has to connect and be answered; past them
             the abort is unacknowledged (not re-sent).
         deadline: seconds a caller waits for the answer, queueing included.
+        remember: engine ids whose sent abort's answer is kept, so that a
+            repeat is answered without a second abort (oldest forgotten
+            first).
         on_lost: called with ``(worker, reason)`` when a connect is refused
             or a connection breaks.
     """
@@ -106,6 +120,7 @@ class AbortQueue:
         batch: int = 512,
         timeout: float = 2.0,
         deadline: float = 30.0,
+        remember: int = 65536,
         on_lost: Callable[["Worker", str], None] | None = None,
     ) -> None:
         self.worker = worker
@@ -127,6 +142,11 @@ class AbortQueue:
             tls_hostname=worker.pool.tls_hostname,
         )
         self._waiting: deque[_Abort] = deque()
+        #: Aborts queued or in flight, by engine id (a duplicate joins one).
+        self._pending: dict[str, _Abort] = {}
+        #: Answers of sent aborts, by engine id, the last ``remember``.
+        self._answered: OrderedDict[str, str] = OrderedDict()
+        self.remember = remember
         self._wake = anyio.Event()
         self.in_flight = 0
         #: The most abort requests ever in flight at once (at most ``concurrency``).
@@ -137,6 +157,8 @@ class AbortQueue:
         self.refused = 0
         #: Aborts whose caller stopped waiting at the deadline.
         self.expired = 0
+        #: Aborts of an id already queued, in flight or answered: not sent again.
+        self.duplicates = 0
 
     @property
     def queued(self) -> int:
@@ -150,23 +172,47 @@ class AbortQueue:
         ``"lost"`` (the worker is down or went away)."""
         if not self.worker.healthy:
             return LOST
-        if len(self._waiting) >= self.queue_size:
-            self.refused += 1
-            _log_sometimes(self.refused, "worker %s: abort queue full (%d); %d aborts refused so far",
-                           self.worker.id, self.queue_size, self.refused)
-            return UNACKNOWLEDGED
-        item = _Abort(engine_id)
-        self._waiting.append(item)
-        self._wake.set()
+        item = self._pending.get(engine_id)
+        if item is None:
+            known = self._answered.get(engine_id)
+            if known is not None:
+                self.duplicates += 1
+                return known
+            if len(self._waiting) >= self.queue_size:
+                self.refused += 1
+                _log_sometimes(self.refused, "worker %s: abort queue full (%d); %d aborts refused so far",
+                               self.worker.id, self.queue_size, self.refused)
+                return UNACKNOWLEDGED
+            item = self._pending[engine_id] = _Abort(engine_id)
+            self._waiting.append(item)
+            self._wake.set()
+        else:
+            self.duplicates += 1
+        item.waiters += 1
         with anyio.move_on_after(self.deadline):
             await item.done.wait()
+        item.waiters -= 1
         if item.result is None:
-            item.given_up = True
+            if item.waiters == 0 and not item.sent:  # nobody waits: skip it, a later caller queues anew
+                item.given_up = True
+                self._pending.pop(engine_id, None)
             self.expired += 1
             _log_sometimes(self.expired, "worker %s: %d aborts unanswered after %g s so far",
                            self.worker.id, self.expired, self.deadline)
             return UNACKNOWLEDGED
         return item.result
+
+    def _settle(self, item: _Abort, result: str) -> None:
+        """End ``item`` with ``result`` for every caller; a sent one's
+        answer is kept for repeats."""
+        item.settle(result)
+        if self._pending.get(item.engine_id) is item:
+            del self._pending[item.engine_id]
+        if item.sent:
+            self._answered[item.engine_id] = result
+            self._answered.move_to_end(item.engine_id)
+            while len(self._answered) > self.remember:
+                self._answered.popitem(last=False)
 
     async def run(self) -> None:
         """Run the sender tasks until cancelled, then close the connections."""
@@ -199,18 +245,21 @@ class AbortQueue:
                 continue
             self.in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            for item in batch:
+                item.sent = True
+            result = UNACKNOWLEDGED
             try:
                 result = await self._send(batch)
             finally:
                 self.in_flight -= 1
-            for item in batch:
-                item.settle(result)
+                for item in batch:
+                    self._settle(item, result)
 
     def _lose(self, batch: list[_Abort]) -> None:
         for item in batch:
-            item.settle(LOST)
+            self._settle(item, LOST)
         while self._waiting:
-            self._waiting.popleft().settle(LOST)
+            self._settle(self._waiting.popleft(), LOST)
 
     async def _send(self, batch: list[_Abort]) -> str:
         proto = self.worker.protocol
@@ -257,6 +306,7 @@ class AbortQueue:
             "requests": self.requests,
             "refused": self.refused,
             "expired": self.expired,
+            "duplicates": self.duplicates,
             # Cumulative: a connection is replaced after a timed-out try or
             # once idle past the pool's idle timeout.
             "connections_opened": self.pool.opened,

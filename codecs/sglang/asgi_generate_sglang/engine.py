@@ -15,7 +15,7 @@ import orjson
 
 from typing import Callable, Mapping
 
-from asgi_generate.sdk import WorkerProtocol, dial, positive_int
+from asgi_generate.sdk import PublicAbort, WorkerProtocol, dial, positive_int
 
 
 def read_server_info(obj: dict) -> dict:
@@ -67,6 +67,23 @@ def read_loads(body: bytes) -> tuple[int, int, float | None]:
                 max(usage) if usage else None)
     except (KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"/v1/loads entry without its counts: {exc!r}") from None
+
+
+def read_abort(body: bytes) -> "tuple[list[str], bool] | tuple[bytes, None]":
+    """``POST /abort_request``'s body (``AbortReq``: ``rid``, ``abort_all``;
+    ``http_server.py`` ``abort_request``) as ``(rids, abort all)``; an
+    empty body or ``rid`` names nothing. A body of the wrong shape is
+    refused in the frontend's error shape."""
+    try:
+        obj = orjson.loads(body) if body.strip() else {}
+    except orjson.JSONDecodeError:
+        obj = None
+    if not isinstance(obj, dict):
+        return orjson.dumps({"error": {"message": "the body must be a JSON object"}}), None
+    rid, abort_all = obj.get("rid", ""), obj.get("abort_all", False)
+    if not isinstance(rid, str) or not isinstance(abort_all, bool):
+        return orjson.dumps({"error": {"message": "'rid' must be a string and 'abort_all' a boolean"}}), None
+    return ([rid] if rid else []), abort_all
 
 
 def aborting_pause(path: str, query: "Mapping[str, str]", body: "Callable[[], object]") -> bool:
@@ -183,4 +200,7 @@ ENGINE = WorkerProtocol(
     aborting_call=aborting_call,
     pause_path=b"/ready",
     pause_reader=read_ready,
+    # SGLang answers 200 with an empty body, matched or not; its scheduler
+    # aborts every rid the named one begins.
+    public_abort=PublicAbort(read_abort, by_prefix=True, answer=lambda body, n: b"", fan_out_all=True),
 )

@@ -16,7 +16,7 @@ from typing import Callable, Mapping
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from asgi_generate.sdk import WorkerProtocol, dial, read_model_card
+from asgi_generate.sdk import PublicAbort, WorkerProtocol, dial, read_model_card
 
 #: vLLM runs each of the ``n`` choices as a request of its own
 #: (``ParentRequest.get_child_info`` in ``v1/engine/parallel_sampling.py``),
@@ -71,6 +71,38 @@ def read_metrics(body: bytes) -> tuple[int, int, float | None]:
     if len(seen) != len(GAUGES):
         raise ValueError(f"/metrics lacks {sorted(set(GAUGES) - seen)}")
     return int(total), 0, usage
+
+
+def read_abort(body: bytes) -> "tuple[list[str], bool] | tuple[bytes, None]":
+    """``POST /abort_requests``'s body as ``rl/online/api_router.py``
+    ``abort_requests`` reads it (the route a ``VLLM_SERVER_DEV_MODE``
+    server serves, ahead of the tokens-only one): ``request_ids`` named,
+    or, when empty or absent, every request (abort all). Its 400 bodies are
+    FastAPI's ``{"detail"}``; ids of another type than a list of strings (or
+    one string, which vLLM's ``abort`` takes too) are refused here, where
+    vLLM would answer 500."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return orjson.dumps({"detail": "Invalid JSON format"}), None
+    if not isinstance(obj, dict):
+        return orjson.dumps({"detail": "Request body must be a JSON object"}), None
+    ids = obj.get("request_ids")
+    if not ids:
+        return [], True
+    ids = [ids] if isinstance(ids, str) else ids
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        return orjson.dumps({"detail": "'request_ids' must be a list of strings"}), None
+    return ids, False
+
+
+def abort_answer(body: bytes, aborted: int) -> bytes:
+    """``abort_requests``'s answer: ``{"status": "aborted", "aborted": N}``,
+    ``N`` the number of ids the body named (known or not, as vLLM counts
+    them) or, for abort all, of the requests aborted (the frontend's live
+    engine legs; vLLM counts every request its engine tracks)."""
+    ids = orjson.loads(body).get("request_ids")
+    return orjson.dumps({"status": "aborted", "aborted": len(ids) if ids else aborted})
 
 
 def aborting_pause(path: str, query: "Mapping[str, str]", body: "Callable[[], object]") -> bool:
@@ -151,4 +183,7 @@ ENGINE = WorkerProtocol(
     aborting_pause=aborting_pause,
     pause_path=b"/is_paused",
     pause_reader=read_is_paused,
+    # vLLM matches whole ids; an abort all reaches the legs the frontend
+    # runs, each by its engine id (a tokens-only server takes ids only).
+    public_abort=PublicAbort(read_abort, by_prefix=False, answer=abort_answer, fan_out_all=False),
 )
