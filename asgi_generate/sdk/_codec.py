@@ -419,9 +419,11 @@ class Exchange:
         reason), or ``None`` when the answer is truly cut short."""
         return None
 
-    def client_event(self, event: Event) -> bytes | None:
+    def client_event(self, event: Event) -> bytes | tuple[bytes, ...] | None:
         """SSE mode: the ``data`` payload to send the client for ``event``
-        (the one last fed), or ``None`` to send nothing."""
+        (the one last fed, as the handler leaves it: a finish it withdrew
+        is ``None``), a tuple of payloads sent as that many SSE events in
+        order, or ``None`` to send nothing."""
         raise NotImplementedError
 
     def unary_body(self) -> tuple[int, bytes]:
