@@ -80,6 +80,17 @@ only if it asked. A build that sends no usage chunk ends the stream after the
 finishing chunk; :meth:`VLLMExchange.end_of_stream` then finishes with the
 held reason.
 
+Aborts. The chunk that finishes a one-choice stream with ``abort`` (0.32's
+finish-only chunk, or the aborted output with the tokens not sent yet) is
+withheld whole until the stream's end event (the usage chunk, or
+:meth:`VLLMExchange.end_of_stream`), which carries its tokens: only then
+does the handler know whether the abort ends the answer or is a fleet
+pause's, the stream held and resumed. :meth:`VLLMExchange.client_event`
+renders what the event says: the abort as vLLM sent it, then the usage
+chunk if asked; or, held, the chunk as a running one (its tokens, no
+finish) or nothing, so the client's answer shows no abort
+(``DESIGN.md`` invariant 4). ``n`` > 1 never resumes: its chunks pass at once.
+
 Migration: a stream whose worker died mid-answer continues on another worker
 as a ``resumed`` attempt: ``token_ids`` are the prompt followed by every
 output token sent so far, ``max_tokens`` and ``min_tokens`` are reduced by
