@@ -731,7 +731,7 @@ def test_a_held_streams_aborting_chunk_shows_its_tokens_as_a_running_chunk(inclu
     ex = _stream(include_usage)
     ex.feed(ATTEMPT, orjson.dumps(_aborting([9, 10])))
     end = ex.feed(ATTEMPT, usage_chunk(2, 4))
-    end.finish_reason = None  # the handler holds the stream across the pause
+    end.finish_reason, end.held = None, True  # the handler holds the stream across the pause
     assert ex.client_event(end) == (
         b'{"request_id":"generate-tokens-c","choices":[{"index":0,"logprobs":null,"finish_reason":null,'
         b'"stop_reason":null,"token_ids":[9,10],"routed_experts":null,"sampling_mask":null,'
@@ -743,7 +743,7 @@ def test_a_held_streams_finish_only_abort_shows_nothing_and_the_next_leg_starts_
     ex = _stream(True)
     ex.feed(ATTEMPT, orjson.dumps(_aborting([])))
     end = ex.feed(ATTEMPT, usage_chunk(2, 2))
-    end.finish_reason = None
+    end.finish_reason, end.held = None, True
     assert ex.client_event(end) is None
     # A hold whose end event had no tokens is never rendered: the resumed leg drops it.
     ex2 = _stream(True)
@@ -765,7 +765,7 @@ def test_a_build_without_the_usage_chunk_releases_the_aborting_chunk_at_the_stre
     end = ex.end_of_stream(ATTEMPT)
     assert (end.token_ids, end.finish_reason) == ([9], "abort")
     if held:
-        end.finish_reason = None
+        end.finish_reason, end.held = None, True
     shown = orjson.loads(ex.client_event(end))["choices"][0]
     assert (shown["token_ids"], shown["finish_reason"]) == ([9], None if held else "abort")
 

@@ -588,7 +588,7 @@ class VLLMExchange(Exchange):
         module docstring) renders that chunk as the event says: with its
         ``finish_reason`` ``abort`` as vLLM sent it, then the usage chunk
         when asked (two payloads); or, when the handler withdrew the finish
-        (the stream is held across a pause and goes on), as a running
+        (:attr:`Event.held`: the stream goes on after a pause), as a running
         chunk (``finish_reason``, ``stop_reason``, ``weight_versions`` and
         ``routed_experts`` null, as vLLM sends them mid-stream) when it
         carries tokens, else nothing, and never the usage chunk."""
@@ -596,7 +596,7 @@ class VLLMExchange(Exchange):
         if held is None:
             return self.out
         self.closing = None
-        if event.finish_reason is None:
+        if event.held:
             choice = held["choices"][0]
             if not choice["token_ids"]:
                 return None

@@ -1,10 +1,12 @@
-"""A vLLM stream held across a fleet pause is one uninterrupted answer
-(codecs/vllm/asgi_generate_vllm/codec.py, request/generation.py): the
-client never sees the engine's abort of the held leg, whatever the vLLM
-build sends when it aborts (a finish-only chunk from 0.32, the aborting
-chunk with the tokens not sent yet, or no usage chunk at all) and whether
-or not the client asked for usage; a stream that is not held still ends
-with vLLM's abort, then its usage chunk when asked."""
+"""A stream held across a fleet pause is one uninterrupted answer
+(codecs/vllm/asgi_generate_vllm/codec.py, codecs/sglang/asgi_generate_sglang/
+codec.py, request/generation.py): the client never sees the engine's abort
+of the held leg, whatever the vLLM build sends when it aborts (a
+finish-only chunk from 0.32, the aborting chunk with the tokens not sent
+yet, or no usage chunk at all) and whether or not the client asked for
+usage, nor SGLang's aborting chunk that carries the tokens a stream
+interval held back; a stream that is not held still ends with the engine's
+abort (vLLM's then its usage chunk when asked)."""
 
 from __future__ import annotations
 
@@ -118,3 +120,67 @@ def test_a_held_stream_shows_no_abort_and_an_unheld_one_ends_with_it(fleet):
         if options is not None and options.get("continuous_usage_stats"):
             # Continuous usage counts the whole answer so far, across the pause.
             assert with_choices[-1]["usage"]["completion_tokens"] == N
+
+
+@pytest.fixture(scope="module", params=[(w, inc) for w in ("trio", "asyncio") for inc in (False, True)],
+                ids=lambda p: f"{p[0]}-{'incremental' if p[1] else 'cumulative'}")
+def sglang(request, tmp_path_factory):
+    worker_class, incremental = request.param
+    # A stream interval past the answer: SGLang's aborting chunk carries every token.
+    sim = start_sim("sglang", itl_ms=15, incremental=incremental, extra=["--stream-interval", "500"])
+    base = str(tmp_path_factory.mktemp("hold") / "t")
+    try:
+        fe = start_frontend([f"sglang={sim.url}"], worker_class=worker_class,
+                            extra=["--resume-after-pause", "--trace-file", base + ".jsonl",
+                                   "--pause-hold-timeout", "10"])
+    except BaseException:
+        sim.stop()
+        raise
+    yield sim, fe, base, incremental
+    fe.stop()
+    sim.stop()
+
+
+def test_a_held_sglang_stream_shows_no_abort_and_an_unheld_one_ends_with_it(sglang):
+    sim, fe, base, incremental = sglang
+    old = httpx.get(fe.url + "/v1/models").json()["workers"][0]["weight_version"]
+    new = f"{old}-next"
+    tag = f"sg-{old}"
+    resumes = [True, True, False]
+    prompts = [[300 + i, 7, 8] for i in range(len(resumes))]
+    out: list = [None] * len(resumes)
+
+    def one(i: int) -> None:
+        body = {"rid": f"{tag}-{i}", "input_ids": prompts[i], "stream": True,
+                "sampling_params": {"max_new_tokens": N, "ignore_eos": True}}
+        out[i] = sse(fe.url, body, headers={} if resumes[i] else {"asgi-generate-resume-after-pause": "0"})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(resumes))]
+    for t in threads:
+        t.start()
+    generating(sim, running=len(resumes), tokens=2)
+    assert post(fe.url, {"mode": "abort"}, "/pause_generation").status_code == 200
+    r = post(fe.url, {"model_path": "/ckpt", "weight_version": new}, "/update_weights_from_disk")
+    assert r.status_code == 200, r.text
+    assert post(fe.url, {}, "/continue_generation").status_code == 200
+    for t in threads:
+        t.join(30)
+    wait_until(lambda: len([r for r in trace_records(base + ".*.jsonl")
+                            if r.get("public_id", "").startswith(tag)]) == len(resumes))
+    records = {r["public_id"]: r for r in trace_records(base + ".*.jsonl")}
+    for i, (status, chunks) in enumerate(out):
+        assert status == 200
+        objs = _objs(chunks)
+        finishes = [o["meta_info"]["finish_reason"] for o in objs]
+        ids = [t for o in objs for t in o["output_ids"]] if incremental else objs[-1]["output_ids"]
+        rec = records[f"{tag}-{i}"]
+        if resumes[i]:
+            assert [f for f in finishes if f is not None] == [{"type": "length", "length": N}]
+            assert finishes[-1] is not None and "e2e_latency" not in objs[-2]["meta_info"]
+            (first, k), (second, rest) = [(s["weight_version"], s["tokens"]) for s in rec["segments"]]
+            assert (first, second) == (old, new) and k + rest == N and 0 < k < N
+            assert ids[:k] == sampled(prompts[i], 0, k, True, version=old)
+            assert ids[k:] == sampled(prompts[i] + ids[:k], 0, N - k, True, version=new)
+        else:
+            assert [f["type"] for f in finishes if f is not None] == ["abort"] and finishes[-1] is not None
+            assert 0 < len(ids) < N and ids == sampled(prompts[i], 0, len(ids), True, version=old)
