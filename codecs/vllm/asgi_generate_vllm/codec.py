@@ -290,7 +290,7 @@ class VLLMExchange(Exchange):
         #: tokens whose leg ended without reporting them.
         self.leg_starts: list[tuple[int, str | None]] = []
         #: A stream's chunk that finished its choice with ``abort``, withheld
-        #: until the stream's end (:meth:`_withhold`), then the one its end
+        #: until the stream's end (:meth:`feed`), then the one its end
         #: event releases for :meth:`client_event` to render.
         self.aborting: dict | None = None
         self.closing: dict | None = None
