@@ -227,8 +227,11 @@ class AnswerWriter:
     def _queue(self, event: Event) -> None:
         """A streamed event's bytes into the outbox (sent by :meth:`flush`)."""
         data = self.codec_state.client_event(event)
-        if data is not None:
+        if type(data) is bytes:
             self.outbox.extend(sse_parts(data))
+        elif data is not None:  # several payloads (Exchange.client_event)
+            for part in data:
+                self.outbox.extend(sse_parts(part))
         self.outbox_tokens += len(event.token_ids)
 
     def queue_without_await(self, event: Event) -> bool:

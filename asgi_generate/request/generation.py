@@ -526,7 +526,7 @@ class Generation:
             state.end_leg(attempt, "aborted")
             attempt.usage = event.reported()
             state.hold_for_pause(self.moves)
-            event.finish_reason = None
+            event.finish_reason, event.held = None, True
             if event.token_ids and self.writer.sent_ids is not None:
                 attempt.count(event)
                 await self.writer.deliver(event)

@@ -351,6 +351,11 @@ class Event:
             output token indices, ``end`` exclusive (vLLM's
             ``weight_versions`` on a finished choice, ``WeightVersionSpan``
             in ``vllm/outputs.py``); ``None``: not in this event.
+        held: set by the handler, never a codec: the handler withdrew this
+            event's finish (``finish_reason`` is now ``None``), the engine's
+            abort of a stream held across a fleet pause that goes on on a
+            resumed leg; :meth:`Exchange.client_event` renders it as a
+            running chunk, showing no finish.
     """
 
     token_ids: list[int]
@@ -365,6 +370,7 @@ class Event:
     leg_usage: Usage | None = None
     weight_version: str | None = None
     weight_spans: list[tuple[str, int, int]] | None = None
+    held: bool = False
 
     def reported(self) -> Usage | None:
         """The counts this leg's engine reported: :attr:`leg_usage`, else
@@ -424,9 +430,11 @@ class Exchange:
         reason), or ``None`` when the answer is truly cut short."""
         return None
 
-    def client_event(self, event: Event) -> bytes | None:
+    def client_event(self, event: Event) -> bytes | tuple[bytes, ...] | None:
         """SSE mode: the ``data`` payload to send the client for ``event``
-        (the one last fed), or ``None`` to send nothing."""
+        (the one last fed, as the handler leaves it: an :attr:`Event.held`
+        event shows no finish), a tuple of payloads sent as that many SSE
+        events in order, or ``None`` to send nothing."""
         raise NotImplementedError
 
     def unary_body(self) -> tuple[int, bytes]:

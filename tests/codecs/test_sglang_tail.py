@@ -113,3 +113,31 @@ def test_a_tail_read_that_succeeds_is_the_whole_parse(pieces, grow, at, byte, cu
         assert list(whole) == ["text", "output_ids", "meta_info"]
         assert whole["output_ids"] == known + read[0] and whole["meta_info"] == read[1]
         assert prev.count == len(whole["output_ids"])
+
+
+def test_a_held_aborting_chunk_is_rendered_as_a_running_chunk():
+    """The engine's abort of a stream held across a pause (the handler sets
+    ``Event.held``): its tokens as a running chunk, no finish; read from its
+    tail or parsed whole alike; not held, the engine's own bytes."""
+    abort = {"type": "abort", "message": "Abort in waiting queue", "status_code": 200, "err_type": None}
+    first = orjson.dumps(chunk("ab", [5, 6]))
+    last = orjson.dumps(chunk("abcd", [5, 6, 7, 8], abort, e2e_latency=0.5))
+    for whole in (False, True):
+        for held in (False, True):
+            codec = SGLangCodec()
+            ex = codec.exchange(codec.decode(b'{"input_ids":[1,2,3],"stream":true}', {}), "pub")
+            attempt = Attempt(ENGINE_ID, "aggregated", worker_info={})
+            ex.worker_request(attempt)
+            ex.client_event(ex.feed(attempt, first))
+            if whole:
+                ex.tail = None
+            event = ex.feed(attempt, last)
+            assert (event.token_ids, event.finish_reason) == ([7, 8], "abort")
+            if held:
+                event.finish_reason, event.held = None, True
+            shown = orjson.loads(last)
+            shown["meta_info"]["id"] = "pub"
+            if held:
+                shown["meta_info"]["finish_reason"] = None
+                del shown["meta_info"]["e2e_latency"]
+            assert ex.client_event(event) == orjson.dumps(shown)

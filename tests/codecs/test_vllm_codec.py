@@ -687,3 +687,90 @@ def test_weight_versions_of_the_wrong_shape_are_a_worker_answer_error():
         ex.feed(ATTEMPT, _finishing(f"generate-tokens-{ENGINE_ID}", [5], "length", [{"version": 1, "start": 0}]))
     assert err.value.message == ("worker answer: choices[0].weight_versions[0] is an object, "
                                  "expected an object with a string version and integer start and end")
+
+
+def _aborting(ids: list[int], rid: str = f"generate-tokens-{ENGINE_ID}") -> dict:
+    """vLLM 0.33's chunk that ends a choice with ``abort`` (``serve_tokens``'
+    choice fields; the version spans its output processor reports)."""
+    return {"request_id": rid, "choices": [
+        {"index": 0, "logprobs": None, "finish_reason": "abort", "stop_reason": None, "token_ids": ids,
+         "routed_experts": None, "sampling_mask": None, "weight_versions": [_span("v0", 0, 2 + len(ids))]}],
+        "usage": None}
+
+
+def _stream(include_usage: bool) -> "object":
+    body = {"token_ids": [1, 2], "request_id": "c", "stream": True, "sampling_params": {}}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    ex = exchange(body)
+    ex.worker_request(ATTEMPT)
+    assert ex.feed(ATTEMPT, chunk([7, 8])) == Event([7, 8])
+    assert ex.client_event(None) is not None
+    return ex
+
+
+@pytest.mark.parametrize("ids", [[9], []], ids=["tokens", "finish-only"])
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_an_aborting_chunk_is_withheld_until_the_end_and_rendered_as_vllm_sent_it(ids, include_usage):
+    ex = _stream(include_usage)
+    withheld = ex.feed(ATTEMPT, orjson.dumps(_aborting(ids)))
+    # Nothing of it yet: its tokens go with the end event; its versions count for the leg now.
+    assert (withheld.token_ids, withheld.finish_reason, withheld.weight_spans) == ([], None, [("v0", 0, 2 + len(ids))])
+    assert ex.client_event(withheld) is None
+    end = ex.feed(ATTEMPT, usage_chunk(2, 2 + len(ids)))
+    assert (end.token_ids, end.finish_reason, end.completion_tokens) == (ids, "abort", 2 + len(ids))
+    shown = orjson.dumps(_aborting(ids, "generate-tokens-c"))
+    usage = (b'{"request_id":"generate-tokens-c","choices":[],'
+             b'"usage":{"prompt_tokens":2,"total_tokens":%d,"completion_tokens":%d}}' % (4 + len(ids), 2 + len(ids)))
+    # Not held: vLLM's own chunk, abort and all, then the usage chunk when asked.
+    assert ex.client_event(end) == ((shown, usage) if include_usage else shown)
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_a_held_streams_aborting_chunk_shows_its_tokens_as_a_running_chunk(include_usage):
+    ex = _stream(include_usage)
+    ex.feed(ATTEMPT, orjson.dumps(_aborting([9, 10])))
+    end = ex.feed(ATTEMPT, usage_chunk(2, 4))
+    end.finish_reason, end.held = None, True  # the handler holds the stream across the pause
+    assert ex.client_event(end) == (
+        b'{"request_id":"generate-tokens-c","choices":[{"index":0,"logprobs":null,"finish_reason":null,'
+        b'"stop_reason":null,"token_ids":[9,10],"routed_experts":null,"sampling_mask":null,'
+        b'"weight_versions":null}],"usage":null}'
+    )
+
+
+def test_a_held_streams_finish_only_abort_shows_nothing_and_the_next_leg_starts_clean():
+    ex = _stream(True)
+    ex.feed(ATTEMPT, orjson.dumps(_aborting([])))
+    end = ex.feed(ATTEMPT, usage_chunk(2, 2))
+    end.finish_reason, end.held = None, True
+    assert ex.client_event(end) is None
+    # A hold whose end event had no tokens is never rendered: the resumed leg drops it.
+    ex2 = _stream(True)
+    ex2.feed(ATTEMPT, orjson.dumps(_aborting([])))
+    ex2.feed(ATTEMPT, usage_chunk(2, 2))
+    resumed = Attempt("b" * 32, "resumed", worker_info={}, resumes=[7, 8])
+    ex2.worker_request(resumed)
+    event = ex2.feed(resumed, chunk([11], "length", rid="generate-tokens-" + "b" * 32))
+    assert event == Event([11]) and orjson.loads(ex2.client_event(event))["choices"][0]["finish_reason"] == "length"
+    last = ex2.feed(resumed, usage_chunk(4, 1))
+    assert (last.token_ids, last.finish_reason, last.completion_tokens) == ([], "length", 3)
+    assert orjson.loads(ex2.client_event(last))["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_build_without_the_usage_chunk_releases_the_aborting_chunk_at_the_streams_end(held):
+    ex = _stream(True)
+    ex.feed(ATTEMPT, orjson.dumps(_aborting([9])))
+    end = ex.end_of_stream(ATTEMPT)
+    assert (end.token_ids, end.finish_reason) == ([9], "abort")
+    if held:
+        end.finish_reason, end.held = None, True
+    shown = orjson.loads(ex.client_event(end))["choices"][0]
+    assert (shown["token_ids"], shown["finish_reason"]) == ([9], None if held else "abort")
+
+
+def test_n_choices_pass_an_aborting_chunk_through_at_once():
+    ex = exchange({"token_ids": [1], "stream": True, "sampling_params": {"n": 2}})
+    event = ex.feed(ATTEMPT, n_chunk(1, [5], "abort"))
+    assert event.token_ids == [5] and orjson.loads(ex.client_event(event))["choices"][0]["finish_reason"] == "abort"

@@ -431,8 +431,16 @@ class SGLangExchange(Exchange):
             self.payload = b""
 
     def client_event(self, event: Event) -> bytes | None:
-        """The worker's chunk, ``meta_info.id`` restored."""
+        """The worker's chunk, ``meta_info.id`` restored; for an
+        :attr:`~asgi_generate.sdk.Event.held` event (the engine's abort of a
+        stream that goes on after a pause, with the tokens it carried: a
+        ``--stream-interval`` above 1 sends them only then) as a running
+        chunk, as SGLang sends one (``tokenizer_manager.py``: no
+        ``finish_reason``, and none of ``e2e_latency`` or ``routed_experts``,
+        which only a finished request's ``meta_info`` has)."""
         data = self._restored()
+        if event.held:
+            data = _running(data)
         # Sent: held while the stream waits for its next chunk is only what
         # a resumed attempt continues from: the chunk's bytes, when the next
         # is read from its tail, parsed when a resume asks (:attr:`last`).
@@ -477,6 +485,16 @@ class SGLangExchange(Exchange):
 #: What :meth:`SGLangExchange._stitch` reads of the last chunk sent, besides
 #: (cumulative chunks only) its ``text``, ``output_ids`` and the logprob lists.
 _BASE_META = ("prompt_tokens", "cached_tokens")
+
+
+def _running(data: bytes) -> bytes:
+    """A finishing chunk's bytes as a running chunk's (:meth:`SGLangExchange.client_event`)."""
+    chunk = orjson.loads(data)
+    meta = chunk["meta_info"]
+    meta["finish_reason"] = None
+    meta.pop("e2e_latency", None)
+    meta.pop("routed_experts", None)
+    return orjson.dumps(chunk)
 
 
 def _resume_base(chunk: dict, incremental: bool) -> dict:

@@ -80,6 +80,17 @@ only if it asked. A build that sends no usage chunk ends the stream after the
 finishing chunk; :meth:`VLLMExchange.end_of_stream` then finishes with the
 held reason.
 
+Aborts. The chunk that finishes a one-choice stream with ``abort`` (0.32's
+finish-only chunk, or the aborted output with the tokens not sent yet) is
+withheld whole until the stream's end event (the usage chunk, or
+:meth:`VLLMExchange.end_of_stream`), which carries its tokens: only then
+does the handler know whether the abort ends the answer or is a fleet
+pause's, the stream held and resumed. :meth:`VLLMExchange.client_event`
+renders what the event says: the abort as vLLM sent it, then the usage
+chunk if asked; or, held, the chunk as a running one (its tokens, no
+finish) or nothing, so the client's answer shows no abort
+(``DESIGN.md`` invariant 4). ``n`` > 1 never resumes: its chunks pass at once.
+
 Migration: a stream whose worker died mid-answer continues on another worker
 as a ``resumed`` attempt: ``token_ids`` are the prompt followed by every
 output token sent so far, ``max_tokens`` and ``min_tokens`` are reduced by
@@ -244,7 +255,7 @@ class VLLMExchange(Exchange):
 
     __slots__ = (
         "native", "stream", "stream_id", "finish", "matched", "finished", "out", "status", "input_ids",
-        "resumed", "choice_tokens", "details", "sent", "spans", "leg_starts",
+        "resumed", "choice_tokens", "details", "sent", "spans", "leg_starts", "aborting", "closing",
     )
 
     def __init__(self, request: GenerateRequest, request_id: str) -> None:
@@ -278,6 +289,11 @@ class VLLMExchange(Exchange):
         #: worker's weight version then (``worker_info``): the versions of
         #: tokens whose leg ended without reporting them.
         self.leg_starts: list[tuple[int, str | None]] = []
+        #: A stream's chunk that finished its choice with ``abort``, withheld
+        #: until the stream's end (:meth:`feed`), then the one its end
+        #: event releases for :meth:`client_event` to render.
+        self.aborting: dict | None = None
+        self.closing: dict | None = None
 
     def resume_refusal(self) -> str | None:
         """Why this request cannot resume mid-answer (see the module docstring)."""
@@ -322,6 +338,7 @@ class VLLMExchange(Exchange):
         self.sent = body = dict(self.native.body)
         for name, value in attempt.fields.items():  # the engine's priority (GenerateRequest.priority)
             body.setdefault(name, value)
+        self.aborting = self.closing = None  # a held leg's abort is not the next leg's
         headers = [_JSON, (b"x-request-id", attempt.engine_id.encode())]
         if attempt.resumes:  # a migration: both legs of a pair carry the longer prompt
             self._resume(body, attempt.resumes)
@@ -455,7 +472,7 @@ class VLLMExchange(Exchange):
                 raise wrong("usage", obj.get("usage", MISSING), "an object in a chunk without choices")
             self.out = orjson.dumps(obj) if self.native.include_usage else None
             # vLLM before 0.32 drops the finish-only chunk of an aborted request.
-            event = _usage_event([], self.finish or "abort", usage, self.matched)
+            event = _usage_event(self._release(), self.finish or "abort", usage, self.matched)
             event.leg_usage = own
             return event
         ids = []
@@ -478,13 +495,33 @@ class VLLMExchange(Exchange):
                     self.finish, self.matched = finish, _stop_reason(attempt, choice)
             if self.native.n != 1:
                 entries.append((index, Event(got, finish, matched=_stop_reason(attempt, choice) if finish else None)))
-        event = Event(ids, entries=entries if self.native.n != 1 else None)
-        if self.native.n == 1 and choices[0].get("finish_reason") is not None:
-            event.weight_spans = _spans(choices[0])
-            if event.weight_spans is not None:
-                self._answer_spans(choices[0], event.weight_spans)
-        self.out = orjson.dumps(obj)
+        if self.native.n != 1:
+            self.out = orjson.dumps(obj)
+            return Event(ids, entries=entries)
+        finish = choices[0].get("finish_reason")
+        if finish is None:
+            self.out = orjson.dumps(obj)
+            return Event(ids)
+        spans = _spans(choices[0])
+        if spans is not None:
+            self._answer_spans(choices[0], spans)
+        if finish == "abort":  # its tokens and bytes go with the stream's end event
+            self.aborting, self.out = obj, None
+            ids = []
+        else:
+            self.out = orjson.dumps(obj)
+        event = Event(ids)
+        event.weight_spans = spans
         return event
+
+    def _release(self) -> list[int]:
+        """The stream ends: the withheld aborting chunk (if any) goes to
+        :meth:`client_event` with the end event, which carries its tokens."""
+        held = self.aborting
+        if held is None:
+            return []
+        self.aborting, self.closing = None, held
+        return held["choices"][0]["token_ids"]
 
     def _answer_spans(self, choice: dict, spans: list[tuple[str, int, int]]) -> None:
         """A finished stream choice's ``weight_versions`` over the client's
@@ -543,12 +580,34 @@ class VLLMExchange(Exchange):
         if self.finish is None or len(self.finished) < self.native.n:
             return None
         self.out = None
-        return Event([], self.finish, matched=self.matched)
+        return Event(self._release(), self.finish, matched=self.matched)
 
-    def client_event(self, event: Event) -> bytes | None:
+    def client_event(self, event: Event) -> bytes | tuple[bytes, ...] | None:
         """The worker's chunk with the client's id, or nothing for a usage
-        chunk the client did not ask for (or a stream's end)."""
-        return self.out
+        chunk the client did not ask for (or a stream's end).
+
+        A stream's end event after a withheld aborting chunk (see the
+        module docstring) renders that chunk as the event says: with its
+        ``finish_reason`` ``abort`` as vLLM sent it, then the usage chunk
+        when asked (two payloads); or, when the handler withdrew the finish
+        (:attr:`Event.held`: the stream goes on after a pause), as a running
+        chunk (``finish_reason``, ``stop_reason``, ``weight_versions`` and
+        ``routed_experts`` null, as vLLM sends them mid-stream) when it
+        carries tokens, else nothing, and never the usage chunk."""
+        held = self.closing
+        if held is None:
+            return self.out
+        self.closing = None
+        if event.held:
+            choice = held["choices"][0]
+            if not choice["token_ids"]:
+                return None
+            for key in ("finish_reason", "stop_reason", "weight_versions", "routed_experts"):
+                if key in choice:
+                    choice[key] = None
+            return orjson.dumps(held)
+        chunk = orjson.dumps(held)
+        return chunk if self.out is None else (chunk, self.out)
 
     def unary_body(self) -> tuple[int, bytes]:
         """The worker's answer: vLLM's ``GenerateResponse`` (with the
