@@ -501,7 +501,8 @@ class Generation:
             return None
         event = self.codec_state.feed(attempt, payload)
         if self.writer.queue_without_await(event):
-            attempt.count(event)
+            if attempt.count(event):
+                self.ctx.router.fleet.version_reported(attempt.worker)
             return None
         return event
 
@@ -531,7 +532,8 @@ class Generation:
                 attempt.count(event)
                 await self.writer.deliver(event)
             return
-        attempt.count(event)
+        if attempt.count(event):
+            self.ctx.router.fleet.version_reported(attempt.worker)
         if (event.error is not None or event.finish_reason is not None) and not event.cut:
             attempt.live = False
             state.end_leg(attempt, "finished" if event.error is None else "error")

@@ -61,12 +61,14 @@ class LegRecord(Attempt):
     usage: Usage | None = None
     versions: list[list[Any]] = field(default_factory=list)
 
-    def count(self, event: Event) -> None:
+    def count(self, event: Event) -> bool:
         """Count ``event``'s tokens as sent to the client by this leg, and
         the weight versions its engine reported for them (a codec gives one
         or the other): ``weight_version`` extends the runs, ``weight_spans``
-        (the whole leg's) replace them. (Once per streamed event: written
-        for the CPU.)"""
+        (the whole leg's) replace them. Returns whether the engine reported
+        a version its worker was not known to serve (the fleet's state may
+        have changed behind this process). (Once per streamed event:
+        written for the CPU.)"""
         ids = event.token_ids
         self.tokens += len(ids)
         version = event.weight_version
@@ -76,10 +78,13 @@ class LegRecord(Attempt):
                 last = runs[-1]
                 if last[0] == version:
                     last[1] += len(ids)
-                    return
+                    return False
             runs.append([version, len(ids)])
-        elif event.weight_spans is not None:
+            return version != self.worker_info.get("weight_version")
+        if event.weight_spans is not None:
             self.versions = [[v, end - start] for v, start, end in event.weight_spans if end > start]
+            return any(v != self.worker_info.get("weight_version") for v, _ in self.versions)
+        return False
 
     def version_runs(self) -> list[tuple[str | None, int]]:
         """``(weight version, tokens)`` runs of the :attr:`tokens` this leg

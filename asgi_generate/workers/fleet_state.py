@@ -13,7 +13,8 @@ paused, to see the resume soon: then the weight versions every
 ``interval`` still, and at once when the resume is seen), and one worker
 at once when an engine's
 answer shows a change this process does not know of (:meth:`FleetState.confirm_pause`:
-an abort finish while no pause is known here). What it learns:
+an abort finish while no pause is known here; :meth:`FleetState.version_reported`:
+a weight version in a chunk other than its worker's known one). What it learns:
 
 - a protocol's fleet paused (a worker reports it paused after none did):
   :meth:`Pauses.begin <asgi_generate.workers.pauses.Pauses.begin>` here too,
@@ -123,7 +124,8 @@ class FleetState:
             readings that gave nothing), ``pauses_learned``,
             ``resumes_learned``, ``versions_learned`` (fleet versions set
             from a reading), ``fence_messages`` and ``call_messages``
-            (applied from a sibling).
+            (applied from a sibling), ``version_triggers`` (answers that
+            showed a weight version unknown here).
         share: set by the server: sends a :meth:`fence_message` to the
             sibling processes; ``None``: there are none.
     """
@@ -154,7 +156,7 @@ class FleetState:
         self._sibling_calls: dict[tuple[int, int], tuple[str, float]] = {}
         self._call_number = 0
         self.counts = {"readings": 0, "failed": 0, "pauses_learned": 0, "resumes_learned": 0,
-                       "versions_learned": 0, "fence_messages": 0, "call_messages": 0}
+                       "versions_learned": 0, "fence_messages": 0, "call_messages": 0, "version_triggers": 0}
 
     # -- this process's own calls -------------------------------------------
 
@@ -297,6 +299,14 @@ class FleetState:
         if self._wake is not None:
             self._wake.set()  # read the fleet at the paused interval from now
         return True
+
+    def version_reported(self, worker: Worker) -> None:
+        """An engine's answer on ``worker`` carried a weight version other
+        than the one known here: read the fleet now (its version may have
+        moved behind this process)."""
+        self.counts["version_triggers"] += 1
+        if self._wake is not None:
+            self._wake.set()
 
     def _paused_anywhere(self) -> bool:
         return any(self._seen_paused.values()) or bool(self.pauses.stats()["paused"])

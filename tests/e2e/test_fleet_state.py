@@ -14,7 +14,8 @@ import httpx
 import orjson
 import pytest
 
-from support import Proc, listening_socket, post, sampled, sse, start_sim, stats, trace_records, wait_until
+from support import (Proc, generating, listening_socket, post, sampled, sse, start_frontend, start_sim, stats,
+                     trace_records, wait_until)
 
 pytestmark = pytest.mark.e2e
 
@@ -168,3 +169,36 @@ def test_the_simulators_say_whether_they_are_paused_as_the_engines_do():
     finally:
         sg.stop()
         vl.stop()
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_a_version_a_chunk_shows_is_read_from_the_fleet_at_once(worker_class):
+    """The engine's version moved behind this process (another replica's
+    call, without aborting): the first chunk that shows it has the fleet
+    read now, though the periodic reading is an hour away."""
+    sim = start_sim("sglang", itl_ms=20)
+    fe = None
+    try:
+        fe = start_frontend([f"sglang={sim.url}"], worker_class=worker_class,
+                            extra=["--fleet-state-interval", "3600", "--log-level", "warning"])
+        got: list = []
+        body = {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": N, "ignore_eos": True}}
+        t = threading.Thread(target=lambda: got.append(sse(fe.url, body)))
+        t.start()
+        generating(sim, running=1, tokens=3)
+        r = post(sim.url, {"new_version": "v9", "abort_all_requests": False}, "/update_weight_version")
+        assert r.status_code == 200, r.text
+
+        def learned():
+            s = httpx.get(fe.url + "/stats", timeout=5).json()
+            return s if s["fleet_weight_versions"] == {"sglang": "v9"} else None
+        s = wait_until(learned, timeout=20)
+        assert s["fleet_state"]["version_triggers"] >= 1 and s["workers"]["w0"]["weight_version"] == "v9"
+        t.join(30)
+        status, chunks = got[0]
+        ids, finish = _answer("sglang", chunks)
+        assert (status, len(ids), finish) == (200, N, "length")
+    finally:
+        if fe is not None:
+            fe.stop()
+        sim.stop()

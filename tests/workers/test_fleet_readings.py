@@ -244,3 +244,50 @@ async def test_while_paused_the_versions_are_read_every_interval_and_once_resume
     said["paused"], said["version"] = True, "v2"
     await fleet.read()
     assert asked[8:] == [True, True] and router.pauses.paused("sglang") and router.fleet_versions == {"sglang": "v2"}
+
+
+@pytest.mark.anyio
+async def test_a_version_an_answer_showed_wakes_the_reader_at_once():
+    """A chunk's weight version other than its worker's known one reads
+    the fleet now, not an interval later."""
+    router, fleet = _fleet(2)
+    engine = {"w0": "v0", "w1": "v0"}
+
+    async def read(worker, timeout=5.0, versions=True):
+        return Reading(False, engine[worker.id])
+
+    fleet._read, fleet.interval = read, 3600.0
+    async with anyio.create_task_group() as tg:
+        await tg.start(fleet.run)
+        with anyio.fail_after(10):
+            while fleet.counts["readings"] < 1:
+                await anyio.sleep(0.01)
+        engine.update(w0="v1", w1="v1")  # behind this process's back
+        fleet.version_reported(router.workers[0])
+        with anyio.fail_after(10):
+            while fleet.counts["readings"] < 2:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    assert fleet.counts["version_triggers"] == 1
+    assert [w.weight_version for w in router.workers] == ["v1", "v1"] and router.fleet_versions == {"sglang": "v1"}
+
+
+@pytest.mark.anyio
+async def test_a_siblings_aborting_call_is_open_here_until_it_says_answered():
+    """A weight call that aborts without pausing, taken by a sibling: its
+    aborts are the fleet's here too (held), until its closing message, or
+    past its deadline when that never comes."""
+    router, fleet = _fleet(1)
+    pauses = router.pauses
+    mark = pauses.mark("sglang")
+    message = {"kind": "call", "protocol": "sglang", "sender": 7, "number": 1, "deadline_s": 30.0}
+    fleet.apply_call_message({**message, "open": True})
+    fleet.apply_call_message({**message, "open": True})  # told twice: one call
+    assert pauses.paused("sglang") and pauses.aborted_since("sglang", mark) and not pauses.pausing("sglang")
+    fleet.apply_call_message({**message, "open": False})
+    assert not pauses.paused("sglang") and fleet.counts["call_messages"] == 3
+    fleet.apply_call_message({**message, "number": 2, "deadline_s": 0.0, "open": True})
+    assert pauses.paused("sglang")
+    fleet._sibling_calls[(7, 2)] = ("sglang", anyio.current_time() - 1)  # its close never came
+    fleet._expire_sibling_calls()
+    assert not pauses.paused("sglang") and fleet._sibling_calls == {}
