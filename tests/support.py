@@ -7,6 +7,7 @@ is stopped by the fixture that started it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import math
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Iterator
 
 import anyio
 import h11
@@ -237,6 +239,28 @@ def start_hypercorn(workers: list[str], *, worker_class: str = "trio", env: dict
     env = {"ASGI_GENERATE_WORKERS": ",".join(workers), "ASGI_GENERATE_HEALTH_INTERVAL": "0.2", **(env or {})}
     return Proc(f"hypercorn-{worker_class}", ["-k", worker_class, "-b", "fd://{fd}", "asgi_generate.server.asgi:app"],
                 listening_socket(), "/health", env=env, module="hypercorn")
+
+
+@contextlib.contextmanager
+def held_fleet(worker_class: str, folder: pathlib.Path) -> Iterator[tuple[list[Proc], Proc, str]]:
+    """A SGLang and a vLLM simulator (ITL 15 ms) behind one frontend of
+    ``worker_class`` that holds streams across pauses
+    (``--resume-after-pause``, hold timeout 10 s) and writes its trace to
+    ``BASE.jsonl`` in ``folder``: ``(sims, frontend, BASE)``; all stopped
+    at the end."""
+    sims = [start_sim("sglang", itl_ms=15), start_sim("vllm", itl_ms=15)]
+    base = str(folder / "t")
+    fe = None
+    try:
+        fe = start_frontend([f"sglang={sims[0].url}", f"vllm={sims[1].url}"], worker_class=worker_class,
+                            extra=["--resume-after-pause", "--trace-file", base + ".jsonl",
+                                   "--pause-hold-timeout", "10"])
+        yield sims, fe, base
+    finally:
+        if fe is not None:
+            fe.stop()
+        for s in sims:
+            s.stop()
 
 
 def stats(sim: Proc) -> dict:

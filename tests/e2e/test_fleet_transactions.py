@@ -21,7 +21,7 @@ import httpx
 import orjson
 import pytest
 
-from support import generating, post, sampled, sse, start_frontend, start_sim, trace_records, wait_until
+from support import generating, held_fleet, post, sampled, sse, trace_records, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -31,14 +31,8 @@ PROMPTS = [[200 + i, 7, 9] for i in range(3)]
 
 @pytest.fixture(scope="module", params=["trio", "asyncio"])
 def fleet(request, tmp_path_factory):
-    sims = [start_sim("sglang", itl_ms=15), start_sim("vllm", itl_ms=15)]
-    base = str(tmp_path_factory.mktemp("transactions") / "t")
-    fe = start_frontend([f"sglang={sims[0].url}", f"vllm={sims[1].url}"], worker_class=request.param,
-                        extra=["--resume-after-pause", "--trace-file", base + ".jsonl", "--pause-hold-timeout", "10"])
-    yield sims, fe, base
-    fe.stop()
-    for s in sims:
-        s.stop()
+    with held_fleet(request.param, tmp_path_factory.mktemp("transactions")) as got:
+        yield got
 
 
 def _engine_version(sim, protocol: str) -> str:
@@ -107,6 +101,13 @@ def _records(base: str, tag: str, count: int) -> dict[str, dict]:
     return wait_until(ready)
 
 
+def _ended(threads: list[threading.Thread], base: str, tag: str) -> dict[str, dict]:
+    """Wait for the streams' threads (bounded), then their records by public id."""
+    for t in threads:
+        t.join(30)
+    return _records(base, tag, len(PROMPTS))
+
+
 def _segments(rec: dict) -> list[tuple[str, int]]:
     return [(s["weight_version"], s["tokens"]) for s in rec["segments"]]
 
@@ -125,9 +126,7 @@ def test_the_weight_routes_own_abort_is_held_and_resumed_exactly(fleet, route):
         {"model_path": "/ckpt", "weight_version": new, "abort_all_requests": True}
     r = post(fe.url, body, route)
     assert r.status_code == 200, r.text
-    for t in threads:
-        t.join(30)
-    records = _records(base, tag, len(PROMPTS))
+    records = _ended(threads, base, tag)
     for i, (status, chunks) in enumerate(out):
         ids, finish, runs = _sglang_runs(chunks)
         assert status == 200 and finish == {"type": "length", "length": N}
@@ -157,9 +156,7 @@ def test_a_version_changed_behind_the_frontend_splits_the_segments_where_the_eng
     # Another replica's call: straight to the engine, no abort.
     r = post(sims[0].url, {"new_version": new, "abort_all_requests": False}, "/update_weight_version")
     assert r.status_code == 200, r.text
-    for t in threads:
-        t.join(30)
-    records = _records(base, tag, len(PROMPTS))
+    records = _ended(threads, base, tag)
     for i, (status, chunks) in enumerate(out):
         ids, finish, runs = _sglang_runs(chunks)
         assert status == 200 and len(ids) == N and [v for v, _ in runs] == [old, new]
@@ -184,9 +181,7 @@ def test_a_pause_then_a_load_behind_the_frontend_records_the_versions_the_engine
     r = post(sims[0].url, {"new_version": new, "abort_all_requests": False}, "/update_weight_version")
     assert r.status_code == 200, r.text
     assert post(fe.url, {}, "/continue_generation").status_code == 200
-    for t in threads:
-        t.join(30)
-    records = _records(base, tag, len(PROMPTS))
+    records = _ended(threads, base, tag)
     for i, (status, chunks) in enumerate(out):
         ids, finish, runs = _sglang_runs(chunks)
         assert status == 200 and finish == {"type": "length", "length": N}
@@ -209,9 +204,7 @@ def test_vllm_segments_are_the_weight_versions_the_engine_reported(fleet):
     # The version set straight on the engine: the frontend's reading is stale.
     assert post(sims[1].url, {"new_version": new}, "/update_weight_version").status_code == 200
     assert post(fe.url, {}, "/resume").status_code == 200
-    for t in threads:
-        t.join(30)
-    records = _records(base, tag, len(PROMPTS))
+    records = _ended(threads, base, tag)
     for i, (status, chunks) in enumerate(out):
         ids, finish = _vllm_ids(chunks)
         assert status == 200 and len(ids) == N and finish == "length"
@@ -248,9 +241,7 @@ def test_a_unary_request_replayed_after_a_pause_counts_the_tokens_sent_exactly(f
         ("/pause?mode=abort", "/resume")
     assert post(fe.url, {"mode": "abort"} if protocol == "sglang" else {}, pause).status_code == 200
     assert post(fe.url, {}, resume).status_code == 200
-    for t in threads:
-        t.join(30)
-    records = _records(base, tag, len(PROMPTS))
+    records = _ended(threads, base, tag)
     for i, r in enumerate(out):
         assert r.status_code == 200, r.text
         got = r.json()["output_ids"] if protocol == "sglang" else r.json()["choices"][0]["token_ids"]
@@ -272,9 +263,7 @@ def test_a_weight_routes_abort_not_held_is_recorded_engine_abort(fleet):
     threads, out = _streams(fe, "sglang", tag, {"asgi-generate-resume-after-pause": "0"})
     generating(sims[0], running=len(PROMPTS), tokens=3)
     assert post(fe.url, {"new_version": new}, "/update_weight_version").status_code == 200
-    for t in threads:
-        t.join(30)
-    records = _records(base, tag, len(PROMPTS))
+    records = _ended(threads, base, tag)
     for i, (status, chunks) in enumerate(out):
         ids, finish, runs = _sglang_runs(chunks)
         assert status == 200 and finish["type"] == "abort" and 0 < len(ids) < N

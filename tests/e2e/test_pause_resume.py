@@ -12,7 +12,8 @@ import httpx
 import orjson
 import pytest
 
-from support import generating, post, sampled, sse, start_frontend, start_sim, stats, trace_records, wait_until
+from support import (generating, held_fleet, post, sampled, sse, start_frontend, start_sim, stats, trace_records,
+                     wait_until)
 
 pytestmark = pytest.mark.e2e
 
@@ -22,14 +23,8 @@ PROMPTS = [[100 + i, 7, 8] for i in range(3)]
 
 @pytest.fixture(scope="module", params=["trio", "asyncio"])
 def fleet(request, tmp_path_factory):
-    sims = [start_sim("sglang", itl_ms=15), start_sim("vllm", itl_ms=15)]
-    base = str(tmp_path_factory.mktemp("pause") / "t")
-    fe = start_frontend([f"sglang={sims[0].url}", f"vllm={sims[1].url}"], worker_class=request.param,
-                        extra=["--resume-after-pause", "--trace-file", base + ".jsonl", "--pause-hold-timeout", "10"])
-    yield sims, fe, base
-    fe.stop()
-    for s in sims:
-        s.stop()
+    with held_fleet(request.param, tmp_path_factory.mktemp("pause")) as got:
+        yield got
 
 
 def _body(protocol: str, prompt: list[int], rid: str) -> tuple[str, dict]:
