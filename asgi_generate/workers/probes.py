@@ -12,7 +12,9 @@ requests are told at once).
 Slow is not dead: while the worker is busy with what the frontend asked
 (:attr:`~asgi_generate.workers.worker.Worker.busy`: an admin or weight call
 in flight on it, or a pause, sleep or memory release it took until the
-route that ends it answered 200), a probe that times out or is answered
+route that ends it answered 200; or its fleet is paused, by this process or
+by another process or replica whose pause the engines reported,
+:mod:`~asgi_generate.workers.fleet_state`), a probe that times out or is answered
 other than 200 counts for nothing. SGLang's ``/health`` runs a one-token
 generation that a loading or paused scheduler does not serve
 (``http_server.py`` ``health_generate``). The call's own deadline decides
@@ -33,6 +35,7 @@ import orjson
 
 from ..exceptions import ConnectFailed, WorkerDisconnected, WorkerError
 from .http import ConnectionPool
+from .pauses import Pauses
 from .worker import Worker
 from ..protocols import read_model_card
 
@@ -47,10 +50,13 @@ class Probing(Protocol):
     Attributes:
         health_timeout: seconds one probe may take.
         health_failures: failed probes in a row that take an up worker out.
+        pauses: the fleets' pauses, this process's own and those learned
+            from the engines (:mod:`~asgi_generate.workers.fleet_state`).
     """
 
     health_timeout: float
     health_failures: int
+    pauses: Pauses
 
     def mark_down(self, worker: Worker, reason: str) -> None:
         """Stop routing to ``worker`` until a probe succeeds."""
@@ -139,6 +145,8 @@ async def read_weight_version(worker: Worker) -> str | None:
 
 def _failed(router: Probing, worker: Worker, reason: str, at_once: bool) -> None:
     busy = worker.busy
+    if busy is None and router.pauses.pausing(worker.protocol.name):
+        busy = "its fleet is paused"  # another process's or replica's pause, read from the engines
     if busy is not None and not at_once:
         log.debug("worker %s (%s) health probe failed while busy (%s), not counted: %s",
                   worker.id, worker.url, busy, reason)

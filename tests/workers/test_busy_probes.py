@@ -48,17 +48,20 @@ def _up(health) -> tuple[Router, Riding]:
 
 
 @pytest.mark.parametrize("health", [UNHEALTHY, STALL], ids=["failing", "silent"])
-@pytest.mark.parametrize("busy", ["call", "paused"])
+@pytest.mark.parametrize("busy", ["call", "paused", "fleet_paused"])
 async def test_a_probe_failing_while_the_worker_is_busy_counts_for_nothing(health, busy):
     router, riding = _up(health)
     (w,) = router.workers
     if busy == "call":
         w.calls = 1
-    else:
+    elif busy == "paused":
         w.paused.add("/continue_generation")
+    else:  # another process's pause, read from the engines
+        router.pauses.begin("sglang")
     assert await router.probe(w) is False
     assert (w.healthy, w.failures, w.times_down, w.last_error, riding.lost) == (True, 0, 0, None, [])
     w.calls, w.paused = 0, set()  # the call answered, the resume too: probes count again
+    router.pauses.end("sglang")
     assert await router.probe(w) is False
     reason = "health answered 503" if health is UNHEALTHY else "health probe got no answer within 0.05 s"
     assert (w.healthy, w.failures, w.times_down, w.last_error, riding.lost) == (False, 1, 1, reason, [reason])
