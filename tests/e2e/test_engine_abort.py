@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from support import Traced, post, sse, start_frontend, start_sim, stats, wait_until
+from support import RawClient, Traced, post, sse, start_frontend, start_sim, stats, wait_until
 from wire_proxy import WireProxy
 
 pytestmark = pytest.mark.e2e
@@ -201,6 +201,44 @@ def test_two_concurrent_abort_requests_send_the_engine_one_abort(sims, worker_cl
     finally:
         proxy.release()
         thread.join(30)
+        fe.stop()
+        proxy.stop()
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_a_disconnect_while_an_admin_abort_is_in_flight_sends_the_engine_one(sims, worker_class):
+    """The client leaves while the admin abort of its request waits for the
+    engine's answer: the disconnect's abort joins it, not a second one."""
+    sim = sims["sglang"]
+    proxy = WireProxy(sim.url, hold=lambda seen: seen.path == "/abort_request")
+    # Patient aborts: the held one stays in flight until released.
+    fe = start_frontend([f"sglang={proxy.url}"], worker_class=worker_class, extra=["--abort-timeout", "20"])
+    named_before = len(stats(sim)["abort_named_ids"])
+    rid = f"racing-{worker_class}"
+    client = RawClient(fe.url)
+    calls: list = []
+    admin = None
+    try:
+        client.send(orjson.dumps(_body("sglang", rid, True)))
+        wait_until(lambda: [n >= 3 for n in stats(sim)["running_output_tokens"].values()] == [True], timeout=30)
+        (engine_id,) = stats(sim)["running_rids"]
+        admin = threading.Thread(target=lambda: calls.append(post(fe.url, {"rid": rid}, "/abort_request")))
+        admin.start()
+        wait_until(lambda: len(proxy.requests("/abort_request")) == 1, timeout=30)  # in flight, unanswered
+        client.close()
+        # The disconnect's abort joined the first (new), or a second went out (before).
+        wait_until(lambda: _duplicates(fe.url) == 1 or len(proxy.requests("/abort_request")) > 1, timeout=30)
+        proxy.release()
+        admin.join(30)
+        wait_until(lambda: stats(sim)["running"] == 0)
+        assert [(c.status_code, c.content) for c in calls] == [(200, b"")]
+        assert [s.body for s in proxy.requests("/abort_request")] == [{"rid": engine_id}]
+        assert stats(sim)["abort_named_ids"][named_before:] == [engine_id]
+    finally:
+        proxy.release()
+        if admin is not None:
+            admin.join(30)
+        client.close()
         fe.stop()
         proxy.stop()
 
