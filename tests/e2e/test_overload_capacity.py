@@ -181,3 +181,39 @@ def test_a_preempted_stream_resumes_exactly_on_a_capacity_limited_engine(fleet, 
     assert recs[f"{protocol}-rollout"]["status"] == recs[f"{protocol}-eval"]["status"] == "ok"
     assert "preemptions" not in recs[f"{protocol}-rollout"]
     wait_until(lambda: fleet.held(protocol) == 0)
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_a_preempted_group_member_resumes_alone_exactly(fleet, protocol):
+    """A GRPO group of two preemptible streams fills the engine; an eval
+    request preempts one member, which waits again alone (its group was
+    admitted whole already: it does not wait for a second group to form)
+    and resumes exactly: both members' answers equal uninterrupted ones."""
+    before = fleet.admission()
+    path = GENERATE[protocol]
+    prompts = {f"{protocol}-member-{i}": [61 + i, 62, 63, 64] for i in range(2)}
+    clients = {}
+    for rid, prompt in prompts.items():
+        client = RawClient(fleet.url)
+        raw = orjson.dumps(_body(protocol, prompt, 80, rid))
+        client.sock.sendall(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                            b"x-priority-class: bulk\r\nx-preemptible: 1\r\nx-group-id: grp-%s\r\n"
+                            b"x-group-size: 2\r\ncontent-length: %d\r\n\r\n%s"
+                            % (path.encode(), protocol.encode(), len(raw), raw))
+        clients[rid] = client
+    first = {rid: client.events(2) for rid, client in clients.items()}
+    assert all(len(events) == 2 for events in first.values())
+    body = {**_body(protocol, [71, 72], 3, f"{protocol}-eval-2"), "stream": False}
+    got = post(fleet.url, body, path, headers={"x-priority-class": "eval"}, timeout=30)
+    assert got.status_code == 200
+    for rid, client in clients.items():
+        events = first[rid] + client.events(100000)
+        assert _answer(protocol, events) == (sampled(prompts[rid], 0, 80, ignore_eos=True), _finish(protocol, 80)), rid
+    after = fleet.admission()
+    assert (after["preemptions"] - before["preemptions"], after["resumed_parked"] - before["resumed_parked"],
+            after["parked_expired"] - before["parked_expired"], after["parked"]) == (1, 1, 0, 0)
+    recs = fleet.take(3)
+    assert sorted(recs[rid].get("preemptions", 0) for rid in prompts) == [0, 1]
+    assert all((recs[rid]["status"], recs[rid]["output_tokens"], recs[rid]["group_id"]) == ("ok", 80, f"grp-{protocol}")
+               for rid in prompts)
+    wait_until(lambda: fleet.held(protocol) == 0)
