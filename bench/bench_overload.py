@@ -31,7 +31,8 @@ answers that differ from the simulator model's (every answer is checked
 token for token, so a resumed stream that is not exact shows here); sheds
 and how many carried ``Retry-After``; the engines' retractions and queue
 peaks (``/sim/stats`` ``capacity``); and the hop's CPU per request
-(``/proc``).
+(``/proc``), and per second with no request (read for 2 s before the loaded
+run: with admission, its load readings).
 
 Usage: ``.venv/bin/python bench/bench_overload.py [--workloads grpo,tenants,agents]
 [--hops admission,none,router]``. sglang-router is installed on first use
@@ -68,6 +69,8 @@ ADMISSION_ARGS = ["--admission", "--admission-preemption", "--admission-worker-r
 #: fast enough to be a pure concurrency limit (it defaults to the limit per second).
 ROUTER_ARGS = ["--max-concurrent-requests", str(FLEET_SEQUENCES), "--queue-size", "4096",
                "--queue-timeout-secs", "60", "--rate-limit-tokens-per-second", "100000"]
+#: Seconds the hop's CPU is read with no request, before the loaded run.
+IDLE_CPU_S = 2.0
 #: Each request's deadline (``x-deadline-ms``): high-priority ones 2 s, the rest 30 s.
 DEADLINE_S = {"eval": 2.0, "agent": 2.0, "rollout": 30.0, "bulk": 30.0}
 
@@ -121,7 +124,7 @@ async def generate(client: httpx.AsyncClient, t0: float, cls: str, prompt: list[
     """POST one SGLang ``/generate`` (streamed unless ``stream`` is False) and time it."""
     res = Result(cls, tuple(prompt), n, time.monotonic() - t0, **tags)
     body = {"input_ids": prompt, "stream": stream, "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}
-    hdrs = {"x-priority-class": cls, "x-deadline-ms": str(int(DEADLINE_S[cls] * 1000)), **(headers or {})}
+    hdrs = {"content-type": "application/json", "x-priority-class": cls, "x-deadline-ms": str(int(DEADLINE_S[cls] * 1000)), **(headers or {})}
     try:
         async with client.stream("POST", "/generate", content=orjson.dumps(body), headers=hdrs) as r:
             res.status, res.retry_after = r.status_code, r.headers.get("retry-after")
@@ -323,6 +326,10 @@ def measure(workload: str, hop: str, logs: pathlib.Path, router_python: str | No
         stack.close()
         urls = start_fleet(stack, logs, tag + "-loaded")
         child, url = start_hop(stack, logs, tag + "-loaded", hop, urls, router_python)
+        # The hop's CPU with no request (admission's load readings, health checks).
+        idle0 = child.cpu_seconds()
+        time.sleep(IDLE_CPU_S)
+        idle_cpu = (child.cpu_seconds() - idle0) / IDLE_CPU_S
         cpu0 = child.cpu_seconds()
         results, wall = asyncio.run(run(url, workload, loaded=True))
         cpu = child.cpu_seconds() - cpu0
@@ -373,6 +380,8 @@ def measure(workload: str, hop: str, logs: pathlib.Path, router_python: str | No
         f"{sum(s['retractions'] for s in sims)}, {max(s['peak_waiting'] for s in sims)}, "
         f"{max(s['peak_running'] for s in sims)}")
     L["hop CPU per request ms"] = f"{f['cpu_per_request_ms']:.2f}"
+    f["idle_cpu_ms_s"] = idle_cpu * 1000
+    L["hop CPU with no request ms/s"] = f"{idle_cpu * 1000:.0f}"
     return cell
 
 
@@ -402,7 +411,7 @@ def print_cells(cells: list[Cell]) -> None:
                   f"(goal >= 0.95); CPU per request {a['cpu_per_request_ms']:.2f} ms on, "
                   f"{n['cpu_per_request_ms']:.2f} ms off: admission's share "
                   f"{max(0.0, a['cpu_per_request_ms'] - n['cpu_per_request_ms']) / a['cpu_per_request_ms']:.1%} "
-                  f"(goal <= 5%)")
+                  f"(goal <= 5%); with no request {a['idle_cpu_ms_s']:.0f} ms/s on, {n['idle_cpu_ms_s']:.0f} ms/s off")
 
 
 def main() -> int:
