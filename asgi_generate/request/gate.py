@@ -342,7 +342,9 @@ class Parking:
         admission.parked += 1
         try:
             # Its prompt was charged already; its remaining output is charged when it ends.
-            entry = await admission.admit(dataclasses.replace(self.entry.ask, work=0.0, prompt_tokens=0))
+            # It waits alone: its group was admitted whole, and no other member comes again.
+            entry = await admission.admit(dataclasses.replace(self.entry.ask, work=0.0, prompt_tokens=0,
+                                                              group=None, group_size=1))
         finally:
             admission.parked -= 1
         if not entry.granted:
