@@ -256,8 +256,15 @@ def _failed_worker(fleet: Fleet, version: str, problems: list[str]) -> None:
     for i in range(8):
         path, body = _request("sglang", i, f"after-{version}")
         body["stream"], body["sampling_params"]["max_new_tokens"] = False, 2
-        got = post(fleet.fes[i % len(fleet.fes)].url, body, path).json()["meta_info"]["weight_version"]
-        if got != version:
+        # A sibling told of the fence later than the 1 s its teller waits (a
+        # loaded machine) may answer 503 until it applied it: bounded.
+        deadline = time.monotonic() + 15
+        while (r := post(fleet.fes[i % len(fleet.fes)].url, body, path)).status_code == 503 \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if r.status_code != 200:
+            problems.append(f"a request after the update: {r.status_code} {r.text}")
+        elif (got := r.json()["meta_info"]["weight_version"]) != version:
             problems.append(f"a request after the update ran on weight version {got}")
     if stats(fleet.sims[3])["received"] != before:
         problems.append("the fenced worker got requests")
