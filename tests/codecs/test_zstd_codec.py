@@ -30,7 +30,7 @@ from asgi_generate.sdk._token_ids import pack_token_ids
 
 ZSTD = {b"content-type": b"application/zstd"}
 MiB = 1024 * 1024
-LAW = settings(max_examples=512, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+LAW = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def outcome(codec, body: bytes, headers=ZSTD):

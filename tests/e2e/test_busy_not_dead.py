@@ -83,8 +83,8 @@ class _Rotation:
         return self.seen
 
 
-@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
-@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+# vLLM's /health never stalls: its case guards the rule, on one worker class.
+@pytest.mark.parametrize("protocol, worker_class", [("sglang", "trio"), ("sglang", "asyncio"), ("vllm", "trio")])
 def test_a_weight_load_with_health_silent_keeps_the_worker_and_its_paused_stream(protocol, worker_class):
     sim = start_sim(protocol, itl_ms=20, extra=["--weight-load-s", str(LOAD_S)])
     fe = start_frontend([f"{protocol}={sim.url}"], worker_class=worker_class, extra=PROBE)
