@@ -156,36 +156,49 @@ def _abort(ctx: AdminContext, protocol: str) -> Endpoint:
             return Response(named, 400, media_type="application/json")
         if abort_all and how.fan_out_all:
             return (await to_every_worker(ctx, protocol, request, body))[0]
-        exact = set(named)
-
-        def hit(public: str | None) -> bool:
-            if abort_all:
-                return True
-            if how.by_prefix:
-                return any(public is not None and public.startswith(r) for r in named)
-            return public in exact
-
-        legs = {
-            (worker.id, engine_id): (worker, engine_id)
-            for gen in list(ctx.inflight.values())
-            if gen.codec.worker_protocol == protocol
-            for public, worker, engine_id in named_legs(gen)
-            if hit(public)
-        }
-
-        async def abort(worker: Worker, engine_id: str) -> Answer:
-            result = await ctx.abort_engine_request(worker, engine_id)
-            if result == ACKED:
-                return Answer(worker, 200, b"")
-            return Answer(worker, None, f"abort {result}".encode())
-
-        answers = await gather([(lambda w=w, e=e: abort(w, e)) for w, e in legs.values()])
+        answers, aborted = await abort_named(ctx, protocol, named, abort_all)
+        if ctx.router.fleet.share is not None:
+            # The sibling processes of serve --workers N run the rest of the requests.
+            await ctx.router.fleet.share({"kind": "abort", "protocol": protocol, "named": named, "all": abort_all})
         if not all(a.status == 200 for a in answers):
             return combined(answers)
-        answer = how.answer(body, len(legs))
+        answer = how.answer(body, aborted)
         return Response(answer, 200, media_type="application/json" if answer else None)
 
     return endpoint
+
+
+async def abort_named(ctx: AdminContext, protocol: str, named: list[str], abort_all: bool) -> tuple[list[Answer], int]:
+    """Abort, on its engine, every live leg of this process's ``protocol``
+    requests whose public id ``named`` holds (as the engine description's
+    :attr:`~asgi_generate.protocols.WorkerProtocol.public_abort` matches
+    ids), or every one with ``abort_all``: each leg's answer (200 once its
+    engine acknowledged) and how many legs that is."""
+    how = PROTOCOLS[protocol].public_abort
+    exact = set(named)
+
+    def hit(public: str | None) -> bool:
+        if abort_all:
+            return True
+        if how.by_prefix:
+            return any(public is not None and public.startswith(r) for r in named)
+        return public in exact
+
+    legs = {
+        (worker.id, engine_id): (worker, engine_id)
+        for gen in list(ctx.inflight.values())
+        if gen.codec.worker_protocol == protocol
+        for public, worker, engine_id in named_legs(gen)
+        if hit(public)
+    }
+
+    async def abort(worker: Worker, engine_id: str) -> Answer:
+        result = await ctx.abort_engine_request(worker, engine_id)
+        if result == ACKED:
+            return Answer(worker, 200, b"")
+        return Answer(worker, None, f"abort {result}".encode())
+
+    return await gather([(lambda w=w, e=e: abort(w, e)) for w, e in legs.values()]), len(legs)
 
 
 def _info(ctx: AdminContext) -> Endpoint:

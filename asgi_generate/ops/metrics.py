@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import os
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import anyio
 import prometheus_client
@@ -450,7 +450,8 @@ class Metrics:
             child.inc(max(0, total - moved))
             self._admission_moved[key] = max(total, moved)
 
-    async def run(self, router: Router, on_message: Callable[[dict[str, Any]], None] | None = None, *,
+    async def run(self, router: Router, on_message: Callable[[dict[str, Any]], Awaitable[None] | None] | None = None,
+                  *,
                   task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Several processes, until cancelled: :meth:`refresh` every
         :data:`REFRESH_S` seconds and whenever a sibling's scrape asks

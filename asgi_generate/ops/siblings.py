@@ -33,7 +33,7 @@ import hashlib
 import os
 import struct
 import sys
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import anyio
 import orjson
@@ -69,11 +69,12 @@ def folder_problem(folder: str) -> str | None:
 
 
 async def answer(folder: str, refresh: Callable[[], None],
-                 on_message: Callable[[dict[str, Any]], None] | None = None, *,
+                 on_message: Callable[[dict[str, Any]], Awaitable[None] | None] | None = None, *,
                  task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
     """Forever: answer siblings' requests by calling ``refresh()`` (this
     process's counts into the files), and hand their messages
-    (:func:`tell`) to ``on_message``; reports started once listening.
+    (:func:`tell`) to ``on_message`` (a coroutine it returns is awaited
+    before the answer); reports started once listening.
     This process's file is removed when this ends.
 
     Raises:
@@ -96,7 +97,9 @@ async def answer(folder: str, refresh: Callable[[], None],
                             raise ValueError(f"a message of {size} bytes")
                         message = orjson.loads(await reader.receive_exactly(size))
                         if on_message is not None and isinstance(message, dict):
-                            on_message(message)
+                            handled = on_message(message)
+                            if handled is not None:  # a coroutine: answered once it ran
+                                await handled
                     else:
                         refresh()
                     await stream.send(b"1")

@@ -301,17 +301,21 @@ class App:
 
     # -- used by the handler -------------------------------------------------
 
-    def _sibling_message(self, message: dict[str, Any]) -> None:
+    async def _sibling_message(self, message: dict[str, Any]) -> None:
         """A sibling process's message (:func:`asgi_generate.ops.siblings.tell`):
         a fence decision no engine holds
         (:meth:`~asgi_generate.workers.fleet_state.FleetState.apply_fence_message`),
-        or an aborting call it began or ended
-        (:meth:`~asgi_generate.workers.fleet_state.FleetState.apply_call_message`)."""
+        an aborting call it began or ended
+        (:meth:`~asgi_generate.workers.fleet_state.FleetState.apply_call_message`),
+        or an abort by id it took (:func:`~asgi_generate.ops.admin.abort_named`:
+        this process's requests of those ids aborted too)."""
         kind = message.get("kind")
         if kind == "fence":
             self.router.fleet.apply_fence_message(message)
         elif kind == "call":
             self.router.fleet.apply_call_message(message)
+        elif kind == "abort":
+            await admin.abort_named(self, message["protocol"], message["named"], message["all"])
 
     def _worker_services(self, worker: Worker) -> Callable[[], Awaitable[None]]:
         """A joining worker's tasks, to run: its abort queue and the routing

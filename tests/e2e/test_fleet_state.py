@@ -202,3 +202,52 @@ def test_a_version_a_chunk_shows_is_read_from_the_fleet_at_once(worker_class):
         if fe is not None:
             fe.stop()
         sim.stop()
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_an_abort_by_id_reaches_the_requests_of_every_process(protocol):
+    """``serve --workers 2``: an abort by id taken by either process ends
+    the named stream wherever it runs (the siblings are told), and no other."""
+    sims = [start_sim(protocol, itl_ms=20)]
+    fe = None
+    try:
+        fe = Proc("frontend-workers", ["serve", "--workers", "2", "--worker", f"{protocol}={sims[0].url}",
+                                       "--log-level", "warning"], listening_socket(), "/health")
+        out: list = []
+        threads: list[threading.Thread] = []
+
+        def one(i: int) -> None:
+            path, body = _body(protocol, i, "byid")
+            body["sampling_params"]["max_" + ("new_tokens" if protocol == "sglang" else "tokens")] = 2000
+            out[i] = sse(fe.url, body, path)
+
+        while len(threads) < 4 or (len(threads) < 32 and min(_streams_per_process(fe).values()) == 0):
+            out.append(None)
+            threads.append(threading.Thread(target=one, args=(len(threads),)))
+            threads[-1].start()
+            if len(threads) >= 4:
+                wait_until(lambda: stats(sims[0])["running"] == len(threads))
+        assert min(_streams_per_process(fe).values()) > 0
+        kept = len(threads) - 1  # the last one runs on
+        for i in range(kept):
+            rid = f"byid-{i}"
+            if protocol == "sglang":
+                r = post(fe.url, {"rid": rid}, "/abort_request")
+                assert (r.status_code, r.content) == (200, b"")
+            else:
+                r = post(fe.url, {"request_ids": [rid]}, "/abort_requests")
+                assert (r.status_code, r.json()) == (200, {"status": "aborted", "aborted": 1})
+        for t in threads[:kept]:
+            t.join(30)
+        assert [_answer(protocol, out[i][1])[1] for i in range(kept)] == ["abort"] * kept
+        assert threads[-1].is_alive() and stats(sims[0])["running"] == 1
+        last = f"byid-{kept}"
+        post(fe.url, {"rid": last} if protocol == "sglang" else {"request_ids": [last]},
+             "/abort_request" if protocol == "sglang" else "/abort_requests")
+        threads[-1].join(30)
+        assert _answer(protocol, out[-1][1])[1] == "abort"
+    finally:
+        if fe is not None:
+            fe.stop()
+        for s in sims:
+            s.stop()
