@@ -30,7 +30,8 @@ A unit is shed (429 with ``Retry-After``, the reason in the body) past its
 class's queue depth or bytes at arrival, past ``--admission-queue-wait``
 seconds waiting, or when its deadline passes before it could start (at once
 when the class's recent waits say it cannot start in time). A unit that no
-worker can ever take (more sequences than the whole fleet's limits, or no
+worker can ever take (more sequences than the whole fleet's limits, counting
+one for each group member still to come, or no
 worker of its protocol) is answered 503.
 
 The core is synchronous, on an explicit clock (``now`` arguments): the unit
@@ -275,10 +276,16 @@ class Queue:
         if ask.group is not None and ask.group_size > 1:
             key = (ask.cls, ask.tenant, ask.group)
             unit = self.groups.get(key)
-            if unit is not None and unit.seqs + ask.seqs > room.ever:
-                entry.refusal = Refusal(503, NEVER, f"group {ask.group} exceeds the fleet's limit of "
-                                                    f"{room.ever} sequences", None)
+            # The least the whole group will hold: the members here, this
+            # one, and one sequence for each member still to come.
+            size, members, seqs = (unit.size, len(unit.entries), unit.seqs) if unit else (ask.group_size, 0, 0)
+            least = seqs + ask.seqs + max(0, size - members - 1)
+            if least > room.ever:
+                entry.refusal = Refusal(503, NEVER, f"group {ask.group} of {size} members holds at least {least} "
+                                                    f"sequences, over the fleet's limit of {room.ever}", None)
                 self._count_shed(q, ask.tenant, NEVER)
+                if unit is not None:  # the members waiting can never be admitted either
+                    self._shed_unit(unit, entry.refusal)
                 return entry
         if q.depth >= self.depth or q.nbytes + ask.nbytes > self.nbytes:
             reason = QUEUE_DEPTH if q.depth >= self.depth else QUEUE_BYTES

@@ -268,6 +268,29 @@ def test_a_request_queued_at_shutdown_is_answered_503_with_its_record(sims, work
 
 
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_a_group_larger_than_the_fleet_is_503_at_its_first_member(sims, worker_class, tmp_path):
+    # one worker of 2 sequences: a group of 3 members can never be admitted,
+    # so its first member is answered now, not after the queue's 60 s wait
+    base = str(tmp_path / "t")
+    fe = start_frontend([f"sglang={sims[0].url}"], worker_class=worker_class,
+                        extra=["--admission", "--admission-worker-requests", "2", "--admission-queue-wait", "60",
+                               "--trace-file", base + ".jsonl"])
+    try:
+        wait_until(lambda: _admission(fe)["saturation"]["readings"] >= 1)
+        got = post(fe.url, _body("sglang", rid="big-0"), "/generate", headers={"x-group-id": "big",
+                                                                                "x-group-size": "3"}, timeout=30)
+        message = "group big of 3 members holds at least 3 sequences, over the fleet's limit of 2"
+        assert (got.status_code, "retry-after" in got.headers, got.json()) == (
+            503, False, {"object": "error", "message": message, "type": "503", "param": None, "code": 503})
+        assert _rollout(fe, "sglang")["waiting"] == 0
+        (rec,) = wait_until(lambda: trace_records(base + ".*.jsonl"))
+        assert (rec["status"], rec["http_status"], rec["shed_reason"], rec["group_id"]) == ("shed", 503, "never",
+                                                                                            "big")
+    finally:
+        fe.stop()
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
 def test_a_class_is_sent_as_the_engines_priority_unless_the_client_gave_one(sims, worker_class):
     from wire_proxy import WireProxy
 

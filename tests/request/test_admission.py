@@ -305,11 +305,28 @@ def test_a_member_shed_for_depth_sheds_its_group():
     assert q.classes[2].depth == 0
 
 
-def test_group_larger_than_the_fleet_is_503():
+def test_group_larger_than_the_fleet_is_503_for_every_member_at_once():
     q, _ = make(4)
     a = q.enqueue(ask(group="g", group_size=2, seqs=3), 0.0)
+    assert a.refusal is None and not a.granted  # 3 + at least 1 to come fits in 4
     b = q.enqueue(ask(group="g", group_size=2, seqs=3), 0.0)
-    assert a.refusal is None and b.refusal.status == 503 and b.refusal.reason == "never"
+    never = Refusal(503, "never", "group g of 2 members holds at least 6 sequences, over the fleet's limit of 4",
+                    None)
+    assert a.refusal == b.refusal == never
+    assert q.classes[2].depth == 0 and q.classes[2].shed == {"never": 2} and not q.groups
+
+
+def test_group_of_more_members_than_the_fleet_holds_is_503_at_its_first_member():
+    q, _ = make(4, wait=5.0)
+    first = q.enqueue(ask(group="g", group_size=5), 0.0)
+    assert first.refusal == Refusal(503, "never", "group g of 5 members holds at least 5 sequences, over the "
+                                                  "fleet's limit of 4", None)
+    assert q.classes[2].depth == 0 and not q.groups
+    # a later member of the same group is refused alike, not left waiting for the group's wait
+    assert q.enqueue(ask(group="g", group_size=5), 1.0).refusal.status == 503
+    # a group that does fit still forms
+    fits = q.enqueue(ask(group="h", group_size=4), 2.0)
+    assert fits.refusal is None and not fits.granted
 
 
 OPS = stg.lists(
