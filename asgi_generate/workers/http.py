@@ -1,11 +1,17 @@
-"""HTTP/1.1 client for engine workers: h11 over anyio streams, pooled.
+"""HTTP/1.1 client for engine workers: requests written directly, answers
+parsed by httptools (llhttp, the parser uvicorn uses) over anyio streams,
+pooled.
 
 One :class:`ConnectionPool` per worker keeps idle keep-alive connections
 (bare sockets for ``http://`` workers, :mod:`asgi_generate.workers.sockets`).
 A connection goes back to the pool only when both sides finished their
-message cleanly (h11 ``DONE``/``DONE``); any response not read to its end,
-any error and any cancellation retires the connection instead, so a later
-request never reads a stale tail. Wire format: RFC 9112 (via h11).
+message cleanly: the request sent whole, the response read to its end,
+neither side asking to close, and nothing after the response's last byte.
+Any response not read to its end, any error and any cancellation retires
+the connection instead, so a later request never reads a stale tail. Wire
+format: RFC 9112 (status line, headers, ``Content-Length``, chunked and
+close-delimited bodies, 1xx interim responses skipped, no body for HEAD,
+204 and 304; parsed by llhttp, bounded here by :data:`MAX_HEAD_BYTES`).
 
 A request whose bytes may have reached the worker is never sent again by
 the pool: a connection that closes before the response head is
@@ -37,19 +43,26 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import ssl
 import time
 from collections import deque
 from typing import Iterable
 
 import anyio
-import h11
+import httptools
 
 from ..exceptions import ConnectFailed, TimedOut, Unanswered, WorkerDisconnected
 from .sockets import TCPConnection, TLSConnection, connect
 
 log = logging.getLogger("asgi_generate.workers")
 RECEIVE_SIZE = 65536
+#: Bytes a response may send without completing its head (status line and
+#: header lines, interim 1xx heads included), and bytes in a row that bring
+#: no body byte (a chunk-size line, trailers): past either, the worker broke
+#: HTTP/1.1. llhttp itself keeps no such limit; this is the figure h11's
+#: ``max_incomplete_event_size`` (16 KiB) kept before, with its message.
+MAX_HEAD_BYTES = 16 * 1024
 #: Seconds an idle pooled connection is trusted: under the 5 s after which
 #: both engines' uvicorn closes an idle keep-alive (SGLang:
 #: ``srt/environ.py`` ``SGLANG_TIMEOUT_KEEP_ALIVE``, passed as
@@ -80,12 +93,172 @@ def tls_context(ca_file: str | None = None, insecure: bool = False) -> ssl.SSLCo
     return context
 
 
+_TOKEN = rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+"
+#: RFC 9112 section 3 (method SP request-target) and section 5 (field-name
+#: ":" SP field-value): no byte that could end a line or a field early.
+_REQUEST_LINE = re.compile(_TOKEN + rb" [\x21-\x7e]+")
+_FIELD_LINE = re.compile(_TOKEN + rb": [\t\x20-\x7e\x80-\xff]*")
+
+
+def _request_head(method: bytes, path: bytes, host: bytes, length: int,
+                  headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """The request line and header lines (``host`` first, then
+    ``content-length`` and ``headers``), ending with the empty line: the
+    bytes h11 wrote for the same request.
+
+    Raises:
+        ValueError: a method, target, header name or value that would not
+            read back as itself (a CR or LF in a percent-decoded path, say).
+    """
+    line = method + b" " + path
+    if _REQUEST_LINE.fullmatch(line) is None:
+        raise ValueError(f"not an HTTP/1.1 request line: {line!r}")
+    lines = [b"%s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d" % (line, host, length)]
+    for name, value in headers:
+        field = name + b": " + value
+        if _FIELD_LINE.fullmatch(field) is None:
+            raise ValueError(f"not an HTTP/1.1 header field: {field!r}")
+        lines.append(field)
+    lines.append(b"\r\n")
+    return b"\r\n".join(lines)
+
+
+class _Reader:
+    """One response's parse: the callbacks httptools' parser calls from
+    ``feed_data`` (llhttp checks the framing), keeping what the
+    :class:`Response` hands on. A new one per response; the parser is
+    dropped when the exchange ends (:meth:`drop`), which breaks the
+    parser-callbacks cycle.
+
+    Attributes:
+        body: body bytes parsed and not yet read (reused, cleared by reads).
+        head: the final (non-1xx) response head is in.
+        end: the response ended.
+        excess: bytes followed the end (the connection must not carry more).
+        keep_alive: the worker keeps the connection (HTTP/1.1, no
+            ``Connection: close``, the body's end known without a close).
+        fed: bytes fed in a row that completed no head and brought no body
+            byte (bounded by :data:`MAX_HEAD_BYTES`).
+        received: body bytes handed on (for a short body's message).
+    """
+
+    __slots__ = ("parser", "body", "head", "end", "excess", "keep_alive", "status", "content_type",
+                 "retry_after", "length", "chunked", "fed", "received")
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.body: list[bytes] = []
+        self.head = self.end = self.excess = self.keep_alive = False
+        self.status = 0
+        self.content_type = self.retry_after = self.length = None
+        #: ``None``: no Transfer-Encoding; False: one other than chunked.
+        self.chunked: bool | None = None
+        self.fed = self.received = 0
+
+    def drop(self) -> None:
+        self.parser = None
+
+    def on_message_begin(self) -> None:
+        if self.end:  # a response nobody asked for
+            self.excess = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.head:  # trailers: nothing a caller reads
+            return
+        name = name.lower()
+        if name == b"content-type":
+            self.content_type = value
+        elif name == b"retry-after":
+            self.retry_after = value
+        elif name == b"content-length":
+            self.length = value
+        elif name == b"transfer-encoding":
+            self.chunked = value.lower() == b"chunked"
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        status = parser.get_status_code()
+        if status < 200:  # interim (RFC 9110 section 15.2): the final head follows
+            self.content_type = self.retry_after = self.length = self.chunked = None
+            return
+        self.status = status
+        self.head = True
+        # As h11: an HTTP/1.0 answer is never kept, whatever it says.
+        self.keep_alive = parser.should_keep_alive() and parser.get_http_version() == "1.1"
+
+    def on_body(self, data: bytes) -> None:
+        self.body.append(data)
+
+    def on_message_complete(self) -> None:
+        if self.head:
+            self.end = True
+
+    def feed(self, data: bytes) -> None:
+        """Parse ``data``, the callbacks keeping what it brought.
+
+        Raises:
+            WorkerDisconnected: the worker broke HTTP/1.1 before the end
+                (after it: :attr:`excess`).
+        """
+        try:
+            self.parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if self.end:
+                self.excess = True
+                return
+            if isinstance(exc, httptools.HttpParserUpgrade):
+                raise WorkerDisconnected("worker broke HTTP/1.1: switched protocols unasked") from None
+            raise WorkerDisconnected(f"worker broke HTTP/1.1: {exc}") from None
+
+    def stalled(self, size: int) -> None:
+        """Count ``size`` bytes fed that completed no head and brought no body.
+
+        Raises:
+            WorkerDisconnected: more than :data:`MAX_HEAD_BYTES` in a row.
+        """
+        self.fed += size
+        if self.fed > MAX_HEAD_BYTES:
+            raise WorkerDisconnected("worker broke HTTP/1.1: Receive buffer too long")
+
+    def closed(self) -> None:
+        """The worker closed the connection before :attr:`end`: a body
+        delimited by the close ends (RFC 9112 section 6.3, item 8).
+
+        Raises:
+            WorkerDisconnected: a chunked or ``Content-Length`` body short
+                (h11's words, which the logs and records keep).
+        """
+        if self.chunked:
+            raise WorkerDisconnected("worker broke HTTP/1.1: peer closed connection without sending complete "
+                                     "message body (incomplete chunked read)")
+        if self.length is not None:
+            raise WorkerDisconnected("worker broke HTTP/1.1: peer closed connection without sending complete "
+                                     f"message body (received {self.received} bytes, expected {int(self.length)})")
+        self.end = True
+        self.keep_alive = False
+
+
+class _HeadReader(_Reader):
+    """A HEAD request's response: its head is all of it (RFC 9110 section
+    9.3.2), whatever its Content-Length says; llhttp, which does not know
+    the request, would wait for a body."""
+
+    __slots__ = ()
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self.end = self.head
+
+    def on_body(self, data: bytes) -> None:
+        self.excess = True
+
+
 class _Connection:
-    __slots__ = ("stream", "h11", "idle_since")
+    __slots__ = ("stream", "reader", "idle_since")
 
     def __init__(self, stream: TCPConnection | TLSConnection) -> None:
         self.stream = stream
-        self.h11 = h11.Connection(h11.CLIENT)
+        self.reader: _Reader | None = None
         self.idle_since = 0.0
 
     async def aclose(self) -> None:
@@ -112,14 +285,11 @@ class Response:
 
     __slots__ = ("status", "content_type", "retry_after", "_conn", "complete")
 
-    def __init__(self, conn: _Connection, head: h11.Response) -> None:
-        self.status = head.status_code
-        self.content_type = self.retry_after = None
-        for k, v in head.headers:  # h11 gives lower-case names
-            if k == b"content-type":
-                self.content_type = v
-            elif k == b"retry-after":
-                self.retry_after = v
+    def __init__(self, conn: _Connection) -> None:
+        reader = conn.reader
+        self.status = reader.status
+        self.content_type = reader.content_type
+        self.retry_after = reader.retry_after
         self._conn = conn
         self.complete = False
 
@@ -127,7 +297,7 @@ class Response:
         """Every body byte that has arrived, waiting for at least one; ``None``
         once the body has ended.
 
-        Returning all that one socket read brought (not one h11 event at a
+        Returning all that one socket read brought (not one chunk at a
         time) lets the caller handle a burst of events with one client write.
 
         Args:
@@ -140,30 +310,32 @@ class Response:
         if self.complete:
             return None
         conn = self._conn
-        parts: list[bytes] | None = None  # made once there is data: none is kept while waiting
+        reader = conn.reader
+        body = reader.body
         while True:
-            event = _next_event(conn)
-            kind = type(event)
-            if kind is h11.Data:
-                if parts is None:
-                    parts = [event.data]
-                else:
-                    parts.append(event.data)
-            elif kind is h11.EndOfMessage:
+            if body:
+                data = body[0] if len(body) == 1 else b"".join(body)
+                body.clear()
+                reader.received += len(data)
+                self.complete = reader.end
+                return data
+            if reader.end:
                 self.complete = True
-                return b"".join(parts) if parts else None
-            elif event is h11.NEED_DATA:
-                if parts:
-                    return b"".join(parts)
-                # _receive's work, inline: one coroutine frame fewer per
-                # open stream while it waits for the worker.
-                try:
-                    data = await conn.stream.receive(RECEIVE_SIZE, deadline)
-                except OSError as exc:
-                    raise _lost(exc) from None
-                _take(conn, data)
-            elif kind is h11.ConnectionClosed:
-                raise WorkerDisconnected("worker closed the connection mid-response")
+                return None
+            try:
+                data = await conn.stream.receive(RECEIVE_SIZE, deadline)
+            except OSError as exc:
+                raise _lost(exc) from None
+            if not data:
+                if data is None:
+                    raise TimedOut("deadline passed waiting for the worker")
+                reader.closed()
+                continue
+            reader.feed(data)
+            if body or reader.end:
+                reader.fed = 0
+            else:
+                reader.stalled(len(data))
 
     async def read(self, deadline: float = math.inf) -> bytes:
         """The whole body, by ``deadline`` (as for :meth:`read_some`)."""
@@ -173,49 +345,31 @@ class Response:
         return b"".join(parts)
 
 
-async def _receive(conn: _Connection, deadline: float, wait_first: bool = False) -> None:
-    try:
-        data = await conn.stream.receive(RECEIVE_SIZE, deadline, wait_first)
-    except OSError as exc:
-        raise _lost(exc) from None
-    _take(conn, data)
-
-
 def _lost(exc: OSError) -> WorkerDisconnected:
     return WorkerDisconnected(f"connection to worker lost: {exc!r}")
 
 
-def _take(conn: _Connection, data: bytes | None) -> None:
-    """Feed what a read brought to h11 (``None``: the read's deadline passed)."""
-    if data is None:
-        raise TimedOut("deadline passed waiting for the worker")
-    conn.h11.receive_data(data)
-
-
-def _next_event(conn: _Connection) -> h11.Event:
-    try:
-        return conn.h11.next_event()
-    except h11.RemoteProtocolError as exc:
-        raise WorkerDisconnected(f"worker broke HTTP/1.1: {exc}") from None
-
-
-async def _next_response(conn: _Connection, deadline: float) -> h11.Response:
+async def _next_response(conn: _Connection, deadline: float) -> None:
+    """Read until ``conn.reader`` has the final response head."""
+    reader = conn.reader
     # Called right after the request went out: its first read would find nothing.
     wait_first = True
-    while True:
+    while not reader.head:
         try:
-            event = _next_event(conn)
-        except WorkerDisconnected:
-            if conn.h11.trailing_data[1]:  # h11 words it "can't handle event type ConnectionClosed"
-                raise WorkerDisconnected("worker closed the connection before answering") from None
-            raise
-        if type(event) is h11.Response:
-            return event
-        if event is h11.NEED_DATA:
-            await _receive(conn, deadline, wait_first)
-            wait_first = False
-        elif type(event) is h11.ConnectionClosed:
+            data = await conn.stream.receive(RECEIVE_SIZE, deadline, wait_first)
+        except OSError as exc:
+            raise _lost(exc) from None
+        wait_first = False
+        if not data:
+            if data is None:
+                raise TimedOut("deadline passed waiting for the worker")
             raise WorkerDisconnected("worker closed the connection before answering")
+        reader.feed(data)
+        if not reader.head:
+            reader.stalled(len(data))
+    if reader.chunked is False:  # llhttp would read it to the close
+        raise WorkerDisconnected("worker broke HTTP/1.1: Only Transfer-Encoding: chunked is supported")
+    reader.fed = 0
 
 
 class ConnectionPool:
@@ -306,11 +460,7 @@ class ConnectionPool:
             self.retired += 1
             await idle.popleft().aclose()
 
-    async def _send(self, conn: _Connection, method: bytes, path: bytes, headers: list, body: bytes) -> None:
-        data = conn.h11.send(h11.Request(method=method, target=path, headers=headers))
-        if body:
-            data += conn.h11.send(h11.Data(data=body))
-        data += conn.h11.send(h11.EndOfMessage())
+    async def _send(self, conn: _Connection, data: bytes) -> None:
         try:
             await conn.stream.send(data)
         except OSError as exc:
@@ -346,12 +496,16 @@ class ConnectionPool:
                 sent again).
             WorkerDisconnected: the connection broke before the response ended.
             TimedOut: ``head_deadline`` passed before the head arrived.
+            ValueError: the method, ``path`` or a header cannot be written
+                as HTTP/1.1 (nothing is sent).
         """
         return _Exchange(self, (method, path, body, headers, head_deadline, idempotent))
 
     async def _release(self, conn: _Connection, ok: bool) -> None:
-        if ok and conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
-            conn.h11.start_next_cycle()
+        reader = conn.reader
+        conn.reader = None
+        reader.drop()
+        if ok and reader.end and reader.keep_alive and not reader.excess:
             await self._expire()
             if len(self._idle) < self.max_idle:
                 conn.idle_since = time.monotonic()
@@ -387,20 +541,20 @@ class _Exchange:
         pool = self.pool
         method, path, body, headers, head_deadline, idempotent = self.args
         self.args = None
-        all_headers = [
-            (b"host", pool._host_header),
-            (b"content-length", str(len(body)).encode()),
-            *headers,
-        ]
+        # Built (and checked) before a connection is taken: a request that
+        # cannot be written costs no connection.
+        data = _request_head(method, path, pool._host_header, len(body), headers) + body
+        reader_class = _HeadReader if method == b"HEAD" else _Reader
         conn = await pool._take_idle()
         # An idempotent request on a reused connection may be sent once more.
         retry = idempotent and conn is not None
         if conn is None:
             conn = await pool._connect()
         while True:
+            conn.reader = reader_class()
             try:
-                await pool._send(conn, method, path, all_headers, body)
-                head = await _next_response(conn, head_deadline)
+                await pool._send(conn, data)
+                await _next_response(conn, head_deadline)
                 break
             except WorkerDisconnected as exc:
                 await pool._release(conn, False)
@@ -413,7 +567,7 @@ class _Exchange:
                 await pool._release(conn, False)
                 raise
         self.conn = conn
-        self.response = Response(conn, head)
+        self.response = Response(conn)
         return self.response
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
