@@ -123,6 +123,10 @@ def _request_head(method: bytes, path: bytes, host: bytes, length: int,
     return b"\r\n".join(lines)
 
 
+class _Excess(Exception):
+    """Stops the parse at a message after the response (its callback's error)."""
+
+
 class _Reader:
     """One response's parse: the callbacks httptools' parser calls from
     ``feed_data`` (llhttp checks the framing), keeping what the
@@ -159,8 +163,8 @@ class _Reader:
         self.parser = None
 
     def on_message_begin(self) -> None:
-        if self.end:  # a response nobody asked for
-            self.excess = True
+        if self.end:  # bytes after ours: llhttp stops here, feed() marks them
+            raise _Excess
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.head:  # trailers: nothing a caller reads
