@@ -212,7 +212,9 @@ def start_hop(
     port = sock.getsockname()[1]
     argv = [sys.executable, *python_args(hop, sim_port, sock.fileno(), log_dir)]
     if hop.startswith(BASELINE):
-        argv = ["env", f"PYTHONPATH={baseline}", *argv]
+        # PYTHONSAFEPATH: -m would put the working directory (this
+        # checkout, when run from its root) before PYTHONPATH.
+        argv = ["env", f"PYTHONPATH={baseline}", "PYTHONSAFEPATH=1", *argv]
     child = Child(f"asgi-generate-{hop}", argv, cpus, log_dir, pass_fds=(sock.fileno(),))
     sock.close()
     stack.callback(child.stop)

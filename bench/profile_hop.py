@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.baseline is None:
                 p.error("a baseline-* hop needs --baseline DIR")
             os.environ["PYTHONPATH"] = str(args.baseline)
+            # -m would put the working directory (this checkout, when run
+            # from its root) before PYTHONPATH.
+            os.environ["PYTHONSAFEPATH"] = "1"
         hop = Child(f"hop-{args.hop}", argv, None, log_dir, pass_fds=(sock.fileno(),))
         sock.close()
         stack.callback(hop.stop, 60.0)
