@@ -3,7 +3,7 @@ vs a streamed leg whose events would be assembled into the unary answer
 (what would let a unary request resume mid-answer).
 
 In this process, with the frontend's own worker client
-(:class:`asgi_generate.workers.http.ConnectionPool`, h11 on anyio) and
+(:class:`asgi_generate.workers.http.ConnectionPool`, httptools on anyio) and
 codecs, against one simulator (TTFT = ITL = 0) per worker kind, it runs
 each leg kind the way :class:`asgi_generate.request.generation.Generation` does:
 

@@ -1,4 +1,4 @@
-"""The h11 worker client: keep-alive reuse, retirement of half-read
+"""The worker client (httptools): keep-alive reuse, retirement of half-read
 connections, idle connections the worker closed or that outlived the idle
 timeout never reused, a dropped request never sent twice (an idempotent one
 retried once), timeouts; on trio and asyncio."""
