@@ -185,13 +185,14 @@ def main() -> None:
         finally:
             sim.stop()
         assert sse_body.count(b"data: ") == 257 and b"transfer-encoding: chunked" in sse_raw.lower()
-        name = "SSE, 256 events, incremental" if incremental else "SSE, 256 events (SGLang's default: whole text so far)"
+        name = "SSE, 256 events, " + ("incremental" if incremental else "(SGLang's default: whole text so far)")
         answers[name] = (sse_pieces(sse_raw), sse_body)
     answers["unary, 16 tokens"] = ([unary_raw], unary_body)
     load = os.getloadavg()[0]
     print(f"# bench_worker_parse: {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, load {load:.2f}, "
           f"{args.backend}, {args.responses} responses x {args.reps} reps\n")
-    print("| answer | reads | h11 µs | httptools µs | floor µs | h11 / httptools | over the floor: h11 / httptools |")
+    print("| answer | reads | h11 µs | httptools µs | floor µs | h11 / httptools "
+          "| over the floor: h11 / httptools |")
     print("|---|---|---|---|---|---|---|")
     for name, (pieces, want) in answers.items():
         cells: dict[str, list[float]] = {"h11": [], "httptools": [], "floor": []}
