@@ -185,7 +185,7 @@ def main() -> None:
         finally:
             sim.stop()
         assert sse_body.count(b"data: ") == 257 and b"transfer-encoding: chunked" in sse_raw.lower()
-        name = "SSE, 256 events, " + ("incremental" if incremental else "(SGLang's default: whole text so far)")
+        name = "SSE, 256 events" + (", incremental" if incremental else " (SGLang's default: whole text so far)")
         answers[name] = (sse_pieces(sse_raw), sse_body)
     answers["unary, 16 tokens"] = ([unary_raw], unary_body)
     load = os.getloadavg()[0]
