@@ -313,7 +313,9 @@ class Admission:
     def stats(self) -> dict:
         """The ``/stats`` ``admission`` block: each protocol's room and
         queue figures per class and tenant, deadline cuts, preemptions
-        (streams preempted, parked now, resumed, expired while parked), the
+        (streams preempted, parked now, resumed, expired while parked),
+        requests placed on a worker without room of its own (no worker had
+        room alone: :meth:`~asgi_generate.workers.router.Router.pick`), the
         readings."""
         return {
             "enabled": True,
@@ -323,6 +325,7 @@ class Admission:
             "parked": self.parked,
             "resumed_parked": self.resumed_parked,
             "parked_expired": self.parked_expired,
+            "placed_without_room": self.router().roomless_picks,
             "protocols": {
                 protocol: {"room": dict(zip(("free", "capacity", "ever"), _room(self.room(protocol)))),
                            "classes": q.stats()}

@@ -213,7 +213,8 @@ class Saturation:
                     if share is not None:
                         share.end(load, None, window)
                 on_reading()
-                continue  # the pace may have changed with the reading
+                pace = self.interval if busy() else self.idle_interval  # it may change with the reading
+                now = self.clock()
             wait = pace - (now - last) if worker.healthy else pace
             if share is not None:
                 wait = min(wait, share.interval)
