@@ -170,8 +170,9 @@ class Saturation:
         """Read ``worker``'s engine load while it is up, calling
         ``on_reading`` after each (the queue may pump); ``own()`` is this
         process's sequences there, ``busy()`` whether the room is in
-        demand (then the pace is ``interval``, else ``idle_interval``,
-        cut short by :meth:`hurry`). With ``share`` (the routing policy's
+        demand (then the pace is ``interval``, backing off while readings
+        change nothing: :meth:`_pace`; else ``idle_interval``, cut short
+        by :meth:`hurry`). With ``share`` (the routing policy's
         reader of the same route), it also reads whenever the policy's is
         due, ticking at its interval, and hands the policy each reading.
         Runs until cancelled; returns at once when its engine has no load
@@ -181,15 +182,18 @@ class Saturation:
             self.failures[worker.id] = f"no load route known for {worker.protocol.name}"
             return
         last = -float("inf")
+        calm = 0  # readings in a row that changed nothing admission counts
+        seen: tuple | None = None
         while True:
-            pace = self.interval if busy() else self.idle_interval
+            hot = busy()
+            pace = self._pace(hot, calm)
             now = self.clock()
             if not worker.healthy:
                 if share is not None:
                     share.down()
             elif now - last >= pace or (share is not None and share.due(now)):
                 last = now
-                self.fast += pace == self.interval
+                self.fast += pace < self.idle_interval
                 window = share.begin() if share is not None else 0
                 before = own()
                 try:
@@ -206,19 +210,24 @@ class Saturation:
                                     worker.id, why)
                     self.failures[worker.id] = why
                     self.take(worker, None, 0)
+                    calm, seen = 0, None
                     if share is not None:
                         share.end(None, why, window)
                 else:
                     self.take(worker, load, max(before, own()), pace)
+                    now_seen = (self.readings[worker.id].others, self.headroom(worker, self.clock()) is None)
+                    calm = calm + 1 if now_seen == seen else 0
+                    seen = now_seen
                     if share is not None:
                         share.end(load, None, window)
                 on_reading()
-                pace = self.interval if busy() else self.idle_interval  # it may change with the reading
+                hot = busy()  # it may change with the reading
+                pace = self._pace(hot, calm)
                 now = self.clock()
             wait = pace - (now - last) if worker.healthy else pace
             if share is not None:
                 wait = min(wait, share.interval)
-            if pace == self.interval or share is not None:
+            if hot or share is not None:
                 await anyio.sleep(max(0.0, wait))
             else:  # idle: a request that has to wait wakes it
                 if self._hurry is None:
@@ -227,7 +236,19 @@ class Saturation:
                     await self._hurry.wait()
                 if not busy():
                     continue
-                last = -float("inf")  # hurried: read now
+                last, calm = -float("inf"), 0  # hurried: read now, then at the fast pace
+
+    def _pace(self, busy: bool, calm: int) -> float:
+        """Seconds to a worker's next reading: ``idle_interval`` unless the
+        room is ``busy``; then ``interval``, doubled for each of ``calm``
+        readings in a row that changed nothing admission counts (the
+        others' requests there, whether it is full), up to
+        ``idle_interval``: this process counts its own requests exactly,
+        so a reading only tells what others sent, and while they send
+        nothing it need not be asked ten times a second."""
+        if not busy:
+            return self.idle_interval
+        return min(self.idle_interval, self.interval * (1 << min(calm, 16)))
 
     def stats(self) -> dict:
         """``/stats``: each worker's last reading (engine requests, waiting

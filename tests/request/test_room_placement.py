@@ -213,6 +213,11 @@ def test_readings_run_at_the_idle_pace_until_demand_then_at_the_fast_pace():
             sat.hurry()
             await _until(lambda: sat.count >= 4)
             assert sat.fast == sat.count - 1 and len(worker.pool.calls) == sat.count
+            # Every reading the same (no other process's request there): the
+            # pace doubles from 10 ms, so 0.3 s holds at most 6 more, not 30.
+            count = sat.count
+            await anyio.sleep(0.3)
+            assert sat.count - count <= 6
             busy[0] = False
             await _until(lambda: sat.idle)
             count = sat.count
@@ -262,3 +267,10 @@ def test_the_kv_aware_policy_hands_its_readings_to_admissions_reader():
     assert (kv.engine, kv.why_own) == (None, "GET /v1/loads: boom")
     assert KVAwarePolicy(load_interval=0).load_share(worker) is None
     assert Policy().load_share(worker) is None
+
+
+def test_the_fast_pace_backs_off_while_readings_change_nothing():
+    sat = Saturation(4, interval=0.1, idle_interval=1.0)
+    assert [sat._pace(True, calm) for calm in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    assert sat._pace(False, 0) == 1.0
+    assert Saturation(4, interval=0.1, idle_interval=0)._pace(False, 0) == 0.1  # 0: always the fast pace
