@@ -437,10 +437,17 @@ class Settings:
              "vLLM vllm:kv_cache_usage_perc) counts as full; 0 = no such bound")
     admission_load_interval: float = setting(
         0.1, unit="s", gt=0,
-        help="admission: seconds between readings of each engine's load (SGLang /v1/loads, vLLM /metrics)")
+        help="admission: seconds between readings of each engine's load (SGLang /v1/loads, vLLM /metrics) "
+             "while requests wait in this process's queue or less than half the fleet's room is free")
+    admission_load_idle_interval: float = setting(
+        1.0, unit="s", ge=0,
+        help="admission: seconds between readings of each engine's load while no request waits and at least "
+             "half the room is free (a request that has to wait makes the readers read at once); 0 = always "
+             "--admission-load-interval")
     admission_load_stale: float = setting(
         1.0, unit="s", gt=0,
-        help="admission: a load reading older than this counts its worker as full, never as empty")
+        help="admission: a load reading overdue by this many seconds (past the pace it was taken at) counts "
+             "its worker as full, never as empty")
     admission_classes: str = setting(
         "eval,agent,rollout,bulk", metavar="NAMES",
         help="admission: the priority classes, highest first, named by a request's x-priority-class header")

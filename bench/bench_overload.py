@@ -17,8 +17,11 @@ hop in front of them, then runs one workload:
   turn's prompt the last prompt, its answer and 8 new tokens) beside a bulk
   backfill of 240 preemptible streams (class ``bulk``).
 
-The high-priority stream (eval, agent turns) also runs alone on an idle
-fleet through the same hop first: its TTFT there is the reference.
+The high-priority stream (eval, agent turns) is sent by a client process of
+its own, so its TTFT does not include the client work of the hundreds of
+streams beside it (this client's own event-loop lag is printed too); it
+also runs alone on an idle fleet through the same hop first: its TTFT there
+is the reference.
 
 Printed per cell: the high-priority TTFT p50/p99 loaded and idle; goodput
 (output tokens per second of requests answered whole within their deadline,
@@ -30,9 +33,12 @@ did not run as a unit); streams preempted and resumed (``/stats``) and
 answers that differ from the simulator model's (every answer is checked
 token for token, so a resumed stream that is not exact shows here); sheds
 and how many carried ``Retry-After``; the engines' retractions and queue
-peaks (``/sim/stats`` ``capacity``); and the hop's CPU per request
-(``/proc``), and per second with no request (read for 2 s before the loaded
-run: with admission, its load readings).
+peaks (``/sim/stats`` ``capacity``); with admission, its engine load
+readings (those at the fast pace) and requests placed on a worker without
+room of its own; the client's own event-loop lag (a TTFT measured here
+includes it); and the hop's CPU per request (``/proc``), and per second with
+no request (read for 2 s before the loaded run: with admission, its load
+readings, whose CPU is the difference from the hop without it).
 
 Usage: ``.venv/bin/python bench/bench_overload.py [--workloads grpo,tenants,agents]
 [--hops admission,none,router]``. sglang-router is installed on first use
@@ -45,7 +51,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import functools
+import multiprocessing
 import os
 import pathlib
 import statistics
@@ -157,8 +165,9 @@ def _prompt(seed: int, length: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % 3900 + 50 for i in range(length)]
 
 
-async def eval_stream(client, t0, until: asyncio.Event | None, count: int) -> list[Result]:
-    """Eval requests every 100 ms: ``count`` of them, or while ``until`` is unset (at least ``count``)."""
+async def eval_stream(client, t0, until, count: int) -> list[Result]:
+    """Eval requests every 100 ms: ``count`` of them, or while ``until`` (an
+    event, of this process or another) is unset (at least ``count``)."""
     tasks, i = [], 0
     while i < count or (until is not None and not until.is_set()):
         tasks.append(asyncio.create_task(generate(client, t0, "eval", _prompt(10_000 + i, 16), 16)))
@@ -167,11 +176,50 @@ async def eval_stream(client, t0, until: asyncio.Event | None, count: int) -> li
     return list(await asyncio.gather(*tasks))
 
 
-async def grpo(client, t0, loaded: bool) -> list[Result]:
+async def sessions(client, t0, until, count: int) -> list[Result]:
+    """``count`` agent sessions of 4 turns at once."""
+    done = await asyncio.gather(*(session(client, t0, s, 4) for s in range(count)))
+    return [r for s in done for r in s]
+
+
+#: The high-priority streams, each run by a client process of its own
+#: (:func:`apart`), so that its TTFT does not include the burst's client work.
+HIGH_STREAMS = {"eval": eval_stream, "agent": sessions}
+
+
+def _high_child(name: str, url: str, t0: float, count: int, until, out) -> None:
+    async def main() -> list[Result]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as client:
+            out.put("ready")
+            return await HIGH_STREAMS[name](client, t0, until, count)
+
+    out.put([dataclasses.asdict(r) for r in asyncio.run(main())])
+
+
+async def apart(url: str, t0: float, name: str, count: int, until=None) -> list[Result]:
+    """Run the high-priority stream ``name`` in a client process of its own
+    (the monotonic clock is the machine's: ``t0`` holds across processes);
+    returns once it is running (await the result's second half)."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_high_child, args=(name, url, t0, count, until, out), daemon=True)
+    child.start()
+    assert await asyncio.to_thread(out.get, True, 60) == "ready"
+
+    async def results() -> list[Result]:
+        rows = await asyncio.to_thread(out.get, True, 300)
+        await asyncio.to_thread(child.join, 10)
+        return [Result(**{**row, "prompt": tuple(row["prompt"])}) for row in rows]
+
+    return asyncio.ensure_future(results())
+
+
+async def grpo(client, t0, loaded: bool, url: str) -> list[Result]:
     if not loaded:
-        return await eval_stream(client, t0, None, 20)
-    done = asyncio.Event()
-    evals = asyncio.create_task(eval_stream(client, t0, done, 20))
+        return await (await apart(url, t0, "eval", 20))
+    done = multiprocessing.get_context("spawn").Event()
+    evals = await apart(url, t0, "eval", 20, done)
     await asyncio.sleep(0.2)
     burst = [generate(client, t0, "rollout", _prompt(g, 32), 48, group=f"g{g}",
                       headers={"x-group-id": f"g{g}", "x-group-size": "8", "x-preemptible": "1"})
@@ -181,7 +229,7 @@ async def grpo(client, t0, loaded: bool) -> list[Result]:
     return out + await evals
 
 
-async def tenants(client, t0, loaded: bool) -> list[Result]:
+async def tenants(client, t0, loaded: bool, url: str) -> list[Result]:
     if not loaded:
         return []
     reqs = [generate(client, t0, "rollout", _prompt(20_000 + i, 16), 32, stream=False, tenant=tenant,
@@ -200,25 +248,41 @@ async def session(client, t0, s: int, turns: int) -> list[Result]:
     return out
 
 
-async def agents(client, t0, loaded: bool) -> list[Result]:
+async def agents(client, t0, loaded: bool, url: str) -> list[Result]:
     bulk = [generate(client, t0, "bulk", _prompt(40_000 + i, 32), 48, headers={"x-preemptible": "1"})
             for i in range(240)] if loaded else []
     backfill = asyncio.gather(*bulk)
     await asyncio.sleep(0.2 if loaded else 0)
-    sessions = await asyncio.gather(*(session(client, t0, s, 4) for s in range(6)))
-    return list(await backfill) + [r for s in sessions for r in s]
+    turns = await (await apart(url, t0, "agent", 6))
+    return list(await backfill) + turns
 
 
 WORKLOADS = {"grpo": grpo, "tenants": tenants, "agents": agents}
 HIGH = {"grpo": "eval", "tenants": None, "agents": "agent"}
 
 
-async def run(url: str, workload: str, loaded: bool) -> tuple[list[Result], float]:
+#: Seconds between the client's own event-loop lag samples.
+LAG_TICK_S = 0.01
+
+
+async def _lag(out: list[float]) -> None:
+    """Sample how late this client's event loop wakes a 10 ms sleep: what
+    of a TTFT measured here is the client's own (it parses every stream)."""
+    while True:
+        t = time.monotonic()
+        await asyncio.sleep(LAG_TICK_S)
+        out.append(time.monotonic() - t - LAG_TICK_S)
+
+
+async def run(url: str, workload: str, loaded: bool, lags: list[float] | None = None) -> tuple[list[Result], float]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as client:
+        lag = asyncio.create_task(_lag(lags if lags is not None else []))
         t0 = time.monotonic()
-        results = await WORKLOADS[workload](client, t0, loaded)
-        return results, time.monotonic() - t0
+        results = await WORKLOADS[workload](client, t0, loaded, url)
+        wall = time.monotonic() - t0
+        lag.cancel()
+        return results, wall
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -331,7 +395,8 @@ def measure(workload: str, hop: str, logs: pathlib.Path, router_python: str | No
         time.sleep(IDLE_CPU_S)
         idle_cpu = (child.cpu_seconds() - idle0) / IDLE_CPU_S
         cpu0 = child.cpu_seconds()
-        results, wall = asyncio.run(run(url, workload, loaded=True))
+        lags: list[float] = []
+        results, wall = asyncio.run(run(url, workload, loaded=True, lags=lags))
         cpu = child.cpu_seconds() - cpu0
         sims = [httpx.get(u + "/sim/stats", timeout=10).json()["capacity"] for u in urls]
         adm = httpx.get(url + "/stats", timeout=10).json().get("admission", {}) if hop != "router" else {}
@@ -379,6 +444,11 @@ def measure(workload: str, hop: str, logs: pathlib.Path, router_python: str | No
     L["engines: retractions, peak waiting, peak running"] = (
         f"{sum(s['retractions'] for s in sims)}, {max(s['peak_waiting'] for s in sims)}, "
         f"{max(s['peak_running'] for s in sims)}")
+    if adm:
+        sat = adm["saturation"]
+        L["admission: engine load readings (at the fast pace); placed without room"] = (
+            f"{sat['readings']} ({sat.get('fast_readings', '-')}); {adm.get('placed_without_room', '-')}")
+    L["client's own event-loop lag ms p50/p99"] = f"{_ms(_pct(lags, 0.5))} / {_ms(_pct(lags, 0.99))}"
     L["hop CPU per request ms"] = f"{f['cpu_per_request_ms']:.2f}"
     f["idle_cpu_ms_s"] = idle_cpu * 1000
     L["hop CPU with no request ms/s"] = f"{idle_cpu * 1000:.0f}"
@@ -411,7 +481,8 @@ def print_cells(cells: list[Cell]) -> None:
                   f"(goal >= 0.95); CPU per request {a['cpu_per_request_ms']:.2f} ms on, "
                   f"{n['cpu_per_request_ms']:.2f} ms off: admission's share "
                   f"{max(0.0, a['cpu_per_request_ms'] - n['cpu_per_request_ms']) / a['cpu_per_request_ms']:.1%} "
-                  f"(goal <= 5%); with no request {a['idle_cpu_ms_s']:.0f} ms/s on, {n['idle_cpu_ms_s']:.0f} ms/s off")
+                  f"(goal <= 5%); with no request {a['idle_cpu_ms_s']:.0f} ms/s on, {n['idle_cpu_ms_s']:.0f} ms/s off: "
+                  f"the idle readings' CPU {max(0.0, a['idle_cpu_ms_s'] - n['idle_cpu_ms_s']):.0f} ms/s")
 
 
 def main() -> int:

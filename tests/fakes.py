@@ -162,14 +162,14 @@ class FakeRouter:
     def routing_key(self, request, headers):
         return None
 
-    def plan(self, protocol, exclude=(), key=None):
+    def plan(self, protocol, exclude=(), key=None, need=1):
         while self.plans:
             plan = self.plans.pop(0)
             if not any(w in exclude for w in plan):
                 return plan
         return None
 
-    def pick(self, protocol, exclude=(), role="aggregated", key=None):
+    def pick(self, protocol, exclude=(), role="aggregated", key=None, need=1):
         plan = self.plan(protocol, exclude, key)
         return plan[0] if plan is not None and len(plan) == 1 else None
 

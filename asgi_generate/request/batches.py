@@ -203,7 +203,9 @@ class Batch:
         router = loop.ctx.router
         protocol = loop.codec.worker_protocol
         key = loop.key
-        worker = router.pick(protocol, [*tried, *spread], key=key) or router.pick(protocol, tried, key=key)
+        need = len(entries)
+        worker = (router.pick(protocol, [*tried, *spread], key=key, need=need)
+                  or router.pick(protocol, tried, key=key, need=need))
         if worker is None:
             why = "no healthy worker" if router.has_protocol(protocol) else "no worker configured"
             await loop.writer.fail(RequestError(503, f"{why} for protocol {protocol!r}", "unavailable"),

@@ -34,7 +34,7 @@ import anyio
 
 from . import state
 from .admission import Ask, Entry, Queue, Unit
-from .saturation import Saturation
+from .saturation import TIGHT_ROOM, Saturation
 from ..config import parse_priorities, parse_weights
 from ..sdk._codec import GenerateRequest, RequestError
 
@@ -78,7 +78,8 @@ class Admission:
         self.priorities = {name: {"priority": p} for name, p in
                            parse_priorities(settings.admission_engine_priority, self.classes).items()}
         self.saturation = Saturation(settings.admission_worker_requests, settings.admission_waiting_tokens,
-                                     settings.admission_load_stale, clock, settings.admission_kv_usage)
+                                     settings.admission_load_stale, clock, settings.admission_kv_usage,
+                                     settings.admission_load_interval, settings.admission_load_idle_interval)
         self.queues: dict[str, Queue] = {}
         self.deadline_cuts = 0
         #: Preemptible streams holding a slot, by protocol (``--admission-preemption``).
@@ -147,6 +148,31 @@ class Admission:
                     tg.start_soon(parking.abort)
                 await self._wake.wait()
 
+
+    def attach(self, router: "Router") -> None:
+        """Place on ``router`` by room: a granted request goes to a worker
+        with room for it (:attr:`~asgi_generate.workers.router.Router.room`,
+        :meth:`free_on`), not only to a fleet with room in aggregate."""
+        router.room = self.free_on
+
+    def free_on(self, worker: Any) -> int:
+        """Engine sequences ``worker`` takes now: its limit less the others'
+        requests at its engine's last reading and this process's sequences
+        running there now (0 while the reading counts it as full, or its
+        fleet is paused)."""
+        if self.router().pauses.paused(worker.protocol.name):
+            return 0
+        return self.saturation.free_on(worker, _own_sequences(worker))
+
+    def busy(self, protocol: str) -> bool:
+        """Whether ``protocol``'s room is in demand: requests wait in its
+        queue, or less than :data:`~asgi_generate.request.saturation.TIGHT_ROOM`
+        of its capacity is free (the readings' fast pace)."""
+        q = self.queues.get(protocol)
+        if q is not None and any(c.depth for c in q.classes):
+            return True
+        room = self.room(protocol)
+        return room.free < TIGHT_ROOM * room.capacity
 
     def held(self, protocol: str) -> tuple[int, int]:
         """Sequences and requests this process holds slots for on ``protocol``."""
@@ -232,6 +258,8 @@ class Admission:
         queue and holds nothing."""
         q = self.queue(ask.protocol)
         entry = q.enqueue(ask, self.clock())
+        if self.saturation.idle and (not entry.granted or self.busy(ask.protocol)):
+            self.saturation.hurry()  # demand: read the engines now, and at the fast pace
         if entry.granted or entry.refusal is not None:
             return entry
         entry.event = anyio.Event()
@@ -272,19 +300,22 @@ class Admission:
             q.pump(now)
 
     def service(self, worker: Any) -> Callable[[], Any]:
-        """The load reader of a joining worker, to run while it is a member."""
-        def own() -> int:
-            seqs, requests = self.held(worker.protocol.name)
-            return round(worker.outstanding * (seqs / requests if requests else 1.0))
-
-        return lambda: self.saturation.read(worker, self.settings.admission_load_interval, own, self.pump_all)
+        """The load reader of a joining worker, to run while it is a member;
+        it takes the routing policy's readings of the same route too, if
+        the policy reads any (one GET for both)."""
+        share = self.router().policy.load_share(worker)
+        protocol = worker.protocol.name
+        return lambda: self.saturation.read(worker, lambda: _own_sequences(worker), self.pump_all,
+                                            lambda: self.busy(protocol), share)
 
     # -- figures --------------------------------------------------------------------
 
     def stats(self) -> dict:
         """The ``/stats`` ``admission`` block: each protocol's room and
         queue figures per class and tenant, deadline cuts, preemptions
-        (streams preempted, parked now, resumed, expired while parked), the
+        (streams preempted, parked now, resumed, expired while parked),
+        requests placed on a worker without room of its own (no worker had
+        room alone: :meth:`~asgi_generate.workers.router.Router.pick`), the
         readings."""
         return {
             "enabled": True,
@@ -294,6 +325,7 @@ class Admission:
             "parked": self.parked,
             "resumed_parked": self.resumed_parked,
             "parked_expired": self.parked_expired,
+            "placed_without_room": self.router().roomless_picks,
             "protocols": {
                 protocol: {"room": dict(zip(("free", "capacity", "ever"), _room(self.room(protocol)))),
                            "classes": q.stats()}
@@ -359,6 +391,12 @@ class Parking:
     def done(self) -> None:
         """The stream ended: it is no longer preemptible."""
         self.admission.preemptible.get(self.entry.ask.protocol, set()).discard(self)
+
+
+def _own_sequences(worker: Any) -> int:
+    """Engine sequences this process runs on ``worker`` now: one per leg,
+    or its items (a batch's, ``n`` samples')."""
+    return sum(len(leg.attempt.entries) if leg.attempt.entries else 1 for leg in worker.inflight)
 
 
 def _room(room: Any) -> tuple[int, int, int]:

@@ -161,6 +161,7 @@ class Generation:
         tried = self.tried
         protocol = self.codec.worker_protocol
         key = self.key = router.routing_key(self.req, self.st.headers)  # the policy's, once per request
+        need = len(self.req.items) if self.req.items else 1  # engine sequences: where room counts
         slot = False  # one of the process's migration slots, held to the answer's end
         try:
             while True:
@@ -178,10 +179,10 @@ class Generation:
                         if not slot:
                             return
                     # A resumed leg runs aggregated, else on a new pair.
-                    worker = router.pick(protocol, tried, key=key)
-                    plan = (worker,) if worker is not None else router.plan(protocol, tried, key)
+                    worker = router.pick(protocol, tried, key=key, need=need)
+                    plan = (worker,) if worker is not None else router.plan(protocol, tried, key, need)
                 else:
-                    plan = router.plan(protocol, tried, key)
+                    plan = router.plan(protocol, tried, key, need)
                 state.planned(moves)
                 if moves.pause_epoch is not None:
                     moves.pause_epoch = router.pauses.mark(protocol)

@@ -214,6 +214,8 @@ class App:
                     fleet_paused_interval=st.fleet_state_paused_interval,
                 )
                 stack.push_async_callback(self.router.aclose)
+                if self.admission is not None:  # a granted request goes to a worker with room
+                    self.admission.attach(self.router)
                 listed = [*(("aggregated", s) for s in specs), *(("prefill", s) for s in prefill),
                           *(("decode", s) for s in decode)]
                 membership = Membership(

@@ -17,6 +17,7 @@ server to its ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..protocols import PROTOCOLS
 
@@ -53,3 +54,30 @@ def parse_load(protocol: str, body: bytes) -> EngineLoad:
     if reader is None:
         raise KeyError(protocol)
     return EngineLoad(*reader(body))
+
+
+class LoadShare(Protocol):
+    """A reader of a worker's engine load that lets another take the
+    readings for it (the ``kv-aware`` policy's, when admission reads the
+    same route: :mod:`asgi_generate.workers.policies.kv_loads`), so the
+    engine is asked once.
+
+    Attributes:
+        interval: seconds between its turns (it says at each whether it
+            wants a reading: :meth:`due`).
+    """
+
+    interval: float
+
+    def due(self, now: float) -> bool:
+        """Whether it wants a reading at ``now`` (monotonic seconds)."""
+
+    def begin(self) -> int:
+        """A reading is being asked for now; what :meth:`end` is handed back."""
+
+    def end(self, load: EngineLoad | None, why: str | None, begun: int) -> None:
+        """The reading's ``load``, or ``None`` and ``why`` it failed;
+        ``begun`` is what :meth:`begin` returned."""
+
+    def down(self) -> None:
+        """The worker is down: no reading."""

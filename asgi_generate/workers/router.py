@@ -22,6 +22,11 @@ marks down has its in-flight requests told at once
 worker comes back when its health route answers 200 again and its server
 info was read (SGLang's streaming mode is a server flag the codec needs).
 
+With admission on, the app gives the router each worker's room
+(:attr:`Router.room`, from the engines' own load readings): a request goes
+to a worker with room for it, the policy choosing among those
+(:meth:`Router.pick`).
+
 The probes are :mod:`~asgi_generate.workers.probes`'s, the weight version
 fence :mod:`~asgi_generate.workers.fence`'s, the pauses and versions read
 from the engines :mod:`~asgi_generate.workers.fleet_state`'s.
@@ -32,7 +37,7 @@ from __future__ import annotations
 import itertools
 import logging
 import ssl
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 from urllib.parse import urlsplit
 
 from . import probes
@@ -50,6 +55,10 @@ __all__ = ["ROLES", "Router", "Worker"]
 
 log = logging.getLogger("asgi_generate.router")
 ROLES = ("aggregated", "prefill", "decode")
+#: Roles whose workers hold a request's running sequences: where room counts.
+HOLDING_ROLES = ("aggregated", "decode")
+
+
 class Router:
     """Picks workers and tracks their health.
 
@@ -106,6 +115,12 @@ class Router:
         self.pauses = Pauses()
         #: What the engines say of the fleet (pauses, weight versions), read by every process.
         self.fleet = FleetState(lambda: self.workers, self.pauses, self.fence, fleet_interval, fleet_paused_interval)
+        #: Engine sequences a worker takes now (admission's, from its
+        #: engine's load reading and this process's requests there), or
+        #: ``None``: every worker is a candidate (:meth:`pick`).
+        self.room: Callable[[Worker], int] | None = None
+        #: Picks that found no worker with room and fell back to the policy's choice.
+        self.roomless_picks = 0
         for role, listed in (("aggregated", specs), ("prefill", prefill), ("decode", decode)):
             for protocol, url in listed:
                 self.add(protocol, url, role)
@@ -206,10 +221,13 @@ class Router:
         self.fence.clear(worker, version)
 
     def pick(
-        self, protocol: str, exclude: Iterable[Worker] = (), role: str = "aggregated", key: Any = None
+        self, protocol: str, exclude: Iterable[Worker] = (), role: str = "aggregated", key: Any = None,
+        need: int = 1,
     ) -> Worker | None:
         """A :meth:`routable` ``role`` worker of ``protocol`` outside ``exclude``;
-        ``None`` if none is left. The policy chooses for a ``key``
+        ``None`` if none is left. With :attr:`room` set, an ``aggregated``
+        or ``decode`` worker with room for the request's ``need`` engine
+        sequences, if any has. The policy chooses for a ``key``
         (:meth:`routing_key`) unless ``role`` is ``decode``; otherwise, and
         always as the policy's fallback: the fewest outstanding requests,
         ties round-robin. Without a key, picking changes no policy state
@@ -225,6 +243,19 @@ class Router:
                       if self.routable(w, floor) and w not in exclude]
         if not candidates:
             return None
+        room = self.room
+        if room is not None and role in HOLDING_ROLES:
+            roomy = [w for w in candidates if room(w) >= need]
+            if roomy:
+                candidates = roomy
+            else:
+                # Admission granted the request on the fleet's room in
+                # aggregate, yet no worker has room for it alone: its
+                # sequences are more than any one worker's free share, a
+                # reading went stale since the grant, or a resumed leg
+                # comes back. Holding it would idle the room granted: the
+                # policy's choice queues it briefly in that engine.
+                self.roomless_picks += 1
         if key is None or role == "decode":
             best = _least(candidates)
         else:
@@ -246,21 +277,23 @@ class Router:
         the rotation outside ``exclude``."""
         return any(self.routable(w) and w not in exclude for w in self._groups.get((protocol, role), ()))
 
-    def plan(self, protocol: str, exclude: Iterable[Worker] = (), key: Any = None) -> tuple[Worker, ...] | None:
+    def plan(self, protocol: str, exclude: Iterable[Worker] = (), key: Any = None,
+             need: int = 1) -> tuple[Worker, ...] | None:
         """The workers of a request's next attempt, per ``disaggregation``:
         ``(prefill, decode)`` or ``(aggregated,)``, the policy choosing for
-        ``key`` (:meth:`pick`); ``None`` when no healthy worker (pair) is
-        left outside ``exclude``."""
+        ``key`` (:meth:`pick`; the worker holding the request's ``need``
+        sequences with room for them, where :attr:`room` says); ``None``
+        when no healthy worker (pair) is left outside ``exclude``."""
         exclude = list(exclude)
         if self.disaggregation != "never":
             # Decode first: the policy only chooses (and learns) when a pair runs.
-            decode = self.pick(protocol, exclude, "decode")
+            decode = self.pick(protocol, exclude, "decode", need=need)
             prefill = self.pick(protocol, exclude, "prefill", key) if decode is not None else None
             if prefill is not None and decode is not None:
                 return prefill, decode
             if self.disaggregation == "always":
                 return None
-        worker = self.pick(protocol, exclude, key=key)
+        worker = self.pick(protocol, exclude, key=key, need=need)
         return (worker,) if worker is not None else None
 
     def mark_down(self, worker: Worker, reason: str) -> None:

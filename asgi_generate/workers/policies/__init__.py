@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Collection, Mapping,
 from ...config import POLICIES
 
 if TYPE_CHECKING:
+    from ..engine_load import LoadShare
     from ...sdk._codec import GenerateRequest
     from ...config import Settings
 
@@ -93,6 +94,13 @@ class Policy:
     def service(self, worker: Any) -> Callable[[], Awaitable[None]] | None:
         """A task to run for ``worker`` while it is a member (a KV event
         subscriber), or ``None``."""
+        return None
+
+    def load_share(self, worker: Any) -> "LoadShare | None":
+        """The policy's own readings of ``worker``'s engine load, for
+        another reader of the same route to take for it (one GET for both:
+        :class:`~asgi_generate.workers.engine_load.LoadShare`); ``None``: it
+        reads none. Asked before its :meth:`service` starts."""
         return None
 
     def metrics(self) -> list[tuple[str, str, float]]:

@@ -76,7 +76,7 @@ from ..kv_events import Source
 from ..kv_index import KVIndex, SharedBlocks
 from . import Candidate, Least, Policy, W
 from .cache_aware import CacheAwarePolicy, prompt_ids, tree_key
-from .kv_loads import read_loads
+from .kv_loads import KVLoads, read_loads
 from .kv_sources import follow_events
 from .kv_worker import WorkerKV, moving_average
 
@@ -171,6 +171,8 @@ class KVAwarePolicy(Policy):
         self.fallback = CacheAwarePolicy(max_tree_tokens=max_tree_tokens, max_tree_nodes=max_tree_nodes)
         self.by_events = self.by_tree = self.overlapped = 0
         self.clock: Callable[[], float] = time.monotonic
+        #: Workers whose load another reader takes for the policy (:meth:`load_share`).
+        self.loads_shared: set[str] = set()
 
     def _key(self, request: "GenerateRequest", headers: Mapping[bytes, bytes]) -> _Key | None:
         tree = tree_key(request)
@@ -277,10 +279,20 @@ class KVAwarePolicy(Policy):
             kv = self._kv(worker)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(follow_events, worker, kv, self.sources.get(worker.url))
-                if self.load_interval > 0:
+                if self.load_interval > 0 and worker.id not in self.loads_shared:
                     tg.start_soon(read_loads, worker, kv, self.load_interval, self.load_idle_interval, self.clock)
 
         return both
+
+    def load_share(self, worker: Any) -> KVLoads | None:
+        """With a ``load_interval``: ``worker``'s load readings as another
+        reader of the same route takes them for the policy (admission's),
+        whose turns and bookkeeping they are; the policy's own reader then
+        does not run for it. Ask before its :meth:`service` starts."""
+        if self.load_interval <= 0:
+            return None
+        self.loads_shared.add(worker.id)
+        return KVLoads(worker, self._kv(worker), self.load_interval, self.load_idle_interval, self.clock)
 
     def metrics(self) -> list[tuple[str, str, float]]:
         """Per worker: its subscriber's counters, its index's blocks, the

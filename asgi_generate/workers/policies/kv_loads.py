@@ -2,7 +2,11 @@
 waiting requests (:mod:`~asgi_generate.workers.engine_load`: SGLang
 ``GET /v1/loads``, vLLM ``GET /metrics``), read every ``interval`` seconds
 while the worker is up, an idle engine's less often (:func:`read_due`),
-into its :class:`~asgi_generate.workers.policies.kv_worker.WorkerKV`."""
+into its :class:`~asgi_generate.workers.policies.kv_worker.WorkerKV`.
+
+With admission on, admission's reader of the same route takes the readings
+for the policy (:class:`KVLoads` is its
+:class:`~asgi_generate.workers.engine_load.LoadShare`): one GET feeds both."""
 
 from __future__ import annotations
 
@@ -12,11 +16,68 @@ from typing import Any, Callable
 import anyio
 
 from ...exceptions import WorkerError
-from ..engine_load import parse_load
+from ..engine_load import EngineLoad, parse_load
 from .kv_sources import DISCOVERY_TIMEOUT_S, WATCH_S
 from .kv_worker import WorkerKV
 
 log = logging.getLogger("asgi_generate.kv_aware")
+
+
+class KVLoads:
+    """What the policy does around one worker's load reading, whoever asks
+    the engine (:func:`read_loads`, or admission's reader): a
+    :class:`~asgi_generate.workers.engine_load.LoadShare`.
+
+    Args:
+        worker: the worker.
+        kv: what the policy keeps of it.
+        interval, idle_interval: see :func:`read_loads`.
+        clock: the policy's monotonic clock.
+    """
+
+    __slots__ = ("worker", "kv", "interval", "idle_interval", "clock")
+
+    def __init__(self, worker: Any, kv: WorkerKV, interval: float, idle_interval: float,
+                 clock: Callable[[], float]) -> None:
+        self.worker = worker
+        self.kv = kv
+        self.interval = interval
+        self.idle_interval = idle_interval
+        self.clock = clock
+
+    def due(self, now: float) -> bool:
+        """Whether the policy wants a reading at ``now`` (:func:`read_due`)."""
+        return read_due(self.kv, self.worker.outstanding, now, self.idle_interval)
+
+    def begin(self) -> int:
+        """A reading is asked for now: the most requests this replica had
+        outstanding here since the previous one was (:meth:`end` needs it)."""
+        kv = self.kv
+        kv.read_at, kv.read_mark = self.clock(), kv.activity()
+        # Own requests that ended shortly before the reading may still be
+        # in the engine's count: subtract the most this replica had there
+        # since the previous reading was asked for.
+        window, kv.peak = kv.peak, self.worker.outstanding
+        return window
+
+    def end(self, load: EngineLoad | None, why: str | None, begun: int) -> None:
+        """Take the reading ``load``; on a failed one (``why``) count only
+        this replica's requests until one succeeds."""
+        kv, worker = self.kv, self.worker
+        if load is not None:
+            kv.read(load, max(begun, kv.peak, worker.outstanding))
+            kv.readings += 1
+            return
+        if why != kv.why_own:  # once per reason, not per reading
+            log.warning("worker %s (%s): no load reading (%s): weighed by this replica's own "
+                        "requests", worker.id, worker.url, why)
+        kv.read(None, 0)
+        kv.why_own = why
+
+    def down(self) -> None:
+        """The worker is down: no reading stands."""
+        self.kv.read(None, 0)
+        self.kv.why_own = "worker down"
 
 
 async def read_loads(worker: Any, kv: WorkerKV, interval: float, idle_interval: float,
@@ -31,36 +92,26 @@ async def read_loads(worker: Any, kv: WorkerKV, interval: float, idle_interval: 
     if path is None:
         kv.why_own = f"no load route known for {protocol}"
         return
+    share = KVLoads(worker, kv, interval, idle_interval, clock)
     while True:
         if not worker.healthy:
-            kv.read(None, 0)
-            kv.why_own = "worker down"
+            share.down()
             await anyio.sleep(WATCH_S)
             continue
-        if not read_due(kv, worker.outstanding, clock(), idle_interval):
+        if not share.due(clock()):
             kv.skipped += 1
             await anyio.sleep(interval)
             continue
-        kv.read_at, kv.read_mark = clock(), kv.activity()
-        # Own requests that ended shortly before the reading may still be
-        # in the engine's count: subtract the most this replica had there
-        # since the previous reading was asked for.
-        window, kv.peak = kv.peak, worker.outstanding
+        begun = share.begin()
         try:
             with anyio.fail_after(DISCOVERY_TIMEOUT_S):
                 async with worker.pool.request(b"GET", path) as resp:
                     body = await resp.read()
             if resp.status != 200:
                 raise ValueError(f"answered {resp.status}")
-            kv.read(parse_load(protocol, body), max(window, kv.peak, worker.outstanding))
-            kv.readings += 1
+            share.end(parse_load(protocol, body), None, begun)
         except (TimeoutError, WorkerError, ValueError) as exc:
-            why = f"GET {path.decode()}: {exc!r}"
-            if why != kv.why_own:  # once per reason, not per reading
-                log.warning("worker %s (%s): no load reading (%s): weighed by this replica's own "
-                            "requests", worker.id, worker.url, why)
-            kv.read(None, 0)
-            kv.why_own = why
+            share.end(None, f"GET {path.decode()}: {exc!r}", begun)
         await anyio.sleep(interval)
 
 
