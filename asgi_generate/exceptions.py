@@ -14,7 +14,7 @@ from __future__ import annotations
 
 __all__ = [
     "BodyTimeout", "BodyTooLarge", "ClientDisconnected", "ClientGone", "CodecLoadError", "ConnectFailed",
-    "EngineLoadError", "MetricsSetupError", "ParserError", "ReportUnavailable", "TimedOut",
+    "EngineLoadError", "MetricsSetupError", "Overrun", "ParserError", "ReportUnavailable", "TimedOut",
     "TokenIdOutOfRange", "TraceSetupError", "Unanswered", "WorkerDisconnected", "WorkerError",
 ]
 
@@ -37,6 +37,12 @@ class Unanswered(WorkerDisconnected):
     """The connection closed (or broke) before the response head: the worker
     may or may not have read the request, so the pool did not send it again
     (an ``idempotent`` request's one retry included)."""
+
+
+class Overrun(Exception):
+    """A worker sent bytes past its response's end: the parse stops there
+    (raised from httptools' message-begin callback, caught by the pool,
+    which retires the connection rather than read them as the next answer)."""
 
 
 class TimedOut(Exception):

@@ -52,7 +52,7 @@ from typing import Iterable
 import anyio
 import httptools
 
-from ..exceptions import ConnectFailed, TimedOut, Unanswered, WorkerDisconnected
+from ..exceptions import ConnectFailed, Overrun, TimedOut, Unanswered, WorkerDisconnected
 from .sockets import TCPConnection, TLSConnection, connect
 
 log = logging.getLogger("asgi_generate.workers")
@@ -123,10 +123,6 @@ def _request_head(method: bytes, path: bytes, host: bytes, length: int,
     return b"\r\n".join(lines)
 
 
-class _Excess(Exception):
-    """Stops the parse at a message after the response (its callback's error)."""
-
-
 class _Reader:
     """One response's parse: the callbacks httptools' parser calls from
     ``feed_data`` (llhttp checks the framing), keeping what the
@@ -164,7 +160,7 @@ class _Reader:
 
     def on_message_begin(self) -> None:
         if self.end:  # bytes after ours: llhttp stops here, feed() marks them
-            raise _Excess
+            raise Overrun
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.head:  # trailers: nothing a caller reads
