@@ -75,6 +75,10 @@ class Job:
     #: for every ``n`` = 1 request.
     sample: int = 0
     aborted: bool = False
+    #: Aborted while in the waiting queue (not yet scheduled, or retracted
+    #: or preempted back to it), not in the running batch: SGLang words
+    #: the two aborts differently (:meth:`SimEngine.queued`).
+    aborted_queued: bool = False
     abort_event: anyio.Event = field(default_factory=anyio.Event)
     namespace: tuple[str | None, ...] = ()
     cached_tokens: int = 0
@@ -366,10 +370,20 @@ class SimEngine:
         job.aborted = True
         job.abort_event.set()
 
+    def queued(self, job: Job) -> bool:
+        """Whether ``job`` waits in the engine's waiting queue rather than
+        running: with the capacity model, not admitted (or retracted or
+        preempted back); without it, queued for the prefill unit."""
+        if self.capacity is not None:
+            entry = self.capacity.entries.get(id(job))
+            return entry is not None and not entry.running
+        return id(job) in self.waiting
+
     def abandon(self, job: Job) -> None:
         """The engine's own abort of ``job`` (SGLang's, of a vanished
         client's request): it stops at its next token and leaves the
         scheduler at once; it stays running until its handler ends."""
+        job.aborted_queued = self.queued(job)
         job.aborted = True
         job.abort_event.set()
         if self.capacity is not None:
@@ -380,6 +394,7 @@ class SimEngine:
             # The engine frees an aborted request at once, even while its
             # HTTP response is still blocked on a slow reader.
             job = self.running.pop(r)
+            job.aborted_queued = self.queued(job)
             if self.capacity is not None:
                 self.capacity.leave(job)
             self.completed += 1
