@@ -282,6 +282,8 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                      help="vLLM: tokens computed per step (prefills chunked to fit)")
     cap.add_argument("--max-num-queued-reqs", type=_bounded(int, 0), default=None, metavar="N",
                      help="vLLM: requests waiting or running; past it a request is refused with 503")
+    cap.add_argument("--max-num-queued-tokens", type=_bounded(int, 0), default=None, metavar="N",
+                     help="vLLM: prompt tokens of requests still prefilling; at it a request is refused with 503")
     cap.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                      help="vLLM: the waiting queue's order (priority: smaller first)")
     cap.add_argument("--step-ms", type=_bounded(float, 0), default=None, metavar="MS",

@@ -32,8 +32,9 @@ engine's own figures:
   request's next tokens do not fit, the last running request (priority: the
   largest ``(priority, arrival)``) is preempted back to the front of the
   waiting queue and recomputes later (``Scheduler._preempt_request``);
-  ``--max-num-queued-reqs`` is checked by the API server
-  (``AsyncLLM.check_admission``, see :meth:`Capacity.vllm_overflow`).
+  ``--max-num-queued-reqs`` and ``--max-num-queued-tokens`` are checked by
+  the API server (``AsyncLLM.check_admission``, see
+  :meth:`Capacity.vllm_admission`).
 
 Both count a request's KV as its prompt plus, per sequence, its output
 tokens; cached tokens not held by a running request are free to evict, as
@@ -85,6 +86,11 @@ VLLM_QUEUE_OVERFLOW = (
     "The engine is currently busy and cannot accept new requests. "
     "Please try again later or on a different instance."
 )
+#: vLLM's ``MaxQueuedTokensError`` (``vllm/exceptions.py``), answered alike.
+VLLM_QUEUED_TOKENS = (
+    "The engine has reached its prefill token backlog limit. "
+    "Please try again later or on a different instance."
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +98,8 @@ class CapacityConfig:
     """An engine's limits and step costs; ``None`` limits are unbounded.
 
     ``kv_tokens`` is the pool in tokens (SGLang ``--max-total-tokens``;
-    vLLM ``--num-gpu-blocks-override`` times ``block_size``). Times are in
+    vLLM ``--num-gpu-blocks-override`` times ``block_size``);
+    ``max_queued_tokens`` vLLM's ``--max-num-queued-tokens``. Times are in
     seconds.
     """
 
@@ -108,6 +115,7 @@ class CapacityConfig:
     step_s: float = 0.0
     seq_s: float = 0.0
     prefill_token_s: float = 0.0
+    max_queued_tokens: int | None = None
 
 
 #: The capacity flags of each engine, as its own CLI spells them, and the
@@ -116,7 +124,7 @@ SGLANG_FLAGS = ("max_running_requests", "max_total_tokens", "max_queued_requests
                 "enable_priority_scheduling", "schedule_low_priority_values_first",
                 "abort_on_priority_when_disabled")
 VLLM_FLAGS = ("max_num_seqs", "num_gpu_blocks_override", "max_num_batched_tokens", "max_num_queued_reqs",
-              "scheduling_policy")
+              "max_num_queued_tokens", "scheduling_policy")
 STEP_FLAGS = ("step_ms", "step_us_per_seq", "step_us_per_prefill_token")
 
 
@@ -133,7 +141,8 @@ def capacity_config(protocol: str, block_size: int, **flags) -> CapacityConfig |
 
     Raises:
         ValueError: a limit below 1 (``--max-queued-requests`` and
-            ``--max-num-queued-reqs`` may be 0, as the engines allow), a
+            ``--max-num-queued-reqs`` and ``--max-num-queued-tokens`` may
+            be 0, as the engines allow), a
             negative cost, an unknown scheduling policy, or a flag of the
             other engine's.
     """
@@ -154,7 +163,7 @@ def capacity_config(protocol: str, block_size: int, **flags) -> CapacityConfig |
         value = get(name)
         if value is not None and (type(value) is not int or value < 1):
             raise ValueError(f"{_flag(name)} must be a positive integer, got {value!r}")
-    for name in ("max_queued_requests", "max_num_queued_reqs"):
+    for name in ("max_queued_requests", "max_num_queued_reqs", "max_num_queued_tokens"):
         value = get(name)
         if value is not None and (type(value) is not int or value < 0):
             raise ValueError(f"{_flag(name)} must be an integer of at least 0, got {value!r}")
@@ -177,7 +186,8 @@ def capacity_config(protocol: str, block_size: int, **flags) -> CapacityConfig |
     blocks = get("num_gpu_blocks_override")
     return CapacityConfig("vllm", get("max_num_seqs"), None if blocks is None else blocks * block_size,
                           block_size, get("max_num_batched_tokens"), get("max_num_queued_reqs"),
-                          policy == "priority", False, False, **costs)
+                          policy == "priority", False, False, **costs,
+                          max_queued_tokens=get("max_num_queued_tokens"))
 
 
 @dataclass(eq=False, slots=True)
@@ -238,20 +248,36 @@ class Capacity:
         self.retractions = 0
         self.preemptions = 0
         self.queue_refusals = 0
+        self.queued_token_refusals = 0
         self.peak_waiting = 0
         self.peak_running = 0
 
     # -- admission -------------------------------------------------------
 
-    def vllm_overflow(self, seqs: int) -> bool:
-        """vLLM ``check_admission``: whether ``seqs`` more sequences would
-        take the unfinished ones (waiting and running) past
-        ``--max-num-queued-reqs``; counts a refusal."""
+    def vllm_admission(self, seqs: int) -> str | None:
+        """vLLM ``AsyncLLM.check_admission`` (``vllm/v1/engine/async_llm.py``)
+        for a request of ``seqs`` sequences: :data:`VLLM_QUEUE_OVERFLOW` when
+        they would take the unfinished sequences (waiting and running) past
+        ``--max-num-queued-reqs``; else :data:`VLLM_QUEUED_TOKENS` when the
+        prompt tokens of the sequences still prefilling already reach
+        ``--max-num-queued-tokens`` (``>=``, the newcomer's own not
+        counted); else ``None``. Counts each refusal."""
         cap = self.config.max_queued
-        if cap is None or self.unfinished() + seqs <= cap:
-            return False
-        self.queue_refusals += 1
-        return True
+        if cap is not None and self.unfinished() + seqs > cap:
+            self.queue_refusals += 1
+            return VLLM_QUEUE_OVERFLOW
+        tokens = self.config.max_queued_tokens
+        if tokens is not None and self.prefilling_tokens() >= tokens:
+            self.queued_token_refusals += 1
+            return VLLM_QUEUED_TOKENS
+        return None
+
+    def prefilling_tokens(self) -> int:
+        """vLLM ``OutputProcessor.get_num_queued_tokens``: the whole prompt
+        of every sequence whose first token has not come yet (its
+        ``is_prefilling``; a partly computed prompt counts whole, and a
+        preempted request that already had tokens not at all)."""
+        return sum(e.prompt * e.seqs for e in self.entries.values() if e.generated == 0)
 
     def unfinished(self) -> int:
         """Sequences waiting or running."""
@@ -626,7 +652,8 @@ class Capacity:
             "max_queued": cfg.max_queued, "priority": cfg.priority,
             "running": running, "waiting": waiting, "steps": self.steps,
             "retractions": self.retractions, "preemptions": self.preemptions,
-            "queue_refusals": self.queue_refusals, "peak_waiting": self.peak_waiting,
+            "queue_refusals": self.queue_refusals, "queued_token_refusals": self.queued_token_refusals,
+            "max_queued_tokens": cfg.max_queued_tokens, "peak_waiting": self.peak_waiting,
             "peak_running": self.peak_running,
         }
 

@@ -12,7 +12,8 @@ import pytest
 
 from asgi_generate.sim.app import SimApp
 from asgi_generate.sim.capacity import (
-    SGLANG_PRIORITY_DISABLED, SGLANG_QUEUE_EVICTED, SGLANG_QUEUE_FULL, VLLM_QUEUE_OVERFLOW, capacity_config,
+    SGLANG_PRIORITY_DISABLED, SGLANG_QUEUE_EVICTED, SGLANG_QUEUE_FULL, VLLM_QUEUE_OVERFLOW, VLLM_QUEUED_TOKENS,
+    capacity_config,
 )
 from asgi_generate.sim.engine import RECENT_RIDS, Job, SimEngine
 from asgi_generate.sim.loads import sglang_loads, vllm_metrics
@@ -67,6 +68,8 @@ def test_off_unless_a_flag_is_set():
     ("vllm", {"max_running_requests": 4}, "--max-running-requests is SGLang's; this simulator plays vllm"),
     ("sglang", {"max_num_seqs": 4}, "--max-num-seqs is vLLM's; this simulator plays sglang"),
     ("sglang", {"step_ms": -1.0}, "--step-ms must be at least 0, got -1.0"),
+    ("vllm", {"max_num_queued_tokens": -1}, "--max-num-queued-tokens must be an integer of at least 0, got -1"),
+    ("sglang", {"max_num_queued_tokens": 8}, "--max-num-queued-tokens is vLLM's; this simulator plays sglang"),
     ("sglang", {"schedule_low_priority_values_first": True},
      "--schedule-low-priority-values-first needs --enable-priority-scheduling"),
 ])
@@ -266,6 +269,60 @@ def test_vllm_overflow_answer_and_identical_tokens_under_preemption(backend):
     assert app.engine.capacity.preemptions == 3
     status, _, raw = anyio.run(asgi_request, app, "GET", "/metrics", backend=backend)
     assert 'vllm:num_preemptions_total{engine="0",model_name="sim"} 3.0' in raw.decode().splitlines()
+
+
+def test_vllm_max_num_queued_tokens_counts_prompts_until_their_first_token():
+    # AsyncLLM.check_admission: refused once the prefilling prompts reach the limit (>=, the
+    # newcomer's own prompt not counted); a sequence stops counting at its first token.
+    engine = _engine("vllm", 16, max_num_seqs=2, max_num_queued_tokens=12)
+    cap = engine.capacity
+    assert cap.config.max_queued_tokens == 12 and cap.vllm_admission(1) is None
+    engine.submit(_job("a", 10, 8, 3))
+    assert (cap.prefilling_tokens(), cap.vllm_admission(1)) == (8, None)
+    engine.submit(Job("b", [11] * 2, 3, ignore_eos=True, seqs=2))  # n = 2: two prompts prefilling
+    assert cap.prefilling_tokens() == 12
+    assert (cap.vllm_admission(1), cap.vllm_admission(5)) == (VLLM_QUEUED_TOKENS, VLLM_QUEUED_TOKENS)
+    cap.step_now()  # a's prefill gives its first token; b's two sequences wait for two free seats
+    assert (cap.prefilling_tokens(), cap.vllm_admission(1)) == (4, None)
+    assert _run(engine) == ["a", "b"] and cap.prefilling_tokens() == 0
+    assert (cap.queued_token_refusals, cap.queue_refusals) == (2, 0)
+    stats = cap.stats()
+    assert (stats["max_queued_tokens"], stats["queued_token_refusals"]) == (12, 2)
+    # --max-num-queued-reqs is checked first.
+    both = _engine("vllm", 16, max_num_queued_reqs=1, max_num_queued_tokens=1)
+    both.submit(_job("c", 10, 4, 2))
+    assert both.capacity.vllm_admission(1) == VLLM_QUEUE_OVERFLOW
+
+
+@BACKENDS
+def test_vllm_max_num_queued_tokens_answer_and_identical_tokens(backend):
+    cap = capacity_config("vllm", 16, max_num_seqs=1, max_num_queued_tokens=8, step_ms=1.0)
+    app = SimApp("vllm", capacity=cap, cache_tokens=0)
+    prompts = {"a": [10] * 4, "b": [11] * 8}
+    answers: dict[str, tuple[int, dict]] = {}
+
+    async def one(rid: str, ids: list[int], max_tokens: int = 40) -> None:
+        body = {"token_ids": ids, "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True},
+                "request_id": rid}
+        status, _, raw = await asgi_request(app, "POST", "/inference/v1/generate", orjson.dumps(body))
+        answers[rid] = status, orjson.loads(raw)
+
+    async def run() -> None:
+        capacity = app.engine.capacity
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, "a", prompts["a"])
+            await _until(lambda: capacity.running and capacity.running[0].generated >= 1)
+            tg.start_soon(one, "b", prompts["b"])  # waits for the one seat: 8 prompt tokens prefilling
+            await _until(lambda: capacity.prefilling_tokens() == 8)
+            await one("c", [12] * 2, 3)
+
+    anyio.run(run, backend=backend)
+    assert answers["c"] == (503, {"error": {"message": VLLM_QUEUED_TOKENS, "type": "Service Unavailable",
+                                            "param": None, "code": 503}})
+    for rid in ("a", "b"):
+        status, body = answers[rid]
+        assert status == 200 and body["choices"][0]["token_ids"] == sampled(prompts[rid], 0, 40, ignore_eos=True)
+    assert app.engine.capacity.queued_token_refusals == 1 and app.engine.received == 2
 
 
 def test_vllm_n_is_bounded_by_max_num_seqs():
