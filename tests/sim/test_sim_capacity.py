@@ -153,6 +153,18 @@ def test_priority_orders_the_queue():
     assert _run(fcfs) == ["a", "b", "c"]  # FCFS ignores priority
 
 
+@pytest.mark.parametrize("flags", [{}, {"max_num_seqs": 4}])
+def test_vllm_serves_a_nonzero_priority_without_priority_scheduling(flags):
+    # vLLM 0.33.0 refuses no priority under FCFS, whatever GenerateRequest.priority's
+    # description says: no check in serve_tokens, AsyncLLM.add_request,
+    # InputProcessor.process_inputs or Scheduler.add_request; the FCFS queue ignores it.
+    app = SimApp("vllm", capacity=capacity_config("vllm", 16, **flags), cache_tokens=0)
+    for priority in (7, -3, "2"):
+        status, _, raw = anyio.run(asgi_request, app, "POST", "/inference/v1/generate", orjson.dumps(
+            {"token_ids": [5, 6], "priority": priority, "sampling_params": {"max_tokens": 3, "ignore_eos": True}}))
+        assert (status, orjson.loads(raw)["choices"][0]["token_ids"]) == (200, sampled([5, 6], 0, 3, True))
+
+
 def test_sglang_priority_when_disabled_is_ignored_or_aborted():
     ignored = _engine("sglang", max_running_requests=1)
     for rid, prio in (("a", None), ("b", 7)):
