@@ -271,6 +271,12 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                      help="SGLang: order the queue by the request's priority (larger first)")
     cap.add_argument("--schedule-low-priority-values-first", action="store_true",
                      help="SGLang: with --enable-priority-scheduling, smaller priority values first")
+    cap.add_argument("--disable-priority-preemption", action="store_true",
+                     help="SGLang: with --enable-priority-scheduling, never preempt running requests for a "
+                          "preferred newcomer")
+    cap.add_argument("--priority-scheduling-preemption-threshold", type=int, default=None, metavar="N",
+                     help="SGLang: the priority difference a newcomer must exceed to preempt running "
+                          "requests (default 10)")
     cap.add_argument("--abort-on-priority-when-disabled", action="store_true",
                      help="SGLang: without --enable-priority-scheduling, abort a request that names a priority")
     cap.add_argument("--max-num-seqs", type=positive, default=None, metavar="N",
