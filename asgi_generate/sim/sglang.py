@@ -477,8 +477,13 @@ class SGLangProtocol:
                 if ids_lp:
                     meta["input_token_ids_logprobs"] = in_picked if first else []
                     meta["output_token_ids_logprobs"] = out_picked[at:]
+            # A request aborted in the waiting queue is answered by the tokenizer
+            # manager alone (_handle_abort_req): no prompt or cache counts, no rows.
+            queued_abort = done and job.aborted and job.aborted_queued and not (finish and finish[0] == "abort")
+            if queued_abort:
+                del meta["prompt_tokens"], meta["cached_tokens"]
             if done:
-                if opts["routed_experts"] and job.refused is None:
+                if opts["routed_experts"] and job.refused is None and not queued_abort:
                     rows = self._experts(job, out_ids, opts["routed_experts_start_len"])
                     if rows is not None:
                         meta["routed_experts"] = rows

@@ -66,6 +66,10 @@ def test_abort_words_a_running_and_a_waiting_request_as_sglang(backend, how):
     n = len(run["output_ids"])
     assert n >= 3 and run["output_ids"] == sampled([10] * 4, 0, n, ignore_eos=True)
     assert wait["output_ids"] == [] and wait["meta_info"]["completion_tokens"] == 0
+    # The waiting one is answered by the tokenizer manager alone (_handle_abort_req):
+    # no prompt or cache counts; the running one's come from the scheduler's output.
+    assert sorted(wait["meta_info"]) == ["completion_tokens", "e2e_latency", "finish_reason", "id", "weight_version"]
+    assert (run["meta_info"]["prompt_tokens"], run["meta_info"]["cached_tokens"]) == (4, 0)
 
 
 @BACKENDS
