@@ -284,7 +284,8 @@ class SimApp:
                                 context_length=context_length or CONTEXT_LENGTH)
         )
         registry = GroupRegistry(weights_group_registry) if weights_group_registry else None
-        self.weights = SimWeights(self.engine, protocol, tp_size, registry, weight_load_s)
+        cleaned = self.protocol.behaviour.clean_validation_errors if protocol == "vllm" else True
+        self.weights = SimWeights(self.engine, protocol, tp_size, registry, weight_load_s, cleaned)
         self.admin = SimAdmin(self.engine, protocol, self.weights)
         self.engine_version = engine_version
         self.traceparents: dict[str, str] = {}

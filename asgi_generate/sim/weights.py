@@ -39,7 +39,9 @@ handler does (:func:`sglang_invalid`: 400, not FastAPI's 422):
   ``{"success", "message", "per_engine_checksum"}``.
 
 vLLM (``vllm/entrypoints/rl/online/api_router.py``; bodies are FastAPI's
-``Body(embed=True)``, so a missing field is 422). A refused call is an
+``Body(embed=True)`` fields, so a field missing or of the wrong type is
+refused by vLLM's ``validation_exception_handler``, 400 as for
+``/generate``: :meth:`SimWeights._vllm_invalid`). A refused call is an
 exception in the engine: 500 ``Internal Server Error``:
 
 - ``POST /init_weight_transfer_engine`` ``{"init_info": {...}}``: with
@@ -77,6 +79,7 @@ import orjson
 
 from .engine import SimEngine
 from .lax import LaxError, lax_scalar
+from .vllm_checks import render_invalid
 
 SGLANG_WEIGHT_ROUTES = {
     "/init_weights_update_group": ("POST",),
@@ -224,9 +227,21 @@ def sglang_invalid(cls: str, obj: dict) -> tuple[Answer | None, dict]:
     return (400, {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}), obj
 
 
-def _missing(*fields: str) -> Answer:
-    """FastAPI's 422 for absent body fields."""
-    return 422, {"detail": [{"type": "missing", "loc": ["body", f], "msg": "Field required"} for f in fields]}
+def _payload_errors(value: Any, loc: tuple) -> list[dict]:
+    """pydantic's errors for ``value`` as vLLM's
+    ``WeightTransferUpdatePayload`` (``dict[str, Any] | list[dict[str,
+    Any]]``, ``vllm/distributed/weight_transfer/base.py``): none, or one
+    per branch of the union."""
+    if type(value) is dict:
+        return []
+    as_dict = {"type": "dict_type", "loc": (*loc, "dict[str,any]"), "msg": "Input should be a valid dictionary",
+               "input": value}
+    branch = (*loc, "list[dict[str,any]]")
+    if type(value) is not list:
+        return [as_dict, {"type": "list_type", "loc": branch, "msg": "Input should be a valid list", "input": value}]
+    items = [{"type": "dict_type", "loc": (*branch, i), "msg": "Input should be a valid dictionary", "input": v}
+             for i, v in enumerate(value) if type(v) is not dict]
+    return [as_dict, *items] if items else []
 
 
 class SimWeights:
@@ -246,10 +261,13 @@ class SimWeights:
     """
 
     def __init__(self, engine: SimEngine, protocol: str, tp_size: int = 1,
-                 registry: GroupRegistry | None = None, load_s: float = 0.0) -> None:
+                 registry: GroupRegistry | None = None, load_s: float = 0.0,
+                 clean_validation_errors: bool = True) -> None:
         if not load_s >= 0:
             raise ValueError(f"--weight-load-s must be 0 or more, got {load_s}")
         self.engine = engine
+        #: vLLM renders validation errors cleaned (0.30 on) or as pydantic's.
+        self.clean_validation_errors = clean_validation_errors
         self.vllm = protocol == "vllm"
         self.routes = VLLM_WEIGHT_ROUTES if self.vllm else SGLANG_WEIGHT_ROUTES
         self.tp_size = tp_size
@@ -437,10 +455,45 @@ class SimWeights:
             return 500, b"Internal Server Error"
         return 200, {"message": message}
 
+    def _vllm_invalid(self, obj: dict, field: str, kind: str, required: bool = True) -> Answer | None:
+        """vLLM's answer when the ``Body(embed=True)`` field ``field`` of
+        ``obj`` is missing (``required``) or not of ``kind`` (``dict``:
+        ``dict[str, Any]``; ``payload``: ``WeightTransferUpdatePayload``,
+        a dict or a list of dicts; ``str``; ``action``: the
+        ``weight_checker`` literal; an optional one may be null), as
+        pydantic words it under FastAPI (a missing field's ``input`` is
+        null) and vLLM's ``validation_exception_handler`` renders it
+        (:func:`~asgi_generate.sim.vllm_checks.render_invalid`); ``None``
+        when it is well formed."""
+        loc = ("body", field)
+        value = obj.get(field)
+        if field not in obj:
+            errors = [{"type": "missing", "loc": loc, "msg": "Field required", "input": None}] if required else []
+        elif value is None and not required:
+            errors = []
+        elif kind == "dict":
+            errors = [] if type(value) is dict else [
+                {"type": "dict_type", "loc": loc, "msg": "Input should be a valid dictionary", "input": value}]
+        elif kind == "payload":
+            errors = _payload_errors(value, loc)
+        elif kind == "action":
+            expected = "'checksum', 'reset' or 'compare'"
+            errors = [] if value in ("checksum", "reset", "compare") and type(value) is str else [
+                {"type": "literal_error", "loc": loc, "msg": f"Input should be {expected}", "input": value,
+                 "ctx": {"expected": expected}}]
+        else:
+            errors = [] if type(value) is str else [
+                {"type": "string_type", "loc": loc, "msg": "Input should be a valid string", "input": value}]
+        if not errors:
+            return None
+        refused = render_invalid(errors, self.clean_validation_errors)
+        return refused.status, refused.body
+
     def _v_init_weight_transfer_engine(self, args: dict, obj: dict) -> Answer:
-        info = obj.get("init_info")
-        if not isinstance(info, dict):
-            return _missing("init_info")
+        refused = self._vllm_invalid(obj, "init_info", "dict")
+        if refused is not None:
+            return refused
+        info = obj["init_info"]
         if self.groups:
             return self._failed("the weight transfer engine is already initialized", "")
         key = f"{info.get('master_address')}:{info.get('master_port')}/vllm"
@@ -460,23 +513,28 @@ class SimWeights:
         return self._failed(None, "Weight update started")
 
     def _v_update_weights(self, args: dict, obj: dict) -> Answer:
-        if not isinstance(obj.get("update_info"), dict):
-            return _missing("update_info")
+        refused = self._vllm_invalid(obj, "update_info", "payload")
+        if refused is not None:
+            return refused
         if not self.groups:
             return self._failed("the weight transfer engine is not initialized", "")
         return self._failed(self._load(None), "Weights updated")
 
     def _v_finish_weight_update(self, args: dict, obj: dict) -> Answer:
+        refused = self._vllm_invalid(obj, "weight_version", "str", required=False)
+        if refused is not None:
+            return refused
         self.in_update = False
         version = obj.get("weight_version")
-        if isinstance(version, str):
+        if version is not None:
             self.engine.model.load_version(version)
         return self._failed(None, "Weight update finished")
 
     def _v_update_weight_version(self, args: dict, obj: dict) -> Answer:
-        version = obj.get("new_version")
-        if not isinstance(version, str):
-            return _missing("new_version")
+        refused = self._vllm_invalid(obj, "new_version", "str")
+        if refused is not None:
+            return refused
+        version = obj["new_version"]
         self.engine.model.load_version(version)
         return 200, {"success": True, "new_version": version}
 
@@ -484,9 +542,10 @@ class SimWeights:
         return 200, {"weight_version": self.version}
 
     def _v_weight_checker(self, args: dict, obj: dict) -> Answer:
-        action = obj.get("action")
-        if action not in ("checksum", "reset", "compare"):
-            return _missing("action")
+        refused = self._vllm_invalid(obj, "action", "action")
+        if refused is not None:
+            return refused
+        action = obj["action"]
         if action == "reset":
             return 200, {"status": "reset"}
         checksums = {"model": self.checksum()}

@@ -112,7 +112,9 @@ def test_vllm_weight_routes(fleet):
     vl = fleet[1]
     assert httpx.get(vl.url + "/get_world_size").json() == {"world_size": 4}
     assert httpx.get(vl.url + "/weight_info").json() == {"weight_version": "default"}
-    assert post(vl.url, {}, "/init_weight_transfer_engine").status_code == 422
+    # vLLM's validation handler answers a missing body field 400, as for /generate.
+    r = post(vl.url, {}, "/init_weight_transfer_engine")
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "body.init_info")
     assert post(vl.url, {"update_info": {}}, "/update_weights").status_code == 500  # no transfer engine
     info = {"master_address": "127.0.0.1", "master_port": 29700, "rank_offset": 1, "world_size": 5}
     assert post(vl.url, {"init_info": info}, "/init_weight_transfer_engine").json() == {
@@ -126,7 +128,7 @@ def test_vllm_weight_routes(fleet):
                                                                                   "new_version": "v2"}
     base = post(vl.url, {"action": "checksum"}, "/weight_checker").json()["checksums"]
     assert post(vl.url, {"action": "compare", "baseline": base}, "/weight_checker").json()["match"] is True
-    assert post(vl.url, {"action": "nope"}, "/weight_checker").status_code == 422
+    assert post(vl.url, {"action": "nope"}, "/weight_checker").status_code == 400
     # The failure hook: the next load fails, then loads work again.
     assert post(vl.url, {"weight_updates": 1}, "/sim/faults").status_code == 200
     assert post(vl.url, {"update_info": {}}, "/update_weights").status_code == 500

@@ -8,7 +8,7 @@ mirrors of the request classes."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Literal, Optional
 
 import anyio
 import orjson
@@ -132,3 +132,66 @@ def test_lax_values_pass_as_sglang_reads_them():
     assert _sglang_answer(InitWeightsUpdateGroupReqInput, body) is None
     assert _sim("/init_weights_update_group", body) == (200, {
         "success": True, "message": "Succeeded to initialize custom process group."})
+
+
+# -- vLLM's RL routes: Body(embed=True) fields, rendered by vLLM's validation handler -----------
+
+VLLM_BODIES = {
+    "/init_weight_transfer_engine": {"init_info": (Dict[str, Any], ...)},
+    "/update_weights": {"update_info": (Dict[str, Any] | List[Dict[str, Any]], ...)},
+    "/update_weight_version": {"new_version": (str, ...)},
+    "/finish_weight_update": {"weight_version": (Optional[str], None)},
+    "/weight_checker": {"action": (Literal["checksum", "reset", "compare"], ...),
+                        "baseline": (Optional[Dict[str, str]], None)},
+}
+
+
+def _vllm_errors(path: str, body: dict) -> list[dict]:
+    """pydantic's errors for ``body`` as FastAPI's model of the route's
+    embedded body fields, under ``body``; FastAPI reports a missing one
+    with a null ``input`` (``fastapi._compat.get_missing_field_error``)."""
+    model = pydantic.create_model("Body", **VLLM_BODIES[path])
+    try:
+        model.model_validate(body)
+        return []
+    except pydantic.ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+    return [{**e, "input": None} if e["type"] == "missing" else e for e in errors]
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.27.0"])
+@pytest.mark.parametrize("path, body", [
+    ("/init_weight_transfer_engine", {}),
+    ("/init_weight_transfer_engine", {"init_info": 5}),
+    ("/update_weights", {}),
+    ("/update_weights", {"update_info": "x"}),
+    ("/update_weights", {"update_info": [{"a": 1}, 5]}),
+    ("/update_weight_version", {}),
+    ("/update_weight_version", {"new_version": 7}),
+    ("/finish_weight_update", {"weight_version": 3}),
+    ("/weight_checker", {}),
+    ("/weight_checker", {"action": "nope"}),
+])
+def test_malformed_vllm_weight_bodies_are_refused_as_vllm(version, path, body):
+    from asgi_generate.sim.vllm_checks import render_invalid
+
+    errors = _vllm_errors(path, body)
+    want = render_invalid(errors, version == "0.33.0")
+    app = SimApp("vllm", engine_version=version)
+    status, _, raw = anyio.run(asgi_request, app, "POST", path, orjson.dumps(body))
+    assert errors and (status, orjson.loads(raw)) == (want.status, want.body) and status == 400
+
+
+def test_vllm_update_weights_takes_a_list_payload():
+    app = SimApp("vllm")
+
+    async def run() -> list[tuple[int, dict]]:
+        out = []
+        for path, body in (("/init_weight_transfer_engine", {"init_info": {"rank_offset": 1, "world_size": 2}}),
+                           ("/update_weights", {"update_info": [{"names": ["w"]}]})):
+            status, _, raw = await asgi_request(app, "POST", path, orjson.dumps(body))
+            out.append((status, orjson.loads(raw)))
+        return out
+
+    assert anyio.run(run) == [(200, {"message": "Weight transfer initialized"}), (200, {"message": "Weights updated"})]
+    assert _vllm_errors("/update_weights", {"update_info": [{"names": ["w"]}]}) == []
