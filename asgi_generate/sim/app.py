@@ -257,6 +257,7 @@ class SimApp:
             script=script, abort_after=abort_after, abort_status=abort_status,
             cache_tokens=cache_tokens, cache_block=block_size, whole_runs=protocol == "sglang",
             prefill_us_per_token=prefill_us_per_token, hasher=block_hasher(protocol), capacity=capacity,
+            abort_forwards_once=protocol == "sglang",
         )
         if kv_events_config:
             # Imported only here: pyzmq is needed only by a simulator that publishes.

@@ -93,3 +93,42 @@ def test_pause_in_abort_mode_of_a_decoding_request_without_capacity(backend):
 
     status, answer = anyio.run(run, backend=backend)
     assert status == 200 and answer["meta_info"]["finish_reason"] == RUNNING
+
+
+@BACKENDS
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_an_aborted_running_request_gets_its_forward_pass_token_on_sglang_only(backend, protocol):
+    # SGLang: abort_request sets to_finish, the next batch result appends the token of the
+    # forward pass, then update_finish_state finishes it with the abort; vLLM frees it at once.
+    cap = capacity_config(protocol, 16, step_ms=2.0, **({"max_running_requests": 4} if protocol == "sglang"
+                                                       else {"max_num_seqs": 4}))
+    app = SimApp(protocol, capacity=cap, cache_tokens=0)
+    prompt = [10] * 4
+    if protocol == "sglang":
+        path, body = "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+    else:
+        path, body = "/inference/v1/generate", {"token_ids": prompt, "sampling_params": {"max_tokens": 300,
+                                                                                        "ignore_eos": True}}
+    out: dict = {}
+
+    async def one() -> None:
+        status, _, raw = await asgi_request(app, "POST", path, orjson.dumps(body))
+        out["answer"] = (status, orjson.loads(raw))
+
+    async def run() -> None:
+        capacity = app.engine.capacity
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one)
+            await _until(lambda: capacity.running and capacity.running[0].generated >= 3)
+            out["granted"] = capacity.running[0].generated
+            app.engine.abort(None, abort_all=True)  # at once: no step between the count and the abort
+
+    anyio.run(run, backend=backend)
+    status, answer = out["answer"]
+    n = out["granted"] + (1 if protocol == "sglang" else 0)
+    ids = answer["output_ids"] if protocol == "sglang" else answer["choices"][0]["token_ids"]
+    assert status == 200 and ids == sampled(prompt, 0, n, ignore_eos=True)
+    if protocol == "sglang":
+        assert answer["meta_info"]["finish_reason"] == RUNNING and answer["meta_info"]["completion_tokens"] == n
+    else:
+        assert answer["choices"][0]["finish_reason"] == "abort"
