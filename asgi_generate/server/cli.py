@@ -271,6 +271,12 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                      help="SGLang: order the queue by the request's priority (larger first)")
     cap.add_argument("--schedule-low-priority-values-first", action="store_true",
                      help="SGLang: with --enable-priority-scheduling, smaller priority values first")
+    cap.add_argument("--disable-priority-preemption", action="store_true",
+                     help="SGLang: with --enable-priority-scheduling, never preempt running requests for a "
+                          "preferred newcomer")
+    cap.add_argument("--priority-scheduling-preemption-threshold", type=int, default=None, metavar="N",
+                     help="SGLang: the priority difference a newcomer must exceed to preempt running "
+                          "requests (default 10)")
     cap.add_argument("--abort-on-priority-when-disabled", action="store_true",
                      help="SGLang: without --enable-priority-scheduling, abort a request that names a priority")
     cap.add_argument("--max-num-seqs", type=positive, default=None, metavar="N",
@@ -282,6 +288,8 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
                      help="vLLM: tokens computed per step (prefills chunked to fit)")
     cap.add_argument("--max-num-queued-reqs", type=_bounded(int, 0), default=None, metavar="N",
                      help="vLLM: requests waiting or running; past it a request is refused with 503")
+    cap.add_argument("--max-num-queued-tokens", type=_bounded(int, 0), default=None, metavar="N",
+                     help="vLLM: prompt tokens of requests still prefilling; at it a request is refused with 503")
     cap.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                      help="vLLM: the waiting queue's order (priority: smaller first)")
     cap.add_argument("--step-ms", type=_bounded(float, 0), default=None, metavar="MS",

@@ -257,6 +257,7 @@ class SimApp:
             script=script, abort_after=abort_after, abort_status=abort_status,
             cache_tokens=cache_tokens, cache_block=block_size, whole_runs=protocol == "sglang",
             prefill_us_per_token=prefill_us_per_token, hasher=block_hasher(protocol), capacity=capacity,
+            abort_forwards_once=protocol == "sglang",
         )
         if kv_events_config:
             # Imported only here: pyzmq is needed only by a simulator that publishes.
@@ -284,7 +285,8 @@ class SimApp:
                                 context_length=context_length or CONTEXT_LENGTH)
         )
         registry = GroupRegistry(weights_group_registry) if weights_group_registry else None
-        self.weights = SimWeights(self.engine, protocol, tp_size, registry, weight_load_s)
+        cleaned = self.protocol.behaviour.clean_validation_errors if protocol == "vllm" else True
+        self.weights = SimWeights(self.engine, protocol, tp_size, registry, weight_load_s, cleaned)
         self.admin = SimAdmin(self.engine, protocol, self.weights)
         self.engine_version = engine_version
         self.traceparents: dict[str, str] = {}

@@ -22,7 +22,14 @@ engine's own figures:
   :data:`NEW_TOKEN_RATIO_DECAY_STEPS` steps, ``PrefillAdder``); when a decode
   step does not fit, decoding requests are retracted, fewest output tokens
   (then longest prompt) first, keeping one (``ScheduleBatch.retract_decode``),
-  back to the waiting queue, to recompute prompt and output later.
+  back to the waiting queue, to recompute prompt and output later. With
+  priority scheduling, a request that finds every seat taken preempts
+  running ones (``PrefillAdder.preempt_to_schedule``, on unless
+  ``--disable-priority-preemption``): least preferred first (then the
+  latest into the queue), each while the newcomer is preferred by more
+  than ``--priority-scheduling-preemption-threshold`` (default 10), until
+  their reserved new tokens make room for it; they go back to the waiting
+  queue and recompute later.
 - vLLM 0.33.0 (``vllm/v1/core/sched/scheduler.py``): at most
   ``--max-num-seqs`` running sequences (an ``n`` > 1 request counts ``n``);
   a pool of ``--num-gpu-blocks-override`` blocks of ``--block-size``
@@ -32,8 +39,9 @@ engine's own figures:
   request's next tokens do not fit, the last running request (priority: the
   largest ``(priority, arrival)``) is preempted back to the front of the
   waiting queue and recomputes later (``Scheduler._preempt_request``);
-  ``--max-num-queued-reqs`` is checked by the API server
-  (``AsyncLLM.check_admission``, see :meth:`Capacity.vllm_overflow`).
+  ``--max-num-queued-reqs`` and ``--max-num-queued-tokens`` are checked by
+  the API server (``AsyncLLM.check_admission``, see
+  :meth:`Capacity.vllm_admission`).
 
 Both count a request's KV as its prompt plus, per sequence, its output
 tokens; cached tokens not held by a running request are free to evict, as
@@ -75,6 +83,14 @@ RETRACT_DECODE_STEPS = 20
 #: SGLang's clip on a request's reserved new tokens (``CLIP_MAX_NEW_TOKENS``).
 CLIP_MAX_NEW_TOKENS = 4096
 
+#: SGLang's ``--priority-scheduling-preemption-threshold`` default
+#: (``srt/arg_groups/fields/schedule.py``).
+PREEMPTION_THRESHOLD = 10
+#: The priority SGLang gives a request without one under priority
+#: scheduling (``Scheduler._set_or_validate_priority``: ``sys.maxsize`` or
+#: ``-sys.maxsize - 1``), so that it ranks last.
+_LAST_LOW_FIRST, _LAST_HIGH_FIRST = (1 << 63) - 1, -(1 << 63)
+
 SGLANG_QUEUE_FULL = "The request queue is full."
 SGLANG_QUEUE_EVICTED = "The request is aborted by a higher priority request."
 SGLANG_PRIORITY_DISABLED = ("Using priority is disabled for this server. "
@@ -85,6 +101,11 @@ VLLM_QUEUE_OVERFLOW = (
     "The engine is currently busy and cannot accept new requests. "
     "Please try again later or on a different instance."
 )
+#: vLLM's ``MaxQueuedTokensError`` (``vllm/exceptions.py``), answered alike.
+VLLM_QUEUED_TOKENS = (
+    "The engine has reached its prefill token backlog limit. "
+    "Please try again later or on a different instance."
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +113,8 @@ class CapacityConfig:
     """An engine's limits and step costs; ``None`` limits are unbounded.
 
     ``kv_tokens`` is the pool in tokens (SGLang ``--max-total-tokens``;
-    vLLM ``--num-gpu-blocks-override`` times ``block_size``). Times are in
+    vLLM ``--num-gpu-blocks-override`` times ``block_size``);
+    ``max_queued_tokens`` vLLM's ``--max-num-queued-tokens``. Times are in
     seconds.
     """
 
@@ -108,15 +130,19 @@ class CapacityConfig:
     step_s: float = 0.0
     seq_s: float = 0.0
     prefill_token_s: float = 0.0
+    max_queued_tokens: int | None = None
+    priority_preemption: bool = True
+    preemption_threshold: int = PREEMPTION_THRESHOLD
 
 
 #: The capacity flags of each engine, as its own CLI spells them, and the
 #: engine-neutral step costs (``sim --help``).
 SGLANG_FLAGS = ("max_running_requests", "max_total_tokens", "max_queued_requests",
                 "enable_priority_scheduling", "schedule_low_priority_values_first",
-                "abort_on_priority_when_disabled")
+                "abort_on_priority_when_disabled", "disable_priority_preemption",
+                "priority_scheduling_preemption_threshold")
 VLLM_FLAGS = ("max_num_seqs", "num_gpu_blocks_override", "max_num_batched_tokens", "max_num_queued_reqs",
-              "scheduling_policy")
+              "max_num_queued_tokens", "scheduling_policy")
 STEP_FLAGS = ("step_ms", "step_us_per_seq", "step_us_per_prefill_token")
 
 
@@ -133,7 +159,8 @@ def capacity_config(protocol: str, block_size: int, **flags) -> CapacityConfig |
 
     Raises:
         ValueError: a limit below 1 (``--max-queued-requests`` and
-            ``--max-num-queued-reqs`` may be 0, as the engines allow), a
+            ``--max-num-queued-reqs`` and ``--max-num-queued-tokens`` may
+            be 0, as the engines allow), a
             negative cost, an unknown scheduling policy, or a flag of the
             other engine's.
     """
@@ -154,7 +181,7 @@ def capacity_config(protocol: str, block_size: int, **flags) -> CapacityConfig |
         value = get(name)
         if value is not None and (type(value) is not int or value < 1):
             raise ValueError(f"{_flag(name)} must be a positive integer, got {value!r}")
-    for name in ("max_queued_requests", "max_num_queued_reqs"):
+    for name in ("max_queued_requests", "max_num_queued_reqs", "max_num_queued_tokens"):
         value = get(name)
         if value is not None and (type(value) is not int or value < 0):
             raise ValueError(f"{_flag(name)} must be an integer of at least 0, got {value!r}")
@@ -164,7 +191,13 @@ def capacity_config(protocol: str, block_size: int, **flags) -> CapacityConfig |
             raise ValueError(f"{_flag(name)} must be at least 0, got {value!r}")
     if get("schedule_low_priority_values_first") and not get("enable_priority_scheduling"):
         raise ValueError("--schedule-low-priority-values-first needs --enable-priority-scheduling")
-    if all(get(name) in (None, False, "fcfs") for name in own + STEP_FLAGS):
+    threshold = get("priority_scheduling_preemption_threshold")
+    threshold = PREEMPTION_THRESHOLD if threshold is None else threshold
+    if type(threshold) is not int:
+        raise ValueError(f"--priority-scheduling-preemption-threshold must be an integer, got {threshold!r}")
+    # Preemption's knobs change nothing without priority scheduling, so they turn nothing on.
+    knobs = ("disable_priority_preemption", "priority_scheduling_preemption_threshold")
+    if all(get(name) in (None, False, "fcfs") for name in own + STEP_FLAGS if name not in knobs):
         return None
     ms, us = 1e-3, 1e-6
     costs = dict(step_s=(get("step_ms") or 0) * ms, seq_s=(get("step_us_per_seq") or 0) * us,
@@ -173,11 +206,14 @@ def capacity_config(protocol: str, block_size: int, **flags) -> CapacityConfig |
         return CapacityConfig("sglang", get("max_running_requests"), get("max_total_tokens"), 1, None,
                               get("max_queued_requests"), bool(get("enable_priority_scheduling")),
                               bool(get("schedule_low_priority_values_first")),
-                              bool(get("abort_on_priority_when_disabled")), **costs)
+                              bool(get("abort_on_priority_when_disabled")), **costs,
+                              priority_preemption=not get("disable_priority_preemption"),
+                              preemption_threshold=threshold)
     blocks = get("num_gpu_blocks_override")
     return CapacityConfig("vllm", get("max_num_seqs"), None if blocks is None else blocks * block_size,
                           block_size, get("max_num_batched_tokens"), get("max_num_queued_reqs"),
-                          policy == "priority", False, False, **costs)
+                          policy == "priority", False, False, **costs,
+                          max_queued_tokens=get("max_num_queued_tokens"))
 
 
 @dataclass(eq=False, slots=True)
@@ -199,6 +235,9 @@ class Entry:
     matched: bool = False
     running: bool = False
     gone: bool = False
+    #: When it last joined the waiting queue (a counter; SGLang's
+    #: ``wait_queue_entry_time``, stamped again on every requeue).
+    queued_at: int = 0
 
 
 @dataclass(slots=True)
@@ -238,20 +277,36 @@ class Capacity:
         self.retractions = 0
         self.preemptions = 0
         self.queue_refusals = 0
+        self.queued_token_refusals = 0
         self.peak_waiting = 0
         self.peak_running = 0
 
     # -- admission -------------------------------------------------------
 
-    def vllm_overflow(self, seqs: int) -> bool:
-        """vLLM ``check_admission``: whether ``seqs`` more sequences would
-        take the unfinished ones (waiting and running) past
-        ``--max-num-queued-reqs``; counts a refusal."""
+    def vllm_admission(self, seqs: int) -> str | None:
+        """vLLM ``AsyncLLM.check_admission`` (``vllm/v1/engine/async_llm.py``)
+        for a request of ``seqs`` sequences: :data:`VLLM_QUEUE_OVERFLOW` when
+        they would take the unfinished sequences (waiting and running) past
+        ``--max-num-queued-reqs``; else :data:`VLLM_QUEUED_TOKENS` when the
+        prompt tokens of the sequences still prefilling already reach
+        ``--max-num-queued-tokens`` (``>=``, the newcomer's own not
+        counted); else ``None``. Counts each refusal."""
         cap = self.config.max_queued
-        if cap is None or self.unfinished() + seqs <= cap:
-            return False
-        self.queue_refusals += 1
-        return True
+        if cap is not None and self.unfinished() + seqs > cap:
+            self.queue_refusals += 1
+            return VLLM_QUEUE_OVERFLOW
+        tokens = self.config.max_queued_tokens
+        if tokens is not None and self.prefilling_tokens() >= tokens:
+            self.queued_token_refusals += 1
+            return VLLM_QUEUED_TOKENS
+        return None
+
+    def prefilling_tokens(self) -> int:
+        """vLLM ``OutputProcessor.get_num_queued_tokens``: the whole prompt
+        of every sequence whose first token has not come yet (its
+        ``is_prefilling``; a partly computed prompt counts whole, and a
+        preempted request that already had tokens not at all)."""
+        return sum(e.prompt * e.seqs for e in self.entries.values() if e.generated == 0)
 
     def unfinished(self) -> int:
         """Sequences waiting or running."""
@@ -268,13 +323,13 @@ class Capacity:
         if priority is None or not cfg.priority:
             # SGLang: a request without a priority ranks last; vLLM ignores it under FCFS.
             if cfg.engine == "sglang":
-                priority = (1 << 62) if cfg.low_priority_values_first else -(1 << 62)
+                priority = _LAST_LOW_FIRST if cfg.low_priority_values_first else _LAST_HIGH_FIRST
             else:
                 priority = 0
         self._arrivals += 1
         # A P/D decode's prompt KV came from its prefill server: nothing to compute.
         entry = Entry(job, prompt, max_new, seqs, priority, self._arrivals, need=prompt,
-                      computed=prompt if prefilled else 0, matched=prefilled)
+                      computed=prompt if prefilled else 0, matched=prefilled, queued_at=self._arrivals)
         self.entries[id(job)] = entry
         if cfg.engine == "sglang" and not self._sglang_queue(entry):
             return
@@ -421,8 +476,10 @@ class Capacity:
         return sum(e.seqs for e in self.running)
 
     def _sglang_rank(self, entry: Entry) -> tuple[int, int]:
+        """The waiting queue's order (``SchedulePolicy._sort_by_priority_and_fcfs``:
+        priority, then when it joined the queue)."""
         sign = 1 if self.config.low_priority_values_first else -1
-        return (sign * entry.priority, entry.arrival)
+        return (sign * entry.priority, entry.queued_at)
 
     def _order_waiting(self) -> None:
         cfg = self.config
@@ -478,9 +535,20 @@ class Capacity:
         reserved = sum(min(e.max_new - e.generated, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
                        for e in self.running)
         free = None if pool is None else pool - self.used() - reserved
+        preempt = cfg.priority and cfg.priority_preemption
         for entry in list(self.waiting):
+            if entry.gone:  # evicted from a full queue by a preemption's requeue in this pass
+                continue
             if cfg.max_running is not None and self._seats() + entry.seqs > cfg.max_running:
-                break
+                if not preempt:
+                    break
+                freed = self._sglang_preempt(entry, free, plan)
+                if freed is None:
+                    break
+                if free is not None:
+                    free += freed
+                if self._seats() + entry.seqs > cfg.max_running:
+                    break
             cost = entry.need - entry.computed
             if free is not None:
                 ask = cost + min(entry.max_new - entry.generated, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
@@ -492,6 +560,50 @@ class Capacity:
         for entry in self.running:  # a chunk left over (never on SGLang here: whole prefills)
             if entry.computed < entry.need and all(entry is not e for e, _ in plan.prefill):
                 plan.prefill.append((entry, entry.need - entry.computed))
+
+    def _reserve(self, entry: Entry) -> float:
+        """SGLang ``PrefillAdder._get_running_request_total_token_offset``:
+        the new tokens a running request may still need (clipped), times
+        ``new_token_ratio`` (1 for an ``ignore_eos`` request)."""
+        ratio = 1.0 if getattr(entry.job, "ignore_eos", False) else self.new_token_ratio
+        return min(entry.max_new - entry.generated, CLIP_MAX_NEW_TOKENS) * ratio
+
+    def _sglang_preempt(self, entry: Entry, free: float | None, plan: _Plan) -> float | None:
+        """SGLang ``PrefillAdder.preempt_to_schedule`` for ``entry``, which
+        finds every seat taken: running requests in order of least preferred
+        priority, then latest into the queue, each preempted while
+        ``entry``'s priority beats its by more than the threshold, until their
+        reserved tokens (:meth:`_reserve`) cover what ``entry`` asks beyond
+        ``free`` (one suffices with an unbounded pool). They go back to the
+        waiting queue (``_add_request_to_queue``, its limit included) to
+        recompute later. Returns the reserved and held tokens freed, or
+        ``None`` when nothing is preempted."""
+        cfg = self.config
+        sign = 1 if cfg.low_priority_values_first else -1
+        admitted = [e for e, _ in plan.prefill]  # this pass's, not yet in SGLang's running batch
+        candidates = sorted((e for e in self.running if e not in admitted and e.generated < e.max_new),
+                            key=lambda e: (e.priority * -sign, -e.queued_at))
+        ask = (entry.need - entry.computed) + min(entry.max_new - entry.generated, CLIP_MAX_NEW_TOKENS)
+        short = ask - free if free is not None else -math.inf
+        chosen = []
+        for running in candidates:
+            if (entry.priority - running.priority) * -sign <= cfg.preemption_threshold:
+                break
+            chosen.append(running)
+            short -= self._reserve(running)
+            if short <= 0:
+                break
+        if not chosen or short > 0:
+            return None
+        freed = 0.0
+        for running in chosen:
+            # What ``free`` counted for it: its reservation as the admission above reckons it, and its KV.
+            freed += min(running.max_new - running.generated, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+            freed += self._held(running)
+            plan.decode = [e for e in plan.decode if e is not running]
+            self._back_to_waiting(running, front=False)
+            self.preemptions += 1
+        return freed
 
     def _schedule_vllm(self, plan: _Plan) -> None:
         cfg, pool = self.config, self.pool()
@@ -573,6 +685,8 @@ class Capacity:
         entry.running = False
         entry.computed = 0
         entry.need = entry.prompt + entry.generated
+        self._arrivals += 1
+        entry.queued_at = self._arrivals
         if front:
             self.waiting.insert(0, entry)
         elif self._sglang_queue(entry):  # a retracted request meets the queue's limit too
@@ -626,7 +740,8 @@ class Capacity:
             "max_queued": cfg.max_queued, "priority": cfg.priority,
             "running": running, "waiting": waiting, "steps": self.steps,
             "retractions": self.retractions, "preemptions": self.preemptions,
-            "queue_refusals": self.queue_refusals, "peak_waiting": self.peak_waiting,
+            "queue_refusals": self.queue_refusals, "queued_token_refusals": self.queued_token_refusals,
+            "max_queued_tokens": cfg.max_queued_tokens, "peak_waiting": self.peak_waiting,
             "peak_running": self.peak_running,
         }
 

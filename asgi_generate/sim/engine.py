@@ -75,6 +75,10 @@ class Job:
     #: for every ``n`` = 1 request.
     sample: int = 0
     aborted: bool = False
+    #: Aborted while in the waiting queue (not yet scheduled, or retracted
+    #: or preempted back to it), not in the running batch: SGLang words
+    #: the two aborts differently (:meth:`SimEngine.queued`).
+    aborted_queued: bool = False
     abort_event: anyio.Event = field(default_factory=anyio.Event)
     namespace: tuple[str | None, ...] = ()
     cached_tokens: int = 0
@@ -138,6 +142,11 @@ class SimEngine:
             (:mod:`asgi_generate.sim.capacity`); ``None`` (the default):
             unbounded, timed by ``ttft_s``/``itl_s``/``prefill_us_per_token``.
             With it, the step time alone times every token.
+        abort_forwards_once: an abort of a running request still gives it
+            the token of the forward pass it is in (SGLang: the scheduler's
+            ``abort_request`` sets ``to_finish``, and the next batch result
+            appends its token before ``update_finish_state`` finishes it
+            with the abort); off, it stops at once (vLLM frees it).
 
     The prefix cache (a :class:`~asgi_generate.sim.prefix_cache.PrefixCache`
     of token blocks in namespaces, LRU) is matched when a prefill starts and takes the
@@ -165,8 +174,10 @@ class SimEngine:
         prefill_us_per_token: float = 0.0,
         hasher: BlockHasher | None = None,
         capacity: CapacityConfig | None = None,
+        abort_forwards_once: bool = False,
     ) -> None:
         self.model = model
+        self.abort_forwards_once = abort_forwards_once
         self.capacity = Capacity(capacity, self._match, self._prefilled) if capacity is not None else None
         self.hasher: BlockHasher = hasher if hasher is not None else SGLangPageHashes()
         #: Where the cache's KV events go (``sim --kv-events-config``).
@@ -366,10 +377,20 @@ class SimEngine:
         job.aborted = True
         job.abort_event.set()
 
+    def queued(self, job: Job) -> bool:
+        """Whether ``job`` waits in the engine's waiting queue rather than
+        running: with the capacity model, not admitted (or retracted or
+        preempted back); without it, queued for the prefill unit."""
+        if self.capacity is not None:
+            entry = self.capacity.entries.get(id(job))
+            return entry is not None and not entry.running
+        return id(job) in self.waiting
+
     def abandon(self, job: Job) -> None:
         """The engine's own abort of ``job`` (SGLang's, of a vanished
         client's request): it stops at its next token and leaves the
         scheduler at once; it stays running until its handler ends."""
+        job.aborted_queued = self.queued(job)
         job.aborted = True
         job.abort_event.set()
         if self.capacity is not None:
@@ -380,6 +401,7 @@ class SimEngine:
             # The engine frees an aborted request at once, even while its
             # HTTP response is still blocked on a slow reader.
             job = self.running.pop(r)
+            job.aborted_queued = self.queued(job)
             if self.capacity is not None:
                 self.capacity.leave(job)
             self.completed += 1
@@ -442,24 +464,30 @@ class SimEngine:
         for i in range(job.max_new_tokens):
             if self.held:
                 await self._while_held(job)
-            if job.aborted:
-                return
-            if capacity is not None and not await capacity.next_token(job):
-                return
-            if i == job.fail_after and job.stall:
+            last = job.aborted
+            if not last and capacity is not None and not await capacity.next_token(job):
+                last = job.aborted
+                if not last:  # gone unaborted: refused by a full queue
+                    return
+            if last:
+                if not self._forwards_once(job):
+                    return
+            elif i == job.fail_after and job.stall:
                 self.faults_fired += 1
                 await job.abort_event.wait()
                 return
             if model.origin != origin:  # new weights loaded mid-stream: the rest is theirs
                 origin = model.origin
                 states = {s: model.fold([*job.input_ids, *outs[s]]) for s in states}
-            if i == job.fail_after:
+            if i == job.fail_after and not last:
                 self.faults_fired += 1
                 self.down = True
                 raise SimFault(f"simulated worker failure after {i} tokens (POST /sim/faults)")
             step = []
             for sample, state in states.items():
                 token = self._draw(job, state, sample, i, script)
+                if last:  # the abort, not a stop or a cap, finishes it (to_finish comes first)
+                    token = Token(token.token_id, token.step, None)
                 states[sample] = model.advance(state, token.token_id)
                 outs[sample].append(token.token_id)
                 step.append((sample, token))
@@ -467,6 +495,8 @@ class SimEngine:
                 job.output_ids.append(step[0][1].token_id)
             job.generated += 1
             yield step
+            if last:
+                return
             for sample, token in step:
                 if token.finish is not None:
                     del states[sample]
@@ -476,6 +506,12 @@ class SimEngine:
                 await self._pause(job, self.itl_s)
             else:  # a batching engine serves everyone: never hog the loop
                 await anyio.lowlevel.checkpoint()
+
+    def _forwards_once(self, job: Job) -> bool:
+        """Whether aborted ``job`` gets the token of the forward pass it is
+        in (``abort_forwards_once``): it was running, not waiting, and not
+        refused."""
+        return self.abort_forwards_once and not job.aborted_queued and job.refused is None
 
     def _draw(self, job: Job, state: int, sample: int, i: int, script: tuple[int, ...]) -> Token:
         """The ``i``-th token of ``sample`` at the prefix of ``state``."""

@@ -319,8 +319,23 @@ class SGLangProtocol:
         return experts_base64(self.engine.model.expert_rows(seq, start_len, received))
 
     @staticmethod
-    def finish_reason(finish: tuple[str, object] | None, aborted: bool) -> dict | None:
-        """SGLang's ``finish_reason`` object for a finish tuple."""
+    def finish_reason(finish: tuple[str, object] | None, aborted: bool, queued: bool = False) -> dict | None:
+        """SGLang's ``finish_reason`` object for a finish tuple; ``aborted``
+        (over any finish but an abort of its own): an abort (``/abort_request``, ``/pause_generation``
+        in ``abort`` mode, a vanished client) of a request that was
+        ``queued`` in the waiting queue or running.
+
+        SGLang 0.5.23 ``Scheduler.abort_request``
+        (``srt/managers/scheduler.py``) pops a waiting request and sends an
+        ``AbortReq`` without a finish reason, which
+        ``TokenizerManager._handle_abort_req`` answers as ``{"type":
+        "abort", "message": "Abort in waiting queue"}``; a running one gets
+        ``to_finish = FINISH_ABORT()`` (``srt/managers/schedule_batch.py``:
+        message ``"Aborted"``, status and error type null), sent as its
+        ``to_json()``. A pause in ``abort`` mode is that same abort of every
+        request (``TokenizerManager.pause_generation``:
+        ``abort_request(abort_all=True)``).
+        """
         if finish is not None and finish[0] == "abort":
             status, message = finish[1]
             return {
@@ -330,12 +345,9 @@ class SGLangProtocol:
                 "err_type": "BadRequestError" if status == 400 else None,
             }
         if aborted:
-            return {
-                "type": "abort",
-                "message": "Abort before prefill" if finish is None else "Abort in waiting queue",
-                "status_code": 200,
-                "err_type": None,
-            }
+            if queued:
+                return {"type": "abort", "message": "Abort in waiting queue"}
+            return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
         if finish is None:
             return None
         kind, value = finish
@@ -448,7 +460,7 @@ class SGLangProtocol:
             nonlocal sent_ids, sent_lps, sent_text
             meta: dict[str, Any] = {
                 "id": job.rid,
-                "finish_reason": self.finish_reason(finish, job.aborted) if done else None,
+                "finish_reason": self.finish_reason(finish, job.aborted, job.aborted_queued) if done else None,
                 "prompt_tokens": len(job.input_ids),
                 "weight_version": self.engine.model.weight_version,
                 "completion_tokens": len(out_ids),
@@ -465,8 +477,13 @@ class SGLangProtocol:
                 if ids_lp:
                     meta["input_token_ids_logprobs"] = in_picked if first else []
                     meta["output_token_ids_logprobs"] = out_picked[at:]
+            # A request aborted in the waiting queue is answered by the tokenizer
+            # manager alone (_handle_abort_req): no prompt or cache counts, no rows.
+            queued_abort = done and job.aborted and job.aborted_queued and not (finish and finish[0] == "abort")
+            if queued_abort:
+                del meta["prompt_tokens"], meta["cached_tokens"]
             if done:
-                if opts["routed_experts"] and job.refused is None:
+                if opts["routed_experts"] and job.refused is None and not queued_abort:
                     rows = self._experts(job, out_ids, opts["routed_experts_start_len"])
                     if rows is not None:
                         meta["routed_experts"] = rows

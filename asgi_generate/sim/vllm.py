@@ -107,7 +107,6 @@ import anyio
 import orjson
 
 from .framing import SSE_HEADERS, Receive, Send, send_unary, sse_event
-from .capacity import VLLM_QUEUE_OVERFLOW
 from .engine import DuplicateRequestId, Job, SimEngine, Token
 from .grammars import VLLM_REFUSAL
 from .kvconnector import KVConsumer, KVProducer
@@ -448,9 +447,10 @@ class VLLMProtocol:
         try:
             job, opts = self.parse(body, headers)
             capacity = self.engine.capacity
-            if capacity is not None and capacity.vllm_overflow(1 if opts.stream else opts.n):
+            refusal = capacity.vllm_admission(1 if opts.stream else opts.n) if capacity is not None else None
+            if refusal is not None:
                 # AsyncLLM.check_admission from ServingTokens._preflight: before any byte.
-                raise error(VLLM_QUEUE_OVERFLOW, "Service Unavailable", 503)
+                raise error(refusal, "Service Unavailable", 503)
             self.engine.submit(job)
         except VLLMError as exc:
             await send_unary(send, exc.status, orjson.dumps(exc.body))

@@ -7,8 +7,9 @@ which changes its answers deterministically.
 
 SGLang (``srt/entrypoints/http_server.py``, request shapes in
 ``srt/managers/io_struct.py``). Each answers ``{"success", "message"}``,
-200 on success and 400 on failure; a missing field is FastAPI's 422
-``{"detail": [...]}``:
+200 on success and 400 on failure; a body whose required field is missing
+or of the wrong type is refused as SGLang's ``RequestValidationError``
+handler does (:func:`sglang_invalid`: 400, not FastAPI's 422):
 
 - ``POST /init_weights_update_group`` (``InitWeightsUpdateGroupReqInput``:
   ``master_address``, ``master_port``, ``rank_offset``, ``world_size``,
@@ -38,7 +39,9 @@ SGLang (``srt/entrypoints/http_server.py``, request shapes in
   ``{"success", "message", "per_engine_checksum"}``.
 
 vLLM (``vllm/entrypoints/rl/online/api_router.py``; bodies are FastAPI's
-``Body(embed=True)``, so a missing field is 422). A refused call is an
+``Body(embed=True)`` fields, so a field missing or of the wrong type is
+refused by vLLM's ``validation_exception_handler``, 400 as for
+``/generate``: :meth:`SimWeights._vllm_invalid`). A refused call is an
 exception in the engine: 500 ``Internal Server Error``:
 
 - ``POST /init_weight_transfer_engine`` ``{"init_info": {...}}``: with
@@ -75,6 +78,8 @@ import anyio
 import orjson
 
 from .engine import SimEngine
+from .lax import LaxError, lax_scalar
+from .vllm_checks import render_invalid
 
 SGLANG_WEIGHT_ROUTES = {
     "/init_weights_update_group": ("POST",),
@@ -163,9 +168,80 @@ class GroupRegistry:
         self._update(change)
 
 
-def _missing(*fields: str) -> Answer:
-    """FastAPI's 422 for absent body fields."""
-    return 422, {"detail": [{"type": "missing", "loc": ["body", f], "msg": "Field required"} for f in fields]}
+#: The required fields of SGLang's weight-route bodies (``io_struct.py``;
+#: every other field has a default) and their types: pydantic's lax
+#: ``str``/``int`` (:mod:`asgi_generate.sim.lax`), or a list or dict
+#: checked at its top level only.
+SGLANG_REQUIRED = {
+    "InitWeightsUpdateGroupReqInput": {"master_address": "str", "master_port": "int", "rank_offset": "int",
+                                       "world_size": "int"},
+    "UpdateWeightsFromDistributedReqInput": {"names": "list", "dtypes": "list", "shapes": "list"},
+    "UpdateWeightsFromTensorReqInput": {"serialized_named_tensors": "list"},
+    "UpdateWeightsFromIPCReqInput": {"zmq_handles": "dict"},
+    "UpdateWeightFromDiskReqInput": {"model_path": "str"},
+    "UpdateWeightVersionReqInput": {"new_version": "str"},
+    "GetWeightsByNameReqInput": {"name": "str"},
+}
+_CONTAINERS = {"list": (list, "list_type", "Input should be a valid list"),
+               "dict": (dict, "dict_type", "Input should be a valid dictionary")}
+
+
+def sglang_invalid(cls: str, obj: dict) -> tuple[Answer | None, dict]:
+    """SGLang's validation of a weight route's body ``obj`` as its
+    ``io_struct.py`` class ``cls`` (a ``msgspec.Struct`` whose pydantic
+    schema is ``msgspec_struct_pydantic_core_schema``,
+    ``srt/utils/msgspec_utils.py``: a left-to-right union of an instance
+    check and the typed dict of its fields, validated by FastAPI as
+    Python). Returns ``(None, obj)`` with lax-read values when it passes;
+    else the answer of SGLang's ``RequestValidationError`` handler
+    (``http_server.py`` ``validation_exception_handler``): 400
+    ``ErrorResponse`` (``object``, ``message``, ``type`` ``"Bad Request"``,
+    ``param``, ``code``) whose message is ``str(exc)`` then
+    ``str(exc.errors())``: the instance branch's error, then each field's
+    (loc under ``body``). ``str(exc)`` is FastAPI's ``N validation
+    errors:`` list; the endpoint's file and line that recent FastAPI
+    releases append to it are left out."""
+    errors: list[dict] = []
+    branch = f"function-after[build_struct(), {cls}]"
+    out = dict(obj)
+    for name, kind in SGLANG_REQUIRED[cls].items():
+        loc = ("body", branch, name)
+        if name not in obj:
+            errors.append({"type": "missing", "loc": loc, "msg": "Field required", "input": obj})
+        elif kind in _CONTAINERS:
+            want, err_type, msg = _CONTAINERS[kind]
+            if type(obj[name]) is not want:
+                errors.append({"type": err_type, "loc": loc, "msg": msg, "input": obj[name]})
+        else:
+            try:
+                out[name] = lax_scalar(kind, obj[name])
+            except LaxError as exc:
+                errors.append({"type": exc.kind, "loc": loc, "msg": exc.msg, "input": obj[name]})
+    if not errors:
+        return None, out
+    errors.insert(0, {"type": "is_instance_of", "loc": ("body", f"is-instance[{cls}]"),
+                      "msg": f"Input should be an instance of {cls}", "input": obj, "ctx": {"class": cls}})
+    label = "error" if len(errors) == 1 else "errors"
+    text = f"{len(errors)} validation {label}:\n" + "".join(f"  {e}\n" for e in errors)
+    message = f"{text.rstrip()} {errors}"
+    return (400, {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}), obj
+
+
+def _payload_errors(value: Any, loc: tuple) -> list[dict]:
+    """pydantic's errors for ``value`` as vLLM's
+    ``WeightTransferUpdatePayload`` (``dict[str, Any] | list[dict[str,
+    Any]]``, ``vllm/distributed/weight_transfer/base.py``): none, or one
+    per branch of the union."""
+    if type(value) is dict:
+        return []
+    as_dict = {"type": "dict_type", "loc": (*loc, "dict[str,any]"), "msg": "Input should be a valid dictionary",
+               "input": value}
+    branch = (*loc, "list[dict[str,any]]")
+    if type(value) is not list:
+        return [as_dict, {"type": "list_type", "loc": branch, "msg": "Input should be a valid list", "input": value}]
+    items = [{"type": "dict_type", "loc": (*branch, i), "msg": "Input should be a valid dictionary", "input": v}
+             for i, v in enumerate(value) if type(v) is not dict]
+    return [as_dict, *items] if items else []
 
 
 class SimWeights:
@@ -185,10 +261,13 @@ class SimWeights:
     """
 
     def __init__(self, engine: SimEngine, protocol: str, tp_size: int = 1,
-                 registry: GroupRegistry | None = None, load_s: float = 0.0) -> None:
+                 registry: GroupRegistry | None = None, load_s: float = 0.0,
+                 clean_validation_errors: bool = True) -> None:
         if not load_s >= 0:
             raise ValueError(f"--weight-load-s must be 0 or more, got {load_s}")
         self.engine = engine
+        #: vLLM renders validation errors cleaned (0.30 on) or as pydantic's.
+        self.clean_validation_errors = clean_validation_errors
         self.vllm = protocol == "vllm"
         self.routes = VLLM_WEIGHT_ROUTES if self.vllm else SGLANG_WEIGHT_ROUTES
         self.tp_size = tp_size
@@ -276,9 +355,9 @@ class SimWeights:
         return 200, {"success": True, "message": message}
 
     def _s_init_weights_update_group(self, args: dict, obj: dict) -> Answer:
-        absent = [f for f in ("master_address", "master_port", "rank_offset", "world_size") if f not in obj]
-        if absent:
-            return _missing(*absent)
+        refused, obj = sglang_invalid("InitWeightsUpdateGroupReqInput", obj)
+        if refused is not None:
+            return refused
         name = obj.get("group_name", DEFAULT_GROUP)
         if name in self.groups:
             return self._result(f"group {name!r} is already initialized", "")
@@ -299,9 +378,9 @@ class SimWeights:
         return self._result(None, "Succeeded to destroy custom process group.")
 
     def _s_update_weights_from_distributed(self, args: dict, obj: dict) -> Answer:
-        absent = [f for f in ("names", "dtypes", "shapes") if f not in obj]
-        if absent:
-            return _missing(*absent)
+        refused, obj = sglang_invalid("UpdateWeightsFromDistributedReqInput", obj)
+        if refused is not None:
+            return refused
         name = obj.get("group_name", DEFAULT_GROUP)
         if name not in self.groups:
             return self._result(f"group {name!r} is not initialized", "")
@@ -310,18 +389,21 @@ class SimWeights:
         return self._updated(obj, "Succeeded to update parameter online.")
 
     def _s_update_weights_from_tensor(self, args: dict, obj: dict) -> Answer:
-        if not isinstance(obj.get("serialized_named_tensors"), list):
-            return _missing("serialized_named_tensors")
+        refused, obj = sglang_invalid("UpdateWeightsFromTensorReqInput", obj)
+        if refused is not None:
+            return refused
         return self._updated(obj, "Succeeded to update model weights.")
 
     def _s_update_weights_from_ipc(self, args: dict, obj: dict) -> Answer:
-        if not isinstance(obj.get("zmq_handles"), dict):
-            return _missing("zmq_handles")
+        refused, obj = sglang_invalid("UpdateWeightsFromIPCReqInput", obj)
+        if refused is not None:
+            return refused
         return self._updated(obj, "Succeeded to update model weights.")
 
     def _s_update_weights_from_disk(self, args: dict, obj: dict) -> Answer:
-        if "model_path" not in obj:
-            return _missing("model_path")
+        refused, obj = sglang_invalid("UpdateWeightFromDiskReqInput", obj)
+        if refused is not None:
+            return refused
         status, body = self._updated(obj, "Succeeded to update model weights.", flush_default=False)
         if status == 200 and isinstance(obj.get("weight_version"), str):
             body["message"] += f" Weight version updated to {obj['weight_version']}."
@@ -343,18 +425,20 @@ class SimWeights:
         return self._result(None, "Weight update session closed.")
 
     def _s_update_weight_version(self, args: dict, obj: dict) -> Answer:
-        version = obj.get("new_version")
-        if not isinstance(version, str):
-            return _missing("new_version")
+        refused, obj = sglang_invalid("UpdateWeightVersionReqInput", obj)
+        if refused is not None:
+            return refused
+        version = obj["new_version"]
         if obj.get("abort_all_requests", True) is True:
             self.engine.abort_all()
         self.engine.model.load_version(version)
         return 200, {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
 
     def _s_get_weights_by_name(self, args: dict, obj: dict) -> Answer:
-        name = obj.get("name")
-        if not isinstance(name, str):
-            return _missing("name")
+        refused, obj = sglang_invalid("GetWeightsByNameReqInput", obj)
+        if refused is not None:
+            return refused
+        name = obj["name"]
         size = obj.get("truncate_size", 100)
         seed = int.from_bytes(hashlib.blake2b(f"{self.version}/{name}".encode(), digest_size=8).digest(), "little")
         return 200, [round(((seed >> (i % 48)) & 0xFFFF) / 65536.0 - 0.5, 6) for i in range(min(size, 8))]
@@ -371,10 +455,45 @@ class SimWeights:
             return 500, b"Internal Server Error"
         return 200, {"message": message}
 
+    def _vllm_invalid(self, obj: dict, field: str, kind: str, required: bool = True) -> Answer | None:
+        """vLLM's answer when the ``Body(embed=True)`` field ``field`` of
+        ``obj`` is missing (``required``) or not of ``kind`` (``dict``:
+        ``dict[str, Any]``; ``payload``: ``WeightTransferUpdatePayload``,
+        a dict or a list of dicts; ``str``; ``action``: the
+        ``weight_checker`` literal; an optional one may be null), as
+        pydantic words it under FastAPI (a missing field's ``input`` is
+        null) and vLLM's ``validation_exception_handler`` renders it
+        (:func:`~asgi_generate.sim.vllm_checks.render_invalid`); ``None``
+        when it is well formed."""
+        loc = ("body", field)
+        value = obj.get(field)
+        if field not in obj:
+            errors = [{"type": "missing", "loc": loc, "msg": "Field required", "input": None}] if required else []
+        elif value is None and not required:
+            errors = []
+        elif kind == "dict":
+            errors = [] if type(value) is dict else [
+                {"type": "dict_type", "loc": loc, "msg": "Input should be a valid dictionary", "input": value}]
+        elif kind == "payload":
+            errors = _payload_errors(value, loc)
+        elif kind == "action":
+            expected = "'checksum', 'reset' or 'compare'"
+            errors = [] if value in ("checksum", "reset", "compare") and type(value) is str else [
+                {"type": "literal_error", "loc": loc, "msg": f"Input should be {expected}", "input": value,
+                 "ctx": {"expected": expected}}]
+        else:
+            errors = [] if type(value) is str else [
+                {"type": "string_type", "loc": loc, "msg": "Input should be a valid string", "input": value}]
+        if not errors:
+            return None
+        refused = render_invalid(errors, self.clean_validation_errors)
+        return refused.status, refused.body
+
     def _v_init_weight_transfer_engine(self, args: dict, obj: dict) -> Answer:
-        info = obj.get("init_info")
-        if not isinstance(info, dict):
-            return _missing("init_info")
+        refused = self._vllm_invalid(obj, "init_info", "dict")
+        if refused is not None:
+            return refused
+        info = obj["init_info"]
         if self.groups:
             return self._failed("the weight transfer engine is already initialized", "")
         key = f"{info.get('master_address')}:{info.get('master_port')}/vllm"
@@ -394,23 +513,28 @@ class SimWeights:
         return self._failed(None, "Weight update started")
 
     def _v_update_weights(self, args: dict, obj: dict) -> Answer:
-        if not isinstance(obj.get("update_info"), dict):
-            return _missing("update_info")
+        refused = self._vllm_invalid(obj, "update_info", "payload")
+        if refused is not None:
+            return refused
         if not self.groups:
             return self._failed("the weight transfer engine is not initialized", "")
         return self._failed(self._load(None), "Weights updated")
 
     def _v_finish_weight_update(self, args: dict, obj: dict) -> Answer:
+        refused = self._vllm_invalid(obj, "weight_version", "str", required=False)
+        if refused is not None:
+            return refused
         self.in_update = False
         version = obj.get("weight_version")
-        if isinstance(version, str):
+        if version is not None:
             self.engine.model.load_version(version)
         return self._failed(None, "Weight update finished")
 
     def _v_update_weight_version(self, args: dict, obj: dict) -> Answer:
-        version = obj.get("new_version")
-        if not isinstance(version, str):
-            return _missing("new_version")
+        refused = self._vllm_invalid(obj, "new_version", "str")
+        if refused is not None:
+            return refused
+        version = obj["new_version"]
         self.engine.model.load_version(version)
         return 200, {"success": True, "new_version": version}
 
@@ -418,9 +542,10 @@ class SimWeights:
         return 200, {"weight_version": self.version}
 
     def _v_weight_checker(self, args: dict, obj: dict) -> Answer:
-        action = obj.get("action")
-        if action not in ("checksum", "reset", "compare"):
-            return _missing("action")
+        refused = self._vllm_invalid(obj, "action", "action")
+        if refused is not None:
+            return refused
+        action = obj["action"]
         if action == "reset":
             return 200, {"status": "reset"}
         checksums = {"model": self.checksum()}

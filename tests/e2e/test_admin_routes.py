@@ -204,7 +204,7 @@ def test_abort_request_by_rid_and_by_prefix_ends_exactly_those_streams(fleet, fr
     assert (got.status_code, got.content) == (200, b"")
     for t in threads:
         t.join(30)
-    abort = {"type": "abort", "message": "Abort before prefill", "status_code": 200, "err_type": None}
+    abort = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}  # FINISH_ABORT()
     finishes = [_finish(events) for _, events in results]
     assert finishes == [abort, abort, abort, {"type": "length", "length": 200}]
     assert [r[0] for r in results] == [200, 200, 200, 200]

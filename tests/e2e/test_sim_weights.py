@@ -45,7 +45,11 @@ def test_sglang_group_update_and_version(fleet, registry):
     assert httpx.get(sg.url + "/get_server_info").json()["tp_size"] == 2
     assert _tokens(sg) == sampled(PROMPT, 0, 6, True)
     r = post(sg.url, {"master_address": "127.0.0.1", "master_port": 1}, "/init_weights_update_group")
-    assert r.status_code == 422 and {d["loc"][1] for d in r.json()["detail"]} == {"rank_offset", "world_size"}
+    # SGLang answers a validation error 400 (its RequestValidationError handler), naming each missing field.
+    assert (r.status_code, r.json()["type"]) == (400, "Bad Request")
+    assert r.json()["message"].startswith("3 validation errors:\n")
+    assert all(f"'loc': ('body', 'function-after[build_struct(), InitWeightsUpdateGroupReqInput]', '{f}'), "
+               "'msg': 'Field required'" in r.json()["message"] for f in ("rank_offset", "world_size"))
     group = {"master_address": "127.0.0.1", "master_port": 29500, "world_size": 7}
     r = post(sg.url, {**group, "rank_offset": 6}, "/init_weights_update_group")
     assert r.status_code == 400 and "not within world_size 7" in r.json()["message"]
@@ -69,7 +73,7 @@ def test_sglang_group_update_and_version(fleet, registry):
     assert r.json() == {"success": True, "message": "Weight version updated to v2", "new_version": "v2"}
     assert _tokens(sg) == sampled(PROMPT, 0, 6, True, version="v2")
     assert post(sg.url, {"serialized_named_tensors": ["AA=="]}, "/update_weights_from_tensor").status_code == 200
-    assert post(sg.url, {}, "/update_weights_from_ipc").status_code == 422
+    assert post(sg.url, {}, "/update_weights_from_ipc").status_code == 400
     assert post(sg.url, {}, "/end_weight_update").status_code == 400
     assert post(sg.url, {}, "/begin_weight_update").status_code == 200
     assert post(sg.url, {}, "/end_weight_update").status_code == 200
@@ -108,7 +112,9 @@ def test_vllm_weight_routes(fleet):
     vl = fleet[1]
     assert httpx.get(vl.url + "/get_world_size").json() == {"world_size": 4}
     assert httpx.get(vl.url + "/weight_info").json() == {"weight_version": "default"}
-    assert post(vl.url, {}, "/init_weight_transfer_engine").status_code == 422
+    # vLLM's validation handler answers a missing body field 400, as for /generate.
+    r = post(vl.url, {}, "/init_weight_transfer_engine")
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "body.init_info")
     assert post(vl.url, {"update_info": {}}, "/update_weights").status_code == 500  # no transfer engine
     info = {"master_address": "127.0.0.1", "master_port": 29700, "rank_offset": 1, "world_size": 5}
     assert post(vl.url, {"init_info": info}, "/init_weight_transfer_engine").json() == {
@@ -122,7 +128,7 @@ def test_vllm_weight_routes(fleet):
                                                                                   "new_version": "v2"}
     base = post(vl.url, {"action": "checksum"}, "/weight_checker").json()["checksums"]
     assert post(vl.url, {"action": "compare", "baseline": base}, "/weight_checker").json()["match"] is True
-    assert post(vl.url, {"action": "nope"}, "/weight_checker").status_code == 422
+    assert post(vl.url, {"action": "nope"}, "/weight_checker").status_code == 400
     # The failure hook: the next load fails, then loads work again.
     assert post(vl.url, {"weight_updates": 1}, "/sim/faults").status_code == 200
     assert post(vl.url, {"update_info": {}}, "/update_weights").status_code == 500

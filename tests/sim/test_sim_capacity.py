@@ -12,7 +12,8 @@ import pytest
 
 from asgi_generate.sim.app import SimApp
 from asgi_generate.sim.capacity import (
-    SGLANG_PRIORITY_DISABLED, SGLANG_QUEUE_EVICTED, SGLANG_QUEUE_FULL, VLLM_QUEUE_OVERFLOW, capacity_config,
+    SGLANG_PRIORITY_DISABLED, SGLANG_QUEUE_EVICTED, SGLANG_QUEUE_FULL, VLLM_QUEUE_OVERFLOW, VLLM_QUEUED_TOKENS,
+    capacity_config,
 )
 from asgi_generate.sim.engine import RECENT_RIDS, Job, SimEngine
 from asgi_generate.sim.loads import sglang_loads, vllm_metrics
@@ -67,6 +68,10 @@ def test_off_unless_a_flag_is_set():
     ("vllm", {"max_running_requests": 4}, "--max-running-requests is SGLang's; this simulator plays vllm"),
     ("sglang", {"max_num_seqs": 4}, "--max-num-seqs is vLLM's; this simulator plays sglang"),
     ("sglang", {"step_ms": -1.0}, "--step-ms must be at least 0, got -1.0"),
+    ("vllm", {"max_num_queued_tokens": -1}, "--max-num-queued-tokens must be an integer of at least 0, got -1"),
+    ("vllm", {"priority_scheduling_preemption_threshold": 3},
+     "--priority-scheduling-preemption-threshold is SGLang's; this simulator plays vllm"),
+    ("sglang", {"max_num_queued_tokens": 8}, "--max-num-queued-tokens is vLLM's; this simulator plays sglang"),
     ("sglang", {"schedule_low_priority_values_first": True},
      "--schedule-low-priority-values-first needs --enable-priority-scheduling"),
 ])
@@ -148,6 +153,18 @@ def test_priority_orders_the_queue():
     for rid, prio in (("a", 0), ("b", 3), ("c", -2)):
         fcfs.submit(_job(rid, 10, 4, 2, prio))
     assert _run(fcfs) == ["a", "b", "c"]  # FCFS ignores priority
+
+
+@pytest.mark.parametrize("flags", [{}, {"max_num_seqs": 4}])
+def test_vllm_serves_a_nonzero_priority_without_priority_scheduling(flags):
+    # vLLM 0.33.0 refuses no priority under FCFS, whatever GenerateRequest.priority's
+    # description says: no check in serve_tokens, AsyncLLM.add_request,
+    # InputProcessor.process_inputs or Scheduler.add_request; the FCFS queue ignores it.
+    app = SimApp("vllm", capacity=capacity_config("vllm", 16, **flags), cache_tokens=0)
+    for priority in (7, -3, "2"):
+        status, _, raw = anyio.run(asgi_request, app, "POST", "/inference/v1/generate", orjson.dumps(
+            {"token_ids": [5, 6], "priority": priority, "sampling_params": {"max_tokens": 3, "ignore_eos": True}}))
+        assert (status, orjson.loads(raw)["choices"][0]["token_ids"]) == (200, sampled([5, 6], 0, 3, True))
 
 
 def test_sglang_priority_when_disabled_is_ignored_or_aborted():
@@ -266,6 +283,60 @@ def test_vllm_overflow_answer_and_identical_tokens_under_preemption(backend):
     assert app.engine.capacity.preemptions == 3
     status, _, raw = anyio.run(asgi_request, app, "GET", "/metrics", backend=backend)
     assert 'vllm:num_preemptions_total{engine="0",model_name="sim"} 3.0' in raw.decode().splitlines()
+
+
+def test_vllm_max_num_queued_tokens_counts_prompts_until_their_first_token():
+    # AsyncLLM.check_admission: refused once the prefilling prompts reach the limit (>=, the
+    # newcomer's own prompt not counted); a sequence stops counting at its first token.
+    engine = _engine("vllm", 16, max_num_seqs=2, max_num_queued_tokens=12)
+    cap = engine.capacity
+    assert cap.config.max_queued_tokens == 12 and cap.vllm_admission(1) is None
+    engine.submit(_job("a", 10, 8, 3))
+    assert (cap.prefilling_tokens(), cap.vllm_admission(1)) == (8, None)
+    engine.submit(Job("b", [11] * 2, 3, ignore_eos=True, seqs=2))  # n = 2: two prompts prefilling
+    assert cap.prefilling_tokens() == 12
+    assert (cap.vllm_admission(1), cap.vllm_admission(5)) == (VLLM_QUEUED_TOKENS, VLLM_QUEUED_TOKENS)
+    cap.step_now()  # a's prefill gives its first token; b's two sequences wait for two free seats
+    assert (cap.prefilling_tokens(), cap.vllm_admission(1)) == (4, None)
+    assert _run(engine) == ["a", "b"] and cap.prefilling_tokens() == 0
+    assert (cap.queued_token_refusals, cap.queue_refusals) == (2, 0)
+    stats = cap.stats()
+    assert (stats["max_queued_tokens"], stats["queued_token_refusals"]) == (12, 2)
+    # --max-num-queued-reqs is checked first.
+    both = _engine("vllm", 16, max_num_queued_reqs=1, max_num_queued_tokens=1)
+    both.submit(_job("c", 10, 4, 2))
+    assert both.capacity.vllm_admission(1) == VLLM_QUEUE_OVERFLOW
+
+
+@BACKENDS
+def test_vllm_max_num_queued_tokens_answer_and_identical_tokens(backend):
+    cap = capacity_config("vllm", 16, max_num_seqs=1, max_num_queued_tokens=8, step_ms=1.0)
+    app = SimApp("vllm", capacity=cap, cache_tokens=0)
+    prompts = {"a": [10] * 4, "b": [11] * 8}
+    answers: dict[str, tuple[int, dict]] = {}
+
+    async def one(rid: str, ids: list[int], max_tokens: int = 40) -> None:
+        body = {"token_ids": ids, "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True},
+                "request_id": rid}
+        status, _, raw = await asgi_request(app, "POST", "/inference/v1/generate", orjson.dumps(body))
+        answers[rid] = status, orjson.loads(raw)
+
+    async def run() -> None:
+        capacity = app.engine.capacity
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, "a", prompts["a"])
+            await _until(lambda: capacity.running and capacity.running[0].generated >= 1)
+            tg.start_soon(one, "b", prompts["b"])  # waits for the one seat: 8 prompt tokens prefilling
+            await _until(lambda: capacity.prefilling_tokens() == 8)
+            await one("c", [12] * 2, 3)
+
+    anyio.run(run, backend=backend)
+    assert answers["c"] == (503, {"error": {"message": VLLM_QUEUED_TOKENS, "type": "Service Unavailable",
+                                            "param": None, "code": 503}})
+    for rid in ("a", "b"):
+        status, body = answers[rid]
+        assert status == 200 and body["choices"][0]["token_ids"] == sampled(prompts[rid], 0, 40, ignore_eos=True)
+    assert app.engine.capacity.queued_token_refusals == 1 and app.engine.received == 2
 
 
 def test_vllm_n_is_bounded_by_max_num_seqs():
@@ -405,3 +476,113 @@ def test_the_step_cache_is_bounded():
         model.step(state)
     assert len(model._cache) <= MAX_CACHED_STEPS == 4096
     assert model.step(12345) == first  # recomputed the same
+
+
+# -- SGLang's priority preemption ---------------------------------------------
+
+
+def _places(cap) -> tuple[list[str], list[str]]:
+    """The running rids (sorted) and the waiting ones in the order the queue takes them."""
+    return sorted(e.job.rid for e in cap.running), [e.job.rid for e in sorted(cap.waiting, key=cap._sglang_rank)]
+
+
+def _by_hand(engine: SimEngine, jobs: list[Job]) -> None:
+    """Submit ``jobs`` and step once, every granted token taken."""
+    for job in jobs:
+        engine.submit(job)
+    engine.capacity.step_now()
+    for entry in engine.capacity.entries.values():
+        entry.credit = False
+
+
+def test_sglang_priority_preemption_takes_the_least_preferred_past_the_threshold():
+    # PrefillAdder.preempt_to_schedule: every seat taken, the newcomer preempts the least
+    # preferred running request when it beats it by more than the threshold (default 10).
+    engine = _engine("sglang", max_running_requests=2, enable_priority_scheduling=True)
+    cap = engine.capacity
+    _by_hand(engine, [_job("a", 10, 4, 6, 0), _job("b", 11, 4, 6, 5)])
+    _by_hand(engine, [_job("c", 12, 4, 6, 10)])  # beats a by 10: not more than 10
+    assert (_places(cap), cap.preemptions) == ((["a", "b"], ["c"]), 0)
+    _by_hand(engine, [_job("d", 13, 4, 6, 11)])  # beats a by 11: a goes back to the queue
+    assert (_places(cap), cap.preemptions) == ((["b", "d"], ["c", "a"]), 1)
+    a = cap.entries[id(next(e.job for e in cap.waiting if e.job.rid == "a"))]
+    assert (a.generated, a.computed, a.need) == (2, 0, 4 + 2)  # recomputes prompt and both tokens
+    # c (10) takes b's seat, a (0) d's; a has 4 tokens left, c 6: they end in the same step.
+    assert _run(engine) == ["b", "d", "a", "c"]
+    assert (cap.preemptions, cap.retractions, cap.stats()["preemptions"]) == (1, 0, 1)
+
+
+@pytest.mark.parametrize("flags, preempted", [
+    ({"priority_scheduling_preemption_threshold": 4}, ["a"]),
+    ({"priority_scheduling_preemption_threshold": 5}, []),
+    ({"disable_priority_preemption": True}, []),
+    ({}, []),
+])
+def test_sglang_priority_preemption_threshold_and_switch(flags, preempted):
+    engine = _engine("sglang", max_running_requests=1, enable_priority_scheduling=True, **flags)
+    cap = engine.capacity
+    _by_hand(engine, [_job("a", 10, 4, 6, 1)])
+    _by_hand(engine, [_job("b", 11, 4, 6, 6)])
+    assert _places(cap)[1] == (preempted or ["b"]) and cap.preemptions == len(preempted)
+
+
+def test_sglang_priority_preemption_with_low_values_first_and_without_a_priority():
+    # Smaller first: the largest value goes; a request without one ranks last
+    # (Scheduler._set_or_validate_priority: sys.maxsize) and is preempted by anyone.
+    engine = _engine("sglang", max_running_requests=2, enable_priority_scheduling=True,
+                     schedule_low_priority_values_first=True)
+    cap = engine.capacity
+    _by_hand(engine, [_job("none", 10, 4, 6), _job("fifty", 11, 4, 6, 50)])
+    _by_hand(engine, [_job("zero", 12, 4, 6, 0)])
+    assert _places(cap) == (["fifty", "zero"], ["none"])
+    _by_hand(engine, [_job("thirty", 13, 4, 6, 30)])  # beats fifty by 20
+    assert _places(cap) == (["thirty", "zero"], ["fifty", "none"])
+    assert cap.preemptions == 2
+
+
+def test_sglang_priority_preemption_frees_enough_of_the_pool():
+    # min_tokens_to_remove: the newcomer's prompt and max_new_tokens beyond what is free,
+    # covered by the reserved tokens of the requests preempted (ignore_eos: ratio 1).
+    engine = _engine("sglang", max_running_requests=2, max_total_tokens=64, enable_priority_scheduling=True)
+    cap = engine.capacity
+    _by_hand(engine, [_job("a", 10, 4, 20, 0), _job("b", 11, 4, 20, 1)])
+    assert _places(cap) == (["a", "b"], [])
+    _by_hand(engine, [_job("c", 12, 4, 40, 50)])
+    # Free: 64 - 8 held - 2 x 19 x 0.7 reserved = 29.4; c asks 4 + 40 = 44, 14.6 more, which
+    # a's 19 reserved tokens (ignore_eos: ratio 1) cover: b stays.
+    assert (_places(cap), cap.preemptions) == ((["b", "c"], ["a"]), 1)
+    # A newcomer whose 4 + 200 tokens all the running requests' reservations cannot cover
+    # preempts nobody (preempt_to_schedule returns False).
+    _by_hand(engine, [_job("e", 13, 4, 200, 90)])
+    assert (_places(cap), cap.preemptions) == ((["b", "c"], ["e", "a"]), 1)
+
+
+@BACKENDS
+def test_sglang_identical_tokens_under_priority_preemption(backend):
+    cap = capacity_config("sglang", 1, max_running_requests=1, enable_priority_scheduling=True, step_ms=2.0)
+    app = SimApp("sglang", capacity=cap, cache_tokens=0)
+    answers: dict[str, dict] = {}
+
+    async def one(rid: str, first: int, priority: int) -> None:
+        body = {"input_ids": [first] * 4, "rid": rid, "priority": priority,
+                "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}}
+        status, _, raw = await asgi_request(app, "POST", "/generate", orjson.dumps(body))
+        assert status == 200
+        answers[rid] = orjson.loads(raw)
+
+    async def run() -> None:
+        capacity = app.engine.capacity
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, "low", 10, 0)
+            await _until(lambda: capacity.running and capacity.running[0].generated >= 5)
+            tg.start_soon(one, "high", 11, 20)
+            await _until(lambda: capacity.preemptions == 1)
+            assert [e.job.rid for e in capacity.running] == ["high"]
+
+    anyio.run(run, backend=backend)
+    for rid, first in (("low", 10), ("high", 11)):
+        meta = answers[rid]["meta_info"]
+        assert answers[rid]["output_ids"] == sampled([first] * 4, 0, 30, ignore_eos=True)
+        assert (meta["finish_reason"], meta["completion_tokens"]) == ({"type": "length", "length": 30}, 30)
+    stats = app.engine.capacity.stats()
+    assert (stats["preemptions"], stats["retractions"], stats["peak_running"]) == (1, 0, 1)
