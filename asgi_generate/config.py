@@ -464,8 +464,8 @@ class Settings:
         "", metavar="CLASS=P,...",
         help="admission: the engines' own priority field sent for each class (SGLang and vLLM priority, as "
              "given: vLLM schedules lower values first, SGLang by its --schedule-low-priority-values-first) "
-             "where the client's body has none; only for engines started with priority scheduling (vLLM "
-             "refuses a priority other than 0 otherwise)")
+             "where the client's body has none; only engines started with priority scheduling act on it (others "
+             "ignore it, save SGLang with --abort-on-priority-when-disabled, which refuses it)")
     admission_tenant_weights: str = setting(
         "", metavar="TENANT=W,...",
         help="admission: tenants' weights in their class's share (others weigh 1); the tenant is the "
