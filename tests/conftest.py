@@ -11,6 +11,7 @@ import functools
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -78,9 +79,17 @@ def _bytecode_cache() -> None:
     even a first run's test processes find them compiled."""
     if not os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
         return
-    sys.pycache_prefix = os.environ.setdefault(
-        "PYTHONPYCACHEPREFIX", str(pathlib.Path(tempfile.gettempdir()) / f"asgi-generate-pycache-{os.getuid()}"))
     sys.dont_write_bytecode = False
+    if "PYTHONPYCACHEPREFIX" in os.environ:
+        sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
+    else:
+        temp = pathlib.Path(tempfile.gettempdir()).resolve()
+        ours = temp / f"asgi-generate-pycache-{os.getuid()}"
+        os.environ["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix = str(ours)
+        # Sources under the temporary folder (a test's pip builds and
+        # installs) never come back: what earlier runs cached of them goes,
+        # so the cache stays the size of one run's.
+        shutil.rmtree(ours.joinpath(*temp.parts[1:]), ignore_errors=True)
     for module in list(sys.modules.values()):
         source = getattr(module, "__file__", None)
         if source and source.endswith(".py"):
