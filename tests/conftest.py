@@ -6,9 +6,15 @@ e2e test started first is already up, so the ``not e2e`` run is the check."""
 
 from __future__ import annotations
 
+import compileall
 import functools
 import os
+import pathlib
+import re
+import shutil
 import subprocess
+import sys
+import tempfile
 
 import pytest
 
@@ -58,6 +64,41 @@ def _one_default_ssl_context() -> None:
     default.create_ssl_context = create_ssl_context
 
 
+def _bytecode_cache() -> None:
+    """Where the environment says not to write bytecode
+    (``PYTHONDONTWRITEBYTECODE``), cache it outside the tree instead, in
+    one folder for every run (``PYTHONPYCACHEPREFIX``, unless set: the
+    temporary folder's ``asgi-generate-pycache-UID``), for this process and
+    all it starts: the xdist workers (started after this), their fork
+    servers and every process a test starts. Else each of them compiles
+    the project from source, and each test process rewrites every test
+    module's asserts (~6 s of CPU a test process, 3 per core). A cached
+    file is used only while its source's size and modification time match
+    (Python's and pytest's check), so an edit is never run stale. The
+    modules imported so far and the project's are compiled here once, so
+    even a first run's test processes find them compiled."""
+    if not os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
+        return
+    sys.dont_write_bytecode = False
+    if "PYTHONPYCACHEPREFIX" in os.environ:
+        sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
+    else:
+        temp = pathlib.Path(tempfile.gettempdir()).resolve()
+        ours = temp / f"asgi-generate-pycache-{os.getuid()}"
+        os.environ["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix = str(ours)
+        # Sources under the temporary folder (a test's pip builds and
+        # installs) never come back: what earlier runs cached of them goes,
+        # so the cache stays the size of one run's.
+        shutil.rmtree(ours.joinpath(*temp.parts[1:]), ignore_errors=True)
+    for module in list(sys.modules.values()):
+        source = getattr(module, "__file__", None)
+        if source and source.endswith(".py"):
+            compileall.compile_file(source, quiet=2)
+    root = pathlib.Path(__file__).parent.parent
+    for folder in ("asgi_generate", "codecs", "tests"):  # a test module's rewritten code is pytest's own file
+        compileall.compile_dir(root / folder, quiet=2, rx=re.compile(r"[/\\]test_[^/\\]*\.py$"))
+
+
 def usable_cores() -> int:
     """The cores this process may use: its CPU affinity (a container's
     cpuset, not the host's count), capped by a cgroup CPU quota (v2
@@ -96,6 +137,7 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_configure(config):
+    _bytecode_cache()
     _one_default_ssl_context()
     # Every way a test, or the server code it runs in-process, starts a
     # process: subprocess (and so asyncio's, trio's and anyio's process

@@ -116,11 +116,6 @@ class Proc:
         self._log = open(self.log_path, "wb")
         self.tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-{self.port}-", suffix=".tmp", dir=LOG_DIR))
         env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp)}
-        if env.pop("PYTHONDONTWRITEBYTECODE", None):
-            # Else every server compiles the project from source as it starts
-            # (0.2-0.5 s, hundreds of starts a suite): bytecode is cached in
-            # the session's folder instead, never in the tree.
-            env["PYTHONPYCACHEPREFIX"] = str(LOG_DIR / "pycache")
         # ``{fd}`` in an argument: the listening socket's descriptor, else ``--fd`` passes it.
         if not any("{fd}" in a for a in args):
             args = [*args, "--fd", "{fd}"]

@@ -204,6 +204,14 @@ def test_a_version_a_chunk_shows_is_read_from_the_fleet_at_once(worker_class):
         sim.stop()
 
 
+def _byid(i: int) -> str:
+    """Stream ``i``'s id, all of one width so that none is another's prefix:
+    an SGLang abort by rid ends every request whose rid starts with it
+    (``scheduler.py`` ``abort_request``), so aborting ``byid-1`` would end
+    ``byid-11`` too."""
+    return f"byid-{i:02d}"
+
+
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
 def test_an_abort_by_id_reaches_the_requests_of_every_process(protocol):
     """``serve --workers 2``: an abort by id taken by either process ends
@@ -218,6 +226,7 @@ def test_an_abort_by_id_reaches_the_requests_of_every_process(protocol):
 
         def one(i: int) -> None:
             path, body = _body(protocol, i, "byid")
+            body["rid" if protocol == "sglang" else "request_id"] = _byid(i)
             body["sampling_params"]["max_" + ("new_tokens" if protocol == "sglang" else "tokens")] = 2000
             out[i] = sse(fe.url, body, path)
 
@@ -230,7 +239,7 @@ def test_an_abort_by_id_reaches_the_requests_of_every_process(protocol):
         assert min(_streams_per_process(fe).values()) > 0
         kept = len(threads) - 1  # the last one runs on
         for i in range(kept):
-            rid = f"byid-{i}"
+            rid = _byid(i)
             if protocol == "sglang":
                 r = post(fe.url, {"rid": rid}, "/abort_request")
                 assert (r.status_code, r.content) == (200, b"")
@@ -241,7 +250,7 @@ def test_an_abort_by_id_reaches_the_requests_of_every_process(protocol):
             t.join(30)
         assert [_answer(protocol, out[i][1])[1] for i in range(kept)] == ["abort"] * kept
         assert threads[-1].is_alive() and stats(sims[0])["running"] == 1
-        last = f"byid-{kept}"
+        last = _byid(kept)
         post(fe.url, {"rid": last} if protocol == "sglang" else {"request_ids": [last]},
              "/abort_request" if protocol == "sglang" else "/abort_requests")
         threads[-1].join(30)

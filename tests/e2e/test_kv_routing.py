@@ -144,7 +144,9 @@ def test_two_frontend_replicas_pick_the_same_worker():
     processes: three processes, each with its own subscribers and index."""
     sims = _sims(3)
     urls = [f"sglang={s.url}" for s in sims]
-    extra = ["--policy", "kv-aware", "--kv-predict-ttl", "0.001"]
+    # An idle engine read every 0.1 s as a busy one is (not every 1 s): each
+    # wait for two fresh readings of the loads takes 0.2 s, not 2.
+    extra = ["--policy", "kv-aware", "--kv-predict-ttl", "0.001", "--kv-load-idle-interval", "0.1"]
     a = start_frontend(urls, extra=extra)
     b = start_frontend(urls, worker_class="asyncio", extra=[*extra, "--workers", "2"])
     try:
