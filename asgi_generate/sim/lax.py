@@ -34,11 +34,12 @@ from typing import Any
 _TRUE = frozenset(("1", "t", "y", "on", "yes", "true"))
 _FALSE = frozenset(("0", "f", "n", "no", "off", "false"))
 _I64 = 1 << 63
-#: Rust's integer ``from_str``: an optional sign, then ASCII digits.
-_INT = re.compile(r"[+-]?[0-9]+")
+#: A JSON integer (jiter's ``NumberInt``): a minus, then 0 or digits without a leading 0.
+_JSON_INT = re.compile(r"-?(?:0|[1-9][0-9]*)")
+#: What ends ``strip_leading_zeros``' run of zeros and underscores.
+_LEAD = frozenset("0123456789-")
 #: Rust's ``f64::from_str``.
 _FLOAT = re.compile(r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf|infinity|nan)", re.IGNORECASE)
-_DECIMAL_ZEROS = re.compile(r"\.0+$")
 #: ``str_as_int``'s length bound (CPython's int-from-string limit).
 MAX_INT_DIGITS = 4300
 
@@ -95,14 +96,68 @@ def _float_as_int(value: float) -> int:
 
 
 def _str_as_int(text: str) -> int:
-    text = text.strip()
-    if len(text) > MAX_INT_DIGITS:
+    """``str_as_int``: the text as a JSON integer, else as
+    :func:`_clean_int_str` leaves it, as a JSON integer.
+
+    Raises:
+        LaxError: ``int_parsing_size`` or ``int_parsing``.
+    """
+    if len(text.strip()) > MAX_INT_DIGITS:
         raise _err("int_parsing_size")
-    text = _DECIMAL_ZEROS.sub("", text) if "." in text else text
-    for candidate in (text, _without_underscores(text)):
-        if candidate is not None and _INT.fullmatch(candidate):
-            return int(candidate)
+    if _JSON_INT.fullmatch(text):
+        return int(text)
+    cleaned = _clean_int_str(text)
+    if cleaned is not None and _JSON_INT.fullmatch(cleaned):
+        return int(cleaned)
     raise _err("int_parsing")
+
+
+def _clean_int_str(text: str) -> str | None:
+    """``clean_int_str``: one sign, leading zeros (and the underscores
+    among them), ``.0+`` and separating underscores taken away; ``None``
+    when that leaves nothing to read or nothing was cleaned."""
+    before = len(text)
+    s = text.strip()
+    if s.startswith("+"):
+        if s[1:].startswith("-"):
+            return None
+        s = s[1:]
+    negative = s.startswith("-")
+    if negative:
+        s = s[1:]
+        if s.startswith(("-", "+")):
+            return None
+    s = _strip_leading_zeros(s)
+    if s is None:
+        return None
+    dot = s.find(".")
+    if dot >= 0 and s[dot + 1:] and not s[dot + 1:].strip("0"):
+        s = s[:dot]
+    stripped = _without_underscores(s)
+    if stripped is None:
+        if before == len(s):
+            return None
+        stripped = s
+    return "-" + stripped if negative else stripped
+
+
+def _strip_leading_zeros(s: str) -> str | None:
+    """``strip_leading_zeros``: from the first character after the leading
+    zeros and underscores that is a nonzero digit or a ``-`` (kept as it
+    is, so ``0-1`` reads as -1 in pydantic too), or from the last zero
+    before a ``.``; one character of an all-zero text."""
+    if not s or s[0] not in _LEAD:
+        return None
+    if s[0] != "0":
+        return s
+    for i in range(1, len(s)):
+        c = s[i]
+        if c in "0_":
+            continue
+        if c in _LEAD:
+            return s[i:]
+        return s[i - 1:] if c == "." else None
+    return s[-1:]
 
 
 def _str_as_float(text: str) -> float:

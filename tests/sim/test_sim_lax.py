@@ -24,7 +24,16 @@ EDGES = [
     "1", "0", "yes", "No", "TRUE", "Y", " true", "true ", "on", "OFF", "", "8", " 8 ", "\t8\n", "8.0", "8.00", "8.",
     "8.5", "1e3", "+3", "-3", "-0", "08", "1_000", "_1", "1__0", "1_0.0", "8.0_0", "0x10", "inf", "-Infinity", "nan",
     "+nan", "3.", ".5", "+.5", "1E3", "1.5e", "1_0.5", "\u0663", "9" * 19, "9" * 4301, None, [], {},
+    # pydantic-core's clean_int_str: a '-' after leading zeros is a sign
+    "0-0", "0-1", "00_0-12", "+0-1", "0-01", "0-00", "-0-1", "0--1", "0_-1", "0-1_0", "0-1.0", "0__0", "-01",
 ]
+
+
+def test_a_minus_after_leading_zeros_reads_as_a_sign_as_in_pydantic():
+    assert [lax_scalar("int", v) for v in ("0-1", "00_0-12", "+0-1", "0-1.0")] == [-1, -12, -1, -1]
+    for refused in ("0-01", "-0-1", "0--1"):
+        with pytest.raises(LaxError, match="unable to parse string as an integer"):
+            lax_scalar("int", refused)
 
 
 def _pydantic(kind: str, value) -> tuple:
