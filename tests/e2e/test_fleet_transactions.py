@@ -140,10 +140,14 @@ def test_the_weight_routes_own_abort_is_held_and_resumed_exactly(fleet, route):
         # the new weights' continuation of prompt + those k.
         assert ids[:k] == sampled(PROMPTS[i], 0, k, True, version=old)
         assert ids[k:] == sampled(PROMPTS[i] + ids[:k], 0, N - k, True, version=new)
+        # The engine's abort finish carries the token of the forward pass
+        # the request was in (SGLang scheduler.py abort_request: to_finish),
+        # stamped with the version in force when it is sent, the new one:
+        # the first attempt made one token more than its segment shows.
         first, resumed = rec["attempts"]
         assert (first["role"], first["outcome"], first["tokens"], first["weight_version"]) == \
-            ("aggregated", "aborted", k, old)
-        assert (resumed["role"], resumed["tokens"], resumed["weight_version"]) == ("resumed", N - k, new)
+            ("aggregated", "aborted", k + 1, old)
+        assert (resumed["role"], resumed["tokens"], resumed["weight_version"]) == ("resumed", N - k - 1, new)
 
 
 def test_a_version_changed_behind_the_frontend_splits_the_segments_where_the_engine_said(fleet):
