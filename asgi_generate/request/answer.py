@@ -19,6 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import anyio
+import orjson
 
 from . import state
 from .aborts import abort_live_legs
@@ -303,9 +304,18 @@ class AnswerWriter:
         is full says when to come back; the client's answer says it too)."""
         if self.items is not None:
             self.items.refused = True  # the engine refused the request as a whole
+        if not 400 <= status < 600:  # a 1xx, 2xx or 3xx is no answer to a generate request (a 204 has no body)
+            await self.fail(RequestError(502, f"worker answered {status} to a generate request", "bad_worker_answer"),
+                            "engine_error")
+            return
         status, body = self.codec_state.worker_error(status, body)
-        state.fail(self.st, "engine_error" if status >= 500 else "rejected", status, "engine",
-                   body[:512].decode("utf-8", "replace"))
+        ending = "engine_error" if status >= 500 else "rejected"
+        if self.st.response_started:
+            # A stream's keep-alive went out while the engine's head was due:
+            # its error comes in-band, as any error after the 200.
+            await self.fail(RequestError(status, _error_message(body), "engine"), ending)
+            return
+        state.fail(self.st, ending, status, "engine", body[:512].decode("utf-8", "replace"))
         await self._unary(status, body, () if retry_after is None else ((b"retry-after", retry_after),))
 
     async def refuse(self, exc: RequestError) -> None:
@@ -442,3 +452,19 @@ class AnswerWriter:
         finally:
             if self.cutting_off is not None:
                 self.cutting_off.set()
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an error body in a format's shape (SGLang's
+    ``{"message": ...}``, vLLM's ``{"error": {"message": ...}}``), else
+    its first 512 bytes as text."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        doc = None
+    if isinstance(doc, dict):
+        inner = doc.get("error")
+        message = inner.get("message") if isinstance(inner, dict) else doc.get("message")
+        if isinstance(message, str):
+            return message
+    return body[:512].decode("utf-8", "replace")

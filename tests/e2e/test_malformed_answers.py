@@ -43,6 +43,8 @@ class AnsweringWorker(LoopbackServer):
     def __init__(self, payloads: list[bytes], bad: bool = True) -> None:
         self.payloads = payloads
         self.bad = bad
+        #: ``(seconds, raw response)``: the generate answer instead, that late.
+        self.late: tuple[float, bytes] | None = None
         self.generates = 0
         self.closed = 0
         self.reused = 0
@@ -83,6 +85,11 @@ class AnsweringWorker(LoopbackServer):
         await send_h11_answer(stream, conn, body, status, [("content-type", "application/json")])
 
     async def _generate(self, stream, conn, streamed: bool) -> None:
+        if self.late is not None:
+            delay, raw = self.late
+            await anyio.sleep(delay)
+            await stream.send(raw)
+            return
         if not streamed:
             await self._reply(stream, conn, self.payloads[0])
             return
@@ -283,5 +290,59 @@ def test_malformed_answers_of_a_batch(worker_class, tmp_path):
                 (i, "engine_error", f"worker answer: {why}") for i in (0, 1)
                 for why in ("the body is an object, expected a list of one answer per entry",
                             "index is 2, expected an entry of the leg's 2"))
+        finally:
+            fe.stop()
+
+
+HTML_504 = (b"HTTP/1.1 504 Gateway Time-out\r\ncontent-type: text/html\r\ncontent-length: 46\r\n\r\n"
+            b"<html><body>504 Gateway Time-out</body></html>")
+NO_CONTENT = b"HTTP/1.1 204 No Content\r\n\r\n"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_an_error_head_after_a_streams_keepalive_comes_in_band(worker_class, protocol, tmp_path):
+    # The engine's head comes after the stream's first keep-alive went out
+    # (the 200 with it): its error is an in-band event, then [DONE].
+    with AnsweringWorker([]) as fake:
+        fe = start_frontend([f"{protocol}={fake.url}"], worker_class=worker_class,
+                            extra=["--trace-file", str(tmp_path / "t.jsonl"), "--migration-limit", "0",
+                                   "--sse-keepalive", "0.2"])
+        try:
+            fake.late = (1.5, HTML_504)
+            body = SG_BODY if protocol == "sglang" else VL_BODY
+            resp = post(fe.url, {**body, "stream": True}, GENERATE[protocol].decode())
+            blocks = [b for b in resp.content.split(b"\n\n") if b]
+            assert resp.status_code == 200 and blocks[0] == b": keep-alive"
+            events = [b[len(b"data: "):] for b in blocks if b.startswith(b"data: ")]
+            message = "worker answered 504: <html><body>504 Gateway Time-out</body></html>"
+            want = ({"error": {"message": message, "type": "504", "code": 504}} if protocol == "sglang" else
+                    {"error": {"message": message, "type": "Gateway Timeout", "param": None, "code": 504}})
+            assert [orjson.loads(events[0]), events[1:]] == [want, [b"[DONE]"]]
+            (rec,) = records(tmp_path, 1)
+            assert (rec["status"], rec["http_status"], rec["error"]) == (
+                "engine_error", 200, {"type": "engine", "message": message})
+        finally:
+            fe.stop()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_a_204_to_a_generate_request_is_a_502(worker_class, protocol, tmp_path):
+    with AnsweringWorker([]) as fake:
+        fe = start_frontend([f"{protocol}={fake.url}"], worker_class=worker_class,
+                            extra=["--trace-file", str(tmp_path / "t.jsonl"), "--migration-limit", "0"])
+        try:
+            fake.late = (0.0, NO_CONTENT)
+            body = SG_BODY if protocol == "sglang" else VL_BODY
+            resp = post(fe.url, body, GENERATE[protocol].decode())
+            message = "worker answered 204 to a generate request"
+            want = ({"object": "error", "message": message, "type": "502", "param": None, "code": 502}
+                    if protocol == "sglang" else
+                    {"error": {"message": message, "type": "Bad Gateway", "param": None, "code": 502}})
+            assert (resp.status_code, resp.json()) == (502, want)
+            (rec,) = records(tmp_path, 1)
+            assert (rec["status"], rec["http_status"], rec["error"]) == (
+                "engine_error", 502, {"type": "bad_worker_answer", "message": message})
         finally:
             fe.stop()
