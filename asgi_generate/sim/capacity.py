@@ -150,6 +150,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _unset(value: object) -> bool:
+    """A flag left at its default: 0 is a limit (vLLM's
+    ``check_admission`` refuses every request at ``--max-num-queued-reqs 0``)."""
+    return value is None or value is False or value == "fcfs"
+
+
 def capacity_config(protocol: str, block_size: int, **flags) -> CapacityConfig | None:
     """The :class:`CapacityConfig` the ``sim`` flags ask for, or ``None``
     when none is set (the default: unbounded, timed as before).
@@ -170,7 +176,7 @@ def capacity_config(protocol: str, block_size: int, **flags) -> CapacityConfig |
     get = flags.get
     own, other = (SGLANG_FLAGS, VLLM_FLAGS) if protocol == "sglang" else (VLLM_FLAGS, SGLANG_FLAGS)
     for name in other:
-        if get(name) not in (None, False, "fcfs"):
+        if not _unset(get(name)):
             raise ValueError(f"{_flag(name)} is {'vLLM' if protocol == 'sglang' else 'SGLang'}'s; "
                              f"this simulator plays {protocol}")
     policy = get("scheduling_policy") or "fcfs"
@@ -197,7 +203,7 @@ def capacity_config(protocol: str, block_size: int, **flags) -> CapacityConfig |
         raise ValueError(f"--priority-scheduling-preemption-threshold must be an integer, got {threshold!r}")
     # Preemption's knobs change nothing without priority scheduling, so they turn nothing on.
     knobs = ("disable_priority_preemption", "priority_scheduling_preemption_threshold")
-    if all(get(name) in (None, False, "fcfs") for name in own + STEP_FLAGS if name not in knobs):
+    if all(_unset(get(name)) for name in own + STEP_FLAGS if name not in knobs):
         return None
     ms, us = 1e-3, 1e-6
     costs = dict(step_s=(get("step_ms") or 0) * ms, seq_s=(get("step_us_per_seq") or 0) * us,

@@ -58,6 +58,15 @@ def test_off_unless_a_flag_is_set():
     assert "capacity" not in SimApp("vllm").engine.stats()
 
 
+@pytest.mark.parametrize("protocol, flag, field", [("vllm", "max_num_queued_tokens", "max_queued_tokens"),
+                                                   ("vllm", "max_num_queued_reqs", "max_queued"),
+                                                   ("sglang", "max_queued_requests", "max_queued")])
+def test_a_queue_limit_of_0_is_a_limit_not_unset(protocol, flag, field):
+    # vLLM's check_admission refuses every request at 0 (async_llm.py); SGLang's queue holds none.
+    config = capacity_config(protocol, 16, **{flag: 0})
+    assert config is not None and getattr(config, field) == 0
+
+
 @pytest.mark.parametrize("protocol, flags, message", [
     ("sglang", {"max_running_requests": 0}, "--max-running-requests must be a positive integer, got 0"),
     ("sglang", {"max_total_tokens": -5}, "--max-total-tokens must be a positive integer, got -5"),
@@ -72,6 +81,7 @@ def test_off_unless_a_flag_is_set():
     ("vllm", {"priority_scheduling_preemption_threshold": 3},
      "--priority-scheduling-preemption-threshold is SGLang's; this simulator plays vllm"),
     ("sglang", {"max_num_queued_tokens": 8}, "--max-num-queued-tokens is vLLM's; this simulator plays sglang"),
+    ("vllm", {"max_queued_requests": 0}, "--max-queued-requests is SGLang's; this simulator plays vllm"),
     ("sglang", {"schedule_low_priority_values_first": True},
      "--schedule-low-priority-values-first needs --enable-priority-scheduling"),
 ])
