@@ -150,3 +150,25 @@ async def _pop(messages: list[dict]) -> dict:
     if messages:
         return messages.pop(0)
     await anyio.sleep_forever()
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_fleet_workers_share_computed_steps_yet_answer_by_their_own_weights(backend):
+    from asgi_generate.sim.tokenizer import SimTokenizer
+    from support import asgi_json
+
+    shared = SimTokenizer()
+    a, b = SimApp(cache_tokens=0, tokenizer=shared), SimApp(cache_tokens=0, tokenizer=shared)
+    own_default, own_v2 = SimApp(cache_tokens=0), SimApp(cache_tokens=0)
+    # One step cache for the fleet's workers: its memory does not grow with the fleet.
+    assert a.engine.model._cache is b.engine.model._cache
+    assert a.engine.model._cache is not own_default.engine.model._cache
+    a.engine.model.load_version("v2")
+    own_v2.engine.model.load_version("v2")
+    path, body = REQUESTS["sglang"]
+
+    async def main() -> list[list[int]]:
+        return [(await asgi_json(app, "POST", path, body))["output_ids"] for app in (a, b, own_v2, own_default)]
+
+    on_a, on_b, v2, default = anyio.run(main, backend=backend)
+    assert on_a == v2 and on_b == default and v2 != default and len(default) == 16
