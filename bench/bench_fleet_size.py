@@ -18,7 +18,11 @@ For each fleet size and policy, side by side in one run:
   KV-event subscribers: a ZMQ socket per worker for ``kv-aware``).
 
 Routing CPU per request is measured from outside: ``net`` at N workers
-minus ``net`` at 4 is what N workers add to a request (the ratio table).
+minus ``net`` at 4 is what N workers add to a request (the ratio table);
+and in process, first: ``Router.pick`` over N healthy workers
+(least-outstanding, the round-robin order and no key; ``time.process_time``
+over ``--picks`` calls). bench_kv_routing_cpu.py ``--workers N`` times the
+cache-aware and kv-aware policies' own choice in process.
 The simulator process is pinned to CPU 0 with this benchmark's client, the
 frontend to CPU 1. ``--profile``: the frontend of the largest fleet runs
 under cProfile (bench/_profiled.py) over its idle and busy phases, and
@@ -225,6 +229,22 @@ def wait_until_file(path: pathlib.Path, timeout: float = 30.0) -> None:
     time.sleep(0.5)  # written whole by now
 
 
+def pick_us(n: int, picks: int) -> float:
+    """CPU µs per ``Router.pick`` among ``n`` healthy SGLang workers, one
+    request outstanding on every third (no connection is made)."""
+    from asgi_generate.workers.router import Router
+
+    router = Router([("sglang", f"http://127.0.0.1:{20000 + i}") for i in range(n)])
+    for i, w in enumerate(router.workers):
+        w.healthy = True
+        if i % 3:
+            w.inflight.add(object())
+    start = time.process_time()
+    for _ in range(picks):
+        router.pick("sglang")
+    return (time.process_time() - start) / picks * 1e6
+
+
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b > 0 else "-"
 
@@ -237,6 +257,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=1500)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--worker-class", default="asyncio")
+    parser.add_argument("--picks", type=int, default=20000, help="in-process Router.pick calls per fleet size")
     parser.add_argument("--profile", action="store_true",
                         help="run the largest fleet's frontends under cProfile and print their top functions")
     args = parser.parse_args()
@@ -246,6 +267,10 @@ def main() -> int:
     started = datetime.datetime.now(datetime.timezone.utc)
     print(f"# bench_fleet_size: {started:%Y-%m-%d %H:%M} UTC, load {load()}, worker class {args.worker_class}, "
           f"{args.requests} requests at {args.concurrency} connections, idle {args.idle_seconds:g} s")
+    picks = {n: pick_us(n, args.picks) for n in sizes}
+    print("In process, Router.pick (least-outstanding, no key): "
+          + ", ".join(f"{n} workers {us:.1f} µs" for n, us in picks.items())
+          + f" (load {load()})", flush=True)
     rows: list[dict] = []
     sim_rss: dict[int, float] = {}
     with LogDir("bench-fleet-size-") as logs, concurrent.futures.ThreadPoolExecutor(16) as pool:
