@@ -488,7 +488,8 @@ def _sim_sockets(host: str, port: int, n: int) -> list[socket.socket]:
     socks: list[socket.socket] = []
     try:
         for i in range(n):
-            socks.append(socket.create_server((host, port + i if port else 0), reuse_port=False))
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            socks.append(socket.create_server((host, port + i if port else 0), family=family))
     except OSError:
         for s in socks:
             s.close()
