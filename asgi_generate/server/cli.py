@@ -25,6 +25,8 @@ from ..sim.prefix_cache import DEFAULT_CACHE_TOKENS
 
 if TYPE_CHECKING:
     from ..sim.app import SimApp
+    from ..sim.fleet import SimFleet
+    from ..sim.tokenizer import SimTokenizer
 
 log = logging.getLogger("asgi_generate")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -73,6 +75,9 @@ def _bounded(kind: type, least: float, most: float | None = None):
 
 
 PORT = _bounded(int, 0, 65535)
+#: The most workers ``sim --workers`` serves from one process (a listening
+#: socket and a simulated engine each: about 1 MB, see docs/simulator.md).
+MAX_SIM_WORKERS = 4096
 
 
 def _setting_flag(parser: argparse.ArgumentParser, setting: Setting, default: object) -> None:
@@ -168,6 +173,13 @@ def build_parser(d: Settings | None = None) -> argparse.ArgumentParser:
     sim.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     sim.add_argument("--port", type=PORT, default=30000, help="port to listen on (default %(default)s)")
     sim.add_argument("--fd", type=_bounded(int, 0), default=None, help="serve an inherited listening socket instead")
+    sim.add_argument("--workers", type=_bounded(int, 1, MAX_SIM_WORKERS), default=1, metavar="N",
+                     help="serve N simulated workers from this one process, each on a port of its own "
+                          "(--port, --port + 1, ...; each a free port with --port 0) with its own state, "
+                          "faults and counters; prints each worker's URL, one a line; a prefill server's "
+                          "bootstrap port is --bootstrap-port + its index (default %(default)s)")
+    sim.add_argument("--urls-file", default=None, metavar="PATH",
+                     help="also write the workers' URLs here, one a line, once every port is bound")
     _tls_flags(sim, mutual=False)
     sim.add_argument("--ttft-ms", type=_bounded(float, 0), default=0.0, help="time to first token in ms")
     sim.add_argument("--itl-ms", type=_bounded(float, 0), default=0.0, help="inter-token latency in ms")
@@ -438,19 +450,82 @@ def _sim(args: argparse.Namespace) -> int:
     logging.getLogger("asyncio").setLevel(logging.ERROR)
 
     try:
-        app = _sim_app(args)
+        if args.workers > 1 and args.fd is not None:
+            raise ValueError("--workers binds a port per worker: use --port, not --fd")
         tls = _server_tls(args)
-    except ValueError as exc:
+        # The ports are bound here when their URLs are to be told (a port 0 is known once bound).
+        socks = _sim_sockets(args.host, args.port, args.workers) if args.fd is None and (
+            args.workers > 1 or args.urls_file) else []
+        app = _sim_fleet(args, socks) if args.workers > 1 else _sim_app(args)
+    except (ValueError, OSError) as exc:
         print(f"asgi-generate sim: {exc}", file=sys.stderr)
         return 2
     config = hypercorn_config(host=args.host, port=args.port, fd=args.fd, graceful_timeout=1.0,
                               log_level=args.log_level, access_log=False, tls=tls)
+    if socks:
+        config.bind = [f"fd://{s.fileno()}" for s in socks]
+    if args.urls_file:
+        if args.fd is not None:
+            with socket.socket(fileno=os.dup(args.fd)) as inherited:
+                urls = _where(inherited, tls) + "\n"
+        else:
+            urls = "".join(_where(s, tls) + "\n" for s in socks)
+        _write_atomically(args.urls_file, urls)
+    if args.workers > 1:
+        sys.stdout.write("".join(_where(s, tls) + "\n" for s in socks))
+        sys.stdout.flush()
     run(app, config, args.worker_class)
     return 0
 
 
-def _sim_app(args: argparse.Namespace) -> "SimApp":
-    """The simulator app the ``sim`` flags describe.
+def _sim_sockets(host: str, port: int, n: int) -> list[socket.socket]:
+    """``n`` listening sockets on ``host``: ports ``port`` .. ``port + n - 1``,
+    or ``n`` free ports when ``port`` is 0.
+
+    Raises:
+        OSError: a port cannot be bound (every socket bound so far is closed).
+    """
+    socks: list[socket.socket] = []
+    try:
+        for i in range(n):
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            socks.append(socket.create_server((host, port + i if port else 0), family=family))
+    except OSError:
+        for s in socks:
+            s.close()
+        raise
+    return socks
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` whole: a reader sees nothing or all of it."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _sim_fleet(args: argparse.Namespace, socks: list[socket.socket]) -> "SimFleet":
+    """One simulator app per socket in ``socks`` (a prefill server's
+    bootstrap port offset by its index), sharing one tokenizer.
+
+    Raises:
+        ValueError: a flag value the simulator cannot play.
+    """
+    from ..sim.fleet import SimFleet
+    from ..sim.tokenizer import SimTokenizer
+
+    tokenizer = SimTokenizer()
+    workers = {}
+    for i, s in enumerate(socks):
+        workers[s.getsockname()[1]] = _sim_app(args, i, tokenizer)
+    return SimFleet(workers)
+
+
+def _sim_app(args: argparse.Namespace, index: int = 0, tokenizer: "SimTokenizer | None" = None) -> "SimApp":
+    """The simulator app the ``sim`` flags describe: worker ``index`` of
+    ``--workers`` (its bootstrap port offset by it; only worker 0 watches
+    ``--parent-pid``, whose end ends the whole process).
 
     Raises:
         ValueError: a flag value the simulator cannot play.
@@ -467,7 +542,7 @@ def _sim_app(args: argparse.Namespace) -> "SimApp":
         itl_ms=args.itl_ms,
         incremental_streaming_output=args.incremental_streaming_output,
         model_name=args.model_name,
-        parent_pid=args.parent_pid,
+        parent_pid=args.parent_pid if index == 0 else None,
         usage_chunk=not args.no_usage_chunk,
         engine_version=args.engine_version,
         stream_interval=args.stream_interval,
@@ -475,7 +550,7 @@ def _sim_app(args: argparse.Namespace) -> "SimApp":
         abort_after=args.abort_after,
         abort_status=args.abort_status,
         disaggregation_mode=args.disaggregation_mode,
-        bootstrap_port=args.bootstrap_port,
+        bootstrap_port=args.bootstrap_port + index if args.bootstrap_port else 0,
         disaggregation_timeout_s=args.disaggregation_timeout_s,
         kv_role=args.kv_role,
         kv_expiry_s=args.kv_expiry_s,
@@ -496,6 +571,7 @@ def _sim_app(args: argparse.Namespace) -> "SimApp":
         weights_group_registry=args.weights_group_registry,
         weight_load_s=args.weight_load_s,
         capacity=capacity,
+        tokenizer=tokenizer,
     )
 
 

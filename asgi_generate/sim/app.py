@@ -7,7 +7,8 @@ Routes (SGLang mode): ``POST|PUT /generate``, ``POST /abort_request``,
 ``/get_model_info`` (``/model_info``), ``/v1/models``, ``/v1/loads``
 (:mod:`asgi_generate.sim.loads`), the admin routes
 (``/flush_cache``, ``/pause_generation``, ...: :mod:`asgi_generate.sim.admin`),
-and ``GET /sim/stats`` for tests.
+and ``GET /sim/stats`` for tests (``requests``: the requests served, by
+``"METHOD path"``, including its own).
 
 Routes (vLLM mode): ``POST /inference/v1/generate``, ``POST /abort_requests``,
 ``GET /health``, ``/version``, ``/v1/models``, ``/metrics`` (the scheduler's
@@ -96,6 +97,9 @@ MAX_BODY = 1 << 30
 HEALTH_CHECK_TIMEOUT = 20.0
 #: Request ids whose last ``traceparent`` /sim/stats keeps (the newest).
 MAX_TRACEPARENTS = 4096
+#: Distinct ``METHOD path`` pairs /sim/stats ``requests`` counts one by one;
+#: any further pair counts under ``"other"``.
+MAX_COUNTED_ROUTES = 64
 
 
 class SimApp:
@@ -163,6 +167,9 @@ class SimApp:
         capacity: the engine's scheduler limits and step costs
             (:func:`~asgi_generate.sim.capacity.capacity_config`); ``None``:
             unbounded, timed by ``ttft_ms``/``itl_ms``/``prefill_us_per_token``.
+        tokenizer: the bundled tokenizer, to share one among the workers of
+            a process (:mod:`asgi_generate.sim.fleet`; it holds no state a
+            request changes); ``None`` loads its own.
 
     Raises:
         ValueError: unknown protocol, a vLLM version that is not one, a
@@ -206,6 +213,7 @@ class SimApp:
         weights_group_registry: str | None = None,
         weight_load_s: float = 0.0,
         capacity: CapacityConfig | None = None,
+        tokenizer: SimTokenizer | None = None,
     ) -> None:
         if protocol not in ("sglang", "vllm"):
             raise ValueError(f"unknown simulator protocol {protocol!r}")
@@ -249,7 +257,7 @@ class SimApp:
             raise ValueError("with the capacity model the step time (--step-ms, --step-us-per-seq, "
                              "--step-us-per-prefill-token) times every token: drop --ttft-ms, --itl-ms "
                              "and --prefill-us-per-token")
-        self.tokenizer = SimTokenizer()
+        self.tokenizer = tokenizer if tokenizer is not None else SimTokenizer()
         model = self.tokenizer.model(vocab_size)
         script = (*self.tokenizer.encode(MARKER_TEXT), self.tokenizer.eos_id) if emit_markers else ()
         self.engine = SimEngine(
@@ -292,6 +300,8 @@ class SimApp:
         self.traceparents: dict[str, str] = {}
         #: SGLang health calls that waited for a pause or a weight load to end.
         self.health_waits = 0
+        #: Requests served by ``"METHOD path"`` (/sim/stats ``requests``).
+        self.requests: dict[str, int] = {}
         self.model_name = model_name
         self.model_path = str(ASSETS_DIR)
         self.parent_pid = parent_pid
@@ -303,6 +313,7 @@ class SimApp:
         if scope["type"] != "http":
             return
         method, path = scope["method"], scope["path"]
+        self._count(method, path)
         p = self.protocol
         if path == "/sim/faults":
             await self._faults(method, receive, send)
@@ -353,6 +364,13 @@ class SimApp:
         else:
             await send_unary(send, 404, NOT_FOUND)
 
+    def _count(self, method: str, path: str) -> None:
+        """Count a request by route (bounded by :data:`MAX_COUNTED_ROUTES`)."""
+        key = f"{method} {path}"
+        if key not in self.requests and len(self.requests) >= MAX_COUNTED_ROUTES:
+            key = "other"
+        self.requests[key] = self.requests.get(key, 0) + 1
+
     def _note_traceparent(self, scope: dict, body: bytes) -> None:
         """Keep the ``traceparent`` a generate request carried, by its id."""
         value = next((v for k, v in scope["headers"] if k == b"traceparent"), None)
@@ -379,6 +397,7 @@ class SimApp:
         stats["admin_calls"] = dict(self.admin.calls)
         stats["weights"] = self.weights.stats()
         stats["health_waits"] = self.health_waits
+        stats["requests"] = dict(self.requests)
         stats["traceparents"] = dict(self.traceparents)
         d = self.disagg
         if d is not None:

@@ -104,6 +104,10 @@ class Model:
             checkpoints' are (the padding ids are never picked).
         weight_version: the weights it starts with (see
             :meth:`load_version`).
+        steps: the cache of computed steps to use, shared with other
+            models of the same vocabulary, EOS, specials and ``unsampled``
+            (a step depends on nothing else: the weight version is in its
+            state); ``None``: its own.
 
     Raises:
         ValueError: ``drawn`` is above ``vocab_size``.
@@ -122,6 +126,7 @@ class Model:
         unsampled: frozenset[int] = frozenset(),
         drawn: int | None = None,
         weight_version: str = DEFAULT_VERSION,
+        steps: dict[int, Step] | None = None,
     ) -> None:
         if drawn is not None and drawn > vocab_size:
             raise ValueError(f"a vocabulary of {vocab_size} ids cannot hold the tokenizer's {drawn}")
@@ -134,7 +139,7 @@ class Model:
         self.num_experts = num_experts
         self.experts_topk = experts_topk
         self.unsampled = unsampled
-        self._cache: dict[int, Step] = {}
+        self._cache: dict[int, Step] = {} if steps is None else steps
         self.load_version(weight_version)
 
     def load_version(self, version: str) -> None:

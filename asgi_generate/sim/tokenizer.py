@@ -39,6 +39,9 @@ class SimTokenizer:
         # The model never samples specials except EOS; they sit at the start.
         self.num_special = max(specials) + 1 if specials else 0
         self._pieces = [self._tok.decode([i], skip_special_tokens=False) for i in range(self.vocab_size)]
+        #: Each vocabulary size's computed steps, shared by the models of
+        #: this tokenizer (:meth:`model`).
+        self._steps: dict[int | None, dict] = {}
 
     def partial_ids(self) -> frozenset[int]:
         """Ordinary ids whose text alone is not whole characters (a byte-level
@@ -50,12 +53,17 @@ class SimTokenizer:
         ``<|im_end|>``, never a special token or a partial byte
         (:meth:`partial_ids`); its vocabulary ``vocab_size`` ids (default
         the tokenizer's; more pads it, as real checkpoints are padded).
+        The models of one tokenizer and vocabulary share their computed
+        steps (a step is a pure function of its prefix state, which holds
+        the weight version: :class:`~asgi_generate.sim.model.Model`), so
+        the workers of ``sim --workers N`` hold one bounded step cache
+        between them, not one each.
 
         Raises:
             ValueError: ``vocab_size`` is below the tokenizer's.
         """
         return Model(vocab_size or self.vocab_size, self.eos_id, self.num_special, unsampled=self.partial_ids(),
-                     drawn=self.vocab_size)
+                     drawn=self.vocab_size, steps=self._steps.setdefault(vocab_size or self.vocab_size, {}))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added)."""

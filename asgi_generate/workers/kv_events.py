@@ -17,7 +17,8 @@ buffered batch from there on as ``[b"", topic, seq, payload]``, then
 :class:`Subscriber` runs one worker's SUB socket (pyzmq, non-blocking: it
 waits on the socket's ``zmq.FD`` through the event loop, asyncio or trio
 alike, and takes every queued message at each wake-up; the rare replay's
-blocking calls run in a worker thread) and hands the batches, in sequence,
+blocking calls run in a worker thread; every subscriber of the process
+shares one ZMQ context, so a fleet of hundreds costs one I/O thread) and hands the batches, in sequence,
 to its sink. On connecting it replays from 0 (what
 the engine published before this frontend listened, as far as the buffer
 reaches; the live copies of those are skipped). A sequence number that goes back is a restarted engine: the
@@ -172,9 +173,12 @@ class Subscriber:
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Subscribe and apply batches until cancelled."""
-        ctx = zmq.Context()
+        # The process's one context: a context of its own would cost each
+        # worker's subscriber two threads (ZMQ's I/O thread and reaper) and
+        # their descriptors; one I/O thread serves hundreds of SUB sockets.
+        ctx = zmq.Context.instance()
+        sub = ctx.socket(zmq.SUB)
         try:
-            sub = ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
             sub.connect(self.source.endpoint)
@@ -204,7 +208,7 @@ class Subscriber:
                     await self._take(ctx, seq, frames[2])
                 await anyio.wait_readable(fd)
         finally:
-            ctx.destroy(linger=0)
+            sub.close(linger=0)
 
     async def _take(self, ctx: zmq.Context, seq: int, payload: bytes) -> None:
         last = self.last_seq

@@ -238,12 +238,21 @@ class Router:
         if not group:
             return None
         n = len(group)
-        start = self._next.get((protocol, role), 0)
-        candidates = [w for w in (group[(start + i) % n] for i in range(n))
-                      if self.routable(w, floor) and w not in exclude]
+        start = self._next.get((protocol, role), 0) % n
+        order = group[start:] + group[:start]
+        room = self.room
+        if (key is None or role == "decode") and (room is None or role not in HOLDING_ROLES):
+            # The fewest outstanding, first in round-robin order: walked only
+            # until a worker with none, so a fleet of hundreds with idle
+            # workers is not walked whole on every request.
+            best = _first_least(order, lambda w: self.routable(w, floor) and w not in exclude)
+            if best is None:
+                return None
+            self._next[(protocol, role)] = (best.index + 1) % n
+            return best
+        candidates = [w for w in order if self.routable(w, floor) and w not in exclude]
         if not candidates:
             return None
-        room = self.room
         if room is not None and role in HOLDING_ROLES:
             roomy = [w for w in candidates if room(w) >= need]
             if roomy:
@@ -342,6 +351,22 @@ def _least(candidates: list[Worker]) -> Worker:
     """The first of ``candidates`` (in round-robin order) with the fewest
     outstanding requests."""
     return min(candidates, key=_outstanding)
+
+
+def _first_least(order: list[Worker], eligible: Callable[[Worker], bool]) -> Worker | None:
+    """What :func:`_least` picks of the ``eligible`` workers of ``order``
+    (``None`` if none is), stopping at the first with no request
+    outstanding: none can have fewer."""
+    best, fewest = None, 0
+    for w in order:
+        if not eligible(w):
+            continue
+        outstanding = w.outstanding
+        if best is None or outstanding < fewest:
+            best, fewest = w, outstanding
+            if not outstanding:
+                break
+    return best
 
 
 def _outstanding(worker: Worker) -> int:

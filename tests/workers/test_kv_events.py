@@ -6,6 +6,8 @@ restart) against the simulator's real publisher on loopback, and the index
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
 pytest.importorskip("zmq", reason="pyzmq (a dependency since KV events: pip install -e .)")
@@ -254,3 +256,35 @@ async def test_a_burst_of_batches_is_taken_on_the_event_loop_in_order(monkeypatc
             tg.cancel_scope.cancel()
     finally:
         pub.close()
+
+
+def _zmq_threads() -> int:
+    """This process's ZMQ background threads (libzmq names them ``ZMQbg/...``)."""
+    names = (pathlib.Path(t, "comm").read_text() for t in pathlib.Path("/proc/self/task").iterdir())
+    return sum(name.startswith("ZMQbg") for name in names)
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(not pathlib.Path("/proc/self/task").is_dir(), reason="counts threads in /proc (Linux)")
+async def test_subscribers_share_one_zmq_context():
+    # A subscriber per worker of a fleet of hundreds: each context of its own
+    # would add two threads (I/O and reaper) per worker.
+    pubs = [_publisher() for _ in range(8)]
+    sinks = [Recorder() for _ in pubs]
+    subs = [Subscriber(Source(p.endpoint, None), s) for p, s in zip(pubs, sinks)]
+    try:
+        before = _zmq_threads()
+        async with anyio.create_task_group() as tg:
+            for sub in subs:
+                await tg.start(sub.run)
+            with anyio.fail_after(20):
+                for i, pub in enumerate(pubs):
+                    while not sinks[i].events:  # the slow joiner: publish until one arrives
+                        pub.publish([_stored(i)])
+                        await anyio.sleep(0.02)
+            assert [s.events[0].hashes for s in sinks] == [[i] for i in range(8)]
+            assert _zmq_threads() - before <= 2
+            tg.cancel_scope.cancel()
+    finally:
+        for pub in pubs:
+            pub.close()

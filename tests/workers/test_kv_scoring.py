@@ -190,3 +190,31 @@ def test_n_samples_hold_their_prompt_once_per_sample_and_other_replicas_count_by
     kv0, kv1 = policy._kv(workers[0]), policy._kv(workers[1])
     kv1.read(EngineLoad(3, 0), 0)
     assert (policy.active(workers[0], kv0), kv1.others, policy.active(workers[1], kv1)) == (9216, 3, 3 * 1152)
+
+
+def test_the_rendezvous_hash_is_taken_of_the_tied_workers_only(monkeypatch):
+    """256 workers, w7 holding the prefix: it costs least, so no worker's
+    tie-break hash is taken (it was taken for all 256 on every request).
+    With w7 and w9 holding it alike, only those two are hashed, and the one
+    with the higher hash of the prompt's end wins, as before."""
+    import hashlib
+
+    from asgi_generate.workers.policies import kv_aware
+
+    hashed: list[str] = []
+    real = kv_aware._rendezvous
+    monkeypatch.setattr(kv_aware, "_rendezvous", lambda url, tail: hashed.append(url) or real(url, tail))
+    prompt = _prompt(SYSTEM + list(range(5000, 5128)))
+    workers = [_Worker(i) for i in range(256)]
+    assert _pick(_policy(workers, {"w7": SYSTEM}), workers, prompt) == "w7"
+    assert hashed == []
+
+    tree = _policy([]).routing_key(prompt, {}).tree  # the prompt's key: its last 64 tokens are hashed
+
+    def weight(w: _Worker) -> int:
+        tail = tree[len(tree) - 64:].encode("utf-32-le", "surrogatepass")
+        return int.from_bytes(hashlib.blake2b(w.url.encode() + tail, digest_size=8).digest(), "big")
+
+    expected = max((workers[7], workers[9]), key=weight).id
+    assert _pick(_policy(workers, {"w7": SYSTEM, "w9": SYSTEM}), workers, prompt) == expected
+    assert sorted(hashed) == sorted([workers[7].url, workers[9].url])

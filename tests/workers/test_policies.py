@@ -305,3 +305,29 @@ def test_router_least_outstanding_then_round_robin():
     assert r.pick("sglang", exclude=[r.workers[1], r.workers[2]]) is None
     assert r.pick("vllm").id == "w3"
     assert r.pick("other") is None
+
+
+def test_router_pick_walks_to_the_first_idle_worker_and_picks_as_a_whole_walk():
+    import random
+
+    r = router(None, urls=[f"http://127.0.0.1:{30000 + i}" for i in range(256)])
+    looked: list[str] = []
+    admits = r.routable
+    r.routable = lambda w, floor=None: looked.append(w.id) or admits(w, floor)
+    # 256 idle workers: the first in round-robin order is taken, the rest never looked at.
+    assert [r.pick("sglang").id for _ in range(3)] == ["w0", "w1", "w2"]
+    assert looked == ["w0", "w1", "w2"]
+    # Against the whole walk (the fewest outstanding, first in round-robin order),
+    # over random loads, health and exclusions.
+    rng = random.Random(7)
+    group = r._groups[("sglang", "aggregated")]
+    for _ in range(500):
+        for w in r.workers:
+            load(w, rng.choice((0, 1, 1, 2, 3)) if rng.random() < 0.5 else rng.choice((1, 2, 3)))
+            w.healthy = rng.random() < 0.9
+        exclude = rng.sample(r.workers, rng.choice((0, 1, 5)))
+        start = r._next.get(("sglang", "aggregated"), 0)
+        walk = [group[(start + i) % len(group)] for i in range(len(group))]
+        eligible = [w for w in walk if w.healthy and w not in exclude]
+        expected = min(eligible, key=lambda w: w.outstanding) if eligible else None
+        assert r.pick("sglang", exclude=exclude) is expected

@@ -212,8 +212,15 @@ class KVAwarePolicy(Policy):
             cost = self.overlap_weight * (prompt - held) + self.queued_weight * queued + self.load_weight * requests
             if self.active_weight:
                 cost += self.active_weight * self.active(w, kv)
-            costs.append((cost, cached, requests, -_rendezvous(w.url, key), held, w))
-        *_, held, best = min(costs, key=lambda c: c[:4])
+            costs.append((cost, cached, requests, held, w))
+        # The rendezvous hash only breaks ties: hashed for the tied alone,
+        # not for every worker of the fleet on every request.
+        low = min(c[:3] for c in costs)
+        tied = [c for c in costs if c[:3] == low]
+        if len(tied) > 1:
+            tail = _tail(key)
+            tied = [max(tied, key=lambda c: _rendezvous(c[4].url, tail))]
+        *_, held, best = tied[0]
         kv = self._kv(best)
         kv.peak = max(kv.peak, best.outstanding + 1)
         kv.per_request = moving_average(kv.per_request, key.sequences, kv.routed)
@@ -341,9 +348,14 @@ class KVAwarePolicy(Policy):
         }
 
 
-def _rendezvous(url: str, key: _Key) -> int:
-    """The tie-break weight of ``url`` for ``key`` (its last 64 tokens or
-    characters): the same in every process."""
+def _tail(key: _Key) -> bytes:
+    """What the tie-break hashes of ``key``: its last 64 tokens or characters."""
+    return key.tree[max(1, len(key.tree) - 64):].encode("utf-32-le", "surrogatepass")
+
+
+def _rendezvous(url: str, tail: bytes) -> int:
+    """The tie-break weight of ``url`` for a key's :func:`_tail`: the same
+    in every process; the highest wins (the first of equals)."""
     digest = hashlib.blake2b(url.encode(), digest_size=8)
-    digest.update(key.tree[max(1, len(key.tree) - 64):].encode("utf-32-le", "surrogatepass"))
+    digest.update(tail)
     return int.from_bytes(digest.digest(), "big")
