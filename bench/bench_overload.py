@@ -40,8 +40,16 @@ includes it); and the hop's CPU per request (``/proc``), and per second with
 no request (read for 2 s before the loaded run: with admission, its load
 readings, whose CPU is the difference from the hop without it).
 
+With ``--profile``, the admission hop's loaded run is also taken under
+cProfile (``bench/_profiled.py``) and admission's own share of the hop's
+CPU is printed from it, by part (the queue and grant of each request, its
+placement by room, its release, the engines' load readings): measured in
+one process, that share does not carry the run-to-run noise of the
+difference between two hops' CPU (the profiler's overhead is per call, so
+read it as a share, not as time).
+
 Usage: ``.venv/bin/python bench/bench_overload.py [--workloads grpo,tenants,agents]
-[--hops admission,none,router]``. sglang-router is installed on first use
+[--hops admission,none,router] [--profile]``. sglang-router is installed on first use
 into ``bench/.venv-router`` (bench_frontend.py's helper); when it cannot be,
 its cells print "not available" and why.
 """
@@ -56,6 +64,8 @@ import functools
 import multiprocessing
 import os
 import pathlib
+import pstats
+import signal
 import statistics
 import sys
 import time
@@ -348,7 +358,29 @@ def start_fleet(stack: contextlib.ExitStack, logs: pathlib.Path, tag: str) -> li
     return urls
 
 
-def start_hop(stack, logs, tag: str, hop: str, urls: list[str], router_python: str | None) -> tuple[Child, str]:
+#: Admission's entry points in the hop (module, function): their inclusive
+#: time under cProfile is admission's CPU; none calls another.
+ADMISSION_PARTS = {
+    "queue and grant": [("request/handler.py", "_queue")],
+    "placement by room": [("request/gate.py", "free_on")],
+    "release": [("request/gate.py", "release"), ("request/gate.py", "parking"), ("request/gate.py", "done")],
+    "load readings": [("request/saturation.py", "read")],
+    "preemption": [("request/gate.py", "run"), ("request/gate.py", "park")],
+}
+
+
+def admission_share(path: pathlib.Path) -> tuple[float, dict[str, float]]:
+    """Admission's share of the hop's CPU in a pstats dump, and by part."""
+    stats = pstats.Stats(str(path)).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+    total = sum(row[2] for row in stats.values())
+    parts = {part: sum(row[3] for (file, _, name), row in stats.items()
+                       if any(file.endswith(mod) and name == fn for mod, fn in where)) / total
+             for part, where in ADMISSION_PARTS.items()}
+    return sum(parts.values()), parts
+
+
+def start_hop(stack, logs, tag: str, hop: str, urls: list[str], router_python: str | None,
+              profiled: bool = False) -> tuple[Child, str]:
     if hop == "router":
         port = free_port()
         argv = [router_python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
@@ -361,7 +393,8 @@ def start_hop(stack, logs, tag: str, hop: str, urls: list[str], router_python: s
         return child, f"http://127.0.0.1:{port}"
     sock = listening_socket()
     port = sock.getsockname()[1]
-    argv = [sys.executable, "-m", "asgi_generate", "serve", "--fd", str(sock.fileno()), "--log-level", "warning",
+    runner = [sys.executable, str(HERE / "_profiled.py"), "-m"] if profiled else [sys.executable, "-m"]
+    argv = [*runner, "asgi_generate", "serve", "--fd", str(sock.fileno()), "--log-level", "warning",
             *[a for u in urls for a in ("--worker", f"sglang={u}")], *(ADMISSION_ARGS if hop == "admission" else [])]
     child = Child(f"{tag}-{hop}", argv, None, logs, pass_fds=(sock.fileno(),))
     sock.close()
@@ -376,7 +409,7 @@ def start_hop(stack, logs, tag: str, hop: str, urls: list[str], router_python: s
     return child, f"http://127.0.0.1:{port}"
 
 
-def measure(workload: str, hop: str, logs: pathlib.Path, router_python: str | None) -> Cell:
+def measure(workload: str, hop: str, logs: pathlib.Path, router_python: str | None, profile: bool = False) -> Cell:
     cell = Cell(workload, hop)
     tag = f"{workload}-{hop}"
     high = HIGH[workload]
@@ -389,15 +422,28 @@ def measure(workload: str, hop: str, logs: pathlib.Path, router_python: str | No
         # A fresh fleet for the loaded run: the engines' peaks are their own.
         stack.close()
         urls = start_fleet(stack, logs, tag + "-loaded")
-        child, url = start_hop(stack, logs, tag + "-loaded", hop, urls, router_python)
+        profiled = profile and hop == "admission"
+        dump = logs / f"{tag}.pstats"
+        os.environ["PROFILED_OUT"] = str(dump)
+        child, url = start_hop(stack, logs, tag + "-loaded", hop, urls, router_python, profiled)
         # The hop's CPU with no request (admission's load readings, health checks).
         idle0 = child.cpu_seconds()
         time.sleep(IDLE_CPU_S)
         idle_cpu = (child.cpu_seconds() - idle0) / IDLE_CPU_S
         cpu0 = child.cpu_seconds()
         lags: list[float] = []
+        if profiled:
+            os.kill(child.pid, signal.SIGUSR1)
         results, wall = asyncio.run(run(url, workload, loaded=True, lags=lags))
         cpu = child.cpu_seconds() - cpu0
+        if profiled:
+            os.kill(child.pid, signal.SIGUSR2)
+            deadline = time.monotonic() + 30
+            while not dump.exists() or dump.stat().st_size == 0:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the profiled hop wrote no pstats")
+                time.sleep(0.05)
+            time.sleep(0.5)  # the dump is written in one call; let it finish
         sims = [httpx.get(u + "/sim/stats", timeout=10).json()["capacity"] for u in urls]
         adm = httpx.get(url + "/stats", timeout=10).json().get("admission", {}) if hop != "router" else {}
         adm = adm if adm.get("enabled") else {}
@@ -452,6 +498,11 @@ def measure(workload: str, hop: str, logs: pathlib.Path, router_python: str | No
     L["hop CPU per request ms"] = f"{f['cpu_per_request_ms']:.2f}"
     f["idle_cpu_ms_s"] = idle_cpu * 1000
     L["hop CPU with no request ms/s"] = f"{idle_cpu * 1000:.0f}"
+    if profiled:
+        share, parts = admission_share(dump)
+        f["profiled_share"] = share
+        L["admission's share of the hop's CPU under cProfile"] = (
+            f"{share:.1%} (" + ", ".join(f"{part} {v:.1%}" for part, v in parts.items()) + ")")
     return cell
 
 
@@ -490,6 +541,8 @@ def main() -> int:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--hops", default="admission,none,router")
     p.add_argument("--router-venv", type=pathlib.Path, default=HERE / ".venv-router")
+    p.add_argument("--profile", action="store_true",
+                   help="also measure admission's share of the hop's CPU under cProfile (its loaded runs)")
     args = p.parse_args()
     hops = args.hops.split(",")
     router_python, router_note = None, ""
@@ -510,7 +563,7 @@ def main() -> int:
                     cells.append(Cell(workload, hop, note=router_note))
                     continue
                 started = time.monotonic()
-                cells.append(measure(workload, hop, logs.path, router_python))
+                cells.append(measure(workload, hop, logs.path, router_python, args.profile))
                 print(f"{workload} / {hop}: {time.monotonic() - started:.0f} s", file=sys.stderr)
         logs.ok = True
     print_cells(cells)
