@@ -519,7 +519,7 @@ class Generation:
             return
         if self._abort_without_pause(event):
             # Another process or replica may have paused the fleet: ask the engine.
-            await self.ctx.router.fleet.confirm_pause(attempt.worker)
+            await self.ctx.router.fleet.confirm_pause(attempt.worker, attempt.worker_info.get("weight_version"))
         if self._paused_abort(attempt, event):
             # Not the answer: a stream's tokens go out and it goes on after
             # the resume; a unary request sent nothing and starts over, so

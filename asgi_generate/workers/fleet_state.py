@@ -122,6 +122,8 @@ class FleetState:
     Attributes:
         counts: ``readings`` (rounds over the fleet), ``failed`` (worker
             readings that gave nothing), ``pauses_learned``,
+            ``transactions_learned`` (a pause or weight call that ended
+            before the abort it caused was read here, :meth:`confirm_pause`),
             ``resumes_learned``, ``versions_learned`` (fleet versions set
             from a reading), ``fence_messages`` and ``call_messages``
             (applied from a sibling), ``version_triggers`` (answers that
@@ -156,7 +158,8 @@ class FleetState:
         self._sibling_calls: dict[tuple[int, int], tuple[str, float]] = {}
         self._call_number = 0
         self.counts = {"readings": 0, "failed": 0, "pauses_learned": 0, "resumes_learned": 0,
-                       "versions_learned": 0, "fence_messages": 0, "call_messages": 0, "version_triggers": 0}
+                       "versions_learned": 0, "fence_messages": 0, "call_messages": 0, "version_triggers": 0,
+                       "transactions_learned": 0}
 
     # -- this process's own calls -------------------------------------------
 
@@ -278,26 +281,42 @@ class FleetState:
                     tg.start_soon(one, protocol, w)
         return readings
 
-    async def confirm_pause(self, worker: Worker) -> bool:
+    async def confirm_pause(self, worker: Worker, planned_version: str | None = None) -> bool:
         """An engine aborted a stream on ``worker`` while no pause of its
-        fleet is known here: read that engine's pause state now; when it
-        says paused, the pause begins here too (a stream it aborted may be
-        held). Returns whether one began."""
+        fleet is known here: read that engine's pause state (and, given the
+        weight version the stream was planned on, ``planned_version``, its
+        version) now. When it says paused, the pause begins here too (a
+        stream it aborted may be held). When it is not paused but serves
+        another version, a fleet transaction (a pause and a weight load,
+        another process's) began and ended before this reading: it counts
+        here as one that began and ended, so the stream is held and resumes
+        at once, on the new weights. Returns whether either was learned."""
         protocol = worker.protocol.name
         if self.pauses.paused(protocol) or worker.protocol.pause_path is None:
             return False
         mark = self.mark(protocol)
-        reading = await self._read(worker, versions=False)
-        if reading.paused is not True or self._stale(protocol, PAUSE, mark) or self.pauses.paused(protocol):
+        reading = await self._read(worker, versions=planned_version is not None)
+        if self._stale(protocol, PAUSE, mark) or self.pauses.paused(protocol):
             return False
-        log.warning("fleet %s: worker %s (%s) aborted a stream and reports a pause: held streams wait for "
-                    "its resume", protocol, worker.id, worker.url)
-        self._seen_paused[protocol] = True
-        self._marks[(protocol, PAUSE)] = mark[0] + 1  # a reading taken before this one is stale
-        self.pauses.begin(protocol)
-        self.counts["pauses_learned"] += 1
+        if reading.paused is True:
+            log.warning("fleet %s: worker %s (%s) aborted a stream and reports a pause: held streams wait for "
+                        "its resume", protocol, worker.id, worker.url)
+            self._seen_paused[protocol] = True
+            self._marks[(protocol, PAUSE)] = mark[0] + 1  # a reading taken before this one is stale
+            self.pauses.begin(protocol)
+            self.counts["pauses_learned"] += 1
+        elif reading.paused is False and planned_version is not None and reading.version is not None \
+                and reading.version != planned_version:
+            log.warning("fleet %s: worker %s (%s) aborted a stream and serves version %s, not %s: a "
+                        "transaction ended behind this process; the stream resumes", protocol, worker.id,
+                        worker.url, reading.version, planned_version)
+            self.pauses.begin(protocol)
+            self.pauses.end(protocol)
+            self.counts["transactions_learned"] += 1
+        else:
+            return False
         if self._wake is not None:
-            self._wake.set()  # read the fleet at the paused interval from now
+            self._wake.set()  # read the fleet now (and at the paused interval while paused)
         return True
 
     def version_reported(self, worker: Worker) -> None:

@@ -157,6 +157,30 @@ async def test_an_abort_while_the_engine_is_not_paused_begins_nothing():
 
 
 @pytest.mark.anyio
+async def test_an_abort_after_a_whole_transaction_ended_is_held_and_resumes_at_once():
+    # Another process paused, loaded v1 and resumed before this reading: the
+    # engine is not paused, but serves another version than the stream's.
+    router, fleet = _fleet()
+    asked = []
+
+    async def read(worker, timeout=5.0, versions=True):
+        asked.append(versions)
+        return Reading(False, "v1" if versions else None)
+
+    fleet._read = read
+    assert await fleet.confirm_pause(router.workers[0], "v0") is True
+    assert asked == [True]
+    assert (router.pauses.epoch("sglang"), router.pauses.paused("sglang")) == (1, False)
+    assert fleet.counts["transactions_learned"] == 1
+    assert router.pauses.aborted_since("sglang", 0)
+    # The same version, or none known: an abort of its own, nothing begins.
+    assert await fleet.confirm_pause(router.workers[1], "v1") is False
+    assert await fleet.confirm_pause(router.workers[1]) is False
+    assert asked == [True, True, False]
+    assert (router.pauses.epoch("sglang"), fleet.counts["transactions_learned"]) == (1, 1)
+
+
+@pytest.mark.anyio
 async def test_the_reader_reads_every_up_worker_and_sleeps_its_interval():
     router, fleet = _fleet(3)
     router.workers[2].healthy = False  # down: its state is unknown, not read
