@@ -531,7 +531,7 @@ def _sim_app(args: argparse.Namespace, index: int = 0, tokenizer: "SimTokenizer 
         ValueError: a flag value the simulator cannot play.
     """
     from ..sim.app import SimApp
-    from ..sim.capacity import SGLANG_FLAGS, STEP_FLAGS, VLLM_FLAGS, capacity_config
+    from ..sim.capacity_flags import SGLANG_FLAGS, STEP_FLAGS, VLLM_FLAGS, capacity_config
 
     block = args.block_size or (16 if args.protocol == "vllm" else 1)
     capacity = capacity_config(args.protocol, block,

@@ -77,7 +77,7 @@ from .disagg import DEFAULT_TIMEOUT_S, DecodeKV, PrefillRooms
 from .kvconnector import DEFAULT_EXPIRY_S, KVConsumer, KVProducer
 from .prefix_cache import DEFAULT_CACHE_TOKENS
 from .admin import SimAdmin
-from .capacity import CapacityConfig
+from .capacity_flags import CapacityConfig
 from .weights import GroupRegistry, SimWeights
 from .engine import SimEngine, SimFault
 from .loads import PROMETHEUS, sglang_loads, vllm_metrics
@@ -165,7 +165,7 @@ class SimApp:
             :class:`~asgi_generate.sim.weights.GroupRegistry`, or ``None``.
         weight_load_s: seconds each weight load takes (0: at once).
         capacity: the engine's scheduler limits and step costs
-            (:func:`~asgi_generate.sim.capacity.capacity_config`); ``None``:
+            (:func:`~asgi_generate.sim.capacity_flags.capacity_config`); ``None``:
             unbounded, timed by ``ttft_ms``/``itl_ms``/``prefill_us_per_token``.
         tokenizer: the bundled tokenizer, to share one among the workers of
             a process (:mod:`asgi_generate.sim.fleet`; it holds no state a

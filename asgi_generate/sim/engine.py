@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 import anyio
 
-from .capacity import Capacity, CapacityConfig
+from .capacity import Capacity
+from .capacity_flags import CapacityConfig
 from .model import Model, Step
 from .block_hash import EMPTY, BlockHasher, Chain, SGLangPageHashes
 from .prefix_cache import DEFAULT_CACHE_TOKENS, PrefixCache

@@ -13,8 +13,8 @@ import pytest
 from asgi_generate.sim.app import SimApp
 from asgi_generate.sim.capacity import (
     SGLANG_PRIORITY_DISABLED, SGLANG_QUEUE_EVICTED, SGLANG_QUEUE_FULL, VLLM_QUEUE_OVERFLOW, VLLM_QUEUED_TOKENS,
-    capacity_config,
 )
+from asgi_generate.sim.capacity_flags import capacity_config
 from asgi_generate.sim.engine import RECENT_RIDS, Job, SimEngine
 from asgi_generate.sim.loads import sglang_loads, vllm_metrics
 from asgi_generate.sim.tokenizer import SimTokenizer

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from asgi_generate.sim.app import SimApp
-from asgi_generate.sim.capacity import capacity_config
+from asgi_generate.sim.capacity_flags import capacity_config
 from support import asgi_json, asgi_request, sampled
 
 BACKENDS = pytest.mark.parametrize("backend", ["asyncio", "trio"])
