@@ -62,7 +62,7 @@ PROMPTS = (128, 2048, 16384, 131072)
 OUTPUTS = (16, 256, 4096)
 MODES = ("off", "on")
 #: The marginal cost per token of a sweep's last cell may be at most this
-#: many times its second cell's (the issue's bound: 128K against 2K).
+#: many times its second cell's (the bound: 128K against 2K).
 MAX_GROWTH = 1.5
 
 

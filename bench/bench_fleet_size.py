@@ -291,7 +291,7 @@ def main() -> int:
                               "top 20 by cumulative time")
                         pstats.Stats(str(profile)).sort_stats("cumulative").print_stats("asgi_generate", 20)
         logs.ok = True
-    print(f"\nSimulator RSS at start (one process): "
+    print("\nSimulator RSS at start (one process): "
           + ", ".join(f"{n} workers {mb:.1f} MB" for n, mb in sim_rss.items()))
     print("\n| workers | policy | idle CPU ms/s | idle req/s to engines (per worker) | req/s | busy CPU ms/req raw / net "
           "| busy req/s to engines (per worker) | RSS MB | threads | fds | load |")

@@ -66,7 +66,6 @@ import os
 import pathlib
 import pstats
 import signal
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -515,9 +514,9 @@ def print_cells(cells: list[Cell]) -> None:
         keys = list(dict.fromkeys(k for c in row for k in c.lines))
         for k in keys:
             print(f"| {k} | " + " | ".join(c.note or c.lines.get(k, "-") for c in row) + " |")
-    print("\n### the issue's goals\n")
+    print("\n### the goals\n")
     by = {(c.workload, c.hop): c.figures for c in cells if not c.note}
-    adm, none = by.get(("grpo", "admission")), by.get(("grpo", "none"))
+    adm = by.get(("grpo", "admission"))
     if adm:
         print(f"- eval TTFT p99 under the burst / idle (admission): {adm['hp_p99'] / adm['idle_p99']:.2f} (goal <= 1.5)")
         print(f"- groups split (admission): {adm['split']:.0f} (goal 0)")

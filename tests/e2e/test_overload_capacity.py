@@ -16,7 +16,7 @@ import httpx
 import orjson
 import pytest
 
-from support import RawClient, post, sampled, sse, start_frontend, start_sim, trace_records, wait_until
+from support import RawClient, post, sampled, start_frontend, start_sim, trace_records, wait_until
 
 pytestmark = pytest.mark.e2e
 
