@@ -19,6 +19,7 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Iterator
 
@@ -305,6 +306,46 @@ def sse(url: str, body: dict, path: str = "/generate", **kw) -> tuple[int, list[
         if data:
             events.append(b"\n".join(data))
     return status, events
+
+
+def stream_answer(protocol: str, chunks: list[bytes]) -> tuple[list[int], object]:
+    """A stream's output ids and finish reason as its engine's format gives
+    them (``chunks``: the SSE payloads, ``[DONE]`` skipped): SGLang's last
+    chunk's ``output_ids`` and ``meta_info.finish_reason`` (an object, or
+    ``None``), vLLM's choices' ``token_ids`` in order and their last
+    ``finish_reason`` (a string, or ``None``)."""
+    objs = [orjson.loads(c) for c in chunks if c != b"[DONE]"]
+    if protocol == "sglang":
+        return (objs[-1]["output_ids"], objs[-1]["meta_info"]["finish_reason"]) if objs else ([], None)
+    ids: list[int] = []
+    finish = None
+    for o in objs:
+        for ch in o.get("choices", []):
+            ids += ch.get("token_ids") or []
+            finish = ch.get("finish_reason") or finish
+    return ids, finish
+
+
+def finish_type(finish) -> str | None:
+    """:func:`stream_answer`'s finish reason as one name: SGLang's ``type``, vLLM's string."""
+    return finish.get("type") if isinstance(finish, dict) else finish
+
+
+def start_streams(url: str, requests: list[tuple[str, dict]],
+                  headers: dict | None = None) -> tuple[list[threading.Thread], list]:
+    """Start one :func:`sse` per ``(path, body)`` in ``requests``, each in a
+    thread (its own connection); ``out[i]`` is the i-th's answer once its
+    thread ends (join them, bounded)."""
+    out: list = [None] * len(requests)
+
+    def one(i: int) -> None:
+        path, body = requests[i]
+        out[i] = sse(url, body, path, headers=headers or {})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    return threads, out
 
 
 def same(a, b, where: str = "$") -> None:

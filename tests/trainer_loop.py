@@ -39,7 +39,8 @@ from typing import Any
 import httpx
 import orjson
 
-from support import post, sampled, sse, start_frontend, start_sim, stats, trace_records, wait_until
+from support import (finish_type, post, sampled, sse, start_frontend, start_sim, stats, stream_answer, trace_records,
+                     wait_until)
 
 SGLANG_TP = (1, 2, 1, 2)
 VLLM_TP = (1, 2, 2, 4)
@@ -121,17 +122,8 @@ def _request(protocol: str, i: int, tag: str) -> tuple[str, dict]:
 
 def _answer(protocol: str, chunks: list[bytes]) -> tuple[list[int], str | None]:
     """A stream's output ids and finish reason type."""
-    objs = [orjson.loads(c) for c in chunks if c != b"[DONE]"]
-    if protocol == "sglang":
-        finish = objs[-1]["meta_info"]["finish_reason"] if objs else None
-        return (objs[-1]["output_ids"] if objs else []), (finish or {}).get("type")
-    ids: list[int] = []
-    finish = None
-    for o in objs:
-        for ch in o.get("choices", []):
-            ids += ch.get("token_ids") or []
-            finish = ch.get("finish_reason") or finish
-    return ids, finish
+    ids, finish = stream_answer(protocol, chunks)
+    return ids, finish_type(finish)
 
 
 def _rollouts(fleet: Fleet, streams: int, tag: str, resume: bool) -> tuple[list[threading.Thread], list]:

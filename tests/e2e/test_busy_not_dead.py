@@ -14,10 +14,9 @@ from __future__ import annotations
 import threading
 
 import httpx
-import orjson
 import pytest
 
-from support import generating, post, sampled, sse, start_frontend, start_sim, stats, wait_until
+from support import generating, post, sampled, sse, start_frontend, start_sim, stats, stream_answer, wait_until
 from wire_proxy import WireProxy
 
 pytestmark = pytest.mark.e2e
@@ -41,18 +40,6 @@ def _stream(protocol: str, url: str, rid: str) -> tuple[threading.Thread, list]:
     thread = threading.Thread(target=lambda: out.__setitem__(0, sse(url, body, path)))
     thread.start()
     return thread, out
-
-
-def _ids(protocol: str, chunks: list[bytes]) -> tuple[list[int], object]:
-    objs = [orjson.loads(c) for c in chunks if c != b"[DONE]"]
-    if protocol == "sglang":
-        return objs[-1]["output_ids"], objs[-1]["meta_info"]["finish_reason"]
-    ids, finish = [], None
-    for o in objs:
-        for ch in o.get("choices", []):
-            ids += ch.get("token_ids") or []
-            finish = ch.get("finish_reason") or finish
-    return ids, finish
 
 
 def _worker(fe, wid: str) -> dict:
@@ -114,7 +101,7 @@ def test_a_weight_load_with_health_silent_keeps_the_worker_and_its_paused_stream
         assert rotation.stop() == {True}
         status, chunks = out[0]
         assert status == 200
-        ids, finish = _ids(protocol, chunks)
+        ids, finish = stream_answer(protocol, chunks)
         if protocol == "sglang":
             assert finish == {"type": "length", "length": N}
             # The load landed while the stream was held: the rest is the new weights'.

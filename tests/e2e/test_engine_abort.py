@@ -12,7 +12,8 @@ import httpx
 import orjson
 import pytest
 
-from support import RawClient, Traced, post, sse, start_frontend, start_sim, stats, wait_until
+from support import (RawClient, Traced, finish_type, post, sse, start_frontend, start_sim, stats, stream_answer,
+                     wait_until)
 from wire_proxy import WireProxy
 
 pytestmark = pytest.mark.e2e
@@ -48,18 +49,8 @@ def _body(engine: str, rid: str, stream: bool) -> dict:
 
 def _finish(engine: str, stream: bool, got) -> tuple[object, int]:
     """The answer's finish reason and output token count."""
-    if stream:
-        objs = [orjson.loads(c) for c in got[1] if c != b"[DONE]"]
-    else:
-        objs = [got.json()]
-    if engine == "sglang":
-        return objs[-1]["meta_info"]["finish_reason"]["type"], len(objs[-1]["output_ids"])
-    ids, finish = [], None
-    for o in objs:
-        for ch in o.get("choices", []):
-            ids += ch.get("token_ids") or []
-            finish = ch.get("finish_reason") or finish
-    return finish, len(ids)
+    ids, finish = stream_answer(engine, got[1] if stream else [got.content])
+    return finish_type(finish), len(ids)
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])

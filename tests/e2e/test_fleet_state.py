@@ -11,11 +11,10 @@ import glob
 import threading
 
 import httpx
-import orjson
 import pytest
 
-from support import (Proc, generating, listening_socket, post, sampled, sse, start_frontend, start_sim, stats,
-                     trace_records, wait_until)
+from support import (Proc, finish_type, generating, listening_socket, post, sampled, sse, start_frontend, start_sim,
+                     stats, stream_answer, trace_records, wait_until)
 
 pytestmark = pytest.mark.e2e
 
@@ -45,15 +44,8 @@ def _body(protocol: str, i: int, tag: str) -> tuple[str, dict]:
 
 
 def _answer(protocol: str, chunks: list[bytes]) -> tuple[list[int], str | None]:
-    objs = [orjson.loads(c) for c in chunks if c != b"[DONE]"]
-    if protocol == "sglang":
-        return objs[-1]["output_ids"], (objs[-1]["meta_info"]["finish_reason"] or {}).get("type")
-    ids, finish = [], None
-    for o in objs:
-        for ch in o.get("choices", []):
-            ids += ch.get("token_ids") or []
-            finish = ch.get("finish_reason") or finish
-    return ids, finish
+    ids, finish = stream_answer(protocol, chunks)
+    return ids, finish_type(finish)
 
 
 def _cycle(url: str, protocol: str, version: str, transaction: str) -> None:

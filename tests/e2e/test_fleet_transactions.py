@@ -21,7 +21,7 @@ import httpx
 import orjson
 import pytest
 
-from support import generating, held_fleet, post, sampled, sse, trace_records, wait_until
+from support import generating, held_fleet, post, sampled, start_streams, stream_answer, trace_records, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -50,16 +50,7 @@ def _body(protocol: str, prompt: list[int], rid: str, stream: bool = True) -> tu
 
 
 def _streams(fe, protocol: str, tag: str, headers: dict | None = None) -> tuple[list[threading.Thread], list]:
-    out: list = [None] * len(PROMPTS)
-
-    def one(i: int) -> None:
-        path, body = _body(protocol, PROMPTS[i], f"{tag}-{i}")
-        out[i] = sse(fe.url, body, path, headers=headers or {})
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    return threads, out
+    return start_streams(fe.url, [_body(protocol, p, f"{tag}-{i}") for i, p in enumerate(PROMPTS)], headers)
 
 
 def _sglang_runs(chunks: list[bytes]) -> tuple[list[int], object, list[tuple[str, int]]]:
@@ -80,17 +71,6 @@ def _sglang_runs(chunks: list[bytes]) -> tuple[list[int], object, list[tuple[str
             else:
                 runs.append((meta["weight_version"], new))
     return ids, meta.get("finish_reason"), runs
-
-
-def _vllm_ids(chunks: list[bytes]) -> tuple[list[int], object]:
-    ids, finish = [], None
-    for c in chunks:
-        if c == b"[DONE]":
-            continue
-        for ch in orjson.loads(c).get("choices", []):
-            ids += ch.get("token_ids") or []
-            finish = ch.get("finish_reason") or finish
-    return ids, finish
 
 
 def _records(base: str, tag: str, count: int) -> dict[str, dict]:
@@ -210,7 +190,7 @@ def test_vllm_segments_are_the_weight_versions_the_engine_reported(fleet):
     assert post(fe.url, {}, "/resume").status_code == 200
     records = _ended(threads, base, tag)
     for i, (status, chunks) in enumerate(out):
-        ids, finish = _vllm_ids(chunks)
+        ids, finish = stream_answer("vllm", chunks)
         assert status == 200 and len(ids) == N and finish == "length"
         rec = records[f"{tag}-{i}"]
         (v0, k), (v1, rest) = _segments(rec)

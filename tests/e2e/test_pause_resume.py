@@ -12,8 +12,8 @@ import httpx
 import orjson
 import pytest
 
-from support import (generating, held_fleet, post, sampled, sse, start_frontend, start_sim, stats, trace_records,
-                     wait_until)
+from support import (generating, held_fleet, post, sampled, start_frontend, start_streams, stream_answer, start_sim,
+                     stats, trace_records, wait_until)
 
 pytestmark = pytest.mark.e2e
 
@@ -37,29 +37,14 @@ def _body(protocol: str, prompt: list[int], rid: str) -> tuple[str, dict]:
 
 def _ids(protocol: str, chunks: list[bytes]) -> tuple[list[int], object, object]:
     """Output ids, finish reason and (SGLang) the last chunk's weight version."""
-    objs = [orjson.loads(c) for c in chunks if c != b"[DONE]"]
-    if protocol == "sglang":
-        meta = objs[-1]["meta_info"]
-        return objs[-1]["output_ids"], meta["finish_reason"], meta["weight_version"]
-    ids, finish = [], None
-    for o in objs:
-        for ch in o.get("choices", []):
-            ids += ch.get("token_ids") or []
-            finish = ch.get("finish_reason") or finish
-    return ids, finish, None
+    ids, finish = stream_answer(protocol, chunks)
+    last = next(c for c in reversed(chunks) if c != b"[DONE]")
+    version = orjson.loads(last)["meta_info"]["weight_version"] if protocol == "sglang" else None
+    return ids, finish, version
 
 
 def _run(fe, protocol: str, tag: str, headers: dict | None = None) -> tuple[list[threading.Thread], list]:
-    out: list = [None] * len(PROMPTS)
-
-    def one(i: int) -> None:
-        path, body = _body(protocol, PROMPTS[i], f"{tag}-{i}")
-        out[i] = sse(fe.url, body, path, headers=headers or {})
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    return threads, out
+    return start_streams(fe.url, [_body(protocol, p, f"{tag}-{i}") for i, p in enumerate(PROMPTS)], headers)
 
 
 def _cycle(sims, fe, protocol: str, version: str) -> None:
