@@ -119,6 +119,27 @@ class CacheAwarePolicy(Policy):
         """Empty ``worker``'s tree."""
         self.trees.pop(worker.id, None)
 
+    def held(self, key: str, candidates: Sequence[Candidate]) -> dict[str, int]:
+        """Worker id to the characters of ``key`` its tree holds (the kind
+        marker counted), for each of ``candidates`` whose tree holds more
+        than the marker; the others hold none of the prompt."""
+        trees = self.trees
+        out = {}
+        for w in candidates:
+            tree = trees.get(w.id)
+            if tree is not None and (m := tree.match(key)) > 1:
+                out[w.id] = m
+        return out
+
+    def cached_tokens(self, worker_id: str) -> int:
+        """Characters ``worker_id``'s tree holds (0 without a tree)."""
+        tree = self.trees.get(worker_id)
+        return tree.tokens if tree is not None else 0
+
+    def learn(self, worker: Candidate, key: str) -> None:
+        """``key`` was routed to ``worker``: its tree takes it."""
+        self.tree(worker).insert(key)
+
     def choose(self, candidates: Sequence[W], key: Any, least: Least[W]) -> W:
         """See the module docstring."""
         loads = [w.outstanding for w in candidates]
@@ -127,17 +148,16 @@ class CacheAwarePolicy(Policy):
             self.imbalanced += 1
             worker = least(candidates)
         else:
-            trees = self.trees
-            matched = [t.match(key) if (t := trees.get(w.id)) is not None else 0 for w in candidates]
-            best = max(matched)
+            held = self.held(key, candidates)
+            best = max(held.values(), default=1)
             # The key's first character is its kind marker, not prompt.
             if (best - 1) / (len(key) - 1) > self.cache_threshold:
                 self.hits += 1
-                worker = least([w for w, m in zip(candidates, matched) if m == best])
+                worker = least([w for w in candidates if held.get(w.id) == best])
             else:
                 self.misses += 1
                 worker = least(candidates)
-        self.tree(worker).insert(key)
+        self.learn(worker, key)
         return worker
 
     def stats(self) -> dict[str, Any]:

@@ -194,6 +194,9 @@ class KVAwarePolicy(Policy):
         prompt = len(key.tree) - 1
         kvs = [self._kv(w) for w in candidates]
         overlaps = self._overlaps(key, kvs, now) if key.ids is not None else {}
+        fallback = self.fallback
+        # Tree-scored workers: the fallback trees' matches (one call for all).
+        tree_held = fallback.held(key.tree, [w for w, kv in zip(candidates, kvs) if kv.index not in overlaps])
         costs = []
         for w, kv in zip(candidates, kvs):
             index = kv.index
@@ -205,9 +208,8 @@ class KVAwarePolicy(Policy):
                 queued = (index.pending - guessed) * index.block_size
                 cached = (index.blocks + index.pending) * index.block_size
             else:
-                tree = self.fallback.trees.get(w.id)
-                held = tree.match(key.tree) - 1 if tree is not None else 0
-                cached = tree.tokens if tree is not None else 0
+                held = max(tree_held.get(w.id, 1) - 1, 0)
+                cached = fallback.cached_tokens(w.id)
             requests = kv.requests(w.outstanding)
             cost = self.overlap_weight * (prompt - held) + self.queued_weight * queued + self.load_weight * requests
             if self.active_weight:
@@ -236,7 +238,7 @@ class KVAwarePolicy(Policy):
             kv.index.predict(key.hashes(kv.index.block_size), now, walked[0] if not walked[1] else 0)
         else:
             self.by_tree += 1
-        self.fallback.tree(best).insert(key.tree)
+        self.fallback.learn(best, key.tree)
         return best
 
     @staticmethod
