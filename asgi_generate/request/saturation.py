@@ -98,7 +98,8 @@ class Saturation:
         #: Readings taken at the fast pace, and skipped turns of the shared
         #: policy reader (figures for ``/stats``).
         self.fast = 0
-        self._hurry: anyio.Event | None = None
+        #: What each reader at the idle pace waits on (:meth:`hurry` sets them all).
+        self._sleepers: set[anyio.Event] = set()
 
     def headroom(self, worker: Any, now: float) -> int | None:
         """Engine requests ``worker`` takes beyond the others' (its limit
@@ -156,14 +157,14 @@ class Saturation:
     @property
     def idle(self) -> bool:
         """Whether a reader waits at the idle pace (:meth:`hurry` would wake it)."""
-        return self._hurry is not None
+        return bool(self._sleepers)
 
     def hurry(self) -> None:
         """Demand came (a request waits, or the room got tight): every
         reader at the idle pace reads now and then at the fast pace."""
-        if self._hurry is not None:
-            self._hurry.set()
-            self._hurry = None
+        for sleeper in self._sleepers:
+            sleeper.set()
+        self._sleepers.clear()
 
     async def read(self, worker: Any, own: Callable[[], int], on_reading: Callable[[], None],
                    busy: Callable[[], bool], share: LoadShare | None = None) -> None:
@@ -174,7 +175,8 @@ class Saturation:
         change nothing: :meth:`_pace`; else ``idle_interval``, cut short
         by :meth:`hurry`). With ``share`` (the routing policy's
         reader of the same route), it also reads whenever the policy's is
-        due, ticking at its interval, and hands the policy each reading.
+        due (busy: ticking at its interval; idle: woken when the policy's
+        reading comes due, never polling), and hands the policy each reading.
         Runs until cancelled; returns at once when its engine has no load
         route (it then never counts as having room)."""
         path = worker.protocol.load_path
@@ -225,15 +227,19 @@ class Saturation:
                 pace = self._pace(hot, calm)
                 now = self.clock()
             wait = pace - (now - last) if worker.healthy else pace
-            if share is not None:
-                wait = min(wait, share.interval)
-            if hot or share is not None:
+            if hot:
+                if share is not None:
+                    wait = min(wait, share.interval)
                 await anyio.sleep(max(0.0, wait))
-            else:  # idle: a request that has to wait wakes it
-                if self._hurry is None:
-                    self._hurry = anyio.Event()
+            else:  # idle: a request that has to wait wakes it, as does the policy's reading coming due
+                woken = anyio.Event()
+                self._sleepers.add(woken)
+                if share is not None and worker.healthy:
+                    wait = min(wait, share.until_due(now))
+                    share.notify(woken)
                 with anyio.move_on_after(max(0.0, wait)):
-                    await self._hurry.wait()
+                    await woken.wait()
+                self._sleepers.discard(woken)
                 if not busy():
                     continue
                 last, calm = -float("inf"), 0  # hurried: read now, then at the fast pace

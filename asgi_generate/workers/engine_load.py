@@ -17,7 +17,7 @@ server to its ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..protocols import PROTOCOLS
 
@@ -71,6 +71,14 @@ class LoadShare(Protocol):
 
     def due(self, now: float) -> bool:
         """Whether it wants a reading at ``now`` (monotonic seconds)."""
+
+    def until_due(self, now: float) -> float:
+        """Seconds from ``now`` until it wants a reading if nothing happens
+        at the worker meanwhile (0: :meth:`due` now)."""
+
+    def notify(self, event: Any) -> None:
+        """Set ``event`` (an :class:`anyio.Event`) when something at the
+        worker makes a reading due sooner than :meth:`until_due` said."""
 
     def begin(self) -> int:
         """A reading is being asked for now; what :meth:`end` is handed back."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import anyio
 import msgspec
@@ -156,11 +156,15 @@ class Subscriber:
             replay; rebuilds: gaps replay could not fill; restarts: the
             sequence went back; bad: undecodable batches.
         last_seq: the last sequence number applied, ``None`` before any.
+
+    ``on_batch`` is called after each batch is applied (the policy's load
+    reader waits on it: :meth:`~asgi_generate.workers.policies.kv_worker.WorkerKV.wake`).
     """
 
-    def __init__(self, source: Source, sink: Sink) -> None:
+    def __init__(self, source: Source, sink: Sink, on_batch: Callable[[], None] | None = None) -> None:
         self.source = source
         self.sink = sink
+        self.on_batch = on_batch
         self.last_seq: int | None = None
         self.batches = self.events = self.gaps = self.replays = self.rebuilds = self.restarts = self.bad = 0
 
@@ -244,6 +248,8 @@ class Subscriber:
         self.batches += 1
         self.events += len(events)
         self.sink.apply(events)
+        if self.on_batch is not None:
+            self.on_batch()
 
 
 def _replay(ctx: zmq.Context, endpoint: str | None, start: int, stop: int | None) -> list[tuple[int, bytes]] | None:

@@ -227,8 +227,9 @@ async def test_a_gap_replay_cannot_fill_rebuilds():
 async def test_a_burst_of_batches_is_taken_on_the_event_loop_in_order(monkeypatch):
     """Live batches are received without a worker thread (the socket's
     zmq.FD is waited on by the event loop): only the start's replay runs
-    in one. A burst published at once arrives whole and in order, and an
-    idle subscriber makes no thread calls at all."""
+    in one. A burst published at once arrives whole and in order, each
+    batch told to ``on_batch`` (the policy's load reader wakes on it), and
+    an idle subscriber makes no thread calls at all."""
     threads = []
     real = anyio.to_thread.run_sync
 
@@ -239,7 +240,8 @@ async def test_a_burst_of_batches_is_taken_on_the_event_loop_in_order(monkeypatc
     monkeypatch.setattr(anyio.to_thread, "run_sync", counted)
     pub = _publisher()
     sink = Recorder()
-    sub = Subscriber(Source(pub.endpoint, pub.replay_endpoint), sink)
+    told = []
+    sub = Subscriber(Source(pub.endpoint, pub.replay_endpoint), sink, on_batch=lambda: told.append(sub.batches))
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(sub.run)
@@ -253,6 +255,7 @@ async def test_a_burst_of_batches_is_taken_on_the_event_loop_in_order(monkeypatc
             await _until(lambda: sub.last_seq == first + 50)
             assert [e.hashes[0] for e in sink.events[-50:]] == list(range(200, 250))
             assert threads == ["_replay"] and (sub.gaps, sub.rebuilds) == (0, 0)
+            assert told == list(range(1, sub.batches + 1))
             tg.cancel_scope.cancel()
     finally:
         pub.close()

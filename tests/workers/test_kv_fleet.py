@@ -190,23 +190,28 @@ def test_an_idle_engines_load_is_read_again_only_once_something_moves():
 
 def test_the_load_reader_skips_an_idle_engine_and_reads_a_busy_one():
     """The reader's loop over an engine that answers 0 requests, then 3:
-    idle, it reads once and then skips until this replica routes there."""
+    idle, it reads once and then sleeps, never polling, until this replica
+    routes there (the policy wakes it); then it reads at once, and every
+    interval while the engine is busy."""
     bodies = [b'{"loads": [{"num_running_reqs": 0, "num_waiting_reqs": 0}]}']
 
     worker = _Worker(0)
     worker.healthy, worker.pool = True, CallPool(lambda method, path, body: CannedAnswer(200, bodies[-1]))
     worker.protocol = PROTOCOLS["sglang"]
-    policy = KVAwarePolicy(load_interval=0.01)
+    policy = KVAwarePolicy(load_interval=0.01, load_idle_interval=3600.0)
     kv = policy._kv(worker)
 
     async def run() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(read_loads, worker, kv, policy.load_interval, policy.load_idle_interval, policy.clock)
-            while kv.skipped < 5:
-                await anyio.sleep(0.005)
-            assert (len(worker.pool.calls), kv.readings) == (1, 1)
+            with anyio.fail_after(10):
+                while kv.waiter is None:
+                    await anyio.sleep(0.005)
+            await anyio.sleep(0.05)  # five intervals: a polling reader would have turned five times
+            assert (len(worker.pool.calls), kv.readings, kv.skipped) == (1, 1, 1)
             bodies.append(b'{"loads": [{"num_running_reqs": 3, "num_waiting_reqs": 0}]}')
             kv.routed += 1  # a route there: read at once, then every interval while busy
+            kv.wake()
             while kv.readings < 3:
                 await anyio.sleep(0.005)
             assert kv.engine == EngineLoad(3, 0)

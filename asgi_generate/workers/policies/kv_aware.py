@@ -227,6 +227,7 @@ class KVAwarePolicy(Policy):
         kv.peak = max(kv.peak, best.outstanding + 1)
         kv.per_request = moving_average(kv.per_request, key.sequences, kv.routed)
         kv.routed += 1
+        kv.wake()
         self.tokens_per_sequence = moving_average(self.tokens_per_sequence, key.tokens / key.sequences, self.keyed)
         self.keyed += 1
         if held:

@@ -1,8 +1,9 @@
 """The ``kv-aware`` policy's load readings: each engine's running and
 waiting requests (:mod:`~asgi_generate.workers.engine_load`: SGLang
 ``GET /v1/loads``, vLLM ``GET /metrics``), read every ``interval`` seconds
-while the worker is up, an idle engine's less often (:func:`read_due`),
-into its :class:`~asgi_generate.workers.policies.kv_worker.WorkerKV`.
+while the worker is up, an idle engine's less often (:func:`read_due`: its
+reader sleeps until the idle interval ends or something moves, never
+polls), into its :class:`~asgi_generate.workers.policies.kv_worker.WorkerKV`.
 
 With admission on, admission's reader of the same route takes the readings
 for the policy (:class:`KVLoads` is its
@@ -48,6 +49,22 @@ class KVLoads:
     def due(self, now: float) -> bool:
         """Whether the policy wants a reading at ``now`` (:func:`read_due`)."""
         return read_due(self.kv, self.worker.outstanding, now, self.idle_interval)
+
+    def until_due(self, now: float) -> float:
+        """Seconds from ``now`` until the policy wants a reading if nothing
+        happens at the worker meanwhile: when :meth:`due`, ``interval``
+        after the last (0: now); else, an idle engine's, ``idle_interval``
+        after it."""
+        if self.due(now):
+            return max(0.0, self.kv.read_at + self.interval - now)
+        return self.kv.read_at + self.idle_interval - now
+
+    def notify(self, event: anyio.Event) -> None:
+        """Set ``event`` when something happens at the worker that makes a
+        reading due before :meth:`until_due` says (a request routed there,
+        its engine publishing a batch of events:
+        :meth:`.kv_worker.WorkerKV.wake`); the last event given wins."""
+        self.kv.waiter = event
 
     def begin(self) -> int:
         """A reading is asked for now: the most requests this replica had
@@ -98,9 +115,15 @@ async def read_loads(worker: Any, kv: WorkerKV, interval: float, idle_interval: 
             share.down()
             await anyio.sleep(WATCH_S)
             continue
-        if not share.due(clock()):
+        now = clock()
+        if not share.due(now):
+            # Idle: no tick every interval to ask whether anything moved;
+            # the routing and the engine's own events say so (notify).
             kv.skipped += 1
-            await anyio.sleep(interval)
+            moved = anyio.Event()
+            share.notify(moved)
+            with anyio.move_on_after(share.until_due(now)):
+                await moved.wait()
             continue
         begun = share.begin()
         try:

@@ -43,7 +43,7 @@ async def follow_events(worker: Any, kv: WorkerKV, given: Source | None) -> None
                 continue
             if block_size:
                 kv.index.block_size = block_size
-            kv.subscriber = Subscriber(source, kv.index)
+            kv.subscriber = Subscriber(source, kv.index, kv.wake)
             kv.why_tree = ""
             await kv.subscriber.run()
     finally:

@@ -4,6 +4,8 @@ replica's share of it."""
 
 from __future__ import annotations
 
+import anyio
+
 from ..engine_load import EngineLoad
 from ..kv_events import Subscriber
 from ..kv_index import KVIndex
@@ -20,7 +22,7 @@ class WorkerKV:
     """What the policy keeps of one worker."""
 
     __slots__ = ("index", "worker", "subscriber", "why_tree", "engine", "others", "why_own", "readings", "peak",
-                 "per_request", "routed", "read_at", "read_mark", "skipped")
+                 "per_request", "routed", "read_at", "read_mark", "skipped", "waiter")
 
     def __init__(self, index: KVIndex, worker: Candidate) -> None:
         self.index = index
@@ -47,12 +49,21 @@ class WorkerKV:
         self.read_at = 0.0
         self.read_mark: tuple[int, int] = (-1, -1)
         self.skipped = 0
+        #: Set by :meth:`wake`: what an idle engine's load reader waits on.
+        self.waiter: anyio.Event | None = None
 
     def activity(self) -> tuple[int, int]:
         """What moves when anyone uses the worker: the requests this
         replica routed here, and the event batches its engine published
         (another replica's request is prefilled, and published, here)."""
         return self.routed, self.subscriber.batches if self.subscriber is not None else 0
+
+    def wake(self) -> None:
+        """:meth:`activity` moved (a request routed here, a batch of events
+        published): a load reader waiting on :attr:`waiter` reads now."""
+        if self.waiter is not None:
+            self.waiter.set()
+            self.waiter = None
 
     def requests(self, outstanding: int) -> float:
         """The fleet's requests here, in the engine's units, given this
