@@ -50,6 +50,8 @@ import time
 import httpx
 import orjson
 
+from asgi_generate.config import Settings
+
 from _procs import Child, LogDir, listening_socket, run_main, wait_ready
 
 KV_EVENTS = '{"publisher": "zmq", "endpoint": "tcp://*:0"}'
@@ -193,6 +195,7 @@ def cell(stack: contextlib.ExitStack, logs: LogDir, pool, urls: list[str], polic
     r1, m1 = sims_requests(pool, urls)
     out["idle_cpu_ms_s"] = (c1 - c0) / (t1 - t0) * 1000
     out["idle_routes"] = {k: v / (m1 - m0) for k, v in delta(r1, r0).items()}
+    out["idle_s"] = m1 - m0
     out["idle_req_s"] = sum(out["idle_routes"].values())
     c0, t0 = cpu_seconds(fe.pid), time.monotonic()
     asyncio.run(unary_load(port, args.requests, args.concurrency))
@@ -210,6 +213,7 @@ def cell(stack: contextlib.ExitStack, logs: LogDir, pool, urls: list[str], polic
     # From the middle of the idle phase's last read to the middle of this
     # one: the busy phase and the reads around it.
     out["busy_routes"] = {k: v / (m2 - m1) for k, v in busy.items()}
+    out["busy_s"] = m2 - m1
     out["busy_req_s"] = sum(out["busy_routes"].values())
     out["rss_mb"] = rss_mb(fe.pid)
     out["threads"] = threads(fe.pid)
@@ -326,8 +330,44 @@ def main() -> int:
     for r in rows:
         n = r["workers"]
         print(f"| {n} | {r['policy']} | " + " | ".join(f"{r['busy_routes'].get(k, 0) / n:.2f}" for k in routes) + " |")
+    failed = background_goals(rows)
     print(f"\nload at the end {load()}")
-    return 0
+    return 1 if failed else 0
+
+
+def bounds(policy: str, busy: bool) -> dict[str, float]:
+    """Requests per second per worker each background route may take, by
+    the default settings ``serve`` ran with here: health every
+    ``health_interval``, pause state and weight version every
+    ``fleet_state_interval``, and kv-aware's load reading every
+    ``kv_load_interval`` when busy, ``kv_load_idle_interval`` when idle."""
+    s = Settings()
+    out = {"GET /health": 1 / s.health_interval, "GET /ready": 1 / s.fleet_state_interval,
+           "GET /model_info": 1 / s.fleet_state_interval}
+    if policy == "kv-aware":
+        out["GET /v1/loads"] = 1 / (s.kv_load_interval if busy else s.kv_load_idle_interval)
+    return out
+
+
+def background_goals(rows: list[dict]) -> bool:
+    """Print, per cell, each background route's requests per worker
+    against its bound (:func:`bounds` over the phase's seconds, plus one:
+    a turn that falls in the window's edge); return whether any route went
+    past it or has no bound (a poll the settings do not declare)."""
+    print("\nGoal: background requests per worker within the settings' bounds "
+          "(rate x phase seconds + 1):\n")
+    failed = False
+    for r in rows:
+        n = r["workers"]
+        for phase in ("idle", "busy"):
+            routes, seconds = r[f"{phase}_routes"], r[f"{phase}_s"]
+            limit = bounds(r["policy"], phase == "busy")
+            over = [f"{k} {v * seconds / n:.1f} in {seconds:.1f} s"
+                    + (f" (bound {limit[k] * seconds + 1:.1f})" if k in limit else " (no bound)")
+                    for k, v in sorted(routes.items()) if k not in limit or v * seconds / n > limit[k] * seconds + 1]
+            failed |= bool(over)
+            print(f"- {n} workers, {r['policy']}, {phase}: " + ("; ".join(over) + ": MISSED" if over else "met"))
+    return failed
 
 
 if __name__ == "__main__":
