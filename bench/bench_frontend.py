@@ -214,12 +214,21 @@ def start_hop(
     if hop.startswith(BASELINE):
         # PYTHONSAFEPATH: -m would put the working directory (this
         # checkout, when run from its root) before PYTHONPATH.
-        argv = ["env", f"PYTHONPATH={baseline}", "PYTHONSAFEPATH=1", *argv]
+        argv = ["env", f"PYTHONPATH={baseline_path(baseline)}", "PYTHONSAFEPATH=1", *argv]
     child = Child(f"asgi-generate-{hop}", argv, cpus, log_dir, pass_fds=(sock.fileno(),))
     sock.close()
     stack.callback(child.stop)
     wait_ready(child, port, "GET", "/health")
     return child, port
+
+
+def baseline_path(baseline: pathlib.Path) -> str:
+    """``PYTHONPATH`` for a ``baseline-*`` hop: the checkout, then its codec
+    distributions (``codecs/*``), so that the engines the entry points name
+    are imported from the checkout too, not from this one's editable
+    installs, whose code may need what the baseline's core lacks."""
+    codecs = sorted(str(d) for d in (baseline / "codecs").glob("*") if d.is_dir())
+    return os.pathsep.join([str(baseline), *codecs])
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
