@@ -60,7 +60,7 @@ class _Node:
         self.stamp = stamp
 
 
-def _shared(edge: str, key: str, pos: int) -> int:
+def common_length(edge: str, key: str, pos: int) -> int:
     """How many leading characters of ``edge`` ``key`` has at ``pos``
     (at least 1: the caller found ``edge`` by ``key[pos]``)."""
     lo, hi = 1, min(len(edge), len(key) - pos)
@@ -114,7 +114,7 @@ class PrefixTree:
                 break
             edge = child.edge
             if not key.startswith(edge, pos):
-                return pos + _shared(edge, key, pos)
+                return pos + common_length(edge, key, pos)
             pos += len(edge)
             node = child
         return pos
@@ -133,7 +133,7 @@ class PrefixTree:
                 break
             edge = child.edge
             if not key.startswith(edge, pos):
-                held = pos + _shared(edge, key, pos)
+                held = pos + common_length(edge, key, pos)
                 child = self._split(child, held - pos)
             pos += len(child.edge)
             child.stamp = stamp

@@ -1,0 +1,267 @@
+"""One radix tree of the prompts routed to the whole fleet, each node
+listing the workers that hold it: the cache-aware policy's approximation of
+every engine's prefix cache.
+
+As in sglang-router's tree (``sgl-router/src/policies/tree.rs``), a node
+maps each worker holding it to the stamp of that worker's last use of it,
+and a worker holding a node holds its parent. A key is walked once,
+whatever the fleet's size: :meth:`FleetTree.deepest` gives the longest
+prefix of it any of some candidates hold, and which of them hold it.
+
+Bounds are per worker, as one
+:class:`~asgi_generate.workers.prefix_tree.PrefixTree` per worker had
+them: ``max_tokens`` characters and ``max_nodes`` nodes held (a node that
+another worker's key splits counts twice for each worker holding it).
+Past either, at once on every insert, the worker lets go of its least
+recently used leaves (nodes it holds with no child it holds) until both
+hold again; a node no worker holds leaves the tree. A key longer than
+``max_tokens`` is stored cut to it.
+
+Keys are :func:`~asgi_generate.workers.prefix_tree.token_key` and
+:func:`~asgi_generate.workers.prefix_tree.text_key` strings.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from .prefix_tree import common_length
+
+#: A leaf's children: shared, read-only (a leaf costs no dict of its own).
+_NO_CHILDREN: Mapping[str, "_Node"] = MappingProxyType({})
+#: Holders past which a node's holders among one candidate set are kept
+#: (:meth:`FleetTree.deepest`): intersecting them costs per holder.
+MEMO_HOLDERS = 16
+#: Nodes whose holders among candidates are kept at most.
+MEMO_NODES = 256
+
+
+class _Node:
+    __slots__ = ("edge", "children", "parent", "holders")
+
+    def __init__(self, edge: str, parent: "_Node | None") -> None:
+        self.edge = edge
+        self.children: Any = _NO_CHILDREN
+        self.parent = parent
+        #: worker id -> the stamp of its last use of this node
+        self.holders: dict[str, int] = {}
+
+
+class _Holder:
+    """One worker's share of the tree."""
+
+    __slots__ = ("tokens", "nodes", "evicted_tokens", "leaves", "kids")
+
+    def __init__(self) -> None:
+        self.tokens = self.nodes = self.evicted_tokens = 0
+        # (stamp, tie, node) of its leaves; stale entries are skipped when popped.
+        self.leaves: list[tuple[int, int, _Node]] = []
+        # node -> how many of its children it holds (nodes with none absent)
+        self.kids: dict[_Node, int] = {}
+
+
+class FleetTree:
+    """A radix tree of keys shared by the fleet, bounded per worker.
+
+    Args:
+        max_tokens: characters each worker may hold, >= 1.
+        max_nodes: nodes each worker may hold, >= 1.
+
+    Raises:
+        ValueError: a bound below 1.
+    """
+
+    def __init__(self, max_tokens: int, max_nodes: int) -> None:
+        if max_tokens < 1 or max_nodes < 1:
+            raise ValueError("a prefix tree needs room for at least one token and one node per worker")
+        self.max_tokens = max_tokens
+        self.max_nodes = max_nodes
+        self._root = _Node("", None)
+        self._holders: dict[str, _Holder] = {}
+        self._clock = itertools.count(1)
+        self._tie = itertools.count()
+        # node -> (candidate ids, those of them holding it), for nodes many hold
+        self._memo: dict[_Node, tuple[frozenset[str], frozenset[str]]] = {}
+
+    def _path(self, key: str) -> list[tuple[_Node, int]]:
+        """``(node, characters of key matched through it)`` along ``key``."""
+        path = []
+        node, pos, n = self._root, 0, len(key)
+        while pos < n:
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            edge = child.edge
+            if not key.startswith(edge, pos):
+                path.append((child, pos + common_length(edge, key, pos)))
+                break
+            pos += len(edge)
+            path.append((child, pos))
+            node = child
+        return path
+
+    def deepest(self, key: str, ids: frozenset[str]) -> tuple[int, frozenset[str]]:
+        """The characters of ``key`` (the kind marker counted) the workers of
+        ``ids`` that hold the most of it hold, and those workers' ids;
+        ``(0, frozenset())`` when none holds any."""
+        memo = self._memo
+        for node, matched in reversed(self._path(key)):
+            holders = node.holders
+            if len(holders) < MEMO_HOLDERS:
+                held = ids.intersection(holders)
+                if held:
+                    return matched, held
+                continue
+            if ids.isdisjoint(holders):
+                continue
+            kept = memo.get(node)
+            if kept is None or kept[0] is not ids:
+                if len(memo) >= MEMO_NODES:
+                    memo.clear()
+                kept = memo[node] = (ids, ids.intersection(holders))
+            return matched, kept[1]
+        return 0, frozenset()
+
+    def held(self, key: str, ids: frozenset[str]) -> dict[str, int]:
+        """Worker id to the characters of ``key`` it holds (the kind marker
+        counted), for each of ``ids`` holding more than the marker."""
+        out: dict[str, int] = {}
+        for node, matched in self._path(key):
+            if matched > 1:
+                out.update(dict.fromkeys(ids.intersection(node.holders), matched))
+        return out
+
+    def tokens(self, wid: str) -> int:
+        """Characters worker ``wid`` holds."""
+        holder = self._holders.get(wid)
+        return holder.tokens if holder is not None else 0
+
+    def insert(self, wid: str, key: str) -> None:
+        """Worker ``wid`` holds ``key`` (cut to ``max_tokens``), its whole
+        path its most recently used; then every worker whose share grew is
+        brought back within the bounds."""
+        holder = self._holders.get(wid)
+        if holder is None:
+            holder = self._holders[wid] = _Holder()
+        key = key[: self.max_tokens]
+        stamp = next(self._clock)
+        root = node = self._root
+        pos, n = 0, len(key)
+        split = None
+        while pos < n:
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            edge = child.edge
+            if not key.startswith(edge, pos):
+                child = split = self._split(child, common_length(edge, key, pos))
+            pos += len(child.edge)
+            self._hold(wid, holder, child, stamp)
+            node = child
+        if pos < n:
+            leaf = _Node(key[pos:], node)
+            if node.children is _NO_CHILDREN:
+                node.children = {}
+            node.children[key[pos]] = leaf
+            self._hold(wid, holder, leaf, stamp)
+            node = leaf
+        if node is not root and node not in holder.kids:
+            heapq.heappush(holder.leaves, (stamp, next(self._tie), node))
+        self._evict(wid, holder)
+        if split is not None:  # the split node counts once more for each of its holders
+            for other in list(split.holders):
+                self._evict(other, self._holders[other])
+
+    def _hold(self, wid: str, holder: _Holder, node: _Node, stamp: int) -> None:
+        holders = node.holders
+        if wid not in holders:
+            holder.tokens += len(node.edge)
+            holder.nodes += 1
+            parent = node.parent
+            if parent is not self._root:
+                holder.kids[parent] = holder.kids.get(parent, 0) + 1
+            self._memo.pop(node, None)
+        holders[wid] = stamp
+
+    def _split(self, child: _Node, at: int) -> _Node:
+        """Cut ``child``'s edge after ``at`` characters; return the new upper
+        node, which takes its place, held by the same workers."""
+        parent = child.parent
+        upper = _Node(child.edge[:at], parent)
+        upper.holders = dict(child.holders)
+        child.edge = child.edge[at:]
+        child.parent = upper
+        upper.children = {child.edge[0]: child}
+        parent.children[upper.edge[0]] = upper
+        for wid in upper.holders:
+            holder = self._holders[wid]
+            holder.nodes += 1
+            holder.kids[upper] = 1
+        return upper
+
+    def _detach(self, node: _Node) -> None:
+        """Take ``node`` (no worker holds it) out of the tree."""
+        parent = node.parent
+        children = parent.children
+        del children[node.edge[0]]
+        if not children:
+            parent.children = _NO_CHILDREN
+        node.parent = None
+
+    def _evict(self, wid: str, holder: _Holder) -> None:
+        leaves, kids = holder.leaves, holder.kids
+        while holder.tokens > self.max_tokens or holder.nodes > self.max_nodes:
+            stamp, _, node = heapq.heappop(leaves)
+            holders = node.holders
+            if holders.get(wid) != stamp or node in kids:
+                continue  # stale: let go of, no longer a leaf of it, or used since
+            del holders[wid]
+            self._memo.pop(node, None)
+            size = len(node.edge)
+            holder.tokens -= size
+            holder.nodes -= 1
+            holder.evicted_tokens += size
+            parent = node.parent
+            if not holders:
+                self._detach(node)
+            if parent is not self._root:
+                left = kids[parent] - 1
+                if left:
+                    kids[parent] = left
+                else:
+                    del kids[parent]
+                    heapq.heappush(leaves, (parent.holders[wid], next(self._tie), parent))
+        if len(leaves) > 2 * holder.nodes + 64:  # too many stale entries: keep the live ones
+            live = {}
+            for entry in leaves:
+                stamp, _, node = entry
+                if node.holders.get(wid) == stamp and node not in kids:
+                    live[node] = entry
+            holder.leaves = list(live.values())
+            heapq.heapify(holder.leaves)
+
+    def forget(self, wid: str) -> None:
+        """Worker ``wid`` holds nothing any more."""
+        holder = self._holders.pop(wid, None)
+        if holder is None:
+            return
+        root = self._root
+        # Every node it holds is on the way up from one of its leaves.
+        for _, _, node in holder.leaves:
+            while node is not root and wid in node.holders:
+                holders = node.holders
+                del holders[wid]
+                self._memo.pop(node, None)
+                parent = node.parent
+                if not holders:
+                    self._detach(node)
+                node = parent
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Worker id to its ``tokens``, ``nodes`` and ``evicted_tokens``,
+        for each worker the tree learned of since it last forgot it."""
+        return {wid: {"tokens": h.tokens, "nodes": h.nodes, "evicted_tokens": h.evicted_tokens}
+                for wid, h in sorted(self._holders.items())}
