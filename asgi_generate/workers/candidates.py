@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class CandidateList:
-    """The routable workers of one group, in group order (not empty).
+    """The routable workers of one group, in group order (maybe none).
 
     Args:
         workers: the routable workers of the group, in group order.
@@ -63,7 +63,8 @@ class CandidateList:
 
     def least(self, start: int) -> "Worker":
         """The first worker with the fewest outstanding requests in
-        round-robin order from group index ``start``."""
+        round-robin order from group index ``start`` (at least one is
+        listed)."""
         return self.workers[self._loads.first_least(self._start(start))]
 
     def rotated(self, start: int, exclude: Collection["Worker"]) -> Candidates:

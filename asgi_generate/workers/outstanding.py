@@ -87,26 +87,25 @@ del _name
 
 
 class LoadIndex:
-    """The sizes of a fixed list of :class:`Legs` (positions ``0 .. n-1``,
-    ``n >= 1``), kept as they change.
+    """The sizes of a fixed list of :class:`Legs` (positions ``0 .. n-1``),
+    kept as they change.
 
     Attributes:
-        low, high: the fewest and the most outstanding at any position.
+        low, high: the fewest and the most outstanding at any position (0
+            for no position).
         open: counting; :meth:`close` stops it (its sets drop it at their
             next change or watch).
     """
 
     def __init__(self, legs: list[Legs]) -> None:
-        if not legs:
-            raise ValueError("a load index counts at least one worker")
         self.open = True
         # load -> positions at that load, ascending
         self._at: dict[int, list[int]] = {}
         for position, riding in enumerate(legs):
             self._at.setdefault(len(riding), []).append(position)
             riding.watch(self, position)
-        self.low = min(self._at)
-        self.high = max(self._at)
+        self.low = min(self._at, default=0)
+        self.high = max(self._at, default=0)
 
     def close(self) -> None:
         """Stop counting (the candidate list it served was replaced)."""
@@ -132,7 +131,8 @@ class LoadIndex:
 
     def first_least(self, start: int) -> int:
         """The first position with the fewest outstanding at or after
-        ``start``, else the first with the fewest (round-robin order)."""
+        ``start``, else the first with the fewest (round-robin order); at
+        least one position."""
         bucket = self._at[self.low]
         i = bisect_left(bucket, start)
         return bucket[i] if i < len(bucket) else bucket[0]
