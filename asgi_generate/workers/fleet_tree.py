@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from .prefix_tree import common_length
 
@@ -40,14 +40,58 @@ MEMO_NODES = 256
 
 
 class _Node:
-    __slots__ = ("edge", "children", "parent", "holders")
+    __slots__ = ("edge", "children", "parent", "holders", "stamp")
 
     def __init__(self, edge: str, parent: "_Node | None") -> None:
         self.edge = edge
         self.children: Any = _NO_CHILDREN
         self.parent = parent
-        #: worker id -> the stamp of its last use of this node
-        self.holders: dict[str, int] = {}
+        # Who holds it: nobody (None), one worker (its id; its stamp in
+        # ``stamp``: most nodes, with no dict of their own) or several
+        # (worker id -> stamp).
+        self.holders: str | dict[str, int] | None = None
+        self.stamp = 0
+
+    def holder_ids(self) -> Collection[str]:
+        """The ids of the workers holding it."""
+        holders = self.holders
+        if holders.__class__ is dict:
+            return holders
+        return () if holders is None else (holders,)
+
+    def stamp_of(self, wid: str) -> int | None:
+        """Worker ``wid``'s last use of it, ``None`` if it does not hold it."""
+        holders = self.holders
+        if holders.__class__ is dict:
+            return holders.get(wid)
+        return self.stamp if holders == wid else None
+
+    def hold(self, wid: str, stamp: int) -> bool:
+        """Worker ``wid`` holds it, last used at ``stamp``; whether it did not before."""
+        holders = self.holders
+        if holders is None:
+            self.holders, self.stamp = wid, stamp
+            return True
+        if holders.__class__ is dict:
+            new = wid not in holders
+            holders[wid] = stamp
+            return new
+        if holders == wid:
+            self.stamp = stamp
+            return False
+        self.holders = {holders: self.stamp, wid: stamp}
+        return True
+
+    def release(self, wid: str) -> bool:
+        """Worker ``wid`` (a holder) lets go of it; whether nobody holds it now."""
+        holders = self.holders
+        if holders.__class__ is dict:
+            del holders[wid]
+            if len(holders) == 1:
+                ((self.holders, self.stamp),) = holders.items()
+            return False
+        self.holders = None
+        return True
 
 
 class _Holder:
@@ -109,7 +153,7 @@ class FleetTree:
         ``(0, frozenset())`` when none holds any."""
         memo = self._memo
         for node, matched in reversed(self._path(key)):
-            holders = node.holders
+            holders = node.holder_ids()
             if len(holders) < MEMO_HOLDERS:
                 held = ids.intersection(holders)
                 if held:
@@ -131,7 +175,7 @@ class FleetTree:
         out: dict[str, int] = {}
         for node, matched in self._path(key):
             if matched > 1:
-                out.update(dict.fromkeys(ids.intersection(node.holders), matched))
+                out.update(dict.fromkeys(ids.intersection(node.holder_ids()), matched))
         return out
 
     def tokens(self, wid: str) -> int:
@@ -172,31 +216,31 @@ class FleetTree:
             heapq.heappush(holder.leaves, (stamp, next(self._tie), node))
         self._evict(wid, holder)
         if split is not None:  # the split node counts once more for each of its holders
-            for other in list(split.holders):
+            for other in list(split.holder_ids()):
                 self._evict(other, self._holders[other])
 
     def _hold(self, wid: str, holder: _Holder, node: _Node, stamp: int) -> None:
-        holders = node.holders
-        if wid not in holders:
+        if node.hold(wid, stamp):
             holder.tokens += len(node.edge)
             holder.nodes += 1
             parent = node.parent
             if parent is not self._root:
                 holder.kids[parent] = holder.kids.get(parent, 0) + 1
             self._memo.pop(node, None)
-        holders[wid] = stamp
 
     def _split(self, child: _Node, at: int) -> _Node:
         """Cut ``child``'s edge after ``at`` characters; return the new upper
         node, which takes its place, held by the same workers."""
         parent = child.parent
         upper = _Node(child.edge[:at], parent)
-        upper.holders = dict(child.holders)
+        holders = child.holders
+        upper.holders = dict(holders) if holders.__class__ is dict else holders
+        upper.stamp = child.stamp
         child.edge = child.edge[at:]
         child.parent = upper
         upper.children = {child.edge[0]: child}
         parent.children[upper.edge[0]] = upper
-        for wid in upper.holders:
+        for wid in upper.holder_ids():
             holder = self._holders[wid]
             holder.nodes += 1
             holder.kids[upper] = 1
@@ -215,17 +259,16 @@ class FleetTree:
         leaves, kids = holder.leaves, holder.kids
         while holder.tokens > self.max_tokens or holder.nodes > self.max_nodes:
             stamp, _, node = heapq.heappop(leaves)
-            holders = node.holders
-            if holders.get(wid) != stamp or node in kids:
+            if node.stamp_of(wid) != stamp or node in kids:
                 continue  # stale: let go of, no longer a leaf of it, or used since
-            del holders[wid]
+            empty = node.release(wid)
             self._memo.pop(node, None)
             size = len(node.edge)
             holder.tokens -= size
             holder.nodes -= 1
             holder.evicted_tokens += size
             parent = node.parent
-            if not holders:
+            if empty:
                 self._detach(node)
             if parent is not self._root:
                 left = kids[parent] - 1
@@ -233,12 +276,12 @@ class FleetTree:
                     kids[parent] = left
                 else:
                     del kids[parent]
-                    heapq.heappush(leaves, (parent.holders[wid], next(self._tie), parent))
+                    heapq.heappush(leaves, (parent.stamp_of(wid), next(self._tie), parent))
         if len(leaves) > 2 * holder.nodes + 64:  # too many stale entries: keep the live ones
             live = {}
             for entry in leaves:
                 stamp, _, node = entry
-                if node.holders.get(wid) == stamp and node not in kids:
+                if node.stamp_of(wid) == stamp and node not in kids:
                     live[node] = entry
             holder.leaves = list(live.values())
             heapq.heapify(holder.leaves)
@@ -251,12 +294,11 @@ class FleetTree:
         root = self._root
         # Every node it holds is on the way up from one of its leaves.
         for _, _, node in holder.leaves:
-            while node is not root and wid in node.holders:
-                holders = node.holders
-                del holders[wid]
+            while node is not root and node.stamp_of(wid) is not None:
+                empty = node.release(wid)
                 self._memo.pop(node, None)
                 parent = node.parent
-                if not holders:
+                if empty:
                     self._detach(node)
                 node = parent
 

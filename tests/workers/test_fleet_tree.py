@@ -97,9 +97,9 @@ def test_without_eviction_it_answers_as_one_prefix_tree_per_worker(ops):
     # Every node in the tree is held, and by workers holding its parent.
     tree = policy.tree
     for node in _walk(tree):
-        assert node.holders and node.edge
+        assert node.holder_ids() and node.edge
         if node.parent is not tree._root:
-            assert set(node.holders) <= set(node.parent.holders)
+            assert set(node.holder_ids()) <= set(node.parent.holder_ids())
 
 
 @settings(max_examples=200, deadline=None)
@@ -129,12 +129,12 @@ def test_with_small_bounds_each_worker_stays_within_them(max_tokens, max_nodes, 
         nodes = list(_walk(tree))
         for w, s in tree.stats().items():
             assert s["tokens"] <= max_tokens and s["nodes"] <= max_nodes
-            mine = [n for n in nodes if w in n.holders]
+            mine = [n for n in nodes if w in n.holder_ids()]
             assert (s["tokens"], s["nodes"]) == (sum(len(n.edge) for n in mine), len(mine))
         for node in nodes:
-            assert node.holders and node.edge
+            assert node.holder_ids() and node.edge
             if node.parent is not tree._root:
-                assert set(node.holders) <= set(node.parent.holders)
+                assert set(node.holder_ids()) <= set(node.parent.holder_ids())
 
 
 def test_eviction_is_each_worker_s_own_lru():
