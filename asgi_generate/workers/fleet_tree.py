@@ -40,17 +40,24 @@ MEMO_NODES = 256
 
 
 class _Node:
-    __slots__ = ("edge", "children", "parent", "holders", "stamp")
+    __slots__ = ("edge", "children", "parent", "holders", "stamp", "kids")
 
     def __init__(self, edge: str, parent: "_Node | None") -> None:
         self.edge = edge
         self.children: Any = _NO_CHILDREN
         self.parent = parent
         # Who holds it: nobody (None), one worker (its id; its stamp in
-        # ``stamp``: most nodes, with no dict of their own) or several
-        # (worker id -> stamp).
+        # ``stamp``, and how many of the children it holds in ``kids``: most
+        # nodes, with no dict of their own) or several (worker id -> stamp;
+        # each one's count of children held in its _Holder.kids).
         self.holders: str | dict[str, int] | None = None
         self.stamp = 0
+        self.kids = 0
+
+    def __lt__(self, other: "_Node") -> bool:
+        # Leaf heaps order by stamp; nodes tied on one are in any order
+        # (no tie-breaking counter: an int less per leaf).
+        return False
 
     def holder_ids(self) -> Collection[str]:
         """The ids of the workers holding it."""
@@ -66,8 +73,27 @@ class _Node:
             return holders.get(wid)
         return self.stamp if holders == wid else None
 
-    def hold(self, wid: str, stamp: int) -> bool:
-        """Worker ``wid`` holds it, last used at ``stamp``; whether it did not before."""
+    def kids_of(self, kids: dict["_Node", int]) -> int:
+        """How many of its children a worker holding it holds (``kids``:
+        that worker's counts)."""
+        return kids.get(self, 0) if self.holders.__class__ is dict else self.kids
+
+    def add_kids(self, kids: dict["_Node", int], delta: int) -> int:
+        """A worker holding it (``kids``: its counts) holds ``delta`` more of
+        its children; returns how many it holds now."""
+        if self.holders.__class__ is dict:
+            left = kids.get(self, 0) + delta
+            if left:
+                kids[self] = left
+            else:
+                kids.pop(self, None)
+            return left
+        self.kids += delta
+        return self.kids
+
+    def hold(self, wid: str, stamp: int, holders_of: dict[str, "_Holder"]) -> bool:
+        """Worker ``wid`` holds it, last used at ``stamp``; whether it did
+        not before (``holders_of``: every worker's share)."""
         holders = self.holders
         if holders is None:
             self.holders, self.stamp = wid, stamp
@@ -79,18 +105,25 @@ class _Node:
         if holders == wid:
             self.stamp = stamp
             return False
+        if self.kids:  # the first holder's count moves to its own counts
+            holders_of[holders].kids[self] = self.kids
+            self.kids = 0
         self.holders = {holders: self.stamp, wid: stamp}
         return True
 
-    def release(self, wid: str) -> bool:
-        """Worker ``wid`` (a holder) lets go of it; whether nobody holds it now."""
+    def release(self, wid: str, holders_of: dict[str, "_Holder"]) -> bool:
+        """Worker ``wid`` (a holder) lets go of it; whether nobody holds it
+        now."""
         holders = self.holders
         if holders.__class__ is dict:
             del holders[wid]
             if len(holders) == 1:
-                ((self.holders, self.stamp),) = holders.items()
+                ((last, self.stamp),) = holders.items()
+                self.holders = last
+                self.kids = holders_of[last].kids.pop(self, 0)
             return False
         self.holders = None
+        self.kids = 0
         return True
 
 
@@ -101,9 +134,10 @@ class _Holder:
 
     def __init__(self) -> None:
         self.tokens = self.nodes = self.evicted_tokens = 0
-        # (stamp, tie, node) of its leaves; stale entries are skipped when popped.
-        self.leaves: list[tuple[int, int, _Node]] = []
-        # node -> how many of its children it holds (nodes with none absent)
+        # (stamp, node) of its leaves; stale entries are skipped when popped.
+        self.leaves: list[tuple[int, _Node]] = []
+        # node -> how many of its children it holds, for nodes several
+        # workers hold and it holds children of (see _Node.kids)
         self.kids: dict[_Node, int] = {}
 
 
@@ -126,7 +160,6 @@ class FleetTree:
         self._root = _Node("", None)
         self._holders: dict[str, _Holder] = {}
         self._clock = itertools.count(1)
-        self._tie = itertools.count()
         # node -> (candidate ids, those of them holding it), for nodes many hold
         self._memo: dict[_Node, tuple[frozenset[str], frozenset[str]]] = {}
 
@@ -212,20 +245,20 @@ class FleetTree:
             node.children[key[pos]] = leaf
             self._hold(wid, holder, leaf, stamp)
             node = leaf
-        if node is not root and node not in holder.kids:
-            heapq.heappush(holder.leaves, (stamp, next(self._tie), node))
+        if node is not root and not node.kids_of(holder.kids):
+            heapq.heappush(holder.leaves, (stamp, node))
         self._evict(wid, holder)
         if split is not None:  # the split node counts once more for each of its holders
             for other in list(split.holder_ids()):
                 self._evict(other, self._holders[other])
 
     def _hold(self, wid: str, holder: _Holder, node: _Node, stamp: int) -> None:
-        if node.hold(wid, stamp):
+        if node.hold(wid, stamp, self._holders):
             holder.tokens += len(node.edge)
             holder.nodes += 1
             parent = node.parent
             if parent is not self._root:
-                holder.kids[parent] = holder.kids.get(parent, 0) + 1
+                parent.add_kids(holder.kids, 1)
             self._memo.pop(node, None)
 
     def _split(self, child: _Node, at: int) -> _Node:
@@ -234,16 +267,21 @@ class FleetTree:
         parent = child.parent
         upper = _Node(child.edge[:at], parent)
         holders = child.holders
-        upper.holders = dict(holders) if holders.__class__ is dict else holders
         upper.stamp = child.stamp
         child.edge = child.edge[at:]
         child.parent = upper
         upper.children = {child.edge[0]: child}
         parent.children[upper.edge[0]] = upper
-        for wid in upper.holder_ids():
-            holder = self._holders[wid]
-            holder.nodes += 1
-            holder.kids[upper] = 1
+        # Each holder holds the one child, counted where one holder's count is.
+        if holders.__class__ is dict:
+            upper.holders = dict(holders)
+            for wid in holders:
+                holder = self._holders[wid]
+                holder.nodes += 1
+                holder.kids[upper] = 1
+        else:
+            upper.holders, upper.kids = holders, 1
+            self._holders[holders].nodes += 1
         return upper
 
     def _detach(self, node: _Node) -> None:
@@ -258,10 +296,10 @@ class FleetTree:
     def _evict(self, wid: str, holder: _Holder) -> None:
         leaves, kids = holder.leaves, holder.kids
         while holder.tokens > self.max_tokens or holder.nodes > self.max_nodes:
-            stamp, _, node = heapq.heappop(leaves)
-            if node.stamp_of(wid) != stamp or node in kids:
+            stamp, node = heapq.heappop(leaves)
+            if node.stamp_of(wid) != stamp or node.kids_of(kids):
                 continue  # stale: let go of, no longer a leaf of it, or used since
-            empty = node.release(wid)
+            empty = node.release(wid, self._holders)
             self._memo.pop(node, None)
             size = len(node.edge)
             holder.tokens -= size
@@ -270,18 +308,13 @@ class FleetTree:
             parent = node.parent
             if empty:
                 self._detach(node)
-            if parent is not self._root:
-                left = kids[parent] - 1
-                if left:
-                    kids[parent] = left
-                else:
-                    del kids[parent]
-                    heapq.heappush(leaves, (parent.stamp_of(wid), next(self._tie), parent))
+            if parent is not self._root and not parent.add_kids(kids, -1):
+                heapq.heappush(leaves, (parent.stamp_of(wid), parent))
         if len(leaves) > 2 * holder.nodes + 64:  # too many stale entries: keep the live ones
             live = {}
             for entry in leaves:
-                stamp, _, node = entry
-                if node.stamp_of(wid) == stamp and node not in kids:
+                stamp, node = entry
+                if node.stamp_of(wid) == stamp and not node.kids_of(kids):
                     live[node] = entry
             holder.leaves = list(live.values())
             heapq.heapify(holder.leaves)
@@ -293,9 +326,9 @@ class FleetTree:
             return
         root = self._root
         # Every node it holds is on the way up from one of its leaves.
-        for _, _, node in holder.leaves:
+        for _, node in holder.leaves:
             while node is not root and node.stamp_of(wid) is not None:
-                empty = node.release(wid)
+                empty = node.release(wid, self._holders)
                 self._memo.pop(node, None)
                 parent = node.parent
                 if empty:
