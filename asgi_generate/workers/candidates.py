@@ -13,7 +13,7 @@ worker one by one, whatever the fleet's size.
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Collection
+from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 from .outstanding import LoadIndex
 from .policies import Candidates, loads_of
@@ -82,13 +82,13 @@ class CandidateList:
                 return Candidates(left, self.ids.difference(w.id for w in gone), min(loads), max(loads))
         return Candidates(ws, self.ids, self._loads.low, self._loads.high, self._rank, p)
 
-    def least_of(self, candidates: Candidates, start: int):
+    def least_of(self, candidates: Candidates, start: int) -> Callable[[Sequence["Worker"]], "Worker"]:
         """The ``least`` a policy is handed for ``candidates`` (from
         :meth:`rotated` at ``start``): counted for that very list, read at C
         speed for any other."""
         whole = len(candidates) == len(self.workers)  # none excluded: the loads counted are its loads
 
-        def least(workers):
+        def least(workers: Sequence["Worker"]) -> "Worker":
             if workers is candidates and whole:
                 return self.least(start)
             loads = loads_of(workers)

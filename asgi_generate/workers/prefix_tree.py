@@ -1,10 +1,12 @@
 """A radix tree over prompts with a capacity and LRU eviction.
 
-Two users: the cache-aware routing policy keeps one per worker, an
-approximation of what that worker's engine holds in its prefix cache
-(:mod:`asgi_generate.workers.policies`); the engine simulator keeps one as
-its prefix cache (:mod:`asgi_generate.sim.engine`), as SGLang's
-``RadixCache`` (``mem_cache/radix_cache.py``) does over token ids.
+The keys (:func:`token_key`, :func:`text_key`) and the edge matching
+(:func:`common_length`) are those of the cache-aware policy's fleet tree
+(:mod:`asgi_generate.workers.fleet_tree`), which holds what one
+:class:`PrefixTree` per worker would, in one tree whose nodes list their
+workers; :class:`PrefixTree` is the one-tree-per-worker reading its tests
+check it against, as SGLang's ``RadixCache`` (``mem_cache/radix_cache.py``)
+is one tree over token ids.
 
 Keys are ``str``: a token id prompt becomes one character per token
 (:func:`token_key`), so matching and splitting run on C string operations

@@ -5,10 +5,12 @@ worker within its bounds when things are."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from unittest.mock import patch
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asgi_generate.workers import fleet_tree
 from asgi_generate.workers.fleet_tree import FleetTree
 from asgi_generate.workers.policies.cache_aware import CacheAwarePolicy
 from asgi_generate.workers.prefix_tree import PrefixTree, token_key
@@ -36,15 +38,6 @@ def _key(base: int, cut: int, tail: list[int]) -> str:
 
 def _reference_held(trees: dict[str, PrefixTree], key: str) -> dict[str, int]:
     return {wid: m for wid, t in trees.items() if (m := t.match(key)) > 1}
-
-
-def _lcp(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _walk(tree: FleetTree):
@@ -131,6 +124,8 @@ def test_with_small_bounds_each_worker_stays_within_them(max_tokens, max_nodes, 
             assert s["tokens"] <= max_tokens and s["nodes"] <= max_nodes
             mine = [n for n in nodes if w in n.holder_ids()]
             assert (s["tokens"], s["nodes"]) == (sum(len(n.edge) for n in mine), len(mine))
+            kids = tree._holders[w].kids  # children held, as eviction reads them
+            assert all(n.kids_of(kids) == sum(w in c.holder_ids() for c in n.children.values()) for n in mine)
         for node in nodes:
             assert node.holder_ids() and node.edge
             if node.parent is not tree._root:
@@ -172,3 +167,40 @@ def test_deepest_among_many_holders_follows_membership_changes():
     t.insert("w7", token_key(system))
     assert t.deepest(key, ids) == (101, ids)
     assert t.deepest(key, frozenset(wids[:3])) == (101, frozenset(wids[:3]))
+
+
+MANY = [f"w{i}" for i in range(24)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(30, 200), st.lists(
+    st.tuples(st.sampled_from(("learn", "learn", "learn", "forget")), st.sampled_from(MANY), st.integers(0, 2),
+              st.sampled_from((20, 40, 60)), st.lists(st.integers(0, 3), max_size=2)),
+    min_size=1, max_size=200))
+def test_deepest_over_many_holders_is_the_longest_held(max_tokens, ops):
+    """Few prompts learned by many workers: with more holders per node than
+    the tree keeps holders among candidates for (MEMO_HOLDERS), and
+    eviction and forgetting changing them: deepest() is the longest match
+    among the candidates and exactly those holding it, for the same
+    candidate set asked again and again and for others."""
+    tree = FleetTree(max_tokens, 1 << 16)
+    sets = [frozenset(MANY), frozenset(MANY[:20]), frozenset(MANY[::2])]
+    with patch.object(fleet_tree, "MEMO_HOLDERS", 2):  # kept for every node two or more hold
+        _deepest_is_the_longest_held(tree, sets, ops)
+
+
+def _deepest_is_the_longest_held(tree: FleetTree, sets: list[frozenset[str]], ops) -> None:
+    for op, wid, base, cut, tail in ops:
+        key = _key(base, cut, tail)
+        if op == "learn":
+            tree.insert(wid, key)
+        else:
+            tree.forget(wid)
+        for ids in sets:
+            held = tree.held(key, ids)
+            best = max(held.values(), default=0)
+            matched, holders = tree.deepest(key, ids)
+            if best:
+                assert (matched, holders) == (best, {w for w, m in held.items() if m == best})
+            else:
+                assert matched <= 1

@@ -11,8 +11,8 @@ Policies:
 - ``session`` (:mod:`.session`): rendezvous hashing on a session key
   header, with bounded load.
 - ``cache-aware`` (:mod:`.cache_aware`): longest prefix match against an
-  approximate prefix tree per worker, least outstanding when load is
-  imbalanced.
+  approximate prefix tree of the fleet whose nodes list their workers,
+  least outstanding when load is imbalanced.
 - ``kv-aware`` (:mod:`.kv_aware`): the blocks each engine's KV cache
   events say it holds, and this frontend's recent decisions, against load.
 
