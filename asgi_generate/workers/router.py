@@ -265,9 +265,10 @@ class Router:
         self, protocol: str, exclude: Collection[Worker] = (), role: str = "aggregated", key: Any = None,
         need: int = 1,
     ) -> Worker | None:
-        """A :meth:`routable` ``role`` worker of ``protocol`` outside ``exclude``
-        (a collection, read only when not empty); ``None`` if none is left. With :attr:`room` set, an ``aggregated``
-        or ``decode`` worker with room for the request's ``need`` engine
+        """A :meth:`routable` ``role`` worker of ``protocol`` outside
+        ``exclude`` (a collection, read only when not empty); ``None`` if
+        none is left. With :attr:`room` set, an ``aggregated`` or
+        ``decode`` worker with room for the request's ``need`` engine
         sequences, if any has. The policy chooses for a ``key``
         (:meth:`routing_key`) unless ``role`` is ``decode``; otherwise, and
         always as the policy's fallback: the fewest outstanding requests,
