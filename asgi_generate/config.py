@@ -329,10 +329,10 @@ class Settings:
     balance_rel_threshold: float = setting(1.5, help="...and the most exceeds this times the fewest")
     max_tree_tokens: int = setting(
         1 << 20, unit="tokens", gt=0,
-        help="cache-aware policy: tokens (text: characters) each worker's prefix tree holds; least "
-             "recently used leaves are evicted past it")
+        help="cache-aware policy: tokens (text: characters) each worker holds in the prefix tree; its "
+             "least recently used leaves are evicted past it")
     max_tree_nodes: int = setting(
-        1 << 16, gt=0, help="cache-aware policy: nodes each worker's prefix tree holds")
+        1 << 16, gt=0, help="cache-aware policy: nodes each worker holds in the prefix tree")
     kv_overlap_weight: float = setting(
         1.25, help="kv-aware policy: cost of each prompt token the worker's KV cache does not hold")
     kv_queued_weight: float = setting(

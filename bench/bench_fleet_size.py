@@ -20,9 +20,11 @@ For each fleet size and policy, side by side in one run:
 Routing CPU per request is measured from outside: ``net`` at N workers
 minus ``net`` at 4 is what N workers add to a request (the ratio table);
 and in process, first: ``Router.pick`` over N healthy workers
-(least-outstanding, the round-robin order and no key; ``time.process_time``
-over ``--picks`` calls). bench_kv_routing_cpu.py ``--workers N`` times the
-cache-aware and kv-aware policies' own choice in process.
+(``time.process_time`` over ``--picks`` calls), with idle workers and no
+key, with every worker busy and no key, and keyed under cache-aware
+(:func:`pick_us`; ``--picks-only`` prints these alone, in a few seconds).
+bench_kv_routing_cpu.py ``--workers N`` times the cache-aware and kv-aware
+policies' own choice in process.
 The simulator process is pinned to CPU 0 with this benchmark's client, the
 frontend to CPU 1. ``--profile``: the frontend of the largest fleet runs
 under cProfile (bench/_profiled.py) over its idle and busy phases, and
@@ -233,20 +235,58 @@ def wait_until_file(path: pathlib.Path, timeout: float = 30.0) -> None:
     time.sleep(0.5)  # written whole by now
 
 
-def pick_us(n: int, picks: int) -> float:
-    """CPU µs per ``Router.pick`` among ``n`` healthy SGLang workers, one
-    request outstanding on every third (no connection is made)."""
+#: What ``pick_us`` times: its fleet's load and the policy, as ``--picks-only`` lists them.
+PICKS = ("idle", "busy", "cache-aware")
+
+
+def pick_us(n: int, picks: int, kind: str = "idle") -> float:
+    """CPU µs per ``Router.pick`` among ``n`` healthy SGLang workers (no
+    connection is made), ``kind`` one of :data:`PICKS`:
+
+    - ``idle``: one request outstanding on every third worker, no key;
+    - ``busy``: every worker with 1 to 4 requests outstanding (counts
+      varied, none idle), no key;
+    - ``cache-aware``: the busy fleet under ``--policy cache-aware``, each
+      pick keyed by one of 64 prompts of 256 token ids sharing a 128-token
+      prefix, each routed once before (an affinity hit on its worker).
+    """
+    import random
+
+    from asgi_generate.sdk._codec import GenerateRequest
+    from asgi_generate.workers.policies.cache_aware import CacheAwarePolicy
     from asgi_generate.workers.router import Router
 
-    router = Router([("sglang", f"http://127.0.0.1:{20000 + i}") for i in range(n)])
+    policy = CacheAwarePolicy() if kind == "cache-aware" else None
+    router = Router([("sglang", f"http://127.0.0.1:{20000 + i}") for i in range(n)], policy=policy)
+    rng = random.Random(n)
     for i, w in enumerate(router.workers):
         w.healthy = True
-        if i % 3:
+        for _ in range((i % 3 != 0) if kind == "idle" else rng.randint(1, 4)):
             w.inflight.add(object())
+    keys = [None]
+    if policy is not None:
+        system = [rng.randrange(1, 150_000) for _ in range(128)]
+        keys = [router.routing_key(GenerateRequest(stream=False, input_ids=system + [
+            rng.randrange(1, 150_000) for _ in range(128)]), {}) for _ in range(64)]
+        for key in keys:
+            router.pick("sglang", key=key)
+    keys = keys * (picks // len(keys))
     start = time.process_time()
-    for _ in range(picks):
-        router.pick("sglang")
-    return (time.process_time() - start) / picks * 1e6
+    for key in keys:
+        router.pick("sglang", key=key)
+    return (time.process_time() - start) / len(keys) * 1e6
+
+
+def picks_table(sizes: list[int], picks: int) -> None:
+    """Print :func:`pick_us` for each kind and fleet size, and each size's
+    ratio to the smallest."""
+    print(f"In process, CPU µs per Router.pick ({picks} picks; load {load()}):\n")
+    print("| fleet | " + " | ".join(f"{n} workers" for n in sizes) + f" | {max(sizes)} / {min(sizes)} |")
+    print("|---|" + "---:|" * (len(sizes) + 1))
+    for kind in PICKS:
+        us = {n: pick_us(n, picks, kind) for n in sizes}
+        print(f"| {kind} | " + " | ".join(f"{us[n]:.2f}" for n in sizes)
+              + f" | {us[max(sizes)] / us[min(sizes)]:.2f}x |", flush=True)
 
 
 def ratio(a: float, b: float) -> str:
@@ -262,6 +302,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--worker-class", default="asyncio")
     parser.add_argument("--picks", type=int, default=20000, help="in-process Router.pick calls per fleet size")
+    parser.add_argument("--picks-only", action="store_true", help="print the in-process Router.pick figures alone")
     parser.add_argument("--profile", action="store_true",
                         help="run the largest fleet's frontends under cProfile and print their top functions")
     args = parser.parse_args()
@@ -271,10 +312,9 @@ def main() -> int:
     started = datetime.datetime.now(datetime.timezone.utc)
     print(f"# bench_fleet_size: {started:%Y-%m-%d %H:%M} UTC, load {load()}, worker class {args.worker_class}, "
           f"{args.requests} requests at {args.concurrency} connections, idle {args.idle_seconds:g} s")
-    picks = {n: pick_us(n, args.picks) for n in sizes}
-    print("In process, Router.pick (least-outstanding, no key): "
-          + ", ".join(f"{n} workers {us:.1f} µs" for n, us in picks.items())
-          + f" (load {load()})", flush=True)
+    picks_table(sizes, args.picks)
+    if args.picks_only:
+        return 0
     rows: list[dict] = []
     sim_rss: dict[int, float] = {}
     with LogDir("bench-fleet-size-") as logs, concurrent.futures.ThreadPoolExecutor(16) as pool:

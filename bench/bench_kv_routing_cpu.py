@@ -20,7 +20,10 @@ and fed what it would be fed, so the figures are the policy's own work
 
 Measured: CPU time (``time.process_time``) per request and per event
 batch, the median of ``--reps`` (5) passes, kv-aware beside cache-aware
-(which keys a prompt and walks one tree per worker; it applies no events).
+(which keys a prompt and is routed by ``Router.pick`` over the fleet's
+healthy workers, the router's candidates and least-outstanding rule
+included; it applies no events). The held prompts are learned the same way
+in both: through the policy's ``learn``.
 
 Usage: ``.venv/bin/python bench/bench_kv_routing_cpu.py`` (a few seconds);
 ``--profile`` prints cProfile's top functions for kv-aware's requests.
@@ -49,6 +52,7 @@ from asgi_generate.sdk._token_ids import pack_token_ids
 from asgi_generate.workers.kv_events import Removed, Stored
 from asgi_generate.workers.policies.cache_aware import CacheAwarePolicy
 from asgi_generate.workers.policies.kv_aware import KVAwarePolicy
+from asgi_generate.workers.router import Router
 
 SYSTEM = 1024
 
@@ -99,16 +103,19 @@ def route_kv(args: argparse.Namespace, requests: list[GenerateRequest]) -> float
 
 
 def route_cache(args: argparse.Namespace, requests: list[GenerateRequest]) -> float:
-    """cache-aware's CPU seconds per request."""
-    workers = [_Worker(i) for i in range(args.workers)]
-    policy = CacheAwarePolicy()
-    for i, w in enumerate(workers):
-        tree = policy.tree(w)
+    """cache-aware's CPU seconds per request, through ``Router.pick`` as a
+    request is routed (the router hands the policy its candidates and its
+    least-outstanding rule): the candidates' own costs are part of it."""
+    router = Router([("sglang", f"http://127.0.0.1:{9000 + i}") for i in range(args.workers)],
+                    policy=CacheAwarePolicy())
+    policy = router.policy
+    for i, w in enumerate(router.workers):
+        w.healthy = True
         for h in range(args.held):
-            tree.insert(policy.routing_key(_request(_prompt(1000 + i * args.held + h, args.prompt_tokens)), {}))
+            policy.learn(w, policy.routing_key(_request(_prompt(1000 + i * args.held + h, args.prompt_tokens)), {}))
     start = time.process_time()
     for req in requests:
-        policy.choose(workers, policy.routing_key(req, {}), _least)
+        router.pick("sglang", key=router.routing_key(req, {}))
     return (time.process_time() - start) / len(requests)
 
 

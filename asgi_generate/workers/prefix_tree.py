@@ -1,10 +1,12 @@
 """A radix tree over prompts with a capacity and LRU eviction.
 
-Two users: the cache-aware routing policy keeps one per worker, an
-approximation of what that worker's engine holds in its prefix cache
-(:mod:`asgi_generate.workers.policies`); the engine simulator keeps one as
-its prefix cache (:mod:`asgi_generate.sim.engine`), as SGLang's
-``RadixCache`` (``mem_cache/radix_cache.py``) does over token ids.
+The keys (:func:`token_key`, :func:`text_key`) and the edge matching
+(:func:`common_length`) are those of the cache-aware policy's fleet tree
+(:mod:`asgi_generate.workers.fleet_tree`), which holds what one
+:class:`PrefixTree` per worker would, in one tree whose nodes list their
+workers; :class:`PrefixTree` is the one-tree-per-worker reading its tests
+check it against, as SGLang's ``RadixCache`` (``mem_cache/radix_cache.py``)
+is one tree over token ids.
 
 Keys are ``str``: a token id prompt becomes one character per token
 (:func:`token_key`), so matching and splitting run on C string operations
@@ -60,7 +62,7 @@ class _Node:
         self.stamp = stamp
 
 
-def _shared(edge: str, key: str, pos: int) -> int:
+def common_length(edge: str, key: str, pos: int) -> int:
     """How many leading characters of ``edge`` ``key`` has at ``pos``
     (at least 1: the caller found ``edge`` by ``key[pos]``)."""
     lo, hi = 1, min(len(edge), len(key) - pos)
@@ -114,7 +116,7 @@ class PrefixTree:
                 break
             edge = child.edge
             if not key.startswith(edge, pos):
-                return pos + _shared(edge, key, pos)
+                return pos + common_length(edge, key, pos)
             pos += len(edge)
             node = child
         return pos
@@ -133,7 +135,7 @@ class PrefixTree:
                 break
             edge = child.edge
             if not key.startswith(edge, pos):
-                held = pos + _shared(edge, key, pos)
+                held = pos + common_length(edge, key, pos)
                 child = self._split(child, held - pos)
             pos += len(child.edge)
             child.stamp = stamp

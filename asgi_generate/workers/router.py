@@ -27,6 +27,11 @@ With admission on, the app gives the router each worker's room
 to a worker with room for it, the policy choosing among those
 (:meth:`Router.pick`).
 
+A pick reads no worker one by one: the routable workers of each group
+are kept between picks (:mod:`~asgi_generate.workers.candidates`), their
+outstanding requests counted as they change
+(:mod:`~asgi_generate.workers.outstanding`).
+
 The probes are :mod:`~asgi_generate.workers.probes`'s, the weight version
 fence :mod:`~asgi_generate.workers.fence`'s, the pauses and versions read
 from the engines :mod:`~asgi_generate.workers.fleet_state`'s.
@@ -37,10 +42,11 @@ from __future__ import annotations
 import itertools
 import logging
 import ssl
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Collection, Iterable
 from urllib.parse import urlsplit
 
 from . import probes
+from .candidates import CandidateList
 from .fence import MIN_VERSION_HEADER, Fence, RouteKey
 from .fleet_state import FleetState
 from .http import ConnectionPool, tls_context
@@ -57,6 +63,9 @@ log = logging.getLogger("asgi_generate.router")
 ROLES = ("aggregated", "prefill", "decode")
 #: Roles whose workers hold a request's running sequences: where room counts.
 HOLDING_ROLES = ("aggregated", "decode")
+#: Candidate lists a router keeps at most (the minimum versions requests
+#: ask for are the client's: past this many the lists are all rebuilt).
+MAX_CANDIDATE_LISTS = 64
 
 
 class Router:
@@ -105,6 +114,8 @@ class Router:
         self.disaggregation = disaggregation
         self._groups: dict[tuple[str, str], list[Worker]] = {}
         self._next: dict[tuple[str, str], int] = {}
+        #: (protocol, role, minimum version) -> its routable workers.
+        self._candidates: dict[tuple[str, str, str | None], CandidateList] = {}
         self._ids = itertools.count()
         self.connect_timeout = connect_timeout
         self.health_timeout = health_timeout
@@ -155,6 +166,35 @@ class Router:
         group = self._groups.setdefault((worker.protocol.name, worker.role), [])
         worker.index = len(group)
         group.append(worker)
+        self._drop_candidates()
+
+    def _drop_candidates(self) -> None:
+        """Forget every candidate list (a group changed)."""
+        for listed in self._candidates.values():
+            listed.close()
+        self._candidates.clear()
+
+    def candidates(self, protocol: str, role: str, floor: str | None = None) -> CandidateList | None:
+        """The :meth:`routable` ``role`` workers of ``protocol`` (at
+        ``floor`` or later) in group order, kept until a worker's
+        routability, the fleet's weight version or the group changes;
+        ``None`` if there are none."""
+        target = self.fence.versions.get(protocol)
+        key = (protocol, role, floor)
+        listed = self._candidates.get(key)
+        if listed is not None and listed.current(Worker.generation, target):
+            return listed if listed.workers else None
+        group = self._groups.get((protocol, role))
+        if not group:
+            return None
+        if listed is not None:
+            listed.close()
+        elif len(self._candidates) >= MAX_CANDIDATE_LISTS:
+            self._drop_candidates()
+        generation = Worker.generation
+        workers = [w for w in group if self.routable(w, floor)]
+        listed = self._candidates[key] = CandidateList(workers, len(group), generation, target)
+        return listed if workers else None
 
     def drain(self, worker: Worker) -> None:
         """Stop routing new requests to ``worker``; the requests riding it
@@ -168,6 +208,7 @@ class Router:
         for i, w in enumerate(group):
             w.index = i
         self._next[key] = self._next.get(key, 0) % len(group) if group else 0
+        self._drop_candidates()
 
     def undrain(self, worker: Worker) -> None:
         """Route to a draining ``worker`` again (it came back before it was
@@ -221,12 +262,13 @@ class Router:
         self.fence.clear(worker, version)
 
     def pick(
-        self, protocol: str, exclude: Iterable[Worker] = (), role: str = "aggregated", key: Any = None,
+        self, protocol: str, exclude: Collection[Worker] = (), role: str = "aggregated", key: Any = None,
         need: int = 1,
     ) -> Worker | None:
-        """A :meth:`routable` ``role`` worker of ``protocol`` outside ``exclude``;
-        ``None`` if none is left. With :attr:`room` set, an ``aggregated``
-        or ``decode`` worker with room for the request's ``need`` engine
+        """A :meth:`routable` ``role`` worker of ``protocol`` outside
+        ``exclude`` (a collection, read only when not empty); ``None`` if
+        none is left. With :attr:`room` set, an ``aggregated`` or
+        ``decode`` worker with room for the request's ``need`` engine
         sequences, if any has. The policy chooses for a ``key``
         (:meth:`routing_key`) unless ``role`` is ``decode``; otherwise, and
         always as the policy's fallback: the fewest outstanding requests,
@@ -234,42 +276,35 @@ class Router:
         (a pick may be asked only to learn whether a worker is left)."""
         floor = key.min_version if isinstance(key, RouteKey) else None
         key = key.policy_key if isinstance(key, RouteKey) else key
-        group = self._groups.get((protocol, role))
-        if not group:
+        listed = self.candidates(protocol, role, floor)
+        if listed is None:
             return None
-        n = len(group)
-        start = self._next.get((protocol, role), 0) % n
-        order = group[start:] + group[:start]
-        room = self.room
-        if (key is None or role == "decode") and (room is None or role not in HOLDING_ROLES):
-            # The fewest outstanding, first in round-robin order: walked only
-            # until a worker with none, so a fleet of hundreds with idle
-            # workers is not walked whole on every request.
-            best = _first_least(order, lambda w: self.routable(w, floor) and w not in exclude)
-            if best is None:
-                return None
-            self._next[(protocol, role)] = (best.index + 1) % n
-            return best
-        candidates = [w for w in order if self.routable(w, floor) and w not in exclude]
-        if not candidates:
-            return None
-        if room is not None and role in HOLDING_ROLES:
-            roomy = [w for w in candidates if room(w) >= need]
-            if roomy:
-                candidates = roomy
-            else:
-                # Admission granted the request on the fleet's room in
-                # aggregate, yet no worker has room for it alone: its
-                # sequences are more than any one worker's free share, a
-                # reading went stale since the grant, or a resumed leg
-                # comes back. Holding it would idle the room granted: the
-                # policy's choice queues it briefly in that engine.
-                self.roomless_picks += 1
-        if key is None or role == "decode":
-            best = _least(candidates)
+        start = self._next.get((protocol, role), 0) % listed.group_size
+        room = self.room if role in HOLDING_ROLES else None
+        chooses = key is not None and role != "decode"
+        if room is None and not chooses and not exclude:
+            best = listed.least(start)
         else:
-            best = self.policy.choose(candidates, key, _least)
-        self._next[(protocol, role)] = (best.index + 1) % n
+            candidates = listed.rotated(start, exclude)
+            if not candidates:
+                return None
+            least = listed.least_of(candidates, start)
+            if room is not None:
+                # Room is each engine's own reading, asked worker by worker:
+                # a walk of the candidates, run only with admission on.
+                roomy = [w for w in candidates if room(w) >= need]
+                if roomy:
+                    candidates = roomy
+                else:
+                    # Admission granted the request on the fleet's room in
+                    # aggregate, yet no worker has room for it alone: its
+                    # sequences are more than any one worker's free share, a
+                    # reading went stale since the grant, or a resumed leg
+                    # comes back. Holding it would idle the room granted: the
+                    # policy's choice queues it briefly in that engine.
+                    self.roomless_picks += 1
+            best = self.policy.choose(candidates, key, least) if chooses else least(candidates)
+        self._next[(protocol, role)] = (best.index + 1) % listed.group_size
         return best
 
     def can_plan(self, protocol: str, exclude: Iterable[Worker] = ()) -> bool:
@@ -284,7 +319,8 @@ class Router:
     def up(self, protocol: str, role: str, exclude: Iterable[Worker] = ()) -> bool:
         """Whether a :meth:`routable` ``role`` worker of ``protocol`` is in
         the rotation outside ``exclude``."""
-        return any(self.routable(w) and w not in exclude for w in self._groups.get((protocol, role), ()))
+        listed = self.candidates(protocol, role)
+        return listed is not None and any(w not in exclude for w in listed.workers)
 
     def plan(self, protocol: str, exclude: Iterable[Worker] = (), key: Any = None,
              need: int = 1) -> tuple[Worker, ...] | None:
@@ -346,28 +382,3 @@ class Router:
             await w.pool.aclose()
             await w.probe_pool.aclose()
 
-
-def _least(candidates: list[Worker]) -> Worker:
-    """The first of ``candidates`` (in round-robin order) with the fewest
-    outstanding requests."""
-    return min(candidates, key=_outstanding)
-
-
-def _first_least(order: list[Worker], eligible: Callable[[Worker], bool]) -> Worker | None:
-    """What :func:`_least` picks of the ``eligible`` workers of ``order``
-    (``None`` if none is), stopping at the first with no request
-    outstanding: none can have fewer."""
-    best, fewest = None, 0
-    for w in order:
-        if not eligible(w):
-            continue
-        outstanding = w.outstanding
-        if best is None or outstanding < fewest:
-            best, fewest = w, outstanding
-            if not outstanding:
-                break
-    return best
-
-
-def _outstanding(worker: Worker) -> int:
-    return worker.outstanding

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from .http import ConnectionPool
+from .outstanding import Legs
 from ..protocols import WorkerProtocol
 
 
@@ -47,7 +48,9 @@ class Worker:
             behind requests.
         healthy: routable now.
         inflight: the requests riding it now (the handler adds and removes
-            them around each attempt).
+            them around each attempt), a :class:`~asgi_generate.workers.outstanding.Legs`
+            that the router's load counts watch; assigning a set replaces
+            its content.
         failures: health probes failed in a row.
         info: its server info (``{}`` until read); ``info["version"]`` is
             its engine version when it reported one.
@@ -69,7 +72,15 @@ class Worker:
 
     ``info`` is replaced, never changed in place, so an attempt keeps the
     info (the weight version) its worker had when the attempt was sent.
+
+    Changing what decides whether any worker is routable (``healthy``,
+    ``draining``, ``fence``, the weight version in ``info``) bumps
+    :attr:`generation`, so routers rebuild their cached candidate lists.
     """
+
+    #: Changes so far, of every worker in the process, to what decides
+    #: routability (:class:`~asgi_generate.workers.candidates.CandidateList`).
+    generation = 0
 
     def __init__(
         self, wid: str, protocol: WorkerProtocol, url: str, pool: ConnectionPool, probe_pool: ConnectionPool,
@@ -82,18 +93,73 @@ class Worker:
         self.bootstrap_port = bootstrap_port
         self.pool = pool
         self.probe_pool = probe_pool
-        self.healthy = False
-        self.inflight: set[InFlight] = set()
+        self._healthy = False
+        self._inflight: Legs = Legs()
         self.failures = 0
-        self.info: dict[str, Any] = {}
+        self._info: dict[str, Any] = {}
         self.last_error: str | None = None
         self.index = 0
-        self.draining = False
-        self.fence: str | None = None
+        self._draining = False
+        self._fence: str | None = None
         self.failed_updates = 0
         self.calls = 0
         self.paused: set[str] = set()
         self.times_down = 0
+
+    @property
+    def healthy(self) -> bool:
+        """Routable now, health-wise (see the class docstring)."""
+        return self._healthy
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        if value != self._healthy:
+            self._healthy = value
+            Worker.generation += 1
+
+    @property
+    def draining(self) -> bool:
+        """Left the fleet (see the class docstring)."""
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        if value != self._draining:
+            self._draining = value
+            Worker.generation += 1
+
+    @property
+    def fence(self) -> str | None:
+        """Why it is fenced, else ``None`` (see the class docstring)."""
+        return self._fence
+
+    @fence.setter
+    def fence(self, why: str | None) -> None:
+        if why != self._fence:
+            self._fence = why
+            Worker.generation += 1
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """Its server info (see the class docstring)."""
+        return self._info
+
+    @info.setter
+    def info(self, info: dict[str, Any]) -> None:
+        if info.get("weight_version") != self._info.get("weight_version"):
+            Worker.generation += 1
+        self._info = info
+
+    @property
+    def inflight(self) -> Legs:
+        """The requests riding it now (see the class docstring)."""
+        return self._inflight
+
+    @inflight.setter
+    def inflight(self, legs: Any) -> None:
+        if legs is not self._inflight:  # `inflight |= ...` assigns the set itself back
+            self._inflight.clear()
+            self._inflight.update(legs)
 
     @property
     def busy(self) -> str | None:

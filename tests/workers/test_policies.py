@@ -150,7 +150,7 @@ def test_cache_aware_longest_prefix_wins():
     # A request sharing 900 tokens with A and 300 with B lands on A.
     assert cache_pick(r, long_a[:900] + prompt(100, 4)) is wa
     assert (r.policy.hits, r.policy.misses, r.policy.imbalanced) == (2, 2, 0)
-    assert r.policy.trees[wa.id].match(token_key(turn2)) == 1201
+    assert r.policy.held(token_key(turn2), [wa]) == {wa.id: 1201}
 
 
 def test_cache_aware_ties_and_text_prompts():
@@ -180,16 +180,16 @@ def test_cache_aware_imbalance_falls_back_to_least_outstanding():
     assert other is not home and other.outstanding == 0
     assert (r.policy.hits, r.policy.misses, r.policy.imbalanced) == (1, 1, 1)
     # The fallback's worker learned the prompt: it now matches there too.
-    assert r.policy.trees[other.id].match(token_key(ids)) == 501
+    assert r.policy.held(token_key(ids), [other]) == {other.id: 501}
 
 
 def test_a_lost_worker_s_tree_is_forgotten():
     r = router(CacheAwarePolicy())
     ids = prompt(100, 5)
     home = cache_pick(r, ids)
-    assert list(r.policy.trees) == [home.id]
+    assert list(r.policy.stats()["trees"]) == [home.id]
     r.worker_lost(home, "probe failed")
-    assert r.policy.trees == {} and not home.healthy
+    assert r.policy.stats()["trees"] == {} and not home.healthy
     home.healthy = True
     load(home, 1)
     assert cache_pick(r, ids) is not home  # a miss now: least outstanding
@@ -307,16 +307,17 @@ def test_router_least_outstanding_then_round_robin():
     assert r.pick("other") is None
 
 
-def test_router_pick_walks_to_the_first_idle_worker_and_picks_as_a_whole_walk():
+def test_router_pick_looks_at_no_worker_per_request_and_picks_as_a_whole_walk():
     import random
 
     r = router(None, urls=[f"http://127.0.0.1:{30000 + i}" for i in range(256)])
     looked: list[str] = []
     admits = r.routable
     r.routable = lambda w, floor=None: looked.append(w.id) or admits(w, floor)
-    # 256 idle workers: the first in round-robin order is taken, the rest never looked at.
+    # 256 idle workers: the first in round-robin order is taken; each worker's
+    # routability is read once, for the candidate list kept between picks.
     assert [r.pick("sglang").id for _ in range(3)] == ["w0", "w1", "w2"]
-    assert looked == ["w0", "w1", "w2"]
+    assert looked == [f"w{i}" for i in range(256)]
     # Against the whole walk (the fewest outstanding, first in round-robin order),
     # over random loads, health and exclusions.
     rng = random.Random(7)

@@ -2,15 +2,17 @@
 
 The router (:class:`~asgi_generate.workers.router.Router`) hands a policy
 the healthy workers a request may use (its role, its protocol, none it
-already failed on) and a ``least`` function: least outstanding requests,
-ties round-robin, today's rule and every policy's fallback. Policies:
+already failed on), in round-robin order as :class:`Candidates` (their ids
+and load spread read already), and a ``least`` function: least outstanding
+requests, ties round-robin, today's rule and every policy's fallback.
+Policies:
 
 - ``least-outstanding`` (:class:`Policy`, the default): ``least``.
 - ``session`` (:mod:`.session`): rendezvous hashing on a session key
   header, with bounded load.
 - ``cache-aware`` (:mod:`.cache_aware`): longest prefix match against an
-  approximate prefix tree per worker, least outstanding when load is
-  imbalanced.
+  approximate prefix tree of the fleet whose nodes list their workers,
+  least outstanding when load is imbalanced.
 - ``kv-aware`` (:mod:`.kv_aware`): the blocks each engine's KV cache
   events say it holds, and this frontend's recent decisions, against load.
 
@@ -21,6 +23,7 @@ records are the same whichever it picks.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Collection, Mapping, Protocol, Sequence, TypeVar
 
 from ...config import POLICIES
@@ -48,6 +51,55 @@ class Candidate(Protocol):
 W = TypeVar("W", bound=Candidate)
 #: The router's least-outstanding choice among candidates (never empty).
 Least = Callable[[Sequence[W]], W]
+
+_ID = attrgetter("id")
+_INFLIGHT = attrgetter("inflight")
+
+
+def loads_of(candidates: Sequence[Candidate]) -> list[int]:
+    """Each candidate's outstanding requests (``len`` of its ``inflight``),
+    read at C speed: no Python call per worker."""
+    return list(map(len, map(_INFLIGHT, candidates)))
+
+
+class Candidates(list):
+    """The candidates of one request, as the router hands them to a policy:
+    a list of workers in round-robin order (never empty), with what the
+    router read of them already. :meth:`of` makes one from any sequence.
+
+    Attributes:
+        ids: frozenset of their ids (the router keeps it between picks).
+        low, high: the fewest and the most outstanding requests among them.
+    """
+
+    __slots__ = ("ids", "low", "high", "_rank", "_offset")
+
+    def __init__(self, workers: Sequence[Any], ids: frozenset[str], low: int, high: int,
+                 rank: Mapping[str, int] | None = None, offset: int = 0) -> None:
+        super().__init__(workers)
+        self.ids, self.low, self.high = ids, low, high
+        # id -> position before the rotation by ``offset`` (the router's
+        # candidate list), when this list is that one rotated whole.
+        self._rank, self._offset = rank, offset
+
+    @classmethod
+    def of(cls, workers: Sequence[Any]) -> "Candidates":
+        """``workers`` (in round-robin order, not empty) as candidates; their
+        ids and loads read at C speed."""
+        if isinstance(workers, Candidates):
+            return workers
+        loads = loads_of(workers)
+        return cls(workers, frozenset(map(_ID, workers)), min(loads), max(loads))
+
+    def among(self, ids: Collection[str]) -> list[Any]:
+        """The candidates whose id is in ``ids`` (some of :attr:`ids`), in
+        round-robin order; a few of many are found by their rank, not by
+        reading every candidate."""
+        rank, n = self._rank, len(self)
+        if rank is not None and len(ids) * 4 < n:
+            offset = self._offset
+            return [self[r] for r in sorted((rank[i] - offset) % n for i in ids)]
+        return [w for w in self if w.id in ids]
 
 
 class Policy:

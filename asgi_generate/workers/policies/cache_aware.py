@@ -1,9 +1,10 @@
 """Cache-aware routing: send a prompt where its longest prefix went.
 
-The frontend keeps, per worker, an approximate prefix tree of the prompts
-it routed there (:class:`~asgi_generate.workers.prefix_tree.PrefixTree`):
-token ids, or the characters of a text prompt. For each request, over the
-candidates (healthy workers of the role):
+The frontend keeps one approximate prefix tree of the prompts it routed,
+whose nodes list the workers it routed them to
+(:class:`~asgi_generate.workers.fleet_tree.FleetTree`): token ids, or the
+characters of a text prompt. For each request, over the candidates
+(healthy workers of the role):
 
 1. Load imbalanced, ``max - min > balance_abs_threshold`` and
    ``max > balance_rel_threshold * min`` (outstanding requests): the least
@@ -22,26 +23,32 @@ Learned from sglang-router's ``cache_aware`` policy (``sgl-router/src/
 policies/cache_aware.rs`` and ``tree.rs``), with the same three steps and
 threshold meanings and defaults (0.3, 64, 1.5). Where it differs:
 
-- one tree per worker, over token ids when the request has them (the
-  router matches the text of the ids joined with spaces, in one tree whose
-  nodes list the workers);
+- the tree is over token ids when the request has them (the router
+  matches the text of the ids joined with spaces);
 - among workers holding the longest prefix, the least outstanding (the
   router takes the first listed); on a miss, the least outstanding (the
   router takes the worker with the smallest tree);
 - bounded at every insert (``max_tree_tokens`` tokens and
-  ``max_tree_nodes`` nodes per worker, LRU leaves evicted at once) rather
-  than by a periodic eviction thread, so memory never overshoots;
-- a worker's tree is emptied when its cache is flushed through the
-  frontend (``/flush_cache``, ``/reset_prefix_cache``) and when the health
-  probe gives the worker up (it may come back restarted, its cache empty).
+  ``max_tree_nodes`` nodes per worker, the worker's LRU leaves evicted at
+  once) rather than by a periodic eviction thread, so memory never
+  overshoots;
+- a worker's share of the tree is dropped when its cache is flushed
+  through the frontend (``/flush_cache``, ``/reset_prefix_cache``) and when
+  the health probe gives the worker up (it may come back restarted, its
+  cache empty).
+
+A request costs one walk of its key and reads of the router's load counts
+(:class:`~asgi_generate.workers.policies.Candidates`): no step visits
+every candidate, so routing takes about as long for 256 workers as for 4.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from ..prefix_tree import PrefixTree, text_key, token_key
-from . import Candidate, Least, Policy, W
+from ..fleet_tree import FleetTree
+from ..prefix_tree import text_key, token_key
+from . import Candidate, Candidates, Least, Policy, W
 
 if TYPE_CHECKING:
     from ...sdk._codec import GenerateRequest
@@ -79,11 +86,11 @@ class CacheAwarePolicy(Policy):
             must exceed for an affinity hit.
         balance_abs_threshold, balance_rel_threshold: the imbalance test,
             on outstanding requests.
-        max_tree_tokens, max_tree_nodes: each worker's tree bounds.
+        max_tree_tokens, max_tree_nodes: each worker's bounds in the tree.
 
     Attributes:
         hits, misses, imbalanced: decisions by case.
-        trees: worker id to its tree.
+        tree: the fleet's prefix tree.
     """
 
     name = "cache-aware"
@@ -102,58 +109,44 @@ class CacheAwarePolicy(Policy):
         self.balance_rel_threshold = balance_rel_threshold
         self.max_tree_tokens = max_tree_tokens
         self.max_tree_nodes = max_tree_nodes
-        self.trees: dict[str, PrefixTree] = {}
+        self.tree = FleetTree(max_tree_tokens, max_tree_nodes)
         self.hits = self.misses = self.imbalanced = 0
 
     def _key(self, request: "GenerateRequest", headers: Mapping[bytes, bytes]) -> str | None:
         return tree_key(request)
 
-    def tree(self, worker: Candidate) -> PrefixTree:
-        """``worker``'s tree (made on first use)."""
-        tree = self.trees.get(worker.id)
-        if tree is None:
-            tree = self.trees[worker.id] = PrefixTree(self.max_tree_tokens, self.max_tree_nodes)
-        return tree
-
     def forget(self, worker: Candidate) -> None:
-        """Empty ``worker``'s tree."""
-        self.trees.pop(worker.id, None)
+        """Drop what ``worker`` holds in the tree."""
+        self.tree.forget(worker.id)
 
     def held(self, key: str, candidates: Sequence[Candidate]) -> dict[str, int]:
-        """Worker id to the characters of ``key`` its tree holds (the kind
-        marker counted), for each of ``candidates`` whose tree holds more
-        than the marker; the others hold none of the prompt."""
-        trees = self.trees
-        out = {}
-        for w in candidates:
-            tree = trees.get(w.id)
-            if tree is not None and (m := tree.match(key)) > 1:
-                out[w.id] = m
-        return out
+        """Worker id to the characters of ``key`` it holds (the kind marker
+        counted), for each of ``candidates`` holding more than the marker;
+        the others hold none of the prompt."""
+        ids = candidates.ids if isinstance(candidates, Candidates) else frozenset(w.id for w in candidates)
+        return self.tree.held(key, ids)
 
     def cached_tokens(self, worker_id: str) -> int:
-        """Characters ``worker_id``'s tree holds (0 without a tree)."""
-        tree = self.trees.get(worker_id)
-        return tree.tokens if tree is not None else 0
+        """Characters ``worker_id`` holds in the tree (0 if none)."""
+        return self.tree.tokens(worker_id)
 
     def learn(self, worker: Candidate, key: str) -> None:
-        """``key`` was routed to ``worker``: its tree takes it."""
-        self.tree(worker).insert(key)
+        """``key`` was routed to ``worker``: it holds it now."""
+        self.tree.insert(worker.id, key)
 
     def choose(self, candidates: Sequence[W], key: Any, least: Least[W]) -> W:
         """See the module docstring."""
-        loads = [w.outstanding for w in candidates]
-        high, low = max(loads), min(loads)
+        listed = Candidates.of(candidates)
+        high, low = listed.high, listed.low
         if high - low > self.balance_abs_threshold and high > self.balance_rel_threshold * low:
             self.imbalanced += 1
             worker = least(candidates)
         else:
-            held = self.held(key, candidates)
-            best = max(held.values(), default=1)
+            best, holders = self.tree.deepest(key, listed.ids)
             # The key's first character is its kind marker, not prompt.
-            if (best - 1) / (len(key) - 1) > self.cache_threshold:
+            if best > 1 and (best - 1) / (len(key) - 1) > self.cache_threshold:
                 self.hits += 1
-                worker = least([w for w in candidates if held.get(w.id) == best])
+                worker = least(candidates if len(holders) == len(listed) else listed.among(holders))
             else:
                 self.misses += 1
                 worker = least(candidates)
@@ -165,6 +158,5 @@ class CacheAwarePolicy(Policy):
         return {
             **super().stats(),
             "affinity_hits": self.hits, "misses": self.misses, "imbalanced": self.imbalanced,
-            "trees": {wid: {"tokens": t.tokens, "nodes": t.nodes, "evicted_tokens": t.evicted_tokens}
-                      for wid, t in sorted(self.trees.items())},
+            "trees": self.tree.stats(),
         }
