@@ -906,6 +906,315 @@ mask_missing_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* The rendezvous tie-break (workers/policies/kv_aware.py): BLAKE2b with an
+ * 8-byte digest (RFC 7693, unkeyed), as hashlib.blake2b(url + tail,
+ * digest_size=8) gives it, read as a big-endian int. The interpreter spends
+ * ~0.9 us a worker making and feeding a hashlib object: a fleet of hundreds
+ * tied (an idle fleet, every engine holding the same system prompt) hashed
+ * all of them on every request. */
+static const uint64_t blake2b_iv[8] = {
+    0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL, 0xa54ff53a5f1d36f1ULL,
+    0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL, 0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL,
+};
+
+static const uint8_t blake2b_sigma[12][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
+    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
+    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
+    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
+    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
+    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
+    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
+    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+};
+
+static inline uint64_t
+rotr64(uint64_t x, int n)
+{
+    return (x >> n) | (x << (64 - n));
+}
+
+static inline uint64_t
+load64_le(const unsigned char *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap64(v);
+#endif
+    return v;
+}
+
+#define B2G(a, b, c, d, x, y)          \
+    do {                               \
+        a = a + b + (x);               \
+        d = rotr64(d ^ a, 32);         \
+        c = c + d;                     \
+        b = rotr64(b ^ c, 24);         \
+        a = a + b + (y);               \
+        d = rotr64(d ^ a, 16);         \
+        c = c + d;                     \
+        b = rotr64(b ^ c, 63);         \
+    } while (0)
+
+static void
+blake2b_compress(uint64_t h[8], const unsigned char block[128], uint64_t bytes, int last)
+{
+    uint64_t m[16], v[16];
+    for (int i = 0; i < 16; i++)
+        m[i] = load64_le(block + 8 * i);
+    for (int i = 0; i < 8; i++) {
+        v[i] = h[i];
+        v[i + 8] = blake2b_iv[i];
+    }
+    v[12] ^= bytes;  /* the counter's high word stays 0: inputs here are short */
+    if (last)
+        v[14] = ~v[14];
+    /* Unrolled, so the schedule's indexes are constants and m stays in registers. */
+#if defined(__clang__)
+#pragma clang loop unroll(full)
+#elif defined(__GNUC__)
+#pragma GCC unroll 12
+#endif
+    for (int r = 0; r < 12; r++) {
+        const uint8_t *s = blake2b_sigma[r];
+        B2G(v[0], v[4], v[8], v[12], m[s[0]], m[s[1]]);
+        B2G(v[1], v[5], v[9], v[13], m[s[2]], m[s[3]]);
+        B2G(v[2], v[6], v[10], v[14], m[s[4]], m[s[5]]);
+        B2G(v[3], v[7], v[11], v[15], m[s[6]], m[s[7]]);
+        B2G(v[0], v[5], v[10], v[15], m[s[8]], m[s[9]]);
+        B2G(v[1], v[6], v[11], v[12], m[s[10]], m[s[11]]);
+        B2G(v[2], v[7], v[8], v[13], m[s[12]], m[s[13]]);
+        B2G(v[3], v[4], v[9], v[14], m[s[14]], m[s[15]]);
+    }
+    for (int i = 0; i < 8; i++)
+        h[i] ^= v[i] ^ v[i + 8];
+}
+
+/* BLAKE2b-64 of a || b, as the big-endian int of its 8 digest bytes. */
+static uint64_t
+blake2b64_pair(const unsigned char *a, size_t na, const unsigned char *b, size_t nb)
+{
+    uint64_t h[8];
+    memcpy(h, blake2b_iv, sizeof h);
+    h[0] ^= 0x01010000ULL ^ 8;  /* depth 1, fanout 1, no key, 8-byte digest */
+    unsigned char block[128];
+    size_t fill = 0, total = na + nb, done = 0;
+    const unsigned char *parts[2] = {a, b};
+    size_t sizes[2] = {na, nb};
+    for (int p = 0; p < 2; p++) {
+        const unsigned char *in = parts[p];
+        size_t left = sizes[p];
+        while (left) {
+            if (fill == 128) {  /* a full block with more to come: not the last */
+                done += 128;
+                blake2b_compress(h, block, done, 0);
+                fill = 0;
+            }
+            size_t take = 128 - fill < left ? 128 - fill : left;
+            memcpy(block + fill, in, take);
+            fill += take;
+            in += take;
+            left -= take;
+        }
+    }
+    memset(block + fill, 0, 128 - fill);
+    blake2b_compress(h, block, total, 1);
+    return __builtin_bswap64(h[0]);  /* digest bytes h[0] little-endian, read big-endian */
+}
+
+PyDoc_STRVAR(rendezvous_doc,
+"rendezvous(urls, tail) -> list[int]\n\n"
+"The indexes in urls (a non-empty list of bytes), in order, of those whose\n"
+"int.from_bytes(blake2b(url + tail, digest_size=8).digest(), 'big') is\n"
+"the highest (more than one only for equal URLs, or a 64-bit collision);\n"
+"tail is bytes.");
+
+static PyObject *
+rendezvous_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyList_Check(args[0]) || !PyBytes_Check(args[1]) || PyList_GET_SIZE(args[0]) == 0) {
+        PyErr_SetString(PyExc_TypeError, "rendezvous(urls: non-empty list of bytes, tail: bytes)");
+        return NULL;
+    }
+    PyObject *urls = args[0], *tail = args[1];
+    const unsigned char *t = (const unsigned char *)PyBytes_AS_STRING(tail);
+    size_t nt = (size_t)PyBytes_GET_SIZE(tail);
+    Py_ssize_t n = PyList_GET_SIZE(urls), first = 0, equal = 0;
+    uint64_t high = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *url = PyList_GET_ITEM(urls, i);
+        if (!PyBytes_Check(url)) {
+            PyErr_SetString(PyExc_TypeError, "rendezvous: urls must be bytes");
+            return NULL;
+        }
+        uint64_t w = blake2b64_pair((const unsigned char *)PyBytes_AS_STRING(url), (size_t)PyBytes_GET_SIZE(url),
+                                    t, nt);
+        if (i == 0 || w > high) {
+            first = i;
+            high = w;
+            equal = 1;
+        } else if (w == high) {
+            equal++;
+        }
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = first; i < n && PyList_GET_SIZE(out) < equal; i++) {
+        PyObject *url = PyList_GET_ITEM(urls, i);
+        if (i == first || blake2b64_pair((const unsigned char *)PyBytes_AS_STRING(url),
+                                         (size_t)PyBytes_GET_SIZE(url), t, nt) == high) {
+            PyObject *at = PyLong_FromSsize_t(i);
+            if (at == NULL || PyList_Append(out, at) < 0) {
+                Py_XDECREF(at);
+                Py_DECREF(out);
+                return NULL;
+            }
+            Py_DECREF(at);
+        }
+    }
+    return out;
+}
+
+/* kv-aware's costs (workers/policies/kv_aware.py), in doubles: every count
+ * is an int below 2**53, so each product and sum rounds as Python's int and
+ * float arithmetic rounds it, in the same order. Not fused into
+ * multiply-adds, which round once where Python rounds twice. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define NO_FMA __attribute__((optimize("fp-contract=off")))
+#else
+#define NO_FMA
+#endif
+
+static int
+doubles_of(PyObject *list, Py_ssize_t n, double *out)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = PyFloat_AsDouble(PyList_GET_ITEM(list, i));
+        if (out[i] == -1.0 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
+static int
+ints_of(PyObject *list, Py_ssize_t n, long long *out)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+        if (out[i] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(kv_lowest_doc,
+"kv_lowest(prompt, weights, blocks, guessed, pending, count, sizes, outstanding,\n"
+"          per_request, others, extra) -> list[int]\n\n"
+"kv-aware's scoring: for each worker i (the lists, all of one length n > 0:\n"
+"ints but per_request, int or float), requests = outstanding * per_request\n"
+"+ others and, with (ow, qw, lw) = weights,\n"
+"  cost = ow * (prompt - blocks * sizes) + qw * ((pending - guessed) * sizes)\n"
+"         + lw * requests (+ extra[i], a list of floats, unless None);\n"
+"the indexes, in order, of the workers tied at the lowest (cost,\n"
+"(count + pending) * sizes, requests).");
+
+static NO_FMA PyObject *
+kv_lowest_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    if (nargs != 11 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != 3) {
+        PyErr_SetString(PyExc_TypeError, "kv_lowest(prompt, (ow, qw, lw), blocks, guessed, pending, count, sizes, "
+                        "outstanding, per_request, others, extra)");
+        return NULL;
+    }
+    Py_ssize_t n = -1;
+    for (int a = 2; a < 11; a++) {
+        if (a == 10 && args[a] == Py_None)
+            continue;
+        if (!PyList_Check(args[a]) || (n >= 0 && PyList_GET_SIZE(args[a]) != n)) {
+            PyErr_SetString(PyExc_TypeError, "kv_lowest: lists of one length");
+            return NULL;
+        }
+        n = PyList_GET_SIZE(args[a]);
+    }
+    if (n <= 0) {
+        PyErr_SetString(PyExc_ValueError, "kv_lowest: no workers");
+        return NULL;
+    }
+    long long prompt = PyLong_AsLongLong(args[0]);
+    if (prompt == -1 && PyErr_Occurred())
+        return NULL;
+    double ow = PyFloat_AsDouble(PyTuple_GET_ITEM(args[1], 0)), qw = PyFloat_AsDouble(PyTuple_GET_ITEM(args[1], 1)),
+           lw = PyFloat_AsDouble(PyTuple_GET_ITEM(args[1], 2));
+    if (PyErr_Occurred())
+        return NULL;
+    /* One allocation: 6 int columns, 2 double columns (outstanding read as
+     * an int), the extra column, then each worker's key. */
+    long long *ints = PyMem_Malloc(sizeof(long long) * 7 * n);
+    double *dbl = PyMem_Malloc(sizeof(double) * 5 * n);
+    PyObject *out = NULL;
+    if (ints == NULL || dbl == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    long long *blocks = ints, *guessed = ints + n, *pending = ints + 2 * n, *count = ints + 3 * n,
+              *sizes = ints + 4 * n, *outstanding = ints + 5 * n, *others = ints + 6 * n;
+    double *per_request = dbl, *extra = dbl + n, *cost = dbl + 2 * n, *requests = dbl + 3 * n;
+    long long *cached = (long long *)(dbl + 4 * n);
+    if (ints_of(args[2], n, blocks) < 0 || ints_of(args[3], n, guessed) < 0 || ints_of(args[4], n, pending) < 0 ||
+        ints_of(args[5], n, count) < 0 || ints_of(args[6], n, sizes) < 0 || ints_of(args[7], n, outstanding) < 0 ||
+        doubles_of(args[8], n, per_request) < 0 || ints_of(args[9], n, others) < 0 ||
+        (args[10] != Py_None && doubles_of(args[10], n, extra) < 0))
+        goto done;
+    Py_ssize_t low = 0, tied = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double r = (double)outstanding[i] * per_request[i];
+        r = r + (double)others[i];
+        double c = ow * (double)(prompt - blocks[i] * sizes[i]);
+        double q = qw * (double)((pending[i] - guessed[i]) * sizes[i]);
+        c = c + q;
+        double l = lw * r;
+        c = c + l;
+        if (args[10] != Py_None)
+            c = c + extra[i];
+        cost[i] = c;
+        requests[i] = r;
+        cached[i] = (count[i] + pending[i]) * sizes[i];
+        if (i == 0 || c < cost[low] || (c == cost[low] && (cached[i] < cached[low] ||
+                                                            (cached[i] == cached[low] && r < requests[low])))) {
+            low = i;
+            tied = 1;
+        } else if (c == cost[low] && cached[i] == cached[low] && r == requests[low]) {
+            tied++;
+        }
+    }
+    out = PyList_New(tied);
+    if (out == NULL)
+        goto done;
+    for (Py_ssize_t i = low, k = 0; k < tied; i++) {
+        if (cost[i] == cost[low] && cached[i] == cached[low] && requests[i] == requests[low]) {
+            PyObject *at = PyLong_FromSsize_t(i);
+            if (at == NULL) {
+                Py_CLEAR(out);
+                goto done;
+            }
+            PyList_SET_ITEM(out, k++, at);
+        }
+    }
+done:
+    PyMem_Free(ints);
+    PyMem_Free(dbl);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"chain", (PyCFunction)(void (*)(void))chain_py, METH_FASTCALL, chain_doc},
     {"chain_json", (PyCFunction)(void (*)(void))chain_json_py, METH_FASTCALL, chain_json_doc},
@@ -918,6 +1227,8 @@ static PyMethodDef methods[] = {
     {"mask_drop", (PyCFunction)(void (*)(void))mask_drop_py, METH_FASTCALL, mask_drop_doc},
     {"mask_remove", (PyCFunction)(void (*)(void))mask_remove_py, METH_FASTCALL, mask_remove_doc},
     {"mask_missing", (PyCFunction)(void (*)(void))mask_missing_py, METH_FASTCALL, mask_missing_doc},
+    {"rendezvous", (PyCFunction)(void (*)(void))rendezvous_py, METH_FASTCALL, rendezvous_doc},
+    {"kv_lowest", (PyCFunction)(void (*)(void))kv_lowest_py, METH_FASTCALL, kv_lowest_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -202,8 +202,9 @@ def test_the_rendezvous_hash_is_taken_of_the_tied_workers_only(monkeypatch):
     from asgi_generate.workers.policies import kv_aware
 
     hashed: list[str] = []
-    real = kv_aware._rendezvous
-    monkeypatch.setattr(kv_aware, "_rendezvous", lambda url, tail: hashed.append(url) or real(url, tail))
+    real = kv_aware.rendezvous  # the URLs of the tied, as bytes, hashed at once
+    monkeypatch.setattr(kv_aware, "rendezvous",
+                        lambda urls, tail: hashed.extend(u.decode() for u in urls) or real(urls, tail))
     prompt = _prompt(SYSTEM + list(range(5000, 5128)))
     workers = [_Worker(i) for i in range(256)]
     assert _pick(_policy(workers, {"w7": SYSTEM}), workers, prompt) == "w7"
