@@ -128,6 +128,10 @@ class KVIndex:
             ``BlockStored`` confirmed.
     """
 
+    # Slots: a policy reads the counts of hundreds of indexes per request.
+    __slots__ = ("max_blocks", "ttl", "shared", "bit", "slot", "_block_size", "_keys", "_count", "_predicted",
+                 "_expiry", "resets", "orphans", "predicted", "confirmed")
+
     def __init__(self, max_blocks: int, ttl: float, shared: SharedBlocks | None = None) -> None:
         self.max_blocks = max_blocks
         self.ttl = ttl

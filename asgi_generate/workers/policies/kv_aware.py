@@ -294,7 +294,7 @@ class KVAwarePolicy(Policy):
                 blocks += map(overlap.__getitem__, slots)
                 guessed += map(predicted.__getitem__, slots)
             count, pending = held_and_pending(roster.indexes)
-            sizes = roster.sizes[:]
+            sizes = roster.sizes[:] if roster.tree else roster.sizes
             tree = roster.tree
         else:
             blocks, guessed, count, pending, sizes = [], [], [], [], []
@@ -316,7 +316,8 @@ class KVAwarePolicy(Policy):
         # The rendezvous hash only breaks ties: hashed for the tied alone.
         at = tied[0]
         if len(tied) > 1:
-            top = rendezvous([roster.urls[i] for i in tied], _tail(key))
+            top = rendezvous(roster.urls if len(tied) == len(workers) else list(map(roster.urls.__getitem__, tied)),
+                             _tail(key))
             at = tied[top[0]]
             if len(top) > 1:  # equal URLs: the first in the candidates' order
                 order = {id(w): n for n, w in enumerate(candidates)}
