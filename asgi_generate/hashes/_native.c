@@ -22,6 +22,12 @@
  * loop: one walk narrows the mask and gives every worker's overlap,
  * probing a worker's own predictions only where it still walks and lacks
  * the key; expire() is a worker's prediction expiry.
+ *
+ * The kv-aware policy's loops over its candidates: kv_lowest() gives the
+ * workers tied at the lowest (cost, cached tokens, requests), and
+ * rendezvous() the tied one(s) with the highest BLAKE2b-64 of URL and
+ * prompt tail (RFC 7693, written out; hashlib's via the interpreter cost
+ * ~0.9 us a worker).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -62,17 +62,19 @@ why). A request without token ids (a text prompt) is routed by those trees
 for every worker: the engine's blocks are of tokens the frontend cannot
 compute.
 
-The scoring runs once per worker on every request, so it does no Python
-work per worker where it can help it (a fleet of 256 is scored in about
-the time of one of 4): the workers' grouping by shared index and block
-size is kept per candidate set (:class:`_Roster`) until a block size or a
-worker's source changes; one walk per group gives every worker's overlap;
-the counts are read in bulk and the costs and their ties computed in C
-(:func:`~asgi_generate.hashes.kv_lowest`), and so is the rendezvous
-hash of the tied (:func:`~asgi_generate.hashes.rendezvous`). Only the
-tree-scored workers (their trees' matches and sizes) and, with a nonzero
-``active_weight``, every worker's running tokens are read one worker at
-a time.
+Every candidate is scored on every request, so the scoring does no
+Python work per worker where it can help it: the workers' grouping by
+shared index and block size is kept per candidate set (:class:`_Roster`)
+until a block size or a worker's source changes; one walk per group
+gives every worker's overlap, expiring only the predictions of workers
+that have some; the counts are read in bulk, the costs and their ties
+computed in C (:func:`~asgi_generate.hashes.kv_lowest`, rounding as
+Python does), and so is the rendezvous hash of the tied
+(:func:`~asgi_generate.hashes.rendezvous`, eight at a time where the CPU
+has AVX-512). Only the tree-scored workers (their trees' matches and
+sizes) and, with a nonzero ``active_weight``, every worker's running
+tokens are read one worker at a time. ``tests/workers/test_kv_choose_exact.py``
+checks the choice against a plain scan of the rules above.
 """
 
 from __future__ import annotations
