@@ -117,7 +117,8 @@ class _Fleet:
 
     def ids(self) -> list[int]:
         rng = self.rng
-        return rng.choice(PREFIXES)[: rng.randrange(0, 25)] + [rng.randrange(50, 60) for _ in range(rng.randrange(0, 9))]
+        tail = [rng.randrange(50, 60) for _ in range(rng.randrange(0, 9))]
+        return rng.choice(PREFIXES)[: rng.randrange(0, 25)] + tail
 
     def request(self) -> GenerateRequest:
         rng = self.rng
@@ -127,8 +128,8 @@ class _Fleet:
         ids = self.ids() or [7]
         salt = rng.choice([None, None, "s"])
         if roll < 0.2:
-            return GenerateRequest(stream=False, items=[BatchItem(None, ids, None, 0) for _ in range(rng.randrange(2, 5))],
-                                   cache_salt=salt)
+            items = [BatchItem(None, ids, None, 0) for _ in range(rng.randrange(2, 5))]
+            return GenerateRequest(stream=False, items=items, cache_salt=salt)
         return GenerateRequest(stream=False, input_ids=ids, cache_salt=salt)
 
     def store(self, w: _Worker) -> None:
