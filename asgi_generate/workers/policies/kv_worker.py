@@ -81,7 +81,8 @@ class WorkerKV:
 
     def requests(self, outstanding: int) -> float:
         """The fleet's requests here, in the engine's units, given this
-        replica's ``outstanding`` ones."""
+        replica's ``outstanding`` ones (``kv-aware``'s choice computes the
+        same for every candidate at once: :func:`~asgi_generate.hashes.kv_lowest`)."""
         return outstanding * self.per_request + self.others
 
     def read(self, load: EngineLoad | None, own: int) -> None:
