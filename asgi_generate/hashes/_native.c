@@ -1001,31 +1001,6 @@ blake2b_compress(uint64_t h[8], const unsigned char block[128], uint64_t bytes, 
         h[i] ^= v[i] ^ v[i + 8];
 }
 
-/* Bytes [at, at + 128) of a || b into block, zero past the end. */
-static inline void
-fill_block(unsigned char *block, const unsigned char *a, size_t na, const unsigned char *b, size_t nb, size_t at)
-{
-    size_t fill = 0;
-    if (at < na) {
-        fill = na - at < 128 ? na - at : 128;
-        memcpy(block, a + at, fill);
-    }
-    size_t from = at + fill - na;  /* where b continues */
-    if (fill < 128 && from < nb) {
-        size_t take = nb - from < 128 - fill ? nb - from : 128 - fill;
-        memcpy(block + fill, b + from, take);
-        fill += take;
-    }
-    memset(block + fill, 0, 128 - fill);
-}
-
-/* Blocks BLAKE2b compresses for a message of n bytes (an empty one: one). */
-static inline size_t
-blake2b_blocks(size_t n)
-{
-    return n ? (n + 127) / 128 : 1;
-}
-
 /* BLAKE2b-64 of a || b, as the big-endian int of its 8 digest bytes. */
 static uint64_t
 blake2b64_pair(const unsigned char *a, size_t na, const unsigned char *b, size_t nb)
@@ -1034,117 +1009,28 @@ blake2b64_pair(const unsigned char *a, size_t na, const unsigned char *b, size_t
     memcpy(h, blake2b_iv, sizeof h);
     h[0] ^= 0x01010000ULL ^ 8;  /* depth 1, fanout 1, no key, 8-byte digest */
     unsigned char block[128];
-    size_t total = na + nb, blocks = blake2b_blocks(total);
-    for (size_t k = 0; k < blocks; k++) {
-        fill_block(block, a, na, b, nb, 128 * k);
-        int last = k + 1 == blocks;
-        blake2b_compress(h, block, last ? total : 128 * (k + 1), last);
-    }
-    return __builtin_bswap64(h[0]);  /* digest bytes h[0] little-endian, read big-endian */
-}
-
-#ifdef DISPATCH
-/* Eight messages of one block count at once, a message a 64-bit lane of
- * AVX-512 registers (native rotates): a fleet's URLs are mostly of one
- * length, and a tie of hundreds is hashed ~4x faster than one at a time. */
-#define LANES 8
-typedef uint64_t lanes_t __attribute__((vector_size(8 * LANES)));
-
-#define B2GV(a, b, c, d, x, y)                  \
-    do {                                        \
-        a = a + b + (x);                        \
-        d = d ^ a;                              \
-        d = (d >> 32) | (d << 32);              \
-        c = c + d;                              \
-        b = b ^ c;                              \
-        b = (b >> 24) | (b << 40);              \
-        a = a + b + (y);                        \
-        d = d ^ a;                              \
-        d = (d >> 16) | (d << 48);              \
-        c = c + d;                              \
-        b = b ^ c;                              \
-        b = (b >> 63) | (b << 1);               \
-    } while (0)
-
-__attribute__((target("avx512f"))) static void
-blake2b64_lanes(const unsigned char *const *a, const size_t *na, const unsigned char *b, size_t nb, size_t blocks,
-                uint64_t *out)
-{
-    lanes_t h[8], v[16], m[16];
-    for (int i = 0; i < 8; i++)
-        h[i] = (lanes_t){0} + (blake2b_iv[i] ^ (i == 0 ? 0x01010000ULL ^ 8 : 0));
-    unsigned char block[LANES][128];
-    for (size_t k = 0; k < blocks; k++) {
-        int last = k + 1 == blocks;
-        for (int l = 0; l < LANES; l++)
-            fill_block(block[l], a[l], na[l], b, nb, 128 * k);
-        for (int i = 0; i < 16; i++)
-            for (int l = 0; l < LANES; l++)
-                m[i][l] = load64_le(block[l] + 8 * i);
-        for (int i = 0; i < 8; i++) {
-            v[i] = h[i];
-            v[i + 8] = (lanes_t){0} + blake2b_iv[i];
-        }
-        for (int l = 0; l < LANES; l++) {
-            v[12][l] ^= last ? na[l] + nb : 128 * (k + 1);
-            if (last)
-                v[14][l] = ~v[14][l];
-        }
-#if defined(__clang__)
-#pragma clang loop unroll(full)
-#elif defined(__GNUC__)
-#pragma GCC unroll 12
-#endif
-        for (int r = 0; r < 12; r++) {
-            const uint8_t *s = blake2b_sigma[r];
-            B2GV(v[0], v[4], v[8], v[12], m[s[0]], m[s[1]]);
-            B2GV(v[1], v[5], v[9], v[13], m[s[2]], m[s[3]]);
-            B2GV(v[2], v[6], v[10], v[14], m[s[4]], m[s[5]]);
-            B2GV(v[3], v[7], v[11], v[15], m[s[6]], m[s[7]]);
-            B2GV(v[0], v[5], v[10], v[15], m[s[8]], m[s[9]]);
-            B2GV(v[1], v[6], v[11], v[12], m[s[10]], m[s[11]]);
-            B2GV(v[2], v[7], v[8], v[13], m[s[12]], m[s[13]]);
-            B2GV(v[3], v[4], v[9], v[14], m[s[14]], m[s[15]]);
-        }
-        for (int i = 0; i < 8; i++)
-            h[i] ^= v[i] ^ v[i + 8];
-    }
-    for (int l = 0; l < LANES; l++)
-        out[l] = __builtin_bswap64(h[0][l]);
-}
-#endif
-
-/* The rendezvous weight of each url with tail, into out. */
-static void
-rendezvous_weights(PyObject *urls, const unsigned char *t, size_t nt, uint64_t *out)
-{
-    Py_ssize_t n = PyList_GET_SIZE(urls), i = 0;
-#ifdef DISPATCH
-    if (__builtin_cpu_supports("avx512f")) {
-        for (; i + LANES <= n; i += LANES) {
-            const unsigned char *a[LANES];
-            size_t na[LANES], blocks = 0;
-            int same = 1;
-            for (int l = 0; l < LANES; l++) {
-                PyObject *url = PyList_GET_ITEM(urls, i + l);
-                a[l] = (const unsigned char *)PyBytes_AS_STRING(url);
-                na[l] = (size_t)PyBytes_GET_SIZE(url);
-                size_t nbk = blake2b_blocks(na[l] + nt);
-                same &= l == 0 || nbk == blocks;
-                blocks = nbk;
+    size_t fill = 0, total = na + nb, done = 0;
+    const unsigned char *parts[2] = {a, b};
+    size_t sizes[2] = {na, nb};
+    for (int p = 0; p < 2; p++) {
+        const unsigned char *in = parts[p];
+        size_t left = sizes[p];
+        while (left) {
+            if (fill == 128) {  /* a full block with more to come: not the last */
+                done += 128;
+                blake2b_compress(h, block, done, 0);
+                fill = 0;
             }
-            if (!same)  /* lengths across a block boundary: one at a time */
-                for (int l = 0; l < LANES; l++)
-                    out[i + l] = blake2b64_pair(a[l], na[l], t, nt);
-            else
-                blake2b64_lanes(a, na, t, nt, blocks, out + i);
+            size_t take = 128 - fill < left ? 128 - fill : left;
+            memcpy(block + fill, in, take);
+            fill += take;
+            in += take;
+            left -= take;
         }
     }
-#endif
-    for (; i < n; i++) {
-        PyObject *url = PyList_GET_ITEM(urls, i);
-        out[i] = blake2b64_pair((const unsigned char *)PyBytes_AS_STRING(url), (size_t)PyBytes_GET_SIZE(url), t, nt);
-    }
+    memset(block + fill, 0, 128 - fill);
+    blake2b_compress(h, block, total, 1);
+    return __builtin_bswap64(h[0]);  /* digest bytes h[0] little-endian, read big-endian */
 }
 
 PyDoc_STRVAR(rendezvous_doc,
@@ -1162,30 +1048,42 @@ rendezvous_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *urls = args[0], *tail = args[1];
-    Py_ssize_t n = PyList_GET_SIZE(urls);
+    const unsigned char *t = (const unsigned char *)PyBytes_AS_STRING(tail);
+    size_t nt = (size_t)PyBytes_GET_SIZE(tail);
+    Py_ssize_t n = PyList_GET_SIZE(urls), first = 0, equal = 0;
+    uint64_t high = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (!PyBytes_Check(PyList_GET_ITEM(urls, i))) {
+        PyObject *url = PyList_GET_ITEM(urls, i);
+        if (!PyBytes_Check(url)) {
             PyErr_SetString(PyExc_TypeError, "rendezvous: urls must be bytes");
             return NULL;
         }
+        uint64_t w = blake2b64_pair((const unsigned char *)PyBytes_AS_STRING(url), (size_t)PyBytes_GET_SIZE(url),
+                                    t, nt);
+        if (i == 0 || w > high) {
+            first = i;
+            high = w;
+            equal = 1;
+        } else if (w == high) {
+            equal++;
+        }
     }
-    uint64_t *weights = PyMem_Malloc(sizeof(uint64_t) * n);
-    if (weights == NULL)
-        return PyErr_NoMemory();
-    rendezvous_weights(urls, (const unsigned char *)PyBytes_AS_STRING(tail), (size_t)PyBytes_GET_SIZE(tail), weights);
-    uint64_t high = weights[0];
-    for (Py_ssize_t i = 1; i < n; i++)
-        high = weights[i] > high ? weights[i] : high;
     PyObject *out = PyList_New(0);
-    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        if (weights[i] != high)
-            continue;
-        PyObject *at = PyLong_FromSsize_t(i);
-        if (at == NULL || PyList_Append(out, at) < 0)
-            Py_CLEAR(out);
-        Py_XDECREF(at);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = first; i < n && PyList_GET_SIZE(out) < equal; i++) {
+        PyObject *url = PyList_GET_ITEM(urls, i);
+        if (i == first || blake2b64_pair((const unsigned char *)PyBytes_AS_STRING(url),
+                                         (size_t)PyBytes_GET_SIZE(url), t, nt) == high) {
+            PyObject *at = PyLong_FromSsize_t(i);
+            if (at == NULL || PyList_Append(out, at) < 0) {
+                Py_XDECREF(at);
+                Py_DECREF(out);
+                return NULL;
+            }
+            Py_DECREF(at);
+        }
     }
-    PyMem_Free(weights);
     return out;
 }
 

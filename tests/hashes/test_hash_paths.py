@@ -160,21 +160,6 @@ def test_rendezvous_hashes_are_equal_and_are_hashlibs(urls, tail, repeat):
     assert _native.rendezvous(urls, tail) == _python.rendezvous(urls, tail) == want
 
 
-@settings(max_examples=200, deadline=None)
-@given(size=st.integers(0, 300), count=st.integers(8, 40), ragged=st.lists(st.integers(0, 39), max_size=3),
-       tail=st.binary(min_size=0, max_size=260))
-def test_rendezvous_hashes_eight_at_a_time_as_one_at_a_time(size, count, ragged, tail):
-    """Runs of 8 URLs of one block count take the 8-lane loop (where the CPU
-    has it), a run with a URL across a block boundary one at a time."""
-    urls = [bytes([i % 251]) * size for i in range(count)]
-    for i in ragged:
-        if i < count:
-            urls[i] += b"x" * 128
-    weights = [int.from_bytes(hashlib.blake2b(u + tail, digest_size=8).digest(), "big") for u in urls]
-    want = [i for i, w in enumerate(weights) if w == max(weights)]
-    assert _native.rendezvous(urls, tail) == _python.rendezvous(urls, tail) == want
-
-
 def test_rendezvous_refuses_alike():
     for impl in (_native, _python):
         for args in (([], b""), ([b"a"], "t"), ("a", b"")):
