@@ -10,7 +10,7 @@ values either way.
   :func:`expire`; workers/kv_index.py says what they are for);
 - the ``kv-aware`` policy's per-worker loops: its costs and their ties
   (:func:`kv_lowest`) and its rendezvous tie-break (:func:`rendezvous`,
-  BLAKE2b; workers/policies/kv_aware.py says what they are for).
+  XXH3; workers/policies/kv_aware.py says what they are for).
 
 :data:`ACCELERATED` says which path is in use: ``asgi_generate.hashes._native``
 (``_native.c``, which ``pip install`` builds when a C compiler is there) or

@@ -25,9 +25,8 @@
  *
  * The kv-aware policy's loops over its candidates: kv_lowest() gives the
  * workers tied at the lowest (cost, cached tokens, requests), and
- * rendezvous() the tied one(s) with the highest BLAKE2b-64 of URL and
- * prompt tail (RFC 7693, written out; hashlib's via the interpreter cost
- * ~0.9 us a worker).
+ * rendezvous() the tied one(s) with the highest XXH3-64 of the prompt tail
+ * seeded by the URL's.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -912,131 +911,23 @@ mask_missing_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
-/* The rendezvous tie-break (workers/policies/kv_aware.py): BLAKE2b with an
- * 8-byte digest (RFC 7693, unkeyed), as hashlib.blake2b(url + tail,
- * digest_size=8) gives it, read as a big-endian int. The interpreter spends
- * ~0.9 us a worker making and feeding a hashlib object: a fleet of hundreds
+/* The rendezvous tie-break (workers/policies/kv_aware.py): XXH3-64 of the
+ * prompt's tail seeded by the XXH3-64 of the worker's URL, as the PyPI
+ * xxhash's xxh3_64_intdigest(tail, seed=xxh3_64_intdigest(url)) gives it.
+ * Through the interpreter it costs ~0.3 us a worker: a fleet of hundreds
  * tied (an idle fleet, every engine holding the same system prompt) hashed
  * all of them on every request. */
-static const uint64_t blake2b_iv[8] = {
-    0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL, 0xa54ff53a5f1d36f1ULL,
-    0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL, 0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL,
-};
-
-static const uint8_t blake2b_sigma[12][16] = {
-    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
-    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
-    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
-    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
-    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
-    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
-    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
-    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
-    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
-    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
-    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
-    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
-};
-
 static inline uint64_t
-rotr64(uint64_t x, int n)
+rendezvous_weight(PyObject *url, const unsigned char *t, size_t nt)
 {
-    return (x >> n) | (x << (64 - n));
-}
-
-static inline uint64_t
-load64_le(const unsigned char *p)
-{
-    uint64_t v;
-    memcpy(&v, p, 8);
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    v = __builtin_bswap64(v);
-#endif
-    return v;
-}
-
-#define B2G(a, b, c, d, x, y)          \
-    do {                               \
-        a = a + b + (x);               \
-        d = rotr64(d ^ a, 32);         \
-        c = c + d;                     \
-        b = rotr64(b ^ c, 24);         \
-        a = a + b + (y);               \
-        d = rotr64(d ^ a, 16);         \
-        c = c + d;                     \
-        b = rotr64(b ^ c, 63);         \
-    } while (0)
-
-static void
-blake2b_compress(uint64_t h[8], const unsigned char block[128], uint64_t bytes, int last)
-{
-    uint64_t m[16], v[16];
-    for (int i = 0; i < 16; i++)
-        m[i] = load64_le(block + 8 * i);
-    for (int i = 0; i < 8; i++) {
-        v[i] = h[i];
-        v[i + 8] = blake2b_iv[i];
-    }
-    v[12] ^= bytes;  /* the counter's high word stays 0: inputs here are short */
-    if (last)
-        v[14] = ~v[14];
-    /* Unrolled, so the schedule's indexes are constants and m stays in registers. */
-#if defined(__clang__)
-#pragma clang loop unroll(full)
-#elif defined(__GNUC__)
-#pragma GCC unroll 12
-#endif
-    for (int r = 0; r < 12; r++) {
-        const uint8_t *s = blake2b_sigma[r];
-        B2G(v[0], v[4], v[8], v[12], m[s[0]], m[s[1]]);
-        B2G(v[1], v[5], v[9], v[13], m[s[2]], m[s[3]]);
-        B2G(v[2], v[6], v[10], v[14], m[s[4]], m[s[5]]);
-        B2G(v[3], v[7], v[11], v[15], m[s[6]], m[s[7]]);
-        B2G(v[0], v[5], v[10], v[15], m[s[8]], m[s[9]]);
-        B2G(v[1], v[6], v[11], v[12], m[s[10]], m[s[11]]);
-        B2G(v[2], v[7], v[8], v[13], m[s[12]], m[s[13]]);
-        B2G(v[3], v[4], v[9], v[14], m[s[14]], m[s[15]]);
-    }
-    for (int i = 0; i < 8; i++)
-        h[i] ^= v[i] ^ v[i + 8];
-}
-
-/* BLAKE2b-64 of a || b, as the big-endian int of its 8 digest bytes. */
-static uint64_t
-blake2b64_pair(const unsigned char *a, size_t na, const unsigned char *b, size_t nb)
-{
-    uint64_t h[8];
-    memcpy(h, blake2b_iv, sizeof h);
-    h[0] ^= 0x01010000ULL ^ 8;  /* depth 1, fanout 1, no key, 8-byte digest */
-    unsigned char block[128];
-    size_t fill = 0, total = na + nb, done = 0;
-    const unsigned char *parts[2] = {a, b};
-    size_t sizes[2] = {na, nb};
-    for (int p = 0; p < 2; p++) {
-        const unsigned char *in = parts[p];
-        size_t left = sizes[p];
-        while (left) {
-            if (fill == 128) {  /* a full block with more to come: not the last */
-                done += 128;
-                blake2b_compress(h, block, done, 0);
-                fill = 0;
-            }
-            size_t take = 128 - fill < left ? 128 - fill : left;
-            memcpy(block + fill, in, take);
-            fill += take;
-            in += take;
-            left -= take;
-        }
-    }
-    memset(block + fill, 0, 128 - fill);
-    blake2b_compress(h, block, total, 1);
-    return __builtin_bswap64(h[0]);  /* digest bytes h[0] little-endian, read big-endian */
+    XXH64_hash_t seed = XXH3_64bits(PyBytes_AS_STRING(url), (size_t)PyBytes_GET_SIZE(url));
+    return XXH3_64bits_withSeed(t, nt, seed);
 }
 
 PyDoc_STRVAR(rendezvous_doc,
 "rendezvous(urls, tail) -> list[int]\n\n"
 "The indexes in urls (a non-empty list of bytes), in order, of those whose\n"
-"int.from_bytes(blake2b(url + tail, digest_size=8).digest(), 'big') is\n"
+"xxh3_64_intdigest(tail, seed=xxh3_64_intdigest(url)) is\n"
 "the highest (more than one only for equal URLs, or a 64-bit collision);\n"
 "tail is bytes.");
 
@@ -1058,8 +949,7 @@ rendezvous_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             PyErr_SetString(PyExc_TypeError, "rendezvous: urls must be bytes");
             return NULL;
         }
-        uint64_t w = blake2b64_pair((const unsigned char *)PyBytes_AS_STRING(url), (size_t)PyBytes_GET_SIZE(url),
-                                    t, nt);
+        uint64_t w = rendezvous_weight(url, t, nt);
         if (i == 0 || w > high) {
             first = i;
             high = w;
@@ -1073,8 +963,7 @@ rendezvous_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     for (Py_ssize_t i = first; i < n && PyList_GET_SIZE(out) < equal; i++) {
         PyObject *url = PyList_GET_ITEM(urls, i);
-        if (i == first || blake2b64_pair((const unsigned char *)PyBytes_AS_STRING(url),
-                                         (size_t)PyBytes_GET_SIZE(url), t, nt) == high) {
+        if (i == first || rendezvous_weight(url, t, nt) == high) {
             PyObject *at = PyLong_FromSsize_t(i);
             if (at == NULL || PyList_Append(out, at) < 0) {
                 Py_XDECREF(at);

@@ -6,7 +6,6 @@ values (tests/hashes/test_hash_paths.py compares the two on random input).
 
 from __future__ import annotations
 
-import hashlib
 import operator
 import struct
 import sys
@@ -226,11 +225,11 @@ def mask_missing(keys: list, masks: dict, bit: int, start: int = 0) -> list:
 
 def rendezvous(urls: list, tail: bytes) -> list[int]:
     """The indexes in ``urls`` (a non-empty list of bytes), in order, of
-    those whose ``blake2b(url + tail, digest_size=8)`` read big-endian is
-    the highest."""
+    those whose ``xxh3_64_intdigest(tail, seed=xxh3_64_intdigest(url))``
+    is the highest."""
     if not isinstance(urls, list) or not isinstance(tail, bytes) or not urls:
         raise TypeError("rendezvous(urls: non-empty list of bytes, tail: bytes)")
-    weights = [int.from_bytes(hashlib.blake2b(url + tail, digest_size=8).digest(), "big") for url in urls]
+    weights = [xxh3_64_intdigest(tail, seed=xxh3_64_intdigest(url)) for url in urls]
     high = max(weights)
     return [i for i, w in enumerate(weights) if w == high]
 

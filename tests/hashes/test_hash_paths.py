@@ -7,10 +7,10 @@ must not show. Runs where the accelerator is built."""
 from __future__ import annotations
 
 import array
-import hashlib
 import struct
 
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -150,12 +150,13 @@ def test_the_index_loops_are_equal(ops):
 @settings(max_examples=300, deadline=None)
 @given(urls=st.lists(st.binary(max_size=300), min_size=1, max_size=6), tail=st.binary(max_size=300),
        repeat=st.booleans())
-def test_rendezvous_hashes_are_equal_and_are_hashlibs(urls, tail, repeat):
-    """BLAKE2b over every length around its 128-byte blocks (the message
-    split anywhere between URL and tail); equal URLs tie."""
+def test_rendezvous_hashes_are_equal_and_are_xxhashs(urls, tail, repeat):
+    """The C path's weights are the PyPI xxhash's, XXH3-64 of the tail
+    seeded by the URL's, over every length XXH3 treats apart (0, 1-3,
+    4-8, 9-16, 17-128, 129-240, longer); equal URLs tie."""
     if repeat:
         urls = urls + urls[:1]
-    weights = [int.from_bytes(hashlib.blake2b(u + tail, digest_size=8).digest(), "big") for u in urls]
+    weights = [xxhash.xxh3_64_intdigest(tail, seed=xxhash.xxh3_64_intdigest(u)) for u in urls]
     want = [i for i, w in enumerate(weights) if w == max(weights)]
     assert _native.rendezvous(urls, tail) == _python.rendezvous(urls, tail) == want
 

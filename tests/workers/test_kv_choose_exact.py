@@ -11,10 +11,10 @@ the first candidate wins)."""
 
 from __future__ import annotations
 
-import hashlib
 import random
 
 import pytest
+import xxhash
 
 from asgi_generate.sdk._codec import BatchItem, GenerateRequest
 from asgi_generate.workers.block_hash import block_hashes
@@ -81,8 +81,7 @@ def _reference(policy: KVAwarePolicy, candidates: list[_Worker], key, now: float
     low = min(k for k, _ in rows)
     tied = [w for k, w in rows if k == low]
     tail = key.tree[max(1, len(key.tree) - 64):].encode("utf-32-le", "surrogatepass")
-    return max(tied, key=lambda w: int.from_bytes(hashlib.blake2b(w.url.encode() + tail, digest_size=8).digest(),
-                                                    "big"))
+    return max(tied, key=lambda w: xxhash.xxh3_64_intdigest(tail, seed=xxhash.xxh3_64_intdigest(w.url.encode())))
 
 
 class _Fleet:

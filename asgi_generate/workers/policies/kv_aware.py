@@ -49,7 +49,8 @@ others count 0, and ``/stats`` says why.
 The lowest cost wins; ties go to the worker whose cache holds the fewest
 tokens (its engine's blocks and this replica's predictions, the same in
 every replica), then to the fewest requests, then to a rendezvous hash of
-the prompt's last 64 tokens and the worker's URL (the same for a request's
+the prompt's last 64 tokens and the worker's URL (XXH3-64 of the tail
+seeded by the URL's; the same for a request's
 siblings, different for prompts that share only a system prefix), so that
 every frontend replica fed the same events picks the same worker at the
 same loads. The winner's blocks are then predicted on it for ``ttl``
@@ -70,8 +71,7 @@ gives every worker's overlap, expiring only the predictions of workers
 that have some; the counts are read in bulk, the costs and their ties
 computed in C (:func:`~asgi_generate.hashes.kv_lowest`, rounding as
 Python does), and so is the rendezvous hash of the tied
-(:func:`~asgi_generate.hashes.rendezvous`, eight at a time where the CPU
-has AVX-512). Only the tree-scored workers (their trees' matches and
+(:func:`~asgi_generate.hashes.rendezvous`). Only the tree-scored workers (their trees' matches and
 sizes) and, with a nonzero ``active_weight``, every worker's running
 tokens are read one worker at a time. ``tests/workers/test_kv_choose_exact.py``
 checks the choice against a plain scan of the rules above.
