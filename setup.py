@@ -1,6 +1,7 @@
 """The one thing setup.cfg cannot declare: the hash chains' optional C
 accelerator, asgi_generate/hashes/_native.c (the replay block hash chain over
-the vendored xxhash.h, the KV index's block keys and mask loops).
+the vendored xxhash.h, the KV index's block keys and mask loops, the kv-aware
+policy's cost loop and rendezvous hash).
 
 ``optional=True``: where it does not build (no C compiler, no Python
 headers), setuptools warns and the install goes on without it; the package

@@ -7,7 +7,10 @@ values either way.
 - the KV index's block keys (:func:`kv_chain`: ``hash((parent, *tokens))``
   per full block) and its mask loops (:func:`mask_walk`, :func:`mask_set`,
   :func:`mask_drop`, :func:`mask_remove`, :func:`mask_missing`,
-  :func:`expire`; workers/kv_index.py says what they are for).
+  :func:`expire`; workers/kv_index.py says what they are for);
+- the ``kv-aware`` policy's per-worker loops: its costs and their ties
+  (:func:`kv_lowest`) and its rendezvous tie-break (:func:`rendezvous`,
+  XXH3; workers/policies/kv_aware.py says what they are for).
 
 :data:`ACCELERATED` says which path is in use: ``asgi_generate.hashes._native``
 (``_native.c``, which ``pip install`` builds when a C compiler is there) or
@@ -36,6 +39,8 @@ mask_set = _impl.mask_set
 mask_drop = _impl.mask_drop
 mask_remove = _impl.mask_remove
 mask_missing = _impl.mask_missing
+rendezvous = _impl.rendezvous
+kv_lowest = _impl.kv_lowest
 
 __all__ = ["ACCELERATED", "SEED", "chain", "chain_json", "kv_chain", "expire", "mask_walk", "mask_set", "mask_drop",
-           "mask_remove", "mask_missing"]
+           "mask_remove", "mask_missing", "rendezvous", "kv_lowest"]

@@ -22,6 +22,11 @@
  * loop: one walk narrows the mask and gives every worker's overlap,
  * probing a worker's own predictions only where it still walks and lacks
  * the key; expire() is a worker's prediction expiry.
+ *
+ * The kv-aware policy's loops over its candidates: kv_lowest() gives the
+ * workers tied at the lowest (cost, cached tokens, requests), and
+ * rendezvous() the tied one(s) with the highest XXH3-64 of the prompt tail
+ * seeded by the URL's.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -906,6 +911,205 @@ mask_missing_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* The rendezvous tie-break (workers/policies/kv_aware.py): XXH3-64 of the
+ * prompt's tail seeded by the XXH3-64 of the worker's URL, as the PyPI
+ * xxhash's xxh3_64_intdigest(tail, seed=xxh3_64_intdigest(url)) gives it.
+ * Through the interpreter it costs ~0.3 us a worker: a fleet of hundreds
+ * tied (an idle fleet, every engine holding the same system prompt) hashed
+ * all of them on every request. */
+static inline uint64_t
+rendezvous_weight(PyObject *url, const unsigned char *t, size_t nt)
+{
+    XXH64_hash_t seed = XXH3_64bits(PyBytes_AS_STRING(url), (size_t)PyBytes_GET_SIZE(url));
+    return XXH3_64bits_withSeed(t, nt, seed);
+}
+
+PyDoc_STRVAR(rendezvous_doc,
+"rendezvous(urls, tail) -> list[int]\n\n"
+"The indexes in urls (a non-empty list of bytes), in order, of those whose\n"
+"xxh3_64_intdigest(tail, seed=xxh3_64_intdigest(url)) is\n"
+"the highest (more than one only for equal URLs, or a 64-bit collision);\n"
+"tail is bytes.");
+
+static PyObject *
+rendezvous_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyList_Check(args[0]) || !PyBytes_Check(args[1]) || PyList_GET_SIZE(args[0]) == 0) {
+        PyErr_SetString(PyExc_TypeError, "rendezvous(urls: non-empty list of bytes, tail: bytes)");
+        return NULL;
+    }
+    PyObject *urls = args[0], *tail = args[1];
+    const unsigned char *t = (const unsigned char *)PyBytes_AS_STRING(tail);
+    size_t nt = (size_t)PyBytes_GET_SIZE(tail);
+    Py_ssize_t n = PyList_GET_SIZE(urls), first = 0, equal = 0;
+    uint64_t high = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *url = PyList_GET_ITEM(urls, i);
+        if (!PyBytes_Check(url)) {
+            PyErr_SetString(PyExc_TypeError, "rendezvous: urls must be bytes");
+            return NULL;
+        }
+        uint64_t w = rendezvous_weight(url, t, nt);
+        if (i == 0 || w > high) {
+            first = i;
+            high = w;
+            equal = 1;
+        } else if (w == high) {
+            equal++;
+        }
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = first; i < n && PyList_GET_SIZE(out) < equal; i++) {
+        PyObject *url = PyList_GET_ITEM(urls, i);
+        if (i == first || rendezvous_weight(url, t, nt) == high) {
+            PyObject *at = PyLong_FromSsize_t(i);
+            if (at == NULL || PyList_Append(out, at) < 0) {
+                Py_XDECREF(at);
+                Py_DECREF(out);
+                return NULL;
+            }
+            Py_DECREF(at);
+        }
+    }
+    return out;
+}
+
+/* kv-aware's costs (workers/policies/kv_aware.py), in doubles: every count
+ * is an int below 2**53, so each product and sum rounds as Python's int and
+ * float arithmetic rounds it, in the same order. Not fused into
+ * multiply-adds, which round once where Python rounds twice. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define NO_FMA __attribute__((optimize("fp-contract=off")))
+#else
+#define NO_FMA
+#endif
+
+static int
+doubles_of(PyObject *list, Py_ssize_t n, double *out)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = PyFloat_AsDouble(PyList_GET_ITEM(list, i));
+        if (out[i] == -1.0 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
+static int
+ints_of(PyObject *list, Py_ssize_t n, long long *out)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+        if (out[i] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(kv_lowest_doc,
+"kv_lowest(prompt, weights, blocks, guessed, pending, count, sizes, outstanding,\n"
+"          per_request, others, extra) -> list[int]\n\n"
+"kv-aware's scoring: for each worker i (the lists, all of one length n > 0:\n"
+"ints but per_request, int or float), requests = outstanding * per_request\n"
+"+ others and, with (ow, qw, lw) = weights,\n"
+"  cost = ow * (prompt - blocks * sizes) + qw * ((pending - guessed) * sizes)\n"
+"         + lw * requests (+ extra[i], a list of floats, unless None);\n"
+"the indexes, in order, of the workers tied at the lowest (cost,\n"
+"(count + pending) * sizes, requests).");
+
+static NO_FMA PyObject *
+kv_lowest_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    if (nargs != 11 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != 3) {
+        PyErr_SetString(PyExc_TypeError, "kv_lowest(prompt, (ow, qw, lw), blocks, guessed, pending, count, sizes, "
+                        "outstanding, per_request, others, extra)");
+        return NULL;
+    }
+    Py_ssize_t n = -1;
+    for (int a = 2; a < 11; a++) {
+        if (a == 10 && args[a] == Py_None)
+            continue;
+        if (!PyList_Check(args[a]) || (n >= 0 && PyList_GET_SIZE(args[a]) != n)) {
+            PyErr_SetString(PyExc_TypeError, "kv_lowest: lists of one length");
+            return NULL;
+        }
+        n = PyList_GET_SIZE(args[a]);
+    }
+    if (n <= 0) {
+        PyErr_SetString(PyExc_ValueError, "kv_lowest: no workers");
+        return NULL;
+    }
+    long long prompt = PyLong_AsLongLong(args[0]);
+    if (prompt == -1 && PyErr_Occurred())
+        return NULL;
+    double ow = PyFloat_AsDouble(PyTuple_GET_ITEM(args[1], 0)), qw = PyFloat_AsDouble(PyTuple_GET_ITEM(args[1], 1)),
+           lw = PyFloat_AsDouble(PyTuple_GET_ITEM(args[1], 2));
+    if (PyErr_Occurred())
+        return NULL;
+    /* One allocation: 6 int columns, 2 double columns (outstanding read as
+     * an int), the extra column, then each worker's key. */
+    long long *ints = PyMem_Malloc(sizeof(long long) * 7 * n);
+    double *dbl = PyMem_Malloc(sizeof(double) * 5 * n);
+    PyObject *out = NULL;
+    if (ints == NULL || dbl == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    long long *blocks = ints, *guessed = ints + n, *pending = ints + 2 * n, *count = ints + 3 * n,
+              *sizes = ints + 4 * n, *outstanding = ints + 5 * n, *others = ints + 6 * n;
+    double *per_request = dbl, *extra = dbl + n, *cost = dbl + 2 * n, *requests = dbl + 3 * n;
+    long long *cached = (long long *)(dbl + 4 * n);
+    if (ints_of(args[2], n, blocks) < 0 || ints_of(args[3], n, guessed) < 0 || ints_of(args[4], n, pending) < 0 ||
+        ints_of(args[5], n, count) < 0 || ints_of(args[6], n, sizes) < 0 || ints_of(args[7], n, outstanding) < 0 ||
+        doubles_of(args[8], n, per_request) < 0 || ints_of(args[9], n, others) < 0 ||
+        (args[10] != Py_None && doubles_of(args[10], n, extra) < 0))
+        goto done;
+    Py_ssize_t low = 0, tied = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double r = (double)outstanding[i] * per_request[i];
+        r = r + (double)others[i];
+        double c = ow * (double)(prompt - blocks[i] * sizes[i]);
+        double q = qw * (double)((pending[i] - guessed[i]) * sizes[i]);
+        c = c + q;
+        double l = lw * r;
+        c = c + l;
+        if (args[10] != Py_None)
+            c = c + extra[i];
+        cost[i] = c;
+        requests[i] = r;
+        cached[i] = (count[i] + pending[i]) * sizes[i];
+        if (i == 0 || c < cost[low] || (c == cost[low] && (cached[i] < cached[low] ||
+                                                            (cached[i] == cached[low] && r < requests[low])))) {
+            low = i;
+            tied = 1;
+        } else if (c == cost[low] && cached[i] == cached[low] && r == requests[low]) {
+            tied++;
+        }
+    }
+    out = PyList_New(tied);
+    if (out == NULL)
+        goto done;
+    for (Py_ssize_t i = low, k = 0; k < tied; i++) {
+        if (cost[i] == cost[low] && cached[i] == cached[low] && requests[i] == requests[low]) {
+            PyObject *at = PyLong_FromSsize_t(i);
+            if (at == NULL) {
+                Py_CLEAR(out);
+                goto done;
+            }
+            PyList_SET_ITEM(out, k++, at);
+        }
+    }
+done:
+    PyMem_Free(ints);
+    PyMem_Free(dbl);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"chain", (PyCFunction)(void (*)(void))chain_py, METH_FASTCALL, chain_doc},
     {"chain_json", (PyCFunction)(void (*)(void))chain_json_py, METH_FASTCALL, chain_json_doc},
@@ -918,6 +1122,8 @@ static PyMethodDef methods[] = {
     {"mask_drop", (PyCFunction)(void (*)(void))mask_drop_py, METH_FASTCALL, mask_drop_doc},
     {"mask_remove", (PyCFunction)(void (*)(void))mask_remove_py, METH_FASTCALL, mask_remove_doc},
     {"mask_missing", (PyCFunction)(void (*)(void))mask_missing_py, METH_FASTCALL, mask_missing_doc},
+    {"rendezvous", (PyCFunction)(void (*)(void))rendezvous_py, METH_FASTCALL, rendezvous_doc},
+    {"kv_lowest", (PyCFunction)(void (*)(void))kv_lowest_py, METH_FASTCALL, kv_lowest_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -221,3 +221,38 @@ def mask_missing(keys: list, masks: dict, bit: int, start: int = 0) -> list:
     if start < 0:
         raise ValueError("start must be at least 0")
     return [key for key in keys[start:] if not masks.get(key, 0) & bit]
+
+
+def rendezvous(urls: list, tail: bytes) -> list[int]:
+    """The indexes in ``urls`` (a non-empty list of bytes), in order, of
+    those whose ``xxh3_64_intdigest(tail, seed=xxh3_64_intdigest(url))``
+    is the highest."""
+    if not isinstance(urls, list) or not isinstance(tail, bytes) or not urls:
+        raise TypeError("rendezvous(urls: non-empty list of bytes, tail: bytes)")
+    weights = [xxh3_64_intdigest(tail, seed=xxh3_64_intdigest(url)) for url in urls]
+    high = max(weights)
+    return [i for i, w in enumerate(weights) if w == high]
+
+
+def kv_lowest(prompt: int, weights: tuple, blocks: list, guessed: list, pending: list, count: list, sizes: list,
+              outstanding: list, per_request: list, others: list, extra: list | None) -> list[int]:
+    """kv-aware's scoring: for each worker ``i``, ``requests = outstanding
+    * per_request + others`` and ``cost = ow * (prompt - blocks * sizes)
+    + qw * ((pending - guessed) * sizes) + lw * requests`` (``+ extra[i]``
+    unless ``None``); the indexes, in order, of the workers tied at the
+    lowest ``(cost, (count + pending) * sizes, requests)``."""
+    columns = [blocks, guessed, pending, count, sizes, outstanding, per_request, others]
+    if not all(isinstance(c, list) and len(c) == len(blocks) for c in columns + ([extra] if extra is not None else [])):
+        raise TypeError("kv_lowest: lists of one length")
+    if not blocks:
+        raise ValueError("kv_lowest: no workers")
+    ow, qw, lw = weights
+    keys = []
+    for i, (b, g, p, c, s, o, r, t) in enumerate(zip(*columns)):
+        requests = o * r + t
+        cost = ow * (prompt - b * s) + qw * ((p - g) * s) + lw * requests
+        if extra is not None:
+            cost += extra[i]
+        keys.append((cost, (c + p) * s, requests))
+    low = min(keys)
+    return [i for i, k in enumerate(keys) if k == low]

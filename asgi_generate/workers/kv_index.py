@@ -24,12 +24,15 @@ worker's overlap is where it dropped out, the leading run a walk of that
 worker's own set would count (a property test checks the two agree), in
 one probe a key instead of one a key a worker. Predictions stay each
 worker's own (a key predicted again expires with the later prediction),
-probed only where that worker is still in the walk and lacks the key.
+probed only where that worker is still in the walk and lacks the key; a
+walk expires only the indexes with predictions left to expire (kept as
+they come and go), not every index it walks for.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 from typing import Iterable, Sequence
 
 from ..hashes import expire, mask_drop, mask_missing, mask_remove, mask_set, mask_walk
@@ -50,6 +53,13 @@ class SharedBlocks:
     def __init__(self) -> None:
         self.held: dict[int, int] = {}
         self._bits = 0  # bits given out
+        #: The indexes with predictions yet to expire: the only ones a walk expires.
+        self.predicting: set[KVIndex] = set()
+        #: Counts changes of who is walked at which block size (an index's
+        #: block size; its worker starting or stopping to publish, which
+        #: the policy counts here): a policy's grouping of workers is
+        #: good while this stands.
+        self.layout = 0
 
     @property
     def full(self) -> bool:
@@ -72,14 +82,25 @@ class SharedBlocks:
         one block size: ``keys`` are that size's block hashes), in one walk."""
         indexes = list(indexes)
         active = 0
-        predicted = []
         for index in indexes:
-            index._expire(now)
             active |= index.bit
+        blocks, guessed = self.walk(keys, active, now)
+        return {index: (blocks[index.slot], guessed[index.slot]) for index in indexes}
+
+    def walk(self, keys: list[int], active: int, now: float) -> tuple[list[int], list[int]]:
+        """The overlap of ``keys`` (block hashes, of the one block size of
+        the indexes walked) on each index whose bit is in the mask
+        ``active``, their predictions expired at ``now`` first: two lists
+        of 64 by slot, the leading keys held or predicted and how many of
+        those are predicted only (0 outside ``active``). Its cost grows
+        with the keys walked and the indexes predicting, not with the
+        indexes walked."""
+        predicted = []
+        for index in [index for index in self.predicting if index.bit & active]:  # expiry leaves the set
+            index._expire(now)
             if index._predicted:
                 predicted.append((index.slot, index._predicted))
-        blocks, guessed = mask_walk(keys, self.held, active, predicted)
-        return {index: (blocks[index.slot], guessed[index.slot]) for index in indexes}
+        return mask_walk(keys, self.held, active, predicted)
 
 
 class KVIndex:
@@ -107,13 +128,17 @@ class KVIndex:
             ``BlockStored`` confirmed.
     """
 
+    # Slots: a policy reads the counts of hundreds of indexes per request.
+    __slots__ = ("max_blocks", "ttl", "shared", "bit", "slot", "_block_size", "_keys", "_count", "_predicted",
+                 "_expiry", "resets", "orphans", "predicted", "confirmed")
+
     def __init__(self, max_blocks: int, ttl: float, shared: SharedBlocks | None = None) -> None:
         self.max_blocks = max_blocks
         self.ttl = ttl
         self.shared = shared if shared is not None else SharedBlocks()
         self.bit = self.shared.take_bit()
         self.slot = self.bit.bit_length() - 1
-        self.block_size: int | None = None
+        self._block_size: int | None = None
         self._keys: dict = {}  # engine hash -> our key
         self._count = 0  # keys whose held mask has our bit
         self._predicted: dict[int, float] = {}
@@ -121,6 +146,18 @@ class KVIndex:
         self._expiry: deque[tuple[float, list[int]]] = deque()
         self.resets: dict[str, int] = {}
         self.orphans = self.predicted = self.confirmed = 0
+
+    @property
+    def block_size(self) -> int | None:
+        """Tokens per block (see the class docstring); setting a new one
+        counts as a change of :attr:`SharedBlocks.layout`."""
+        return self._block_size
+
+    @block_size.setter
+    def block_size(self, size: int | None) -> None:
+        if size != self._block_size:
+            self._block_size = size
+            self.shared.layout += 1
 
     @property
     def blocks(self) -> int:
@@ -176,6 +213,7 @@ class KVIndex:
         self._count = 0
         self._predicted.clear()
         self._expiry.clear()
+        self.shared.predicting.discard(self)
 
     def overlap(self, keys: Sequence[int], now: float) -> tuple[int, int]:
         """How many leading ``keys`` (a list) are held or predicted
@@ -206,6 +244,7 @@ class KVIndex:
             predicted = self._predicted = dict.fromkeys(new, until)
         self.predicted += len(predicted) - before
         self._expiry.append((until, new))
+        self.shared.predicting.add(self)
         if len(predicted) > self.max_blocks:  # bounded, whatever the traffic
             self._expire(float("inf"))
 
@@ -214,9 +253,21 @@ class KVIndex:
         while expiry and expiry[0][0] <= now:
             until, keys = expiry.popleft()
             expire(keys, predicted, until)
+        if not expiry:
+            self.shared.predicting.discard(self)
 
     def stats(self) -> dict:
         """Sizes and counters, for ``/stats``."""
         return {"block_size": self.block_size, "blocks": self._count, "predicted_now": len(self._predicted),
                 "predicted": self.predicted, "confirmed": self.confirmed, "orphans": self.orphans,
                 "resets": dict(sorted(self.resets.items()))}
+
+
+_COUNT = attrgetter("_count")
+_PREDICTED = attrgetter("_predicted")
+
+
+def held_and_pending(indexes: list[KVIndex]) -> tuple[list[int], list[int]]:
+    """:attr:`KVIndex.blocks` and :attr:`KVIndex.pending` of each of
+    ``indexes``, as two lists, read without a Python call per index."""
+    return list(map(_COUNT, indexes)), list(map(len, map(_PREDICTED, indexes)))

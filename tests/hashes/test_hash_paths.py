@@ -10,6 +10,7 @@ import array
 import struct
 
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -144,3 +145,52 @@ def test_the_index_loops_are_equal(ops):
                 got = impl.expire(op[1], predicted, op[2])
             results.append((got, dict(masks), dict(engine), dict(predicted)))
         assert results[0] == results[1], op
+
+
+@settings(max_examples=300, deadline=None)
+@given(urls=st.lists(st.binary(max_size=300), min_size=1, max_size=6), tail=st.binary(max_size=300),
+       repeat=st.booleans())
+def test_rendezvous_hashes_are_equal_and_are_xxhashs(urls, tail, repeat):
+    """The C path's weights are the PyPI xxhash's, XXH3-64 of the tail
+    seeded by the URL's, over every length XXH3 treats apart (0, 1-3,
+    4-8, 9-16, 17-128, 129-240, longer); equal URLs tie."""
+    if repeat:
+        urls = urls + urls[:1]
+    weights = [xxhash.xxh3_64_intdigest(tail, seed=xxhash.xxh3_64_intdigest(u)) for u in urls]
+    want = [i for i, w in enumerate(weights) if w == max(weights)]
+    assert _native.rendezvous(urls, tail) == _python.rendezvous(urls, tail) == want
+
+
+def test_rendezvous_refuses_alike():
+    for impl in (_native, _python):
+        for args in (([], b""), ([b"a"], "t"), ("a", b"")):
+            with pytest.raises(TypeError):
+                impl.rendezvous(*args)
+
+
+counts = st.integers(0, 40)
+
+
+@settings(max_examples=500, deadline=None)
+@given(rows=st.lists(st.tuples(counts, counts, counts, counts, st.sampled_from([1, 2, 16]), st.integers(0, 9),
+                               st.sampled_from([1, 1.0, 2, 1.6, 8 + 0.2 * (1 - 8)]), st.integers(0, 9),
+                               st.sampled_from([0.0, 0.05 * 9216, 1.5, 100.0])), min_size=1, max_size=12),
+       prompt=st.integers(0, 200), weights=st.tuples(*[st.sampled_from([0.0, 1, 1.25, 0.1, 128.0, 3])] * 3),
+       with_extra=st.booleans())
+def test_kv_lowest_is_equal(rows, prompt, weights, with_extra):
+    """Equal ties on the three keys (costs rounded as Python rounds them,
+    int and float weights and samples per request alike)."""
+    blocks, guessed, pending, count, sizes, outstanding, per_request, others, extra = map(list, zip(*rows))
+    guessed = [min(g, p) for g, p in zip(guessed, pending)]
+    args = (prompt, weights, blocks, guessed, pending, count, sizes, outstanding, per_request, others,
+            extra if with_extra else None)
+    assert _native.kv_lowest(*args) == _python.kv_lowest(*args)
+
+
+def test_kv_lowest_refuses_alike():
+    one = [1]
+    for impl in (_native, _python):
+        with pytest.raises(TypeError):
+            impl.kv_lowest(0, (1.0, 0.0, 1.0), one, one, one, one, one, one, one, [1, 2], None)
+        with pytest.raises(ValueError):
+            impl.kv_lowest(0, (1.0, 0.0, 1.0), [], [], [], [], [], [], [], [], None)

@@ -6,6 +6,10 @@ exact costs worked out in each test. A worker's index is fed a
 
 from __future__ import annotations
 
+from array import array
+
+import xxhash
+
 from asgi_generate.sdk._codec import BatchItem, GenerateRequest
 from asgi_generate.workers.block_hash import ROOT, block_hashes
 from asgi_generate.workers.kv_events import Stored
@@ -97,17 +101,24 @@ def test_a_workers_first_request_of_n_samples_counts_n():
 
 
 def test_ties_hash_the_prompts_end_so_groups_sharing_a_system_prefix_spread():
-    """Eight GRPO groups (the system prefix, then 128 tokens each) on four
+    """Sixteen GRPO groups (the system prefix, then 128 tokens each) on four
     idle, empty workers: every cost ties, and each group is a replica's
     first request. Hashed on the prompt's first 64 tokens (the system
-    prefix) all eight went to one worker in every replica; hashed on its
-    last 64 they spread, and the same prompt picks the same worker in
-    every replica."""
-    groups = [SYSTEM + list(range(5000 + 128 * g, 5128 + 128 * g)) for g in range(8)]
+    prefix) all went to one worker in every replica; hashed on its last 64
+    they spread over all four, and the same prompt picks the same worker
+    in every replica."""
+    groups = [SYSTEM + list(range(5000 + 128 * g, 5128 + 128 * g)) for g in range(16)]
     workers = [_Worker(i) for i in range(4)]
     picks = [_pick(_policy(workers), workers, _prompt(g)) for g in groups]
     assert picks == [_pick(_policy(workers), workers, _prompt(g)) for g in groups]
-    assert picks == ["w3", "w3", "w3", "w2", "w3", "w3", "w1", "w0"]
+
+    def highest(ids: list[int]) -> str:  # XXH3-64 of the last 64 tokens, seeded by the URL's
+        tail = array("I", ids[-64:]).tobytes()
+        return max(workers, key=lambda w: xxhash.xxh3_64_intdigest(tail, seed=xxhash.xxh3_64_intdigest(
+            w.url.encode()))).id
+
+    assert picks == [highest(g) for g in groups]
+    assert len(set(picks)) == 4
 
 
 class _Leg:
@@ -197,13 +208,12 @@ def test_the_rendezvous_hash_is_taken_of_the_tied_workers_only(monkeypatch):
     tie-break hash is taken (it was taken for all 256 on every request).
     With w7 and w9 holding it alike, only those two are hashed, and the one
     with the higher hash of the prompt's end wins, as before."""
-    import hashlib
-
     from asgi_generate.workers.policies import kv_aware
 
     hashed: list[str] = []
-    real = kv_aware._rendezvous
-    monkeypatch.setattr(kv_aware, "_rendezvous", lambda url, tail: hashed.append(url) or real(url, tail))
+    real = kv_aware.rendezvous  # the URLs of the tied, as bytes, hashed at once
+    monkeypatch.setattr(kv_aware, "rendezvous",
+                        lambda urls, tail: hashed.extend(u.decode() for u in urls) or real(urls, tail))
     prompt = _prompt(SYSTEM + list(range(5000, 5128)))
     workers = [_Worker(i) for i in range(256)]
     assert _pick(_policy(workers, {"w7": SYSTEM}), workers, prompt) == "w7"
@@ -213,7 +223,7 @@ def test_the_rendezvous_hash_is_taken_of_the_tied_workers_only(monkeypatch):
 
     def weight(w: _Worker) -> int:
         tail = tree[len(tree) - 64:].encode("utf-32-le", "surrogatepass")
-        return int.from_bytes(hashlib.blake2b(w.url.encode() + tail, digest_size=8).digest(), "big")
+        return xxhash.xxh3_64_intdigest(tail, seed=xxhash.xxh3_64_intdigest(w.url.encode()))
 
     expected = max((workers[7], workers[9]), key=weight).id
     assert _pick(_policy(workers, {"w7": SYSTEM, "w9": SYSTEM}), workers, prompt) == expected

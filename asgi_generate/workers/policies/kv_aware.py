@@ -49,7 +49,8 @@ others count 0, and ``/stats`` says why.
 The lowest cost wins; ties go to the worker whose cache holds the fewest
 tokens (its engine's blocks and this replica's predictions, the same in
 every replica), then to the fewest requests, then to a rendezvous hash of
-the prompt's last 64 tokens and the worker's URL (the same for a request's
+the prompt's last 64 tokens and the worker's URL (XXH3-64 of the tail
+seeded by the URL's; the same for a request's
 siblings, different for prompts that share only a system prefix), so that
 every frontend replica fed the same events picks the same worker at the
 same loads. The winner's blocks are then predicted on it for ``ttl``
@@ -61,19 +62,33 @@ as ``cache-aware`` keeps, and ``/stats`` says so (``source: tree`` and
 why). A request without token ids (a text prompt) is routed by those trees
 for every worker: the engine's blocks are of tokens the frontend cannot
 compute.
+
+Every candidate is scored on every request, so the scoring does no
+Python work per worker where it can help it: the workers' grouping by
+shared index and block size is kept per candidate set (:class:`_Roster`)
+until a block size or a worker's source changes; one walk per group
+gives every worker's overlap, expiring only the predictions of workers
+that have some; the counts are read in bulk, the costs and their ties
+computed in C (:func:`~asgi_generate.hashes.kv_lowest`, rounding as
+Python does), and so is the rendezvous hash of the tied
+(:func:`~asgi_generate.hashes.rendezvous`). Only the tree-scored workers (their trees' matches and
+sizes) and, with a nonzero ``active_weight``, every worker's running
+tokens are read one worker at a time. ``tests/workers/test_kv_choose_exact.py``
+checks the choice against a plain scan of the rules above.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Sequence
 
 import anyio
 
+from ...hashes import kv_lowest, rendezvous
 from ..block_hash import ROOT, block_hashes, namespace_seed
 from ..kv_events import Source
-from ..kv_index import KVIndex, SharedBlocks
+from ..kv_index import KVIndex, SharedBlocks, held_and_pending
 from . import Candidate, Least, Policy, W
 from .cache_aware import CacheAwarePolicy, prompt_ids, tree_key
 from .kv_loads import KVLoads, read_loads
@@ -109,6 +124,70 @@ class _Key:
         if got is None:
             got = self._hashes[block] = block_hashes(self.seed, self.ids, block)
         return got
+
+
+_ID = attrgetter("id")
+_OUTSTANDING = attrgetter("outstanding")
+_PER_REQUEST = attrgetter("per_request")
+_OTHERS = attrgetter("others")
+#: Candidate sets whose :class:`_Roster` a policy keeps (a set excluding
+#: a failed worker is another set); past it, they are built again.
+ROSTERS = 16
+
+
+class _Roster:
+    """One candidate set as :meth:`KVAwarePolicy.choose` scores it: the
+    workers scored by events first, grouped by shared index and block size,
+    then those scored by their trees; good while the layout of every
+    shared index its workers are in stands
+    (:attr:`~asgi_generate.workers.kv_index.SharedBlocks.layout`).
+
+    Attributes:
+        workers, kvs, urls: the candidates, what the policy keeps of each,
+            and each one's URL as bytes, in this order.
+        groups: per shared index and block size, ``(shared, block size,
+            mask of its workers' bits, their slots)``, the workers in
+            that order.
+        indexes: the events-scored workers' indexes (the first
+            ``len(indexes)`` workers).
+        sizes: their block sizes.
+        tree: the workers scored by their trees (the rest).
+        layouts: each shared index involved, with its layout when built.
+    """
+
+    __slots__ = ("workers", "kvs", "urls", "groups", "indexes", "sizes", "tree", "layouts")
+
+    def __init__(self, pairs: list[tuple[Candidate, WorkerKV]]) -> None:
+        grouped: dict[tuple[int, int], list[tuple[Candidate, WorkerKV]]] = {}
+        tree = []
+        shareds = {}
+        for w, kv in pairs:
+            index = kv.index
+            shareds[id(index.shared)] = index.shared
+            if kv.subscriber is not None and index.block_size:
+                grouped.setdefault((id(index.shared), index.block_size), []).append((w, kv))
+            else:
+                tree.append((w, kv))
+        self.groups = []
+        ordered = []
+        for (_, block), members in grouped.items():
+            mask = 0
+            for _, kv in members:
+                mask |= kv.index.bit
+            self.groups.append((members[0][1].index.shared, block, mask, [kv.index.slot for _, kv in members]))
+            ordered += members
+        self.indexes = [kv.index for _, kv in ordered]
+        self.sizes = [index.block_size for index in self.indexes]
+        self.tree = [w for w, _ in tree]
+        ordered += tree
+        self.workers = [w for w, _ in ordered]
+        self.kvs = [kv for _, kv in ordered]
+        self.urls = [w.url.encode() for w in self.workers]
+        self.layouts = [(shared, shared.layout) for shared in shareds.values()]
+
+    def current(self) -> bool:
+        """Whether no layout changed since it was built."""
+        return all(shared.layout == layout for shared, layout in self.layouts)
 
 
 class KVAwarePolicy(Policy):
@@ -173,6 +252,7 @@ class KVAwarePolicy(Policy):
         self.clock: Callable[[], float] = time.monotonic
         #: Workers whose load another reader takes for the policy (:meth:`load_share`).
         self.loads_shared: set[str] = set()
+        self._rosters: dict[frozenset, _Roster] = {}
 
     def _key(self, request: "GenerateRequest", headers: Mapping[bytes, bytes]) -> _Key | None:
         tree = tree_key(request)
@@ -188,55 +268,75 @@ class KVAwarePolicy(Policy):
             kv = self.workers[worker.id] = WorkerKV(KVIndex(self.max_blocks, self.ttl, self.shared), worker)
         return kv
 
+    def _roster(self, candidates: Sequence[W]) -> _Roster:
+        """``candidates`` as scored (:class:`_Roster`), built again only
+        when the set or a layout changed."""
+        ident = frozenset(candidates)
+        roster = self._rosters.get(ident)
+        if roster is None or not roster.current():
+            if len(self._rosters) >= ROSTERS:
+                self._rosters.clear()
+            roster = self._rosters[ident] = _Roster([(w, self._kv(w)) for w in candidates])
+        return roster
+
     def choose(self, candidates: Sequence[W], key: _Key, least: Least[W]) -> W:
         """See the module docstring."""
         now = self.clock()
         prompt = len(key.tree) - 1
-        kvs = [self._kv(w) for w in candidates]
-        overlaps = self._overlaps(key, kvs, now) if key.ids is not None else {}
-        fallback = self.fallback
-        # Tree-scored workers: the fallback trees' matches (one call for all).
-        tree_held = fallback.held(key.tree, [w for w, kv in zip(candidates, kvs) if kv.index not in overlaps])
-        costs = []
-        for w, kv in zip(candidates, kvs):
-            index = kv.index
-            queued = 0
-            if index in overlaps:
-                blocks, guessed = overlaps[index]
-                held = blocks * index.block_size
-                # Prefills queued here that this request does not share.
-                queued = (index.pending - guessed) * index.block_size
-                cached = (index.blocks + index.pending) * index.block_size
-            else:
-                held = max(tree_held.get(w.id, 1) - 1, 0)
-                cached = fallback.cached_tokens(w.id)
-            requests = kv.requests(w.outstanding)
-            cost = self.overlap_weight * (prompt - held) + self.queued_weight * queued + self.load_weight * requests
-            if self.active_weight:
-                cost += self.active_weight * self.active(w, kv)
-            costs.append((cost, cached, requests, held, w))
-        # The rendezvous hash only breaks ties: hashed for the tied alone,
-        # not for every worker of the fleet on every request.
-        low = min(c[:3] for c in costs)
-        tied = [c for c in costs if c[:3] == low]
+        roster = self._roster(candidates)
+        workers, kvs = roster.workers, roster.kvs
+        # Per worker, in the roster's order: blocks matched and predicted
+        # only, blocks held and pending, block size (the tree-scored: the
+        # tree's match and size, in tokens as blocks of 1).
+        if key.ids is not None:
+            blocks: list[int] = []
+            guessed: list[int] = []
+            for shared, block, mask, slots in roster.groups:
+                overlap, predicted = shared.walk(key.hashes(block), mask, now)
+                blocks += map(overlap.__getitem__, slots)
+                guessed += map(predicted.__getitem__, slots)
+            count, pending = held_and_pending(roster.indexes)
+            sizes = roster.sizes[:] if roster.tree else roster.sizes
+            tree = roster.tree
+        else:
+            blocks, guessed, count, pending, sizes = [], [], [], [], []
+            tree = workers
+        events = len(blocks)
+        if tree:
+            fallback = self.fallback
+            held = fallback.held(key.tree, tree)
+            blocks += [max(held.get(w.id, 1) - 1, 0) for w in tree]
+            count += map(fallback.cached_tokens, map(_ID, tree))
+            guessed += [0] * len(tree)
+            pending += [0] * len(tree)
+            sizes += [1] * len(tree)
+        extra = ([self.active_weight * self.active(w, kv) for w, kv in zip(workers, kvs)]
+                 if self.active_weight else None)
+        tied = kv_lowest(prompt, (self.overlap_weight, self.queued_weight, self.load_weight), blocks, guessed,
+                         pending, count, sizes, list(map(_OUTSTANDING, workers)), list(map(_PER_REQUEST, kvs)),
+                         list(map(_OTHERS, kvs)), extra)
+        # The rendezvous hash only breaks ties: hashed for the tied alone.
+        at = tied[0]
         if len(tied) > 1:
-            tail = _tail(key)
-            tied = [max(tied, key=lambda c: _rendezvous(c[4].url, tail))]
-        *_, held, best = tied[0]
-        kv = self._kv(best)
+            top = rendezvous(roster.urls if len(tied) == len(workers) else list(map(roster.urls.__getitem__, tied)),
+                             _tail(key))
+            at = tied[top[0]]
+            if len(top) > 1:  # equal URLs: the first in the candidates' order
+                order = {id(w): n for n, w in enumerate(candidates)}
+                at = min((tied[i] for i in top), key=lambda i: order[id(workers[i])])
+        best, kv = workers[at], kvs[at]
         kv.peak = max(kv.peak, best.outstanding + 1)
         kv.per_request = moving_average(kv.per_request, key.sequences, kv.routed)
         kv.routed += 1
         kv.wake()
         self.tokens_per_sequence = moving_average(self.tokens_per_sequence, key.tokens / key.sequences, self.keyed)
         self.keyed += 1
-        if held:
+        if blocks[at]:
             self.overlapped += 1
-        walked = overlaps.get(kv.index)
-        if walked is not None:
+        if at < events:
             self.by_events += 1
             # A leading run held with nothing guessed needs no second look.
-            kv.index.predict(key.hashes(kv.index.block_size), now, walked[0] if not walked[1] else 0)
+            kv.index.predict(key.hashes(kv.index.block_size), now, blocks[at] if not guessed[at] else 0)
         else:
             self.by_tree += 1
         self.fallback.learn(best, key.tree)
@@ -245,16 +345,13 @@ class KVAwarePolicy(Policy):
     @staticmethod
     def _overlaps(key: _Key, kvs: list[WorkerKV], now: float) -> dict[KVIndex, tuple[int, int]]:
         """The (blocks, predicted only) overlap of ``key`` on each of ``kvs``
-        scored by events: one walk per shared index and block size (one in
-        all for a fleet of one engine kind)."""
-        groups: dict[tuple[int, int], list[KVIndex]] = {}
-        for kv in kvs:
-            index = kv.index
-            if kv.subscriber is not None and index.block_size:
-                groups.setdefault((id(index.shared), index.block_size), []).append(index)
+        scored by events, by index: :meth:`choose`'s walks (one per shared
+        index and block size) for a list of workers."""
+        roster = _Roster([(kv.worker, kv) for kv in kvs])
         out: dict[KVIndex, tuple[int, int]] = {}
-        for (_, block), indexes in groups.items():
-            out.update(indexes[0].shared.overlaps(key.hashes(block), indexes, now))
+        for shared, block, mask, _ in roster.groups:
+            out.update(shared.overlaps(key.hashes(block), [kv.index for kv in roster.kvs if kv.index.shared is shared
+                                                           and kv.index.block_size == block], now))
         return out
 
     def active(self, worker: Candidate, kv: WorkerKV) -> float:
@@ -355,10 +452,3 @@ def _tail(key: _Key) -> bytes:
     """What the tie-break hashes of ``key``: its last 64 tokens or characters."""
     return key.tree[max(1, len(key.tree) - 64):].encode("utf-32-le", "surrogatepass")
 
-
-def _rendezvous(url: str, tail: bytes) -> int:
-    """The tie-break weight of ``url`` for a key's :func:`_tail`: the same
-    in every process; the highest wins (the first of equals)."""
-    digest = hashlib.blake2b(url.encode(), digest_size=8)
-    digest.update(tail)
-    return int.from_bytes(digest.digest(), "big")

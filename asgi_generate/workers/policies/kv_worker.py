@@ -21,14 +21,14 @@ def moving_average(average: float, sample: float, samples_before: int) -> float:
 class WorkerKV:
     """What the policy keeps of one worker."""
 
-    __slots__ = ("index", "worker", "subscriber", "why_tree", "engine", "others", "why_own", "readings", "peak",
+    __slots__ = ("index", "worker", "_subscriber", "why_tree", "engine", "others", "why_own", "readings", "peak",
                  "per_request", "routed", "read_at", "read_mark", "skipped", "waiter")
 
     def __init__(self, index: KVIndex, worker: Candidate) -> None:
         self.index = index
         #: The worker itself (its in-flight legs, for ``/stats``).
         self.worker = worker
-        self.subscriber: Subscriber | None = None
+        self._subscriber: Subscriber | None = None
         self.why_tree = "discovering"
         #: The engine's last load reading, and the requests in it that
         #: other replicas sent.
@@ -52,6 +52,20 @@ class WorkerKV:
         #: Set by :meth:`wake`: what an idle engine's load reader waits on.
         self.waiter: anyio.Event | None = None
 
+    @property
+    def subscriber(self) -> Subscriber | None:
+        """What follows the engine's events into :attr:`index` (``None``:
+        none, the worker is scored by its tree); setting it (or clearing
+        it) counts as a change of the index's
+        :attr:`~asgi_generate.workers.kv_index.SharedBlocks.layout`."""
+        return self._subscriber
+
+    @subscriber.setter
+    def subscriber(self, subscriber: Subscriber | None) -> None:
+        if (subscriber is None) != (self._subscriber is None):
+            self.index.shared.layout += 1
+        self._subscriber = subscriber
+
     def activity(self) -> tuple[int, int]:
         """What moves when anyone uses the worker: the requests this
         replica routed here, and the event batches its engine published
@@ -67,7 +81,8 @@ class WorkerKV:
 
     def requests(self, outstanding: int) -> float:
         """The fleet's requests here, in the engine's units, given this
-        replica's ``outstanding`` ones."""
+        replica's ``outstanding`` ones (``kv-aware``'s choice computes the
+        same for every candidate at once: :func:`~asgi_generate.hashes.kv_lowest`)."""
         return outstanding * self.per_request + self.others
 
     def read(self, load: EngineLoad | None, own: int) -> None:
