@@ -37,6 +37,13 @@ _OPT_STR = (str, type(None))
 _OPT_INT = (int, type(None))
 _TRIPLE = "a [logprob, token_id, text] triple"
 _TRIPLE_TYPES = ((_NUMBER, "a number or null"), ((int,), "an integer"), (_OPT_STR, "a string or null"))
+#: ``meta_info`` fields checked by type alone, as ``(key, types, what it
+#: should be)``: those before the logprob lists, and those after (the order
+#: the checks raise in).
+_COUNTS = (("prompt_tokens", (int,), "an integer"), ("completion_tokens", (int,), "an integer"),
+           ("cached_tokens", (int,), "an integer"), ("weight_version", (str,), "a string"))
+_EXTRAS = (("routed_experts", _OPT_STR, "a base64 string"), ("routed_experts_dtype", _OPT_STR, "a string"),
+           ("cached_tokens_details", (dict, type(None)), "an object"))
 
 
 def chunk_meta(chunk: dict, at: str, start: int = 0, inputs: bool = True) -> dict | None:
@@ -97,24 +104,37 @@ def check_meta(meta: dict, at: str, start: int = 0, inputs: bool = True) -> None
         answer.check(finish, "length", f"{at}.finish_reason.length", _OPT_INT, "an integer")
         answer.check(finish, "message", f"{at}.finish_reason.message", _OPT_STR, "a string")
         answer.check(finish, "status_code", f"{at}.finish_reason.status_code", _OPT_INT, "an integer")
-    for key in ("prompt_tokens", "completion_tokens", "cached_tokens"):
-        answer.check(meta, key, f"{at}.{key}", (int,), "an integer")
-    answer.check(meta, "weight_version", f"{at}.weight_version", (str,), "a string")
+    # Every streamed event passes here: a field's name is formatted only
+    # for its error, not for each check.
+    get = meta.get
+    for key, types, expected in _COUNTS:
+        value = get(key, MISSING)
+        if value is not MISSING and type(value) not in types:
+            raise wrong(f"{at}.{key}", value, expected)
     for key in TRIPLES:
-        value = answer.check(meta, key, f"{at}.{key}", (list, type(None)), "a list")
-        if type(value) is list and (inputs or key not in _INPUTS):
+        value = get(key)
+        if value is None:
+            continue
+        if type(value) is not list:
+            raise wrong(f"{at}.{key}", value, "a list")
+        if inputs or key not in _INPUTS:
             _triples(value, f"{at}.{key}", 0 if key in _INPUTS else start)
     for key in NESTED:
-        value = answer.check(meta, key, f"{at}.{key}", (list, type(None)), "a list")
-        if type(value) is list and (inputs or key not in _INPUTS):
+        value = get(key)
+        if value is None:
+            continue
+        if type(value) is not list:
+            raise wrong(f"{at}.{key}", value, "a list")
+        if inputs or key not in _INPUTS:
             for i in range(0 if key in _INPUTS else start, len(value)):
                 if value[i] is not None:
                     if type(value[i]) is not list:
                         raise wrong(f"{at}.{key}[{i}]", value[i], "a list of logprob triples or null")
                     _triples(value[i], f"{at}.{key}[{i}]", 0)
-    answer.check(meta, "routed_experts", f"{at}.routed_experts", _OPT_STR, "a base64 string")
-    answer.check(meta, "routed_experts_dtype", f"{at}.routed_experts_dtype", _OPT_STR, "a string")
-    answer.check(meta, "cached_tokens_details", f"{at}.cached_tokens_details", (dict, type(None)), "an object")
+    for key, types, expected in _EXTRAS:
+        value = get(key, MISSING)
+        if value is not MISSING and type(value) not in types:
+            raise wrong(f"{at}.{key}", value, expected)
 
 
 def _triples(value: list, at: str, start: int) -> None:

@@ -28,6 +28,10 @@ from asgi_generate.sdk.answer import MISSING, wrong
 _OPT_STR = (str, type(None))
 _OPT_INT = (int, type(None))
 _OPT_OBJ = (dict, type(None))
+#: A choice's fields checked by type alone: ``(key, types, what it should be)``.
+_CHOICE_FIELDS = (("finish_reason", _OPT_STR, "a string"),
+                  ("stop_reason", (int, str, type(None)), "an integer or a string"),
+                  ("routed_experts", _OPT_STR, "a base64 string"), ("logprobs", _OPT_OBJ, "an object"))
 
 
 def check_error(obj: dict) -> dict:
@@ -95,9 +99,16 @@ def check_choice(choice: object, at: str) -> None:
     """
     if type(choice) is not dict:
         raise wrong(at, choice, "an object")
-    answer.check(choice, "index", f"{at}.index", (int,), "an integer", optional=False)
-    answer.int_list(choice.get("token_ids", MISSING), f"{at}.token_ids")
-    answer.check(choice, "finish_reason", f"{at}.finish_reason", _OPT_STR, "a string")
-    answer.check(choice, "stop_reason", f"{at}.stop_reason", (int, str, type(None)), "an integer or a string")
-    answer.check(choice, "routed_experts", f"{at}.routed_experts", _OPT_STR, "a base64 string")
-    answer.check(choice, "logprobs", f"{at}.logprobs", _OPT_OBJ, "an object")
+    # Every streamed event passes here: a field's name is formatted only
+    # for its error, not for each check.
+    get = choice.get
+    index = get("index", MISSING)
+    if type(index) is not int:
+        raise wrong(f"{at}.index", index, "an integer")
+    ids = get("token_ids", MISSING)
+    if type(ids) is not list or not all(type(i) is int for i in ids):
+        answer.int_list(ids, f"{at}.token_ids")
+    for key, types, expected in _CHOICE_FIELDS:
+        value = get(key, MISSING)
+        if value is not MISSING and type(value) not in types:
+            raise wrong(f"{at}.{key}", value, expected)
