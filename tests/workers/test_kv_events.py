@@ -16,11 +16,16 @@ from typing import Any, Optional
 
 import anyio
 import msgspec
+import orjson
 
 from asgi_generate.sim.kv_events import EventWire, KVEventPublisher, KVEventsConfig
 from asgi_generate.workers.block_hash import ROOT, block_hashes, namespace_seed
 from asgi_generate.workers.kv_events import Cleared, Removed, Source, Stored, Subscriber, decode_batch
 from asgi_generate.workers.kv_index import KVIndex
+from asgi_generate.workers.policies.kv_aware import KVAwarePolicy
+from asgi_generate.workers.policies.kv_sources import follow_events
+from asgi_generate.protocols import PROTOCOLS
+from fakes import CallPool, CannedAnswer
 
 
 # Structs shaped as the engines declare theirs: vLLM 0.33 (tagged maps,
@@ -290,4 +295,70 @@ async def test_subscribers_share_one_zmq_context():
             tg.cancel_scope.cancel()
     finally:
         for pub in pubs:
+            pub.close()
+
+
+class _Comeback:
+    """A worker as the router keeps it: up or down, marked down so many
+    times, answering ``GET /kv_event_sources`` with where its publisher of
+    the moment publishes."""
+
+    def __init__(self) -> None:
+        self.id, self.url, self.outstanding, self.inflight = "w0", "http://127.0.0.1:9000", 0, []
+        self.protocol = PROTOCOLS["vllm"]
+        self.healthy, self.times_down = True, 0
+        self.pub = _publisher()
+        self.pool = CallPool(lambda method, path, body: CannedAnswer(200, orjson.dumps(self.pub.vllm_sources())))
+
+
+async def _followed(policy: KVAwarePolicy, worker: _Comeback, n: int) -> dict:
+    """Publish block ``n`` on ``worker``'s publisher until a subscriber to
+    it applied it (the slow joiner), then ``policy``'s ``/stats`` row for it."""
+    kv = policy.workers[worker.id]
+
+    def applied() -> bool:
+        sub = kv.subscriber
+        return sub is not None and sub.source.endpoint == worker.pub.endpoint and sub.events > 0
+
+    with anyio.fail_after(10):
+        while not applied():
+            worker.pub.publish([_stored(n)])
+            await anyio.sleep(0.02)
+    return policy.stats()["workers"][worker.id]
+
+
+@pytest.mark.anyio
+async def test_a_worker_back_from_a_restart_is_followed_on_its_new_endpoint():
+    # A restarted engine binds a new port (vLLM's tcp://*:0): once its worker
+    # is down, and again when it was marked down and up between two looks,
+    # the subscriber stops and the one following the worker back up asks
+    # where it publishes now, on a reset index.
+    worker = _Comeback()
+    policy = KVAwarePolicy()
+    kv = policy._kv(worker)
+    old = [worker.pub]
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(follow_events, worker, kv, None)
+            row = await _followed(policy, worker, 1)
+            assert (row["source"], row["subscriber"]["endpoint"], row["blocks"]) == ("events", worker.pub.endpoint, 1)
+            for bounce in (True, False):
+                worker.times_down += 1
+                worker.healthy = False
+                if bounce:  # down for good: the subscriber stops
+                    await _until(lambda: kv.subscriber is None)
+                    assert (policy.stats()["workers"]["w0"]["source"], kv.index.blocks) == ("tree", 0)
+                worker.pub.close()
+                worker.pub = _publisher()
+                old.append(worker.pub)
+                worker.healthy = True
+                row = await _followed(policy, worker, 2 + bounce)
+                assert worker.pub.endpoint not in [pub.endpoint for pub in old[:-1]]
+                assert (row["source"], row["subscriber"]["endpoint"], row["blocks"]) == (
+                    "events", worker.pub.endpoint, 1)
+                assert row["subscriber"]["batches"] >= 1
+            assert row["resets"] == {"restart": 2}
+            tg.cancel_scope.cancel()
+    finally:
+        for pub in old:
             pub.close()

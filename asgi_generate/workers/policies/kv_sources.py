@@ -27,27 +27,47 @@ WATCH_S = 0.2
 async def follow_events(worker: Any, kv: WorkerKV, given: Source | None) -> None:
     """``worker``'s subscriber service: once the worker is up, find where it
     publishes (:func:`discover`) and follow its events into ``kv``'s index
-    until cancelled; a worker without events is scored by its tree
-    (``kv.why_tree`` says why) and asked again when it comes back."""
+    until it leaves (marked down, or lost); then, once it is up again, find
+    where it publishes now (a restarted engine may bind a new port; a
+    ``given`` source is subscribed to again) with the index reset as a
+    restart resets it. A worker without events is scored by its tree
+    (``kv.why_tree`` says why) and asked again when it comes back. Runs
+    until cancelled."""
     try:
         while True:
             while not worker.healthy:
                 await anyio.sleep(WATCH_S)
+            spell = worker.times_down
             source, block_size, why = await discover(worker, given)
             if source is None:
                 kv.why_tree = why
                 log.warning("worker %s (%s) publishes no KV events (%s): routed by its prefix tree",
                             worker.id, worker.url, why)
-                while worker.healthy:
-                    await anyio.sleep(WATCH_S)
+                await _until_left(worker, spell)
                 continue
             if block_size:
                 kv.index.block_size = block_size
             kv.subscriber = Subscriber(source, kv.index, kv.wake)
             kv.why_tree = ""
-            await kv.subscriber.run()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(kv.subscriber.run)
+                await _until_left(worker, spell)
+                tg.cancel_scope.cancel()
+            log.info("worker %s (%s) left: its KV events (%s) are no longer followed",
+                     worker.id, worker.url, source.endpoint)
+            kv.subscriber = None
+            kv.why_tree = "discovering"
+            kv.index.reset("restart")
     finally:
         kv.subscriber = None
+
+
+async def _until_left(worker: Any, spell: int) -> None:
+    """Return once ``worker`` is down, or has been marked down since its
+    ``times_down`` was ``spell`` (a down spell shorter than a look counts)."""
+    # The worker's own state, looked at locally at WATCH_S's pace (no request).
+    while worker.healthy and worker.times_down == spell:
+        await anyio.sleep(WATCH_S)
 
 
 async def discover(worker: Any, given: Source | None) -> tuple[Source | None, int | None, str]:
