@@ -10,7 +10,8 @@ version; a worker that failed its update is fenced (out of the rotation,
 logged, counted, its reason shown) until it reaches the fleet's version or
 an operator clears the fence. A request may ask for a minimum version
 (:data:`MIN_VERSION_HEADER`); versions compare part by part, digits as
-numbers (``v9`` < ``v10``).
+numbers (``v9`` < ``v10``), and an engine's initial version
+(:data:`INITIAL_VERSION`) below every other.
 """
 
 from __future__ import annotations
@@ -28,11 +29,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("asgi_generate.router")
 #: The request header asking for workers at this weight version or later.
 MIN_VERSION_HEADER = b"asgi-generate-min-weight-version"
+#: The weight version SGLang and vLLM engines report before any update
+#: (SGLang's ``--weight-version`` default; vLLM's ``/weight_info``).
+INITIAL_VERSION = "default"
 
 
 def version_order(version: str) -> tuple:
-    """A sort key for weight versions: digit runs as numbers, the rest as text."""
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", version) if p)
+    """A sort key for weight versions: :data:`INITIAL_VERSION` below every
+    other version; the others part by part, digit runs as numbers, the rest
+    as text (a digit run below a text part at the same place)."""
+    # Ranked by its spelling, "default" would be above every numeric version:
+    # a fresh or restarted engine would meet a trainer's "8".
+    if version == INITIAL_VERSION:
+        return (0,)
+    return (1, *((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", version) if p))
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +68,9 @@ class Fence:
     def admits(self, worker: "Worker", min_version: str | None = None) -> bool:
         """Whether ``worker`` may get a new request: up, not fenced, at its
         fleet's weight version once one is set, and at ``min_version`` or
-        later when given."""
+        later (:func:`version_order`) when given: a worker whose version is
+        unknown meets no minimum, one at :data:`INITIAL_VERSION` only that
+        version itself."""
         if not worker.healthy or worker.fence is not None:
             return False
         have = worker.weight_version

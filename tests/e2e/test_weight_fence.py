@@ -89,3 +89,19 @@ def test_an_operator_clears_a_fence(fenced):
     r = post(fe.url, {}, "/clear_weight_fence?worker=w0")
     assert r.json() == {"worker": "w0", "weight_version": "v2", "in_rotation": True}
     assert post(fe.url, {}, "/clear_weight_fence?worker=w9").status_code == 404
+
+
+def test_engines_at_their_initial_version_meet_no_numeric_floor(fenced):
+    """A fresh or restarted engine reports ``default``: below any version a
+    trainer sets, so a numeric floor gets 503 with the reason."""
+    sims, fe, _ = fenced
+    seen = "(w0: default, w1: default, w2: default)"
+    for floor in ("1", "8", "1.2.3", "99999999999999999999999999", "v1", "defaulu", "default.1"):
+        r = post(fe.url, BODY, headers={MIN: floor})
+        assert r.status_code == 503, floor
+        assert r.json()["message"] == (f"no healthy worker for protocol 'sglang' at weight version {floor!r} "
+                                       f"or later {seen}")
+    assert post(fe.url, BODY, headers={MIN: "default"}).status_code == 200
+    assert post(fe.url, {"new_version": "8", "abort_all_requests": False}, "/update_weight_version").status_code == 200
+    assert post(fe.url, BODY, headers={MIN: "8"}).status_code == 200
+    assert post(fe.url, BODY, headers={MIN: "9"}).status_code == 503

@@ -116,6 +116,16 @@ def test_a_tie_between_new_versions_goes_to_the_greatest():
     assert router.fleet_versions == {"sglang": "v10"}
 
 
+def test_a_tie_with_a_restarted_engine_goes_to_the_trainer_s_version():
+    """An engine restarted between readings is back at its initial version,
+    below the version the other engine was updated to."""
+    router, fleet = _fleet(2)
+    _apply(fleet, router, (False, "7"), (False, "7"))
+    _apply(fleet, router, (False, "default"), (False, "8"))
+    assert router.fleet_versions == {"sglang": "8"}
+    assert [router.routable(w) for w in router.workers] == [False, True]
+
+
 @pytest.mark.anyio
 async def test_an_abort_with_no_pause_known_asks_the_engine_and_held_streams_wait_for_the_resume():
     router, fleet = _fleet()
