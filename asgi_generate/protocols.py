@@ -168,11 +168,6 @@ class WorkerProtocol:
         pause_reader: that route's answer read as paused (``True``), not
             paused (``False``) or unknown (``None``):
             ``pause_reader(status, body)``.
-        pause_means_unready: the pause route answers paused while the
-            engine is unhealthy (starting, failing, shutting down) too: a
-            paused answer counts only when :attr:`health_path` does not
-            fail at once (a paused engine's health route waits instead);
-            one that fails is a sick worker, left to the health probe.
         aborting_pause: whether an admin call is a pause that aborts running
             requests: ``aborting_pause(path, query, body)`` with the query
             parameters and the body as parsed JSON (a callable, read only
@@ -224,7 +219,6 @@ class WorkerProtocol:
     aborting_call: "Callable[[str, Mapping[str, str], Callable[[], object]], bool] | None" = None
     pause_path: bytes | None = None
     pause_reader: "Callable[[int, bytes], bool | None] | None" = None
-    pause_means_unready: bool = False
     public_abort: PublicAbort | None = None
     kv_events_path: bytes | None = None
     kv_events_reader: "Callable[[object, str], tuple[tuple[str, str | None, str] | None, int | None, str]] | None" = None

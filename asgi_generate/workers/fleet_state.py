@@ -6,8 +6,7 @@ A trainer's pause, resume or weight update reaches one frontend process (of
 behind it then hold the state every process needs. Each engine says it in
 its description (:class:`~asgi_generate.protocols.WorkerProtocol`):
 ``pause_path`` read by ``pause_reader`` (SGLang ``GET /ready``, 503 while
-paused, and while unhealthy, told apart by its ``/health`` failing at once:
-``pause_means_unready``; vLLM ``GET /is_paused``) and ``weight_version_path`` (SGLang ``GET
+paused; vLLM ``GET /is_paused``) and ``weight_version_path`` (SGLang ``GET
 /model_info``, vLLM ``GET /weight_info``). :class:`FleetState` reads every
 up worker every ``interval`` seconds (``paused_interval`` while a fleet is
 paused, to see the resume soon: then the weight versions every
@@ -67,11 +66,6 @@ KINDS = (PAUSE, WEIGHTS)
 #: Seconds one worker's reading (its pause route, then its weight version
 #: route) may take; past it the reading counts as failed and changes nothing.
 READ_TIMEOUT_S = 5.0
-#: Seconds a paused answer waits for the health route of an engine whose
-#: pause route answers paused while unhealthy too
-#: (``WorkerProtocol.pause_means_unready``): a failure within it is
-#: ill health, not a pause; a paused engine's health route waits longer.
-HEALTH_GLANCE_S = 0.5
 #: Seconds past a sibling's aborting call's own deadline after which a call
 #: it opened here and never closed (the sibling died) is closed anyway.
 CALL_GRACE_S = 5.0
@@ -92,26 +86,10 @@ async def _get(worker: Worker, path: bytes) -> tuple[int, bytes]:
         return resp.status, await resp.read()
 
 
-async def _unhealthy(worker: Worker) -> bool:
-    """Whether ``worker``'s health route fails within
-    :data:`HEALTH_GLANCE_S` seconds (an answer other than 200, or no
-    connection); no answer within it is not a failure."""
-    with anyio.move_on_after(HEALTH_GLANCE_S):
-        try:
-            status, _ = await _get(worker, worker.protocol.health_path)
-        except WorkerError:
-            return True
-        return status != 200
-    return False
-
-
 async def read_worker(worker: Worker, timeout: float = READ_TIMEOUT_S, versions: bool = True) -> Reading:
     """``worker``'s pause state and (with ``versions``) weight version, as
     its engine's description reads them, within ``timeout`` seconds; what
-    cannot be read is ``None``. A paused answer of an engine whose pause
-    route answers so while unhealthy too (``pause_means_unready``) counts
-    only when its health route does not fail at once (:func:`_unhealthy`);
-    otherwise it is ``None``: a sick worker is no pause of its fleet."""
+    cannot be read is ``None``."""
     proto = worker.protocol
     paused: bool | None = None
     version: str | None = None
@@ -119,8 +97,6 @@ async def read_worker(worker: Worker, timeout: float = READ_TIMEOUT_S, versions:
         try:
             if proto.pause_path is not None and proto.pause_reader is not None:
                 paused = proto.pause_reader(*await _get(worker, proto.pause_path))
-                if paused and proto.pause_means_unready and await _unhealthy(worker):
-                    paused = None  # ill health, which the health probe judges
             if versions and proto.weight_version_path is not None:
                 status, body = await _get(worker, proto.weight_version_path)
                 if status == 200:

@@ -8,9 +8,7 @@ import pytest
 
 from asgi_generate.protocols import PROTOCOLS
 from asgi_generate.workers.fleet_state import PAUSE, WEIGHTS, FleetState, Reading
-from asgi_generate.workers.probes import probe
 from asgi_generate.workers.router import Router
-from fakes import STALL, CallPool, CannedAnswer
 
 
 @pytest.fixture(params=["trio", "asyncio"])
@@ -327,41 +325,3 @@ async def test_a_siblings_aborting_call_is_open_here_until_it_says_answered():
     fleet._sibling_calls[(7, 2)] = ("sglang", anyio.current_time() - 1)  # its close never came
     fleet._expire_sibling_calls()
     assert not pauses.paused("sglang") and fleet._sibling_calls == {}
-
-
-def _engine(ready: int, health) -> CallPool:
-    """An SGLang engine's routes: ``/ready`` answering ``ready``,
-    ``/health`` answering ``health`` (a status or :data:`STALL`), and
-    ``/model_info`` at ``v0``."""
-
-    def answer(method, path, body):
-        if path == b"/ready":
-            return CannedAnswer(ready, b"")
-        if path == b"/health":
-            return health if health is STALL else CannedAnswer(health, b"")
-        return CannedAnswer(200, b'{"weight_version": "v0"}')
-
-    return CallPool(answer)
-
-
-@pytest.mark.anyio
-async def test_an_unhealthy_sglang_engine_is_no_pause_and_its_failed_probes_take_it_out():
-    # SGLang's /ready answers 503 while unhealthy as while paused; its
-    # /health fails at once only when unhealthy (a paused one's waits).
-    router, fleet = _fleet()
-    sick, well = router.workers
-    sick.pool = sick.probe_pool = _engine(503, 503)
-    well.pool = well.probe_pool = _engine(200, 200)
-    await fleet.read()
-    assert await fleet.confirm_pause(sick) is False
-    assert (router.pauses.paused("sglang"), router.pauses.epoch("sglang"), fleet.counts["pauses_learned"]) == \
-        (False, 0, 0)
-    assert fleet.stats()["paused_seen"] == []
-    for _ in range(router.health_failures):
-        assert await probe(router, sick) is False
-    assert (sick.healthy, well.healthy) == (False, True)
-    # A real pause: /ready 503 while /health waits.
-    sick.healthy = True
-    sick.pool = _engine(503, STALL)
-    await fleet.read()
-    assert (router.pauses.paused("sglang"), fleet.counts["pauses_learned"]) == (True, 1)

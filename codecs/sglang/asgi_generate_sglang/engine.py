@@ -125,9 +125,8 @@ def read_ready(status: int, body: bytes) -> bool | None:
     new requests, 503 while it is paused, in any mode (``is_pause``, set by
     ``/pause_generation`` before it aborts anything, cleared by
     ``/continue_generation``), and while it is starting, unhealthy or
-    shutting down (``tokenizer_manager.is_ready``), when ``/health`` fails
-    at once, while a paused engine's waits (``pause_means_unready``);
-    anything else: unknown."""
+    shutting down (``tokenizer_manager.is_ready``), which a frontend whose
+    health probe finds the worker up reads as paused; anything else: unknown."""
     return {200: False, 503: True}.get(status)
 
 
@@ -201,8 +200,6 @@ ENGINE = WorkerProtocol(
     aborting_call=aborting_call,
     pause_path=b"/ready",
     pause_reader=read_ready,
-    # /ready's 503 is also ill health: /health, failing at once, tells it apart.
-    pause_means_unready=True,
     # SGLang answers 200 with an empty body, matched or not; its scheduler
     # aborts every rid the named one begins.
     public_abort=PublicAbort(read_abort, by_prefix=True, answer=lambda body, n: b"", fan_out_all=True),
