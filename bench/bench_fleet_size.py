@@ -356,20 +356,14 @@ def main() -> int:
                 print(f"| {policy} | {r['workers']}/{base} | {ratio(r['idle_cpu_ms_s'], b['idle_cpu_ms_s'])} "
                       f"| {ratio(r['idle_req_s'], b['idle_req_s'])} | {ratio(r['net_ms_req'], b['net_ms_req'])} "
                       f"| {ratio(r['rss_mb'], b['rss_mb'])} |")
-    print("\nIdle requests per second to the engines, per worker, by route:\n")
-    routes = sorted({k for r in rows for k in r["idle_routes"]})
-    print("| workers | policy | " + " | ".join(routes) + " |")
-    print("|---:|---|" + "---:|" * len(routes))
-    for r in rows:
-        n = r["workers"]
-        print(f"| {n} | {r['policy']} | " + " | ".join(f"{r['idle_routes'].get(k, 0) / n:.2f}" for k in routes) + " |")
-    print("\nBusy requests per second to the engines (generate left out), per worker, by route:\n")
-    routes = sorted({k for r in rows for k in r["busy_routes"]})
-    print("| workers | policy | " + " | ".join(routes) + " |")
-    print("|---:|---|" + "---:|" * len(routes))
-    for r in rows:
-        n = r["workers"]
-        print(f"| {n} | {r['policy']} | " + " | ".join(f"{r['busy_routes'].get(k, 0) / n:.2f}" for k in routes) + " |")
+    for phase, title in (("idle", "Idle requests"), ("busy", "Busy requests (generate left out)")):
+        print(f"\n{title} per second to the engines, per worker, by route:\n")
+        routes = sorted({k for r in rows for k in r[f"{phase}_routes"]})
+        print("| workers | policy | " + " | ".join(routes) + " |")
+        print("|---:|---|" + "---:|" * len(routes))
+        for r in rows:
+            n, got = r["workers"], r[f"{phase}_routes"]
+            print(f"| {n} | {r['policy']} | " + " | ".join(f"{got.get(k, 0) / n:.2f}" for k in routes) + " |")
     failed = background_goals(rows)
     print(f"\nload at the end {load()}")
     return 1 if failed else 0

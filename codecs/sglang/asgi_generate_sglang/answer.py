@@ -32,6 +32,8 @@ TRIPLES = ("input_token_logprobs", "output_token_logprobs")
 #: ``meta_info`` lists with a list of triples (or ``null``) per position.
 NESTED = ("input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs")
 _INPUTS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+#: Every logprob list, in the order the checks raise in.
+_LISTS = TRIPLES + NESTED
 _NUMBER = (int, float, type(None))
 _OPT_STR = (str, type(None))
 _OPT_INT = (int, type(None))
@@ -111,26 +113,23 @@ def check_meta(meta: dict, at: str, start: int = 0, inputs: bool = True) -> None
         value = get(key, MISSING)
         if value is not MISSING and type(value) not in types:
             raise wrong(f"{at}.{key}", value, expected)
-    for key in TRIPLES:
+    for key in _LISTS:
         value = get(key)
         if value is None:
             continue
         if type(value) is not list:
             raise wrong(f"{at}.{key}", value, "a list")
-        if inputs or key not in _INPUTS:
-            _triples(value, f"{at}.{key}", 0 if key in _INPUTS else start)
-    for key in NESTED:
-        value = get(key)
-        if value is None:
+        if not inputs and key in _INPUTS:
             continue
-        if type(value) is not list:
-            raise wrong(f"{at}.{key}", value, "a list")
-        if inputs or key not in _INPUTS:
-            for i in range(0 if key in _INPUTS else start, len(value)):
-                if value[i] is not None:
-                    if type(value[i]) is not list:
-                        raise wrong(f"{at}.{key}[{i}]", value[i], "a list of logprob triples or null")
-                    _triples(value[i], f"{at}.{key}[{i}]", 0)
+        first = 0 if key in _INPUTS else start
+        if key in TRIPLES:
+            _triples(value, f"{at}.{key}", first)
+            continue
+        for i in range(first, len(value)):
+            if value[i] is not None:
+                if type(value[i]) is not list:
+                    raise wrong(f"{at}.{key}[{i}]", value[i], "a list of logprob triples or null")
+                _triples(value[i], f"{at}.{key}[{i}]", 0)
     for key, types, expected in _EXTRAS:
         value = get(key, MISSING)
         if value is not MISSING and type(value) not in types:
