@@ -33,9 +33,10 @@ A pause that aborts running requests (SGLang ``/pause_generation``
 ``abort``, vLLM ``/pause?mode=abort``) is noted before it reaches the
 engines, and the fleet's resume (``/continue_generation``, ``/resume``)
 after it was answered, so that streams may be held across it
-(:mod:`asgi_generate.workers.pauses`, ``--resume-after-pause``); the other
-processes and replicas learn both from the engines
-(:mod:`asgi_generate.workers.fleet_state`). vLLM's
+(:mod:`asgi_generate.workers.pauses`, ``--resume-after-pause``). The
+sibling processes of ``serve --workers N`` are told of the pause before
+the engines get it; they and other replicas learn the resume from the
+engines (:mod:`asgi_generate.workers.fleet_state`). vLLM's
 ``/pause?mode=wait`` answers once the engines' running requests finished.
 
 ``POST /abort_request`` ``{"abort_all": true}`` fans out as above. With
@@ -59,6 +60,7 @@ is sent at most one abort, whatever the calls that name it
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import cache
 
 from starlette.requests import Request
@@ -126,10 +128,13 @@ def _fan_out(ctx: AdminContext, protocol: str) -> Endpoint:
             response, answers = await to_every_worker(ctx, protocol, request, body)
         else:
             # This process's own pause or resume: the fleet's readings wait for its answer.
-            with ctx.router.fleet.local_call(protocol, PAUSE):
+            fleet = ctx.router.fleet
+            with fleet.local_call(protocol, PAUSE):
                 if aborting:
                     pauses.begin(protocol)  # before the engines abort: their aborts are the pause's
-                response, answers = await to_every_worker(ctx, protocol, request, body)
+                # ... and in the sibling processes, told before the engines get it.
+                async with fleet.aborting_pause(protocol, ctx.settings.admin_timeout) if aborting else nullcontext():
+                    response, answers = await to_every_worker(ctx, protocol, request, body)
                 if path in engine.resumes:
                     pauses.end(protocol)
         if path in engine.cache_resets:

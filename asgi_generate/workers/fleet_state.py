@@ -40,6 +40,10 @@ for a failed update, a weight call that aborts running requests without
 pausing) the process that took the call tells its siblings
 (:meth:`FleetState.fence_message`, :meth:`FleetState.apply_fence_message`,
 :meth:`FleetState.aborting_call`, carried by :mod:`asgi_generate.ops.siblings`).
+So it does of a pause that aborts (:meth:`FleetState.aborting_pause`),
+before the engines get it: an engine holds a pause, but a sibling reading
+it later would find it already ended when the trainer's resume came first,
+and take the streams it aborted for the engine's own aborts.
 """
 
 from __future__ import annotations
@@ -154,8 +158,9 @@ class FleetState:
         #: Per protocol: when (``anyio.current_time()``) its weight versions were last read.
         self._versions_read: dict[str, float] = {}
         self.share: Callable[[dict[str, Any]], Awaitable[None]] | None = None
-        #: Aborting calls siblings opened here: (sender, call number) -> (protocol, when to close it anyway).
-        self._sibling_calls: dict[tuple[int, int], tuple[str, float]] = {}
+        #: Aborting calls and pauses siblings opened here: (sender, call
+        #: number) -> (protocol, whether a pause, when to close it anyway).
+        self._sibling_calls: dict[tuple[int, int], tuple[str, bool, float]] = {}
         self._call_number = 0
         self.counts = {"readings": 0, "failed": 0, "pauses_learned": 0, "resumes_learned": 0,
                        "versions_learned": 0, "fence_messages": 0, "call_messages": 0, "version_triggers": 0,
@@ -170,16 +175,21 @@ class FleetState:
         (:data:`WEIGHTS`): what readings taken meanwhile say of that
         (pause state, weight versions) changes nothing; the call does
         (:class:`Pauses`, :class:`Fence`)."""
-        key = (protocol, kind)
-        self._calls[key] = self._calls.get(key, 0) + 1
-        self._marks[key] = self._marks.get(key, 0) + 1
+        self._call_began((protocol, kind))
         try:
             yield
         finally:
-            self._calls[key] -= 1
-            self._marks[key] += 1
-            if self._wake is not None:
-                self._wake.set()  # read again now: the call's outcome is the engines'
+            self._call_ended((protocol, kind))
+
+    def _call_began(self, key: tuple[str, str]) -> None:
+        self._calls[key] = self._calls.get(key, 0) + 1
+        self._marks[key] = self._marks.get(key, 0) + 1
+
+    def _call_ended(self, key: tuple[str, str]) -> None:
+        self._calls[key] -= 1
+        self._marks[key] += 1
+        if self._wake is not None:
+            self._wake.set()  # read again now: the call's outcome is the engines'
 
     # -- readings -------------------------------------------------------------
 
@@ -388,40 +398,73 @@ class FleetState:
         (``deadline_s``: the call's own deadline). No engine says such a
         call is under way, so a sibling would not know its aborts are the
         fleet's without this."""
+        with self.pauses.call(protocol):
+            async with self._told(protocol, False, deadline_s):
+                yield
+
+    @asynccontextmanager
+    async def aborting_pause(self, protocol: str, deadline_s: float) -> AsyncIterator[None]:
+        """Around this process's own fan-out of a pause that aborts
+        ``protocol``'s running requests (begun in :class:`Pauses` here, and
+        inside :meth:`local_call`): every sibling begins the pause too,
+        told before the engines get it, and takes its readings of their
+        pause state as stale until the fan-out was answered (a reading
+        taken before the engines paused would end it). The engines hold the
+        pause, so each sibling learns its resume from its readings, after
+        the weight versions (``deadline_s``: the fan-out's own deadline)."""
+        async with self._told(protocol, True, deadline_s):
+            yield
+
+    @asynccontextmanager
+    async def _told(self, protocol: str, pause: bool, deadline_s: float) -> AsyncIterator[None]:
+        """Tell the siblings a call opens, and that it closed once the block ended."""
         self._call_number += 1
         message = {"kind": "call", "protocol": protocol, "sender": os.getpid(), "number": self._call_number,
-                   "deadline_s": deadline_s}
-        with self.pauses.call(protocol):
+                   "deadline_s": deadline_s, "pause": pause}
+        if self.share is not None:
+            await self.share({**message, "open": True})
+        try:
+            yield
+        finally:
             if self.share is not None:
-                await self.share({**message, "open": True})
-            try:
-                yield
-            finally:
-                if self.share is not None:
-                    with anyio.CancelScope(shield=True):
-                        await self.share({**message, "open": False})
+                with anyio.CancelScope(shield=True):
+                    await self.share({**message, "open": False})
 
     def apply_call_message(self, message: dict[str, Any]) -> None:
-        """Apply a sibling's :meth:`aborting_call` message: open the call
-        here (closed by its closing message, or :data:`CALL_GRACE_S` past
-        its deadline should that never come), or close it."""
+        """Apply a sibling's :meth:`aborting_call` or :meth:`aborting_pause`
+        message: open the call here (closed by its closing message, or
+        :data:`CALL_GRACE_S` past its deadline should that never come), or
+        close it. A pause stays begun here after its call closed, until the
+        readings see the engines resumed."""
         key = (message["sender"], message["number"])
-        protocol = message["protocol"]
+        protocol, pause = message["protocol"], message.get("pause") is True
         self.counts["call_messages"] += 1
         if message["open"]:
             if key not in self._sibling_calls:
-                self._sibling_calls[key] = (protocol, anyio.current_time() + message["deadline_s"] + CALL_GRACE_S)
-                self.pauses.open_call(protocol)
-        elif self._sibling_calls.pop(key, None) is not None:
+                self._sibling_calls[key] = (protocol, pause,
+                                            anyio.current_time() + message["deadline_s"] + CALL_GRACE_S)
+                if pause:
+                    self.pauses.begin(protocol)
+                    self._call_began((protocol, PAUSE))
+                else:
+                    self.pauses.open_call(protocol)
+        elif (opened := self._sibling_calls.pop(key, None)) is not None:
+            self._close_sibling_call(protocol, opened[1])
+
+    def _close_sibling_call(self, protocol: str, pause: bool) -> None:
+        if pause:
+            self._call_ended((protocol, PAUSE))
+        else:
             self.pauses.close_call(protocol)
 
     def _expire_sibling_calls(self) -> None:
         now = anyio.current_time()
-        for key, (protocol, until) in list(self._sibling_calls.items()):
+        for key, (protocol, pause, until) in list(self._sibling_calls.items()):
             if until <= now:
-                log.warning("fleet %s: a sibling's aborting call was never said answered: closed here", protocol)
+                log.warning("fleet %s: a sibling's aborting %s was never said answered: closed here", protocol,
+                            "pause" if pause else "call")
                 del self._sibling_calls[key]
-                self.pauses.close_call(protocol)
+                self._close_sibling_call(protocol, pause)
 
     async def tell_siblings(self, protocol: str) -> None:
         """Send :meth:`fence_message` of ``protocol`` to the sibling

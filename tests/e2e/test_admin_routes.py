@@ -40,8 +40,10 @@ def fleet():
 
 @pytest.fixture(scope="module", params=["trio", "asyncio"])
 def frontend(request, fleet):
+    # No fleet-state readings: they GET /is_paused every second, which the
+    # tests count as the calls the frontend fanned out.
     fe = start_frontend([f"sglang={s.url}" for s in fleet[:2]] + [f"vllm={s.url}" for s in fleet[2:]],
-                        worker_class=request.param)
+                        worker_class=request.param, extra=["--fleet-state-interval", "0"])
     yield fe
     fe.stop()
 

@@ -204,6 +204,12 @@ def test_a_stream_at_its_deadline_ends_with_the_abort_finish_and_its_tokens(fe, 
 
 
 def test_metrics_show_admission(fe):
+    """The class's row exists once it has had a request (tests may run on a
+    fresh frontend in any order), and shows the slot given back."""
+    resp = post(fe.url, _body("sglang", rid="metrics"))
+    assert resp.status_code == 200 and len(resp.json()["output_ids"]) == 4
+    assert [r["public_id"] for r in fe.take(1)] == ["metrics"]
+    wait_until(lambda: _rollout(fe, "sglang")["held"] == 0)
     text = httpx.get(fe.url + "/metrics").text
     assert 'asgi_generate_admission_slots_held{class="rollout",protocol="sglang"} 0.0' in text
     assert 'asgi_generate_admission_room_sequences{protocol="sglang",quantity="capacity"} 2.0' in text

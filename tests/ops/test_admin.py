@@ -109,6 +109,26 @@ async def test_an_aborting_pause_begins_before_the_call_and_a_resume_ends_it():
 
 
 @pytest.mark.anyio
+async def test_the_siblings_are_told_of_an_aborting_pause_before_the_engines_get_it():
+    """``serve --workers N``: the sibling processes begin the pause before
+    any engine aborts a stream of theirs, and hear when the fan-out was
+    answered; a pause that aborts nothing and a resume are not told (the
+    engines hold both)."""
+    router, pools = admin_fleet(ADMIN_OK, ADMIN_OK)
+    told = []
+
+    async def share(message: dict) -> None:
+        told.append((message["open"], message["pause"], [len(p.calls) for p in pools]))
+
+    router.fleet.share = share
+    ctx = FakeAdminContext(router)
+    assert (await admin_call(ctx, "POST", "/pause_generation", b'{"mode": "retract"}'))[0] == 200
+    assert (await admin_call(ctx, "POST", "/pause_generation", b'{"mode": "abort"}'))[0] == 200
+    assert (await admin_call(ctx, "POST", "/continue_generation"))[0] == 200
+    assert told == [(True, True, [1, 1]), (False, True, [2, 2])]
+
+
+@pytest.mark.anyio
 async def test_info_is_the_first_healthy_sglang_workers_answer_verbatim():
     info = CannedAnswer(200, b'{"model_path": "m", "is_generation": true}')
     router, pools = admin_fleet(None, info)

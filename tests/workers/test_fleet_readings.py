@@ -322,6 +322,46 @@ async def test_a_siblings_aborting_call_is_open_here_until_it_says_answered():
     assert not pauses.paused("sglang") and fleet.counts["call_messages"] == 3
     fleet.apply_call_message({**message, "number": 2, "deadline_s": 0.0, "open": True})
     assert pauses.paused("sglang")
-    fleet._sibling_calls[(7, 2)] = ("sglang", anyio.current_time() - 1)  # its close never came
+    fleet._sibling_calls[(7, 2)] = ("sglang", False, anyio.current_time() - 1)  # its close never came
     fleet._expire_sibling_calls()
     assert not pauses.paused("sglang") and fleet._sibling_calls == {}
+
+
+@pytest.mark.anyio
+async def test_a_siblings_aborting_pause_begins_here_before_the_engines_abort_and_the_readings_end_it():
+    """A pause with abort taken by a sibling: begun here on its opening
+    message (so the aborts it causes are held even when the trainer's
+    resume comes before this process reads an engine); readings taken
+    before its fan-out was answered see the engines not yet paused and are
+    stale; once it closed, the engines' resume read here ends it."""
+    router, fleet = _fleet(2)
+    pauses = router.pauses
+    mark, before = pauses.mark("sglang"), fleet.mark("sglang")
+    message = {"kind": "call", "protocol": "sglang", "sender": 7, "number": 1, "deadline_s": 30.0, "pause": True}
+    fleet.apply_call_message({**message, "open": True})
+    fleet.apply_call_message({**message, "open": True})  # told twice: one pause
+    assert (pauses.pausing("sglang"), pauses.aborted_since("sglang", mark), pauses.epoch("sglang")) == (True, True, 1)
+    _apply(fleet, router, (False, "v0"), (False, "v0"))  # the engines not paused yet: stale
+    fleet.apply("sglang", _readings(router, (False, "v0"), (False, "v0")), before)  # begun before: stale
+    assert pauses.pausing("sglang")
+    during = fleet.mark("sglang")
+    fleet.apply_call_message({**message, "open": False})
+    fleet.apply("sglang", _readings(router, (False, "v0"), (False, "v0")), during)  # read across the close: stale
+    assert pauses.pausing("sglang") and fleet.counts["resumes_learned"] == 0
+    _apply(fleet, router, (True, "v0"), (True, "v0"))  # the engines paused: the same pause
+    assert (pauses.pausing("sglang"), pauses.epoch("sglang"), fleet.counts["pauses_learned"]) == (True, 1, 0)
+    _apply(fleet, router, (False, "v1"), (False, "v1"))  # resumed on new weights
+    assert (pauses.paused("sglang"), fleet.counts["resumes_learned"], fleet.counts["call_messages"]) == (False, 1, 3)
+    assert [w.weight_version for w in router.workers] == ["v1", "v1"]
+
+
+@pytest.mark.anyio
+async def test_a_siblings_pause_whose_close_never_came_leaves_the_pause_to_the_readings():
+    router, fleet = _fleet(1)
+    message = {"kind": "call", "protocol": "sglang", "sender": 7, "number": 1, "deadline_s": 0.0, "pause": True}
+    fleet.apply_call_message({**message, "open": True})
+    fleet._sibling_calls[(7, 1)] = ("sglang", True, anyio.current_time() - 1)  # the sibling died
+    fleet._expire_sibling_calls()
+    assert fleet._sibling_calls == {} and router.pauses.pausing("sglang")
+    _apply(fleet, router, (False, "v0"))  # no longer stale: the engine is not paused
+    assert not router.pauses.paused("sglang")
