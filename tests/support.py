@@ -73,13 +73,49 @@ def campaign_size(suite: int, full: int) -> int:
     return full if os.environ.get("CAMPAIGN_SIZE") == "full" else suite
 
 
+def _own_ports() -> Iterator[int]:
+    """This test process's share of the ports below the kernel's ephemeral
+    range, from a point its id picks, each once. A port ``bind(0)`` gave
+    out and let go may be handed out again at once, as another process's
+    listening port or a connection's local one (a test that then starts a
+    process on it, or counts on nothing answering there, meets a
+    stranger): the kernel never hands out these. The xdist workers split
+    them, so no two test processes pick the same."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768  # Linux's default
+    low = max(1024, ephemeral - 12288)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    share = (ephemeral - low) // max(workers, 1)
+    start = low + worker * share
+    first = os.getpid() % share
+    for i in range(share):
+        yield start + (first + i) % share
+
+
+_PORTS = _own_ports()
+
+
 def free_port() -> int:
-    """A loopback port nothing listens on (a worker that refuses connections)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
+    """A loopback port nothing listens on now, which no other test process
+    picks and the kernel hands out to no ``bind(0)`` or connection
+    (:func:`_own_ports`): for a process a test starts on it, or a worker
+    that refuses connections.
+
+    Raises:
+        RuntimeError: every port of this process's share is taken.
+    """
+    for port in _PORTS:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use, or a connection of an earlier test lingers on it
+        return port
+    raise RuntimeError("no free port left in this test process's share")
 
 
 def listening_socket(port: int = 0) -> socket.socket:
