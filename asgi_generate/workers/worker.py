@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import anyio
+
 from .http import ConnectionPool
 from .outstanding import Legs
 from ..protocols import WorkerProtocol
@@ -105,6 +107,7 @@ class Worker:
         self.calls = 0
         self.paused: set[str] = set()
         self.times_down = 0
+        self._health_changed: anyio.Event | None = None
 
     @property
     def healthy(self) -> bool:
@@ -116,6 +119,17 @@ class Worker:
         if value != self._healthy:
             self._healthy = value
             Worker.generation += 1
+            if self._health_changed is not None:
+                self._health_changed.set()
+                self._health_changed = None
+
+    async def health_changed(self) -> None:
+        """Return at the next change of :attr:`healthy`, either way (a
+        service that follows the worker waits here rather than looking
+        at it on a timer)."""
+        if self._health_changed is None:
+            self._health_changed = anyio.Event()
+        await self._health_changed.wait()
 
     @property
     def draining(self) -> bool:

@@ -24,6 +24,7 @@ from asgi_generate.workers.kv_events import Cleared, Removed, Source, Stored, Su
 from asgi_generate.workers.kv_index import KVIndex
 from asgi_generate.workers.policies.kv_aware import KVAwarePolicy
 from asgi_generate.workers.policies.kv_sources import follow_events
+from asgi_generate.workers.worker import Worker
 from asgi_generate.protocols import PROTOCOLS
 from fakes import CallPool, CannedAnswer
 
@@ -298,17 +299,16 @@ async def test_subscribers_share_one_zmq_context():
             pub.close()
 
 
-class _Comeback:
+class _Comeback(Worker):
     """A worker as the router keeps it: up or down, marked down so many
     times, answering ``GET /kv_event_sources`` with where its publisher of
     the moment publishes."""
 
     def __init__(self) -> None:
-        self.id, self.url, self.outstanding, self.inflight = "w0", "http://127.0.0.1:9000", 0, []
-        self.protocol = PROTOCOLS["vllm"]
-        self.healthy, self.times_down = True, 0
         self.pub = _publisher()
-        self.pool = CallPool(lambda method, path, body: CannedAnswer(200, orjson.dumps(self.pub.vllm_sources())))
+        pool = CallPool(lambda method, path, body: CannedAnswer(200, orjson.dumps(self.pub.vllm_sources())))
+        super().__init__("w0", PROTOCOLS["vllm"], "http://127.0.0.1:9000", pool, pool)
+        self.healthy = True
 
 
 async def _followed(policy: KVAwarePolicy, worker: _Comeback, n: int) -> dict:
@@ -330,8 +330,8 @@ async def _followed(policy: KVAwarePolicy, worker: _Comeback, n: int) -> dict:
 @pytest.mark.anyio
 async def test_a_worker_back_from_a_restart_is_followed_on_its_new_endpoint():
     # A restarted engine binds a new port (vLLM's tcp://*:0): once its worker
-    # is down, and again when it was marked down and up between two looks,
-    # the subscriber stops and the one following the worker back up asks
+    # is down, and again when it was marked down and up before the service
+    # ran, the subscriber stops and the one following the worker back up asks
     # where it publishes now, on a reset index.
     worker = _Comeback()
     policy = KVAwarePolicy()
@@ -362,3 +362,29 @@ async def test_a_worker_back_from_a_restart_is_followed_on_its_new_endpoint():
     finally:
         for pub in old:
             pub.close()
+
+
+@pytest.mark.anyio
+async def test_the_subscriber_service_sleeps_until_the_worker_changes():
+    """Down, the service waits on the worker's health (no look on a timer,
+    no request); the moment it is up, it asks where the worker publishes;
+    following it, it waits on the worker's health again."""
+    worker = _Comeback()
+    worker.healthy = False
+    policy = KVAwarePolicy()
+    kv = policy._kv(worker)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(follow_events, worker, kv, None)
+            await _until(lambda: worker._health_changed is not None)  # waiting for the change
+            assert worker.pool.calls == [] and kv.subscriber is None
+            worker.healthy = True
+            row = await _followed(policy, worker, 1)
+            assert worker.pool.calls == [(b"GET", b"/kv_event_sources", b"")] and row["source"] == "events"
+            await _until(lambda: worker._health_changed is not None)  # following: waiting for it to leave
+            worker.times_down += 1
+            worker.healthy = False
+            await _until(lambda: kv.subscriber is None)
+            tg.cancel_scope.cancel()
+    finally:
+        worker.pub.close()

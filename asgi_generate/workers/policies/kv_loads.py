@@ -18,7 +18,7 @@ import anyio
 
 from ...exceptions import WorkerError
 from ..engine_load import EngineLoad, parse_load
-from .kv_sources import DISCOVERY_TIMEOUT_S, WATCH_S
+from .kv_sources import DISCOVERY_TIMEOUT_S
 from .kv_worker import WorkerKV
 
 log = logging.getLogger("asgi_generate.kv_aware")
@@ -113,7 +113,7 @@ async def read_loads(worker: Any, kv: WorkerKV, interval: float, idle_interval: 
     while True:
         if not worker.healthy:
             share.down()
-            await anyio.sleep(WATCH_S)
+            await worker.health_changed()
             continue
         now = clock()
         if not share.due(now):

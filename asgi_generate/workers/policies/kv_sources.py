@@ -22,8 +22,8 @@ from .kv_worker import WorkerKV
 log = logging.getLogger("asgi_generate.kv_aware")
 #: Seconds a discovery request (or a load reading) may take.
 DISCOVERY_TIMEOUT_S = 5.0
-#: Seconds between looks at a worker waiting to be up, or to come back.
-WATCH_S = 0.2
+
+
 async def follow_events(worker: Any, kv: WorkerKV, given: Source | None) -> None:
     """``worker``'s subscriber service: once the worker is up, find where it
     publishes (:func:`discover`) and follow its events into ``kv``'s index
@@ -36,7 +36,7 @@ async def follow_events(worker: Any, kv: WorkerKV, given: Source | None) -> None
     try:
         while True:
             while not worker.healthy:
-                await anyio.sleep(WATCH_S)
+                await worker.health_changed()
             spell = worker.times_down
             source, block_size, why = await discover(worker, given)
             if source is None:
@@ -64,10 +64,10 @@ async def follow_events(worker: Any, kv: WorkerKV, given: Source | None) -> None
 
 async def _until_left(worker: Any, spell: int) -> None:
     """Return once ``worker`` is down, or has been marked down since its
-    ``times_down`` was ``spell`` (a down spell shorter than a look counts)."""
-    # The worker's own state, looked at locally at WATCH_S's pace (no request).
+    ``times_down`` was ``spell`` (a down spell over before this task ran
+    counts)."""
     while worker.healthy and worker.times_down == spell:
-        await anyio.sleep(WATCH_S)
+        await worker.health_changed()
 
 
 async def discover(worker: Any, given: Source | None) -> tuple[Source | None, int | None, str]:
