@@ -16,11 +16,17 @@ answer shows a change this process does not know of (:meth:`FleetState.confirm_p
 an abort finish while no pause is known here; :meth:`FleetState.version_reported`:
 a weight version in a chunk other than its worker's known one). What it learns:
 
-- a protocol's fleet paused (a worker reports it paused after none did):
-  :meth:`Pauses.begin <asgi_generate.workers.pauses.Pauses.begin>` here too,
-  so streams the engines abort for it may be held;
-- resumed (no worker reports itself paused any more): :meth:`Pauses.end
-  <asgi_generate.workers.pauses.Pauses.end>`, and held streams go on;
+- a protocol's fleet paused (every worker read reports it paused, after
+  not all did): :meth:`Pauses.begin <asgi_generate.workers.pauses.Pauses.begin>`
+  here too, so streams the engines abort for it may be held. A trainer
+  pauses every engine; one alone saying so is one not ready for another
+  reason (SGLang's ``/ready`` answers 503 while the engine starts, is
+  unhealthy or shuts down too), which must not hold the fleet, nor excuse
+  that worker's failing health probes as a paused fleet's;
+- resumed: :meth:`Pauses.end <asgi_generate.workers.pauses.Pauses.end>`,
+  and held streams go on. A pause learned from the engines ends once a
+  worker reports itself not paused (its resume has begun); one this
+  process took, or a sibling told it of, once none reports itself paused;
 - a worker's new weight version: its ``info`` (what routing and records
   read), and, when a worker's version changed since the last reading, the
   fleet's weight version (:class:`~asgi_generate.workers.fence.Fence`): new
@@ -145,8 +151,11 @@ class FleetState:
         self.interval = interval
         self.paused_interval = paused_interval
         self._read = read
-        #: Per protocol: whether the last reading found a worker paused.
+        #: Per protocol: whether the last reading found every worker paused.
         self._seen_paused: dict[str, bool] = {}
+        #: Protocols whose open pause was learned from the engines (not
+        #: taken here, nor told by a sibling).
+        self._learned: set[str] = set()
         #: Per worker id: the weight version its engine last reported.
         self._seen_versions: dict[str, str] = {}
         #: Per (protocol, kind): this process's own calls on their way
@@ -182,6 +191,8 @@ class FleetState:
             self._call_ended((protocol, kind))
 
     def _call_began(self, key: tuple[str, str]) -> None:
+        if key[1] == PAUSE:
+            self._learned.discard(key[0])  # the pause is this process's (or a sibling's) call now
         self._calls[key] = self._calls.get(key, 0) + 1
         self._marks[key] = self._marks.get(key, 0) + 1
 
@@ -237,15 +248,17 @@ class FleetState:
         states = [r.paused for r in readings.values() if r.paused is not None]
         if not states:
             return
-        paused = any(states)
+        paused = all(states)
         before = self._seen_paused.get(protocol, False)
         self._seen_paused[protocol] = paused
         if paused and not before and not self.pauses.pausing(protocol):
             log.warning("fleet %s: the engines report a pause: held streams wait for its resume", protocol)
             self.pauses.begin(protocol)
+            self._learned.add(protocol)
             self.counts["pauses_learned"] += 1
-        elif not paused and self.pauses.pausing(protocol):
+        elif self.pauses.pausing(protocol) and (not any(states) or (not paused and protocol in self._learned)):
             log.warning("fleet %s: the engines report the resume: held streams go on", protocol)
+            self._learned.discard(protocol)
             self.pauses.end(protocol)
             self.counts["resumes_learned"] += 1
 
@@ -269,8 +282,7 @@ class FleetState:
         for p in by_protocol.keys() - paused:
             self._versions_read[p] = now
         readings = await self._read_all(by_protocol, paused)
-        resumed = {p for p in paused if any(r.paused is False for r in readings[p].values())
-                   and not any(r.paused for r in readings[p].values())}
+        resumed = {p for p in paused if any(r.paused is False for r in readings[p].values())}
         if resumed:
             readings.update(await self._read_all({p: by_protocol[p] for p in resumed}, set()))
             self._versions_read.update(dict.fromkeys(resumed, now))
@@ -314,6 +326,7 @@ class FleetState:
             self._seen_paused[protocol] = True
             self._marks[(protocol, PAUSE)] = mark[0] + 1  # a reading taken before this one is stale
             self.pauses.begin(protocol)
+            self._learned.add(protocol)
             self.counts["pauses_learned"] += 1
         elif reading.paused is False and planned_version is not None and reading.version is not None \
                 and reading.version != planned_version:

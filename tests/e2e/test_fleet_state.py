@@ -252,3 +252,32 @@ def test_an_abort_by_id_reaches_the_requests_of_every_process(protocol):
             fe.stop()
         for s in sims:
             s.stop()
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_one_sglang_engine_not_ready_is_taken_out_not_read_as_a_pause(worker_class):
+    """An engine turned unhealthy (a dropped stream, then its health route
+    answers 503): SGLang's /ready answers 503 then, as it does while paused.
+    One engine alone is no fleet pause: the frontend learns none, and takes
+    that worker out when its probes fail."""
+    sims = [start_sim("sglang"), start_sim("sglang")]
+    # The engines' pause state is read every 0.1 s, so a reading sees the
+    # sick engine's /ready 503 before its three failed probes (1.5 s) are in.
+    fe = start_frontend([f"sglang={s.url}" for s in sims], worker_class=worker_class,
+                        extra=["--health-interval", "0.5", "--fleet-state-interval", "0.1"])
+    try:
+        httpx.post(sims[0].url + "/sim/faults", json={"count": 1, "after_tokens": 1}, timeout=5).raise_for_status()
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+        while not stats(sims[0])["down"]:  # least-outstanding spreads them: a few at most
+            resp = post(fe.url, body)
+            assert resp.status_code == 200 and len(resp.json()["output_ids"]) == 4
+        assert httpx.get(sims[0].url + "/ready", timeout=5).status_code == 503
+        wait_until(lambda: not httpx.get(fe.url + "/stats", timeout=5).json()["workers"]["w0"]["in_rotation"])
+        s = httpx.get(fe.url + "/stats", timeout=5).json()
+        assert (s["fleet_state"]["pauses_learned"], s["fleet_state"]["paused_seen"], s["pauses"]["paused"]) == (0, [], [])
+        assert (s["workers"]["w0"]["times_down"], httpx.get(fe.url + "/health", timeout=5).json()) == (
+            1, {"status": "ok", "healthy_workers": 1})
+    finally:
+        fe.stop()
+        for sim in sims:
+            sim.stop()

@@ -8,6 +8,7 @@ import pytest
 
 from asgi_generate.protocols import PROTOCOLS
 from asgi_generate.workers.fleet_state import PAUSE, WEIGHTS, FleetState, Reading
+from fakes import CallPool, CannedAnswer
 from asgi_generate.workers.router import Router
 
 
@@ -37,15 +38,49 @@ def test_a_pause_the_engines_report_begins_here_and_their_resume_ends_it():
     pauses = router.pauses
     _apply(fleet, router, (False, "v0"), (False, "v0"))
     assert (pauses.paused("sglang"), pauses.epoch("sglang")) == (False, 0)
-    _apply(fleet, router, (True, "v0"), (False, "v0"))  # one engine paused already: the fleet is
+    _apply(fleet, router, (True, "v0"), (False, "v0"))  # one engine alone: not the fleet
+    assert (pauses.paused("sglang"), pauses.epoch("sglang")) == (False, 0)
+    _apply(fleet, router, (True, "v0"), (True, "v0"))  # every engine: the fleet is paused
     assert (pauses.paused("sglang"), pauses.epoch("sglang")) == (True, 1)
     _apply(fleet, router, (True, "v0"), (True, "v0"))  # still the same pause
     assert (pauses.paused("sglang"), pauses.epoch("sglang")) == (True, 1)
-    _apply(fleet, router, (False, "v0"), (True, "v0"))  # one still paused: not resumed
-    assert pauses.paused("sglang")
-    _apply(fleet, router, (False, "v0"), (False, "v0"))
+    _apply(fleet, router, (False, "v0"), (True, "v0"))  # one resumed: the resume has begun
     assert (pauses.paused("sglang"), pauses.epoch("sglang")) == (False, 1)
     assert (fleet.counts["pauses_learned"], fleet.counts["resumes_learned"]) == (1, 1)
+
+
+@pytest.mark.anyio
+async def test_one_engine_not_ready_is_no_pause_and_its_failing_probes_count():
+    """SGLang's /ready answers 503 while an engine is unhealthy or shutting
+    down too: read paused alone, it neither pauses the fleet here nor has
+    its failed health probes excused as a paused fleet's."""
+    router, fleet = _fleet(3)
+    sick = router.workers[1]
+    sick.probe_pool = CallPool(CannedAnswer(503, b""))
+    for _ in range(router.health_failures):
+        _apply(fleet, router, (False, "v0"), (True, "v0"), (False, "v0"))
+        assert await router.probe(sick) is False
+    assert (router.pauses.paused("sglang"), fleet.counts["pauses_learned"]) == (False, 0)
+    assert ([w.healthy for w in router.workers], sick.last_error) == ([True, False, True], "health answered 503")
+
+
+def test_a_pause_an_aborted_stream_showed_ends_when_an_engine_reads_resumed():
+    """Learned from one engine (its aborted stream, :meth:`confirm_pause`):
+    over once any engine reads not paused, so one engine that stays not
+    ready cannot hold the fleet; a pause this process took ends only when
+    none reads paused."""
+    router, fleet = _fleet()
+    pauses = router.pauses
+    fleet.pauses.begin("sglang")
+    fleet._learned.add("sglang")  # as confirm_pause leaves it
+    _apply(fleet, router, (True, "v0"), (False, "v0"))
+    assert not pauses.paused("sglang") and fleet.counts["resumes_learned"] == 1
+    with fleet.local_call("sglang", PAUSE):
+        pauses.begin("sglang")  # this process's own pause
+    _apply(fleet, router, (True, "v0"), (False, "v0"))  # one engine resumed early (another process's call)
+    assert pauses.paused("sglang")
+    _apply(fleet, router, (False, "v0"), (False, "v0"))
+    assert not pauses.paused("sglang") and fleet.counts["resumes_learned"] == 2
 
 
 def test_readings_across_this_process_own_call_change_nothing():
@@ -78,7 +113,7 @@ def test_a_paused_reading_after_this_process_resumed_begins_no_new_pause():
     _apply(fleet, router, (True, "v0"), (False, "v0"))
     assert (pauses.paused("sglang"), pauses.epoch("sglang")) == (False, 1)
     _apply(fleet, router, (False, "v0"), (False, "v0"))
-    _apply(fleet, router, (True, "v0"), (False, "v0"))  # once read resumed, a pause again is a new one
+    _apply(fleet, router, (True, "v0"), (True, "v0"))  # once read resumed, a pause again is a new one
     assert (pauses.paused("sglang"), pauses.epoch("sglang")) == (True, 2)
 
 
