@@ -161,8 +161,14 @@ def _strip_leading_zeros(s: str) -> str | None:
 
 
 def _str_as_float(text: str) -> float:
-    text = text.strip()
-    for candidate in (text, _without_underscores(text)):
+    """``str_as_float``: the text without its surrounding whitespace as a
+    float, else the text as given with its separating underscores dropped
+    (pydantic strips no whitespace then: ``"1_0 "`` is refused).
+
+    Raises:
+        LaxError: ``float_parsing``.
+    """
+    for candidate in (text.strip(), _without_underscores(text)):
         if candidate is not None and _FLOAT.fullmatch(candidate):
             return float(candidate)
     raise _err("float_parsing")

@@ -26,6 +26,8 @@ EDGES = [
     "+nan", "3.", ".5", "+.5", "1E3", "1.5e", "1_0.5", "\u0663", "9" * 19, "9" * 4301, None, [], {},
     # pydantic-core's clean_int_str: a '-' after leading zeros is a sign
     "0-0", "0-1", "00_0-12", "+0-1", "0-01", "0-00", "-0-1", "0--1", "0_-1", "0-1_0", "0-1.0", "0__0", "-01",
+    # str_as_float drops underscores from the text as given, whitespace and all
+    "0_0 ", "1_0 ", " 1_0", "1_0\t", " 1_0.5 ", "1_0.5",
 ]
 
 
