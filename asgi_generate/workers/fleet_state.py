@@ -448,9 +448,13 @@ class FleetState:
         message: open the call here (closed by its closing message, or
         :data:`CALL_GRACE_S` past its deadline should that never come), or
         close it. A pause stays begun here after its call closed, until the
-        readings see the engines resumed."""
+        readings see the engines resumed; without readings
+        (:attr:`interval` 0), a pause is open here only as a call is."""
         key = (message["sender"], message["number"])
-        protocol, pause = message["protocol"], message.get("pause") is True
+        # Without readings (interval 0) nothing here would end a pause the
+        # trainer resumes through another process: a sibling's pause is
+        # open here as its aborting call is, until its fan-out was answered.
+        protocol, pause = message["protocol"], message.get("pause") is True and self.interval > 0
         self.counts["call_messages"] += 1
         if message["open"]:
             if key not in self._sibling_calls:

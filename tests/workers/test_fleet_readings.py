@@ -400,3 +400,19 @@ async def test_a_siblings_pause_whose_close_never_came_leaves_the_pause_to_the_r
     assert fleet._sibling_calls == {} and router.pauses.pausing("sglang")
     _apply(fleet, router, (False, "v0"))  # no longer stale: the engine is not paused
     assert not router.pauses.paused("sglang")
+
+
+@pytest.mark.anyio
+async def test_without_readings_a_siblings_pause_is_open_here_only_until_its_fan_out_was_answered():
+    """``--fleet-state-interval 0``: no reading would ever end a pause a
+    sibling told of (the trainer's resume may reach another process), so
+    it is open here as its aborting call is, until its closing message:
+    the aborts it causes are held, and go on once its fan-out was answered."""
+    router = Router([("sglang", "http://127.0.0.1:9")], fleet_interval=0)
+    fleet, pauses = router.fleet, router.pauses
+    mark = pauses.mark("sglang")
+    message = {"kind": "call", "protocol": "sglang", "sender": 7, "number": 1, "deadline_s": 30.0, "pause": True}
+    fleet.apply_call_message({**message, "open": True})
+    assert (pauses.paused("sglang"), pauses.aborted_since("sglang", mark), pauses.pausing("sglang")) == (True, True, False)
+    fleet.apply_call_message({**message, "open": False})
+    assert (pauses.paused("sglang"), fleet._sibling_calls) == (False, {})
