@@ -107,7 +107,8 @@ class Worker:
         self.calls = 0
         self.paused: set[str] = set()
         self.times_down = 0
-        self._health_changed: anyio.Event | None = None
+        #: One event per waiter of :meth:`health_changed` (each of its own event loop).
+        self._health_waiters: set[anyio.Event] = set()
 
     @property
     def healthy(self) -> bool:
@@ -119,17 +120,21 @@ class Worker:
         if value != self._healthy:
             self._healthy = value
             Worker.generation += 1
-            if self._health_changed is not None:
-                self._health_changed.set()
-                self._health_changed = None
+            for waiter in self._health_waiters:
+                waiter.set()
+            self._health_waiters.clear()
 
     async def health_changed(self) -> None:
         """Return at the next change of :attr:`healthy`, either way (a
         service that follows the worker waits here rather than looking
-        at it on a timer)."""
-        if self._health_changed is None:
-            self._health_changed = anyio.Event()
-        await self._health_changed.wait()
+        at it on a timer). A waiter cancelled leaves nothing behind: a
+        later one, in another event loop too, waits on its own event."""
+        waiter = anyio.Event()
+        self._health_waiters.add(waiter)
+        try:
+            await waiter.wait()
+        finally:
+            self._health_waiters.discard(waiter)
 
     @property
     def draining(self) -> bool:

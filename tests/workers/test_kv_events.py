@@ -376,15 +376,43 @@ async def test_the_subscriber_service_sleeps_until_the_worker_changes():
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(follow_events, worker, kv, None)
-            await _until(lambda: worker._health_changed is not None)  # waiting for the change
+            await _until(lambda: worker._health_waiters)  # waiting for the change
             assert worker.pool.calls == [] and kv.subscriber is None
             worker.healthy = True
             row = await _followed(policy, worker, 1)
             assert worker.pool.calls == [(b"GET", b"/kv_event_sources", b"")] and row["source"] == "events"
-            await _until(lambda: worker._health_changed is not None)  # following: waiting for it to leave
+            await _until(lambda: worker._health_waiters)  # following: waiting for it to leave
             worker.times_down += 1
             worker.healthy = False
             await _until(lambda: kv.subscriber is None)
             tg.cancel_scope.cancel()
     finally:
         worker.pub.close()
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_worker_health_waiter_cancelled_in_one_event_loop_leaves_nothing_for_the_next(backend):
+    """A service cancelled while it waits on the worker's health (its app
+    stopped) leaves no event behind: a waiter in another event loop is
+    woken by the next change (an event of the first loop would be waited
+    on there: asyncio refuses one bound to a different loop)."""
+    from asgi_generate.workers.router import Router
+    worker = Router([("sglang", "http://127.0.0.1:9")]).workers[0]
+    woken = []
+
+    async def wait(then_cancel: bool) -> None:
+        async with anyio.create_task_group() as tg:
+            async def one() -> None:
+                await worker.health_changed()
+                woken.append(worker.healthy)
+            tg.start_soon(one)
+            await _until(lambda: worker._health_waiters)
+            if then_cancel:
+                tg.cancel_scope.cancel()
+            else:
+                worker.healthy = True
+
+    anyio.run(wait, True, backend=backend)
+    assert (worker._health_waiters, woken) == (set(), [])
+    anyio.run(wait, False, backend=backend)
+    assert (worker._health_waiters, woken) == (set(), [True])
