@@ -83,15 +83,27 @@ def _own_ports() -> Iterator[int]:
     them, so no two test processes pick the same."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral = 32768  # Linux's default
-    low = max(1024, ephemeral - 12288)
+            ephemeral, last = (int(n) for n in f.read().split()[:2])
+    except (OSError, ValueError):
+        ephemeral, last = 32768, 60999  # Linux's default
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    return port_share(ephemeral, last, workers, worker, os.getpid())
+
+
+def port_share(ephemeral: int, last: int, workers: int, worker: int, pid: int) -> Iterator[int]:
+    """Test process ``worker``'s (of ``workers``) share of the ports the
+    kernel's ephemeral range (``ephemeral`` to ``last``) leaves out:
+    12288 below it, else (a range from 1024 up leaves none there) those
+    above it; each once, from a point ``pid`` picks."""
+    low = max(1024, ephemeral - 12288)
+    if (ephemeral - low) // max(workers, 1) == 0:
+        low, ephemeral = last + 1, 65536  # nothing below the range: above it
     share = (ephemeral - low) // max(workers, 1)
+    if share == 0:
+        raise RuntimeError(f"no port outside the ephemeral range {ephemeral}-{last} for {workers} test processes")
     start = low + worker * share
-    first = os.getpid() % share
+    first = pid % share
     for i in range(share):
         yield start + (first + i) % share
 
