@@ -23,10 +23,12 @@ a weight version in a chunk other than its worker's known one). What it learns:
   reason (SGLang's ``/ready`` answers 503 while the engine starts, is
   unhealthy or shuts down too), which must not hold the fleet, nor excuse
   that worker's failing health probes as a paused fleet's;
-- resumed: :meth:`Pauses.end <asgi_generate.workers.pauses.Pauses.end>`,
-  and held streams go on. A pause learned from the engines ends once a
-  worker reports itself not paused (its resume has begun); one this
-  process took, or a sibling told it of, once none reports itself paused;
+- resumed (a worker read reports itself not paused: the resume has
+  begun, or that engine was never paused): :meth:`Pauses.end
+  <asgi_generate.workers.pauses.Pauses.end>`, and held streams go on,
+  whoever took the pause. Were it to wait until none reports paused, one
+  engine not ready would hold the fleet paused for good, its failing
+  probes excused;
 - a worker's new weight version: its ``info`` (what routing and records
   read), and, when a worker's version changed since the last reading, the
   fleet's weight version (:class:`~asgi_generate.workers.fence.Fence`): new
@@ -153,9 +155,6 @@ class FleetState:
         self._read = read
         #: Per protocol: whether the last reading found every worker paused.
         self._seen_paused: dict[str, bool] = {}
-        #: Protocols whose open pause was learned from the engines (not
-        #: taken here, nor told by a sibling).
-        self._learned: set[str] = set()
         #: Per worker id: the weight version its engine last reported.
         self._seen_versions: dict[str, str] = {}
         #: Per (protocol, kind): this process's own calls on their way
@@ -191,8 +190,6 @@ class FleetState:
             self._call_ended((protocol, kind))
 
     def _call_began(self, key: tuple[str, str]) -> None:
-        if key[1] == PAUSE:
-            self._learned.discard(key[0])  # the pause is this process's (or a sibling's) call now
         self._calls[key] = self._calls.get(key, 0) + 1
         self._marks[key] = self._marks.get(key, 0) + 1
 
@@ -254,11 +251,9 @@ class FleetState:
         if paused and not before and not self.pauses.pausing(protocol):
             log.warning("fleet %s: the engines report a pause: held streams wait for its resume", protocol)
             self.pauses.begin(protocol)
-            self._learned.add(protocol)
             self.counts["pauses_learned"] += 1
-        elif self.pauses.pausing(protocol) and (not any(states) or (not paused and protocol in self._learned)):
+        elif not paused and self.pauses.pausing(protocol):
             log.warning("fleet %s: the engines report the resume: held streams go on", protocol)
-            self._learned.discard(protocol)
             self.pauses.end(protocol)
             self.counts["resumes_learned"] += 1
 
@@ -326,7 +321,6 @@ class FleetState:
             self._seen_paused[protocol] = True
             self._marks[(protocol, PAUSE)] = mark[0] + 1  # a reading taken before this one is stale
             self.pauses.begin(protocol)
-            self._learned.add(protocol)
             self.counts["pauses_learned"] += 1
         elif reading.paused is False and planned_version is not None and reading.version is not None \
                 and reading.version != planned_version:
